@@ -1,0 +1,133 @@
+"""``skymesh``: the command-line entry point (subcommands grow with each part)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from skymesh.engine.profiles import DEFAULT_PROFILE, PROFILES
+
+
+def _kv_params(pairs: list[str] | None, flag: str) -> dict[str, Any]:
+    """``["a=1", "b=x"]`` -> ``{"a": 1, "b": "x"}``; values parsed as JSON when they can be."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"{flag}: expected KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def write_json(path: str | None, obj: dict[str, Any]) -> None:
+    if not path:
+        return
+    p = Path(path)
+    if p.parent and not p.parent.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    tmp.replace(p)
+
+
+def _print_sim(res: dict[str, Any]) -> None:
+    rows = [
+        ("requests / completed", f"{res['requests']} / {res['completed']}"),
+        ("throughput", f"{res['throughput_rps']:.3f} req/s, "
+                       f"{res['output_tokens_per_s']:.0f} output tok/s"),
+        ("TTFT mean / p50 / p90", f"{res['ttft_mean_s']:.3f} / {res['ttft_p50_s']:.3f} / "
+                                  f"{res['ttft_p90_s']:.3f} s"),
+        ("E2E p50 / p90 / p99", f"{res['e2e_p50_s']:.2f} / {res['e2e_p90_s']:.2f} / "
+                                f"{res['e2e_p99_s']:.2f} s"),
+        ("TPOT mean", f"{res['tpot_mean_s'] * 1000:.1f} ms"),
+        ("prefix hit rate", f"{res['prefix_hit_rate'] * 100:.2f} %"),
+        ("outstanding std (mean)", f"{res['outstanding_std_mean']:.2f}"),
+        ("GPU-hours", f"{res['gpu_hours']:.3f}"),
+        ("simulated / wall", f"{res['sim_seconds']:.1f} s / {res['wall_seconds']:.2f} s "
+                             f"({res['speedup']:.0f}x real time)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from skymesh.sim.runner import SimConfig, parse_replicas, run
+
+    regions = [r.strip() for r in args.regions.split(",") if r.strip()]
+    if not regions:
+        raise SystemExit("--regions: give at least one region")
+    try:
+        replicas = parse_replicas(args.replicas, regions)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    cfg = SimConfig(
+        workload=args.workload,
+        regions=regions,
+        replicas=replicas,
+        policy=args.policy,
+        policy_params=_kv_params(args.policy_param, "--policy-param"),
+        push_mode=args.push_mode,
+        max_outstanding=args.max_outstanding,
+        profile=args.profile,
+        seed=args.seed,
+        duration_s=args.duration,
+        probe_interval_s=args.probe_interval,
+        workload_params=_kv_params(args.param, "--param"),
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
+    try:
+        res = run(cfg)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"skymesh sim: {exc}", file=sys.stderr)
+        return 2
+    print(f"sim {cfg.workload} | policy {cfg.policy} ({cfg.push_mode}) | profile {cfg.profile}"
+          f" | replicas {replicas}")
+    _print_sim(res)
+    write_json(args.json, res)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from skymesh.policies import policy_names
+    from skymesh.policies.load import PushMode
+
+    ap = argparse.ArgumentParser(prog="skymesh", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    sp = sub.add_parser("sim", help="run a workload through the discrete-event simulator")
+    sp.add_argument("--workload", required=True,
+                    help="mooncake-conversation, mooncake-synthetic, azure2023-code, "
+                         "azure2023-conv, sharegpt-chat, tot-gsm8k, poisson")
+    sp.add_argument("--policy", default="least-load", choices=policy_names())
+    sp.add_argument("--regions", default="us,eu,asia")
+    sp.add_argument("--replicas", default="3", help="N (spread evenly) or us=4,eu=4,asia=4")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--duration", type=float, default=None,
+                    help="seconds of simulated time during which clients issue requests")
+    sp.add_argument("--json", default=None, metavar="PATH")
+    sp.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
+    sp.add_argument("--push-mode", default="sp-p", choices=[m.value for m in PushMode])
+    sp.add_argument("--max-outstanding", type=int, default=16, help="cap for --push-mode sp-o")
+    sp.add_argument("--probe-interval", type=float, default=0.1)
+    sp.add_argument("--param", action="append", metavar="KEY=VALUE",
+                    help="workload parameter (repeatable), e.g. clients_per_region=30")
+    sp.add_argument("--policy-param", action="append", metavar="KEY=VALUE")
+    sp.add_argument("--no-progress", action="store_true")
+    sp.set_defaults(fn=cmd_sim)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

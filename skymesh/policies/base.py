@@ -1,0 +1,155 @@
+"""The routing-policy contract shared by the live balancer and the simulator.
+
+A policy is a small, pure object: ``select(request, candidates, view)`` picks one target
+id (a replica URL, or later a peer balancer) from ``candidates`` or returns ``None`` to
+wait; hooks with no-op defaults hear about dispatches, completions and membership changes.
+No sockets, no sleeps, no clock or randomness of its own: time comes from ``view.now`` and
+ties break with the ``random.Random`` handed to the constructor, so a run is reproducible.
+
+Policies register under a stable name by subclassing::
+
+    class LeastLoad(Policy, name="least-load"): ...
+
+and :func:`build_policy` is the one way to construct them from config: an unknown name or
+parameter fails at once and names the culprit. There is no second table to keep in sync.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a router may know about a request before it runs."""
+
+    request_id: str
+    model: str = "default"
+    prompt_len: int = 0
+    # Chained hashes of the prompt's leading blocks (engine blocks in the simulator,
+    # fixed-size text chunks in the live balancer): equal prefixes give equal keys.
+    prefix_keys: Sequence[int] = ()
+    affinity_key: str | None = None
+    output_len_hint: int | None = None
+    deadline_s: float | None = None
+
+
+class TargetLoad(Protocol):
+    """Read-only load of one target as the balancer sees it (see policies.load)."""
+
+    @property
+    def outstanding(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def kv_usage(self) -> float: ...
+
+
+class LoadView(Protocol):
+    """Read-only view of the targets' load, handed to ``select``."""
+
+    @property
+    def now(self) -> float: ...
+    def load(self, target: str) -> TargetLoad: ...
+
+
+class PolicyConfigError(ValueError):
+    """Unknown policy name or bad parameter; the message names the culprit."""
+
+
+_REGISTRY: dict[str, type[Policy]] = {}
+
+
+class Policy(ABC):
+    name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, name: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if name:
+            if name in _REGISTRY:
+                raise RuntimeError(f"policy name {name!r} registered twice")
+            cls.name = name
+            _REGISTRY[name] = cls
+
+    def __init__(self, *, rng: random.Random | None = None) -> None:
+        self.rng = rng if rng is not None else random.Random(0)
+
+    @abstractmethod
+    def select(
+        self, request: RouteRequest, candidates: Sequence[str], view: LoadView
+    ) -> str | None:
+        """One of ``candidates``, or None to keep the request queued."""
+
+    def on_dispatch(self, request: RouteRequest, target: str, view: LoadView) -> None:
+        """``request`` was sent to ``target``."""
+
+    def on_complete(self, request: RouteRequest, target: str, ok: bool) -> None:
+        """``request`` ended on ``target`` (``ok`` False: failed or cancelled)."""
+
+    def on_membership(self, targets: Sequence[str]) -> None:
+        """The full target set changed to ``targets`` (prune state for departed ones)."""
+
+    def _least(self, candidates: Sequence[str], key: Any) -> str | None:
+        """The candidate minimising ``key``, ties broken by the seeded RNG."""
+        if not candidates:
+            return None
+        best: list[str] = []
+        best_v: Any = None
+        for c in candidates:
+            v = key(c)
+            if best_v is None or v < best_v:
+                best, best_v = [c], v
+            elif v == best_v:
+                best.append(c)
+        return best[0] if len(best) == 1 else self.rng.choice(best)
+
+
+def policy_names() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def policy_class(name: str) -> type[Policy]:
+    _load_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise PolicyConfigError(
+            f"unknown policy {name!r}; known policies: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def build_policy(
+    name: str, params: Mapping[str, Any] | None = None, *, rng: random.Random | None = None
+) -> Policy:
+    """Construct a registered policy, validating its parameters against its signature."""
+    cls = policy_class(name)
+    params = dict(params or {})
+    sig = inspect.signature(cls.__init__)
+    accepted = {
+        p.name
+        for p in sig.parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "rng"
+    }
+    for key in params:
+        if key not in accepted:
+            allowed = ", ".join(sorted(accepted)) or "none"
+            raise PolicyConfigError(
+                f"policy {name!r} has no parameter {key!r} (parameters: {allowed})"
+            )
+    try:
+        return cls(rng=rng, **params)
+    except (TypeError, ValueError) as exc:
+        raise PolicyConfigError(f"policy {name!r}: {exc}") from exc
+
+
+def _load_builtin() -> None:
+    # Importing the modules registers their classes; done lazily to avoid import cycles.
+    from skymesh.policies import basic  # noqa: F401

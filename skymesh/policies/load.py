@@ -1,0 +1,88 @@
+"""Per-target load as a balancer knows it, and the pushing modes built on it (SkyLB sec. 3.3).
+
+A balancer learns a replica's load two ways: a periodic probe (the replica's own waiting
+and running counts and KV usage) and its own bookkeeping (what it pushed and has not seen
+finish). Between probes the bookkeeping covers what the probe cannot yet show, so a burst
+cannot pile onto one replica that looked free at the last probe.
+
+Pushing modes decide which replicas are *available* (may take a request now):
+
+- ``sp-p`` (selective pushing on pending, SkyLB's default): available iff the last probe
+  reported no waiting request and nothing pushed since that probe is still unadmitted
+  (has produced no first byte);
+- ``sp-o`` (selective pushing on outstanding): available iff fewer than
+  ``max_outstanding`` of our requests are in flight on it (default 16: SkyLB notes 20-50
+  fit on an L4 depending on lengths, which is exactly why a fixed cap is fragile);
+- ``bp`` (blind pushing): always available; the replica queues.
+
+The class has one owner (the balancer or the simulator's balancer); counters go up on
+dispatch and down in a single completion call, whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class PushMode(enum.StrEnum):
+    BP = "bp"
+    SP_O = "sp-o"
+    SP_P = "sp-p"
+
+
+DEFAULT_MAX_OUTSTANDING = 16
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    target: str
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    probed_at: float = -math.inf
+    in_flight: int = 0
+    # Requests pushed but not yet started (no first byte), with their dispatch time.
+    _unstarted: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def outstanding(self) -> int:
+        """Requests on the target as far as we can tell (ours, or the probe's if larger)."""
+        return max(self.in_flight, self.running + self.waiting + self.unadmitted)
+
+    @property
+    def unadmitted(self) -> int:
+        """Pushed after the last probe and not started: the probe cannot show them yet."""
+        t = self.probed_at
+        return sum(1 for d in self._unstarted.values() if d >= t)
+
+    def on_probe(self, now: float, waiting: int, running: int, kv_usage: float) -> None:
+        self.waiting = waiting
+        self.running = running
+        self.kv_usage = kv_usage
+        self.probed_at = now
+
+    def on_dispatch(self, request_id: str, now: float) -> None:
+        self.in_flight += 1
+        self._unstarted[request_id] = now
+
+    def on_first_byte(self, request_id: str) -> None:
+        self._unstarted.pop(request_id, None)
+
+    def on_complete(self, request_id: str) -> None:
+        self._unstarted.pop(request_id, None)
+        self.in_flight -= 1
+
+    def probe_age(self, now: float) -> float:
+        return now - self.probed_at
+
+
+def is_available(
+    load: ReplicaLoad, mode: PushMode, max_outstanding: int = DEFAULT_MAX_OUTSTANDING
+) -> bool:
+    if mode is PushMode.SP_P:
+        return load.waiting == 0 and load.unadmitted == 0
+    if mode is PushMode.SP_O:
+        return load.in_flight < max_outstanding
+    return True
