@@ -12,6 +12,7 @@ without materialising any tokens.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 _MASK = (1 << 63) - 1
@@ -22,8 +23,9 @@ ROOT_HASH = 0x5EED
 
 
 def _mix(parent: int, payload: int) -> int:
-    # A cheap, well-spread 63-bit mix; Python's tuple hash is stable for ints across runs
-    # (no PYTHONHASHSEED randomisation for ints), so results are reproducible.
+    # A cheap, well-spread 63-bit mix. CPython's tuple hash of ints is not salted by
+    # PYTHONHASHSEED, so hashes are reproducible across processes (not across Python
+    # implementations, which nothing here needs: hashes never leave one deployment).
     return hash((parent, payload)) & _MASK
 
 
@@ -59,17 +61,37 @@ def expand_block_ids(
 
     ``block_ids[i]`` names the content of tokens ``[i * trace_block_size, (i + 1) *
     trace_block_size)``; equal ids mean equal content *and* equal prefix. Each engine
-    block inside it gets ``mix(id, index)``, chained, so sharing is exact at engine-block
-    granularity. Only the ``num_tokens // block_size`` full engine blocks are returned.
+    block inside it gets ``mix(parent, id, index)``, chained, so sharing is exact at
+    engine-block granularity. Only the ``num_tokens // block_size`` full engine blocks are
+    returned. Whole trace blocks are memoised: requests of a trace share long prefixes, and
+    expanding the Mooncake conversation trace naively hashes about 9 M engine blocks.
     """
+    if trace_block_size % block_size:
+        raise ValueError(f"trace block size {trace_block_size} is not a multiple of {block_size}")
+    per = trace_block_size // block_size
     n_full = num_tokens // block_size
     out: list[int] = []
     h = ROOT_HASH
-    per = max(1, trace_block_size // block_size)
-    for j in range(n_full):
-        trace_idx = (j * block_size) // trace_block_size
-        if trace_idx >= len(block_ids):
+    for block_id in block_ids:
+        left = n_full - len(out)
+        if left <= 0:
             break
-        h = _mix(h, (block_ids[trace_idx] << 16) | (j % per))
-        out.append(h)
+        seg = _segment(h, block_id, per) if left >= per else _segment_part(h, block_id, left)
+        out.extend(seg)
+        h = seg[-1]
     return out
+
+
+def _segment_part(parent: int, block_id: int, n: int) -> tuple[int, ...]:
+    base = block_id << 16
+    seg = []
+    h = parent
+    for j in range(n):
+        h = _mix(h, base | j)
+        seg.append(h)
+    return tuple(seg)
+
+
+@functools.lru_cache(maxsize=1 << 15)
+def _segment(parent: int, block_id: int, per: int) -> tuple[int, ...]:
+    return _segment_part(parent, block_id, per)

@@ -25,69 +25,17 @@ Parameters (defaults):
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Literal
 
-from skymesh.engine.hashing import BLOCK_SIZE, ROOT_HASH
+from skymesh.engine.hashing import BLOCK_SIZE, expand_block_ids
 from skymesh.sim.workload import Arrival, WorkItem, Workload
 from skymesh.sim.workloads.common import check_open_loop, check_regions
 from skymesh.sim.workloads.data import data_file
 
 MOONCAKE_BLOCK_TOKENS = 512
-_MASK = (1 << 63) - 1
 
 TraceName = Literal["conversation", "synthetic"]
-
-
-class BlockExpander:
-    """``expand_block_ids(ids, trace_block_size, n, BLOCK_SIZE)``, memoised per trace block.
-
-    Expanding the conversation trace naively hashes ~9M engine blocks (~3 s). Requests
-    share long prefixes, and a trace block's engine hashes depend only on the hash before
-    it and its id, so an LRU of ``(parent hash, id) -> segment`` skips the shared part
-    while staying bit-identical to ``expand_block_ids`` (a test checks it).
-    """
-
-    def __init__(self, trace_block_size: int, max_segments: int = 16_384) -> None:
-        if trace_block_size % BLOCK_SIZE:
-            raise ValueError(
-                f"trace block size {trace_block_size} is not a multiple of {BLOCK_SIZE}"
-            )
-        self._per = trace_block_size // BLOCK_SIZE
-        self._max = max_segments
-        self._cache: OrderedDict[tuple[int, int], tuple[int, ...]] = OrderedDict()
-
-    def expand(self, block_ids: Sequence[int], num_tokens: int) -> list[int]:
-        n_full = num_tokens // BLOCK_SIZE
-        cache = self._cache
-        out: list[int] = []
-        h = ROOT_HASH
-        for block_id in block_ids:
-            if len(out) >= n_full:
-                break
-            key = (h, block_id)
-            seg = cache.get(key)
-            if seg is None:
-                seg = self._segment(h, block_id)
-                cache[key] = seg
-                if len(cache) > self._max:
-                    cache.popitem(last=False)
-            else:
-                cache.move_to_end(key)
-            out.extend(seg)
-            h = seg[-1]
-        del out[n_full:]
-        return out
-
-    def _segment(self, h: int, block_id: int) -> tuple[int, ...]:
-        # Must mirror skymesh.engine.hashing._mix / expand_block_ids exactly.
-        base = block_id << 16
-        seg = []
-        for j in range(self._per):
-            h = hash((h, base | j)) & _MASK
-            seg.append(h)
-        return tuple(seg)
 
 
 def region_key(hash_ids: Sequence[int]) -> int:
@@ -122,7 +70,6 @@ class MooncakeWorkload(Workload):
         self.model = model
 
     def initial(self) -> Iterator[Arrival]:
-        expander = BlockExpander(MOONCAKE_BLOCK_TOKENS)
         regions = self.regions
         t0: float | None = None
         with self.path.open(encoding="utf-8") as f:
@@ -144,7 +91,9 @@ class MooncakeWorkload(Workload):
                     region=regions[key % len(regions)],
                     prompt_len=prompt_len,
                     output_len=max(1, int(row["output_length"])),
-                    block_hashes=expander.expand(hash_ids, prompt_len),
+                    block_hashes=expand_block_ids(
+                        hash_ids, MOONCAKE_BLOCK_TOKENS, prompt_len, BLOCK_SIZE
+                    ),
                     model=self.model,
                     affinity_key=f"mooncake-{key}",
                     meta={"row": i},
