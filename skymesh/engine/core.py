@@ -166,6 +166,14 @@ class Engine:
     def kv_usage(self) -> float:
         return self.kv.usage
 
+    @property
+    def num_used_tokens(self) -> int:
+        """Token slots held by live sequences (SGLang's ``num_used_tokens``)."""
+        return (self.kv.num_blocks - self.kv.num_free) * self.block_size
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
+
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 

@@ -163,7 +163,7 @@ PROFILES: dict[str, Profile] = {
         _roofline(
             name="llama3.1-8b-a100", gpu="A100-80GB", num_gpus=1, bandwidth_gbs=2039,
             peak_tflops=312, mfu=0.55, kv_tokens=411_000, max_num_batched_tokens=8192,
-            t_overhead=0.0015,
+            t_overhead=0.0015, max_model_len=131072,
             sources=("NVIDIA A100 datasheet: 2,039 GB/s, 312 TFLOP/s bf16",
                      "vLLM defaults: gpu_memory_utilization 0.9, 8192 batched tokens"),
             **_L8B,  # type: ignore[arg-type]
@@ -171,7 +171,7 @@ PROFILES: dict[str, Profile] = {
         _roofline(
             name="llama3.1-8b-h100", gpu="H100-80GB", num_gpus=1, bandwidth_gbs=3350,
             peak_tflops=989, mfu=0.40, kv_tokens=411_000, max_num_batched_tokens=8192,
-            t_overhead=0.0015,
+            t_overhead=0.0015, max_model_len=131072,
             sources=("NVIDIA H100 SXM datasheet: 3,350 GB/s, 989 TFLOP/s bf16",
                      "vLLM defaults: gpu_memory_utilization 0.9, 8192 batched tokens"),
             **_L8B,  # type: ignore[arg-type]
@@ -179,7 +179,7 @@ PROFILES: dict[str, Profile] = {
         _roofline(
             name="llama3.1-70b-4xh100", gpu="H100-80GB", num_gpus=4, bandwidth_gbs=3350,
             peak_tflops=989, mfu=0.35, kv_tokens=411_000, max_num_batched_tokens=8192,
-            t_overhead=0.003,
+            t_overhead=0.003, max_model_len=131072,
             sources=("NVIDIA H100 SXM datasheet: 3,350 GB/s, 989 TFLOP/s bf16",
                      "tensor parallel 4: weights and KV split over 4 GPUs, +1.5 ms all-reduce"),
             **_L70B,  # type: ignore[arg-type]

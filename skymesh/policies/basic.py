@@ -12,13 +12,14 @@ None of them take parameters.
 from __future__ import annotations
 
 import bisect
+import random
 from collections.abc import Sequence
 
 from skymesh.policies.base import LoadView, Policy, RouteRequest
 
 
 class RoundRobin(Policy, name="round-robin"):
-    def __init__(self, *, rng=None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, *, rng: random.Random | None = None) -> None:
         super().__init__(rng=rng)
         self._last: str | None = None
 

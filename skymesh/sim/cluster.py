@@ -112,6 +112,7 @@ class SimBalancer:
         max_outstanding: int = 16,
         probe_interval: float = 0.1,
         is_active: Callable[[], bool] = lambda: True,
+        on_rejected: Callable[[RequestRecord], None] = lambda rec: None,
     ) -> None:
         self.name = name
         self.region = region
@@ -125,6 +126,7 @@ class SimBalancer:
         self.loads = {r.id: ReplicaLoad(r.id) for r in replicas}
         self.queues: dict[str, deque[RequestRecord]] = {}
         self._is_active = is_active
+        self._on_rejected = on_rejected
         self._probing = False
         self.max_queue = 0
         policy.on_membership(sorted(self.replicas))
@@ -186,9 +188,11 @@ class SimBalancer:
     def _deliver(self, rec: RequestRecord, rep: SimReplica) -> None:
         err = rep.submit(rec)
         if err is not None:
+            # The replica answers 4xx at once (e.g. longer than the model's context).
             rec.error = err
             back = self.net.one_way(rep.region, self.region)
             self.loop.after(back, self.on_replica_done, rec, False)
+            self.loop.after(back, self._on_rejected, rec)
 
     def on_first_byte(self, rec: RequestRecord) -> None:
         self.loads[rec.replica].on_first_byte(rec.item.request_id)

@@ -103,7 +103,7 @@ class Simulation:
             )
             self.balancers[region] = SimBalancer(
                 f"lb-{region}", region, reps, policy, self.loop, self.net, mode,
-                cfg.max_outstanding, cfg.probe_interval_s, self._active,
+                cfg.max_outstanding, cfg.probe_interval_s, self._active, self._on_rejected,
             )
         if not self.replicas:
             raise ValueError("the simulation needs at least one replica")
@@ -155,6 +155,10 @@ class Simulation:
             rec.t_done = now + to_client
             self.loop.after(back, bal.on_replica_done, rec, True)
             self.loop.at(rec.t_done, self._client_done, rec)
+
+    def _on_rejected(self, rec: RequestRecord) -> None:
+        rec.t_done = self.loop.now + self.net.local_one_way_s
+        self.loop.at(rec.t_done, self._client_done, rec)
 
     def _client_done(self, rec: RequestRecord) -> None:
         self.outstanding -= 1

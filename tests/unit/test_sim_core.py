@@ -98,3 +98,17 @@ def test_parse_replicas() -> None:
     assert parse_replicas("us=3,eu=2", ["us", "eu", "asia"]) == {"us": 3, "eu": 2, "asia": 0}
     with pytest.raises(ValueError, match="mars"):
         parse_replicas("mars=1", ["us"])
+
+
+class TooLong(Workload):
+    def initial(self) -> Iterator[Arrival]:
+        yield 0.0, WorkItem("ok", "us", 100, 10, [])
+        yield 0.1, WorkItem("huge", "us", 10_000_000, 10, [])
+
+
+def test_a_request_the_replica_refuses_ends_the_run_as_failed() -> None:
+    cfg = SimConfig(regions=["us"], replicas={"us": 1})
+    res = Simulation(cfg, TooLong()).run()
+    assert res["requests"] == 2
+    assert res["completed"] == 1
+    assert res["failed"] == 1

@@ -1,0 +1,122 @@
+"""``skymesh-replica``: serve one emulated vLLM/SGLang replica over HTTP.
+
+    skymesh-replica --port 8001 --profile llama3.1-8b-l4
+    skymesh-replica --list-profiles
+
+Quiet by default (warnings only); ``--log-level info`` logs one line per finished request.
+Once listening it prints ``skymesh-replica listening on http://HOST:PORT`` to stderr, with
+the real port when ``--port 0`` asked for any free one. SIGINT/SIGTERM stop it cleanly:
+open requests are aborted, then the listener closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
+
+from skymesh.engine.profiles import DEFAULT_PROFILE, PROFILES
+from skymesh.replica.server import DEFAULT_MAX_BODY_BYTES, ReplicaConfig, create_app
+
+log = logging.getLogger("skymesh.replica")
+
+
+class _QuietBadRequests(logging.Filter):
+    """Demote aiohttp's traceback for unparsable requests to one debug line.
+
+    sglang-router opens each worker with an HTTP/2 preface first (probing for gRPC) and
+    falls back to HTTP/1.1; aiohttp answers 400 but logs a full ERROR traceback per probe.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage):
+            log.debug("rejected a request that is not HTTP/1.x: %s", str(exc).splitlines()[0])
+            return False
+        return True
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="skymesh-replica",
+        description="An emulated LLM replica speaking the vLLM/SGLang OpenAI-compatible API.",
+    )
+    ap.add_argument("--port", type=int, help="TCP port (0: any free port)")
+    ap.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    ap.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES),
+                    metavar="NAME", help="engine profile (default: %(default)s)")
+    ap.add_argument("--model", help="served model name (default: the profile's model)")
+    ap.add_argument("--seed", type=int, default=0, help="seed for output lengths and text")
+    ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                    help="largest accepted request body (default: %(default)s)")
+    ap.add_argument("--time-scale", type=_positive_float, default=1.0,
+                    help="multiply step durations by this (< 1 runs faster than real time)")
+    ap.add_argument("--log-level", default="warning",
+                    choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--list-profiles", action="store_true", help="print profile names and exit")
+    return ap
+
+
+async def serve(config: ReplicaConfig, host: str, port: int) -> None:
+    """Run until SIGINT or SIGTERM."""
+    app = create_app(config)
+    # handler_cancellation: a client that disconnects cancels its handler, whose finally
+    # block aborts the request in the engine (aiohttp leaves this off by default).
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0,
+                           access_log=logging.getLogger("skymesh.replica.access"))
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound_host, bound_port = runner.addresses[0][:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        print(f"skymesh-replica listening on http://{shown}:{bound_port} "
+              f"(model {config.served_model}, profile {config.profile})",
+              file=sys.stderr, flush=True)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list_profiles:
+        for name in sorted(PROFILES):
+            print(name)
+        return 0
+    if args.port is None:
+        build_parser().error("--port is required")
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(_QuietBadRequests())
+    # Access lines only at debug: at info the driver already logs one line per request.
+    logging.getLogger("skymesh.replica.access").setLevel(
+        logging.DEBUG if args.log_level == "debug" else logging.WARNING)
+    config = ReplicaConfig(profile=args.profile, model=args.model, seed=args.seed,
+                           time_scale=args.time_scale, max_body_bytes=args.max_body_bytes)
+    try:
+        asyncio.run(serve(config, args.host, args.port))
+    except OSError as exc:
+        print(f"skymesh-replica: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
