@@ -4,23 +4,23 @@
 only the clock differs. It fast-forwards through steady decoding and cuts a fast-forwarded
 batch short when a request arrives, so batches stay step-exact.
 
-``SimBalancer`` is the regional balancer of the simulator: a FCFS queue per model, a
-probe of every replica each ``probe_interval`` (what the live balancer sees over HTTP),
-per-replica bookkeeping between probes (:class:`~skymesh.policies.load.ReplicaLoad`), a
-pushing mode, and a routing policy from the shared registry. Requests wait at the head of
-the queue until a probe or a completion frees a replica.
+``SimBalancer`` is the regional balancer of the simulator around the same
+:class:`~skymesh.balancer.dispatch.Dispatcher` the live ``skymesh-lb`` uses (FCFS queue per
+model, pushing mode, policy from the shared registry); only the I/O differs: a probe of
+every replica's engine each ``probe_interval`` stands for the live balancer's HTTP probe,
+and network hops are event-loop delays.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.engine.core import Batch, Engine, Sequence, StepEvent
 from skymesh.engine.profiles import Profile
 from skymesh.policies.base import Policy, RouteRequest
-from skymesh.policies.load import PushMode, ReplicaLoad, is_available
+from skymesh.policies.load import PushMode
 from skymesh.sim.events import EventLoop
 from skymesh.sim.network import Network
 from skymesh.sim.workload import WorkItem
@@ -37,6 +37,7 @@ class RequestRecord:
     hit_tokens: int = 0
     ok: bool = False
     error: str = ""
+    ticket: Ticket | None = None
 
 
 class SimReplica:
@@ -52,6 +53,7 @@ class SimReplica:
         self.id = rid
         self.region = region
         self.profile = profile
+        self.engine_model = "default"
         self.engine = Engine(profile)
         self.loop = loop
         self._on_event = on_event
@@ -117,73 +119,51 @@ class SimBalancer:
         self.name = name
         self.region = region
         self.replicas = {r.id: r for r in replicas}
-        self.policy = policy
         self.loop = loop
         self.net = net
-        self.mode = mode
-        self.max_outstanding = max_outstanding
         self.probe_interval = probe_interval
-        self.loads = {r.id: ReplicaLoad(r.id) for r in replicas}
-        self.queues: dict[str, deque[RequestRecord]] = {}
+        # The simulator never refuses for a full queue: experiments measure queueing.
+        self.dispatcher = Dispatcher(policy, mode, max_outstanding=max_outstanding,
+                                     max_queue=1 << 62)
+        self.dispatcher.set_targets({r.id: (r.engine_model,) for r in replicas})
         self._is_active = is_active
         self._on_rejected = on_rejected
         self._probing = False
         self.max_queue = 0
-        policy.on_membership(sorted(self.replicas))
 
-    # LoadView for the policies.
     @property
-    def now(self) -> float:
-        return self.loop.now
-
-    def load(self, target: str) -> ReplicaLoad:
-        return self.loads[target]
+    def policy(self) -> Policy:
+        return self.dispatcher.policy
 
     def arrive(self, rec: RequestRecord) -> None:
-        q = self.queues.setdefault(rec.item.model, deque())
-        q.append(rec)
+        rec.ticket = Ticket(rec.route, self.loop.now, payload=rec)
+        self.dispatcher.offer(rec.ticket, self.loop.now)
         if not self._probing:
             self._probing = True
             self._probe()
         else:
-            self._pump(q)
-        if len(q) > self.max_queue:
-            self.max_queue = len(q)
+            self._pump()
 
     def _probe(self) -> None:
         now = self.loop.now
         for rid, rep in self.replicas.items():
             e = rep.engine
-            self.loads[rid].on_probe(now, e.num_waiting, e.num_running, e.kv_usage)
-        self._pump_all()
+            self.dispatcher.on_probe(rid, now, e.num_waiting, e.num_running, e.kv_usage)
+        self._pump()
         if self._is_active():
             self.loop.after(self.probe_interval, self._probe)
         else:
             self._probing = False
 
-    def _pump_all(self) -> None:
-        for q in self.queues.values():
-            self._pump(q)
-
-    def _pump(self, q: deque[RequestRecord]) -> None:
-        loads, mode, cap = self.loads, self.mode, self.max_outstanding
-        while q:
-            cands = [rid for rid, ld in loads.items() if is_available(ld, mode, cap)]
-            if not cands:
-                return
-            rec = q[0]
-            target = self.policy.select(rec.route, cands, self)
-            if target is None:
-                return
-            q.popleft()
-            self._dispatch(rec, target)
-
-    def _dispatch(self, rec: RequestRecord, target: str) -> None:
-        rec.replica = target
-        self.loads[target].on_dispatch(rec.item.request_id, self.loop.now)
-        self.policy.on_dispatch(rec.route, target, self)
-        rep = self.replicas[target]
-        self.loop.after(self.net.one_way(self.region, rep.region), self._deliver, rec, rep)
+    def _pump(self) -> None:
+        for ticket in self.dispatcher.pump(self.loop.now):
+            rec: RequestRecord = ticket.payload
+            rec.replica = ticket.target or ""
+            rep = self.replicas[rec.replica]
+            self.loop.after(self.net.one_way(self.region, rep.region), self._deliver, rec, rep)
+        queued = self.dispatcher.queued
+        if queued > self.max_queue:
+            self.max_queue = queued
 
     def _deliver(self, rec: RequestRecord, rep: SimReplica) -> None:
         err = rep.submit(rec)
@@ -195,10 +175,11 @@ class SimBalancer:
             self.loop.after(back, self._on_rejected, rec)
 
     def on_first_byte(self, rec: RequestRecord) -> None:
-        self.loads[rec.replica].on_first_byte(rec.item.request_id)
-        self._pump_all()
+        assert rec.ticket is not None
+        self.dispatcher.first_byte(rec.ticket)
+        self._pump()
 
     def on_replica_done(self, rec: RequestRecord, ok: bool) -> None:
-        self.loads[rec.replica].on_complete(rec.item.request_id)
-        self.policy.on_complete(rec.route, rec.replica, ok)
-        self._pump_all()
+        assert rec.ticket is not None
+        self.dispatcher.complete(rec.ticket, self.loop.now, ok=ok)
+        self._pump()

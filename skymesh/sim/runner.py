@@ -127,6 +127,8 @@ class Simulation:
                 f"workload sent a request to region {item.region!r}, which has no replicas; "
                 "every region with clients needs replicas until cross-region forwarding lands"
             )
+        if not bal.dispatcher.serves(item.model):
+            raise ValueError(f"workload asked for model {item.model!r}, which no replica serves")
         route = RouteRequest(
             request_id=item.request_id,
             model=item.model,

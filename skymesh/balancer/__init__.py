@@ -1,0 +1,1 @@
+"""``skymesh-lb``: the regional balancer (data path, admission queue, replica state)."""

@@ -1,0 +1,215 @@
+"""The balancer's decision core: admission queues, replica availability, policy calls.
+
+Pure and synchronous, so the live daemon (``skymesh.balancer.server``) and the simulator
+(``skymesh.sim.cluster``) run the same code: the caller offers a :class:`Ticket`, calls
+:meth:`Dispatcher.pump` whenever something may have freed capacity (a probe, a first byte,
+a completion, a membership change) and carries out the dispatches it returns. Nothing
+polls: a request waits at the head of its model's FCFS queue until a pump finds an
+available replica (SkyLB Algorithm 1, local layer).
+
+A replica is a candidate for a request when it serves the model, is healthy, its breaker
+allows a request, the pushing mode says it is available (``policies.load``), and the
+request has not already failed on it. Load counters have one owner, this class: up in
+:meth:`pump`, down in :meth:`complete`, whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from skymesh.balancer.breaker import Breaker
+from skymesh.balancer.errors import Overloaded
+from skymesh.policies.base import Policy, RouteRequest
+from skymesh.policies.load import DEFAULT_MAX_OUTSTANDING, PushMode, ReplicaLoad, is_available
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    route: RouteRequest
+    enqueued_at: float
+    deadline: float | None = None
+    payload: Any = None
+    target: str | None = None
+    excluded: set[str] = field(default_factory=set)
+    attempts: int = 0
+    queued: bool = False
+    key: str = field(default_factory=lambda: f"t{next(_ids)}")
+
+
+@dataclass(slots=True)
+class Target:
+    id: str
+    load: ReplicaLoad
+    models: frozenset[str]
+    healthy: bool = True
+    breaker: Breaker = field(default_factory=Breaker)
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        policy: Policy,
+        mode: PushMode = PushMode.SP_P,
+        *,
+        max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
+        max_queue: int = 1024,
+        breaker_threshold: int = 5,
+        breaker_open_s: float = 10.0,
+    ) -> None:
+        self.policy = policy
+        self.mode = mode
+        self.max_outstanding = max_outstanding
+        self.max_queue = max_queue
+        self._breaker_args = (breaker_threshold, breaker_open_s)
+        self.targets: dict[str, Target] = {}
+        self.queues: dict[str, deque[Ticket]] = {}
+        self.queued = 0
+        self.now = 0.0  # the LoadView clock, set by every pump
+
+    # -- LoadView ------------------------------------------------------------------------
+    def load(self, target: str) -> ReplicaLoad:
+        return self.targets[target].load
+
+    # -- membership ----------------------------------------------------------------------
+    def set_targets(self, models_by_target: dict[str, Iterable[str]]) -> None:
+        """Replace the target set; load and breaker state survive for targets that stay."""
+        new: dict[str, Target] = {}
+        for tid, models in models_by_target.items():
+            old = self.targets.get(tid)
+            if old is not None:
+                old.models = frozenset(models)
+                new[tid] = old
+            else:
+                th, op = self._breaker_args
+                new[tid] = Target(tid, ReplicaLoad(tid), frozenset(models),
+                                  breaker=Breaker(th, op))
+        self.targets = new
+        self.policy.on_membership(sorted(new))
+
+    def set_models(self, target: str, models: Iterable[str]) -> None:
+        if target in self.targets:
+            self.targets[target].models = frozenset(models)
+
+    def set_healthy(self, target: str, healthy: bool) -> None:
+        if target in self.targets:
+            self.targets[target].healthy = healthy
+
+    def models(self) -> set[str]:
+        return {m for t in self.targets.values() for m in t.models}
+
+    def serves(self, model: str) -> bool:
+        return any(model in t.models for t in self.targets.values())
+
+    # -- queue ---------------------------------------------------------------------------
+    def offer(self, ticket: Ticket, now: float, *, front: bool = False) -> None:
+        """Queue a request; a retry goes to the front. Raises Overloaded when full."""
+        if not front and self.queued >= self.max_queue:
+            raise Overloaded(
+                f"the balancer's queue is full ({self.max_queue} requests waiting)",
+                retry_after_s=1.0,
+            )
+        q = self.queues.setdefault(ticket.route.model, deque())
+        if front:
+            q.appendleft(ticket)
+        else:
+            q.append(ticket)
+        ticket.queued = True
+        self.queued += 1
+
+    def cancel(self, ticket: Ticket) -> bool:
+        """Take a still-queued ticket out (timeout, client gone). False if not queued."""
+        if not ticket.queued:
+            return False
+        self.queues[ticket.route.model].remove(ticket)
+        ticket.queued = False
+        self.queued -= 1
+        return True
+
+    def queue_length(self, model: str | None = None) -> int:
+        if model is None:
+            return self.queued
+        q = self.queues.get(model)
+        return len(q) if q else 0
+
+    def expired(self, now: float) -> list[Ticket]:
+        """Queued tickets past their deadline, removed from the queue."""
+        out = [t for q in self.queues.values() for t in q
+               if t.deadline is not None and t.deadline <= now]
+        for t in out:
+            self.cancel(t)
+        return out
+
+    # -- dispatch ------------------------------------------------------------------------
+    def candidates(self, ticket: Ticket, now: float) -> list[str]:
+        model = ticket.route.model
+        mode, cap = self.mode, self.max_outstanding
+        return [
+            tid for tid, t in self.targets.items()
+            if model in t.models and t.healthy and tid not in ticket.excluded
+            and is_available(t.load, mode, cap) and t.breaker.allows(now)
+        ]
+
+    def pump(self, now: float) -> list[Ticket]:
+        """Dispatch every queue head that has a candidate; returns the dispatched tickets."""
+        self.now = now
+        out: list[Ticket] = []
+        for q in self.queues.values():
+            while q:
+                ticket = q[0]
+                cands = self.candidates(ticket, now)
+                if not cands:
+                    break
+                target = self.policy.select(ticket.route, cands, self)
+                if target is None:
+                    break
+                q.popleft()
+                ticket.queued = False
+                self.queued -= 1
+                self._assign(ticket, target, now)
+                out.append(ticket)
+        return out
+
+    def _assign(self, ticket: Ticket, target: str, now: float) -> None:
+        t = self.targets[target]
+        ticket.target = target
+        ticket.attempts += 1
+        t.load.on_dispatch(ticket.key, now)
+        t.breaker.on_dispatch()
+        self.policy.on_dispatch(ticket.route, target, self)
+
+    # -- outcomes ------------------------------------------------------------------------
+    def first_byte(self, ticket: Ticket) -> None:
+        t = self.targets.get(ticket.target or "")
+        if t is not None:
+            t.load.on_first_byte(ticket.key)
+
+    def complete(self, ticket: Ticket, now: float, *, ok: bool, replica_fault: bool = False
+                 ) -> None:
+        """The attempt on ``ticket.target`` ended. ``replica_fault``: 5xx, connect error or
+        timeout (counts against the breaker); a client error or cancellation does not."""
+        tid = ticket.target
+        if tid is None:
+            return
+        ticket.target = None
+        t = self.targets.get(tid)
+        if t is not None:
+            t.load.on_complete(ticket.key)
+            if replica_fault:
+                t.breaker.on_failure(now)
+            elif ok:
+                t.breaker.on_success()
+            else:
+                t.breaker.on_neutral()
+        self.policy.on_complete(ticket.route, tid, ok)
+
+    def on_probe(self, target: str, now: float, waiting: int, running: int,
+                 kv_usage: float) -> None:
+        t = self.targets.get(target)
+        if t is not None:
+            t.load.on_probe(now, waiting, running, kv_usage)
