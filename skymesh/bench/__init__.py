@@ -1,0 +1,1 @@
+"""Benchmarks that check SkyMesh against itself and against references."""
