@@ -3,23 +3,22 @@
 1. A short simulated comparison: SkyLB's selective-pushing microbenchmark in miniature
    (one region, 4 L4 replicas, tree-of-thoughts clients), blind pushing vs selective
    pushing, with the load-only policies.
-2. A real ``skymesh-replica`` process on loopback answering a few streamed chat requests,
-   with what its ``/metrics`` reports afterwards (prefix-cache hits included).
+2. Real processes on loopback: four ``skymesh-replica`` processes behind ``skymesh-lb``
+   with the prefix-tree policy, a burst of streamed requests with shared prefixes, and
+   what happened: requests per replica, prefix-cache hit rate, TTFT percentiles.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
 from typing import Any
 
 import aiohttp
 
+from skymesh.procs import start_daemon
 from skymesh.sim.runner import SimConfig, run
 
 
@@ -40,42 +39,10 @@ def _sim_table() -> None:
                   f"{r['prefix_hit_rate'] * 100:>8.1f}% {r['speedup']:>8.0f}x")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def _wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline_s: float) -> None:
-    end = time.monotonic() + deadline_s
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < end:
-            if proc.poll() is not None:
-                raise RuntimeError(f"skymesh-replica exited with {proc.returncode}")
-            try:
-                async with s.get(url + "/health") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.05)
-    raise TimeoutError("skymesh-replica did not become healthy")
-
-
-async def _stream_one(s: aiohttp.ClientSession, url: str, question: str) -> dict[str, Any]:
-    body = {
-        "model": "meta-llama/Llama-3.1-8B-Instruct",
-        "messages": [
-            {"role": "system", "content": "You are a careful math tutor. " * 40},
-            {"role": "user", "content": question},
-        ],
-        "max_tokens": 24,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+async def _stream_one(s: aiohttp.ClientSession, url: str, body: dict[str, Any]
+                      ) -> dict[str, Any]:
     t0 = time.perf_counter()
     ttft = None
-    chunks = 0
     usage: dict[str, Any] = {}
     async with s.post(url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
@@ -86,53 +53,72 @@ async def _stream_one(s: aiohttp.ClientSession, url: str, question: str) -> dict
             obj = json.loads(line[6:])
             if obj.get("usage"):
                 usage = obj["usage"]
-            if obj.get("choices") and obj["choices"][0].get("delta", {}).get("content"):
-                chunks += 1
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-    return {"ttft": ttft or 0.0, "e2e": time.perf_counter() - t0, "chunks": chunks,
-            "usage": usage}
+            if ttft is None and obj.get("choices") and obj["choices"][0]["delta"].get("content"):
+                ttft = time.perf_counter() - t0
+    return {"ttft": ttft or 0.0, "e2e": time.perf_counter() - t0, "usage": usage}
 
 
-async def _replica_demo() -> None:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    exe = os.path.join(os.path.dirname(sys.executable), "skymesh-replica")
-    proc = subprocess.Popen([exe, "--port", str(port), "--profile", "llama3.1-8b-l4"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+async def _live_demo() -> None:
+    print("\n== Live: 4 replica processes (emulated L4, real time) behind skymesh-lb ==")
+    replicas = [start_daemon("skymesh-replica", ["--port", "0", "--seed", str(i)])
+                for i in range(4)]
+    lb = None
     try:
-        await _wait_healthy(url, proc, 30.0)
-        print(f"\n== Real replica process on {url} (emulated L4, real time) ==")
-        questions = ["What is 17 * 23?", "What is 12 squared?", "Is 91 prime?"]
-        async with aiohttp.ClientSession() as s:
-            first = await _stream_one(s, url, questions[0])
-            rest = await asyncio.gather(*(_stream_one(s, url, q) for q in questions[1:]))
-            for q, res in zip(questions, [first, *rest], strict=True):
-                cached = res["usage"].get("prompt_tokens_details", {}) or {}
-                print(f"  {q:<22} TTFT {res['ttft'] * 1000:6.0f} ms  E2E {res['e2e']:5.2f} s  "
-                      f"{res['chunks']:>2} streamed chunks  prompt "
-                      f"{res['usage'].get('prompt_tokens', '?')} tokens, "
-                      f"{cached.get('cached_tokens', 0)} from the prefix cache")
-            async with s.get(url + "/metrics") as r:
-                text = await r.text()
-        keep = ("vllm:num_requests_waiting{", "vllm:num_requests_running{",
-                "vllm:prefix_cache_queries_total{", "vllm:prefix_cache_hits_total{")
-        print("  /metrics after the run:")
-        for line in text.splitlines():
-            if line.startswith(keep):
-                print("    " + line)
+        lb = start_daemon("skymesh-lb", ["--port", "0", "--policy", "prefix-tree",
+                                         "--region", "demo",
+                                         "--replicas", ",".join(r.url for r in replicas)])
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            deadline = time.monotonic() + 30
+            while True:
+                async with s.get(lb.url + "/ready") as r:
+                    if r.status == 200 and (await r.json())["healthy_replicas"] == 4:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the balancer did not see its replicas in time")
+                await asyncio.sleep(0.05)
+            # Four "documents", each shared by six questions: prefix-aware routing keeps
+            # each document's KV cache on one replica.
+            docs = [f"Document {d}: " + " ".join(f"fact-{d}-{k} is true." for k in range(60))
+                    for d in range(4)]
+            bodies = [{"model": "meta-llama/Llama-3.1-8B-Instruct", "stream": True,
+                       "max_tokens": 16, "stream_options": {"include_usage": True},
+                       "messages": [{"role": "system", "content": docs[i % 4]},
+                                    {"role": "user", "content": f"Question {i}?"}]}
+                      for i in range(24)]
+            first = await asyncio.gather(*(_stream_one(s, lb.url, b) for b in bodies[:4]))
+            rest = await asyncio.gather(*(_stream_one(s, lb.url, b) for b in bodies[4:]))
+            results = [*first, *rest]
+            ttfts = sorted(r["ttft"] for r in results)
+            counts = []
+            hits = queries = 0.0
+            for rep in replicas:
+                async with s.get(rep.url + "/metrics") as r:
+                    text = await r.text()
+                counts.append(int(_metric(text, "vllm:request_success_total")))
+                hits += _metric(text, "vllm:prefix_cache_hits_total")
+                queries += _metric(text, "vllm:prefix_cache_queries_total")
+        p = lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))]  # noqa: E731
+        print(f"  balancer {lb.url} (policy prefix-tree, selective pushing on pending)")
+        print(f"  {len(results)} streamed requests, 4 documents x 6 questions")
+        print(f"  requests per replica: {counts}")
+        print(f"  prefix-cache hit rate on the replicas: {hits / max(queries, 1) * 100:.1f}%")
+        print(f"  TTFT through the balancer: p50 {p(0.5) * 1000:.0f} ms, "
+              f"p90 {p(0.9) * 1000:.0f} ms")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for d in [lb, *replicas]:
+            if d is not None:
+                d.stop()
 
 
 def main() -> int:
     t0 = time.perf_counter()
     _sim_table()
-    asyncio.run(_replica_demo())
+    asyncio.run(_live_demo())
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s. Next: `skymesh sim --help`, "
           "`skymesh-replica --list-profiles`, README.md.")
     return 0

@@ -41,9 +41,7 @@ import asyncio
 import contextlib
 import json
 import random
-import re
 import sys
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +51,7 @@ import aiohttp
 
 from skymesh.engine.hashing import BLOCK_SIZE, hash_token_blocks
 from skymesh.engine.profiles import DEFAULT_PROFILE, get_profile
+from skymesh.procs import Daemon, start_daemon
 from skymesh.prompt import get_tokenizer
 from skymesh.replica.driver import WORDS
 from skymesh.sim.metrics import percentiles
@@ -237,78 +236,21 @@ def run_sim(
 
 
 # -- live replicas ---------------------------------------------------------------------
-def _replica_cmd() -> list[str]:
-    script = Path(sys.executable).with_name("skymesh-replica")
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-m", "skymesh.replica.cli"]
+def _spawn(profile: str, time_scale: float, seed: int) -> Daemon:
+    return start_daemon("skymesh-replica", ["--port", "0", "--profile", profile,
+                                            "--time-scale", repr(time_scale),
+                                            "--seed", str(seed)], timeout=STARTUP_TIMEOUT_S)
 
 
-@dataclass(slots=True)
-class _ReplicaProc:
-    proc: asyncio.subprocess.Process
-    listening: asyncio.Future[str]
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
-    drain: asyncio.Task[None] | None = None
-
-    def log_tail(self) -> str:
-        return "".join(self.tail)
-
-    async def stop(self) -> None:
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.terminate()
-            try:
-                await asyncio.wait_for(self.proc.wait(), 10)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    self.proc.kill()
-                await self.proc.wait()
-        if self.drain is not None:
-            # stderr reaches EOF once the process has exited; the wait bounds a stuck pipe.
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(self.drain, 5)
-
-
-async def _drain_stderr(rp: _ReplicaProc) -> None:
-    # Read stderr to the end, not just to the "listening" line: a replica logging into a
-    # full pipe would block mid-run.
-    assert rp.proc.stderr is not None
-    pattern = re.compile(r"listening on (http://\S+)")
-    while line := await rp.proc.stderr.readline():
-        text = line.decode(errors="replace")
-        rp.tail.append(text)
-        if not rp.listening.done() and (m := pattern.search(text)):
-            rp.listening.set_result(m.group(1))
-    if not rp.listening.done():
-        rp.listening.set_exception(
-            RuntimeError(f"replica exited before listening:\n{rp.log_tail()}"))
-
-
-async def _spawn(profile: str, time_scale: float, seed: int) -> _ReplicaProc:
-    proc = await asyncio.create_subprocess_exec(
-        *_replica_cmd(), "--port", "0", "--profile", profile, "--time-scale", repr(time_scale),
-        "--seed", str(seed), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )
-    rp = _ReplicaProc(proc, asyncio.get_running_loop().create_future())
-    rp.drain = asyncio.create_task(_drain_stderr(rp))
-    return rp
-
-
-async def _wait_healthy(session: aiohttp.ClientSession, rp: _ReplicaProc, deadline: float) -> str:
+async def _wait_healthy(session: aiohttp.ClientSession, d: Daemon, deadline: float) -> str:
     loop = asyncio.get_running_loop()
-    try:
-        url = await asyncio.wait_for(asyncio.shield(rp.listening),
-                                     max(0.0, deadline - loop.time()))
-    except TimeoutError:
-        raise RuntimeError(f"replica did not start in time:\n{rp.log_tail()}") from None
     while True:
         with contextlib.suppress(aiohttp.ClientError):
-            async with session.get(url + "/health") as resp:
+            async with session.get(d.url + "/health") as resp:
                 if resp.status == 200:
-                    return url
-        if loop.time() > deadline or rp.proc.returncode is not None:
-            raise RuntimeError(f"replica at {url} never became healthy:\n{rp.log_tail()}")
+                    return d.url
+        if loop.time() > deadline or not d.alive():
+            raise RuntimeError(f"replica at {d.url} never became healthy:\n{d.log()[-2000:]}")
         await asyncio.sleep(0.05)
 
 
@@ -395,13 +337,13 @@ async def _run_live(
     loop = asyncio.get_running_loop()
     wall0 = loop.time()
     model = get_profile(profile).model
-    procs: list[_ReplicaProc] = []
+    procs: list[Daemon] = []
     stats = _LiveStats()
     # No total timeout: a request may legitimately queue; a dead replica closes the socket.
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=300)
     try:
         for i in range(replicas):
-            procs.append(await _spawn(profile, time_scale, seed + i))
+            procs.append(_spawn(profile, time_scale, seed + i))
         # No connection cap: an open-loop client must never queue requests on its side.
         async with aiohttp.ClientSession(
             timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
@@ -415,7 +357,8 @@ async def _run_live(
                 for i, r in enumerate(ordered)
             ))
     finally:
-        await asyncio.gather(*(rp.stop() for rp in procs), return_exceptions=True)
+        for d in procs:
+            d.stop()
     detail = {
         "time_scale": time_scale,
         "wall_seconds": loop.time() - wall0,

@@ -152,4 +152,11 @@ def build_policy(
 
 def _load_builtin() -> None:
     # Importing the modules registers their classes; done lazily to avoid import cycles.
-    from skymesh.policies import basic  # noqa: F401
+    from skymesh.policies import (  # noqa: F401
+        basic,
+        consistent_hash,
+        lmetric,
+        power_of_two,
+        prefix_tree,
+        sglang_cache_aware,
+    )

@@ -43,35 +43,41 @@ class ReplicaLoad:
     kv_usage: float = 0.0
     probed_at: float = -math.inf
     in_flight: int = 0
+    # Pushed after the last probe and not started: the probe cannot show them yet. Kept as
+    # a counter because policies read it for every candidate on every decision.
+    unadmitted: int = 0
     # Requests pushed but not yet started (no first byte), with their dispatch time.
     _unstarted: dict[str, float] = field(default_factory=dict)
 
     @property
     def outstanding(self) -> int:
         """Requests on the target as far as we can tell (ours, or the probe's if larger)."""
-        return max(self.in_flight, self.running + self.waiting + self.unadmitted)
-
-    @property
-    def unadmitted(self) -> int:
-        """Pushed after the last probe and not started: the probe cannot show them yet."""
-        t = self.probed_at
-        return sum(1 for d in self._unstarted.values() if d >= t)
+        probed = self.running + self.waiting + self.unadmitted
+        return self.in_flight if self.in_flight > probed else probed
 
     def on_probe(self, now: float, waiting: int, running: int, kv_usage: float) -> None:
         self.waiting = waiting
         self.running = running
         self.kv_usage = kv_usage
         self.probed_at = now
+        self.unadmitted = sum(1 for d in self._unstarted.values() if d >= now)
 
     def on_dispatch(self, request_id: str, now: float) -> None:
         self.in_flight += 1
         self._unstarted[request_id] = now
+        if now >= self.probed_at:
+            self.unadmitted += 1
+
+    def _started(self, request_id: str) -> None:
+        d = self._unstarted.pop(request_id, None)
+        if d is not None and d >= self.probed_at:
+            self.unadmitted -= 1
 
     def on_first_byte(self, request_id: str) -> None:
-        self._unstarted.pop(request_id, None)
+        self._started(request_id)
 
     def on_complete(self, request_id: str) -> None:
-        self._unstarted.pop(request_id, None)
+        self._started(request_id)
         self.in_flight -= 1
 
     def probe_age(self, now: float) -> float:

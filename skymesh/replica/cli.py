@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 
-from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from skymesh.engine.profiles import DEFAULT_PROFILE, PROFILES
 from skymesh.replica.server import DEFAULT_MAX_BODY_BYTES, ReplicaConfig, create_app
+from skymesh.serving import serve_app
 
 log = logging.getLogger("skymesh.replica")
 
@@ -71,27 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def serve(config: ReplicaConfig, host: str, port: int) -> None:
     """Run until SIGINT or SIGTERM."""
-    app = create_app(config)
-    # handler_cancellation: a client that disconnects cancels its handler, whose finally
-    # block aborts the request in the engine (aiohttp leaves this off by default).
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0,
-                           access_log=logging.getLogger("skymesh.replica.access"))
-    await runner.setup()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound_host, bound_port = runner.addresses[0][:2]
-        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        print(f"skymesh-replica listening on http://{shown}:{bound_port} "
-              f"(model {config.served_model}, profile {config.profile})",
-              file=sys.stderr, flush=True)
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await serve_app(create_app(config), host, port, "skymesh-replica",
+                    f"model {config.served_model}, profile {config.profile}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_QuietBadRequests())
     # Access lines only at debug: at info the driver already logs one line per request.
-    logging.getLogger("skymesh.replica.access").setLevel(
+    logging.getLogger("skymesh-replica.access").setLevel(
         logging.DEBUG if args.log_level == "debug" else logging.WARNING)
     config = ReplicaConfig(profile=args.profile, model=args.model, seed=args.seed,
                            time_scale=args.time_scale, max_body_bytes=args.max_body_bytes)

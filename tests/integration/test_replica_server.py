@@ -14,17 +14,17 @@ import random
 import re
 import signal
 import subprocess
-import sys
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from support import until
 
 from skymesh.engine.core import Engine
 from skymesh.engine.profiles import DEFAULT_PROFILE, get_profile
+from skymesh.procs import Daemon, executable, start_daemon
 from skymesh.prompt import FallbackTokenizer, Tokenizer, get_tokenizer, render_chat
 from skymesh.replica.driver import WORDS, ContextLengthError, RealtimeDriver
 
@@ -36,51 +36,21 @@ TIME_SCALE = 0.05
 
 
 # -- the replica process ---------------------------------------------------------------
-def _replica_cmd(*args: str) -> list[str]:
-    script = Path(sys.executable).with_name("skymesh-replica")
-    head = [str(script)] if script.exists() else [sys.executable, "-m", "skymesh.replica.cli"]
-    return [*head, *args]
-
-
-def _start(tmp: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, Path]:
-    log_path = tmp / "replica.log"
-    log = log_path.open("wb")
-    proc = subprocess.Popen(_replica_cmd("--port", "0", *args), stdout=log,
-                            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = re.search(r"listening on (http://\S+)", log_path.read_text(errors="replace"))
-        if m:
-            return proc, m.group(1), log_path
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError(f"replica did not start:\n{log_path.read_text(errors='replace')}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-    return proc.returncode
+def _start(tmp: Path, *args: str) -> Daemon:
+    return start_daemon("skymesh-replica", ["--port", "0", *args],
+                        log_path=tmp / "replica.log")
 
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("replica")
-    proc, url, log_path = _start(tmp, "--time-scale", str(TIME_SCALE), "--seed", "7",
+    d = _start(tmp, "--time-scale", str(TIME_SCALE), "--seed", "7",
                                  "--max-body-bytes", str(MAX_BODY), "--log-level", "info")
     try:
-        yield url
+        yield d.url
     finally:
-        rc = _stop(proc)
-        assert rc == 0, log_path.read_text(errors="replace")
+        rc = d.stop()
+        assert rc == 0, d.log()
 
 
 @pytest.fixture
@@ -96,14 +66,6 @@ async def _healthy(session: aiohttp.ClientSession) -> bool:
             return r.status == 200
     except aiohttp.ClientError:
         return False
-
-
-async def until(cond: Callable[[], Awaitable[bool]], what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
-        await asyncio.sleep(0.02)
 
 
 async def metrics(session: aiohttp.ClientSession) -> dict[str, float]:
@@ -437,9 +399,10 @@ async def test_tokenize(http: aiohttp.ClientSession) -> None:
 
 
 async def test_sigterm_mid_stream_exits_cleanly(tmp_path: Path) -> None:
-    proc, url, log_path = _start(tmp_path, "--time-scale", "0.05")
+    d = _start(tmp_path, "--time-scale", "0.05")
+    proc = d.proc
     try:
-        async with aiohttp.ClientSession(base_url=url) as s:
+        async with aiohttp.ClientSession(base_url=d.url) as s:
             await until(lambda: _healthy(s), "second replica healthy")
             resp = await s.post("/v1/chat/completions", json=chat(
                 "x", max_tokens=4000, ignore_eos=True, stream=True))
@@ -448,9 +411,9 @@ async def test_sigterm_mid_stream_exits_cleanly(tmp_path: Path) -> None:
             with contextlib.suppress(aiohttp.ClientError):
                 await resp.read()  # the stream ends instead of hanging
         rc = await asyncio.to_thread(proc.wait, 10)
-        assert rc == 0, log_path.read_text(errors="replace")
+        assert rc == 0, d.log()
     finally:
-        _stop(proc)
+        d.stop()
 
 
 # -- the driver in process ---------------------------------------------------------------------
@@ -524,6 +487,7 @@ async def test_driver_rejects_overlong() -> None:
 
 
 def test_list_profiles() -> None:
-    out = subprocess.run(_replica_cmd("--list-profiles"), capture_output=True, text=True,
+    out = subprocess.run([*executable("skymesh-replica"), "--list-profiles"],
+                         capture_output=True, text=True,
                          timeout=30, check=True)
     assert DEFAULT_PROFILE in out.stdout.split()

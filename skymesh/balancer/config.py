@@ -1,0 +1,159 @@
+"""``skymesh-lb`` configuration: one YAML file, strictly validated.
+
+An unknown key, a wrong type or a bad value fails at start with the key's dotted path
+(``probe.interval_s: Input should be greater than 0``); policy names and parameters are
+checked against the policy registry, so config and code cannot drift.
+
+Example::
+
+    region: us
+    listen: {host: 127.0.0.1, port: 8080}
+    policy: {name: prefix-tree, params: {}}
+    pushing: {mode: sp-p, max_outstanding: 16}
+    queue: {max_length: 1024, timeout_s: 60}
+    limits: {max_body_bytes: 4194304}
+    probe: {interval_s: 0.1, timeout_s: 1.0, failure_threshold: 3, success_threshold: 2}
+    retry: {max_attempts: 3}
+    breaker: {failure_threshold: 5, open_s: 10}
+    replicas:
+      - {url: "http://127.0.0.1:8001", kind: vllm}
+      - {url: "http://127.0.0.1:8002", kind: sglang, models: [my-model]}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from skymesh.policies import PolicyConfigError, build_policy
+from skymesh.policies.load import PushMode
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the offending key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ListenConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+
+
+class PolicyConfig(_Strict):
+    name: str = "least-load"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class PushingConfig(_Strict):
+    mode: PushMode = PushMode.SP_P
+    max_outstanding: int = Field(16, ge=1)
+
+
+class QueueConfig(_Strict):
+    max_length: int = Field(1024, ge=1)
+    timeout_s: float = Field(60.0, gt=0)
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+
+
+class ProbeConfig(_Strict):
+    interval_s: float = Field(0.1, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    failure_threshold: int = Field(3, ge=1)
+    success_threshold: int = Field(2, ge=1)
+    models_interval_s: float = Field(10.0, gt=0)
+
+
+class RetryConfig(_Strict):
+    max_attempts: int = Field(3, ge=1, le=10)
+
+
+class BreakerConfig(_Strict):
+    failure_threshold: int = Field(5, ge=1)
+    open_s: float = Field(10.0, gt=0)
+
+
+class UpstreamConfig(_Strict):
+    connect_timeout_s: float = Field(2.0, gt=0)
+    read_timeout_s: float = Field(600.0, gt=0)
+
+
+class ReplicaConfig(_Strict):
+    url: str
+    kind: Literal["vllm", "sglang", "skymesh"] = "vllm"
+    models: list[str] | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")) or len(v) < 10:
+            raise ValueError("must be an http:// or https:// URL")
+        return v.rstrip("/")
+
+
+class BalancerConfig(_Strict):
+    region: str = "local"
+    listen: ListenConfig = ListenConfig()
+    policy: PolicyConfig = PolicyConfig()
+    pushing: PushingConfig = PushingConfig()
+    queue: QueueConfig = QueueConfig()
+    limits: LimitsConfig = LimitsConfig()
+    probe: ProbeConfig = ProbeConfig()
+    retry: RetryConfig = RetryConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    replicas: list[ReplicaConfig] = Field(default_factory=list)
+
+    @field_validator("replicas")
+    @classmethod
+    def _unique(cls, v: list[ReplicaConfig]) -> list[ReplicaConfig]:
+        seen: set[str] = set()
+        for r in v:
+            if r.url in seen:
+                raise ValueError(f"replica {r.url} listed twice")
+            seen.add(r.url)
+        return v
+
+
+def _format(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def parse_config(data: Any) -> BalancerConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("the configuration must be a mapping at the top level")
+    try:
+        cfg = BalancerConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format(exc)) from None
+    try:
+        build_policy(cfg.policy.name, cfg.policy.params)
+    except PolicyConfigError as exc:
+        raise ConfigError(f"policy: {exc}") from None
+    return cfg
+
+
+def load_config(path: str | Path) -> BalancerConfig:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    return parse_config(data)

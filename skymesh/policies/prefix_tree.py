@@ -1,0 +1,59 @@
+"""Longest prefix match among available targets: ``prefix-tree`` (SkyLB).
+
+Follows SkyLB (Xia et al., 2025, sec. 3.2-3.3): the balancer keeps a prefix trie of the
+requests it has routed, recording at each prefix node the targets it sent that prefix to
+(:class:`skymesh.prefix.PrefixTrie`). A request matches its ``prefix_keys`` against the
+trie restricted to the *available* candidates, stopping as soon as no available target
+remains below a node. If the matched part is at least ``match_threshold`` of the prompt's
+keys, the request goes to the least loaded (fewest outstanding) of the targets at the
+deepest match; otherwise the prefix is too weak to be worth the load skew, and it goes to
+the least loaded candidate overall (SkyLB: "when the prefix hit ratio is low (e.g.,
+< 50%), it explores other underutilized replicas"). Ties break with the seeded RNG.
+
+The trie is updated on dispatch with the request's keys and the chosen target, is bounded
+(oldest entries evicted first) and forgets targets that leave the membership.
+
+Parameters:
+
+- ``match_threshold`` = 0.5: minimum matched fraction of the keys to follow the match
+- ``max_nodes`` = 100_000: trie node cap
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from skymesh.policies.base import LoadView, Policy, RouteRequest
+from skymesh.prefix.trie import DEFAULT_MAX_NODES, PrefixTrie
+
+
+class PrefixTree(Policy, name="prefix-tree"):
+    def __init__(
+        self,
+        *,
+        match_threshold: float = 0.5,
+        max_nodes: int = DEFAULT_MAX_NODES,
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__(rng=rng)
+        if not 0.0 <= match_threshold <= 1.0:
+            raise ValueError(f"match_threshold must be in [0, 1], got {match_threshold}")
+        self.match_threshold = match_threshold
+        self.trie = PrefixTrie(max_nodes)
+
+    def select(
+        self, request: RouteRequest, candidates: Sequence[str], view: LoadView
+    ) -> str | None:
+        keys = request.prefix_keys
+        if keys and candidates:
+            depth, matched = self.trie.match(keys, candidates)
+            if matched and depth >= self.match_threshold * len(keys):
+                return self._least(matched, lambda c: view.load(c).outstanding)
+        return self._least(candidates, lambda c: view.load(c).outstanding)
+
+    def on_dispatch(self, request: RouteRequest, target: str, view: LoadView) -> None:
+        self.trie.insert(request.prefix_keys, target)
+
+    def on_membership(self, targets: Sequence[str]) -> None:
+        self.trie.retain(targets)

@@ -1,0 +1,390 @@
+"""A bounded prefix trie recording which targets served each prefix (SkyLB sec. 3.2).
+
+Keys are *chained*: key ``i`` of a sequence identifies the whole prefix ``keys[: i + 1]``
+(``RouteRequest.prefix_keys`` are chained engine-block hashes, and
+:func:`skymesh.prefix.keys.text_prefix_keys` chains text chunks the same way). So one
+flat dict from key to node finds any prefix in one probe, instead of a walk from the root.
+
+Each prefix records the set of targets that served it, as a bitmask over interned target
+names. Inserting records the target on every prefix of the path, so a prefix's set is
+always a subset of its parent's. That is what lets SkyLB stop its walk as soon as no
+allowed target remains below a node, and it makes "depth ``i`` still has an allowed
+target" monotone in ``i``, so :meth:`PrefixTrie.match` finds the deepest such depth by
+binary search (O(log n) probes) with the same answer as the early-stopping walk.
+
+The trie is path-compressed (a radix tree, like sglang-router's): a *segment* holds a
+run of keys with one parent and one target set, and is split only where paths diverge
+or target sets differ. A request that adds 30 blocks to a conversation costs one new
+segment and 30 dict entries, not 30 node objects.
+
+Size is counted in keys (one key = one node of the uncompressed trie) and capped at
+``max_nodes`` (default 100,000). Eviction is oldest first: the leaf segment least
+recently inserted or matched loses its deepest keys first, and a parent whose last child
+is gone becomes a leaf as recent as that child (or as its own last touch, if later).
+Recency is kept per segment (touching any prefix of a run refreshes the run) and is a
+counter, not a clock, so the trie needs no time source.
+
+If keys are not chained (or two prefixes collide on one 64-bit key) answers become
+approximate, but the invariants hold: the cap, subset-of-parent target sets, and
+:meth:`match` never naming a target outside ``allowed``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Collection, Iterable, Iterator, Sequence
+
+DEFAULT_MAX_NODES = 100_000
+_CACHE_LIMIT = 4096
+
+
+def _consume(it: Iterator[object]) -> None:
+    deque(it, maxlen=0)  # runs an iterator to the end in C
+
+
+class _Segment:
+    __slots__ = ("children", "end", "keys", "mask", "parent", "stamp", "start")
+
+    def __init__(self, keys: list[int], start: int, parent: _Segment | None, mask: int) -> None:
+        self.keys = keys
+        self.start = start  # depth of keys[0] in the sequence (0: a child of the root)
+        # start + len(keys), kept in the object so a lookup need not touch the list.
+        self.end = start + len(keys)
+        self.parent = parent
+        self.mask = mask  # bit i set: target number i served every prefix in this run
+        self.children: set[_Segment] = set()
+        self.stamp = 0
+
+
+class PrefixTrie:
+    """Which targets served which prefixes, bounded to ``max_nodes`` keys."""
+
+    def __init__(self, max_nodes: int = DEFAULT_MAX_NODES) -> None:
+        if max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+        self.max_nodes = max_nodes
+        self._index: dict[int, _Segment] = {}  # key -> the segment holding it
+        self._segments: set[_Segment] = set()
+        self._bits: dict[str, int] = {}  # target -> bit index
+        self._names: list[str | None] = []  # bit index -> target (None: free)
+        self._free: list[int] = []
+        self._sizes: list[int] = []  # bit index -> keys recording the target
+        self._clock = itertools.count(1)
+        # Eviction order: a min-heap of leaf stamps, and the leaf holding each stamp. A
+        # stamp names one leaf at a time (a parent inherits its evicted child's stamp), so
+        # the heap holds plain ints, which compare far faster than tuples. Entries go stale
+        # when a leaf is touched again or gains a child; they are skipped when popped.
+        self._heap: list[int] = []
+        self._leaf_at: dict[int, _Segment] = {}
+        self._mask_cache: dict[tuple[str, ...], int] = {}
+        self._name_cache: dict[int, tuple[str, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # -- targets ---------------------------------------------------------------------------
+    def targets(self) -> list[str]:
+        """Targets recorded on at least one prefix."""
+        return [t for t, b in self._bits.items() if self._sizes[b]]
+
+    def size_of(self, target: str) -> int:
+        """How many prefixes (keys) record ``target``: its share of the tree."""
+        b = self._bits.get(target)
+        return 0 if b is None else self._sizes[b]
+
+    def _intern(self, target: str) -> int:
+        b = self._bits.get(target)
+        if b is None:
+            if self._free:
+                b = self._free.pop()
+                self._names[b] = target
+            else:
+                b = len(self._names)
+                self._names.append(target)
+                self._sizes.append(0)
+            self._bits[target] = b
+            self._mask_cache.clear()
+        return b
+
+    def _mask(self, allowed: Collection[str]) -> int:
+        # Routers pass the same candidate lists over and over; building the mask bit by bit
+        # would cost a dict probe per candidate on every decision.
+        key = tuple(allowed)
+        m = self._mask_cache.get(key)
+        if m is None:
+            bits = self._bits
+            m = 0
+            for t in key:
+                b = bits.get(t)
+                if b is not None:
+                    m |= 1 << b
+            if len(self._mask_cache) >= _CACHE_LIMIT:
+                self._mask_cache.clear()
+            self._mask_cache[key] = m
+        return m
+
+    def _decode(self, mask: int) -> tuple[str, ...]:
+        names = self._name_cache.get(mask)
+        if names is None:
+            out: list[str] = []
+            m = mask
+            while m:
+                low = m & -m
+                name = self._names[low.bit_length() - 1]
+                if name is not None:
+                    out.append(name)
+                m ^= low
+            names = tuple(out)
+            if len(self._name_cache) >= _CACHE_LIMIT:
+                self._name_cache.clear()
+            self._name_cache[mask] = names
+        return names
+
+    def _adjust_sizes(self, mask: int, delta: int) -> None:
+        sizes = self._sizes
+        while mask:
+            low = mask & -mask
+            sizes[low.bit_length() - 1] += delta
+            mask ^= low
+
+    # -- lookups ---------------------------------------------------------------------------
+    def _deepest(self, keys: Sequence[int], allowed: int, hi: int) -> int:
+        """The largest depth d <= hi whose prefix exists and records one of ``allowed``."""
+        # Each probe costs cache misses on a large dict, so it reads only the segment
+        # object itself: the key's depth must fall in the run (start < mid <= end).
+        get = self._index.get
+        lo = 0
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            seg = get(keys[mid - 1])
+            if seg is not None and seg.start < mid <= seg.end and seg.mask & allowed:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def match(
+        self, keys: Sequence[int], allowed: Collection[str]
+    ) -> tuple[int, tuple[str, ...]]:
+        """The deepest depth at which some allowed target recorded the prefix of ``keys``,
+        and the allowed targets recorded there; ``(0, ())`` when none did.
+
+        The targets come in first-recorded order, not as a set: a set of strings iterates
+        in a per-process order, and routers break ties over this sequence with a seeded RNG.
+        """
+        amask = self._mask(allowed)
+        if not amask or not keys:
+            return 0, ()
+        d = self._deepest(keys, amask, len(keys))
+        if d == 0:
+            return 0, ()
+        seg = self._index[keys[d - 1]]
+        self._touch(seg)
+        return d, self._decode(seg.mask & amask)
+
+    def depths(self, keys: Sequence[int], allowed: Collection[str]) -> dict[str, int]:
+        """Match depth of every allowed target that matched at least one key."""
+        return {t: d for d, group in self.depth_groups(keys, allowed) for t in group}
+
+    def depth_groups(
+        self, keys: Sequence[int], allowed: Collection[str]
+    ) -> list[tuple[int, tuple[str, ...]]]:
+        """The allowed targets that matched, grouped by match depth, deepest first.
+
+        Because target sets shrink down the path, targets fall out of the match in groups:
+        each group costs one binary search, and there are rarely more than a few.
+        """
+        amask = self._mask(allowed)
+        out: list[tuple[int, tuple[str, ...]]] = []
+        if not amask or not keys:
+            return out
+        index = self._index
+        hi = len(keys)
+        while amask and hi:
+            d = self._deepest(keys, amask, hi)
+            if d == 0:
+                break
+            seg = index[keys[d - 1]]
+            if not out:
+                self._touch(seg)
+            group = seg.mask & amask
+            out.append((d, self._decode(group)))
+            amask &= ~group
+            hi = d - 1
+        return out
+
+    # -- updates ---------------------------------------------------------------------------
+    def insert(self, keys: Sequence[int], target: str) -> None:
+        """Record that ``target`` served the prefix ``keys`` (and so all its prefixes)."""
+        n = min(len(keys), self.max_nodes)
+        if n == 0:
+            return
+        b = self._intern(target)
+        bit = 1 << b
+        index = self._index
+        d = self._deepest(keys, -1, n)  # -1: any target, i.e. "the prefix exists"
+        last: _Segment | None = None
+        if d:
+            last = index[keys[d - 1]]
+            cut = d - last.start  # keys of ``last`` on this path
+            if d < last.end and (d < n or not last.mask & bit):
+                # The path leaves ``last`` midway or gives its head a target the tail
+                # lacks: split so each run keeps a single parent and target set.
+                self._split(last, cut)
+            # Subset invariant: once an ancestor has the target, all above it do too.
+            up: _Segment | None = last
+            while up is not None and not up.mask & bit:
+                up.mask |= bit
+                self._sizes[b] += len(up.keys)
+                up = up.parent
+            # Newest now, so evicting room for the new suffix never takes the path itself.
+            self._touch(last)
+        if d == n:
+            return
+        excess = len(index) + (n - d) - self.max_nodes
+        if excess > 0:
+            self._evict(excess)
+        if last is not None and not last.children and last.mask == bit:
+            seg = last  # a conversation growing on the same target: extend its run
+        else:
+            seg = _Segment([], d, last, bit)
+        fresh = list(keys[d:n])
+        if index.keys().isdisjoint(fresh) and len(set(fresh)) == len(fresh):
+            index.update(dict.fromkeys(fresh, seg))  # the common case, in C
+        else:
+            # Key reuse or a collision: take keys up to the first one already present,
+            # so the tree stays consistent.
+            size = len(index)
+            for i, key in enumerate(fresh):
+                index.setdefault(key, seg)
+                if len(index) == size:
+                    del fresh[i:]
+                    break
+                size += 1
+        seg.keys.extend(fresh)
+        added = len(fresh)
+        seg.end += added
+        self._sizes[b] += added
+        if seg is last or not added:
+            return
+        self._segments.add(seg)
+        if last is not None:
+            last.children.add(seg)
+        self._touch(seg)
+
+    def _split(self, seg: _Segment, cut: int) -> None:
+        """Keep ``seg.keys[:cut]`` in ``seg``; the rest becomes its only child."""
+        tail = _Segment(seg.keys[cut:], seg.start + cut, seg, seg.mask)
+        tail.stamp = seg.stamp  # ``seg`` is no leaf now, so the stamp passes to ``tail``
+        tail.children = seg.children
+        for child in tail.children:
+            child.parent = tail
+        seg.children = {tail}
+        del seg.keys[cut:]
+        seg.end = tail.start
+        index = self._index
+        for k in tail.keys:
+            index[k] = tail
+        self._segments.add(tail)
+        if not tail.children:
+            self._push(tail)
+
+    def remove_target(self, target: str) -> None:
+        """Forget ``target`` everywhere, deleting prefixes no target is left on."""
+        self.remove_targets((target,))
+
+    def retain(self, targets: Iterable[str]) -> None:
+        """Forget every target not in ``targets`` (a membership change)."""
+        keep = set(targets)
+        self.remove_targets([t for t in self._bits if t not in keep])
+
+    def remove_targets(self, targets: Iterable[str]) -> None:
+        gone = 0
+        for t in targets:
+            b = self._bits.pop(t, None)
+            if b is not None:
+                gone |= 1 << b
+                self._names[b] = None
+                self._sizes[b] = 0
+                self._free.append(b)
+        if not gone:
+            return
+        self._mask_cache.clear()
+        self._name_cache.clear()
+        dead: list[_Segment] = []
+        for seg in self._segments:
+            if seg.mask & gone:
+                seg.mask &= ~gone
+                if not seg.mask:
+                    dead.append(seg)
+        # A run left empty has only empty descendants (subset invariant), so whole
+        # subtrees go; only a surviving parent needs its children fixed.
+        index = self._index
+        for seg in dead:
+            for k in seg.keys:
+                del index[k]
+            self._segments.discard(seg)
+        for seg in dead:
+            p = seg.parent
+            if p is not None and p.mask:
+                p.children.discard(seg)
+                if not p.children:
+                    p.stamp = max(p.stamp, seg.stamp)
+                    self._push(p)
+        self._sweep_heap()
+
+    # -- recency and eviction ----------------------------------------------------------------
+    def _touch(self, seg: _Segment) -> None:
+        if self._leaf_at.get(seg.stamp) is seg:
+            del self._leaf_at[seg.stamp]
+        seg.stamp = next(self._clock)
+        if not seg.children:
+            self._push(seg)
+
+    def _push(self, seg: _Segment) -> None:
+        self._leaf_at[seg.stamp] = seg
+        heapq.heappush(self._heap, seg.stamp)
+        if len(self._heap) > 2 * len(self._leaf_at) + 1024:
+            self._sweep_heap()
+
+    def _live_leaf(self, stamp: int, seg: _Segment) -> bool:
+        return not seg.children and seg.stamp == stamp and seg in self._segments
+
+    def _sweep_heap(self) -> None:
+        self._leaf_at = {s: g for s, g in self._leaf_at.items() if self._live_leaf(s, g)}
+        self._heap = list(self._leaf_at)
+        heapq.heapify(self._heap)
+
+    def _evict(self, count: int) -> None:
+        """Drop ``count`` keys, deepest keys of the oldest leaf first."""
+        heap, index, leaf_at = self._heap, self._index, self._leaf_at
+        while count > 0 and heap:
+            stamp = heapq.heappop(heap)
+            seg = leaf_at.pop(stamp, None)
+            if seg is None or not self._live_leaf(stamp, seg):
+                continue
+            keys = seg.keys
+            if len(keys) > count:
+                # Trim the deepest keys: they are this run's leaves, all equally old.
+                _consume(map(index.__delitem__, keys[-count:]))
+                del keys[-count:]
+                seg.end -= count
+                self._adjust_sizes(seg.mask, -count)
+                leaf_at[stamp] = seg
+                heapq.heappush(heap, stamp)
+                return
+            _consume(map(index.__delitem__, keys))
+            self._adjust_sizes(seg.mask, -len(keys))
+            count -= len(keys)
+            self._segments.discard(seg)
+            p = seg.parent
+            if p is not None:
+                p.children.discard(seg)
+                if not p.children:
+                    p.stamp = max(p.stamp, stamp)
+                    leaf_at[p.stamp] = p
+                    heapq.heappush(heap, p.stamp)
+        if count > 0:
+            raise RuntimeError("prefix trie: a leaf has no eviction entry (a bug)")

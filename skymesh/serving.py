@@ -1,0 +1,39 @@
+"""Running an aiohttp application until SIGINT/SIGTERM (shared by the daemons)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from aiohttp import web
+
+
+async def serve_app(app: web.Application, host: str, port: int, name: str, detail: str = ""
+                    ) -> None:
+    """Serve ``app`` on ``host:port`` (0: any free port) until a stop signal.
+
+    Prints ``NAME listening on http://HOST:PORT`` to stderr once bound: scripts and tests
+    read the real port from it.
+    """
+    # handler_cancellation: a client that disconnects cancels its handler, whose finally
+    # block releases what the request held (aiohttp leaves this off by default).
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0,
+                           access_log=logging.getLogger(f"{name}.access"))
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound_host, bound_port = runner.addresses[0][:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        suffix = f" ({detail})" if detail else ""
+        print(f"{name} listening on http://{shown}:{bound_port}{suffix}",
+              file=sys.stderr, flush=True)
+        await stop.wait()
+    finally:
+        await runner.cleanup()

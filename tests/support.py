@@ -1,0 +1,61 @@
+"""Helpers shared by the integration tests (real processes on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+
+
+async def until(cond: Callable[[], Awaitable[bool]], what: str, timeout: float = 15.0,
+                interval: float = 0.02) -> None:
+    """Wait for ``cond`` with a deadline (never sleep-and-hope)."""
+    deadline = time.monotonic() + timeout
+    while not await cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for: {what}")
+        await asyncio.sleep(interval)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> ``{"name{labels}": value}`` plus ``{"name": sum over labels}``."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, value = line.rsplit(" ", 1)
+        out[series] = float(value)
+        name = series.split("{", 1)[0]
+        if "{" in series:
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+async def get_metrics(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
+    async with session.get(base + "/metrics") as r:
+        assert r.status == 200
+        return parse_metrics(await r.text())
+
+
+async def read_sse(resp: aiohttp.ClientResponse) -> list[Any]:
+    """All ``data:`` events of a streamed response, JSON-decoded (``[DONE]`` kept as str)."""
+    events: list[Any] = []
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            data = line[6:]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def content_of(events: list[Any]) -> str:
+    parts = []
+    for ev in events:
+        if isinstance(ev, dict):
+            for ch in ev.get("choices", []):
+                parts.append(ch.get("delta", {}).get("content") or ch.get("text") or "")
+    return "".join(parts)

@@ -1,0 +1,345 @@
+"""Power of two, consistent hashing and the prefix-aware policies, against a fake view."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from skymesh.policies import Policy, RouteRequest, build_policy, policy_names
+from skymesh.policies.consistent_hash import ConsistentHash
+from skymesh.policies.lmetric import LMetric
+
+_MASK = (1 << 63) - 1
+
+
+def chain(seq: list[int]) -> list[int]:
+    out, h = [], 0
+    for x in seq:
+        h = hash((h, x)) & _MASK
+        out.append(h)
+    return out
+
+
+@dataclass
+class Load:
+    outstanding: int = 0
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+
+
+@dataclass
+class View:
+    loads: dict[str, Load] = field(default_factory=dict)
+    now: float = 0.0
+
+    def load(self, target: str) -> Load:
+        return self.loads.setdefault(target, Load())
+
+    def set(self, **outstanding: int) -> View:
+        for t, n in outstanding.items():
+            self.load(t).outstanding = n
+        return self
+
+
+def req(rid: str, keys: Sequence[int] = (), prompt_len: int = 0,
+        affinity: str | None = None) -> RouteRequest:
+    return RouteRequest(rid, prompt_len=prompt_len, prefix_keys=tuple(keys),
+                        affinity_key=affinity)
+
+
+SYSTEM = list(range(100, 108))  # 8 shared blocks
+ALL = ["a", "b", "c", "d"]
+
+
+def routed(p: Policy, r: RouteRequest, cands: list[str], view: View) -> str | None:
+    """select + on_dispatch, as the balancer does."""
+    t = p.select(r, cands, view)
+    if t is not None:
+        p.on_dispatch(r, t, view)
+    return t
+
+
+# -- every policy -----------------------------------------------------------------------------
+def test_all_eight_policies_are_registered() -> None:
+    assert policy_names() == sorted([
+        "round-robin", "random", "least-load", "power-of-two", "consistent-hash",
+        "prefix-tree", "sglang-cache-aware", "lmetric",
+    ])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(sorted(policy_names())),
+    steps=st.lists(
+        st.tuples(
+            st.lists(st.sampled_from(ALL), unique=True, max_size=4),  # candidates
+            st.lists(st.integers(0, 3), max_size=6),  # prompt blocks
+            st.sampled_from([None, "u1", "u2"]),
+            st.lists(st.integers(0, 80), min_size=4, max_size=4),  # loads
+        ),
+        min_size=1, max_size=25,
+    ),
+    membership=st.booleans(),
+)
+def test_every_policy_returns_a_candidate_or_none_only_when_empty(
+    name: str, steps: list[tuple[list[str], list[int], str | None, list[int]]],
+    membership: bool,
+) -> None:
+    p = build_policy(name, rng=random.Random(0))
+    if membership:
+        p.on_membership(ALL)
+    view = View()
+    for i, (cands, blocks, aff, loads) in enumerate(steps):
+        view.set(**dict(zip(ALL, loads, strict=True)))
+        view.now = float(i)
+        r = req(f"q{i}", chain(blocks), prompt_len=16 * len(blocks) + 5, affinity=aff)
+        t = routed(p, r, cands, view)
+        if cands:
+            assert t in cands
+        else:
+            assert t is None
+        p.on_complete(r, t or "a", True)
+
+
+@pytest.mark.parametrize("name", ["prefix-tree", "sglang-cache-aware", "lmetric"])
+def test_prefix_state_is_pruned_when_a_target_leaves(name: str) -> None:
+    p = build_policy(name)
+    p.on_membership(ALL)
+    view = View()
+    for i, t in enumerate(ALL):
+        p.on_dispatch(req(f"q{i}", chain([*SYSTEM, i])), t, view)
+    p.on_membership(["a", "b"])
+    trie = p.trie  # type: ignore[attr-defined]
+    assert sorted(trie.targets()) == ["a", "b"]
+    assert len(trie) == len(SYSTEM) + 2
+
+
+# -- power of two ------------------------------------------------------------------------------
+def test_power_of_two_never_picks_the_unique_most_loaded() -> None:
+    p = build_policy("power-of-two", rng=random.Random(3))
+    view = View().set(a=9, b=1, c=2, d=3)
+    picks = [p.select(req(f"q{i}"), ALL, view) for i in range(3000)]
+    assert "a" not in picks
+    # Of the 6 equally likely pairs, b wins 3, c wins 2 ({a,c}, {c,d}) and d wins 1.
+    for t, share in (("b", 3 / 6), ("c", 2 / 6), ("d", 1 / 6)):
+        assert abs(picks.count(t) / 3000 - share) < 0.04, t
+    assert build_policy("power-of-two").select(req("x"), ["only"], view) == "only"
+
+
+# -- consistent hashing ------------------------------------------------------------------------
+def test_consistent_hash_is_sticky_and_skips_unavailable_targets() -> None:
+    p = build_policy("consistent-hash")
+    p.on_membership(ALL)
+    view = View()
+    home = p.select(req("1", affinity="user-7"), ALL, view)
+    assert home is not None
+    assert all(p.select(req(str(i), affinity="user-7"), ALL, view) == home for i in range(5))
+    others = [t for t in ALL if t != home]
+    spill = p.select(req("6", affinity="user-7"), others, view)
+    assert spill in others
+    # The spill target is the next owner on the ring: stable while home is away.
+    assert p.select(req("7", affinity="user-7"), others, view) == spill
+    assert p.select(req("8", affinity="user-7"), ALL, view) == home
+
+
+def test_consistent_hash_key_falls_back_to_prefix_then_request_id() -> None:
+    p = build_policy("consistent-hash")
+    p.on_membership([f"r{i}" for i in range(16)])
+    cands = [f"r{i}" for i in range(16)]
+    view = View()
+    keys = chain(SYSTEM)
+    by_prefix = {p.select(req(f"q{i}", keys), cands, view) for i in range(20)}
+    assert len(by_prefix) == 1  # same first block, same target, whatever the request id
+    by_id = {p.select(req(f"q{i}"), cands, view) for i in range(40)}
+    assert len(by_id) > 4
+    # An affinity key wins over the prefix.
+    pa = p.select(req("z", keys, affinity="k1"), cands, view)
+    assert pa == p.select(req("y", affinity="k1"), cands, view)
+
+
+def test_consistent_hash_builds_its_ring_lazily_without_membership() -> None:
+    p = build_policy("consistent-hash")
+    view = View()
+    t = p.select(req("1", affinity="s"), ["a", "b"], view)
+    assert t in ("a", "b")
+    assert p.select(req("2", affinity="s"), ["a", "b", "c"], view) in ("a", "b", "c")
+    assert set(p._members) == {"a", "b", "c"}  # type: ignore[attr-defined]
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(4, 12), seed=st.integers(0, 1000))
+def test_consistent_hash_moves_about_one_nth_of_keys(n: int, seed: int) -> None:
+    targets = [f"replica-{seed}-{i}" for i in range(n)]
+    keys = [f"session-{seed}-{k}" for k in range(1500)]
+    view = View()
+
+    def assign(members: list[str]) -> dict[str, str | None]:
+        p = ConsistentHash()
+        p.on_membership(members)
+        return {k: p.select(req(k, affinity=k), members, view) for k in keys}
+
+    before = assign(targets)
+    # Removing one target moves exactly its keys, about 1/N of them.
+    gone = targets[seed % n]
+    after = assign([t for t in targets if t != gone])
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(before[k] == gone for k in moved)
+    assert abs(len(moved) / len(keys) - 1 / n) < 0.6 / n
+    # Adding one target moves keys only onto it, about 1/(N+1) of them.
+    added = assign([*targets, f"replica-{seed}-new"])
+    moved = [k for k in keys if before[k] != added[k]]
+    assert all(added[k] == f"replica-{seed}-new" for k in moved)
+    assert abs(len(moved) / len(keys) - 1 / (n + 1)) < 0.6 / (n + 1)
+
+
+# -- prefix tree (SkyLB) -----------------------------------------------------------------------
+def test_prefix_tree_cases() -> None:
+    p = build_policy("prefix-tree")
+    view = View().set(a=5, b=0, c=0, d=0)
+    conv = chain([*SYSTEM, 1, 2, 3, 4])
+    assert routed(p, req("r0", conv[:10]), ["a"], view) == "a"
+    cases = [
+        # (keys, candidates, loads, expected, why)
+        (conv, ALL, {}, "a", "10 of 12 keys matched on a: follow it despite its load"),
+        (conv, ["b", "c"], {"c": 1}, "b", "a unavailable: the system prompt (8/12) is on "
+         "nobody else, so least loaded"),
+        (chain([*SYSTEM, 9, 9, 9, 9, 9, 9, 9, 9, 9]), ALL, {}, None,
+         "8 of 17 keys (< 50%): least loaded among all, not a"),
+    ]
+    for keys, cands, loads, expected, why in cases:
+        view.set(**loads)
+        got = p.select(req("x", keys), cands, view)
+        if expected is None:
+            assert got != "a", why
+        else:
+            assert got == expected, why
+
+
+def test_prefix_tree_picks_the_least_loaded_of_the_matched_targets() -> None:
+    p = build_policy("prefix-tree", {"match_threshold": 0.3})
+    view = View().set(a=0, b=0, c=0, d=0)
+    keys = chain([*SYSTEM, 1])
+    for t in ("a", "b"):
+        p.on_dispatch(req("seed", keys), t, view)
+    view.set(a=4, b=2, c=0, d=0)
+    assert p.select(req("x", keys), ALL, view) == "b"
+    with pytest.raises(Exception, match="match_threshold"):
+        build_policy("prefix-tree", {"match_threshold": 1.5})
+
+
+# -- sglang cache-aware ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("loads", "keys", "expected", "why"),
+    [
+        ({"a": 100, "b": 10, "c": 20, "d": 30}, chain([*SYSTEM, 1]), "b",
+         "imbalanced (gap 90 > 64, 100 > 1.5 x 10): shortest queue, cache ignored"),
+        ({"a": 300, "b": 200, "c": 250, "d": 250}, chain([*SYSTEM, 1]), "a",
+         "gap 100 > 64 but 300 is not > 1.5 x 200: balanced, follow the cache"),
+        ({"a": 65, "b": 50, "c": 50, "d": 50}, chain([*SYSTEM, 1]), "a",
+         "gap 15: balanced, match 9/9 > 0.3 -> the cached target"),
+        ({"a": 1, "b": 1, "c": 1, "d": 1}, chain([7, 7, 7]), "d",
+         "no match: the smallest tree (d never served anything)"),
+    ],
+)
+def test_sglang_cache_aware_cases(
+    loads: dict[str, int], keys: list[int], expected: str, why: str
+) -> None:
+    p = build_policy("sglang-cache-aware")
+    view = View()
+    p.on_dispatch(req("s0", chain([*SYSTEM, 1])), "a", view)
+    p.on_dispatch(req("s1", chain([50, 51])), "b", view)
+    p.on_dispatch(req("s2", chain([60])), "c", view)
+    view.set(**loads)
+    assert p.select(req("x", keys), ALL, view) == expected, why
+
+
+def test_sglang_cache_aware_low_match_rate_goes_to_smallest_tree() -> None:
+    p = build_policy("sglang-cache-aware")
+    view = View()
+    p.on_dispatch(req("s0", chain([1, 2, 3, 4])), "a", view)
+    p.on_dispatch(req("s1", chain([5])), "b", view)
+    # 1 of 4 keys matches on a: 0.25 <= 0.3, so the target with the smallest tree wins.
+    got = p.select(req("x", chain([1, 9, 9, 9])), ["a", "b"], view)
+    assert got == "b"
+
+
+# -- LMETRIC -----------------------------------------------------------------------------------
+def test_lmetric_multiplies_uncached_prefill_by_batch_size() -> None:
+    p = build_policy("lmetric", {"hotspot_detector": False})
+    p.on_membership(ALL)
+    view = View()
+    keys = chain([*SYSTEM, 1, 2])  # 10 keys; prompt 160 tokens
+    p.on_dispatch(req("s", keys), "a", view)
+    cases = [
+        # loads, expected: scores are (P + 1) x (BS + 1)
+        ({"a": 0, "b": 0, "c": 0, "d": 0}, "a"),  # 1 x 1 vs 161 x 1: zeros don't tie
+        ({"a": 40, "b": 0, "c": 0, "d": 0}, "a"),  # 1 x 41 = 41 < 161
+        ({"a": 200, "b": 0, "c": 0, "d": 0}, None),  # 201 > 161: go elsewhere
+        ({"a": 200, "b": 3, "c": 0, "d": 5}, "c"),
+    ]
+    for loads, expected in cases:
+        view.set(**loads)
+        got = p.select(req("x", keys, prompt_len=160), ALL, view)
+        if expected is None:
+            assert got != "a"
+        else:
+            assert got == expected, loads
+
+
+def test_lmetric_hotspot_detector_filters_after_two_m_consecutive_wins() -> None:
+    p = build_policy("lmetric", {"class_keys": 4})
+    assert isinstance(p, LMetric)
+    p.on_membership(ALL)
+    view = View().set(a=1, b=1, c=1, d=1)
+    hot_keys = chain([*SYSTEM, 1])
+    p.on_dispatch(req("seed", hot_keys), "a", view)
+    # Every request is in a's class: x = 1, M = {a}, M-bar = 3: phase 1 alarms at once.
+    picks = []
+    for i in range(4):
+        view.now = float(i)
+        picks.append(p.select(req(f"q{i}", hot_keys, prompt_len=144), ALL, view))
+    # a wins on score twice (2|M| = 2); the third consecutive win trips the filter.
+    assert picks[:2] == ["a", "a"]
+    assert "a" not in picks[2:]
+    assert p.alarms == 4 and p.filtered == 2
+    # Once the class sits on every target, M-bar is empty: no alarm, back to the score.
+    for t in ("b", "c", "d"):
+        p.on_dispatch(req("spread", hot_keys), t, view)
+    view.set(a=0)
+    assert p.select(req("q9", hot_keys, prompt_len=144), ALL, view) == "a"
+    assert p.alarms == 4
+
+
+def test_lmetric_falls_back_to_load_only_when_every_candidate_is_hot() -> None:
+    p = build_policy("lmetric", {"class_keys": 4})
+    p.on_membership(ALL)
+    view = View().set(a=5, b=2, c=0, d=0)
+    keys = chain([*SYSTEM, 1])
+    for t in ("a", "b"):
+        p.on_dispatch(req("seed", keys), t, view)
+    got = []
+    for i in range(8):
+        view.now = float(i)
+        got.append(p.select(req(f"q{i}", keys, prompt_len=144), ["a", "b"], view))
+    # M = {a, b}, M-bar = {c, d} (not candidates): the filter empties the pool after
+    # 2|M| = 4 wins, and the least loaded of the hot pair takes the request.
+    assert got == ["b"] * 8
+
+
+def test_lmetric_window_forgets_old_classes() -> None:
+    p = build_policy("lmetric", {"window_s": 10.0})
+    assert isinstance(p, LMetric)
+    view = View()
+    for i in range(5):
+        view.now = float(i)
+        p.select(req(f"q{i}", chain([i, i, i])), ALL, view)
+    assert len(p._counts) == 5
+    view.now = 100.0
+    p.select(req("late", chain([42])), ALL, view)
+    assert len(p._window) == 1 and list(p._counts) == [chain([42])[0]]
