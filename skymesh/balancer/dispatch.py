@@ -24,7 +24,14 @@ from typing import Any
 from skymesh.balancer.breaker import Breaker
 from skymesh.balancer.errors import Overloaded
 from skymesh.policies.base import Policy, RouteRequest
-from skymesh.policies.load import DEFAULT_MAX_OUTSTANDING, PushMode, ReplicaLoad, is_available
+from skymesh.policies.load import (
+    DEFAULT_KV_HEADROOM,
+    DEFAULT_MAX_OUTSTANDING,
+    DEFAULT_STEP_TOKENS,
+    PushMode,
+    ReplicaLoad,
+    is_available,
+)
 
 _ids = itertools.count()
 
@@ -58,6 +65,8 @@ class Dispatcher:
         mode: PushMode = PushMode.SP_P,
         *,
         max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
+        kv_headroom: float = DEFAULT_KV_HEADROOM,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
         max_queue: int = 1024,
         breaker_threshold: int = 5,
         breaker_open_s: float = 10.0,
@@ -65,6 +74,8 @@ class Dispatcher:
         self.policy = policy
         self.mode = mode
         self.max_outstanding = max_outstanding
+        self.kv_headroom = kv_headroom
+        self.step_tokens = step_tokens
         self.max_queue = max_queue
         self._breaker_args = (breaker_threshold, breaker_open_s)
         self.targets: dict[str, Target] = {}
@@ -87,8 +98,8 @@ class Dispatcher:
                 new[tid] = old
             else:
                 th, op = self._breaker_args
-                new[tid] = Target(tid, ReplicaLoad(tid), frozenset(models),
-                                  breaker=Breaker(th, op))
+                new[tid] = Target(tid, ReplicaLoad(tid, step_tokens=self.step_tokens),
+                                  frozenset(models), breaker=Breaker(th, op))
         self.targets = new
         self.policy.on_membership(sorted(new))
 
@@ -148,11 +159,12 @@ class Dispatcher:
     # -- dispatch ------------------------------------------------------------------------
     def candidates(self, ticket: Ticket, now: float) -> list[str]:
         model = ticket.route.model
-        mode, cap = self.mode, self.max_outstanding
+        mode, cap, room = self.mode, self.max_outstanding, self.kv_headroom
+        tokens = ticket.route.prompt_len
         return [
             tid for tid, t in self.targets.items()
             if model in t.models and t.healthy and tid not in ticket.excluded
-            and is_available(t.load, mode, cap) and t.breaker.allows(now)
+            and is_available(t.load, mode, cap, room, tokens) and t.breaker.allows(now)
         ]
 
     def pump(self, now: float) -> list[Ticket]:
@@ -179,7 +191,7 @@ class Dispatcher:
         t = self.targets[target]
         ticket.target = target
         ticket.attempts += 1
-        t.load.on_dispatch(ticket.key, now)
+        t.load.on_dispatch(ticket.key, now, ticket.route.prompt_len)
         t.breaker.on_dispatch()
         self.policy.on_dispatch(ticket.route, target, self)
 
@@ -209,7 +221,7 @@ class Dispatcher:
         self.policy.on_complete(ticket.route, tid, ok)
 
     def on_probe(self, target: str, now: float, waiting: int, running: int,
-                 kv_usage: float) -> None:
+                 kv_usage: float, kv_capacity_tokens: int | None = None) -> None:
         t = self.targets.get(target)
         if t is not None:
-            t.load.on_probe(now, waiting, running, kv_usage)
+            t.load.on_probe(now, waiting, running, kv_usage, kv_capacity_tokens)

@@ -3,8 +3,10 @@
 vLLM (and ``skymesh-replica``): Prometheus text at ``/metrics``; we read
 ``vllm:num_requests_waiting``, ``vllm:num_requests_running`` and
 ``vllm:gpu_cache_usage_perc`` (``vllm:kv_cache_usage_perc`` in newer releases), summed
-over label sets (one per model or engine). SGLang: ``/get_load``, a JSON list with one
-object per data-parallel rank (``num_reqs``, ``num_waiting_reqs``, ``num_tokens``).
+over label sets (one per model or engine), and the KV capacity in tokens from the labels
+of ``vllm:cache_config_info`` (``num_gpu_blocks`` x ``block_size``). SGLang:
+``/get_load``, a JSON list with one object per data-parallel rank (``num_reqs``,
+``num_waiting_reqs``, ``num_tokens``).
 
 The text parser only looks at the three lines it needs: a full Prometheus parser costs
 about a millisecond per scrape, which at 10 Hz over 64 replicas is most of a core.
@@ -21,6 +23,7 @@ class ProbeResult:
     waiting: int
     running: int
     kv_usage: float
+    kv_capacity_tokens: int | None = None
 
 
 class ProbeParseError(ValueError):
@@ -30,6 +33,7 @@ class ProbeParseError(ValueError):
 _WAITING = "vllm:num_requests_waiting"
 _RUNNING = "vllm:num_requests_running"
 _USAGE = ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc")
+_CACHE_INFO = "vllm:cache_config_info{"
 
 
 def _value(line: str) -> float:
@@ -38,9 +42,28 @@ def _value(line: str) -> float:
     return float(rest.split()[0])
 
 
+def _label(line: str, name: str) -> str | None:
+    key = f'{name}="'
+    i = line.find(key)
+    if i < 0:
+        return None
+    j = line.find('"', i + len(key))
+    return line[i + len(key):j] if j > 0 else None
+
+
+def _capacity(line: str) -> int | None:
+    """KV capacity in tokens from ``cache_config_info``'s labels, when both are present."""
+    blocks, size = _label(line, "num_gpu_blocks"), _label(line, "block_size")
+    try:
+        return int(blocks) * int(size) if blocks and size else None
+    except ValueError:
+        return None
+
+
 def parse_vllm_metrics(text: str) -> ProbeResult:
     waiting = running = 0.0
     usage: float | None = None
+    capacity: int | None = None
     seen = False
     for line in text.splitlines():
         if not line.startswith("vllm:"):
@@ -54,9 +77,11 @@ def parse_vllm_metrics(text: str) -> ProbeResult:
         elif line.startswith(_USAGE):
             v = _value(line)
             usage = v if usage is None else max(usage, v)
+        elif line.startswith(_CACHE_INFO):
+            capacity = _capacity(line)
     if not seen:
         raise ProbeParseError("no vllm:num_requests_waiting/running in /metrics")
-    return ProbeResult(int(waiting), int(running), usage or 0.0)
+    return ProbeResult(int(waiting), int(running), usage or 0.0, capacity)
 
 
 def parse_sglang_load(obj: Any) -> ProbeResult:

@@ -78,6 +78,7 @@ class Balancer:
         policy = build_policy(cfg.policy.name, cfg.policy.params, rng=random.Random())
         self.dispatcher = Dispatcher(
             policy, cfg.pushing.mode, max_outstanding=cfg.pushing.max_outstanding,
+            kv_headroom=cfg.pushing.kv_headroom, step_tokens=cfg.pushing.step_tokens,
             max_queue=cfg.queue.max_length, breaker_threshold=cfg.breaker.failure_threshold,
             breaker_open_s=cfg.breaker.open_s,
         )
@@ -172,7 +173,8 @@ class Balancer:
             h.healthy = True
             log.info("replica %s healthy", url)
             self.dispatcher.set_healthy(url, True)
-        self.dispatcher.on_probe(url, sent, res.waiting, res.running, res.kv_usage)
+        self.dispatcher.on_probe(url, sent, res.waiting, res.running, res.kv_usage,
+                                 res.kv_capacity_tokens)
         m = self.metrics
         m.replica_waiting.labels(url).set(res.waiting)
         m.replica_running.labels(url).set(res.running)

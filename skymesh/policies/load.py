@@ -8,8 +8,15 @@ cannot pile onto one replica that looked free at the last probe.
 Pushing modes decide which replicas are *available* (may take a request now):
 
 - ``sp-p`` (selective pushing on pending, SkyLB's default): available iff the last probe
-  reported no waiting request and nothing pushed since that probe is still unadmitted
-  (has produced no first byte);
+  reported no waiting request and the replica can start this request together with what
+  we pushed since that probe (and has produced no first byte yet). When the replica
+  publishes its KV capacity (vLLM's ``cache_config_info``), "can start" means: the new
+  prompt tokens fit in one scheduler step (``step_tokens``, 2,048 by default: vLLM's
+  chunked-prefill budget on GPUs under 70 GiB) and the probe's KV usage plus them stays
+  under ``kv_headroom`` (0.9) of capacity. A burst of short requests sharing a prefix can
+  then all land on the replica that holds it, as SkyLB's prefix tree wants, while long
+  prompts still go one at a time. Without a published capacity it is strict: nothing
+  pushed since the probe may be unadmitted;
 - ``sp-o`` (selective pushing on outstanding): available iff fewer than
   ``max_outstanding`` of our requests are in flight on it (default 16: SkyLB notes 20-50
   fit on an L4 depending on lengths, which is exactly why a fixed cap is fragile);
@@ -33,6 +40,8 @@ class PushMode(enum.StrEnum):
 
 
 DEFAULT_MAX_OUTSTANDING = 16
+DEFAULT_KV_HEADROOM = 0.9
+DEFAULT_STEP_TOKENS = 2048
 
 
 @dataclass(slots=True)
@@ -42,12 +51,15 @@ class ReplicaLoad:
     running: int = 0
     kv_usage: float = 0.0
     probed_at: float = -math.inf
+    kv_capacity_tokens: int | None = None
+    step_tokens: int = DEFAULT_STEP_TOKENS
     in_flight: int = 0
     # Pushed after the last probe and not started: the probe cannot show them yet. Kept as
     # a counter because policies read it for every candidate on every decision.
     unadmitted: int = 0
-    # Requests pushed but not yet started (no first byte), with their dispatch time.
-    _unstarted: dict[str, float] = field(default_factory=dict)
+    unadmitted_tokens: int = 0
+    # Requests pushed but not yet started (no first byte): dispatch time, prompt tokens.
+    _unstarted: dict[str, tuple[float, int]] = field(default_factory=dict)
 
     @property
     def outstanding(self) -> int:
@@ -55,23 +67,34 @@ class ReplicaLoad:
         probed = self.running + self.waiting + self.unadmitted
         return self.in_flight if self.in_flight > probed else probed
 
-    def on_probe(self, now: float, waiting: int, running: int, kv_usage: float) -> None:
+    def on_probe(self, now: float, waiting: int, running: int, kv_usage: float,
+                 kv_capacity_tokens: int | None = None) -> None:
         self.waiting = waiting
         self.running = running
         self.kv_usage = kv_usage
         self.probed_at = now
-        self.unadmitted = sum(1 for d in self._unstarted.values() if d >= now)
+        if kv_capacity_tokens:
+            self.kv_capacity_tokens = kv_capacity_tokens
+        n = tokens = 0
+        for d, t in self._unstarted.values():
+            if d >= now:
+                n += 1
+                tokens += t
+        self.unadmitted = n
+        self.unadmitted_tokens = tokens
 
-    def on_dispatch(self, request_id: str, now: float) -> None:
+    def on_dispatch(self, request_id: str, now: float, tokens: int = 0) -> None:
         self.in_flight += 1
-        self._unstarted[request_id] = now
+        self._unstarted[request_id] = (now, tokens)
         if now >= self.probed_at:
             self.unadmitted += 1
+            self.unadmitted_tokens += tokens
 
     def _started(self, request_id: str) -> None:
-        d = self._unstarted.pop(request_id, None)
-        if d is not None and d >= self.probed_at:
+        entry = self._unstarted.pop(request_id, None)
+        if entry is not None and entry[0] >= self.probed_at:
             self.unadmitted -= 1
+            self.unadmitted_tokens -= entry[1]
 
     def on_first_byte(self, request_id: str) -> None:
         self._started(request_id)
@@ -85,10 +108,19 @@ class ReplicaLoad:
 
 
 def is_available(
-    load: ReplicaLoad, mode: PushMode, max_outstanding: int = DEFAULT_MAX_OUTSTANDING
+    load: ReplicaLoad, mode: PushMode, max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
+    kv_headroom: float = DEFAULT_KV_HEADROOM, request_tokens: int = 0,
 ) -> bool:
     if mode is PushMode.SP_P:
-        return load.waiting == 0 and load.unadmitted == 0
+        if load.waiting:
+            return False
+        if not load.unadmitted:
+            return True
+        cap = load.kv_capacity_tokens
+        if cap is None:
+            return False
+        new = load.unadmitted_tokens + request_tokens
+        return new <= load.step_tokens and load.kv_usage * cap + new <= kv_headroom * cap
     if mode is PushMode.SP_O:
         return load.in_flight < max_outstanding
     return True

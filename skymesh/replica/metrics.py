@@ -97,6 +97,12 @@ class ReplicaMetrics:
             return c
 
         # vLLM
+        # vLLM publishes its cache configuration as labels of a constant gauge; routers
+        # read num_gpu_blocks x block_size as the replica's KV capacity in tokens.
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine "
+                                 "CacheConfig", labels=["block_size", "num_gpu_blocks"])
+        info.add_metric([str(engine.block_size), str(engine.kv.num_blocks)], 1.0)
+        yield info
         yield gauge("vllm:num_requests_running", "Requests in model execution batches.", running)
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", waiting)
         yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",

@@ -123,8 +123,9 @@ class SimBalancer:
         self.net = net
         self.probe_interval = probe_interval
         # The simulator never refuses for a full queue: experiments measure queueing.
+        step_tokens = min((r.profile.max_num_batched_tokens for r in replicas), default=2048)
         self.dispatcher = Dispatcher(policy, mode, max_outstanding=max_outstanding,
-                                     max_queue=1 << 62)
+                                     step_tokens=step_tokens, max_queue=1 << 62)
         self.dispatcher.set_targets({r.id: (r.engine_model,) for r in replicas})
         self._is_active = is_active
         self._on_rejected = on_rejected
@@ -148,7 +149,8 @@ class SimBalancer:
         now = self.loop.now
         for rid, rep in self.replicas.items():
             e = rep.engine
-            self.dispatcher.on_probe(rid, now, e.num_waiting, e.num_running, e.kv_usage)
+            self.dispatcher.on_probe(rid, now, e.num_waiting, e.num_running, e.kv_usage,
+                                     rep.profile.kv_capacity_tokens)
         self._pump()
         if self._is_active():
             self.loop.after(self.probe_interval, self._probe)

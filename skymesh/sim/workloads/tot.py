@@ -26,6 +26,10 @@ Parameters (defaults):
 - ``system_prompt_tokens`` = 150: the shared ToT instruction prefix
 - ``instruction_tokens`` = 12: the per-child instruction appended to the parent's context
 - ``think_time_s`` = 0.0: delay between the end of a tree and the client's next tree
+- ``output_scale`` = 1.0: multiplies each drawn output length (clamped to [16, 512]);
+  GSM8K reference answers are terser than an 8B model's reasoning steps (SGLang's
+  tree-of-thought benchmark asks for up to 80-200 words per step), so experiments that
+  want the paper's load use about 3
 - ``model`` = "default"
 """
 
@@ -100,6 +104,11 @@ class _Client:
 class TreeOfThoughtsWorkload(Workload):
     """Closed-loop tree-of-thoughts over GSM8K; see the module docstring."""
 
+    def _scaled(self, n: int) -> int:
+        if self.output_scale == 1.0:
+            return n
+        return min(MAX_OUTPUT_TOKENS, max(MIN_OUTPUT_TOKENS, round(n * self.output_scale)))
+
     name = "tot-gsm8k"
 
     def __init__(
@@ -114,9 +123,12 @@ class TreeOfThoughtsWorkload(Workload):
         system_prompt_tokens: int = 150,
         instruction_tokens: int = 12,
         think_time_s: float = 0.0,
+        output_scale: float = 1.0,
         model: str = "default",
     ) -> None:
         check_duration(duration_s)
+        if output_scale <= 0:
+            raise ValueError(f"output_scale must be positive, got {output_scale}")
         if branching < 1 or depth < 1:
             raise ValueError(f"branching and depth must be >= 1, got {branching}, {depth}")
         if system_prompt_tokens < 0:
@@ -133,6 +145,7 @@ class TreeOfThoughtsWorkload(Workload):
         self.branching = branching
         self.depth = depth
         self.think_time_s = think_time_s
+        self.output_scale = output_scale
         self.model = model
         self.question_tokens = load_question_tokens(data_file("gsm8k", "test.jsonl"))
         self.answer_tokens = load_answer_tokens(data_file("gsm8k", "train.jsonl"))
@@ -193,7 +206,8 @@ class TreeOfThoughtsWorkload(Workload):
         tree = _Tree(
             seq=client.started,
             question=question,
-            output_lens=[rng.choice(self.answer_tokens) for _ in range(self.nodes_per_tree)],
+            output_lens=[self._scaled(rng.choice(self.answer_tokens))
+                         for _ in range(self.nodes_per_tree)],
         )
         client.started += 1
         client.tree = tree

@@ -1,0 +1,677 @@
+"""Added latency and throughput cost of the balancer on the request path.
+
+What is measured
+    Streaming chat completions (short prompt, exactly ``OUTPUT_TOKENS`` output tokens via
+    ``ignore_eos`` + ``max_tokens``) sent to the same emulated replicas along several
+    paths, in the same run:
+
+    * ``direct``: the client round-robins over the replicas itself (the baseline);
+    * ``skymesh-lb rr/bp``: through ``skymesh-lb --policy round-robin --push-mode bp``:
+      blind pushing never holds a request back, so the difference to ``direct`` is the
+      proxy's own cost (parse, dispatch, two extra HTTP hops' worth of copying);
+    * ``skymesh-lb ll/sp-p``: the default mode (least-load with selective pushing), for
+      reference;
+    * ``sglang-router``: sglang-router (``--policy round_robin``) from PyPI, installed in
+      its own venv outside the repository (skipped with the reason if that fails).
+
+    Per request the client records TTFT (send to the first chunk with non-empty content)
+    and end-to-end latency (send to the end of the stream). Per path and rate: p50 and
+    p99 of both, and the *added* latency, i.e. the balancer's percentile minus the direct
+    path's percentile (a difference of percentiles: requests are not paired).
+
+How
+    Open loop: Poisson arrivals at each rate; the time at each rate is split into rounds
+    and every round runs every path once in a freshly shuffled order, so drift (thermal,
+    page cache, other tenants of this 2-core machine) cannot favour one path. Nothing
+    overlaps: a segment's requests all finish before the next segment starts. The client,
+    the replicas and the balancers share the machine's cores, so the table also shows the
+    client's send lag (actual send time minus the scheduled one), the machine's CPU busy
+    share and each process's CPU time per request; a large lag or a busy share near 100%
+    means the numbers measure contention as much as the proxy.
+
+    Closed loop: ``--concurrency`` clients, each sending its next request as soon as the
+    previous stream ends, for ``--closed-duration`` seconds per path; completed requests
+    per second is the path's maximum throughput on this machine (client-bound as much as
+    anything: every process shares the same 2 cores).
+
+Replicas run a fast profile (H100, time scale 0.05 by default: one decode step is
+~0.3 ms of wall time) so replica time does not swamp the measurement. asyncio's timers
+have 1 ms resolution (epoll), so the replica's steps come in ~1 ms bursts; every path
+sees the same replicas, and the direct path's spread shows that noise floor.
+
+    python -m skymesh.bench.overhead                          # defaults, ~4 minutes
+    python -m skymesh.bench.overhead --rates 50,200 --duration 4 --skip-sglang --json o.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from skymesh.engine.profiles import get_profile
+from skymesh.procs import Daemon, start_daemon
+
+DEFAULT_PROFILE = "llama3.1-8b-h100"
+DEFAULT_TIME_SCALE = 0.05
+DEFAULT_RATES = (20.0, 50.0, 100.0, 200.0)
+OUTPUT_TOKENS = 20
+PROMPT = "Tell me something short about load balancers."
+SGLANG_VERSION = "0.3.2"
+SGLANG_VENV = Path("/tmp/skymesh-bench-sglr")
+TARGET_P50_S = 0.001
+TARGET_P99_S = 0.005
+STARTUP_TIMEOUT_S = 60.0
+# Quiet time between segments: stragglers of one path must not load the next one.
+SETTLE_S = 0.1
+
+DIRECT = "direct"
+LB_BP = "skymesh-lb rr/bp"
+LB_DEFAULT = "skymesh-lb ll/sp-p"
+SGLR = "sglang-router"
+
+
+# -- processes -------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def ensure_sglang(venv: Path, version: str) -> tuple[Path | None, str]:
+    """The venv's python with ``sglang-router==version`` importable, or None and why.
+
+    Never the repository's venv: sglang-router pulls in its own dependency set.
+    """
+    py = venv / "bin" / "python"
+    check = [str(py), "-c",
+             "import importlib.metadata as m, sglang_router; print(m.version('sglang-router'))"]
+
+    def installed() -> str:
+        if not py.exists():
+            return ""
+        r = subprocess.run(check, capture_output=True, text=True, timeout=60)
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    try:
+        if installed() == version:
+            return py, f"sglang-router {version} in {venv}"
+        if not py.exists():
+            base = shutil.which("python3") or sys.executable
+            print(f"creating {venv} for sglang-router", flush=True)
+            r = subprocess.run([base, "-m", "venv", str(venv)], capture_output=True,
+                               text=True, timeout=300)
+            if r.returncode != 0:
+                return None, f"python3 -m venv {venv} failed: {(r.stderr or r.stdout)[-500:]}"
+        print(f"installing sglang-router=={version} into {venv}", flush=True)
+        r = subprocess.run([str(py), "-m", "pip", "install", "-q", f"sglang-router=={version}"],
+                           capture_output=True, text=True, timeout=1200)
+        if r.returncode != 0:
+            return None, f"pip install sglang-router=={version} failed: " \
+                         f"{(r.stderr or r.stdout)[-800:]}"
+        got = installed()
+        if got != version:
+            return None, f"sglang-router import check failed after install (got {got!r})"
+        return py, f"sglang-router {version} in {venv} (installed now)"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"could not set up sglang-router: {exc}"
+
+
+def start_sglang_router(py: Path, workers: Sequence[str]) -> Daemon:
+    port = _free_port()
+    fd, tmp = tempfile.mkstemp(prefix="sglang-router-", suffix=".log")
+    os.close(fd)
+    log_path = Path(tmp)
+    # Own prometheus port: the default (29000) may be taken by another router.
+    cmd = [str(py), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+           "--port", str(port), "--worker-urls", *workers, "--policy", "round_robin",
+           "--log-level", "warn", "--prometheus-host", "127.0.0.1",
+           "--prometheus-port", str(_free_port()), "--shutdown-grace-period-secs", "1"]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    return Daemon("sglang-router", proc, f"http://127.0.0.1:{port}", log_path, _owned_log=True)
+
+
+@dataclass
+class Stack:
+    """The processes under test; ``paths`` maps a path name to the URLs the client uses."""
+
+    replicas: list[Daemon]
+    proxies: dict[str, Daemon]
+    paths: dict[str, list[str]]
+    sglang_note: str
+
+
+async def _wait_ok(session: aiohttp.ClientSession, d: Daemon, method: str, path: str,
+                   body: bytes | None = None) -> None:
+    """Until ``method path`` answers 200: health for our daemons, a real request for
+    sglang-router (it registers workers after its port opens)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + STARTUP_TIMEOUT_S
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with session.request(method, d.url + path, data=body,
+                                       headers={"Content-Type": "application/json"},
+                                       timeout=aiohttp.ClientTimeout(total=10)) as r:
+                await r.read()
+                if r.status == 200:
+                    return
+        if loop.time() > deadline or not d.alive():
+            raise RuntimeError(f"{d.name} at {d.url} never became ready:\n{d.log()[-2000:]}")
+        await asyncio.sleep(0.1)
+
+
+async def start_stack(exits: contextlib.ExitStack, session: aiohttp.ClientSession,
+                      n_replicas: int, profile: str, time_scale: float, body: bytes,
+                      sglang_py: Path | None, sglang_note: str) -> Stack:
+    """Start everything; each process is registered on ``exits`` as soon as it exists."""
+    replicas: list[Daemon] = []
+    for i in range(n_replicas):
+        d = start_daemon("skymesh-replica", ["--port", "0", "--profile", profile,
+                                             "--time-scale", repr(time_scale),
+                                             "--seed", str(i)])
+        exits.callback(d.stop)
+        replicas.append(d)
+    await asyncio.gather(*(_wait_ok(session, d, "GET", "/health") for d in replicas))
+    urls = [d.url for d in replicas]
+    proxies: dict[str, Daemon] = {}
+    for name, policy, mode in ((LB_BP, "round-robin", "bp"), (LB_DEFAULT, "least-load", "sp-p")):
+        d = start_daemon("skymesh-lb", ["--port", "0", "--replicas", ",".join(urls),
+                                        "--policy", policy, "--push-mode", mode])
+        exits.callback(d.stop)
+        proxies[name] = d
+    if sglang_py is not None:
+        d = start_sglang_router(sglang_py, urls)
+        exits.callback(d.stop)
+        proxies[SGLR] = d
+    waits = [_wait_ok(session, d, "GET", "/ready") for n, d in proxies.items() if n != SGLR]
+    if SGLR in proxies:
+        waits.append(_wait_ok(session, proxies[SGLR], "POST", "/v1/chat/completions", body))
+    await asyncio.gather(*waits)
+    paths = {DIRECT: urls, **{n: [d.url] for n, d in proxies.items()}}
+    return Stack(replicas, proxies, paths, sglang_note)
+
+
+# -- CPU accounting --------------------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """(busy, total) jiffies over all cores since boot, from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [float(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0.0, 0.0
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0.0)
+    total = sum(vals[:8])
+    return total - idle, total
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` (all its threads)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (float(fields[11]) + float(fields[12])) / _TICK
+
+
+@dataclass
+class CpuMeter:
+    """CPU used between start() and stop(): machine busy share, client and processes."""
+
+    pids: dict[str, int]
+    busy: float = 0.0
+    total: float = 0.0
+    client_s: float = 0.0
+    procs_s: dict[str, float] = field(default_factory=dict)
+
+    def start(self) -> None:
+        self.busy, self.total = _machine_cpu()
+        self.client_s = time.process_time()
+        self.procs_s = {k: _proc_cpu_s(p) for k, p in self.pids.items()}
+
+    def stop(self) -> dict[str, float]:
+        busy, total = _machine_cpu()
+        out = {"machine_busy": (busy - self.busy) / (total - self.total)
+               if total > self.total else 0.0,
+               "client": time.process_time() - self.client_s}
+        for k, p in self.pids.items():
+            out[k] = _proc_cpu_s(p) - self.procs_s[k]
+        return out
+
+
+# -- the client ------------------------------------------------------------------------
+@dataclass(slots=True)
+class Sample:
+    due: float
+    sent: float = 0.0
+    first: float | None = None
+    done: float | None = None
+    tokens: int = 0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.first is not None and self.done is not None
+
+
+def _content_events(block: bytes) -> int:
+    """Chunks with non-empty content in complete SSE events (compact JSON fast path)."""
+    n = 0
+    for ev in block.split(b"\n\n"):
+        if b'"content"' not in ev:
+            continue
+        if b'"content":"' in ev:
+            n += b'"content":""' not in ev
+            continue
+        # Some other serialisation (spaces after colons): parse it properly.
+        with contextlib.suppress(ValueError, IndexError, KeyError, TypeError):
+            data = json.loads(ev.split(b"data:", 1)[1])
+            n += bool(data["choices"][0]["delta"].get("content"))
+    return n
+
+
+async def request_once(session: aiohttp.ClientSession, url: str, body: bytes,
+                       due: float) -> Sample:
+    """One streaming chat request; times on the loop's (monotonic) clock."""
+    loop = asyncio.get_running_loop()
+    s = Sample(due=due)
+    s.sent = loop.time()
+    buf = b""
+    finished = False
+    try:
+        async with session.post(url + "/v1/chat/completions", data=body,
+                                headers={"Content-Type": "application/json"}) as resp:
+            if resp.status != 200:
+                s.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return s
+            # Whole reads, split on event boundaries: cheaper than a readline per line,
+            # which matters when the client shares 2 cores with what it measures.
+            async for chunk in resp.content.iter_any():
+                now = loop.time()
+                buf += chunk
+                cut = buf.rfind(b"\n\n")
+                if cut < 0:
+                    continue
+                block, buf = buf[:cut], buf[cut + 2:]
+                n = _content_events(block)
+                if n and s.first is None:
+                    s.first = now
+                s.tokens += n
+                if b"data: [DONE]" in block:
+                    finished = True
+            s.done = loop.time()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        s.error = f"{type(exc).__name__}: {exc}"
+        return s
+    if not finished:
+        s.error = "stream ended without [DONE]"
+    elif s.tokens != OUTPUT_TOKENS:
+        s.error = f"{s.tokens} content chunks, expected {OUTPUT_TOKENS}"
+    return s
+
+
+async def open_loop_segment(session: aiohttp.ClientSession, urls: Sequence[str], body: bytes,
+                            rate: float, seconds: float, rng: random.Random) -> list[Sample]:
+    """Poisson arrivals at ``rate`` for ``seconds``; returns when every request ended."""
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task[Sample]] = []
+    t0 = loop.time() + 0.005
+    t = rng.expovariate(rate)
+    i = 0
+    while t < seconds:
+        due = t0 + t
+        delay = due - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(request_once(session, urls[i % len(urls)], body, due)))
+        i += 1
+        t += rng.expovariate(rate)
+    return list(await asyncio.gather(*tasks))
+
+
+async def closed_loop(session: aiohttp.ClientSession, urls: Sequence[str], body: bytes,
+                      concurrency: int, seconds: float, warmup: float = 0.5
+                      ) -> tuple[list[Sample], float]:
+    """``concurrency`` back-to-back clients; the samples that ended inside the window."""
+    loop = asyncio.get_running_loop()
+    start = loop.time() + warmup
+    end = start + seconds
+    counter = iter(range(1 << 62))
+    kept: list[Sample] = []
+
+    async def worker() -> None:
+        while loop.time() < end:
+            s = await request_once(session, urls[next(counter) % len(urls)], body, loop.time())
+            if start <= (s.done or s.sent) <= end:
+                kept.append(s)
+            if s.error:
+                await asyncio.sleep(0.01)  # a failing path must not spin the client
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return kept, seconds
+
+
+# -- statistics ------------------------------------------------------------------------
+def _pct(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else None
+
+
+def summarize(samples: Sequence[Sample], cpu: dict[str, float], wall_s: float,
+              proxy_key: str | None) -> dict[str, Any]:
+    ok = [s for s in samples if s.ok]
+    ttft = [s.first - s.sent for s in ok if s.first is not None]
+    e2e = [s.done - s.sent for s in ok if s.done is not None]
+    lag = [max(0.0, s.sent - s.due) for s in samples]
+    n = len(samples)
+    errors = [s.error for s in samples if not s.ok]
+    replica_cpu = sum(v for k, v in cpu.items() if k.startswith("replica"))
+    return {
+        "requests": n,
+        "errors": len(errors),
+        "error_examples": sorted(set(errors))[:3],
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+        "e2e_p50_s": _pct(e2e, 50), "e2e_p99_s": _pct(e2e, 99),
+        "send_lag_p50_s": _pct(lag, 50), "send_lag_p99_s": _pct(lag, 99),
+        "send_lag_max_s": max(lag, default=None),
+        "machine_cpu_busy": cpu.get("machine_busy", 0.0),
+        "client_cpu_s_per_req": cpu.get("client", 0.0) / n if n else None,
+        "replica_cpu_s_per_req": replica_cpu / n if n else None,
+        "proxy_cpu_s_per_req": (cpu.get(proxy_key, 0.0) / n if n and proxy_key else None),
+        "wall_s": wall_s,
+    }
+
+
+def _merge_cpu(acc: dict[str, float], cpu: dict[str, float], wall: float) -> None:
+    # machine_busy is a share: weight it by wall time, divide at the end.
+    for k, v in cpu.items():
+        acc[k] = acc.get(k, 0.0) + (v * wall if k == "machine_busy" else v)
+
+
+def added(results: dict[str, dict[str, Any]], path: str) -> dict[str, float | None]:
+    """Balancer minus direct, per percentile (None where either side has no data)."""
+    out: dict[str, float | None] = {}
+    base, mine = results[DIRECT], results[path]
+    for key in ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s"):
+        a, b = mine.get(key), base.get(key)
+        out[key] = None if a is None or b is None else a - b
+    return out
+
+
+# -- the run ---------------------------------------------------------------------------
+@dataclass
+class Options:
+    replicas: int = 2
+    rates: tuple[float, ...] = DEFAULT_RATES
+    duration: float = 10.0
+    round_seconds: float = 2.0
+    concurrency: int = 64
+    closed_duration: float = 5.0
+    profile: str = DEFAULT_PROFILE
+    time_scale: float = DEFAULT_TIME_SCALE
+    skip_sglang: bool = False
+    sglang_venv: Path = SGLANG_VENV
+    seed: int = 0
+
+
+def _body(model: str) -> bytes:
+    return json.dumps({"model": model, "stream": True, "max_tokens": OUTPUT_TOKENS,
+                       "ignore_eos": True,
+                       "messages": [{"role": "user", "content": PROMPT}]}).encode()
+
+
+async def _warm(session: aiohttp.ClientSession, urls: Sequence[str], body: bytes) -> None:
+    # Sequential requests, then a burst: opens pooled keep-alive connections on every hop
+    # (client -> proxy -> replica) before anything is timed.
+    loop = asyncio.get_running_loop()
+    for i in range(20):
+        await request_once(session, urls[i % len(urls)], body, loop.time())
+    await asyncio.gather(*(request_once(session, urls[i % len(urls)], body, loop.time())
+                           for i in range(32)))
+
+
+def _pids(stack: Stack) -> dict[str, int]:
+    pids = {f"replica{i}": d.proc.pid for i, d in enumerate(stack.replicas)}
+    pids.update({name: d.proc.pid for name, d in stack.proxies.items()})
+    return pids
+
+
+async def run(opts: Options) -> dict[str, Any]:
+    profile = get_profile(opts.profile)
+    body = _body(profile.model)
+    # One decode step of one short sequence, in wall seconds at this time scale.
+    step_s = profile.step_time(0, 0, 1, 64) * opts.time_scale
+    sglang_py: Path | None = None
+    sglang_note = "skipped (--skip-sglang)"
+    if not opts.skip_sglang:
+        sglang_py, sglang_note = ensure_sglang(opts.sglang_venv, SGLANG_VERSION)
+        if sglang_py is None:
+            print(f"sglang-router column skipped: {sglang_note}", flush=True)
+    out: dict[str, Any] = {
+        "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()},
+                   "output_tokens": OUTPUT_TOKENS, "prompt": PROMPT,
+                   "decode_step_s": step_s, "cores": os.cpu_count()},
+        "sglang": sglang_note,
+        "targets": {"added_p50_s": TARGET_P50_S, "added_p99_s": TARGET_P99_S},
+        "open_loop": {}, "added": {}, "closed_loop": {},
+    }
+    rng = random.Random(opts.seed)
+    timeout = aiohttp.ClientTimeout(total=60, sock_connect=5)
+    with contextlib.ExitStack() as exits:
+        # No connection cap: an open-loop client must never queue requests on its side.
+        async with aiohttp.ClientSession(timeout=timeout,
+                                         connector=aiohttp.TCPConnector(limit=0)) as session:
+            stack = await start_stack(exits, session, opts.replicas, opts.profile,
+                                      opts.time_scale, body, sglang_py, sglang_note)
+            out["processes"] = {n: d.url for n, d in stack.proxies.items()}
+            out["processes"]["replicas"] = [d.url for d in stack.replicas]
+            names = list(stack.paths)
+            for name in names:
+                await _warm(session, stack.paths[name], body)
+            pids = _pids(stack)
+            rounds = max(1, round(opts.duration / opts.round_seconds))
+            seg_s = opts.duration / rounds
+            for rate in opts.rates:
+                samples: dict[str, list[Sample]] = {n: [] for n in names}
+                cpu: dict[str, dict[str, float]] = {n: {} for n in names}
+                walls = dict.fromkeys(names, 0.0)
+                for _ in range(rounds):
+                    order = names[:]
+                    rng.shuffle(order)
+                    for name in order:
+                        meter = CpuMeter(pids)
+                        meter.start()
+                        w0 = time.monotonic()
+                        got = await open_loop_segment(session, stack.paths[name], body, rate,
+                                                      seg_s, rng)
+                        wall = time.monotonic() - w0
+                        _merge_cpu(cpu[name], meter.stop(), wall)
+                        walls[name] += wall
+                        samples[name].extend(got)
+                        await asyncio.sleep(SETTLE_S)
+                per_path = {}
+                for name in names:
+                    c = cpu[name]
+                    c["machine_busy"] = c.get("machine_busy", 0.0) / max(walls[name], 1e-9)
+                    per_path[name] = summarize(samples[name], c, walls[name],
+                                               None if name == DIRECT else name)
+                key = f"{rate:g}"
+                out["open_loop"][key] = per_path
+                out["added"][key] = {n: added(per_path, n) for n in names if n != DIRECT}
+                print(format_rate(rate, per_path, out["added"][key]), flush=True)
+            if opts.closed_duration > 0:
+                order = names[:]
+                rng.shuffle(order)
+                for name in order:
+                    meter = CpuMeter(pids)
+                    meter.start()
+                    kept, secs = await closed_loop(session, stack.paths[name], body,
+                                                   opts.concurrency, opts.closed_duration)
+                    c = meter.stop()
+                    res = summarize(kept, c, secs, None if name == DIRECT else name)
+                    res["throughput_rps"] = sum(1 for s in kept if s.ok) / secs
+                    out["closed_loop"][name] = res
+                    await asyncio.sleep(0.5)
+            for d in [*stack.replicas, *stack.proxies.values()]:
+                if not d.alive():
+                    out.setdefault("died", []).append(f"{d.name} {d.url}: {d.log()[-500:]}")
+    return out
+
+
+# -- report ----------------------------------------------------------------------------
+def _ms(v: float | None, width: int = 7, sign: bool = False) -> str:
+    if v is None:
+        return f"{'-':>{width}}"
+    return f"{v * 1e3:>+{width}.2f}" if sign else f"{v * 1e3:>{width}.2f}"
+
+
+def format_rate(rate: float, per_path: dict[str, dict[str, Any]],
+                add: dict[str, dict[str, float | None]]) -> str:
+    head = (f"{'path':<20} {'n':>5} {'err':>4} {'TTFT50':>7} {'TTFT99':>7} {'E2E50':>7} "
+            f"{'E2E99':>7} | {'+TTFT50':>7} {'+TTFT99':>7} {'+E2E50':>7} {'+E2E99':>7} | "
+            f"{'lag50':>6} {'lag99':>6} {'cpu%':>4} {'proxy':>5} {'repl':>5} {'clnt':>5}")
+    rows = [f"== {rate:g} req/s (ms; + = minus direct; lag = client send lag; cpu% = machine "
+            "busy; proxy/repl/clnt = CPU us per request) ==", head]
+
+    def us(v: float | None) -> str:
+        return f"{'-':>5}" if v is None else f"{v * 1e6:>5.0f}"
+
+    for name, r in per_path.items():
+        a = add.get(name, {})
+        rows.append(
+            f"{name:<20} {r['requests']:>5} {r['errors']:>4} {_ms(r['ttft_p50_s'])} "
+            f"{_ms(r['ttft_p99_s'])} {_ms(r['e2e_p50_s'])} {_ms(r['e2e_p99_s'])} | "
+            f"{_ms(a.get('ttft_p50_s'), sign=True)} {_ms(a.get('ttft_p99_s'), sign=True)} "
+            f"{_ms(a.get('e2e_p50_s'), sign=True)} {_ms(a.get('e2e_p99_s'), sign=True)} | "
+            f"{_ms(r['send_lag_p50_s'], 6)} {_ms(r['send_lag_p99_s'], 6)} "
+            f"{100 * r['machine_cpu_busy']:>4.0f} {us(r['proxy_cpu_s_per_req'])} "
+            f"{us(r['replica_cpu_s_per_req'])} {us(r['client_cpu_s_per_req'])}")
+        if r["errors"]:
+            rows.append(f"   errors: {r['error_examples']}")
+    return "\n".join(rows)
+
+
+def format_closed(res: dict[str, dict[str, Any]], concurrency: int) -> str:
+    rows = [f"== closed loop: {concurrency} concurrent streaming clients ==",
+            f"{'path':<20} {'req/s':>7} {'err':>4} {'E2E50':>7} {'E2E99':>7} {'cpu%':>4} "
+            f"{'proxy':>5} {'repl':>5} {'clnt':>5}  (ms; CPU us per request)"]
+    for name, r in res.items():
+        def us(v: float | None) -> str:
+            return f"{'-':>5}" if v is None else f"{v * 1e6:>5.0f}"
+        rows.append(f"{name:<20} {r['throughput_rps']:>7.0f} {r['errors']:>4} "
+                    f"{_ms(r['e2e_p50_s'])} {_ms(r['e2e_p99_s'])} "
+                    f"{100 * r['machine_cpu_busy']:>4.0f} {us(r['proxy_cpu_s_per_req'])} "
+                    f"{us(r['replica_cpu_s_per_req'])} {us(r['client_cpu_s_per_req'])}")
+    return "\n".join(rows)
+
+
+def verdict(out: dict[str, Any]) -> tuple[bool, list[str]]:
+    """Targets for skymesh-lb rr/bp: added TTFT and E2E within the limits at every rate,
+    and (when measured) no worse than sglang-router."""
+    lines: list[str] = []
+    ok = True
+    for rate, per in out["added"].items():
+        mine = per.get(LB_BP)
+        if mine is None:
+            continue
+        for key, limit in (("ttft_p50_s", TARGET_P50_S), ("ttft_p99_s", TARGET_P99_S),
+                           ("e2e_p50_s", TARGET_P50_S), ("e2e_p99_s", TARGET_P99_S)):
+            v = mine.get(key)
+            good = v is not None and v <= limit
+            sg = per.get(SGLR, {}).get(key)
+            # "No worse" with a noise allowance of a tenth of the limit: two differences
+            # of percentiles from different request sets are never exactly comparable.
+            vs_sglr = sg is None or (v is not None and v <= sg + 0.1 * limit)
+            ok = ok and good and vs_sglr
+            if not (good and vs_sglr):
+                lines.append(f"  {rate} req/s {key.replace('_s', '')}: added {_ms(v, 0)} ms "
+                             f"(limit {limit * 1e3:g} ms; sglang-router {_ms(sg, 0)} ms)")
+    return ok, lines
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m skymesh.bench.overhead",
+        description="Latency added by skymesh-lb (and sglang-router) over direct replica "
+                    "access, and closed-loop throughput per path.")
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES),
+                    help="comma-separated open-loop request rates (default: %(default)s)")
+    ap.add_argument("--duration", type=float, default=10.0,
+                    help="seconds per path per rate (default: %(default)s)")
+    ap.add_argument("--round-seconds", type=float, default=2.0,
+                    help="length of one interleaved segment (default: %(default)s)")
+    ap.add_argument("--concurrency", type=int, default=64,
+                    help="closed-loop clients (default: %(default)s)")
+    ap.add_argument("--closed-duration", type=float, default=5.0,
+                    help="closed-loop seconds per path; 0 skips it (default: %(default)s)")
+    ap.add_argument("--profile", default=DEFAULT_PROFILE)
+    ap.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE)
+    ap.add_argument("--skip-sglang", action="store_true", help="no sglang-router column")
+    ap.add_argument("--sglang-venv", type=Path, default=SGLANG_VENV,
+                    help="venv for sglang-router, created if missing (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, help="write every figure here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
+    except ValueError:
+        build_parser().error(f"--rates: not a list of numbers: {args.rates!r}")
+    if not rates or min(rates) <= 0 or args.replicas < 1 or args.duration <= 0:
+        build_parser().error("need positive --rates, --duration and --replicas")
+    get_profile(args.profile)  # fail on a bad name before starting anything
+    opts = Options(replicas=args.replicas, rates=rates, duration=args.duration,
+                   round_seconds=args.round_seconds, concurrency=args.concurrency,
+                   closed_duration=args.closed_duration, profile=args.profile,
+                   time_scale=args.time_scale, skip_sglang=args.skip_sglang,
+                   sglang_venv=args.sglang_venv, seed=args.seed)
+    step_ms = get_profile(args.profile).step_time(0, 0, 1, 64) * args.time_scale * 1e3
+    print(f"overhead: {args.replicas} x {args.profile} replicas at time scale "
+          f"{args.time_scale:g} (decode step {step_ms:.2f} ms wall), {OUTPUT_TOKENS} output "
+          f"tokens, streaming chat; {args.duration:g} s per path per rate in "
+          f"{args.round_seconds:g} s shuffled rounds; {os.cpu_count()} cores shared by all",
+          flush=True)
+    out = asyncio.run(run(opts))
+    print(f"sglang-router: {out['sglang']}")
+    if out["closed_loop"]:
+        print(format_closed(out["closed_loop"], opts.concurrency))
+    ok, misses = verdict(out)
+    out["pass"] = ok
+    print(f"{'PASS' if ok else 'MISS'}: skymesh-lb rr/bp added latency p50 <= "
+          f"{TARGET_P50_S * 1e3:g} ms, p99 <= {TARGET_P99_S * 1e3:g} ms, no worse than "
+          "sglang-router")
+    for line in misses:
+        print(line)
+    for line in out.get("died", []):
+        print(f"process died: {line}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
