@@ -75,6 +75,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         policy_params=_kv_params(args.policy_param, "--policy-param"),
         push_mode=args.push_mode,
         max_outstanding=args.max_outstanding,
+        **({"hold_s": args.hold} if args.hold is not None else {}),
         profile=args.profile,
         seed=args.seed,
         duration_s=args.duration,
@@ -90,6 +91,21 @@ def cmd_sim(args: argparse.Namespace) -> int:
     print(f"sim {cfg.workload} | policy {cfg.policy} ({cfg.push_mode}) | profile {cfg.profile}"
           f" | replicas {replicas}")
     _print_sim(res)
+    write_json(args.json, res)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.mode != "sim":
+        print(f"skymesh bench {args.experiment}: --mode {args.mode} is not available yet "
+              "(live runs arrive with the [bench] work)", file=sys.stderr)
+        return 2
+    if args.experiment == "sp-microbench":
+        from skymesh.bench import sp_microbench
+
+        res = sp_microbench.main(duration_s=args.duration or 300.0, seed=args.seed)
+    else:  # argparse restricts the choices
+        raise AssertionError(args.experiment)
     write_json(args.json, res)
     return 0
 
@@ -115,12 +131,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
     sp.add_argument("--push-mode", default="sp-p", choices=[m.value for m in PushMode])
     sp.add_argument("--max-outstanding", type=int, default=16, help="cap for --push-mode sp-o")
+    sp.add_argument("--hold", type=float, default=None, metavar="SECONDS",
+                    help="delay scheduling: how long a request may wait for the replica "
+                         "holding its prefix (default 2)")
     sp.add_argument("--probe-interval", type=float, default=0.1)
     sp.add_argument("--param", action="append", metavar="KEY=VALUE",
                     help="workload parameter (repeatable), e.g. clients_per_region=30")
     sp.add_argument("--policy-param", action="append", metavar="KEY=VALUE")
     sp.add_argument("--no-progress", action="store_true")
     sp.set_defaults(fn=cmd_sim)
+
+    bp = sub.add_parser("bench", help="reproduce an experiment and print its figures")
+    bp.add_argument("experiment", choices=["sp-microbench"])
+    bp.add_argument("--mode", choices=["sim", "live"], default="sim")
+    bp.add_argument("--json", default=None, metavar="PATH")
+    bp.add_argument("--duration", type=float, default=None,
+                    help="simulated seconds of client activity per run")
+    bp.add_argument("--seed", type=int, default=0)
+    bp.set_defaults(fn=cmd_bench)
     return ap
 
 

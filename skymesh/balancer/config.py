@@ -9,7 +9,8 @@ Example::
     region: us
     listen: {host: 127.0.0.1, port: 8080}
     policy: {name: prefix-tree, params: {}}
-    pushing: {mode: sp-p, max_outstanding: 16, kv_headroom: 0.9, step_tokens: 2048}
+    pushing: {mode: sp-p, max_outstanding: 16, kv_headroom: 0.9, step_tokens: 2048,
+              hold_s: 2.0, window: 16}
     queue: {max_length: 1024, timeout_s: 60}
     limits: {max_body_bytes: 4194304}
     probe: {interval_s: 0.1, timeout_s: 1.0, failure_threshold: 3, success_threshold: 2}
@@ -55,6 +56,8 @@ class PushingConfig(_Strict):
     max_outstanding: int = Field(16, ge=1)
     kv_headroom: float = Field(0.9, gt=0, le=1)
     step_tokens: int = Field(2048, ge=1)
+    hold_s: float = Field(2.0, ge=0)
+    window: int = Field(16, ge=1)
 
 
 class QueueConfig(_Strict):

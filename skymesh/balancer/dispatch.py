@@ -34,6 +34,12 @@ from skymesh.policies.load import (
 )
 
 _ids = itertools.count()
+# How long a request may wait for the replica its policy prefers (the one holding its
+# prefix) while another could take it. Measured in the simulator (tot-gsm8k, 4 x L4,
+# prefix-tree, SP-P): 0 s loses locality under load (hit rate 52%, 8.6 req/s at 120
+# clients), 2 s keeps most of it (75%, 11.9 req/s), above blind pushing's 12.1 req/s only
+# from about 5 s; 2 s bounds the latency it can add.
+DEFAULT_HOLD_S = 2.0
 
 
 @dataclass(eq=False, slots=True)
@@ -46,6 +52,7 @@ class Ticket:
     excluded: set[str] = field(default_factory=set)
     attempts: int = 0
     queued: bool = False
+    held_since: float | None = None
     key: str = field(default_factory=lambda: f"t{next(_ids)}")
 
 
@@ -67,6 +74,8 @@ class Dispatcher:
         max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
         kv_headroom: float = DEFAULT_KV_HEADROOM,
         step_tokens: int = DEFAULT_STEP_TOKENS,
+        hold_s: float = DEFAULT_HOLD_S,
+        window: int = 16,
         max_queue: int = 1024,
         breaker_threshold: int = 5,
         breaker_open_s: float = 10.0,
@@ -76,6 +85,8 @@ class Dispatcher:
         self.max_outstanding = max_outstanding
         self.kv_headroom = kv_headroom
         self.step_tokens = step_tokens
+        self.hold_s = hold_s
+        self.window = window
         self.max_queue = max_queue
         self._breaker_args = (breaker_threshold, breaker_open_s)
         self.targets: dict[str, Target] = {}
@@ -168,24 +179,52 @@ class Dispatcher:
         ]
 
     def pump(self, now: float) -> list[Ticket]:
-        """Dispatch every queue head that has a candidate; returns the dispatched tickets."""
+        """Dispatch what can go now; returns the dispatched tickets.
+
+        FCFS per model, with bounded delay scheduling when ``hold_s`` > 0: a request whose
+        policy prefers a target that is busy right now (the replica holding its prefix)
+        may wait up to ``hold_s`` for it, while the requests behind it, up to ``window``
+        deep, take the replicas that are free. Past ``hold_s`` it goes to any candidate.
+        """
         self.now = now
         out: list[Ticket] = []
         for q in self.queues.values():
             while q:
-                ticket = q[0]
-                cands = self.candidates(ticket, now)
-                if not cands:
+                picked = self._pick(q, now)
+                if picked is None:
                     break
-                target = self.policy.select(ticket.route, cands, self)
-                if target is None:
-                    break
-                q.popleft()
+                i, ticket, target = picked
+                del q[i]
                 ticket.queued = False
                 self.queued -= 1
                 self._assign(ticket, target, now)
                 out.append(ticket)
         return out
+
+    def _pick(self, q: deque[Ticket], now: float) -> tuple[int, Ticket, str] | None:
+        depth = min(len(q), self.window) if self.hold_s > 0 else 1
+        for i in range(depth):
+            ticket = q[i]
+            cands = self.candidates(ticket, now)
+            if not cands:
+                if self.hold_s > 0:
+                    continue
+                return None
+            if self.hold_s > 0 and (ticket.held_since is None
+                                    or now - ticket.held_since < self.hold_s):
+                serving = [tid for tid, t in self.targets.items()
+                           if ticket.route.model in t.models and t.healthy]
+                pref = self.policy.preferred(ticket.route, serving, self)
+                if pref is not None and pref not in cands:
+                    # The hold counts from the first time another replica could have
+                    # taken it: it bounds the delay locality adds, not the queueing.
+                    if ticket.held_since is None:
+                        ticket.held_since = now
+                    continue
+            target = self.policy.select(ticket.route, cands, self)
+            if target is not None:
+                return i, ticket, target
+        return None
 
     def _assign(self, ticket: Ticket, target: str, now: float) -> None:
         t = self.targets[target]

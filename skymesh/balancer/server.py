@@ -79,6 +79,7 @@ class Balancer:
         self.dispatcher = Dispatcher(
             policy, cfg.pushing.mode, max_outstanding=cfg.pushing.max_outstanding,
             kv_headroom=cfg.pushing.kv_headroom, step_tokens=cfg.pushing.step_tokens,
+            hold_s=cfg.pushing.hold_s, window=cfg.pushing.window,
             max_queue=cfg.queue.max_length, breaker_threshold=cfg.breaker.failure_threshold,
             breaker_open_s=cfg.breaker.open_s,
         )

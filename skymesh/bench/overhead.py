@@ -81,6 +81,12 @@ STARTUP_TIMEOUT_S = 60.0
 # Quiet time between segments: stragglers of one path must not load the next one.
 SETTLE_S = 0.1
 
+LEGEND = """\
+columns: latencies in ms, measured by the client from send; +X = X minus the direct path's X
+(same rate, same replicas); lag = client send lag (actual send - Poisson schedule);
+cpu% = whole machine busy, oth% = part of it used by processes outside this benchmark;
+proxy / repl / clnt = CPU microseconds per request of the proxy, all replicas, the client"""
+
 DIRECT = "direct"
 LB_BP = "skymesh-lb rr/bp"
 LB_DEFAULT = "skymesh-lb ll/sp-p"
@@ -252,11 +258,15 @@ class CpuMeter:
 
     def stop(self) -> dict[str, float]:
         busy, total = _machine_cpu()
-        out = {"machine_busy": (busy - self.busy) / (total - self.total)
-               if total > self.total else 0.0,
-               "client": time.process_time() - self.client_s}
+        span = (total - self.total) / _TICK  # core-seconds that passed
+        out = {"client": time.process_time() - self.client_s}
         for k, p in self.pids.items():
             out[k] = _proc_cpu_s(p) - self.procs_s[k]
+        ours = sum(out.values())
+        out["machine_busy"] = (busy - self.busy) / _TICK / span if span > 0 else 0.0
+        # Everything else on the machine (other tenants): CPU our measurement competes with.
+        out["foreign_busy"] = max(0.0, (busy - self.busy) / _TICK - ours) / span \
+            if span > 0 else 0.0
         return out
 
 
@@ -394,7 +404,9 @@ def summarize(samples: Sequence[Sample], cpu: dict[str, float], wall_s: float,
         "e2e_p50_s": _pct(e2e, 50), "e2e_p99_s": _pct(e2e, 99),
         "send_lag_p50_s": _pct(lag, 50), "send_lag_p99_s": _pct(lag, 99),
         "send_lag_max_s": max(lag, default=None),
+        "ttft_min_s": min(ttft, default=None), "e2e_min_s": min(e2e, default=None),
         "machine_cpu_busy": cpu.get("machine_busy", 0.0),
+        "foreign_cpu_busy": cpu.get("foreign_busy", 0.0),
         "client_cpu_s_per_req": cpu.get("client", 0.0) / n if n else None,
         "replica_cpu_s_per_req": replica_cpu / n if n else None,
         "proxy_cpu_s_per_req": (cpu.get(proxy_key, 0.0) / n if n and proxy_key else None),
@@ -403,16 +415,17 @@ def summarize(samples: Sequence[Sample], cpu: dict[str, float], wall_s: float,
 
 
 def _merge_cpu(acc: dict[str, float], cpu: dict[str, float], wall: float) -> None:
-    # machine_busy is a share: weight it by wall time, divide at the end.
+    # The *_busy values are shares: weight them by wall time, divide at the end.
     for k, v in cpu.items():
-        acc[k] = acc.get(k, 0.0) + (v * wall if k == "machine_busy" else v)
+        acc[k] = acc.get(k, 0.0) + (v * wall if k.endswith("_busy") else v)
 
 
 def added(results: dict[str, dict[str, Any]], path: str) -> dict[str, float | None]:
     """Balancer minus direct, per percentile (None where either side has no data)."""
     out: dict[str, float | None] = {}
     base, mine = results[DIRECT], results[path]
-    for key in ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s"):
+    for key in ("ttft_min_s", "ttft_p50_s", "ttft_p99_s", "e2e_min_s", "e2e_p50_s",
+                "e2e_p99_s"):
         a, b = mine.get(key), base.get(key)
         out[key] = None if a is None or b is None else a - b
     return out
@@ -512,7 +525,8 @@ async def run(opts: Options) -> dict[str, Any]:
                 per_path = {}
                 for name in names:
                     c = cpu[name]
-                    c["machine_busy"] = c.get("machine_busy", 0.0) / max(walls[name], 1e-9)
+                    for k in ("machine_busy", "foreign_busy"):
+                        c[k] = c.get(k, 0.0) / max(walls[name], 1e-9)
                     per_path[name] = summarize(samples[name], c, walls[name],
                                                None if name == DIRECT else name)
                 key = f"{rate:g}"
@@ -549,9 +563,9 @@ def format_rate(rate: float, per_path: dict[str, dict[str, Any]],
                 add: dict[str, dict[str, float | None]]) -> str:
     head = (f"{'path':<20} {'n':>5} {'err':>4} {'TTFT50':>7} {'TTFT99':>7} {'E2E50':>7} "
             f"{'E2E99':>7} | {'+TTFT50':>7} {'+TTFT99':>7} {'+E2E50':>7} {'+E2E99':>7} | "
-            f"{'lag50':>6} {'lag99':>6} {'cpu%':>4} {'proxy':>5} {'repl':>5} {'clnt':>5}")
-    rows = [f"== {rate:g} req/s (ms; + = minus direct; lag = client send lag; cpu% = machine "
-            "busy; proxy/repl/clnt = CPU us per request) ==", head]
+            f"{'lag50':>6} {'lag99':>6} {'cpu%':>4} {'oth%':>4} {'proxy':>5} {'repl':>5} "
+            f"{'clnt':>5}")
+    rows = [f"== {rate:g} req/s ==", head]
 
     def us(v: float | None) -> str:
         return f"{'-':>5}" if v is None else f"{v * 1e6:>5.0f}"
@@ -564,8 +578,9 @@ def format_rate(rate: float, per_path: dict[str, dict[str, Any]],
             f"{_ms(a.get('ttft_p50_s'), sign=True)} {_ms(a.get('ttft_p99_s'), sign=True)} "
             f"{_ms(a.get('e2e_p50_s'), sign=True)} {_ms(a.get('e2e_p99_s'), sign=True)} | "
             f"{_ms(r['send_lag_p50_s'], 6)} {_ms(r['send_lag_p99_s'], 6)} "
-            f"{100 * r['machine_cpu_busy']:>4.0f} {us(r['proxy_cpu_s_per_req'])} "
-            f"{us(r['replica_cpu_s_per_req'])} {us(r['client_cpu_s_per_req'])}")
+            f"{100 * r['machine_cpu_busy']:>4.0f} {100 * r['foreign_cpu_busy']:>4.0f} "
+            f"{us(r['proxy_cpu_s_per_req'])} {us(r['replica_cpu_s_per_req'])} "
+            f"{us(r['client_cpu_s_per_req'])}")
         if r["errors"]:
             rows.append(f"   errors: {r['error_examples']}")
     return "\n".join(rows)
@@ -574,14 +589,15 @@ def format_rate(rate: float, per_path: dict[str, dict[str, Any]],
 def format_closed(res: dict[str, dict[str, Any]], concurrency: int) -> str:
     rows = [f"== closed loop: {concurrency} concurrent streaming clients ==",
             f"{'path':<20} {'req/s':>7} {'err':>4} {'E2E50':>7} {'E2E99':>7} {'cpu%':>4} "
-            f"{'proxy':>5} {'repl':>5} {'clnt':>5}  (ms; CPU us per request)"]
+            f"{'oth%':>4} {'proxy':>5} {'repl':>5} {'clnt':>5}"]
     for name, r in res.items():
         def us(v: float | None) -> str:
             return f"{'-':>5}" if v is None else f"{v * 1e6:>5.0f}"
         rows.append(f"{name:<20} {r['throughput_rps']:>7.0f} {r['errors']:>4} "
                     f"{_ms(r['e2e_p50_s'])} {_ms(r['e2e_p99_s'])} "
-                    f"{100 * r['machine_cpu_busy']:>4.0f} {us(r['proxy_cpu_s_per_req'])} "
-                    f"{us(r['replica_cpu_s_per_req'])} {us(r['client_cpu_s_per_req'])}")
+                    f"{100 * r['machine_cpu_busy']:>4.0f} {100 * r['foreign_cpu_busy']:>4.0f} "
+                    f"{us(r['proxy_cpu_s_per_req'])} {us(r['replica_cpu_s_per_req'])} "
+                    f"{us(r['client_cpu_s_per_req'])}")
     return "\n".join(rows)
 
 
@@ -655,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
           f"tokens, streaming chat; {args.duration:g} s per path per rate in "
           f"{args.round_seconds:g} s shuffled rounds; {os.cpu_count()} cores shared by all",
           flush=True)
+    print(LEGEND, flush=True)
     out = asyncio.run(run(opts))
     print(f"sglang-router: {out['sglang']}")
     if out["closed_loop"]:

@@ -87,6 +87,13 @@ class Policy(ABC):
     ) -> str | None:
         """One of ``candidates``, or None to keep the request queued."""
 
+    def preferred(self, request: RouteRequest, targets: Sequence[str], view: LoadView
+                  ) -> str | None:
+        """The target this request would go to if every target were available, when the
+        policy has a locality reason to prefer one (None: no preference). The dispatcher
+        may hold a request briefly for its preferred target (delay scheduling)."""
+        return None
+
     def on_dispatch(self, request: RouteRequest, target: str, view: LoadView) -> None:
         """``request`` was sent to ``target``."""
 

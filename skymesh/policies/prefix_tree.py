@@ -52,6 +52,16 @@ class PrefixTree(Policy, name="prefix-tree"):
                 return self._least(matched, lambda c: view.load(c).outstanding)
         return self._least(candidates, lambda c: view.load(c).outstanding)
 
+    def preferred(self, request: RouteRequest, targets: Sequence[str], view: LoadView
+                  ) -> str | None:
+        keys = request.prefix_keys
+        if not keys or not targets:
+            return None
+        depth, matched = self.trie.match(keys, targets)
+        if matched and depth >= self.match_threshold * len(keys):
+            return self._least(matched, lambda c: view.load(c).outstanding)
+        return None
+
     def on_dispatch(self, request: RouteRequest, target: str, view: LoadView) -> None:
         self.trie.insert(request.prefix_keys, target)
 

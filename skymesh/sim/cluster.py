@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from skymesh.balancer.dispatch import Dispatcher, Ticket
+from skymesh.balancer.dispatch import DEFAULT_HOLD_S, Dispatcher, Ticket
 from skymesh.engine.core import Batch, Engine, Sequence, StepEvent
 from skymesh.engine.profiles import Profile
 from skymesh.policies.base import Policy, RouteRequest
@@ -115,6 +115,7 @@ class SimBalancer:
         probe_interval: float = 0.1,
         is_active: Callable[[], bool] = lambda: True,
         on_rejected: Callable[[RequestRecord], None] = lambda rec: None,
+        hold_s: float = DEFAULT_HOLD_S,
     ) -> None:
         self.name = name
         self.region = region
@@ -125,7 +126,8 @@ class SimBalancer:
         # The simulator never refuses for a full queue: experiments measure queueing.
         step_tokens = min((r.profile.max_num_batched_tokens for r in replicas), default=2048)
         self.dispatcher = Dispatcher(policy, mode, max_outstanding=max_outstanding,
-                                     step_tokens=step_tokens, max_queue=1 << 62)
+                                     step_tokens=step_tokens, hold_s=hold_s,
+                                     max_queue=1 << 62)
         self.dispatcher.set_targets({r.id: (r.engine_model,) for r in replicas})
         self._is_active = is_active
         self._on_rejected = on_rejected

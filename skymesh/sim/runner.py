@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from skymesh.balancer.dispatch import DEFAULT_HOLD_S
 from skymesh.engine.core import StepEvent
 from skymesh.engine.profiles import DEFAULT_PROFILE, get_profile
 from skymesh.policies import RouteRequest, build_policy
@@ -35,6 +36,7 @@ class SimConfig:
     policy_params: dict[str, Any] = field(default_factory=dict)
     push_mode: str = "sp-p"
     max_outstanding: int = 16
+    hold_s: float = DEFAULT_HOLD_S
     profile: str = DEFAULT_PROFILE
     seed: int = 0
     duration_s: float | None = None
@@ -104,6 +106,7 @@ class Simulation:
             self.balancers[region] = SimBalancer(
                 f"lb-{region}", region, reps, policy, self.loop, self.net, mode,
                 cfg.max_outstanding, cfg.probe_interval_s, self._active, self._on_rejected,
+                cfg.hold_s,
             )
         if not self.replicas:
             raise ValueError("the simulation needs at least one replica")

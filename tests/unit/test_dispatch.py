@@ -137,3 +137,56 @@ def test_membership_change_keeps_state_of_staying_targets() -> None:
     assert d.load("a").in_flight == 0
     d.set_targets({"z": ["m"]})
     d.complete(t, 0.0, ok=True)  # a late completion for a departed target is harmless
+
+
+def _prefer(target: str | None) -> Dispatcher:
+    from skymesh.policies.base import Policy
+
+    class Prefer(Policy):
+        def select(self, request, candidates, view):  # type: ignore[no-untyped-def]
+            return sorted(candidates)[0]
+
+        def preferred(self, request, targets, view):  # type: ignore[no-untyped-def]
+            return target if request.request_id.startswith("cached") else None
+
+    d = Dispatcher(Prefer(), PushMode.SP_O, max_outstanding=1, hold_s=2.0)
+    d.set_targets({"a": ["m"], "b": ["m"]})
+    return d
+
+
+def test_delay_scheduling_holds_a_request_for_its_replica_while_others_overtake() -> None:
+    d = _prefer("a")
+    busy = Ticket(RouteRequest("x", model="m"), 0.0)
+    d.offer(busy, 0.0)
+    assert [t.target for t in d.pump(0.0)] == ["a"]  # a is now full (cap 1)
+    held = Ticket(RouteRequest("cached-1", model="m"), 0.0)
+    other = Ticket(RouteRequest("plain-2", model="m"), 0.0)
+    d.offer(held, 0.0)
+    d.offer(other, 0.0)
+    # b is free, but the head prefers a: the request behind it takes b instead.
+    assert d.pump(0.1) == [other] and other.target == "b"
+    d.complete(busy, 0.5, ok=True)
+    assert d.pump(0.5) == [held] and held.target == "a"
+
+
+def test_a_held_request_goes_anywhere_once_its_hold_expires() -> None:
+    d = _prefer("a")
+    busy = Ticket(RouteRequest("x", model="m"), 0.0)
+    d.offer(busy, 0.0)
+    d.pump(0.0)
+    held = Ticket(RouteRequest("cached-1", model="m"), 0.0)
+    d.offer(held, 0.0)
+    assert d.pump(1.0) == []  # held since 1.0
+    assert d.pump(2.9) == []
+    assert d.pump(3.0) == [held] and held.target == "b"
+
+
+def test_no_hold_means_strict_fcfs() -> None:
+    d = _prefer("a")
+    d.hold_s = 0.0
+    busy = Ticket(RouteRequest("x", model="m"), 0.0)
+    d.offer(busy, 0.0)
+    d.pump(0.0)
+    held = Ticket(RouteRequest("cached-1", model="m"), 0.0)
+    d.offer(held, 0.0)
+    assert d.pump(0.1) == [held] and held.target == "b"
