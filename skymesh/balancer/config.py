@@ -47,7 +47,7 @@ class ListenConfig(_Strict):
 
 
 class PolicyConfig(_Strict):
-    name: str = "least-load"
+    name: str = "prefix-tree"
     params: dict[str, Any] = Field(default_factory=dict)
 
 
