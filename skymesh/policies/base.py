@@ -107,14 +107,12 @@ class Policy(ABC):
         """The candidate minimising ``key``, ties broken by the seeded RNG."""
         if not candidates:
             return None
-        best: list[str] = []
-        best_v: Any = None
-        for c in candidates:
-            v = key(c)
-            if best_v is None or v < best_v:
-                best, best_v = [c], v
-            elif v == best_v:
-                best.append(c)
+        if len(candidates) == 1:
+            return candidates[0]
+        # Two passes in C-level loops beat one Python loop with branches (hot path).
+        vals = [key(c) for c in candidates]
+        low = min(vals)
+        best = [c for c, v in zip(candidates, vals, strict=True) if v == low]
         return best[0] if len(best) == 1 else self.rng.choice(best)
 
 
