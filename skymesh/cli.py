@@ -104,6 +104,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from skymesh.bench import sp_microbench
 
         res = sp_microbench.main(duration_s=args.duration or 300.0, seed=args.seed)
+    elif args.experiment == "diurnal-cost":
+        from skymesh.bench import diurnal
+
+        res = diurnal.main(duration_s=args.duration or 600.0, seed=args.seed)
     else:  # argparse restricts the choices
         raise AssertionError(args.experiment)
     write_json(args.json, res)
@@ -142,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_sim)
 
     bp = sub.add_parser("bench", help="reproduce an experiment and print its figures")
-    bp.add_argument("experiment", choices=["sp-microbench"])
+    bp.add_argument("experiment", choices=["sp-microbench", "diurnal-cost"])
     bp.add_argument("--mode", choices=["sim", "live"], default="sim")
     bp.add_argument("--json", default=None, metavar="PATH")
     bp.add_argument("--duration", type=float, default=None,

@@ -11,6 +11,12 @@ A replica is a candidate for a request when it serves the model, is healthy, its
 allows a request, the pushing mode says it is available (``policies.load``), and the
 request has not already failed on it. Load counters have one owner, this class: up in
 :meth:`pump`, down in :meth:`complete`, whatever the outcome.
+
+With peers (``set_peers``) and forwarding on, routing has two layers (SkyLB Algorithm 1):
+a request that finds no available local replica goes to a peer balancer that is alive,
+has an available replica and a queue of at most ``tau`` (``policies.peers``), picked by a
+separate peer policy. A request a peer forwarded to us (``route.forwarded``) is served
+here or waits here: it is never forwarded again.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from skymesh.policies.load import (
     ReplicaLoad,
     is_available,
 )
+from skymesh.policies.peers import DEFAULT_TAU, ModelLoad, PeerLoad
 
 _ids = itertools.count()
 # How long a request may wait for the replica its policy prefers (the one holding its
@@ -53,6 +60,7 @@ class Ticket:
     attempts: int = 0
     queued: bool = False
     held_since: float | None = None
+    to_peer: bool = False  # the current target is a peer balancer
     key: str = field(default_factory=lambda: f"t{next(_ids)}")
 
 
@@ -77,6 +85,8 @@ class Dispatcher:
         hold_s: float = DEFAULT_HOLD_S,
         window: int = 16,
         max_queue: int = 1024,
+        peer_policy: Policy | None = None,
+        tau: int = DEFAULT_TAU,
         breaker_threshold: int = 5,
         breaker_open_s: float = 10.0,
     ) -> None:
@@ -90,13 +100,44 @@ class Dispatcher:
         self.max_queue = max_queue
         self._breaker_args = (breaker_threshold, breaker_open_s)
         self.targets: dict[str, Target] = {}
+        self.peer_policy = peer_policy
+        self.tau = tau
+        self.peers: dict[str, PeerLoad] = {}
         self.queues: dict[str, deque[Ticket]] = {}
         self.queued = 0
         self.now = 0.0  # the LoadView clock, set by every pump
 
     # -- LoadView ------------------------------------------------------------------------
-    def load(self, target: str) -> ReplicaLoad:
-        return self.targets[target].load
+    def load(self, target: str) -> ReplicaLoad | PeerLoad:
+        t = self.targets.get(target)
+        return t.load if t is not None else self.peers[target]
+
+    # -- peers ---------------------------------------------------------------------------
+    @property
+    def forwarding(self) -> bool:
+        return self.peer_policy is not None and bool(self.peers)
+
+    def set_peers(self, peer_ids: Iterable[str]) -> None:
+        """Replace the peer set; state survives for peers that stay."""
+        self.peers = {p: self.peers.get(p) or PeerLoad(p) for p in peer_ids}
+        if self.peer_policy is not None:
+            self.peer_policy.on_membership(sorted(self.peers))
+
+    def on_peer_heartbeat(self, peer: str, now: float, epoch: int, seq: int,
+                          models: dict[str, ModelLoad]) -> bool:
+        p = self.peers.get(peer)
+        return p is not None and p.on_heartbeat(now, epoch, seq, models)
+
+    def set_peer_alive(self, peer: str, alive: bool) -> None:
+        if peer in self.peers:
+            self.peers[peer].alive = alive
+
+    def peer_candidates(self, ticket: Ticket) -> list[str]:
+        if not self.forwarding or ticket.route.forwarded:
+            return []
+        model, tau = ticket.route.model, self.tau
+        return [pid for pid, p in self.peers.items()
+                if pid not in ticket.excluded and p.available_for(model, tau)]
 
     # -- membership ----------------------------------------------------------------------
     def set_targets(self, models_by_target: dict[str, Iterable[str]]) -> None:
@@ -193,20 +234,30 @@ class Dispatcher:
                 picked = self._pick(q, now)
                 if picked is None:
                     break
-                i, ticket, target = picked
+                i, ticket, target, to_peer = picked
                 del q[i]
                 ticket.queued = False
                 self.queued -= 1
-                self._assign(ticket, target, now)
+                if to_peer:
+                    self._assign_peer(ticket, target, now)
+                else:
+                    self._assign(ticket, target, now)
                 out.append(ticket)
         return out
 
-    def _pick(self, q: deque[Ticket], now: float) -> tuple[int, Ticket, str] | None:
+    def _pick(self, q: deque[Ticket], now: float) -> tuple[int, Ticket, str, bool] | None:
         depth = min(len(q), self.window) if self.hold_s > 0 else 1
         for i in range(depth):
             ticket = q[i]
             cands = self.candidates(ticket, now)
             if not cands:
+                # SkyLB Algorithm 1: no local replica can take it now -> an available peer.
+                peers = self.peer_candidates(ticket)
+                if peers:
+                    assert self.peer_policy is not None
+                    peer = self.peer_policy.select(ticket.route, peers, self)
+                    if peer is not None:
+                        return i, ticket, peer, True
                 if self.hold_s > 0:
                     continue
                 return None
@@ -223,11 +274,20 @@ class Dispatcher:
                     continue
             target = self.policy.select(ticket.route, cands, self)
             if target is not None:
-                return i, ticket, target
+                return i, ticket, target, False
         return None
+
+    def _assign_peer(self, ticket: Ticket, peer: str, now: float) -> None:
+        assert self.peer_policy is not None
+        ticket.target = peer
+        ticket.to_peer = True
+        ticket.attempts += 1
+        self.peers[peer].on_dispatch(ticket.key, ticket.route.model, now)
+        self.peer_policy.on_dispatch(ticket.route, peer, self)
 
     def _assign(self, ticket: Ticket, target: str, now: float) -> None:
         t = self.targets[target]
+        ticket.to_peer = False
         ticket.target = target
         ticket.attempts += 1
         t.load.on_dispatch(ticket.key, now, ticket.route.prompt_len)
@@ -236,6 +296,11 @@ class Dispatcher:
 
     # -- outcomes ------------------------------------------------------------------------
     def first_byte(self, ticket: Ticket) -> None:
+        if ticket.to_peer:
+            p = self.peers.get(ticket.target or "")
+            if p is not None:
+                p.on_first_byte(ticket.key)
+            return
         t = self.targets.get(ticket.target or "")
         if t is not None:
             t.load.on_first_byte(ticket.key)
@@ -248,6 +313,13 @@ class Dispatcher:
         if tid is None:
             return
         ticket.target = None
+        if ticket.to_peer:
+            p = self.peers.get(tid)
+            if p is not None:
+                p.on_complete(ticket.key)
+            if self.peer_policy is not None:
+                self.peer_policy.on_complete(ticket.route, tid, ok)
+            return
         t = self.targets.get(tid)
         if t is not None:
             t.load.on_complete(ticket.key)

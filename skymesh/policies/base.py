@@ -37,6 +37,9 @@ class RouteRequest:
     affinity_key: str | None = None
     output_len_hint: int | None = None
     deadline_s: float | None = None
+    # Set on a request a peer balancer forwarded to us: it is served by our replicas only
+    # and never forwarded again (one hop).
+    forwarded: bool = False
 
 
 class TargetLoad(Protocol):

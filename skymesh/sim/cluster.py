@@ -14,13 +14,14 @@ and network hops are event-loop delays.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from skymesh.balancer.dispatch import DEFAULT_HOLD_S, Dispatcher, Ticket
 from skymesh.engine.core import Batch, Engine, Sequence, StepEvent
 from skymesh.engine.profiles import Profile
 from skymesh.policies.base import Policy, RouteRequest
 from skymesh.policies.load import PushMode
+from skymesh.policies.peers import DEFAULT_TAU, ModelLoad
 from skymesh.sim.events import EventLoop
 from skymesh.sim.network import Network
 from skymesh.sim.workload import WorkItem
@@ -34,10 +35,13 @@ class RequestRecord:
     t_first: float = -1.0  # client receives the first token
     t_done: float = -1.0  # client receives the last token
     replica: str = ""
+    served_region: str = ""
     hit_tokens: int = 0
     ok: bool = False
     error: str = ""
-    ticket: Ticket | None = None
+    # The balancers the request went through, with their tickets: the origin first, then
+    # the peer it was forwarded to, if any.
+    path: list[tuple[SimBalancer, Ticket]] = field(default_factory=list)
 
 
 class SimReplica:
@@ -116,6 +120,9 @@ class SimBalancer:
         is_active: Callable[[], bool] = lambda: True,
         on_rejected: Callable[[RequestRecord], None] = lambda rec: None,
         hold_s: float = DEFAULT_HOLD_S,
+        peer_policy: Policy | None = None,
+        tau: int = DEFAULT_TAU,
+        heartbeat_interval: float = 0.2,
     ) -> None:
         self.name = name
         self.region = region
@@ -123,30 +130,51 @@ class SimBalancer:
         self.loop = loop
         self.net = net
         self.probe_interval = probe_interval
+        self.heartbeat_interval = heartbeat_interval
         # The simulator never refuses for a full queue: experiments measure queueing.
         step_tokens = min((r.profile.max_num_batched_tokens for r in replicas), default=2048)
         self.dispatcher = Dispatcher(policy, mode, max_outstanding=max_outstanding,
                                      step_tokens=step_tokens, hold_s=hold_s,
-                                     max_queue=1 << 62)
+                                     max_queue=1 << 62, peer_policy=peer_policy, tau=tau)
         self.dispatcher.set_targets({r.id: (r.engine_model,) for r in replicas})
+        self.peers: dict[str, SimBalancer] = {}
         self._is_active = is_active
         self._on_rejected = on_rejected
         self._probing = False
+        self._hb_seq = 0
         self.max_queue = 0
+        self.forwarded_out = 0
+        self.forwarded_in = 0
 
     @property
     def policy(self) -> Policy:
         return self.dispatcher.policy
 
+    def connect(self, peers: list[SimBalancer]) -> None:
+        self.peers = {p.name: p for p in peers if p is not self}
+        self.dispatcher.set_peers(self.peers)
+
+    # -- arrivals ------------------------------------------------------------------------
     def arrive(self, rec: RequestRecord) -> None:
-        rec.ticket = Ticket(rec.route, self.loop.now, payload=rec)
-        self.dispatcher.offer(rec.ticket, self.loop.now)
+        self._enqueue(rec, rec.route)
+
+    def arrive_forwarded(self, rec: RequestRecord) -> None:
+        self.forwarded_in += 1
+        self._enqueue(rec, replace(rec.route, forwarded=True))
+
+    def _enqueue(self, rec: RequestRecord, route: RouteRequest) -> None:
+        ticket = Ticket(route, self.loop.now, payload=rec)
+        rec.path.append((self, ticket))
+        self.dispatcher.offer(ticket, self.loop.now)
         if not self._probing:
             self._probing = True
             self._probe()
+            if self.peers:
+                self._heartbeat()
         else:
             self._pump()
 
+    # -- periodic signals ------------------------------------------------------------------
     def _probe(self) -> None:
         now = self.loop.now
         for rid, rep in self.replicas.items():
@@ -159,11 +187,45 @@ class SimBalancer:
         else:
             self._probing = False
 
+    def summary(self) -> dict[str, ModelLoad]:
+        """What this balancer's heartbeat says about it, per model."""
+        d = self.dispatcher
+        out: dict[str, ModelLoad] = {}
+        for model in d.models():
+            probe = Ticket(RouteRequest("hb", model=model), self.loop.now)
+            out[model] = ModelLoad(
+                available=len(d.candidates(probe, self.loop.now)),
+                total=sum(1 for t in d.targets.values() if model in t.models),
+                queue=d.queue_length(model),
+            )
+        return out
+
+    def _heartbeat(self) -> None:
+        self._hb_seq += 1
+        models = self.summary()
+        for peer in self.peers.values():
+            self.loop.after(self.net.one_way(self.region, peer.region), peer.on_heartbeat,
+                            self.name, self._hb_seq, models)
+        if self._is_active():
+            self.loop.after(self.heartbeat_interval, self._heartbeat)
+
+    def on_heartbeat(self, peer: str, seq: int, models: dict[str, ModelLoad]) -> None:
+        if self.dispatcher.on_peer_heartbeat(peer, self.loop.now, 0, seq, models):
+            self._pump()
+
+    # -- dispatch --------------------------------------------------------------------------
     def _pump(self) -> None:
         for ticket in self.dispatcher.pump(self.loop.now):
             rec: RequestRecord = ticket.payload
-            rec.replica = ticket.target or ""
-            rep = self.replicas[rec.replica]
+            target = ticket.target or ""
+            if ticket.to_peer:
+                peer = self.peers[target]
+                self.forwarded_out += 1
+                self.loop.after(self.net.one_way(self.region, peer.region),
+                                peer.arrive_forwarded, rec)
+                continue
+            rec.replica = target
+            rep = self.replicas[target]
             self.loop.after(self.net.one_way(self.region, rep.region), self._deliver, rec, rep)
         queued = self.dispatcher.queued
         if queued > self.max_queue:
@@ -174,16 +236,12 @@ class SimBalancer:
         if err is not None:
             # The replica answers 4xx at once (e.g. longer than the model's context).
             rec.error = err
-            back = self.net.one_way(rep.region, self.region)
-            self.loop.after(back, self.on_replica_done, rec, False)
-            self.loop.after(back, self._on_rejected, rec)
+            self._on_rejected(rec)
 
-    def on_first_byte(self, rec: RequestRecord) -> None:
-        assert rec.ticket is not None
-        self.dispatcher.first_byte(rec.ticket)
+    def on_first_byte(self, ticket: Ticket) -> None:
+        self.dispatcher.first_byte(ticket)
         self._pump()
 
-    def on_replica_done(self, rec: RequestRecord, ok: bool) -> None:
-        assert rec.ticket is not None
-        self.dispatcher.complete(rec.ticket, self.loop.now, ok=ok)
+    def on_done(self, ticket: Ticket, ok: bool) -> None:
+        self.dispatcher.complete(ticket, self.loop.now, ok=ok)
         self._pump()

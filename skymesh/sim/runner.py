@@ -20,6 +20,7 @@ from skymesh.engine.core import StepEvent
 from skymesh.engine.profiles import DEFAULT_PROFILE, get_profile
 from skymesh.policies import RouteRequest, build_policy
 from skymesh.policies.load import PushMode
+from skymesh.policies.peers import DEFAULT_TAU
 from skymesh.sim.cluster import RequestRecord, SimBalancer, SimReplica
 from skymesh.sim.events import EventLoop
 from skymesh.sim.metrics import percentiles, spread
@@ -37,6 +38,11 @@ class SimConfig:
     push_mode: str = "sp-p"
     max_outstanding: int = 16
     hold_s: float = DEFAULT_HOLD_S
+    # Cross-region forwarding (SkyLB's mesh). Off: region-local, each region on its own.
+    forwarding: bool = True
+    peer_policy: str = "prefix-tree"
+    tau: int = DEFAULT_TAU
+    heartbeat_interval_s: float = 0.2
     profile: str = DEFAULT_PROFILE
     seed: int = 0
     duration_s: float | None = None
@@ -98,18 +104,24 @@ class Simulation:
                 for i in range(cfg.replicas.get(region, 0))
             ]
             self.replicas.extend(reps)
-            if not reps:
+            if not reps and not cfg.forwarding:
                 continue
             policy = build_policy(
                 cfg.policy, cfg.policy_params, rng=random.Random(rng.getrandbits(32))
             )
+            peer_policy = (build_policy(cfg.peer_policy, rng=random.Random(rng.getrandbits(32)))
+                           if cfg.forwarding else None)
             self.balancers[region] = SimBalancer(
                 f"lb-{region}", region, reps, policy, self.loop, self.net, mode,
                 cfg.max_outstanding, cfg.probe_interval_s, self._active, self._on_rejected,
-                cfg.hold_s,
+                cfg.hold_s, peer_policy, cfg.tau, cfg.heartbeat_interval_s,
             )
         if not self.replicas:
             raise ValueError("the simulation needs at least one replica")
+        if cfg.forwarding:
+            for bal in self.balancers.values():
+                bal.connect(list(self.balancers.values()))
+        self._models = {r.engine_model for r in self.replicas}
 
     def _active(self) -> bool:
         return self.outstanding > 0 or self._arrivals_left
@@ -128,9 +140,9 @@ class Simulation:
         if bal is None:
             raise ValueError(
                 f"workload sent a request to region {item.region!r}, which has no replicas; "
-                "every region with clients needs replicas until cross-region forwarding lands"
+                "in region-local mode every region with clients needs replicas"
             )
-        if not bal.dispatcher.serves(item.model):
+        if item.model not in self._models:
             raise ValueError(f"workload asked for model {item.model!r}, which no replica serves")
         route = RouteRequest(
             request_id=item.request_id,
@@ -146,23 +158,32 @@ class Simulation:
         self.loop.after(self.net.local_one_way_s, bal.arrive, rec)
 
     # -- replica events ----------------------------------------------------------------
+    def _back_along(self, rec: RequestRecord, from_region: str, fn_name: str,
+                    *args: object) -> float:
+        """Deliver an event back along the request's path (serving balancer first, then
+        the origin); returns the delay until the client sees it."""
+        delay = 0.0
+        here = from_region
+        for bal, ticket in reversed(rec.path):
+            delay += self.net.one_way(here, bal.region)
+            self.loop.after(delay, getattr(bal, fn_name), ticket, *args)
+            here = bal.region
+        return delay + self.net.local_one_way_s
+
     def _on_event(self, rep: SimReplica, rec: RequestRecord, ev: StepEvent) -> None:
-        bal = self.balancers[rep.region]
-        back = self.net.one_way(rep.region, bal.region)
-        to_client = back + self.net.local_one_way_s
         now = self.loop.now
         if ev.first_token:
-            rec.t_first = now + to_client
             rec.hit_tokens = max(ev.seq.first_hit_tokens, 0)
-            self.loop.after(back, bal.on_first_byte, rec)
+            rec.t_first = now + self._back_along(rec, rep.region, "on_first_byte")
         if ev.finished:
             rec.ok = True
-            rec.t_done = now + to_client
-            self.loop.after(back, bal.on_replica_done, rec, True)
+            rec.served_region = rep.region
+            rec.t_done = now + self._back_along(rec, rep.region, "on_done", True)
             self.loop.at(rec.t_done, self._client_done, rec)
 
     def _on_rejected(self, rec: RequestRecord) -> None:
-        rec.t_done = self.loop.now + self.net.local_one_way_s
+        region = rec.path[-1][0].region
+        rec.t_done = self.loop.now + self._back_along(rec, region, "on_done", False)
         self.loop.at(rec.t_done, self._client_done, rec)
 
     def _client_done(self, rec: RequestRecord) -> None:
@@ -248,6 +269,16 @@ class Simulation:
         res.update(spread(self.spread_samples))
         res["preemptions"] = sum(r.engine.stats.num_preemptions for r in self.replicas)
         res["max_balancer_queue"] = max((b.max_queue for b in self.balancers.values()), default=0)
+        res["forwarding"] = self.cfg.forwarding
+        res["region_stats"] = {
+            region: {
+                "clients_requests": sum(1 for r in recs if r.item.region == region),
+                "served": sum(1 for r in done if r.served_region == region),
+                "forwarded_out": bal.forwarded_out,
+                "forwarded_in": bal.forwarded_in,
+            }
+            for region, bal in self.balancers.items()
+        }
         res["gpu_hours"] = len(self.replicas) * self.profile.num_gpus * sim_seconds / 3600.0
         res["sim_seconds"] = sim_seconds
         res["wall_seconds"] = wall
