@@ -52,6 +52,11 @@ def _print_sim(res: dict[str, Any]) -> None:
         ("simulated / wall", f"{res['sim_seconds']:.1f} s / {res['wall_seconds']:.2f} s "
                              f"({res['speedup']:.0f}x real time)"),
     ]
+    stats = res.get("region_stats", {})
+    if len(stats) > 1:
+        rows.append(("per region", ", ".join(
+            f"{r}: served {s['served']}, out {s['forwarded_out']}, in {s['forwarded_in']}"
+            for r, s in stats.items())))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
@@ -76,6 +81,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
         push_mode=args.push_mode,
         max_outstanding=args.max_outstanding,
         **({"hold_s": args.hold} if args.hold is not None else {}),
+        forwarding=not args.region_local,
+        peer_policy=args.peer_policy,
+        tau=args.tau,
         profile=args.profile,
         seed=args.seed,
         duration_s=args.duration,
@@ -125,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--workload", required=True,
                     help="mooncake-conversation, mooncake-synthetic, azure2023-code, "
                          "azure2023-conv, sharegpt-chat, tot-gsm8k, poisson")
-    sp.add_argument("--policy", default="least-load", choices=policy_names())
+    sp.add_argument("--policy", default="prefix-tree", choices=policy_names())
     sp.add_argument("--regions", default="us,eu,asia")
     sp.add_argument("--replicas", default="3", help="N (spread evenly) or us=4,eu=4,asia=4")
     sp.add_argument("--seed", type=int, default=0)
@@ -139,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="delay scheduling: how long a request may wait for the replica "
                          "holding its prefix (default 2)")
     sp.add_argument("--probe-interval", type=float, default=0.1)
+    sp.add_argument("--region-local", action="store_true",
+                    help="no cross-region forwarding (each region on its own replicas)")
+    sp.add_argument("--peer-policy", default="prefix-tree", choices=policy_names(),
+                    help="policy choosing among peer balancers when forwarding")
+    sp.add_argument("--tau", type=int, default=2,
+                    help="forward only to peers whose queue is at most this long")
     sp.add_argument("--param", action="append", metavar="KEY=VALUE",
                     help="workload parameter (repeatable), e.g. clients_per_region=30")
     sp.add_argument("--policy-param", action="append", metavar="KEY=VALUE")
