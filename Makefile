@@ -38,7 +38,7 @@ lint: install
 typecheck: lint
 
 bench: install
-	$(BIN)/python -m skymesh.bench.foundation
+	$(BIN)/python -m skymesh.bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache out
