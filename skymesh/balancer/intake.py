@@ -83,7 +83,9 @@ def parse_request(kind: str, raw: bytes, headers: Mapping[str, str]) -> Intake:
     return Intake(model, stream, text, affinity, deadline_ms, body)
 
 
-def route_request(request_id: str, intake: Intake) -> RouteRequest:
+def route_request(request_id: str, intake: Intake, *, prefix_keys: bool = True
+                  ) -> RouteRequest:
+    """``prefix_keys``: hash the prompt into chunk keys (only policies that read them)."""
     from skymesh.prefix.keys import text_prefix_keys
 
     body = intake.body
@@ -92,7 +94,7 @@ def route_request(request_id: str, intake: Intake) -> RouteRequest:
         request_id=request_id,
         model=intake.model,
         prompt_len=max(1, len(intake.prompt_text) // CHARS_PER_TOKEN),
-        prefix_keys=text_prefix_keys(intake.prompt_text),
+        prefix_keys=text_prefix_keys(intake.prompt_text) if prefix_keys else (),
         affinity_key=intake.affinity_key,
         output_len_hint=out if isinstance(out, int) else None,
     )

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import random
 import time
 import uuid
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -85,6 +87,10 @@ class Balancer:
         )
         self.replicas = {r.url: ReplicaHealth(r) for r in cfg.replicas}
         self.metrics = BalancerMetrics()
+        self._decision_counters: dict[str, Any] = {}
+        self._keys = policy.uses_prefix_keys
+        self._ids = itertools.count(1)
+        self._id_prefix = f"req-{uuid.uuid4().hex[:8]}-"
         self._session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task[None] | None = None
         self._apply_membership()
@@ -183,18 +189,30 @@ class Balancer:
 
     # -- dispatch ------------------------------------------------------------------------
     def _pump(self) -> None:
-        now = self.now()
         d = self.dispatcher
-        for ticket in d.pump(now):
+        if not d.queued:
+            return
+        for ticket in d.pump(self.now()):
             fut: asyncio.Future[None] = ticket.payload
             if not fut.done():
                 fut.set_result(None)
-            self.metrics.decisions.labels(d.policy.name, ticket.target).inc()
+            self._decisions(ticket.target or "").inc()
+
+    def _decisions(self, target: str) -> Any:
+        c = self._decision_counters.get(target)
+        if c is None:
+            c = self._decision_counters[target] = self.metrics.decisions.labels(
+                self.dispatcher.policy.name, target)
+        return c
+
+    def _refresh_gauges(self) -> None:
+        """Dispatcher state into gauges, at scrape time: off the request path."""
+        d, m = self.dispatcher, self.metrics
         for tid, t in d.targets.items():
-            self.metrics.replica_in_flight.labels(tid).set(t.load.in_flight)
-            self.metrics.breaker_state.labels(tid).set(int(t.breaker.state))
+            m.replica_in_flight.labels(tid).set(t.load.in_flight)
+            m.breaker_state.labels(tid).set(int(t.breaker.state))
         for model, q in d.queues.items():
-            self.metrics.queue_length.labels(model).set(len(q))
+            m.queue_length.labels(model).set(len(q))
 
     async def _wait_dispatch(self, ticket: Ticket, timeout: float) -> str:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -225,11 +243,11 @@ class Balancer:
             if not self.dispatcher.serves(model):
                 raise ModelNotFound(f"model {model!r} is not served here; see /v1/models",
                                     param="model")
-            rid = request.headers.get("X-Request-Id") or f"req-{uuid.uuid4().hex[:16]}"
+            rid = request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._ids)}"
             timeout = self.cfg.queue.timeout_s
             if intake.deadline_ms is not None:
                 timeout = min(timeout, intake.deadline_ms / 1000.0)
-            ticket = Ticket(route_request(rid, intake), t0)
+            ticket = Ticket(route_request(rid, intake, prefix_keys=self._keys), t0)
             self.dispatcher.offer(ticket, t0)
             resp, outcome = await self._serve(request, ticket, raw, intake.stream, t0, timeout)
             return resp
@@ -324,7 +342,7 @@ class Balancer:
             raise _ReplicaFault(str(exc) or type(exc).__name__) from exc
         # From here on the client has bytes: no more retries.
         self.dispatcher.first_byte(ticket)
-        self._pump()
+        self._pump()  # a no-op unless requests wait for exactly this
         self.metrics.ttft.labels(model).observe(self.now() - t0)
         resp = web.StreamResponse(status=up.status, headers=_copy_headers(up))
         await resp.prepare(request)
@@ -361,6 +379,7 @@ class Balancer:
                                   "replicas": len(self.replicas)}, status=status)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
+        self._refresh_gauges()
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": "text/plain; version=0.0.4"})
 

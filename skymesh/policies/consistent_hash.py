@@ -51,6 +51,8 @@ def request_key_hash(request: RouteRequest) -> int:
 
 
 class ConsistentHash(Policy, name="consistent-hash"):
+    uses_prefix_keys = True
+
     def __init__(self, *, virtual_nodes: int = 160, rng: random.Random | None = None) -> None:
         super().__init__(rng=rng)
         if virtual_nodes < 1:

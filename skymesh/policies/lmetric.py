@@ -59,6 +59,8 @@ from skymesh.prefix.trie import DEFAULT_MAX_NODES, PrefixTrie
 
 
 class LMetric(Policy, name="lmetric"):
+    uses_prefix_keys = True
+
     def __init__(
         self,
         *,

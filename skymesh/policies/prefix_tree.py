@@ -29,6 +29,8 @@ from skymesh.prefix.trie import DEFAULT_MAX_NODES, PrefixTrie
 
 
 class PrefixTree(Policy, name="prefix-tree"):
+    uses_prefix_keys = True
+
     def __init__(
         self,
         *,

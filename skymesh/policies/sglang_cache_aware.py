@@ -48,6 +48,8 @@ from skymesh.prefix.trie import DEFAULT_MAX_NODES, PrefixTrie
 
 
 class SglangCacheAware(Policy, name="sglang-cache-aware"):
+    uses_prefix_keys = True
+
     def __init__(
         self,
         *,
