@@ -122,6 +122,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_certs(args: argparse.Namespace) -> int:
+    from skymesh.mesh import certs
+
+    return certs.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from skymesh.policies import policy_names
     from skymesh.policies.load import PushMode
@@ -167,6 +173,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="simulated seconds of client activity per run")
     bp.add_argument("--seed", type=int, default=0)
     bp.set_defaults(fn=cmd_bench)
+
+    cp = sub.add_parser("certs", help="create the peering CA and per-balancer mTLS certificates")
+    cp.add_argument("--out", required=True, metavar="DIR", help="where to write (and find the CA)")
+    cp.add_argument("--ca", action="store_true", help="create the mesh CA (ca.crt, ca.key)")
+    cp.add_argument("--name", action="append", default=[], metavar="BALANCER_ID",
+                    help="issue a certificate for this balancer id (repeatable)")
+    cp.add_argument("--ip", action="append", default=None, metavar="ADDR",
+                    help="IP SAN for every --name (repeatable; default 127.0.0.1)")
+    cp.add_argument("--dns", action="append", default=[], metavar="HOST",
+                    help="extra DNS SAN for every --name (repeatable)")
+    cp.add_argument("--days", type=int, default=None,
+                    help="validity in days (default 3650 for the CA, 825 for balancers)")
+    cp.add_argument("--force", action="store_true", help="replace an existing CA")
+    cp.set_defaults(fn=cmd_certs)
     return ap
 
 

@@ -239,13 +239,16 @@ async def test_queue_timeout_gives_503(tmp_path: Path) -> None:
         stop_all([lb, *reps])
 
 
+SAMPLE_EVERY_S = 0.01  # a sampling cadence, not a wait for a condition
+
+
 async def _sample_waiting(s: aiohttp.ClientSession, reps: list[Daemon], stop: asyncio.Event,
                           out: list[float]) -> None:
     while not stop.is_set():
         for r in reps:
             m = await get_metrics(s, r.url)
             out.append(m["vllm:num_requests_waiting"])
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(SAMPLE_EVERY_S)
 
 
 async def _waiting_under_load(tmp_path: Path, mode: str) -> list[float]:
