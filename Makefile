@@ -5,17 +5,23 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-test
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test lint typecheck bench system-deps clean
+.PHONY: install demo test lint typecheck bench system-deps clean protos
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]' 2>&1 | grep -v "is ignored" || true
+	$(BIN)/python -m skymesh.mesh.codegen
 	$(BIN)/python -c "import skymesh, aiohttp, pytest" 
 	touch $@
 
 install: $(STAMP)
+
+# Peering stubs (protos/ -> skymesh/mesh/gen/, gitignored). Importing skymesh.mesh's
+# peering API also regenerates them when they are missing or stale.
+protos: $(STAMP)
+	$(BIN)/python -m skymesh.mesh.codegen --force
 
 # System pieces the tests need: redis-server (controller state store tests).
 system-deps:
