@@ -9,14 +9,13 @@ With ``--config``, the quick-start flags override the file's values when given.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from typing import Any
 
 from skymesh.balancer.config import ConfigError, load_config, parse_config
 from skymesh.balancer.server import build_app
-from skymesh.serving import serve_app
+from skymesh.serving import run, serve_app
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     detail = (f"region {cfg.region}, policy {cfg.policy.name}, {cfg.pushing.mode.value}, "
               f"{len(cfg.replicas)} replicas")
     try:
-        asyncio.run(serve_app(build_app(cfg), cfg.listen.host, cfg.listen.port,
+        run(serve_app(build_app(cfg), cfg.listen.host, cfg.listen.port,
                               "skymesh-lb", detail))
     except OSError as exc:
         print(f"skymesh-lb: {exc}", file=sys.stderr)

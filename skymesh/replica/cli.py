@@ -12,7 +12,6 @@ open requests are aborted, then the listener closes.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
@@ -20,7 +19,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 
 from skymesh.engine.profiles import DEFAULT_PROFILE, PROFILES
 from skymesh.replica.server import DEFAULT_MAX_BODY_BYTES, ReplicaConfig, create_app
-from skymesh.serving import serve_app
+from skymesh.serving import run, serve_app
 
 log = logging.getLogger("skymesh.replica")
 
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ReplicaConfig(profile=args.profile, model=args.model, seed=args.seed,
                            time_scale=args.time_scale, max_body_bytes=args.max_body_bytes)
     try:
-        asyncio.run(serve(config, args.host, args.port))
+        run(serve(config, args.host, args.port))
     except OSError as exc:
         print(f"skymesh-replica: {exc}", file=sys.stderr)
         return 1
