@@ -59,3 +59,25 @@ def content_of(events: list[Any]) -> str:
             for ch in ev.get("choices", []):
                 parts.append(ch.get("delta", {}).get("content") or ch.get("text") or "")
     return "".join(parts)
+
+
+_MASK = (1 << 63) - 1
+
+
+def chain(seq: list[int]) -> list[int]:
+    """Chained keys, like engine block hashes: key i stands for the prefix seq[: i + 1]."""
+    out, h = [], 0
+    for x in seq:
+        h = hash((h, x)) & _MASK
+        out.append(h)
+    return out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two sequences."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

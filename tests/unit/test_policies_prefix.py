@@ -9,20 +9,11 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import chain
 
 from skymesh.policies import Policy, RouteRequest, build_policy, policy_names
 from skymesh.policies.consistent_hash import ConsistentHash
 from skymesh.policies.lmetric import LMetric
-
-_MASK = (1 << 63) - 1
-
-
-def chain(seq: list[int]) -> list[int]:
-    out, h = [], 0
-    for x in seq:
-        h = hash((h, x)) & _MASK
-        out.append(h)
-    return out
 
 
 @dataclass

@@ -7,19 +7,9 @@ import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import chain, common_prefix
 
 from skymesh.prefix import PrefixTrie, text_prefix_keys
-
-_MASK = (1 << 63) - 1
-
-
-def chain(seq: list[int]) -> list[int]:
-    """Chained keys, like engine block hashes: key i stands for the prefix seq[: i + 1]."""
-    out, h = [], 0
-    for x in seq:
-        h = hash((h, x)) & _MASK
-        out.append(h)
-    return out
 
 
 def check_structure(trie: PrefixTrie) -> None:
@@ -47,13 +37,7 @@ def names_on_nodes(trie: PrefixTrie) -> set[str]:
     return {t for seg in trie._segments for t in trie._decode(seg.mask)}
 
 
-def lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+lcp = common_prefix
 
 
 # -- table-driven behaviour ------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import common_prefix
 
 from skymesh.engine.hashing import (
     BLOCK_SIZE,
@@ -83,14 +84,6 @@ def signature(arrivals: list[Arrival]) -> list[tuple[object, ...]]:
         for t, i in arrivals
     ]
 
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # --------------------------------------------------------------------------- registry
