@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -27,8 +27,8 @@ def run(main: Coroutine[Any, Any, None]) -> None:
     uvloop.run(main)
 
 
-async def serve_app(app: web.Application, host: str, port: int, name: str, detail: str = ""
-                    ) -> None:
+async def serve_app(app: web.Application, host: str, port: int, name: str, detail: str = "",
+                    on_bound: Callable[[str], Awaitable[None]] | None = None) -> None:
     """Serve ``app`` on ``host:port`` (0: any free port) until a stop signal.
 
     Prints ``NAME listening on http://HOST:PORT`` to stderr once bound: scripts and tests
@@ -49,6 +49,8 @@ async def serve_app(app: web.Application, host: str, port: int, name: str, detai
         bound_host, bound_port = runner.addresses[0][:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         suffix = f" ({detail})" if detail else ""
+        if on_bound is not None:
+            await on_bound(f"http://{shown}:{bound_port}")
         print(f"{name} listening on http://{shown}:{bound_port}{suffix}",
               file=sys.stderr, flush=True)
         await stop.wait()

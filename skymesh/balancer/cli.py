@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from skymesh.balancer.config import ConfigError, load_config, parse_config
-from skymesh.balancer.server import build_app
+from skymesh.balancer.server import balancer_of, build_app
 from skymesh.serving import run, serve_app
 
 
@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     detail = (f"region {cfg.region}, policy {cfg.policy.name}, {cfg.pushing.mode.value}, "
               f"{len(cfg.replicas)} replicas")
     try:
-        run(serve_app(build_app(cfg), cfg.listen.host, cfg.listen.port,
-                              "skymesh-lb", detail))
+        app = build_app(cfg)
+        run(serve_app(app, cfg.listen.host, cfg.listen.port, "skymesh-lb", detail,
+                      on_bound=balancer_of(app).bound))
     except OSError as exc:
         print(f"skymesh-lb: {exc}", file=sys.stderr)
         return 1

@@ -104,6 +104,25 @@ class ReplicaConfig(_Strict):
         return v.rstrip("/")
 
 
+class MeshPeerConfig(_Strict):
+    id: str
+    address: str  # host:port of the peer's gRPC listener
+
+
+class MeshConfig(_Strict):
+    """Cross-region peering (mTLS gRPC). Certificates come from ``skymesh certs``."""
+
+    id: str
+    certs_dir: str
+    listen_host: str = "127.0.0.1"
+    listen_port: int = Field(0, ge=0, le=65535)
+    peers: list[MeshPeerConfig] = Field(default_factory=list)
+    forwarding: bool = True
+    peer_policy: str = "prefix-tree"
+    tau: int = Field(2, ge=0)
+    heartbeat_interval_s: float = Field(0.2, gt=0)
+
+
 class BalancerConfig(_Strict):
     region: str = "local"
     listen: ListenConfig = ListenConfig()
@@ -116,6 +135,7 @@ class BalancerConfig(_Strict):
     breaker: BreakerConfig = BreakerConfig()
     upstream: UpstreamConfig = UpstreamConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)
+    mesh: MeshConfig | None = None
 
     @field_validator("replicas")
     @classmethod
@@ -149,6 +169,11 @@ def parse_config(data: Any) -> BalancerConfig:
         build_policy(cfg.policy.name, cfg.policy.params)
     except PolicyConfigError as exc:
         raise ConfigError(f"policy: {exc}") from None
+    if cfg.mesh is not None:
+        try:
+            build_policy(cfg.mesh.peer_policy)
+        except PolicyConfigError as exc:
+            raise ConfigError(f"mesh.peer_policy: {exc}") from None
     return cfg
 
 

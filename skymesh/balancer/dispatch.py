@@ -132,6 +132,19 @@ class Dispatcher:
         if peer in self.peers:
             self.peers[peer].alive = alive
 
+    def model_loads(self, now: float) -> dict[str, ModelLoad]:
+        """This balancer's load per model, as its heartbeats tell peers: replicas that could
+        take a request now (as this dispatcher would judge it), all replicas, queue."""
+        out: dict[str, ModelLoad] = {}
+        for model in self.models():
+            probe = Ticket(RouteRequest("heartbeat", model=model), now)
+            out[model] = ModelLoad(
+                available=len(self.candidates(probe, now)),
+                total=sum(1 for t in self.targets.values() if model in t.models),
+                queue=self.queue_length(model),
+            )
+        return out
+
     def peer_candidates(self, ticket: Ticket) -> list[str]:
         if not self.forwarding or ticket.route.forwarded:
             return []

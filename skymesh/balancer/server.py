@@ -26,6 +26,7 @@ import logging
 import random
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -42,6 +43,7 @@ from skymesh.balancer.errors import (
     UpstreamFailed,
 )
 from skymesh.balancer.intake import parse_request, route_request
+from skymesh.balancer.mesh_link import FORWARDED_HEADER, MeshLink
 from skymesh.balancer.metrics import BalancerMetrics
 from skymesh.balancer.probe import (
     ProbeParseError,
@@ -78,12 +80,22 @@ class Balancer:
     def __init__(self, cfg: BalancerConfig) -> None:
         self.cfg = cfg
         policy = build_policy(cfg.policy.name, cfg.policy.params, rng=random.Random())
+        peer_policy = None
+        if cfg.mesh is not None and cfg.mesh.forwarding:
+            peer_policy = build_policy(cfg.mesh.peer_policy, rng=random.Random())
+            if hasattr(peer_policy, "trie"):
+                from skymesh.mesh import PeerSnapshot
+
+                # The peer layer's prefix trie is SkyLB's snapshot of what we forwarded to
+                # each peer, merged with the prefixes each peer gossips it holds.
+                peer_policy.trie = PeerSnapshot()
         self.dispatcher = Dispatcher(
             policy, cfg.pushing.mode, max_outstanding=cfg.pushing.max_outstanding,
             kv_headroom=cfg.pushing.kv_headroom, step_tokens=cfg.pushing.step_tokens,
             hold_s=cfg.pushing.hold_s, window=cfg.pushing.window,
             max_queue=cfg.queue.max_length, breaker_threshold=cfg.breaker.failure_threshold,
-            breaker_open_s=cfg.breaker.open_s,
+            breaker_open_s=cfg.breaker.open_s, peer_policy=peer_policy,
+            tau=cfg.mesh.tau if cfg.mesh is not None else 2,
         )
         self.replicas = {r.url: ReplicaHealth(r) for r in cfg.replicas}
         self.metrics = BalancerMetrics()
@@ -93,6 +105,8 @@ class Balancer:
         self._id_prefix = f"req-{uuid.uuid4().hex[:8]}-"
         self._session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task[None] | None = None
+        self.mesh: MeshLink | None = (MeshLink(cfg, self.dispatcher, self._pump)
+                                      if cfg.mesh is not None else None)
         self._apply_membership()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -112,7 +126,15 @@ class Balancer:
         await self.probe_all()
         self._prober = asyncio.create_task(self._probe_loop(), name="skymesh-prober")
 
+    async def bound(self, url: str) -> None:
+        """The HTTP edge is listening at ``url``: start peering (it replays forwarded
+        requests on that edge)."""
+        if self.mesh is not None:
+            await self.mesh.start(url)
+
     async def stop(self) -> None:
+        if self.mesh is not None:
+            await self.mesh.stop()
         if self._prober is not None:
             self._prober.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -247,7 +269,11 @@ class Balancer:
             timeout = self.cfg.queue.timeout_s
             if intake.deadline_ms is not None:
                 timeout = min(timeout, intake.deadline_ms / 1000.0)
-            ticket = Ticket(route_request(rid, intake, prefix_keys=self._keys), t0)
+            route = route_request(rid, intake, prefix_keys=self._keys)
+            if self.mesh is not None and \
+                    request.headers.get(FORWARDED_HEADER) == self.mesh.secret:
+                route = replace(route, forwarded=True)
+            ticket = Ticket(route, t0)
             self.dispatcher.offer(ticket, t0)
             resp, outcome = await self._serve(request, ticket, raw, intake.stream, t0, timeout)
             return resp
@@ -286,6 +312,8 @@ class Balancer:
             if ticket.attempts == 1:
                 self.metrics.queue_wait.labels(model).observe(self.now() - t0)
             try:
+                if ticket.to_peer:
+                    return await self._forward_peer(request, ticket, target, raw, stream, t0)
                 return await self._forward(request, ticket, target, raw, stream, t0)
             except _ReplicaFault as exc:
                 log.warning("attempt %d on %s failed before the first byte: %s",
@@ -329,6 +357,58 @@ class Balancer:
             return await self._stream(request, ticket, up, t0)
         finally:
             up.release()
+
+    async def _forward_peer(self, request: web.Request, ticket: Ticket, peer: str, raw: bytes,
+                            stream: bool, t0: float) -> tuple[web.StreamResponse, str]:
+        from skymesh.mesh import PeerError
+
+        assert self.mesh is not None
+        route = ticket.route
+        call = self.mesh.forward(peer, route.request_id, route.model, request.path, raw, stream,
+                                 route.affinity_key, self.cfg.upstream.read_timeout_s)
+        async with call:
+            try:
+                first = await call.__anext__()
+            except StopAsyncIteration:
+                raise _ReplicaFault(f"peer {peer} sent no response") from None
+            except PeerError as exc:
+                raise _ReplicaFault(str(exc)) from exc
+            if first.HasField("error") or not first.HasField("head"):
+                raise _ReplicaFault(f"peer {peer}: {first.error.message or 'bad response'}")
+            status, ctype = first.head.status, first.head.content_type
+            self.dispatcher.first_byte(ticket)
+            self.metrics.ttft.labels(route.model).observe(self.now() - t0)
+            headers = {"Content-Type": ctype} if ctype else {}
+            if (status >= 500 and status != 503) or (status >= 400 or not stream):
+                body = bytearray()
+                try:
+                    async for chunk in call:
+                        body += chunk.data
+                except PeerError as exc:
+                    raise _ReplicaFault(str(exc)) from exc
+                if status >= 500:  # the peer could not serve it: try elsewhere
+                    raise _ReplicaFault(f"peer {peer}: HTTP {status}")
+                ok = status < 400
+                self.dispatcher.complete(ticket, self.now(), ok=ok)
+                return (web.Response(status=status, body=bytes(body), headers=headers),
+                        "ok" if ok else f"upstream_{status}")
+            resp = web.StreamResponse(status=status, headers=headers)
+            await resp.prepare(request)
+            ok = True
+            try:
+                async for chunk in call:
+                    if chunk.HasField("error"):
+                        raise PeerError(peer, chunk.error.message)
+                    await resp.write(chunk.data)
+            except PeerError as exc:
+                ok = False
+                err = {"error": {"message": f"the peer region failed mid-response: {exc}",
+                                 "type": "server_error", "param": None,
+                                 "code": "upstream_failed"}}
+                await resp.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
+            self.dispatcher.complete(ticket, self.now(), ok=ok)
+            await resp.write_eof()
+            return resp, "ok" if ok else "upstream_broken"
 
     async def _stream(self, request: web.Request, ticket: Ticket,
                       up: aiohttp.ClientResponse, t0: float) -> tuple[web.StreamResponse, str]:
@@ -385,8 +465,14 @@ class Balancer:
 
     async def handle_status(self, request: web.Request) -> web.Response:
         d = self.dispatcher
+        mesh = None
+        if self.mesh is not None:
+            mesh = {"id": self.mesh.mesh.id, "address": self.mesh.node.address,
+                    "forwarding": d.forwarding, "forwarded_out": self.mesh.forwarded_out,
+                    "forwarded_in": self.mesh.forwarded_in, "peers": self.mesh.peer_views()}
         return web.json_response({
             "region": self.cfg.region,
+            "mesh": mesh,
             "policy": d.policy.name,
             "pushing": d.mode.value,
             "queued": d.queue_length(),

@@ -190,6 +190,13 @@ class PeerClient:
         return None if self._channel is None else self._channel.get_state()
 
     # -- forwarding --------------------------------------------------------------------------
+    def ready(self) -> bool:
+        """Whether the channel is connected now (a forward would not wait for a handshake
+        or fail fast in reconnect backoff)."""
+        ch = self._channel
+        return ch is not None and \
+            ch.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY
+
     def forward(self, request: pb.ForwardRequest, timeout: float | None = None, *,
                 check_liveness: bool = True) -> ForwardCall:
         """Send ``request`` to the peer; iterate the result for the response chunks.

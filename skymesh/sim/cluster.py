@@ -187,22 +187,9 @@ class SimBalancer:
         else:
             self._probing = False
 
-    def summary(self) -> dict[str, ModelLoad]:
-        """What this balancer's heartbeat says about it, per model."""
-        d = self.dispatcher
-        out: dict[str, ModelLoad] = {}
-        for model in d.models():
-            probe = Ticket(RouteRequest("hb", model=model), self.loop.now)
-            out[model] = ModelLoad(
-                available=len(d.candidates(probe, self.loop.now)),
-                total=sum(1 for t in d.targets.values() if model in t.models),
-                queue=d.queue_length(model),
-            )
-        return out
-
     def _heartbeat(self) -> None:
         self._hb_seq += 1
-        models = self.summary()
+        models = self.dispatcher.model_loads(self.loop.now)
         for peer in self.peers.values():
             self.loop.after(self.net.one_way(self.region, peer.region), peer.on_heartbeat,
                             self.name, self._hb_seq, models)

@@ -1,0 +1,106 @@
+"""Two real skymesh-lb processes peered over mTLS gRPC, each with its own replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from support import until
+
+from skymesh.mesh import certs
+from skymesh.procs import Daemon, start_daemon
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_region(tmp: Path, region: str, n_replicas: int, mesh: dict[str, Any]) -> list[Daemon]:
+    reps = [start_daemon("skymesh-replica", ["--port", "0", "--time-scale", "0.1", "--seed",
+                                             "7"], log_path=tmp / f"{region}-r{i}.log")
+            for i in range(n_replicas)]
+    cfg = {"region": region, "listen": {"port": 0}, "policy": {"name": "least-load"},
+           "probe": {"interval_s": 0.05}, "replicas": [{"url": r.url} for r in reps],
+           "mesh": mesh}
+    path = tmp / f"{region}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    lb = start_daemon("skymesh-lb", ["--config", str(path)], log_path=tmp / f"{region}-lb.log")
+    return [lb, *reps]
+
+
+async def status(s: aiohttp.ClientSession, lb: Daemon) -> dict[str, Any]:
+    async with s.get(lb.url + "/status") as r:
+        out: dict[str, Any] = await r.json()
+        return out
+
+
+async def test_a_saturated_region_forwards_and_streams_arrive_intact(tmp_path: Path) -> None:
+    pki = tmp_path / "pki"
+    certs.create_ca(pki)
+    for name in ("lb-us", "lb-eu"):
+        certs.issue_cert(pki, name)
+    ports = {"lb-us": free_port(), "lb-eu": free_port()}
+
+    def mesh(me: str, peer: str) -> dict[str, Any]:
+        return {"id": me, "certs_dir": str(pki), "listen_port": ports[me],
+                "heartbeat_interval_s": 0.1,
+                "peers": [{"id": peer, "address": f"127.0.0.1:{ports[peer]}"}]}
+
+    us = start_region(tmp_path, "us", 1, mesh("lb-us", "lb-eu"))
+    eu = start_region(tmp_path, "eu", 2, mesh("lb-eu", "lb-us"))
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            async def peers_alive() -> bool:
+                st_us, st_eu = await status(s, us[0]), await status(s, eu[0])
+                return all(p["liveness"] == "alive"
+                           for st in (st_us, st_eu) for p in st["mesh"]["peers"])
+
+            await until(peers_alive, "both balancers see each other alive")
+            # Long prompts fill the one us replica's KV cache: us must lend to eu.
+            long = "word " * 3000
+            bodies = [{"model": MODEL, "stream": True, "max_tokens": 200, "ignore_eos": True,
+                       "stream_options": {"include_usage": True},
+                       "messages": [{"role": "user", "content": f"{i} {long}"}]}
+                      for i in range(40)]
+
+            async def one(b: dict[str, Any]) -> int:
+                async with s.post(us[0].url + "/v1/chat/completions", json=b) as r:
+                    assert r.status == 200
+                    tokens = 0
+                    async for raw in r.content:
+                        line = raw.decode().strip()
+                        if '"usage"' in line and '"completion_tokens"' in line:
+                            tokens = int(line.split('"completion_tokens":')[1].split(",")[0]
+                                         .strip(" }"))
+                    return tokens
+
+            counts = await asyncio.wait_for(asyncio.gather(*(one(b) for b in bodies)), 90)
+            assert counts == [200] * len(bodies)  # every stream whole, wherever it ran
+            st_us, st_eu = await status(s, us[0]), await status(s, eu[0])
+            assert st_us["mesh"]["forwarded_out"] > 0
+            assert st_eu["mesh"]["forwarded_in"] == st_us["mesh"]["forwarded_out"]
+            assert st_eu["mesh"]["forwarded_out"] == 0  # one hop: eu never sends them on
+            assert all(p["rtt_s"] is not None for p in st_us["mesh"]["peers"])
+            # A killed peer is DOWN within three heartbeat intervals (plus probe slack),
+            # and nothing more is forwarded to it.
+            eu[0].kill()
+
+            async def eu_down() -> bool:
+                return (await status(s, us[0]))["mesh"]["peers"][0]["liveness"] == "down"
+
+            await until(eu_down, "eu seen DOWN", timeout=5)
+            before = (await status(s, us[0]))["mesh"]["forwarded_out"]
+            counts = await asyncio.wait_for(asyncio.gather(*(one(b) for b in bodies[:4])), 90)
+            assert counts == [200] * 4
+            assert (await status(s, us[0]))["mesh"]["forwarded_out"] == before
+    finally:
+        for d in [*us, *eu]:
+            d.stop()
