@@ -128,6 +128,12 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return certs.run(args)
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from skymesh.meshdemo import run_demo
+
+    return run_demo(duration=args.duration, seed=args.seed, json_path=args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from skymesh.policies import policy_names
     from skymesh.policies.load import PushMode
@@ -173,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="simulated seconds of client activity per run")
     bp.add_argument("--seed", type=int, default=0)
     bp.set_defaults(fn=cmd_bench)
+
+    dp = sub.add_parser("demo", help="run the local three-region mesh for real")
+    dp.add_argument("--duration", type=float, default=20.0,
+                    help="seconds of client load per mode (mesh, then region-local)")
+    dp.add_argument("--json", default=None, metavar="PATH")
+    dp.add_argument("--seed", type=int, default=0)
+    dp.set_defaults(fn=cmd_demo)
 
     cp = sub.add_parser("certs", help="create the peering CA and per-balancer mTLS certificates")
     cp.add_argument("--out", required=True, metavar="DIR", help="where to write (and find the CA)")

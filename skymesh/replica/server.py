@@ -254,9 +254,12 @@ async def _generate(
                                            "X-Request-Id": handle.request_id})
         await resp.prepare(request)
         try:
-            if first is not None:
-                await resp.write(_sse(first))
             async for ids in handle:
+                if first is not None:
+                    # Like vLLM: the role chunk goes out with the first token (after
+                    # prefill), so a router may read the first body byte as "admitted".
+                    await resp.write(_sse(first))
+                    first = None
                 last = handle.exhausted and handle.finish_reason != "abort"
                 await resp.write(_sse(chunk(decode(ids), handle.finish_reason if last else None)))
             if handle.finish_reason == "abort":
