@@ -6,6 +6,9 @@
 2. Real processes on loopback: four ``skymesh-replica`` processes behind ``skymesh-lb``
    with the prefix-tree policy, a burst of streamed requests with shared prefixes, and
    what happened: requests per replica, prefix-cache hit rate, TTFT percentiles.
+3. The three-region mesh (``skymesh demo``): a balancer and replicas per region, peered
+   over mTLS gRPC through delay proxies, clients skewed toward us; the mesh against
+   region-local serving.
 """
 
 from __future__ import annotations
@@ -119,6 +122,10 @@ def main() -> int:
     t0 = time.perf_counter()
     _sim_table()
     asyncio.run(_live_demo())
+    print()
+    from skymesh.meshdemo import run_demo
+
+    run_demo(duration=15.0)
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s. Next: `skymesh sim --help`, "
           "`skymesh-replica --list-profiles`, README.md.")
     return 0
