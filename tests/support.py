@@ -21,6 +21,17 @@ async def until(cond: Callable[[], Awaitable[bool]], what: str, timeout: float =
         await asyncio.sleep(interval)
 
 
+async def eventually(pred: Callable[[], bool], what: str, timeout: float = 5.0) -> float:
+    """``until`` for a plain predicate; returns the monotonic time it first held."""
+    deadline = time.monotonic() + timeout
+    poll = 0.005  # a polling cadence, not a wait for the condition
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for: {what}")
+        await asyncio.sleep(poll)
+    return time.monotonic()
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> ``{"name{labels}": value}`` plus ``{"name": sum over labels}``."""
     out: dict[str, float] = {}

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
+from support import chain, eventually
 
 from skymesh.mesh import certs
 from skymesh.mesh.client import PeerClient, channel_options
@@ -32,25 +33,8 @@ from skymesh.prefix import PrefixTrie
 pytestmark = pytest.mark.timeout(60)
 
 INTERVAL = 0.2  # the default heartbeat interval
-_M64 = (1 << 64) - 1
 
 
-def chain(seq: list[int]) -> list[int]:
-    out, h = [], 0
-    for x in seq:
-        h = hash((h, x)) & _M64
-        out.append(h)
-    return out
-
-
-async def eventually(pred: Callable[[], bool], what: str, timeout: float = 5.0) -> float:
-    """Wait for ``pred`` with a deadline; returns the monotonic time it first held."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for: {what}")
-        await asyncio.sleep(0.005)
-    return time.monotonic()
 
 
 @pytest.fixture(scope="module")
