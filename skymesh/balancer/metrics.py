@@ -43,5 +43,15 @@ class BalancerMetrics:
         self.breaker_state = Gauge("skymesh_replica_breaker_state",
                                    "0 closed, 1 half-open, 2 open", ["replica"], registry=r)
 
+        self.peer_state = Gauge("skymesh_peer_state", "0 alive, 1 suspected, 2 down",
+                                ["peer"], registry=r)
+        self.peer_rtt = Gauge("skymesh_peer_rtt_seconds",
+                              "Round-trip time to the peer, from heartbeats", ["peer"],
+                              registry=r)
+        self.forwarded_out = Gauge("skymesh_forwarded_out_total",
+                                   "Requests this balancer forwarded to a peer", registry=r)
+        self.forwarded_in = Gauge("skymesh_forwarded_in_total",
+                                  "Requests peers forwarded to this balancer", registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

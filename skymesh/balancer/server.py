@@ -235,6 +235,14 @@ class Balancer:
             m.breaker_state.labels(tid).set(int(t.breaker.state))
         for model, q in d.queues.items():
             m.queue_length.labels(model).set(len(q))
+        if self.mesh is not None:
+            states = {"alive": 0, "suspected": 1, "down": 2}
+            for v in self.mesh.peer_views():
+                m.peer_state.labels(v["id"]).set(states.get(v["liveness"], 2))
+                if v["rtt_s"] is not None:
+                    m.peer_rtt.labels(v["id"]).set(v["rtt_s"])
+            m.forwarded_out.set(self.mesh.forwarded_out)
+            m.forwarded_in.set(self.mesh.forwarded_in)
 
     async def _wait_dispatch(self, ticket: Ticket, timeout: float) -> str:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -89,6 +89,10 @@ async def test_a_saturated_region_forwards_and_streams_arrive_intact(tmp_path: P
             assert st_eu["mesh"]["forwarded_in"] == st_us["mesh"]["forwarded_out"]
             assert st_eu["mesh"]["forwarded_out"] == 0  # one hop: eu never sends them on
             assert all(p["rtt_s"] is not None for p in st_us["mesh"]["peers"])
+            async with s.get(us[0].url + "/metrics") as r:
+                text = await r.text()
+            assert 'skymesh_peer_state{peer="lb-eu"} 0.0' in text
+            assert "skymesh_peer_rtt_seconds" in text and "skymesh_forwarded_out_total" in text
             # A killed peer is DOWN within three heartbeat intervals (plus probe slack),
             # and nothing more is forwarded to it.
             eu[0].kill()
