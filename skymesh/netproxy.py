@@ -23,6 +23,7 @@ class DelayProxy:
         self.delay_s = delay_s
         self.host, self.port = host, port
         self.blackhole = False
+        self.connections = 0  # accepted so far: shows whether callers reuse connections
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -46,6 +47,7 @@ class DelayProxy:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                       ) -> None:
+        self.connections += 1
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:

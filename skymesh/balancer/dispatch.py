@@ -182,6 +182,11 @@ class Dispatcher:
     def serves(self, model: str) -> bool:
         return any(model in t.models for t in self.targets.values())
 
+    def reachable(self, model: str) -> bool:
+        """Served here, or by a peer we could forward to (a region may have no replicas)."""
+        return self.serves(model) or (self.forwarding and any(
+            model in p.models for p in self.peers.values()))
+
     # -- queue ---------------------------------------------------------------------------
     def offer(self, ticket: Ticket, now: float, *, front: bool = False) -> None:
         """Queue a request; a retry goes to the front. Raises Overloaded when full."""

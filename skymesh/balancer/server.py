@@ -270,7 +270,7 @@ class Balancer:
             raw = await self._read_body(request)
             intake = parse_request(kind, raw, request.headers)
             model = intake.model
-            if not self.dispatcher.serves(model):
+            if not self.dispatcher.reachable(model):
                 raise ModelNotFound(f"model {model!r} is not served here; see /v1/models",
                                     param="model")
             rid = request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._ids)}"

@@ -17,6 +17,7 @@ STEPS: list[tuple[str, str]] = [
     ("routing decision time", "skymesh.bench.decision"),
     ("balancer added latency", "skymesh.bench.overhead"),
     ("heartbeat size", "skymesh.bench.heartbeat"),
+    ("round trips per forwarded request", "skymesh.bench.forwarding"),
 ]
 
 

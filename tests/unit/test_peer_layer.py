@@ -74,6 +74,19 @@ def test_peers_with_long_queues_or_down_are_skipped_and_stale_heartbeats_ignored
     assert d.peers["asia"].in_flight == 0
 
 
+def test_a_region_without_replicas_still_takes_requests_its_peers_can_serve() -> None:
+    d = Dispatcher(build_policy("least-load"), PushMode.SP_P,
+                   peer_policy=build_policy("least-load"), hold_s=0.0)
+    d.set_targets({})
+    d.set_peers(["eu"])
+    assert not d.reachable("m")
+    beat(d, "eu", 1, available=1)
+    assert d.reachable("m") and not d.serves("m") and not d.reachable("other")
+    t = ticket(1)
+    d.offer(t, 0.0)
+    assert d.pump(0.0) == [t] and t.to_peer
+
+
 def test_region_local_mode_never_forwards() -> None:
     d = Dispatcher(build_policy("least-load"), PushMode.SP_O, max_outstanding=1, hold_s=0.0)
     d.set_targets({"r1": ["m"]})
