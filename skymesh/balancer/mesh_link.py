@@ -128,8 +128,19 @@ class MeshLink:
             await asyncio.sleep(self.mesh.heartbeat_interval_s)
 
     def peer_views(self) -> list[dict[str, Any]]:
-        return [{"id": v.balancer_id, "liveness": v.liveness.name.lower(), "rtt_s": v.rtt_s}
-                for v in self.node.state.views()]
+        out = []
+        for v in self.node.state.views():
+            # The pair's heartbeat stream runs on one side's channel: count both ends.
+            sessions = [self.node.server.sessions.get(v.balancer_id)]
+            client = self.node.clients.get(v.balancer_id)
+            if client is not None:
+                sessions.append(client.session)
+            live = [x for x in sessions if x is not None]
+            out.append({"id": v.balancer_id, "liveness": v.liveness.name.lower(),
+                        "rtt_s": v.rtt_s,
+                        "heartbeat_bytes_sent": sum(x.bytes_sent for x in live),
+                        "heartbeat_bytes_received": sum(x.bytes_received for x in live)})
+        return out
 
     # -- forwarding out --------------------------------------------------------------------
     def forward(self, peer: str, request_id: str, model: str, path: str, body: bytes,

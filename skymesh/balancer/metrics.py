@@ -48,6 +48,9 @@ class BalancerMetrics:
         self.peer_rtt = Gauge("skymesh_peer_rtt_seconds",
                               "Round-trip time to the peer, from heartbeats", ["peer"],
                               registry=r)
+        self.peer_heartbeat_bytes = Gauge(
+            "skymesh_peer_heartbeat_bytes", "Heartbeat payload bytes on the pair's current "
+            "stream (rate() of it is bytes per second)", ["peer", "direction"], registry=r)
         self.forwarded_out = Gauge("skymesh_forwarded_out_total",
                                    "Requests this balancer forwarded to a peer", registry=r)
         self.forwarded_in = Gauge("skymesh_forwarded_in_total",

@@ -241,6 +241,9 @@ class Balancer:
                 m.peer_state.labels(v["id"]).set(states.get(v["liveness"], 2))
                 if v["rtt_s"] is not None:
                     m.peer_rtt.labels(v["id"]).set(v["rtt_s"])
+                m.peer_heartbeat_bytes.labels(v["id"], "sent").set(v["heartbeat_bytes_sent"])
+                m.peer_heartbeat_bytes.labels(v["id"], "received").set(
+                    v["heartbeat_bytes_received"])
             m.forwarded_out.set(self.mesh.forwarded_out)
             m.forwarded_in.set(self.mesh.forwarded_in)
 
