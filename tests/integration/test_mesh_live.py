@@ -111,3 +111,56 @@ async def test_a_saturated_region_forwards_and_streams_arrive_intact(tmp_path: P
     finally:
         for d in [*us, *eu]:
             d.stop()
+
+
+async def test_a_partitioned_peer_goes_down_and_comes_back(tmp_path: Path) -> None:
+    from skymesh.netproxy import DelayProxy
+
+    pki = tmp_path / "pki"
+    certs.create_ca(pki)
+    for name in ("lb-us", "lb-eu"):
+        certs.issue_cert(pki, name)
+    grpc = {"lb-us": free_port(), "lb-eu": free_port()}
+    # Each side reaches the other through its own delayed link (20 ms each way).
+    links = {"lb-us": DelayProxy("127.0.0.1", grpc["lb-eu"], 0.02),
+             "lb-eu": DelayProxy("127.0.0.1", grpc["lb-us"], 0.02)}
+    for p in links.values():
+        await p.start()
+
+    def mesh(me: str, peer: str) -> dict[str, Any]:
+        return {"id": me, "certs_dir": str(pki), "listen_port": grpc[me],
+                "heartbeat_interval_s": 0.1,
+                "peers": [{"id": peer, "address": links[me].address}]}
+
+    us = start_region(tmp_path, "us", 1, mesh("lb-us", "lb-eu"))
+    eu = start_region(tmp_path, "eu", 1, mesh("lb-eu", "lb-us"))
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def eu_is(state: str) -> bool:
+                return (await status(s, us[0]))["mesh"]["peers"][0]["liveness"] == state
+
+            await until(lambda: eu_is("alive"), "peered")
+
+            async def rtt_known() -> bool:
+                return (await status(s, us[0]))["mesh"]["peers"][0]["rtt_s"] is not None
+
+            await until(rtt_known, "an RTT measured from heartbeats")
+            rtt = (await status(s, us[0]))["mesh"]["peers"][0]["rtt_s"]
+            assert rtt >= 0.04  # the link's 2 x 20 ms shows up
+            for p in links.values():
+                p.blackhole = True
+            # DOWN after three silent heartbeat intervals (0.3 s), plus the stream's slack.
+            await until(lambda: eu_is("down"), "partitioned peer DOWN", timeout=3)
+            body = {"model": MODEL, "max_tokens": 4, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": "still here?"}]}
+            async with s.post(us[0].url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200  # served locally meanwhile
+            assert (await status(s, us[0]))["mesh"]["forwarded_out"] == 0
+            for p in links.values():
+                p.blackhole = False
+            await until(lambda: eu_is("alive"), "healed peer ALIVE again", timeout=15)
+    finally:
+        for d in [*us, *eu]:
+            d.stop()
+        for p in links.values():
+            await p.stop()
