@@ -95,8 +95,8 @@ class Dispatcher:
         self.max_outstanding = max_outstanding
         self.kv_headroom = kv_headroom
         self.step_tokens = step_tokens
-        self.hold_s = hold_s
         self.window = window
+        self.hold_s = hold_s
         self.max_queue = max_queue
         self._breaker_args = (breaker_threshold, breaker_open_s)
         self.targets: dict[str, Target] = {}
@@ -106,6 +106,18 @@ class Dispatcher:
         self.queues: dict[str, deque[Ticket]] = {}
         self.queued = 0
         self.now = 0.0  # the LoadView clock, set by every pump
+
+    @property
+    def hold_s(self) -> float:
+        return self._hold_s
+
+    @hold_s.setter
+    def hold_s(self, value: float) -> None:
+        self._hold_s = value
+        # Only policies that override ``preferred`` can hold a request: skip building the
+        # serving list and asking the others on every pump (the request path).
+        self._prefers = value > 0 and \
+            type(self.policy).preferred is not Policy.preferred
 
     # -- LoadView ------------------------------------------------------------------------
     def load(self, target: str) -> ReplicaLoad | PeerLoad:
@@ -264,7 +276,7 @@ class Dispatcher:
         return out
 
     def _pick(self, q: deque[Ticket], now: float) -> tuple[int, Ticket, str, bool] | None:
-        depth = min(len(q), self.window) if self.hold_s > 0 else 1
+        depth = min(len(q), self.window) if self._hold_s > 0 else 1
         for i in range(depth):
             ticket = q[i]
             cands = self.candidates(ticket, now)
@@ -276,11 +288,11 @@ class Dispatcher:
                     peer = self.peer_policy.select(ticket.route, peers, self)
                     if peer is not None:
                         return i, ticket, peer, True
-                if self.hold_s > 0:
+                if self._hold_s > 0:
                     continue
                 return None
-            if self.hold_s > 0 and (ticket.held_since is None
-                                    or now - ticket.held_since < self.hold_s):
+            if self._prefers and (ticket.held_since is None
+                                  or now - ticket.held_since < self.hold_s):
                 serving = [tid for tid, t in self.targets.items()
                            if ticket.route.model in t.models and t.healthy]
                 pref = self.policy.preferred(ticket.route, serving, self)

@@ -62,6 +62,8 @@ class MeshLink:
             interval=self.mesh.heartbeat_interval_s,
         )
         dispatcher.set_peers([p.id for p in self.mesh.peers])
+        for p in self.mesh.peers:  # unreachable until the liveness loop says otherwise
+            dispatcher.set_peer_alive(p.id, False)
 
     async def start(self, local_url: str) -> None:
         self.local_url = local_url
@@ -100,14 +102,8 @@ class MeshLink:
     def _on_heartbeat(self, msg: pb_t.HeartbeatMsg) -> None:
         models = {m.model: ModelLoad(m.available_replicas, m.total_replicas, m.queue_length,
                                      m.pending_prefill_tokens) for m in msg.models}
-        alive_before = self.dispatcher.peers.get(msg.balancer_id)
-        was_alive = alive_before.alive if alive_before is not None else False
         self.dispatcher.on_peer_heartbeat(msg.balancer_id, time.monotonic(), msg.epoch,
                                           msg.seq, models)
-        if not was_alive:
-            # A heartbeat marks the peer alive; whether we can reach it is the liveness
-            # loop's call (our channel may still be connecting).
-            self.dispatcher.set_peer_alive(msg.balancer_id, False)
         snapshot = getattr(self.dispatcher.peer_policy, "trie", None)
         if msg.HasField("prefix") and snapshot is not None and hasattr(snapshot,
                                                                         "insert_summary"):

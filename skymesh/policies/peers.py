@@ -33,6 +33,8 @@ class ModelLoad:
 @dataclass(slots=True)
 class PeerLoad:
     target: str
+    # Owned by whoever tracks reachability (the live balancer's liveness loop); the
+    # simulator never partitions, so peers start alive.
     alive: bool = True
     epoch: int = -1
     seq: int = -1
@@ -70,7 +72,6 @@ class PeerLoad:
             return False
         self.epoch, self.seq = epoch, seq
         self.heard_at = now
-        self.alive = True
         self.models = dict(models)
         since: dict[str, int] = {}
         for d, model in self._unstarted.values():

@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from support import until
+from support import read_sse, until
 
 from skymesh.engine.core import Engine
 from skymesh.engine.profiles import DEFAULT_PROFILE, get_profile
@@ -92,16 +92,10 @@ async def post(session: aiohttp.ClientSession, path: str, body: Any) -> tuple[in
 
 
 async def sse(session: aiohttp.ClientSession, path: str, body: Any) -> list[Any]:
-    events: list[Any] = []
     async with session.post(path, json=body) as r:
         assert r.status == 200
         assert r.headers["Content-Type"].startswith("text/event-stream")
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if line.startswith("data: "):
-                data = line[6:]
-                events.append(data if data == "[DONE]" else json.loads(data))
-    return events
+        return await read_sse(r)
 
 
 def words(n: int, seed: int) -> str:
