@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]' 2>&1 | grep -v "is ignored" || true
+	$(BIN)/pip install -q -e '.[test,forecast]' 2>&1 | grep -v "is ignored" || true
 	$(BIN)/python -m skymesh.mesh.codegen
 	$(BIN)/python -c "import skymesh, aiohttp, pytest" 
 	touch $@
@@ -23,12 +23,16 @@ install: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python -m skymesh.mesh.codegen --force
 
-# System pieces the tests need: redis-server (controller state store tests).
+# System pieces the tests need: redis-server (controller state store tests) and Chromium
+# (the dashboard's browser test), from Debian.
+SYSTEM_PKGS := redis-server:redis-server chromium:chromium
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "installing redis-server from Debian"; \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
-	  || echo "warning: could not install redis-server; Redis-backed tests will fail"; }
+	@missing=""; for pair in $(SYSTEM_PKGS); do \
+	  command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair##*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing from Debian:$$missing"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+	  || echo "warning: could not install$$missing; the tests that need them will fail"; fi
 
 demo: install
 	$(BIN)/python -m skymesh.demo

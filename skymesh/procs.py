@@ -26,7 +26,7 @@ def executable(name: str) -> list[str]:
     if script.exists():
         return [str(script)]
     module = {"skymesh-replica": "skymesh.replica.cli", "skymesh-lb": "skymesh.balancer.cli",
-              "skymesh": "skymesh.cli"}[name]
+              "skymesh-controller": "controller.cli", "skymesh": "skymesh.cli"}[name]
     return [sys.executable, "-m", module]
 
 

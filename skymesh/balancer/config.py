@@ -95,6 +95,7 @@ class ReplicaConfig(_Strict):
     url: str
     kind: Literal["vllm", "sglang", "skymesh"] = "vllm"
     models: list[str] | None = None
+    gpu: str = "unknown"  # reported to the controller
 
     @field_validator("url")
     @classmethod
@@ -123,6 +124,31 @@ class MeshConfig(_Strict):
     heartbeat_interval_s: float = Field(0.2, gt=0)
 
 
+class ControllerLinkConfig(_Strict):
+    """Register with the SkyMesh controller, take membership from it, report telemetry.
+
+    With this section, the replica list comes from the controller: the replicas listed in
+    this file are registered there (this balancer as their home) and then served like any
+    other the controller assigns.
+    """
+
+    url: str
+    balancer_id: str | None = None  # default: mesh.id, else the region name
+    token_env: str = "SKYMESH_AGENT_TOKEN"
+    token_file: str | None = None
+    advertise_url: str | None = None  # default: the URL the HTTP edge bound
+    telemetry_interval_s: float = Field(5.0, gt=0)
+    poll_wait_s: float = Field(30.0, gt=0, le=300)
+    retry_s: float = Field(1.0, gt=0)
+
+    @field_validator("url", "advertise_url")
+    @classmethod
+    def _http(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return v.rstrip("/") if v else v
+
+
 class BalancerConfig(_Strict):
     region: str = "local"
     listen: ListenConfig = ListenConfig()
@@ -136,6 +162,7 @@ class BalancerConfig(_Strict):
     upstream: UpstreamConfig = UpstreamConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)
     mesh: MeshConfig | None = None
+    controller: ControllerLinkConfig | None = None
 
     @field_validator("replicas")
     @classmethod

@@ -84,6 +84,21 @@ class MeshLink:
         if self._session is not None:
             await self._session.close()
 
+    async def set_peers(self, peers: dict[str, str]) -> None:
+        """Replace the peer set (from the controller): ``{balancer_id: grpc_address}``."""
+        current = {pid: c.address for pid, c in self.node.clients.items()}
+        if current == peers:
+            return
+        for pid in set(current) - set(peers):
+            await self.node.remove_peer(pid)
+        for pid, addr in peers.items():
+            if current.get(pid) != addr:
+                await self.node.add_peer(pid, addr)
+        self.dispatcher.set_peers(peers)
+        for pid in set(peers) - set(current):  # unusable until heard from
+            self.dispatcher.set_peer_alive(pid, False)
+        log.info("mesh peers: %s", sorted(peers))
+
     # -- heartbeats ------------------------------------------------------------------------
     def _local_summary(self, include_prefix: bool) -> pb_t.HeartbeatMsg:
         from skymesh.mesh import pb, prefix_summary

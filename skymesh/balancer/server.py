@@ -33,6 +33,7 @@ import aiohttp
 from aiohttp import web
 
 from skymesh.balancer.config import BalancerConfig, ReplicaConfig
+from skymesh.balancer.controller_link import ControllerLink, Tally
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.errors import (
     BadRequest,
@@ -58,6 +59,9 @@ log = logging.getLogger("skymesh.lb")
 _FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
                 "content-encoding", "date", "server"}
+
+
+OUTPUT_TOKENS_KEY = "skymesh.output_tokens"  # per-request output count, for telemetry
 
 
 class _ReplicaFault(Exception):
@@ -107,6 +111,9 @@ class Balancer:
         self._prober: asyncio.Task[None] | None = None
         self.mesh: MeshLink | None = (MeshLink(cfg, self.dispatcher, self._pump)
                                       if cfg.mesh is not None else None)
+        self.tally = Tally()
+        self.controller: ControllerLink | None = (ControllerLink(cfg.controller, self)
+                                                  if cfg.controller is not None else None)
         self._apply_membership()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -131,8 +138,12 @@ class Balancer:
         requests on that edge)."""
         if self.mesh is not None:
             await self.mesh.start(url)
+        if self.controller is not None:
+            await self.controller.start(url)
 
     async def stop(self) -> None:
+        if self.controller is not None:
+            await self.controller.stop()
         if self.mesh is not None:
             await self.mesh.stop()
         if self._prober is not None:
@@ -146,6 +157,47 @@ class Balancer:
         return time.monotonic()
 
     # -- membership and probing ----------------------------------------------------------
+    def set_replicas(self, replicas: list[ReplicaConfig]) -> None:
+        """Replace the replica set (from the controller). Probe state survives for replicas
+        that stay; requests in flight on a removed replica finish there."""
+        old = self.replicas
+        self.replicas = {}
+        for rc in replicas:
+            h = old.get(rc.url)
+            if h is None:
+                h = ReplicaHealth(rc)
+            elif h.cfg != rc:
+                h.cfg = rc
+                if rc.models is not None:
+                    h.models = set(rc.models)
+            self.replicas[rc.url] = h
+        added, removed = set(self.replicas) - set(old), set(old) - set(self.replicas)
+        if added or removed:
+            log.info("membership: +%s -%s", sorted(added), sorted(removed))
+        m = self.metrics
+        for url in removed:
+            for gauge in (m.replica_healthy, m.replica_waiting, m.replica_running,
+                          m.replica_in_flight, m.breaker_state):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(url)
+        self._apply_membership()
+        if added and self._session is not None:
+            asyncio.get_running_loop().create_task(self.probe_all())
+
+    def set_policy(self, name: str, params: dict[str, Any]) -> None:
+        """Switch the routing policy live (from the controller)."""
+        d = self.dispatcher
+        if d.policy.name == name and getattr(self, "_policy_params", {}) == params:
+            return
+        policy = build_policy(name, params, rng=random.Random())
+        d.policy = policy
+        d.hold_s = d.hold_s  # re-evaluates whether the new policy can hold requests
+        policy.on_membership(sorted(d.targets))
+        self._keys = policy.uses_prefix_keys
+        self._policy_params = dict(params)
+        self._decision_counters.clear()
+        log.info("policy is now %s %s", name, params or "")
+
     def _apply_membership(self) -> None:
         self.dispatcher.set_targets({url: h.models for url, h in self.replicas.items()})
         for url, h in self.replicas.items():
@@ -300,6 +352,9 @@ class Balancer:
                 self._pump()
             self.metrics.requests.labels(model, outcome).inc()
             self.metrics.e2e.labels(model).observe(self.now() - t0)
+            if ticket is not None:
+                self.tally.add(model, ticket.route.prompt_len,
+                               request.get(OUTPUT_TOKENS_KEY, 0))
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.cfg.limits.max_body_bytes
@@ -362,6 +417,8 @@ class Balancer:
                 self.dispatcher.first_byte(ticket)
                 self.metrics.ttft.labels(model).observe(self.now() - t0)
                 ok = up.status < 400
+                if ok:
+                    request[OUTPUT_TOKENS_KEY] = _completion_tokens(body)
                 self.dispatcher.complete(ticket, self.now(), ok=ok)
                 resp = web.Response(status=up.status, body=body, headers=_copy_headers(up))
                 return resp, "ok" if ok else f"upstream_{up.status}"
@@ -439,8 +496,12 @@ class Balancer:
         await resp.prepare(request)
         await resp.write(first)
         ok = True
+        # One SSE event per generated token in vLLM's and SGLang's streams (bar the role
+        # chunk and [DONE]): a count good enough for demand telemetry, and cheap.
+        events = first.count(b"data: ")
         try:
             async for chunk in chunks:
+                events += chunk.count(b"data: ")
                 await resp.write(chunk)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             ok = False
@@ -448,6 +509,7 @@ class Balancer:
             err = {"error": {"message": f"the replica failed mid-response: {exc}",
                              "type": "server_error", "param": None, "code": "upstream_failed"}}
             await resp.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
+        request[OUTPUT_TOKENS_KEY] = max(0, events - 2)
         self.dispatcher.complete(ticket, self.now(), ok=ok, replica_fault=not ok)
         await resp.write_eof()
         return resp, "ok" if ok else "upstream_broken"
@@ -484,6 +546,10 @@ class Balancer:
         return web.json_response({
             "region": self.cfg.region,
             "mesh": mesh,
+            "controller": None if self.controller is None else {
+                "url": self.controller.cfg.url, "balancer_id": self.controller.balancer_id,
+                "registered": self.controller.registered,
+                "revision": self.controller.revision, "error": self.controller.last_error},
             "policy": d.policy.name,
             "pushing": d.mode.value,
             "queued": d.queue_length(),
@@ -493,6 +559,14 @@ class Balancer:
                       "in_flight": t.load.in_flight, "breaker": t.breaker.state.name.lower()}
                 for tid, t in d.targets.items()},
         })
+
+
+def _completion_tokens(body: bytes) -> int:
+    try:
+        usage = json.loads(body).get("usage") or {}
+        return int(usage.get("completion_tokens") or 0)
+    except (ValueError, AttributeError, TypeError):
+        return 0
 
 
 def _copy_headers(up: aiohttp.ClientResponse) -> dict[str, str]:

@@ -59,3 +59,8 @@ def main(duration_s: float = 600.0, seed: int = 0, counts: range = range(6, 13)
     return {"runs": runs, "replicas_to_match_12": match,
             "setup": {"clients": CLIENTS, "workload": "sharegpt-chat", "policy": "prefix-tree",
                       "profile": "llama3.1-8b-l4", "duration_s": duration_s, "seed": seed}}
+
+
+def run_experiment(args: Any) -> dict[str, Any]:
+    """``skymesh bench`` entry point."""
+    return main(duration_s=args.duration or 600.0, seed=args.seed)

@@ -79,3 +79,8 @@ def main(duration_s: float = 300.0, output_scale: float = 3.0, seed: int = 0,
         if i == 0:
             result["systems"] = systems  # the paper's configuration, per the contract
     return result
+
+
+def run_experiment(args: Any) -> dict[str, Any]:
+    """``skymesh bench`` entry point."""
+    return main(duration_s=args.duration or 300.0, seed=args.seed)

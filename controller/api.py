@@ -1,0 +1,236 @@
+"""The admin API (FastAPI): resources under ``/v1/``, ``/health`` open, the rest by token.
+
+Errors use one shape, ``{"error": {"type", "message"}}``; validation errors (422) also list
+each offending field under ``error.fields`` and name it in the message.
+"""
+
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from controller.auth import Principal, TokenBook, allowed
+from controller.config import ControllerConfig, Role
+from controller.dashboard import mount_dashboard
+from controller.models import (
+    BalancerIn,
+    DnsSyncIn,
+    ModelIn,
+    PolicyIn,
+    RegionIn,
+    ReplicaIn,
+    TelemetryIn,
+)
+from controller.service import ApiError, Controller, DnsHook
+from controller.store import Obj, Store, StoreError, open_store
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"description": "missing or unknown token"},
+    403: {"description": "the token's role may not do this"},
+    422: {"description": "invalid body or parameter; the message names the field"},
+}
+
+
+def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": {"type": kind, "message": message, **extra}},
+                        status_code=status, headers=headers)
+
+
+def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | None = None,
+              probe: bool = True) -> FastAPI:
+    tokens = TokenBook(list(cfg.tokens), os.environ.get("SKYMESH_ADMIN_TOKEN"))
+    ctl = Controller(cfg, store if store is not None else open_store(cfg.store), dns)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await ctl.start(probe=probe)
+        try:
+            yield
+        finally:
+            await ctl.stop()
+
+    app = FastAPI(title="SkyMesh controller", version="1.0", lifespan=lifespan,
+                  description="Admin API of the SkyMesh mesh: regions, balancers, replicas, "
+                              "models, policies, telemetry and status.")
+    app.state.controller = ctl
+    bearer = HTTPBearer(auto_error=False)
+
+    def need(role: Role) -> Any:
+        async def check(
+            creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+        ) -> Principal:
+            who = tokens.lookup(creds.credentials) if creds is not None else None
+            if who is None:
+                raise ApiError(401, "unauthorized", "a valid bearer token is required")
+            if not allowed(who.role, role):
+                raise ApiError(403, "forbidden", f"token {who.name!r} ({who.role}) may not "
+                                                 f"do this: it needs the {role} role")
+            return who
+        return Depends(check)
+
+    read, agent, admin = need("read"), need("agent"), need("admin")
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Any) -> Any:
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > cfg.max_body_bytes):
+            return _error(413, "too_large", f"body over {cfg.max_body_bytes} bytes")
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.kind, exc.message)
+
+    @app.exception_handler(StoreError)
+    async def store_error(request: Request, exc: StoreError) -> JSONResponse:
+        return _error(503, "store_unavailable", str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, "http_error", str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        fields = []
+        for e in exc.errors():
+            loc = [str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path")]
+            fields.append({"field": ".".join(loc) or "(body)", "message": e.get("msg", "")})
+        message = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
+        return _error(422, "invalid_request", message, fields=fields)
+
+    # -- open ------------------------------------------------------------------------------
+    @app.get("/health", tags=["health"])
+    async def health() -> dict[str, Any]:
+        return {"status": "ok"}
+
+    # -- regions ---------------------------------------------------------------------------
+    @app.get("/v1/regions", tags=["regions"], responses=ERRORS, dependencies=[read])
+    async def list_regions() -> list[Obj]:
+        return await ctl.list_kind("regions")
+
+    @app.post("/v1/regions", tags=["regions"], status_code=201, responses=ERRORS,
+              dependencies=[admin])
+    async def put_region(body: RegionIn) -> Obj:
+        return await ctl.put_region(body)
+
+    @app.get("/v1/regions/{name}", tags=["regions"], responses=ERRORS, dependencies=[read])
+    async def get_region(name: str) -> Obj:
+        return await ctl.get("regions", name, "region")
+
+    @app.delete("/v1/regions/{name}", tags=["regions"], status_code=204, responses=ERRORS,
+                dependencies=[admin])
+    async def delete_region(name: str) -> None:
+        await ctl.delete_region(name)
+
+    # -- balancers -------------------------------------------------------------------------
+    @app.get("/v1/balancers", tags=["balancers"], responses=ERRORS, dependencies=[read])
+    async def list_balancers() -> list[Obj]:
+        return await ctl.list_kind("balancers")
+
+    @app.post("/v1/balancers", tags=["balancers"], status_code=201, responses=ERRORS,
+              dependencies=[agent])
+    async def register_balancer(body: BalancerIn) -> Obj:
+        return await ctl.register_balancer(body)
+
+    @app.get("/v1/balancers/{bid}", tags=["balancers"], responses=ERRORS, dependencies=[read])
+    async def get_balancer(bid: str) -> Obj:
+        return await ctl.get("balancers", bid, "balancer")
+
+    @app.delete("/v1/balancers/{bid}", tags=["balancers"], status_code=204, responses=ERRORS,
+                dependencies=[admin])
+    async def delete_balancer(bid: str) -> None:
+        await ctl.delete_balancer(bid)
+
+    @app.put("/v1/balancers/{bid}/policy", tags=["balancers"], responses=ERRORS,
+             dependencies=[admin])
+    async def set_policy(bid: str, body: PolicyIn) -> Obj:
+        return await ctl.set_policy(bid, body)
+
+    @app.get("/v1/balancers/{bid}/membership", tags=["balancers"], responses=ERRORS,
+             dependencies=[agent])
+    async def membership(
+        bid: str,
+        after: Annotated[int, Query(ge=-1, description="return once the revision is past "
+                                                       "this one (long poll)")] = -1,
+        wait: Annotated[float, Query(ge=0, le=300, description="seconds to wait")] = 0.0,
+    ) -> Obj:
+        await ctl.get("balancers", bid, "balancer")
+        if after >= 0 and wait > 0:
+            await ctl.wait_change(after, wait)
+        return await ctl.membership(bid)
+
+    @app.post("/v1/balancers/{bid}/telemetry", tags=["balancers"], status_code=204,
+              responses=ERRORS, dependencies=[agent])
+    async def telemetry_in(bid: str, body: TelemetryIn) -> None:
+        await ctl.report(bid, body)
+
+    # -- replicas --------------------------------------------------------------------------
+    @app.get("/v1/replicas", tags=["replicas"], responses=ERRORS, dependencies=[read])
+    async def list_replicas() -> list[Obj]:
+        return await ctl.list_kind("replicas")
+
+    @app.post("/v1/replicas", tags=["replicas"], status_code=201, responses=ERRORS,
+              dependencies=[agent])
+    async def add_replica(body: ReplicaIn) -> Obj:
+        return await ctl.add_replica(body)
+
+    @app.get("/v1/replicas/{rid}", tags=["replicas"], responses=ERRORS, dependencies=[read])
+    async def get_replica(rid: str) -> Obj:
+        return await ctl.get("replicas", rid, "replica")
+
+    @app.delete("/v1/replicas/{rid}", tags=["replicas"], status_code=204, responses=ERRORS,
+                dependencies=[admin])
+    async def remove_replica(rid: str) -> None:
+        await ctl.remove_replica(rid)
+
+    @app.post("/v1/replicas/{rid}/drain", tags=["replicas"], responses=ERRORS,
+              dependencies=[admin])
+    async def drain(rid: str) -> Obj:
+        return await ctl.drain(rid, True)
+
+    @app.post("/v1/replicas/{rid}/undrain", tags=["replicas"], responses=ERRORS,
+              dependencies=[admin])
+    async def undrain(rid: str) -> Obj:
+        return await ctl.drain(rid, False)
+
+    # -- models ----------------------------------------------------------------------------
+    @app.get("/v1/models", tags=["models"], responses=ERRORS, dependencies=[read])
+    async def list_models() -> list[Obj]:
+        return await ctl.models()
+
+    @app.post("/v1/models", tags=["models"], status_code=201, responses=ERRORS,
+              dependencies=[admin])
+    async def put_model(body: ModelIn) -> Obj:
+        return await ctl.put_model(body)
+
+    @app.delete("/v1/models/{name}", tags=["models"], status_code=204, responses=ERRORS,
+                dependencies=[admin])
+    async def delete_model(name: str) -> None:
+        await ctl.delete_model(name)
+
+    # -- status and telemetry --------------------------------------------------------------
+    @app.get("/v1/status", tags=["status"], responses=ERRORS, dependencies=[read])
+    async def status() -> Obj:
+        return await ctl.status()
+
+    @app.get("/v1/telemetry", tags=["status"], responses=ERRORS, dependencies=[read])
+    async def telemetry(
+        balancer: str | None = None, region: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 500,
+    ) -> list[Obj]:
+        return await ctl.telemetry(balancer, region, limit)
+
+    @app.post("/v1/dns/sync", tags=["dns"], responses=ERRORS, dependencies=[admin])
+    async def dns_sync(body: Annotated[DnsSyncIn | None, Body()] = None) -> Obj:
+        return await ctl.dns_sync(body.dry_run if body is not None else False)
+
+    mount_dashboard(app)
+    return app

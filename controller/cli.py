@@ -1,0 +1,69 @@
+"""``skymesh-controller``: the controller daemon.
+
+    skymesh-controller --config FILE
+    skymesh-controller --port P [--store memory|redis://HOST:PORT/DB]
+
+The admin token comes from the config (hashed) or ``SKYMESH_ADMIN_TOKEN``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from controller.config import ConfigError, load_config, parse_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="skymesh-controller", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", metavar="FILE", help="YAML configuration file")
+    ap.add_argument("--port", type=int, help="TCP port (0: any free port)")
+    ap.add_argument("--host", help="bind address (default 127.0.0.1)")
+    ap.add_argument("--store", help="memory (default) or redis://HOST:PORT/DB")
+    ap.add_argument("--probe-interval", type=float, metavar="SECONDS")
+    ap.add_argument("--log-level", default="warning",
+                    choices=["debug", "info", "warning", "error"])
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    base: dict[str, Any] = {}
+    if args.config:
+        base = load_config(args.config).model_dump(mode="json")
+    elif args.port is None:
+        raise ConfigError("give --config FILE, or --port P")
+    if args.port is not None:
+        base.setdefault("listen", {})["port"] = args.port
+    if args.host is not None:
+        base.setdefault("listen", {})["host"] = args.host
+    if args.store:
+        base["store"] = args.store
+    if args.probe_interval is not None:
+        base.setdefault("probe", {})["interval_s"] = args.probe_interval
+    return parse_config(base)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as exc:
+        print(f"skymesh-controller: config error: {exc}", file=sys.stderr)
+        return 2
+    if not cfg.tokens and not os.environ.get("SKYMESH_ADMIN_TOKEN"):
+        print("skymesh-controller: no admin token: set SKYMESH_ADMIN_TOKEN or list tokens "
+              "in the config (every endpoint but /health needs one)", file=sys.stderr)
+        return 2
+    from controller.serve import serve
+
+    return serve(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Running the controller under uvicorn on a socket we bind ourselves.
+
+Binding first lets ``--port 0`` work and the ``listening on`` line carry the real port
+(scripts and tests read it), and the listen backlog holds clients until startup ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+
+from controller.config import ControllerConfig
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def serve(cfg: ControllerConfig) -> int:
+    import uvicorn
+
+    from controller.api import build_app
+    from controller.dns_hook import dns_hook
+
+    try:
+        sock = _bind(cfg.listen.host, cfg.listen.port)
+    except OSError as exc:
+        print(f"skymesh-controller: cannot listen on {cfg.listen.host}:{cfg.listen.port}: "
+              f"{exc.strerror}", file=sys.stderr)
+        return 1
+    app = build_app(cfg, dns=dns_hook(cfg))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           lifespan="on", timeout_graceful_shutdown=5))
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"skymesh-controller listening on http://{shown}:{port} (store {_safe(cfg.store)})",
+          file=sys.stderr, flush=True)
+    asyncio.run(server.serve(sockets=[sock]))
+    return 0
+
+
+def _safe(store: str) -> str:
+    """The store URL without a password, for logs."""
+    if "@" in store:
+        scheme, _, rest = store.partition("://")
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return store

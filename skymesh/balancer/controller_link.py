@@ -1,0 +1,184 @@
+"""The balancer's side of the controller: register, follow membership, report telemetry.
+
+Membership arrives by long poll (``GET /v1/balancers/ID/membership?after=REV&wait=S``):
+a change reaches the balancer as soon as the controller commits it, with no minute-long
+polling. When the controller is unreachable the balancer keeps serving with what it last
+received and retries; the controller is never on a request's path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from skymesh.balancer.config import ControllerLinkConfig, ReplicaConfig
+
+if TYPE_CHECKING:
+    from skymesh.balancer.server import Balancer
+
+log = logging.getLogger("skymesh.balancer.controller")
+
+
+class ControllerRejected(RuntimeError):
+    """The controller answered with a client error (bad token, unknown region...)."""
+
+
+def read_token(cfg: ControllerLinkConfig) -> str:
+    if cfg.token_file:
+        return Path(cfg.token_file).read_text().strip()
+    return os.environ.get(cfg.token_env, "")
+
+
+class Tally:
+    """Requests and tokens per model since the last report (the telemetry the controller
+    turns into demand series for forecasting)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, list[int]] = {}
+        self.since = time.monotonic()
+
+    def add(self, model: str, prompt_tokens: int, output_tokens: int) -> None:
+        c = self.counts.get(model)
+        if c is None:
+            c = self.counts[model] = [0, 0, 0]
+        c[0] += 1
+        c[1] += prompt_tokens
+        c[2] += output_tokens
+
+    def take(self) -> tuple[float, dict[str, dict[str, int]]]:
+        now = time.monotonic()
+        window, self.since = max(now - self.since, 1e-3), now
+        counts, self.counts = self.counts, {}
+        return window, {m: {"requests": c[0], "prompt_tokens": c[1], "output_tokens": c[2]}
+                        for m, c in counts.items()}
+
+
+class ControllerLink:
+    def __init__(self, cfg: ControllerLinkConfig, lb: Balancer) -> None:
+        self.cfg = cfg
+        self.lb = lb
+        mesh = lb.cfg.mesh
+        self.balancer_id = cfg.balancer_id or (mesh.id if mesh is not None else lb.cfg.region)
+        self.revision = -1
+        self.registered = False
+        self.last_error: str | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._url = ""
+
+    async def start(self, local_url: str) -> None:
+        self._url = self.cfg.advertise_url or local_url
+        token = read_token(self.cfg)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._session = aiohttp.ClientSession(
+            base_url=self.cfg.url + "/", headers=headers,
+            timeout=aiohttp.ClientTimeout(total=self.cfg.poll_wait_s + 10, sock_connect=3))
+        self._tasks = [asyncio.create_task(self._follow(), name="skymesh-controller-sync"),
+                       asyncio.create_task(self._report_loop(), name="skymesh-telemetry")]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self._session is not None:
+            await self._session.close()
+
+    async def _call(self, method: str, path: str, **kw: Any) -> Any:
+        assert self._session is not None
+        async with self._session.request(method, path.lstrip("/"), **kw) as r:
+            if r.status >= 400:
+                text = (await r.text())[:300]
+                err = f"{method} {path}: HTTP {r.status}: {text}"
+                if r.status < 500:
+                    raise ControllerRejected(err)
+                raise aiohttp.ClientResponseError(r.request_info, (), status=r.status,
+                                                  message=err)
+            return None if r.status == 204 else await r.json()
+
+    # -- registration and membership -------------------------------------------------------
+    async def register(self) -> None:
+        lb = self.lb
+        body: dict[str, Any] = {"id": self.balancer_id, "region": lb.cfg.region,
+                                "url": self._url}
+        if lb.mesh is not None:
+            body["peer_address"] = lb.mesh.node.address
+        await self._call("POST", "/v1/balancers", json=body)
+        for rep in lb.cfg.replicas:
+            known = rep.models or (sorted(lb.replicas[rep.url].models)
+                                   if rep.url in lb.replicas else [])
+            model = known[0] if known else None
+            if model is None:
+                raise ControllerRejected(f"replica {rep.url}: model not known yet "
+                                         "(list it under models, or wait for a probe)")
+            await self._call("POST", "/v1/replicas", json={
+                "url": rep.url, "model": model, "region": lb.cfg.region, "gpu": rep.gpu,
+                "kind": rep.kind, "balancer": self.balancer_id})
+        self.registered = True
+        log.info("registered with the controller as %s", self.balancer_id)
+
+    async def apply(self, m: dict[str, Any]) -> None:
+        """Membership from the controller: replicas, policy and peers."""
+        self.revision = int(m["revision"])
+        self.lb.set_replicas([ReplicaConfig(url=r["url"], kind=r.get("kind", "vllm"),
+                                            models=[r["model"]], gpu=r.get("gpu", "unknown"))
+                              for r in m["replicas"]])
+        if m.get("policy"):
+            self.lb.set_policy(m["policy"], m.get("policy_params") or {})
+        if self.lb.mesh is not None:
+            peers = {p["id"]: p["peer_address"] for p in m["peers"] if p.get("peer_address")}
+            await self.lb.mesh.set_peers(peers)
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                if not self.registered:
+                    await self.register()
+                m = await self._call(
+                    "GET", f"/v1/balancers/{self.balancer_id}/membership",
+                    params={"after": str(self.revision), "wait": str(self.cfg.poll_wait_s)}
+                    if self.revision >= 0 else None)
+                self.last_error = None
+                if int(m["revision"]) != self.revision:
+                    await self.apply(m)
+                continue
+            except ControllerRejected as exc:
+                self.last_error = str(exc)
+                log.warning("controller refused: %s", exc)
+                if "HTTP 404" in str(exc):  # forgotten (e.g. a memory store restarted)
+                    self.registered = False
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError) as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("controller unreachable: %s", self.last_error)
+            await asyncio.sleep(self.cfg.retry_s)
+
+    # -- telemetry -------------------------------------------------------------------------
+    def telemetry(self) -> dict[str, Any]:
+        lb = self.lb
+        window, models = lb.tally.take()
+        d = lb.dispatcher
+        return {
+            "window_s": min(window, 3600.0), "models": models, "queue_length": d.queued,
+            "in_flight": sum(t.load.in_flight for t in d.targets.values()),
+            "replicas": {url: "healthy" if h.healthy else "unhealthy"
+                         for url, h in lb.replicas.items()},
+        }
+
+    async def _report_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.telemetry_interval_s)
+            if not self.registered:
+                continue
+            try:
+                await self._call("POST", f"/v1/balancers/{self.balancer_id}/telemetry",
+                                 json=self.telemetry())
+            except (ControllerRejected, aiohttp.ClientError, TimeoutError, OSError) as exc:
+                log.warning("telemetry not delivered: %s", exc)
