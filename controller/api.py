@@ -8,17 +8,16 @@ each offending field under ``error.fields`` and name it in the message.
 import contextlib
 import os
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from controller.auth import Principal, TokenBook, allowed
 from controller.config import ControllerConfig, Role
-from controller.dashboard import mount_dashboard
 from controller.models import (
     BalancerIn,
     DnsSyncIn,
@@ -28,6 +27,8 @@ from controller.models import (
     ReplicaIn,
     TelemetryIn,
 )
+from controller.series import telemetry_series as telemetry_series_of
+from controller.series import to_csv as series_csv
 from controller.service import ApiError, Controller, DnsHook
 from controller.store import Obj, Store, StoreError, open_store
 
@@ -228,9 +229,21 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
     ) -> list[Obj]:
         return await ctl.telemetry(balancer, region, limit)
 
+    @app.get("/v1/telemetry/series", tags=["status"], responses=ERRORS,
+             dependencies=[read])
+    async def telemetry_series(
+        model: str | None = None, region: str | None = None,
+        window: Annotated[int, Query(ge=1, le=86_400, description="seconds")] = 600,
+        format: Annotated[Literal["json", "csv"], Query()] = "json",
+    ) -> Any:
+        samples = await ctl.telemetry(None, region, limit=cfg.telemetry_keep)
+        series = telemetry_series_of(samples, window, model=model, region=region)
+        if format == "csv":
+            return PlainTextResponse(series_csv(series), media_type="text/csv")
+        return series
+
     @app.post("/v1/dns/sync", tags=["dns"], responses=ERRORS, dependencies=[admin])
     async def dns_sync(body: Annotated[DnsSyncIn | None, Body()] = None) -> Obj:
         return await ctl.dns_sync(body.dry_run if body is not None else False)
 
-    mount_dashboard(app)
     return app

@@ -8,13 +8,19 @@ for the run by ``skymesh.mesh.certs``); every inter-region link goes through a
 toward us, whose replicas are too few for its load: the moment SkyMesh exists for. The
 same load runs twice, with forwarding (the mesh) and without (region-local), and the demo
 prints per-region served and forwarded counts, TTFT percentiles and throughput.
+
+The mesh run also has a ``skymesh-controller`` (embedded in-memory store): balancers
+register with it and take their membership from it. At the end the demo kills lb-us and
+shows the controller handing its replica to the nearest live balancer (lb-eu).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import secrets
 import socket
 import tempfile
 import time
@@ -33,6 +39,7 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 REGIONS = ("us", "eu", "asia")
 REPLICAS = {"us": 1, "eu": 2, "asia": 2}
 CLIENTS = {"us": 16, "eu": 2, "asia": 2}
+LOCATIONS = {"us": (38.9, -77.0), "eu": (53.3, -6.3), "asia": (35.7, 139.7)}
 
 
 def _free_port() -> int:
@@ -42,9 +49,12 @@ def _free_port() -> int:
 
 
 class Mesh:
-    def __init__(self, workdir: Path, forwarding: bool) -> None:
+    def __init__(self, workdir: Path, forwarding: bool, controller: bool = False) -> None:
         self.dir = workdir
         self.forwarding = forwarding
+        self.token = secrets.token_hex(16)
+        self.controller: Daemon | None = None
+        self.want_controller = controller
         self.daemons: list[Daemon] = []
         self.proxies: list[DelayProxy] = []
         self.lbs: dict[str, Daemon] = {}
@@ -58,6 +68,8 @@ class Mesh:
             certs.create_ca(pki)
             for r in REGIONS:
                 certs.issue_cert(pki, f"lb-{r}")
+        if self.want_controller:
+            await self._start_controller()
         grpc_ports = {r: _free_port() for r in REGIONS}
         net = Network()
         links: dict[tuple[str, str], str] = {}
@@ -74,20 +86,70 @@ class Mesh:
                     for i in range(REPLICAS[r])]
             self.daemons.extend(reps)
             self.replicas[r] = reps
-            cfg = {
+            cfg: dict[str, Any] = {
                 "region": r, "listen": {"port": 0},
-                "replicas": [{"url": d.url} for d in reps],
+                "replicas": [{"url": d.url, "models": [MODEL], "gpu": "L4"} for d in reps],
                 "mesh": {"id": f"lb-{r}", "certs_dir": str(pki),
                          "listen_port": grpc_ports[r], "forwarding": self.forwarding,
                          "peers": [{"id": f"lb-{o}", "address": links[(r, o)]}
                                    for o in REGIONS if o != r]},
             }
+            if self.controller is not None:
+                # Peers stay as configured: each link runs through its own delay proxy.
+                cfg["controller"] = {"url": self.controller.url, "balancer_id": f"lb-{r}",
+                                     "follow_peers": False, "retry_s": 0.2,
+                                     "telemetry_interval_s": 1.0}
             path = self.dir / f"lb-{r}.yaml"
             path.write_text(yaml.safe_dump(cfg))
             lb = start_daemon("skymesh-lb", ["--config", str(path)],
-                              log_path=self.dir / f"lb-{r}.log")
+                              log_path=self.dir / f"lb-{r}.log",
+                              env={**os.environ, "SKYMESH_AGENT_TOKEN": self.token})
             self.daemons.append(lb)
             self.lbs[r] = lb
+
+    async def _start_controller(self) -> None:
+        ctl = start_daemon("skymesh-controller",
+                           ["--port", "0", "--store", "memory", "--probe-interval", "0.3"],
+                           log_path=self.dir / "controller.log",
+                           env={**os.environ, "SKYMESH_ADMIN_TOKEN": self.token})
+        self.daemons.append(ctl)
+        self.controller = ctl
+        async with aiohttp.ClientSession(headers=self.auth) as s:
+            for r, (lat, lon) in LOCATIONS.items():
+                async with s.post(ctl.url + "/v1/regions",
+                                  json={"name": r, "latitude": lat, "longitude": lon}) as resp:
+                    resp.raise_for_status()
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    async def failover(self, s: aiohttp.ClientSession, timeout: float = 30) -> dict[str, Any]:
+        """Kill lb-us; time until the controller has its replicas served elsewhere."""
+        assert self.controller is not None
+        urls = {d.url for d in self.replicas["us"]}
+        self.lbs["us"].kill()
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        while time.monotonic() < deadline:
+            async with s.get(self.controller.url + "/v1/replicas", headers=self.auth) as r:
+                reps = [x for x in await r.json() if x["url"] in urls]
+            takers = {x["assigned"] for x in reps}
+            if len(takers) == 1 and (taker := takers.pop()) not in (None, "lb-us"):
+                lb = self.lbs[taker.removeprefix("lb-")]
+                async with s.get(lb.url + "/status") as r:
+                    serving = set((await r.json())["replicas"])
+                if urls <= serving:
+                    return {"killed": "lb-us", "moved_to": taker,
+                            "seconds": time.monotonic() - t0}
+            await asyncio.sleep(0.05)
+        raise RuntimeError("the controller did not move lb-us's replicas in time")
+
+    async def controller_status(self, s: aiohttp.ClientSession) -> dict[str, Any]:
+        assert self.controller is not None
+        async with s.get(self.controller.url + "/v1/status", headers=self.auth) as r:
+            st: dict[str, Any] = await r.json()
+        return st
 
     async def wait_ready(self, s: aiohttp.ClientSession, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
@@ -179,10 +241,16 @@ async def _demo(duration: float, seed: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="skymesh-demo-") as tmp:
         for name, forwarding in (("mesh", True), ("region_local", False)):
-            mesh = Mesh(Path(tmp), forwarding)
+            mesh = Mesh(Path(tmp), forwarding, controller=forwarding)
             try:
                 await mesh.start()
                 results[name] = await _run_load(mesh, duration, seed)
+                if mesh.controller is not None:
+                    async with aiohttp.ClientSession() as s:
+                        st = await mesh.controller_status(s)
+                        results[name]["controller"] = {
+                            "balancers": st["balancers"], "replicas": st["replicas"],
+                            "failover": await mesh.failover(s)}
             finally:
                 await mesh.stop()
     return results
@@ -199,6 +267,12 @@ def run_demo(duration: float = 20.0, seed: int = 0, json_path: str | None = None
         for region, st in r["regions"].items():
             print(f"    {region:<5} served {st['served']:>4}  forwarded out "
                   f"{st['forwarded_out']:>4}  in {st['forwarded_in']:>4}")
+        if "controller" in r:
+            c = r["controller"]
+            f = c["failover"]
+            print(f"    controller (embedded store): balancers {c['balancers']}, replicas "
+                  f"{c['replicas']}; killed {f['killed']}: its replica served by "
+                  f"{f['moved_to']} after {f['seconds']:.2f} s")
     out = {"mesh": res["mesh"],
            "region_local": {k: res["region_local"][k]
                             for k in ("throughput_rps", "ttft_p50_s", "ttft_p90_s",

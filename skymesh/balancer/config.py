@@ -140,6 +140,9 @@ class ControllerLinkConfig(_Strict):
     telemetry_interval_s: float = Field(5.0, gt=0)
     poll_wait_s: float = Field(30.0, gt=0, le=300)
     retry_s: float = Field(1.0, gt=0)
+    # Take the peer list from the controller (False: keep mesh.peers, e.g. when each link
+    # goes through its own proxy, as in the local demo).
+    follow_peers: bool = True
 
     @field_validator("url", "advertise_url")
     @classmethod

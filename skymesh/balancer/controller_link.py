@@ -133,7 +133,7 @@ class ControllerLink:
                               for r in m["replicas"]])
         if m.get("policy"):
             self.lb.set_policy(m["policy"], m.get("policy_params") or {})
-        if self.lb.mesh is not None:
+        if self.lb.mesh is not None and self.cfg.follow_peers:
             peers = {p["id"]: p["peer_address"] for p in m["peers"] if p.get("peer_address")}
             await self.lb.mesh.set_peers(peers)
 

@@ -220,3 +220,21 @@ def test_redis_outage_gives_503_not_a_crash(redis_server: RedisServer) -> None:
         assert r.status_code == 503 and r.json()["error"]["type"] == "store_unavailable"
         redis_server.start()
         assert c.get("/v1/regions", headers=auth()).status_code == 200
+
+
+def test_telemetry_series_endpoint(store_spec: str) -> None:
+    with client(store_spec) as c:
+        seed(c)
+        sample = {"window_s": 5, "models": {"llama": {"requests": 3, "prompt_tokens": 300,
+                                                      "output_tokens": 90}}}
+        for _ in range(2):
+            c.post("/v1/balancers/lb-us/telemetry", json=sample, headers=auth(AGENT))
+        s = c.get("/v1/telemetry/series", params={"model": "llama", "window": 3600},
+                  headers=auth()).json()
+        assert sum(s["requests"]) == 6 and sum(s["prompt_tokens"]) == 600
+        csv = c.get("/v1/telemetry/series", params={"format": "csv", "window": 3600},
+                    headers=auth())
+        assert csv.headers["content-type"].startswith("text/csv")
+        assert csv.text.splitlines()[0] == "t_seconds,requests,prompt_tokens,output_tokens"
+        bad = c.get("/v1/telemetry/series", params={"window": 0}, headers=auth())
+        assert bad.status_code == 422 and "window" in bad.json()["error"]["message"]
