@@ -82,6 +82,12 @@ async def test_failed_balancer_replicas_move_to_nearest_and_come_back(tmp_path: 
             await until(lambda: _has(s, lb_eu, eu_urls), "lb-eu serves its replica")
             await until(lambda: _states(s, ctl.url, {"up"}), "the controller sees 3 up")
 
+            # A policy switched at the controller reaches the balancer (long poll), live.
+            async with s.put(ctl.url + "/v1/balancers/lb-eu/policy", headers=auth(),
+                             json={"policy": "round-robin"}) as r:
+                assert r.status == 200
+            await until(lambda: _policy(s, lb_eu, "round-robin"), "lb-eu switches policy")
+
             async def client(i: int) -> None:
                 body = {"model": MODEL, "max_tokens": 8,
                         "messages": [{"role": "user", "content": f"client {i} says hi"}]}
@@ -129,6 +135,11 @@ async def test_failed_balancer_replicas_move_to_nearest_and_come_back(tmp_path: 
 
 async def _has(s: aiohttp.ClientSession, lb: Daemon, urls: set[str]) -> bool:
     return urls <= await lb_replicas(s, lb)
+
+
+async def _policy(s: aiohttp.ClientSession, lb: Daemon, name: str) -> bool:
+    async with s.get(lb.url + "/status") as r:
+        return bool((await r.json())["policy"] == name)
 
 
 async def _exactly(s: aiohttp.ClientSession, lb: Daemon, urls: set[str]) -> bool:
