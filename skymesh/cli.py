@@ -111,7 +111,9 @@ BENCH_EXPERIMENTS: dict[str, str] = {
 }
 
 # Modules adding their own subcommands through ``register(subparsers)``.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = (
+    "skymesh.dns_cli",
+)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Install SkyMesh into a venv, put its configuration and systemd units in place, and
+# start the daemons of this host's roles. EC2 user data runs it at first boot (Terraform's
+# terraform/modules/region renders the preamble); an operator can run it from a checkout:
+#
+#   sudo SKYMESH_ROLES=lb,replica deploy/cloud-init/install-skymesh.sh
+#
+# Settings (environment):
+#   SKYMESH_ROLES      comma-separated: lb, replica, controller              (lb)
+#   SKYMESH_PREFIX     where the venv goes                                   (/opt/skymesh)
+#   SKYMESH_ROOT       filesystem root for /etc (a temp dir in tests)        (empty: /)
+#   SKYMESH_STAGE      dir holding systemd/*.service and config/* to install (this checkout's deploy/)
+#   SKYMESH_PYTHON     interpreter to build the venv with                    (python3)
+#   SKYMESH_PIP_SPEC   what to pip-install, words split (e.g. "-e /src/skymesh") (skymesh)
+#   SKYMESH_PIP_ARGS   extra pip flags, words split                          (none)
+#   SKYMESH_USER       the service account                                   (skymesh)
+#   SKYMESH_EIP_ALLOCATION_ID   on EC2: associate this Elastic IP with the instance
+#   SKYMESH_CERTS_SSM_PREFIX    on EC2: fetch ca.crt, ID.crt, ID.key of the mesh from SSM
+#   SKYMESH_MESH_ID             the balancer id whose certificate to fetch
+# systemctl runs only when installing into the real root of a host booted with systemd.
+set -euo pipefail
+
+log() { printf 'install-skymesh: %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 2; }
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROLES="${SKYMESH_ROLES:-lb}"
+PREFIX="${SKYMESH_PREFIX:-/opt/skymesh}"
+ROOT="${SKYMESH_ROOT:-}"
+STAGE="${SKYMESH_STAGE:-$(dirname "$here")}"
+PYTHON="${SKYMESH_PYTHON:-python3}"
+SVC_USER="${SKYMESH_USER:-skymesh}"
+read -r -a PIP_SPEC <<< "${SKYMESH_PIP_SPEC:-skymesh}"
+read -r -a PIP_ARGS <<< "${SKYMESH_PIP_ARGS:-}"
+ETC_DIR="$ROOT/etc/skymesh"
+UNIT_DIR="$ROOT/etc/systemd/system"
+
+declare -A CONFIG_OF=([lb]=lb.yaml [replica]=replica.env [controller]=controller.yaml)
+IFS=',' read -r -a roles <<< "$ROLES"
+for role in "${roles[@]}"; do
+  [[ -n "${CONFIG_OF[$role]:-}" ]] || die "unknown role '$role' (lb, replica, controller)"
+  [[ -f "$STAGE/systemd/skymesh-$role.service" ]] || die "missing $STAGE/systemd/skymesh-$role.service"
+  [[ -f "$STAGE/config/${CONFIG_OF[$role]}" ]] || die "missing $STAGE/config/${CONFIG_OF[$role]}"
+done
+
+as_root() { [[ "$(id -u)" == 0 ]]; }
+
+# 1. The service account (system user, no login, no home), on the real root only.
+if as_root && [[ -z "$ROOT" ]] && ! id "$SVC_USER" >/dev/null 2>&1; then
+  useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin "$SVC_USER"
+  log "created user $SVC_USER"
+fi
+
+# 2. The venv. Re-running upgrades in place.
+if [[ ! -x "$PREFIX/venv/bin/python" ]]; then
+  mkdir -p "$PREFIX"
+  "$PYTHON" -m venv "$PREFIX/venv"
+fi
+PIP_DISABLE_PIP_VERSION_CHECK=1 "$PREFIX/venv/bin/python" -m pip install -q \
+  "${PIP_ARGS[@]}" "${PIP_SPEC[@]}"
+for role in "${roles[@]}"; do
+  [[ -x "$PREFIX/venv/bin/skymesh-$role" ]] || die "pip did not install skymesh-$role"
+done
+log "installed $("$PREFIX/venv/bin/python" -m pip show skymesh 2>/dev/null | sed -n 's/^Version: /skymesh /p')"
+
+# 3. Configuration: readable by the service account, by nobody else.
+mkdir -p "$ETC_DIR"
+for role in "${roles[@]}"; do
+  install -m 0640 "$STAGE/config/${CONFIG_OF[$role]}" "$ETC_DIR/${CONFIG_OF[$role]}"
+done
+if [[ -d "$STAGE/pki" ]]; then
+  mkdir -p "$ETC_DIR/pki"
+  install -m 0640 "$STAGE"/pki/* "$ETC_DIR/pki/"
+fi
+
+# 4. On EC2: the balancer's stable address and its mesh certificates.
+if [[ -n "${SKYMESH_EIP_ALLOCATION_ID:-}" ]]; then
+  "$PREFIX/venv/bin/python" - "$SKYMESH_EIP_ALLOCATION_ID" <<'PY'
+import sys, urllib.request
+import boto3
+def imds(path, token=None):
+    req = urllib.request.Request("http://169.254.169.254/latest/" + path,
+                                 method="PUT" if token is None else "GET")
+    if token is None:
+        req.add_header("X-aws-ec2-metadata-token-ttl-seconds", "300")
+    else:
+        req.add_header("X-aws-ec2-metadata-token", token)
+    return urllib.request.urlopen(req, timeout=5).read().decode()
+token = imds("api/token")
+instance = imds("meta-data/instance-id", token)
+region = imds("meta-data/placement/region", token)
+boto3.client("ec2", region_name=region).associate_address(
+    AllocationId=sys.argv[1], InstanceId=instance, AllowReassociation=True)
+print(f"install-skymesh: associated {sys.argv[1]} with {instance}", file=sys.stderr)
+PY
+fi
+if [[ -n "${SKYMESH_CERTS_SSM_PREFIX:-}" ]]; then
+  [[ -n "${SKYMESH_MESH_ID:-}" ]] || die "SKYMESH_CERTS_SSM_PREFIX needs SKYMESH_MESH_ID"
+  mkdir -p "$ETC_DIR/pki"
+  "$PREFIX/venv/bin/python" - "$SKYMESH_CERTS_SSM_PREFIX" "$SKYMESH_MESH_ID" "$ETC_DIR/pki" <<'PY'
+import os, sys, urllib.request
+import boto3
+prefix, mesh_id, out = sys.argv[1].rstrip("/"), sys.argv[2], sys.argv[3]
+tok = urllib.request.Request("http://169.254.169.254/latest/api/token", method="PUT",
+                             headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"})
+token = urllib.request.urlopen(tok, timeout=5).read().decode()
+reg = urllib.request.Request("http://169.254.169.254/latest/meta-data/placement/region",
+                             headers={"X-aws-ec2-metadata-token": token})
+ssm = boto3.client("ssm", region_name=urllib.request.urlopen(reg, timeout=5).read().decode())
+for name in ("ca.crt", f"{mesh_id}.crt", f"{mesh_id}.key"):
+    value = ssm.get_parameter(Name=f"{prefix}/{name}", WithDecryption=True)["Parameter"]["Value"]
+    path = os.path.join(out, name)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640), "w") as f:
+        f.write(value)
+print(f"install-skymesh: fetched mesh certificates for {mesh_id}", file=sys.stderr)
+PY
+fi
+if as_root && [[ -z "$ROOT" ]]; then
+  chown -R "root:$SVC_USER" "$ETC_DIR"
+fi
+
+# 5. Units, pointed at this prefix and this /etc.
+mkdir -p "$UNIT_DIR"
+for role in "${roles[@]}"; do
+  sed -e "s#/opt/skymesh/#$PREFIX/#g" -e "s#/etc/skymesh/#$ETC_DIR/#g" \
+    "$STAGE/systemd/skymesh-$role.service" > "$UNIT_DIR/skymesh-$role.service"
+  chmod 0644 "$UNIT_DIR/skymesh-$role.service"
+done
+
+# 6. Start them, when there is a systemd to start them with.
+if [[ -z "$ROOT" && -d /run/systemd/system ]]; then
+  systemctl daemon-reload
+  for role in "${roles[@]}"; do
+    systemctl enable --now "skymesh-$role.service"
+    log "started skymesh-$role"
+  done
+else
+  log "not running under systemd at / : units written to $UNIT_DIR, not started"
+fi

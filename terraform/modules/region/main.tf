@@ -1,0 +1,397 @@
+# One SkyMesh region: network, balancers (each an Auto Scaling group of one holding an
+# Elastic IP, so Route53 and peers have a stable address while the group replaces a dead
+# instance), and optionally emulated replicas on fixed private addresses.
+
+data "aws_region" "current" {}
+
+data "aws_availability_zones" "available" {
+  #checkov:skip=CKV_AWS_394:Subnets take the first N zones by index; a zone AWS adds later does not move them
+  state = "available"
+}
+
+data "aws_caller_identity" "current" {}
+
+data "aws_ami" "debian" {
+  most_recent = true
+  owners      = ["136693071363"] # Debian
+  filter {
+    name   = "name"
+    values = ["debian-12-amd64-*"]
+  }
+}
+
+locals {
+  create_vpc  = var.vpc_id == null
+  vpc_id      = local.create_vpc ? aws_vpc.this[0].id : var.vpc_id
+  subnet_ids  = local.create_vpc ? aws_subnet.public[*].id : var.subnet_ids
+  ami_id      = coalesce(var.ami_id, data.aws_ami.debian.id)
+  mesh        = var.certs_ssm_prefix != null
+  balancer_id = [for i in range(var.balancer_count) : "lb-${var.name}-${i}"]
+  tags        = merge(var.tags, { "skymesh:region" = var.name })
+
+  # Emulated replicas sit on fixed addresses of the first subnet, so the balancers'
+  # configuration can list them.
+  replica_ips = [for i in range(var.replica_count) : cidrhost(data.aws_subnet.first.cidr_block, 20 + i)]
+  replicas = concat(
+    [for u in var.replica_urls : { url = u, kind = var.replica_kind }],
+    [for ip in local.replica_ips : { url = "http://${ip}:8001", kind = "skymesh" }],
+  )
+
+  # skymesh-lb's configuration (skymesh/balancer/config.py); one per balancer id.
+  lb_config = [for id in local.balancer_id : merge(
+    {
+      region   = var.name
+      listen   = { host = "0.0.0.0", port = var.lb_port }
+      policy   = { name = var.policy, params = {} }
+      pushing  = { mode = "sp-p" }
+      probe    = { interval_s = 0.1, failure_threshold = 3, success_threshold = 2 }
+      replicas = local.replicas
+    },
+    local.mesh ? {
+      mesh = {
+        id          = id
+        certs_dir   = "/etc/skymesh/pki"
+        listen_host = "0.0.0.0"
+        listen_port = var.peering_port
+        peers       = var.mesh_peers
+        forwarding  = true
+        peer_policy = "prefix-tree"
+        tau         = 2
+      }
+    } : {},
+  )]
+
+  install_script = file("${path.module}/../../../deploy/cloud-init/install-skymesh.sh")
+  units = {
+    "skymesh-lb.service"      = file("${path.module}/../../../deploy/systemd/skymesh-lb.service")
+    "skymesh-replica.service" = file("${path.module}/../../../deploy/systemd/skymesh-replica.service")
+  }
+}
+
+# -- network -----------------------------------------------------------------------------
+
+resource "aws_vpc" "this" {
+  count                = local.create_vpc ? 1 : 0
+  cidr_block           = var.vpc_cidr
+  enable_dns_support   = true
+  enable_dns_hostnames = true
+  tags                 = merge(local.tags, { Name = "skymesh-${var.name}" })
+}
+
+resource "aws_default_security_group" "this" {
+  # No rules: nothing may use the VPC's default group by accident.
+  count  = local.create_vpc ? 1 : 0
+  vpc_id = aws_vpc.this[0].id
+  tags   = local.tags
+}
+
+resource "aws_flow_log" "this" {
+  count                = local.create_vpc ? 1 : 0
+  vpc_id               = aws_vpc.this[0].id
+  traffic_type         = "REJECT"
+  log_destination_type = "cloud-watch-logs"
+  log_destination      = aws_cloudwatch_log_group.flow[0].arn
+  iam_role_arn         = aws_iam_role.flow[0].arn
+  tags                 = local.tags
+}
+
+resource "aws_cloudwatch_log_group" "flow" {
+  #checkov:skip=CKV_AWS_158:Flow logs of rejected packets only; the default encryption of CloudWatch Logs is enough
+  #checkov:skip=CKV_AWS_338:A week of rejected-packet logs is what debugging needs
+  count             = local.create_vpc ? 1 : 0
+  name              = "/skymesh/${var.name}/vpc-flow"
+  retention_in_days = 7
+  tags              = local.tags
+}
+
+resource "aws_iam_role" "flow" {
+  count = local.create_vpc ? 1 : 0
+  name  = "skymesh-${var.name}-flow-${data.aws_region.current.name}"
+  assume_role_policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [{
+      Effect    = "Allow"
+      Principal = { Service = "vpc-flow-logs.amazonaws.com" }
+      Action    = "sts:AssumeRole"
+    }]
+  })
+  tags = local.tags
+}
+
+resource "aws_iam_role_policy" "flow" {
+  count = local.create_vpc ? 1 : 0
+  name  = "write-flow-logs"
+  role  = aws_iam_role.flow[0].id
+  policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [{
+      Effect   = "Allow"
+      Action   = ["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"]
+      Resource = "${aws_cloudwatch_log_group.flow[0].arn}:*"
+    }]
+  })
+}
+
+resource "aws_internet_gateway" "this" {
+  count  = local.create_vpc ? 1 : 0
+  vpc_id = aws_vpc.this[0].id
+  tags   = local.tags
+}
+
+resource "aws_subnet" "public" {
+  count             = local.create_vpc ? var.availability_zones : 0
+  vpc_id            = aws_vpc.this[0].id
+  cidr_block        = cidrsubnet(var.vpc_cidr, 8, count.index)
+  availability_zone = data.aws_availability_zones.available.names[count.index]
+  # Balancers get Elastic IPs; nothing else here needs a public address.
+  map_public_ip_on_launch = false
+  tags                    = merge(local.tags, { Name = "skymesh-${var.name}-public-${count.index}" })
+}
+
+resource "aws_route_table" "public" {
+  count  = local.create_vpc ? 1 : 0
+  vpc_id = aws_vpc.this[0].id
+  route {
+    cidr_block = "0.0.0.0/0"
+    gateway_id = aws_internet_gateway.this[0].id
+  }
+  tags = local.tags
+}
+
+resource "aws_route_table_association" "public" {
+  count          = local.create_vpc ? var.availability_zones : 0
+  subnet_id      = aws_subnet.public[count.index].id
+  route_table_id = aws_route_table.public[0].id
+}
+
+data "aws_subnet" "first" {
+  id = local.subnet_ids[0]
+}
+
+# -- security ----------------------------------------------------------------------------
+
+resource "aws_security_group" "lb" {
+  name        = "skymesh-lb-${var.name}"
+  description = "skymesh-lb: HTTP edge and gRPC peering"
+  vpc_id      = local.vpc_id
+  tags        = local.tags
+
+  ingress {
+    description = "OpenAI API, /health for Route53, /metrics"
+    from_port   = var.lb_port
+    to_port     = var.lb_port
+    protocol    = "tcp"
+    cidr_blocks = var.client_cidrs #checkov:skip=CKV_AWS_260:The balancer is the public endpoint of the service
+  }
+
+  ingress {
+    description = "gRPC peering between regions (mutual TLS)"
+    from_port   = var.peering_port
+    to_port     = var.peering_port
+    protocol    = "tcp"
+    cidr_blocks = var.peer_cidrs
+  }
+
+  egress {
+    description = "Replicas, peers, package index, AWS APIs"
+    from_port   = 0
+    to_port     = 0
+    protocol    = "-1"
+    cidr_blocks = ["0.0.0.0/0"] #checkov:skip=CKV_AWS_382:Peers in other regions and the package index are anywhere
+  }
+}
+
+resource "aws_security_group" "replica" {
+  count       = var.replica_count > 0 ? 1 : 0
+  name        = "skymesh-replica-${var.name}"
+  description = "skymesh-replica: reachable from the balancers only"
+  vpc_id      = local.vpc_id
+  tags        = local.tags
+
+  ingress {
+    description     = "Replica API from the balancers"
+    from_port       = 8001
+    to_port         = 8001
+    protocol        = "tcp"
+    security_groups = [aws_security_group.lb.id]
+  }
+
+  egress {
+    description = "Package index at boot"
+    from_port   = 443
+    to_port     = 443
+    protocol    = "tcp"
+    cidr_blocks = ["0.0.0.0/0"]
+  }
+}
+
+# The balancer's instance role: claim its Elastic IP, read its mesh certificates.
+resource "aws_iam_role" "lb" {
+  name = "skymesh-lb-${var.name}-${data.aws_region.current.name}"
+  assume_role_policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [{
+      Effect    = "Allow"
+      Principal = { Service = "ec2.amazonaws.com" }
+      Action    = "sts:AssumeRole"
+    }]
+  })
+  tags = local.tags
+}
+
+resource "aws_iam_role_policy" "lb" {
+  name = "skymesh-lb"
+  role = aws_iam_role.lb.id
+  policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = concat(
+      [{
+        Effect = "Allow"
+        Action = ["ec2:AssociateAddress"]
+        Resource = concat(
+          [for e in aws_eip.lb : "arn:aws:ec2:${data.aws_region.current.name}:${data.aws_caller_identity.current.account_id}:elastic-ip/${e.allocation_id}"],
+          ["arn:aws:ec2:${data.aws_region.current.name}:${data.aws_caller_identity.current.account_id}:instance/*"],
+        )
+      }],
+      local.mesh ? [{
+        Effect   = "Allow"
+        Action   = ["ssm:GetParameter"]
+        Resource = "arn:aws:ssm:${data.aws_region.current.name}:${data.aws_caller_identity.current.account_id}:parameter${var.certs_ssm_prefix}/*"
+      }] : [],
+    )
+  })
+}
+
+resource "aws_iam_instance_profile" "lb" {
+  name = "skymesh-lb-${var.name}-${data.aws_region.current.name}"
+  role = aws_iam_role.lb.name
+}
+
+# -- balancers ---------------------------------------------------------------------------
+
+resource "aws_eip" "lb" {
+  #checkov:skip=CKV2_AWS_19:Each balancer claims its Elastic IP at boot (install-skymesh.sh), so the Auto Scaling group can replace it
+  count  = var.balancer_count
+  domain = "vpc"
+  tags   = merge(local.tags, { Name = local.balancer_id[count.index] })
+}
+
+resource "aws_launch_template" "lb" {
+  #checkov:skip=CKV_AWS_88:The balancer is the public endpoint Route53 answers with (it then claims its Elastic IP)
+  count         = var.balancer_count
+  name_prefix   = "${local.balancer_id[count.index]}-"
+  image_id      = local.ami_id
+  instance_type = var.instance_type
+
+  iam_instance_profile {
+    arn = aws_iam_instance_profile.lb.arn
+  }
+
+  network_interfaces {
+    # The Elastic IP replaces this address once the instance claims it at boot.
+    associate_public_ip_address = true
+    security_groups             = [aws_security_group.lb.id]
+  }
+
+  metadata_options {
+    http_endpoint               = "enabled"
+    http_tokens                 = "required" # IMDSv2 only
+    http_put_response_hop_limit = 1
+  }
+
+  monitoring {
+    enabled = true
+  }
+
+  block_device_mappings {
+    device_name = "/dev/xvda"
+    ebs {
+      volume_size = 16
+      encrypted   = true
+    }
+  }
+
+  user_data = base64encode(templatefile("${path.module}/user_data.sh.tftpl", {
+    roles          = "lb"
+    pip_spec       = var.pip_spec
+    install_script = local.install_script
+    units          = { "skymesh-lb.service" = local.units["skymesh-lb.service"] }
+    configs        = { "lb.yaml" = yamlencode(local.lb_config[count.index]) }
+    eip_allocation = aws_eip.lb[count.index].allocation_id
+    certs_prefix   = local.mesh ? var.certs_ssm_prefix : ""
+    mesh_id        = local.balancer_id[count.index]
+  }))
+
+  tag_specifications {
+    resource_type = "instance"
+    tags          = merge(local.tags, { Name = local.balancer_id[count.index], "skymesh:role" = "lb" })
+  }
+}
+
+resource "aws_autoscaling_group" "lb" {
+  count               = var.balancer_count
+  name                = local.balancer_id[count.index]
+  min_size            = 1
+  max_size            = 1
+  desired_capacity    = 1
+  vpc_zone_identifier = local.subnet_ids
+  health_check_type   = "EC2"
+
+  launch_template {
+    id      = aws_launch_template.lb[count.index].id
+    version = aws_launch_template.lb[count.index].latest_version
+  }
+
+  instance_refresh {
+    strategy = "Rolling"
+    preferences {
+      min_healthy_percentage = 0
+    }
+  }
+
+  dynamic "tag" {
+    for_each = merge(local.tags, { Name = local.balancer_id[count.index] })
+    content {
+      key                 = tag.key
+      value               = tag.value
+      propagate_at_launch = true
+    }
+  }
+}
+
+# -- optional emulated replicas ------------------------------------------------------------
+
+resource "aws_instance" "replica" {
+  #checkov:skip=CKV2_AWS_41:Emulated replicas call no AWS API; an empty role would add nothing
+  count                  = var.replica_count
+  ami                    = local.ami_id
+  instance_type          = var.replica_instance_type
+  subnet_id              = local.subnet_ids[0]
+  private_ip             = local.replica_ips[count.index]
+  vpc_security_group_ids = [aws_security_group.replica[0].id]
+  monitoring             = true
+  ebs_optimized          = true
+
+  metadata_options {
+    http_endpoint = "enabled"
+    http_tokens   = "required"
+  }
+
+  root_block_device {
+    volume_size = 16
+    encrypted   = true
+  }
+
+  user_data = templatefile("${path.module}/user_data.sh.tftpl", {
+    roles          = "replica"
+    pip_spec       = var.pip_spec
+    install_script = local.install_script
+    units          = { "skymesh-replica.service" = local.units["skymesh-replica.service"] }
+    configs        = { "replica.env" = "SKYMESH_REPLICA_ARGS=--host 0.0.0.0 --port 8001 --profile ${var.replica_profile}\n" }
+    eip_allocation = ""
+    certs_prefix   = ""
+    mesh_id        = ""
+  })
+
+  tags = merge(local.tags, { Name = "skymesh-replica-${var.name}-${count.index}", "skymesh:role" = "replica" })
+}

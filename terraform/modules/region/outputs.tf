@@ -1,0 +1,32 @@
+output "cloud_region" {
+  description = "The AWS region this module deployed into."
+  value       = data.aws_region.current.name
+}
+
+output "vpc_id" {
+  description = "The VPC the balancers run in."
+  value       = local.vpc_id
+}
+
+output "balancers" {
+  description = "One entry per balancer: id, public IP, HTTP port, peering address."
+  value = [for i, id in local.balancer_id : {
+    id       = id
+    ip       = aws_eip.lb[i].public_ip
+    port     = var.lb_port
+    region   = data.aws_region.current.name
+    url      = "http://${aws_eip.lb[i].public_ip}:${var.lb_port}"
+    peer     = "${aws_eip.lb[i].public_ip}:${var.peering_port}"
+    asg_name = aws_autoscaling_group.lb[i].name
+  }]
+}
+
+output "lb_security_group_id" {
+  description = "Security group of the balancers."
+  value       = aws_security_group.lb.id
+}
+
+output "replica_urls" {
+  description = "Every replica the balancers serve from."
+  value       = [for r in local.replicas : r.url]
+}

@@ -1,0 +1,132 @@
+variable "name" {
+  description = "Short region name used in balancer ids and tags, e.g. us-east."
+  type        = string
+}
+
+variable "vpc_id" {
+  description = "Existing VPC to use; null creates one."
+  type        = string
+  default     = null
+}
+
+variable "subnet_ids" {
+  description = "Existing public subnets (with vpc_id); empty creates them."
+  type        = list(string)
+  default     = []
+}
+
+variable "vpc_cidr" {
+  description = "CIDR of the VPC this module creates."
+  type        = string
+  default     = "10.20.0.0/16"
+}
+
+variable "availability_zones" {
+  description = "How many availability zones the created subnets span."
+  type        = number
+  default     = 2
+}
+
+variable "instance_type" {
+  description = "Balancer instance type (the balancer is CPU-only)."
+  type        = string
+  default     = "c7i.large"
+}
+
+variable "ami_id" {
+  description = "AMI for balancers and replicas; null picks the latest Debian 12 (Python 3.11)."
+  type        = string
+  default     = null
+}
+
+variable "balancer_count" {
+  description = "Balancers in this region; each is an Auto Scaling group of one with its own Elastic IP and mesh identity."
+  type        = number
+  default     = 1
+}
+
+variable "lb_port" {
+  description = "The balancers' HTTP port (OpenAI API, /health, /ready, /metrics)."
+  type        = number
+  default     = 8080
+}
+
+variable "peering_port" {
+  description = "The balancers' gRPC peering port (mutual TLS)."
+  type        = number
+  default     = 7001
+}
+
+variable "client_cidrs" {
+  description = "Who may call the balancers' HTTP port (clients, Route53 health checkers, Prometheus)."
+  type        = list(string)
+  default     = ["0.0.0.0/0"]
+}
+
+variable "peer_cidrs" {
+  description = "Who may open the peering port (the other regions' balancers, /32 each)."
+  type        = list(string)
+}
+
+variable "policy" {
+  description = "Routing policy of the balancers (skymesh-lb policy names)."
+  type        = string
+  default     = "prefix-tree"
+}
+
+variable "replica_urls" {
+  description = "Existing replicas (vLLM, SGLang) the balancers serve from, e.g. http://10.20.1.50:8000."
+  type        = list(string)
+  default     = []
+}
+
+variable "replica_kind" {
+  description = "How the balancer probes replica_urls: vllm, sglang or skymesh."
+  type        = string
+  default     = "vllm"
+}
+
+variable "replica_count" {
+  description = "Emulated replicas (skymesh-replica) this module runs itself, for a dry run of the mesh."
+  type        = number
+  default     = 0
+}
+
+variable "replica_instance_type" {
+  description = "Instance type of the emulated replicas."
+  type        = string
+  default     = "c7i.large"
+}
+
+variable "replica_profile" {
+  description = "Engine profile of the emulated replicas (skymesh-replica --list-profiles)."
+  type        = string
+  default     = "llama3.1-8b-l4"
+}
+
+variable "mesh_peers" {
+  description = "The other regions' balancers: id (certificate name) and host:port of their peering listener."
+  type = list(object({
+    id      = string
+    address = string
+  }))
+  default = []
+}
+
+variable "certs_ssm_prefix" {
+  description = "SSM Parameter Store path holding ca.crt, <id>.crt and <id>.key (SecureString) from `skymesh certs`; null runs without the mesh."
+  type        = string
+  default     = null
+}
+
+variable "pip_spec" {
+  description = "What the instances pip-install: a version, a wheel URL or a git URL."
+  type        = string
+  default     = "skymesh==0.1.0"
+}
+
+variable "tags" {
+  description = "Tags for everything this module creates."
+  type        = map(string)
+  default     = {}
+}

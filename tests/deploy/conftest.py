@@ -1,0 +1,44 @@
+"""Fixtures for the deploy tests: moto's Route53 on loopback."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def moto_url() -> Iterator[str]:
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def route53(moto_url: str) -> Any:
+    return boto3.client("route53", endpoint_url=moto_url, region_name="us-east-1",
+                        aws_access_key_id="testing", aws_secret_access_key="testing")
+
+
+@pytest.fixture
+def zone(route53: Any) -> tuple[str, str]:
+    """A fresh hosted zone per test (health checks are per account, so each test's record
+    name differs too): ``(zone name, zone id)``."""
+    name = f"t{uuid.uuid4().hex[:10]}.example.com."
+    resp = route53.create_hosted_zone(Name=name, CallerReference=uuid.uuid4().hex)
+    return name, resp["HostedZone"]["Id"].rsplit("/", 1)[-1]
