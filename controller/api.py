@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from controller.auth import Principal, TokenBook, allowed
 from controller.config import ControllerConfig, Role
+from controller.dashboard import mount_dashboard
 from controller.models import (
     BalancerIn,
     DnsSyncIn,
@@ -246,4 +247,5 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
     async def dns_sync(body: Annotated[DnsSyncIn | None, Body()] = None) -> Obj:
         return await ctl.dns_sync(body.dry_run if body is not None else False)
 
+    mount_dashboard(app)
     return app

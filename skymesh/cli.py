@@ -112,6 +112,7 @@ BENCH_EXPERIMENTS: dict[str, str] = {
 
 # Modules adding their own subcommands through ``register(subparsers)``.
 COMMAND_MODULES: tuple[str, ...] = (
+    "skymesh.ctl",
     "skymesh.dns_cli",
 )
 

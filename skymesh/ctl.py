@@ -1,0 +1,316 @@
+"""``skymesh ctl``: a command-line client of the controller's admin API.
+
+    skymesh ctl [--controller URL] [--token-file F] [--json] status
+    skymesh ctl regions list | regions add NAME --lat X --lon Y [--cloud-region R]
+    skymesh ctl balancers list
+    skymesh ctl replicas list | replicas add --url U --model M --region R --gpu G
+        [--balancer B] | replicas remove|drain|undrain ID
+    skymesh ctl policy set BALANCER NAME [--param K=V ...]
+    skymesh ctl models list
+
+The controller URL comes from ``--controller``, else ``SKYMESH_CONTROLLER_URL``, else
+http://127.0.0.1:8080; the token from ``--token-file``, else ``SKYMESH_ADMIN_TOKEN``.
+An API error prints ``skymesh ctl: STATUS MESSAGE`` and exits 2, as does an unreachable
+controller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+PROG = "skymesh ctl"
+
+
+class CtlError(Exception):
+    """Something the user must fix; printed as ``skymesh ctl: MESSAGE`` with exit 2."""
+
+
+# -- talking to the controller ----------------------------------------------------------
+
+
+class Client:
+    def __init__(self, base_url: str, token: str, timeout: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout,
+                                  headers={"Authorization": f"Bearer {token}"})
+
+    def close(self) -> None:
+        self._http.close()
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        try:
+            r = self._http.request(method, path, json=body)
+        except httpx.TransportError as exc:
+            raise CtlError(f"cannot reach the controller at {self.base_url}: "
+                           f"{exc or type(exc).__name__} (set --controller or "
+                           "SKYMESH_CONTROLLER_URL)") from None
+        if r.status_code >= 400:
+            raise CtlError(f"{r.status_code} {_error_message(r)}")
+        if r.status_code == 204 or not r.content:
+            return None
+        try:
+            return r.json()
+        except ValueError:
+            raise CtlError(f"{r.status_code} the controller answered with something other "
+                           f"than JSON ({r.headers.get('content-type', 'no content type')})"
+                           ) from None
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        # Not our error shape (a proxy in between, say): show what came back, briefly.
+        return r.text.strip()[:200] or r.reason_phrase
+
+
+def _token(args: argparse.Namespace) -> str:
+    token = _read_token(args)
+    if not (token.isascii() and token.isprintable()):
+        # An HTTP header cannot carry it; say so instead of failing deep inside httpx.
+        raise CtlError("the token must be printable ASCII")
+    return token
+
+
+def _read_token(args: argparse.Namespace) -> str:
+    if args.token_file:
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise CtlError(f"--token-file {args.token_file}: {exc.strerror}") from None
+        if not token:
+            raise CtlError(f"--token-file {args.token_file} is empty")
+        return token
+    token = os.environ.get("SKYMESH_ADMIN_TOKEN", "").strip()
+    if not token:
+        raise CtlError("no token: set SKYMESH_ADMIN_TOKEN or give --token-file FILE")
+    return token
+
+
+# -- output -----------------------------------------------------------------------------
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, list | tuple):
+        return ",".join(_cell(x) for x in v) or "-"
+    if isinstance(v, dict):
+        return ",".join(f"{k}={_cell(x)}" for k, x in v.items()) or "-"
+    return str(v)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Columns padded to their widest cell; numbers right-aligned so digits line up."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    numeric = [bool(rows) and all(isinstance(row[i], int | float) and not isinstance(row[i], bool)
+                                  for row in rows) for i in range(len(headers))]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [v.rjust(w) if num else v.ljust(w)
+                 for v, w, num in zip(values, widths, numeric, strict=True)]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line([h.upper() for h in headers]), *(line(c) for c in cells)])
+
+
+def _emit(args: argparse.Namespace, data: Any, render: Callable[[Any], str]) -> None:
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        print(render(data))
+
+
+# -- subcommands ------------------------------------------------------------------------
+
+
+def _status(data: dict[str, Any]) -> str:
+    def counts(d: dict[str, int]) -> str:
+        return ", ".join(f"{n} {k}" for k, n in sorted(d.items())) or "none"
+
+    head = [f"revision {data['revision']}, up {data['uptime_s']:.0f} s",
+            f"regions: {data['regions']}",
+            f"balancers: {counts(data['balancers'])}",
+            f"replicas: {counts(data['replicas'])}"]
+    if data.get("moved_replicas"):
+        head.append(f"served away from home: {', '.join(data['moved_replicas'])}")
+    if data.get("unassigned_replicas"):
+        head.append(f"unassigned: {', '.join(data['unassigned_replicas'])}")
+    rows = [[name, _cell(r["balancers"]), f"{r['replicas_healthy']}/{r['replicas']}",
+             round(r["requests_per_s"], 2), r["queue_length"], r["in_flight"]]
+            for name, r in data["per_region"].items()]
+    per_region = table(["region", "balancers", "healthy", "req/s", "queue", "in flight"], rows)
+    return "\n".join(head) + "\n\n" + per_region
+
+
+def _regions(data: list[dict[str, Any]]) -> str:
+    return table(["name", "latitude", "longitude", "cloud region"],
+                 [[r["name"], r["latitude"], r["longitude"], r.get("cloud_region")]
+                  for r in data])
+
+
+def _balancers(data: list[dict[str, Any]]) -> str:
+    return table(["id", "region", "state", "policy", "url"],
+                 [[b["id"], b["region"], b.get("state", "unknown"), b.get("policy"), b["url"]]
+                  for b in data])
+
+
+def _replicas(data: list[dict[str, Any]]) -> str:
+    return table(["id", "model", "region", "gpu", "state", "home", "assigned", "url"],
+                 [[r["id"], r["model"], r["region"], r["gpu"], r.get("state", "unknown"),
+                   r.get("balancer"), r.get("assigned"), r["url"]] for r in data])
+
+
+def _models(data: list[dict[str, Any]]) -> str:
+    return table(["name", "replicas", "serving", "regions", "min", "max", "ttft slo s"],
+                 [[m["name"], m["replicas"], m["serving"], m["regions"], m["min_replicas"],
+                   m.get("max_replicas"), m.get("ttft_slo_s")] for m in data])
+
+
+def _replica_line(verb: str) -> Callable[[dict[str, Any]], str]:
+    return lambda r: (f"replica {r['id']} {verb}: state {r.get('state', 'unknown')}, home "
+                      f"{_cell(r.get('balancer'))}, assigned {_cell(r.get('assigned'))}")
+
+
+def run(args: argparse.Namespace, c: Client) -> None:
+    what = (args.ctl_cmd, getattr(args, "ctl_action", None))
+    if what == ("status", None):
+        _emit(args, c.call("GET", "/v1/status"), _status)
+    elif what == ("regions", "list"):
+        _emit(args, c.call("GET", "/v1/regions"), _regions)
+    elif what == ("regions", "add"):
+        body = {"name": args.name, "latitude": args.lat, "longitude": args.lon}
+        if args.cloud_region:
+            body["cloud_region"] = args.cloud_region
+        _emit(args, c.call("POST", "/v1/regions", body), lambda r: f"region {r['name']} saved")
+    elif what == ("balancers", "list"):
+        _emit(args, c.call("GET", "/v1/balancers"), _balancers)
+    elif what == ("replicas", "list"):
+        _emit(args, c.call("GET", "/v1/replicas"), _replicas)
+    elif what == ("replicas", "add"):
+        body = {"url": args.url, "model": args.model, "region": args.region, "gpu": args.gpu}
+        if args.balancer:
+            body["balancer"] = args.balancer
+        _emit(args, c.call("POST", "/v1/replicas", body), _replica_line("added"))
+    elif what == ("replicas", "remove"):
+        c.call("DELETE", f"/v1/replicas/{_seg(args.id)}")
+        _emit(args, {"id": args.id, "removed": True}, lambda r: f"replica {r['id']} removed")
+    elif what in (("replicas", "drain"), ("replicas", "undrain")):
+        verb = "draining" if args.ctl_action == "drain" else "undrained"
+        _emit(args, c.call("POST", f"/v1/replicas/{_seg(args.id)}/{args.ctl_action}"),
+              _replica_line(verb))
+    elif what == ("policy", "set"):
+        body = {"policy": args.policy, "params": dict(args.param or [])}
+        _emit(args, c.call("PUT", f"/v1/balancers/{_seg(args.balancer)}/policy", body),
+              lambda b: f"balancer {b['id']}: policy {b['policy']} {_cell(b['policy_params'])}")
+    elif what == ("models", "list"):
+        _emit(args, c.call("GET", "/v1/models"), _models)
+    else:  # argparse requires a subcommand, so only a new one missing here lands here
+        raise CtlError(f"unhandled command {what}")
+
+
+def _seg(s: str) -> str:
+    """A path segment: an id with '/' or '?' must not address another resource."""
+    from urllib.parse import quote
+
+    return quote(s, safe="")
+
+
+def cmd_ctl(args: argparse.Namespace) -> int:
+    url = args.controller or os.environ.get("SKYMESH_CONTROLLER_URL") or DEFAULT_URL
+    try:
+        client = Client(url, _token(args), args.timeout)
+        try:
+            run(args, client)
+        finally:
+            client.close()
+    except CtlError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# -- argument parsing -------------------------------------------------------------------
+
+
+def _kv(pair: str) -> tuple[str, Any]:
+    """``K=V`` with V parsed as JSON when it is JSON (``n=4`` gives 4), else kept a string."""
+    key, sep, raw = pair.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {pair!r}")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def _common(suppress: bool) -> argparse.ArgumentParser:
+    # The same options on `ctl` and on every leaf, so `--json` works before or after the
+    # subcommand; on leaves SUPPRESS keeps an absent flag from resetting one given earlier.
+    p = argparse.ArgumentParser(add_help=False)
+    d: Any = argparse.SUPPRESS if suppress else None
+    p.add_argument("--controller", metavar="URL", default=d,
+                   help=f"controller URL (default: $SKYMESH_CONTROLLER_URL, else {DEFAULT_URL})")
+    p.add_argument("--token-file", metavar="FILE", default=d,
+                   help="file holding the bearer token (default: $SKYMESH_ADMIN_TOKEN)")
+    p.add_argument("--json", action="store_true", default=argparse.SUPPRESS if suppress else False,
+                   help="print the API's JSON instead of a table")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   default=d if suppress else 10.0, help="per-request timeout (default 10)")
+    return p
+
+
+def register(subparsers: Any) -> None:
+    leaf = [_common(suppress=True)]
+    ctl = subparsers.add_parser("ctl", help="manage the mesh through the controller's API",
+                                description=__doc__, parents=[_common(suppress=False)],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    ctl.set_defaults(fn=cmd_ctl)
+    sub = ctl.add_subparsers(dest="ctl_cmd", required=True)
+
+    sub.add_parser("status", parents=leaf, help="mesh summary and per-region load")
+
+    def group(name: str, help: str) -> Any:
+        return sub.add_parser(name, help=help).add_subparsers(dest="ctl_action", required=True)
+
+    regions = group("regions", "list or add regions")
+    regions.add_parser("list", parents=leaf)
+    ra = regions.add_parser("add", parents=leaf, help="add or update a region")
+    ra.add_argument("name")
+    ra.add_argument("--lat", type=float, required=True, help="latitude, degrees")
+    ra.add_argument("--lon", type=float, required=True, help="longitude, degrees")
+    ra.add_argument("--cloud-region", help="e.g. us-east-1 (for DNS latency records)")
+
+    group("balancers", "list balancers").add_parser("list", parents=leaf)
+
+    replicas = group("replicas", "list, add, remove, drain or undrain replicas")
+    replicas.add_parser("list", parents=leaf)
+    rp = replicas.add_parser("add", parents=leaf, help="register a replica")
+    rp.add_argument("--url", required=True)
+    rp.add_argument("--model", required=True)
+    rp.add_argument("--region", required=True)
+    rp.add_argument("--gpu", required=True, help="e.g. L4, A100, H100")
+    rp.add_argument("--balancer", help="home balancer (default: one in the region)")
+    for action, help in (("remove", "unregister"), ("drain", "take out of service"),
+                         ("undrain", "put back in service")):
+        replicas.add_parser(action, parents=leaf, help=help).add_argument("id")
+
+    pp = group("policy", "set a balancer's routing policy").add_parser("set", parents=leaf)
+    pp.add_argument("balancer")
+    pp.add_argument("policy", metavar="NAME")
+    pp.add_argument("--param", type=_kv, action="append", metavar="K=V",
+                    help="policy parameter (repeatable); values are JSON when they parse")
+
+    group("models", "list models").add_parser("list", parents=leaf)
