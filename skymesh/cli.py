@@ -63,6 +63,13 @@ def _print_sim(res: dict[str, Any]) -> None:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
+    if (args.workload is None) == (args.experiment is None):
+        print("skymesh sim: give exactly one of --workload and --experiment", file=sys.stderr)
+        return 2
+    if args.experiment is not None:
+        from skymesh.planning.capacity_week import run_cli
+
+        return run_cli(args)
     from skymesh.sim.runner import SimConfig, parse_replicas, run
 
     regions = [r.strip() for r in args.regions.split(",") if r.strip()]
@@ -112,8 +119,10 @@ BENCH_EXPERIMENTS: dict[str, str] = {
 
 # Modules adding their own subcommands through ``register(subparsers)``.
 COMMAND_MODULES: tuple[str, ...] = (
+    "skymesh.planning.forecast_cli",
     "skymesh.ctl",
     "skymesh.dns_cli",
+    "skymesh.planning.plan_cli",
 )
 
 
@@ -151,9 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     sp = sub.add_parser("sim", help="run a workload through the discrete-event simulator")
-    sp.add_argument("--workload", required=True,
+    sp.add_argument("--workload", default=None,
                     help="mooncake-conversation, mooncake-synthetic, azure2023-code, "
                          "azure2023-conv, sharegpt-chat, tot-gsm8k, poisson")
+    sp.add_argument("--experiment", default=None, choices=["capacity-week"],
+                    help="instead of --workload: capacity-week (scaling strategies, a week)")
+    sp.add_argument("--days", type=float, default=None,
+                    help="capacity-week: simulated days (default 7; --duration also works)")
+    sp.add_argument("--forecaster", default=None,
+                    help="capacity-week: forecaster name (default seasonal-naive)")
     sp.add_argument("--policy", default="prefix-tree", choices=policy_names())
     sp.add_argument("--regions", default="us,eu,asia")
     sp.add_argument("--replicas", default="3", help="N (spread evenly) or us=4,eu=4,asia=4")

@@ -1,0 +1,1 @@
+"""Capacity planning: demand series, forecasters, instance need, the ILP and scaling strategies."""

@@ -1,0 +1,149 @@
+"""Apply a plan on AWS: one Auto Scaling group per (region, model, GPU type).
+
+Each group's desired capacity becomes the plan's count; its maximum is raised when the
+count needs it (never lowered: other tooling may rely on it). A group that does not exist
+is created from a launch template named by :attr:`AwsActuator.launch_template` (an
+operator prepares one per model and GPU type, with the replica's boot script), so the
+first plan brings a region up. Nothing is written when a group already has the desired
+capacity, so applying a plan twice is a no-op.
+
+Region names map to AWS regions (``us`` -> ``us-east-1`` ...) and GPU types to instance
+types (L4 -> g6.xlarge, A100-80GB -> p4d.24xlarge, H100-80GB -> p5.48xlarge); both maps can
+be replaced. Clients are built per AWS region through an injectable factory, so tests
+point them at moto's server.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import boto3
+from botocore.exceptions import BotoCoreError, ClientError
+
+from skymesh.planning.actuate import ApplyReport, Change
+from skymesh.planning.ilp import Key, Plan
+
+DEFAULT_REGIONS = {"us": "us-east-1", "eu": "eu-west-1", "asia": "ap-northeast-1"}
+DEFAULT_INSTANCE_TYPES = {"L4": "g6.xlarge", "A10G": "g5.xlarge",
+                          "A100-80GB": "p4d.24xlarge", "H100-80GB": "p5.48xlarge"}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def group_name(model: str, region: str, gpu: str) -> str:
+    return f"skymesh-{_slug(region)}-{_slug(model)}-{_slug(gpu)}"
+
+
+def default_client_factory(service: str, aws_region: str) -> Any:
+    return boto3.client(service, region_name=aws_region)
+
+
+@dataclass
+class AwsActuator:
+    client_factory: Callable[[str, str], Any] = default_client_factory
+    regions: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_REGIONS))
+    instance_types: Mapping[str, str] = field(
+        default_factory=lambda: dict(DEFAULT_INSTANCE_TYPES))
+    launch_template: Callable[[str, str], str] = lambda model, gpu: (
+        f"skymesh-{_slug(model)}-{_slug(gpu)}")
+    subnets: Mapping[str, str] = field(default_factory=dict)  # AWS region -> subnet ids
+    _clients: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
+
+    def _client(self, service: str, aws_region: str) -> Any:
+        key = (service, aws_region)
+        if key not in self._clients:
+            self._clients[key] = self.client_factory(service, aws_region)
+        return self._clients[key]
+
+    def apply(self, plan: Plan) -> ApplyReport:
+        return self.apply_counts(plan.counts)
+
+    def apply_counts(self, counts: Mapping[Key, int]) -> ApplyReport:
+        report = ApplyReport()
+        for key, count in sorted(counts.items()):
+            model, region, gpu = key
+            if count < 0:
+                report.errors[key] = f"negative count {count}"
+                continue
+            aws_region = self.regions.get(region)
+            if aws_region is None:
+                report.errors[key] = f"no AWS region mapped for {region!r}"
+                continue
+            try:
+                change = self._apply_one(model, region, gpu, aws_region, count)
+            except (ClientError, BotoCoreError) as exc:
+                report.errors[key] = str(exc)
+                continue
+            if change is None:
+                report.unchanged.append(key)
+            else:
+                report.changed.append(change)
+        return report
+
+    def _apply_one(self, model: str, region: str, gpu: str, aws_region: str,
+                   count: int) -> Change | None:
+        asg = self._client("autoscaling", aws_region)
+        name = group_name(model, region, gpu)
+        found = asg.describe_auto_scaling_groups(AutoScalingGroupNames=[name])
+        groups = found.get("AutoScalingGroups", [])
+        if not groups:
+            if count == 0:
+                return None  # nothing to run and nothing running: no group needed
+            self._create_group(asg, name, model, gpu, aws_region, count)
+            return Change(model, region, gpu, None, count)
+        group = groups[0]
+        before = int(group["DesiredCapacity"])
+        if before == count:
+            return None
+        update: dict[str, Any] = {"AutoScalingGroupName": name, "DesiredCapacity": count}
+        if count > int(group["MaxSize"]):
+            update["MaxSize"] = count
+        if count < int(group["MinSize"]):
+            update["MinSize"] = count
+        asg.update_auto_scaling_group(**update)
+        return Change(model, region, gpu, before, count)
+
+    def _create_group(self, asg: Any, name: str, model: str, gpu: str, aws_region: str,
+                      count: int) -> None:
+        ec2 = self._client("ec2", aws_region)
+        template = self.launch_template(model, gpu)
+        existing = ec2.describe_launch_templates(
+            Filters=[{"Name": "launch-template-name", "Values": [template]}])
+        if not existing.get("LaunchTemplates"):
+            instance_type = self.instance_types.get(gpu)
+            if instance_type is None:
+                raise ClientError({"Error": {"Code": "UnknownGpu",
+                                             "Message": f"no instance type for {gpu!r}"}},
+                                  "CreateLaunchTemplate")
+            ec2.create_launch_template(
+                LaunchTemplateName=template,
+                LaunchTemplateData={"InstanceType": instance_type,
+                                    "TagSpecifications": [{"ResourceType": "instance", "Tags": [
+                                        {"Key": "skymesh:model", "Value": model},
+                                        {"Key": "skymesh:gpu", "Value": gpu}]}]})
+        kwargs: dict[str, Any] = {
+            "AutoScalingGroupName": name,
+            "LaunchTemplate": {"LaunchTemplateName": template, "Version": "$Latest"},
+            "MinSize": 0, "MaxSize": max(count, 1), "DesiredCapacity": count,
+            "Tags": [{"Key": "skymesh:model", "Value": model, "PropagateAtLaunch": True},
+                     {"Key": "skymesh:gpu", "Value": gpu, "PropagateAtLaunch": True}],
+        }
+        subnet = self.subnets.get(aws_region)
+        if subnet:
+            kwargs["VPCZoneIdentifier"] = subnet
+        else:
+            zones = ec2.describe_availability_zones()["AvailabilityZones"]
+            kwargs["AvailabilityZones"] = [z["ZoneName"] for z in zones[:1]]
+        asg.create_auto_scaling_group(**kwargs)
+
+    def desired(self, model: str, region: str, gpu: str) -> int | None:
+        """The group's current desired capacity (None when it does not exist)."""
+        asg = self._client("autoscaling", self.regions[region])
+        groups = asg.describe_auto_scaling_groups(
+            AutoScalingGroupNames=[group_name(model, region, gpu)])["AutoScalingGroups"]
+        return int(groups[0]["DesiredCapacity"]) if groups else None
