@@ -115,10 +115,14 @@ def cmd_sim(args: argparse.Namespace) -> int:
 BENCH_EXPERIMENTS: dict[str, str] = {
     "sp-microbench": "skymesh.bench.sp_microbench",
     "diurnal-cost": "skymesh.bench.diurnal",
+    "goodput": "skymesh.bench.goodput",
+    "lmetric-vs-vllm": "skymesh.bench.lmetric_vllm",
+    "preserve-router": "skymesh.bench.preserve_router",
 }
 
 # Modules adding their own subcommands through ``register(subparsers)``.
 COMMAND_MODULES: tuple[str, ...] = (
+    "skymesh.predict.cli",
     "skymesh.planning.forecast_cli",
     "skymesh.ctl",
     "skymesh.dns_cli",

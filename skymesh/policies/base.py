@@ -40,6 +40,25 @@ class RouteRequest:
     # Set on a request a peer balancer forwarded to us: it is served by our replicas only
     # and never forwarded again (one hop).
     forwarded: bool = False
+    # Output tokens a length predictor expects (skymesh.predict), or None when nothing
+    # predicted it; predictive policies fall back to ``output_len_hint`` then a default.
+    predicted_output_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTiming:
+    """What the balancer observed of one request on one target, for policies that learn
+    the targets' speed (GoodServe's black-box estimates). Times are on the view's clock."""
+
+    now: float
+    dispatched_at: float
+    first_token_at: float | None = None  # None: no token yet
+    output_tokens: int = 0  # generated so far
+    finished: bool = False
+    prompt_tokens: int = 0
+    # Prompt tokens the target served from its prefix cache, when it reports them
+    # (vLLM's usage.prompt_tokens_details.cached_tokens); None: unknown.
+    hit_tokens: int | None = None
 
 
 class TargetLoad(Protocol):
@@ -75,6 +94,10 @@ class Policy(ABC):
     # Whether select() reads request.prefix_keys: the live balancer only hashes the prompt
     # into keys for policies that use them (about 150 us per request saved otherwise).
     uses_prefix_keys: ClassVar[bool] = False
+    # Whether the driver should ask ``migrate`` about running requests, and how often
+    # (seconds on the view's clock); a policy may switch it per instance.
+    wants_migration: bool = False
+    migration_interval_s: float = 1.0
 
     def __init_subclass__(cls, name: str = "", **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -108,6 +131,17 @@ class Policy(ABC):
 
     def on_membership(self, targets: Sequence[str]) -> None:
         """The full target set changed to ``targets`` (prune state for departed ones)."""
+
+    def on_timing(self, request: RouteRequest, target: str, timing: RequestTiming) -> None:
+        """Progress of ``request`` on ``target``: its first token, and its end (before
+        ``on_complete``). Drivers that cannot observe timings never call it."""
+
+    def migrate(self, request: RouteRequest, target: str, timing: RequestTiming,
+                candidates: Sequence[str], view: LoadView) -> str | None:
+        """Asked periodically for a running request: a target among ``candidates`` to move
+        it to (re-sent as prompt + generated tokens), or None to leave it. Only drivers
+        that can move requests ask; see ``wants_migration``."""
+        return None
 
     def _least(self, candidates: Sequence[str], key: Any) -> str | None:
         """The candidate minimising ``key``, ties broken by the seeded RNG."""
@@ -166,8 +200,11 @@ def _load_builtin() -> None:
     from skymesh.policies import (  # noqa: F401
         basic,
         consistent_hash,
+        goodserve,
         lmetric,
         power_of_two,
         prefix_tree,
+        preserve,
         sglang_cache_aware,
+        vllm_load,
     )

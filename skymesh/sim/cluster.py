@@ -13,13 +13,15 @@ and network hops are event-loop delays.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from skymesh.balancer.dispatch import DEFAULT_HOLD_S, Dispatcher, Ticket
 from skymesh.engine.core import Batch, Engine, Sequence, StepEvent
+from skymesh.engine.hashing import BLOCK_SIZE
 from skymesh.engine.profiles import Profile
-from skymesh.policies.base import Policy, RouteRequest
+from skymesh.policies.base import Policy, RequestTiming, RouteRequest
 from skymesh.policies.load import PushMode
 from skymesh.policies.peers import DEFAULT_TAU, ModelLoad
 from skymesh.sim.events import EventLoop
@@ -42,6 +44,15 @@ class RequestRecord:
     # The balancers the request went through, with their tickets: the origin first, then
     # the peer it was forwarded to, if any.
     path: list[tuple[SimBalancer, Ticket]] = field(default_factory=list)
+    # End-to-end deadline (seconds after t_arrival) and predicted output tokens, if any.
+    deadline_s: float | None = None
+    predicted_output: int | None = None
+    # Migration (GoodServe): tokens generated on earlier replicas, which the current one
+    # re-prefills as prompt; how many times the request moved.
+    generated_before: int = 0
+    migrations: int = 0
+    # Prefix hit of the current replica's admission (the first one's is ``hit_tokens``).
+    segment_hit_tokens: int = 0
 
 
 class SimReplica:
@@ -69,7 +80,9 @@ class SimReplica:
     def submit(self, rec: RequestRecord) -> str | None:
         """Hand a request to the engine now; an error message if the engine refuses it."""
         item = rec.item
-        seq = Sequence(item.request_id, item.prompt_len, item.output_len, item.block_hashes)
+        done = rec.generated_before
+        seq = Sequence(item.request_id, item.prompt_len + done, item.output_len - done,
+                       item.block_hashes)
         seq.payload = rec
         try:
             self.engine.add(seq)
@@ -145,6 +158,11 @@ class SimBalancer:
         self.max_queue = 0
         self.forwarded_out = 0
         self.forwarded_in = 0
+        self.migrations = 0
+        # Tickets sent to a local replica and not done: key -> (ticket, dispatched at,
+        # first token at or None); what timing-aware and migrating policies observe.
+        self._sent: dict[str, tuple[Ticket, float, float | None]] = {}
+        self._rechecking = False
 
     @property
     def policy(self) -> Policy:
@@ -212,6 +230,7 @@ class SimBalancer:
                                 peer.arrive_forwarded, rec)
                 continue
             rec.replica = target
+            self._sent[ticket.key] = (ticket, self.loop.now, None)
             rep = self.replicas[target]
             self.loop.after(self.net.one_way(self.region, rep.region), self._deliver, rec, rep)
         queued = self.dispatcher.queued
@@ -227,8 +246,92 @@ class SimBalancer:
 
     def on_first_byte(self, ticket: Ticket) -> None:
         self.dispatcher.first_byte(ticket)
+        sent = self._sent.get(ticket.key)
+        if sent is not None:
+            self._sent[ticket.key] = (sent[0], sent[1], self.loop.now)
+            self.policy.on_timing(ticket.route, ticket.target or "", self._timing(sent[0]))
+            if self.policy.wants_migration and not self._rechecking:
+                self._rechecking = True
+                self.loop.after(self.policy.migration_interval_s, self._recheck)
         self._pump()
 
     def on_done(self, ticket: Ticket, ok: bool) -> None:
+        if ticket.key in self._sent:
+            if ok:
+                self.policy.on_timing(ticket.route, ticket.target or "",
+                                      self._timing(ticket, finished=True))
+            del self._sent[ticket.key]
         self.dispatcher.complete(ticket, self.loop.now, ok=ok)
         self._pump()
+
+    # -- timings and migration (policies that learn speeds, GoodServe) ---------------------
+    def _timing(self, ticket: Ticket, finished: bool = False) -> RequestTiming:
+        _, sent_at, first_at = self._sent[ticket.key]
+        rec: RequestRecord = ticket.payload
+        if finished:
+            generated = rec.item.output_len - rec.generated_before
+        else:
+            seq = self.replicas[ticket.target or ""].engine.get(rec.item.request_id)
+            generated = seq.num_output if seq is not None else 0
+        return RequestTiming(
+            now=self.loop.now, dispatched_at=sent_at, first_token_at=first_at,
+            output_tokens=generated, finished=finished, prompt_tokens=ticket.route.prompt_len,
+            hit_tokens=rec.segment_hit_tokens if first_at is not None else None,
+        )
+
+    def _recheck(self) -> None:
+        """Ask the policy about every running request (GoodServe's periodic re-check)."""
+        now = self.loop.now
+        policy = self.policy
+        moved = False
+        for key, (ticket, _, first_at) in list(self._sent.items()):
+            target = ticket.target
+            if target is None or first_at is None or key not in self._sent:
+                continue  # only requests streaming on a local replica move
+            rec: RequestRecord = ticket.payload
+            rep = self.replicas[target]
+            seq = rep.engine.get(rec.item.request_id)
+            if seq is None:
+                continue  # finished; its completion is on the way
+            cands = self.dispatcher.candidates(ticket, now)
+            new = policy.migrate(ticket.route, target, self._timing(ticket), cands,
+                                 self.dispatcher)
+            if new is not None and new != target and new in self.replicas:
+                self._migrate(ticket, rec, rep, seq.num_output)
+                moved = True
+        if moved:
+            self._pump()
+        if self._sent and self._is_active():
+            self.loop.after(policy.migration_interval_s, self._recheck)
+        else:
+            self._rechecking = False
+
+    def _migrate(self, ticket: Ticket, rec: RequestRecord, rep: SimReplica,
+                 generated: int) -> None:
+        """Move a streaming request: abort it where it runs and re-offer prompt + generated
+        tokens, with what is left of its output and deadline, at the head of the queue.
+        The client's stream continues: its first token stays the first one it saw."""
+        now = self.loop.now
+        _, sent_at, _ = self._sent.pop(ticket.key)
+        rep.engine.abort(rec.item.request_id)
+        self.dispatcher.complete(ticket, now, ok=False)
+        route = ticket.route
+        deadline = route.deadline_s
+        predicted = route.predicted_output_tokens
+        new_route = replace(
+            route,
+            prompt_len=route.prompt_len + generated,
+            prefix_keys=rec.item.block_hashes[: (route.prompt_len + generated) // BLOCK_SIZE],
+            predicted_output_tokens=None if predicted is None else (
+                predicted - generated if predicted > generated
+                else max(1, math.ceil(0.2 * predicted))),
+            output_len_hint=None,
+            deadline_s=None if deadline is None else deadline - (now - sent_at),
+        )
+        rec.generated_before += generated
+        rec.migrations += 1
+        self.migrations += 1
+        new_ticket = Ticket(new_route, now, payload=rec)
+        new_ticket.excluded.add(ticket.target or rep.id)
+        rec.path[-1] = (self, new_ticket)
+        self.dispatcher.offer(new_ticket, now, front=True)

@@ -22,7 +22,9 @@ from skymesh.policies import RouteRequest, build_policy
 from skymesh.policies.load import PushMode
 from skymesh.policies.peers import DEFAULT_TAU
 from skymesh.sim.cluster import RequestRecord, SimBalancer, SimReplica
+from skymesh.sim.deadlines import DEFAULT_DEADLINE_PROFILE, alone_latency
 from skymesh.sim.events import EventLoop
+from skymesh.sim.lengths import LengthSource
 from skymesh.sim.metrics import percentiles, spread
 from skymesh.sim.network import Network
 from skymesh.sim.workload import Arrival, WorkItem, Workload
@@ -50,6 +52,17 @@ class SimConfig:
     sample_interval_s: float = 1.0
     workload_params: dict[str, Any] = field(default_factory=dict)
     progress: bool = False
+    # Heterogeneous fleets: per region, one profile name per replica (overrides
+    # ``replicas`` and ``profile`` for the regions it names); see parse_profiles.
+    replica_profiles: dict[str, list[str]] | None = None
+    # Deadlines: every request gets deadline_scale x base seconds end to end, base being
+    # deadline_base_s, or when None the request's own alone latency on deadline_profile.
+    deadline_scale: float | None = None
+    deadline_base_s: float | None = None
+    deadline_profile: str = DEFAULT_DEADLINE_PROFILE
+    # Predicted output lengths handed to the policy (skymesh.sim.lengths).
+    length_predictor: str = "none"
+    length_noise: float = 0.5
 
 
 def spread_replicas(regions: list[str], total: int) -> dict[str, int]:
@@ -82,6 +95,50 @@ def parse_replicas(spec: str, regions: list[str]) -> dict[str, int]:
     return {r: out.get(r, 0) for r in regions}
 
 
+def parse_profiles(spec: str, regions: list[str]) -> dict[str, list[str]]:
+    """``"l4=2,a100=1,h100=1"`` -> that mix in every region; ``"us:l4=2,a100=1;eu:h100=2"``
+    -> per region. A name is a profile (``llama3.1-8b-a100``) or its GPU suffix (``a100``)."""
+    from skymesh.engine.profiles import PROFILES
+
+    def resolve(name: str) -> str:
+        name = name.strip()
+        if name in PROFILES:
+            return name
+        hits = [p for p in PROFILES if p.endswith("-" + name)]
+        if len(hits) != 1:
+            raise ValueError(f"--profiles: unknown or ambiguous profile {name!r}; "
+                             f"known: {', '.join(sorted(PROFILES))}")
+        return hits[0]
+
+    def mix(part: str) -> list[str]:
+        out: list[str] = []
+        for item in part.split(","):
+            name, sep, num = item.partition("=")
+            try:
+                n = int(num) if sep else 1
+            except ValueError:
+                raise ValueError(f"--profiles: bad count {num!r} for {name!r}") from None
+            if n < 0:
+                raise ValueError(f"--profiles: negative count for {name!r}")
+            out += [resolve(name)] * n
+        return out
+
+    spec = spec.strip()
+    if not spec:
+        raise ValueError("--profiles: empty")
+    if ":" not in spec:
+        fleet = mix(spec)
+        return {r: list(fleet) for r in regions}
+    per: dict[str, list[str]] = {}
+    for part in spec.split(";"):
+        region, _, rest = part.partition(":")
+        region = region.strip()
+        if region not in regions:
+            raise ValueError(f"--profiles: region {region!r} is not in {regions}")
+        per[region] = mix(rest)
+    return {r: per.get(r, []) for r in regions}
+
+
 class Simulation:
     def __init__(self, cfg: SimConfig, workload: Workload) -> None:
         self.cfg = cfg
@@ -89,6 +146,10 @@ class Simulation:
         self.loop = EventLoop()
         self.net = Network()
         self.profile = get_profile(cfg.profile)
+        if cfg.deadline_scale is not None and not cfg.deadline_scale > 0:
+            raise ValueError(f"deadline_scale must be > 0, got {cfg.deadline_scale}")
+        self.deadline_profile = get_profile(cfg.deadline_profile)
+        self.lengths = LengthSource(cfg.length_predictor, cfg.length_noise, cfg.seed)
         self.records: list[RequestRecord] = []
         self.outstanding = 0
         self.spread_samples: list[list[int]] = []
@@ -99,9 +160,14 @@ class Simulation:
         self.replicas: list[SimReplica] = []
         self.balancers: dict[str, SimBalancer] = {}
         for region in cfg.regions:
+            if cfg.replica_profiles is not None and region in cfg.replica_profiles:
+                names = cfg.replica_profiles[region]
+            else:
+                names = [cfg.profile] * cfg.replicas.get(region, 0)
             reps = [
-                SimReplica(f"{region}-r{i}", region, self.profile, self.loop, self._on_event)
-                for i in range(cfg.replicas.get(region, 0))
+                SimReplica(f"{region}-r{i}", region, get_profile(name), self.loop,
+                           self._on_event)
+                for i, name in enumerate(names)
             ]
             self.replicas.extend(reps)
             if not reps and not cfg.forwarding:
@@ -144,15 +210,25 @@ class Simulation:
             )
         if item.model not in self._models:
             raise ValueError(f"workload asked for model {item.model!r}, which no replica serves")
+        deadline = item.deadline_s
+        cfg = self.cfg
+        if deadline is None and cfg.deadline_scale is not None:
+            base = cfg.deadline_base_s
+            if base is None:
+                base = alone_latency(self.deadline_profile, item.prompt_len, item.output_len)
+            deadline = cfg.deadline_scale * base
+        predicted = self.lengths.predict(item)
         route = RouteRequest(
             request_id=item.request_id,
             model=item.model,
             prompt_len=item.prompt_len,
             prefix_keys=item.prompt_block_hashes,
             affinity_key=item.affinity_key,
-            deadline_s=item.deadline_s,
+            deadline_s=deadline,
+            predicted_output_tokens=predicted,
         )
-        rec = RequestRecord(item, route, self.loop.now)
+        rec = RequestRecord(item, route, self.loop.now, deadline_s=deadline,
+                            predicted_output=predicted)
         self.records.append(rec)
         self.outstanding += 1
         self.loop.after(self.net.local_one_way_s, bal.arrive, rec)
@@ -173,8 +249,11 @@ class Simulation:
     def _on_event(self, rep: SimReplica, rec: RequestRecord, ev: StepEvent) -> None:
         now = self.loop.now
         if ev.first_token:
-            rec.hit_tokens = max(ev.seq.first_hit_tokens, 0)
-            rec.t_first = now + self._back_along(rec, rep.region, "on_first_byte")
+            rec.segment_hit_tokens = max(ev.seq.first_hit_tokens, 0)
+            delay = self._back_along(rec, rep.region, "on_first_byte")
+            if rec.t_first < 0:  # a migrated request's stream goes on: no second first token
+                rec.hit_tokens = rec.segment_hit_tokens
+                rec.t_first = now + delay
         if ev.finished:
             rec.ok = True
             rec.served_region = rep.region
@@ -188,6 +267,7 @@ class Simulation:
 
     def _client_done(self, rec: RequestRecord) -> None:
         self.outstanding -= 1
+        self.lengths.observe(rec.item, rec.ok)
         for t, item in self.workload.on_complete(rec.item, self.loop.now, rec.ok):
             self.loop.at(t, self._arrive, item)
 
@@ -279,13 +359,41 @@ class Simulation:
             }
             for region, bal in self.balancers.items()
         }
-        res["gpu_hours"] = len(self.replicas) * self.profile.num_gpus * sim_seconds / 3600.0
+        res["gpu_hours"] = sum(r.profile.num_gpus for r in self.replicas) * sim_seconds / 3600.0
         res["sim_seconds"] = sim_seconds
         res["wall_seconds"] = wall
         res["speedup"] = sim_seconds / wall if wall > 0 else 0.0
         res["events"] = self.loop.processed
         res["per_replica"] = per_replica
+        if len({r.profile.name for r in self.replicas}) > 1 or self.cfg.replica_profiles:
+            res["replica_profiles"] = {r.id: r.profile.name for r in self.replicas}
+        res.update(goodput_stats(recs, sim_seconds))
+        predicted = [(r.predicted_output, r.item.output_len) for r in recs
+                     if r.predicted_output is not None]
+        if predicted:
+            res["predicted_length_mae"] = sum(abs(p - t) for p, t in predicted) / len(predicted)
+        res["migrations"] = sum(b.migrations for b in self.balancers.values())
         return res
+
+
+def goodput_stats(recs: list[RequestRecord], sim_seconds: float) -> dict[str, Any]:
+    """GoodServe's metrics over the requests that carry a deadline: goodput (requests done
+    within their deadline per second of the window in which requests arrived, so routers
+    that leave a longer backlog to drain are not also charged for the drain) and the share
+    that missed or failed."""
+    with_deadline = [r for r in recs if r.deadline_s is not None]
+    if not with_deadline:
+        return {}
+    met = sum(1 for r in with_deadline
+              if r.ok and r.t_done - r.t_arrival <= (r.deadline_s or 0.0))
+    window = max((r.t_arrival for r in recs), default=0.0)
+    out: dict[str, Any] = {
+        "deadline_requests": len(with_deadline),
+        "slo_met": met,
+        "goodput_rps": met / (window if window > 0 else sim_seconds),
+        "slo_violation_rate": 1.0 - met / len(with_deadline),
+    }
+    return out
 
 
 def run(cfg: SimConfig, workload: Workload | None = None,
