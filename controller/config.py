@@ -20,18 +20,14 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, field_validator
+
+from skymesh.balancer.config import ConfigError as ConfigError  # re-exported
+from skymesh.balancer.config import _Strict, load_yaml, parse_model
 
 Role = Literal["admin", "read", "agent"]
 
 
-class ConfigError(ValueError):
-    """The configuration is invalid; the message names the offending key."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class ListenConfig(_Strict):
@@ -90,30 +86,9 @@ class ControllerConfig(_Strict):
         return v
 
 
-def _format(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}"
-        for e in exc.errors())
-
-
 def parse_config(data: Any) -> ControllerConfig:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError("the configuration must be a mapping at the top level")
-    try:
-        return ControllerConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format(exc)) from None
+    return parse_model(ControllerConfig, data)
 
 
 def load_config(path: str | Path) -> ControllerConfig:
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-    return parse_config(data)
+    return parse_config(load_yaml(path))

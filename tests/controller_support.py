@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
+POLL_S = 0.01  # polling cadence while a server starts (not a wait for it)
 ADMIN = "admin-token-for-tests"
 READER = "read-token-for-tests"
 AGENT = "agent-token-for-tests"
@@ -50,7 +51,7 @@ class RedisServer:
             except redis.exceptions.ConnectionError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     raise RuntimeError("redis-server did not start") from None
-            time.sleep(0.01)  # polling cadence while the server starts
+            time.sleep(POLL_S)
 
     def stop(self, kill: bool = False) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -24,7 +24,7 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -39,6 +39,9 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class ListenConfig(_Strict):
@@ -186,15 +189,31 @@ def _format(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def parse_config(data: Any) -> BalancerConfig:
+def parse_model(model: type[M], data: Any) -> M:
+    """Validate a mapping into ``model``; errors name every offending key's dotted path."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError("the configuration must be a mapping at the top level")
     try:
-        cfg = BalancerConfig.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format(exc)) from None
+
+
+def load_yaml(path: str | Path) -> Any:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+
+
+def parse_config(data: Any) -> BalancerConfig:
+    cfg = parse_model(BalancerConfig, data)
     try:
         build_policy(cfg.policy.name, cfg.policy.params)
     except PolicyConfigError as exc:
@@ -208,12 +227,4 @@ def parse_config(data: Any) -> BalancerConfig:
 
 
 def load_config(path: str | Path) -> BalancerConfig:
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-    return parse_config(data)
+    return parse_config(load_yaml(path))

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import socket
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import boto3
 import pytest
+from controller_support import free_port
 from moto.server import ThreadedMotoServer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import boto3
 import pytest
+from controller_support import free_port
 from moto.server import ThreadedMotoServer
 
 from skymesh.planning.actuate import Actuator
 from skymesh.planning.actuate_aws import AwsActuator, group_name
 from skymesh.planning.ilp import PlanInput, solve
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
