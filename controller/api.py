@@ -5,6 +5,7 @@ each offending field under ``error.fields`` and name it in the message.
 """
 
 
+import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from controller.auth import Principal, TokenBook, allowed
 from controller.config import ControllerConfig, Role
 from controller.dashboard import mount_dashboard
+from controller.forecasting import walk_forward
 from controller.models import (
     BalancerIn,
     DnsSyncIn,
@@ -32,6 +34,8 @@ from controller.series import telemetry_series as telemetry_series_of
 from controller.series import to_csv as series_csv
 from controller.service import ApiError, Controller, DnsHook
 from controller.store import Obj, Store, StoreError, open_store
+
+MAX_FORECAST_SERIES = 24
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"description": "missing or unknown token"},
@@ -64,6 +68,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
                               "models, policies, telemetry and status.")
     app.state.controller = ctl
     bearer = HTTPBearer(auto_error=False)
+    forecast_cache: dict[tuple[Any, ...], tuple[list[Obj], str]] = {}
 
     def need(role: Role) -> Any:
         async def check(
@@ -242,6 +247,39 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
         if format == "csv":
             return PlainTextResponse(series_csv(series), media_type="text/csv")
         return series
+
+    @app.get("/v1/forecast", tags=["status"], responses=ERRORS, dependencies=[read])
+    async def forecast(
+        model: str | None = None, region: str | None = None,
+        metric: Annotated[Literal["requests", "prompt_tokens", "output_tokens"],
+                          Query()] = "prompt_tokens",
+        window: Annotated[int, Query(ge=1, le=86_400, description="seconds")] = 600,
+        forecaster: Annotated[Literal["seasonal-naive", "ets", "arima"],
+                              Query()] = "seasonal-naive",
+        horizon: Annotated[int, Query(ge=0, le=288)] = 6,
+    ) -> Obj:
+        """Forecast versus actual demand per (model, region), from balancer telemetry."""
+        samples = await ctl.telemetry(None, region, limit=cfg.telemetry_keep)
+        pairs = sorted({(m, s["region"]) for s in samples for m in s.get("models", {})})
+        pairs = [(m, r) for m, r in pairs if model in (None, m)][:MAX_FORECAST_SERIES]
+        out = []
+        for m, r in pairs:
+            series = telemetry_series_of(samples, window, model=m, region=r)
+            key = (m, r, metric, window, forecaster, horizon, len(samples),
+                   samples[-1]["ts"] if samples else 0)
+            cached = forecast_cache.get(key)
+            if cached is None:
+                # statsmodels blocks: off the event loop, and cached until new telemetry.
+                cached = await asyncio.to_thread(walk_forward, series[metric],
+                                                 series["start"] or 0, window, forecaster,
+                                                 horizon)
+                if len(forecast_cache) > 256:  # bounded: keys change with every report
+                    forecast_cache.clear()
+                forecast_cache[key] = cached
+            points, used = cached
+            out.append({"model": m, "region": r, "metric": metric, "window_s": window,
+                        "forecaster": used, "points": points})
+        return {"series": out}
 
     @app.post("/v1/dns/sync", tags=["dns"], responses=ERRORS, dependencies=[admin])
     async def dns_sync(body: Annotated[DnsSyncIn | None, Body()] = None) -> Obj:

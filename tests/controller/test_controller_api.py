@@ -238,3 +238,20 @@ def test_telemetry_series_endpoint(store_spec: str) -> None:
         assert csv.text.splitlines()[0] == "t_seconds,requests,prompt_tokens,output_tokens"
         bad = c.get("/v1/telemetry/series", params={"window": 0}, headers=auth())
         assert bad.status_code == 422 and "window" in bad.json()["error"]["message"]
+
+
+def test_forecast_versus_actual(store_spec: str) -> None:
+    with client(store_spec) as c:
+        seed(c)
+        assert c.get("/v1/forecast", headers=auth()).json() == {"series": []}
+        sample = {"window_s": 5, "models": {"llama": {"requests": 3, "prompt_tokens": 300,
+                                                      "output_tokens": 90}}}
+        c.post("/v1/balancers/lb-us/telemetry", json=sample, headers=auth(AGENT))
+        r = c.get("/v1/forecast", params={"window": 60, "horizon": 3}, headers=auth())
+        (s,) = r.json()["series"]
+        assert (s["model"], s["region"], s["metric"]) == ("llama", "us-east", "prompt_tokens")
+        assert s["forecaster"].startswith("persistence")
+        assert s["points"][0]["actual"] == 300
+        assert [p["forecast"] for p in s["points"][1:]] == [300.0] * 3
+        bad = c.get("/v1/forecast", params={"forecaster": "prophet"}, headers=auth())
+        assert bad.status_code == 422 and "forecaster" in bad.json()["error"]["message"]

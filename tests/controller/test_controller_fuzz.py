@@ -60,6 +60,7 @@ NEEDS: dict[tuple[str, str], Role] = {
     ("GET", "/v1/status"): "read",
     ("GET", "/v1/telemetry"): "read",
     ("GET", "/v1/telemetry/series"): "read",
+    ("GET", "/v1/forecast"): "read",
     ("POST", "/v1/dns/sync"): "admin",
 }
 CREDENTIALS: dict[str, tuple[str | None, Role]] = {  # label -> (token, its role)
