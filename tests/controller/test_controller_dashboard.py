@@ -159,7 +159,12 @@ def test_controller_dashboard_renders_live_mesh(controller: Daemon, page: Page,
     assert d.startswith("M") and d.count("L") == 2, d
     expect(page.locator('[data-chart="ap-northeast:queue"] path.series')).to_have_count(1)
     expect(page.locator('[data-chart^="eu-west:"]')).to_have_count(0)  # no telemetry there
-    expect(page.locator("#no-forecast")).to_have_text("no forecast yet")
+    # Forecast vs actual from the controller's own /v1/forecast (persistence on a fresh
+    # mesh): one chart per (model, region) with telemetry, both lines drawn.
+    fc = page.locator("#forecast .chart")
+    expect(fc.locator("h3").first).to_have_text("m · ap-northeast · prompt_tokens")
+    expect(fc.first.locator('path[data-series="actual"]')).to_have_count(1)
+    expect(fc.first.locator('path[data-series="forecast"]')).to_have_count(1)
 
     # Polling: a region added through the API shows up without a reload.
     httpx.post(controller.url + "/v1/regions", headers=auth(),
