@@ -7,8 +7,10 @@ Binding first lets ``--port 0`` work and the ``listening on`` line carry the rea
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import sys
+from types import FrameType
 
 from controller.config import ControllerConfig
 
@@ -42,8 +44,16 @@ def serve(cfg: ControllerConfig) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"skymesh-controller listening on http://{shown}:{port} (store {_safe(cfg.store)})",
           file=sys.stderr, flush=True)
+    # uvicorn re-raises the stop signal once it has shut down, with the handler that was
+    # in place before it started: make that one a clean exit rather than death by signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_cleanly)
     asyncio.run(server.serve(sockets=[sock]))
     return 0
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
 
 
 def _safe(store: str) -> str:

@@ -54,3 +54,11 @@ async def test_probes_mark_states_and_membership_follows(tmp_path: Path) -> None
         rep.stop()
         eu.stop()
         await ctl.stop()
+
+
+def test_controller_exits_cleanly_on_sigterm(tmp_path: Path) -> None:
+    import os
+
+    d = start_daemon("skymesh-controller", ["--port", "0"], log_path=tmp_path / "c.log",
+                     env={**os.environ, "SKYMESH_ADMIN_TOKEN": "t"})
+    assert d.stop() == 0, d.log()
