@@ -195,6 +195,11 @@ def run(args: argparse.Namespace, c: Client) -> None:
         if args.cloud_region:
             body["cloud_region"] = args.cloud_region
         _emit(args, c.call("POST", "/v1/regions", body), lambda r: f"region {r['name']} saved")
+    elif what in (("regions", "remove"), ("balancers", "remove"), ("models", "remove")):
+        kind = args.ctl_cmd
+        c.call("DELETE", f"/v1/{kind}/{_seg(args.id)}")
+        _emit(args, {"id": args.id, "removed": True},
+              lambda r: f"{kind[:-1]} {r['id']} removed")
     elif what == ("balancers", "list"):
         _emit(args, c.call("GET", "/v1/balancers"), _balancers)
     elif what == ("replicas", "list"):
@@ -217,6 +222,15 @@ def run(args: argparse.Namespace, c: Client) -> None:
               lambda b: f"balancer {b['id']}: policy {b['policy']} {_cell(b['policy_params'])}")
     elif what == ("models", "list"):
         _emit(args, c.call("GET", "/v1/models"), _models)
+    elif what == ("models", "add"):
+        body = {"name": args.name, "min_replicas": args.min}
+        if args.max is not None:
+            body["max_replicas"] = args.max
+        if args.ttft_slo is not None:
+            body["ttft_slo_s"] = args.ttft_slo
+        _emit(args, c.call("POST", "/v1/models", body),
+              lambda m: f"model {m['name']} saved (replicas {m['min_replicas']}.."
+                        f"{_cell(m['max_replicas'])}, TTFT SLO {_cell(m['ttft_slo_s'])})")
     else:  # argparse requires a subcommand, so only a new one missing here lands here
         raise CtlError(f"unhandled command {what}")
 
@@ -285,15 +299,20 @@ def register(subparsers: Any) -> None:
     def group(name: str, help: str) -> Any:
         return sub.add_parser(name, help=help).add_subparsers(dest="ctl_action", required=True)
 
-    regions = group("regions", "list or add regions")
+    regions = group("regions", "list, add or remove regions")
     regions.add_parser("list", parents=leaf)
     ra = regions.add_parser("add", parents=leaf, help="add or update a region")
     ra.add_argument("name")
     ra.add_argument("--lat", type=float, required=True, help="latitude, degrees")
     ra.add_argument("--lon", type=float, required=True, help="longitude, degrees")
     ra.add_argument("--cloud-region", help="e.g. us-east-1 (for DNS latency records)")
+    regions.add_parser("remove", parents=leaf, help="delete an unused region").add_argument(
+        "id", metavar="NAME")
 
-    group("balancers", "list balancers").add_parser("list", parents=leaf)
+    balancers = group("balancers", "list or remove balancers")
+    balancers.add_parser("list", parents=leaf)
+    balancers.add_parser("remove", parents=leaf,
+                         help="forget a balancer that is home to no replica").add_argument("id")
 
     replicas = group("replicas", "list, add, remove, drain or undrain replicas")
     replicas.add_parser("list", parents=leaf)
@@ -313,4 +332,12 @@ def register(subparsers: Any) -> None:
     pp.add_argument("--param", type=_kv, action="append", metavar="K=V",
                     help="policy parameter (repeatable); values are JSON when they parse")
 
-    group("models", "list models").add_parser("list", parents=leaf)
+    models = group("models", "list, declare or remove models")
+    models.add_parser("list", parents=leaf)
+    ma = models.add_parser("add", parents=leaf, help="declare a model and its limits")
+    ma.add_argument("name")
+    ma.add_argument("--min", type=int, default=0, help="minimum replicas")
+    ma.add_argument("--max", type=int, default=None, help="maximum replicas")
+    ma.add_argument("--ttft-slo", type=float, default=None, metavar="SECONDS")
+    models.add_parser("remove", parents=leaf, help="forget a declared model").add_argument(
+        "id", metavar="NAME")

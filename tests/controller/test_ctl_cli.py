@@ -201,3 +201,28 @@ def test_ctl_unreachable_controller() -> None:
     # --controller overrides the environment.
     p = ctl("http://127.0.0.1:9", "--controller", dead, "status")
     assert dead in p.stderr and p.returncode == 2
+
+
+def test_ctl_models_add_and_removals(controller: Daemon) -> None:
+    out = ok(controller.url, "models", "add", "qwen", "--min", "1", "--max", "4",
+             "--ttft-slo", "2.5")
+    assert "model qwen saved" in out
+    declared = {m["name"]: m for m in get(controller.url, "/v1/models")}
+    assert (declared["qwen"]["min_replicas"], declared["qwen"]["max_replicas"],
+            declared["qwen"]["ttft_slo_s"]) == (1, 4, 2.5)
+    assert "model qwen removed" in ok(controller.url, "models", "remove", "qwen")
+    assert "qwen" not in {m["name"] for m in get(controller.url, "/v1/models")}
+    bad = ctl(controller.url, "models", "add", "x", "--min", "3", "--max", "1")
+    assert bad.returncode == 2 and "max_replicas" in bad.stderr
+
+    ok(controller.url, "regions", "add", "tmp-region", "--lat", "1", "--lon", "2")
+    api = httpx.Client(base_url=controller.url, headers=auth())
+    api.post("/v1/balancers", json={"id": "lb-tmp", "region": "tmp-region",
+                                    "url": f"http://127.0.0.1:{free_port()}"}
+             ).raise_for_status()
+    busy = ctl(controller.url, "regions", "remove", "tmp-region")
+    assert busy.returncode == 2 and "409" in busy.stderr and "lb-tmp" in busy.stderr
+    assert "balancer lb-tmp removed" in ok(controller.url, "balancers", "remove", "lb-tmp")
+    assert "region tmp-region removed" in ok(controller.url, "regions", "remove", "tmp-region")
+    assert "tmp-region" not in {r["name"] for r in get(controller.url, "/v1/regions")}
+    api.close()
