@@ -52,3 +52,13 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache out
+
+# Fault-injection scenarios, short form (about a minute; docs/notes/hardening.md).
+faults: install system-deps
+	$(BIN)/skymesh faults run --short --json out/faults.json
+
+# The three-region mesh under steady load; SKYMESH_SOAK_MINUTES (default 30). Not in CI.
+soak: install
+	$(BIN)/python -m skymesh.faults.soak --json out/soak.json
+
+.PHONY: faults soak

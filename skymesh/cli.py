@@ -127,6 +127,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "skymesh.ctl",
     "skymesh.dns_cli",
     "skymesh.planning.plan_cli",
+    "skymesh.faults.cli",
 )
 
 

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import secrets
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -29,148 +26,11 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-import yaml
 
-from skymesh.netproxy import DelayProxy
-from skymesh.procs import Daemon, start_daemon
-from skymesh.sim.network import Network
+from skymesh.faults.cluster import DEFAULT_REPLICAS, MODEL, REGIONS, Mesh
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-REGIONS = ("us", "eu", "asia")
-REPLICAS = {"us": 1, "eu": 2, "asia": 2}
+REPLICAS = DEFAULT_REPLICAS
 CLIENTS = {"us": 16, "eu": 2, "asia": 2}
-LOCATIONS = {"us": (38.9, -77.0), "eu": (53.3, -6.3), "asia": (35.7, 139.7)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Mesh:
-    def __init__(self, workdir: Path, forwarding: bool, controller: bool = False) -> None:
-        self.dir = workdir
-        self.forwarding = forwarding
-        self.token = secrets.token_hex(16)
-        self.controller: Daemon | None = None
-        self.want_controller = controller
-        self.daemons: list[Daemon] = []
-        self.proxies: list[DelayProxy] = []
-        self.lbs: dict[str, Daemon] = {}
-        self.replicas: dict[str, list[Daemon]] = {}
-
-    async def start(self) -> None:
-        from skymesh.mesh import certs
-
-        pki = self.dir / "pki"
-        if not (pki / "ca.crt").exists():
-            certs.create_ca(pki)
-            for r in REGIONS:
-                certs.issue_cert(pki, f"lb-{r}")
-        if self.want_controller:
-            await self._start_controller()
-        grpc_ports = {r: _free_port() for r in REGIONS}
-        net = Network()
-        links: dict[tuple[str, str], str] = {}
-        for a in REGIONS:
-            for b in REGIONS:
-                if a != b:  # a's channel to b goes through its own delayed link
-                    proxy = DelayProxy("127.0.0.1", grpc_ports[b], net.one_way(a, b))
-                    await proxy.start()
-                    self.proxies.append(proxy)
-                    links[(a, b)] = proxy.address
-        for r in REGIONS:
-            reps = [start_daemon("skymesh-replica", ["--port", "0", "--seed", str(i)],
-                                 log_path=self.dir / f"{r}-replica{i}.log")
-                    for i in range(REPLICAS[r])]
-            self.daemons.extend(reps)
-            self.replicas[r] = reps
-            cfg: dict[str, Any] = {
-                "region": r, "listen": {"port": 0},
-                "replicas": [{"url": d.url, "models": [MODEL], "gpu": "L4"} for d in reps],
-                "mesh": {"id": f"lb-{r}", "certs_dir": str(pki),
-                         "listen_port": grpc_ports[r], "forwarding": self.forwarding,
-                         "peers": [{"id": f"lb-{o}", "address": links[(r, o)]}
-                                   for o in REGIONS if o != r]},
-            }
-            if self.controller is not None:
-                # Peers stay as configured: each link runs through its own delay proxy.
-                cfg["controller"] = {"url": self.controller.url, "balancer_id": f"lb-{r}",
-                                     "follow_peers": False, "retry_s": 0.2,
-                                     "telemetry_interval_s": 1.0}
-            path = self.dir / f"lb-{r}.yaml"
-            path.write_text(yaml.safe_dump(cfg))
-            lb = start_daemon("skymesh-lb", ["--config", str(path)],
-                              log_path=self.dir / f"lb-{r}.log",
-                              env={**os.environ, "SKYMESH_AGENT_TOKEN": self.token})
-            self.daemons.append(lb)
-            self.lbs[r] = lb
-
-    async def _start_controller(self) -> None:
-        ctl = start_daemon("skymesh-controller",
-                           ["--port", "0", "--store", "memory", "--probe-interval", "0.3"],
-                           log_path=self.dir / "controller.log",
-                           env={**os.environ, "SKYMESH_ADMIN_TOKEN": self.token})
-        self.daemons.append(ctl)
-        self.controller = ctl
-        async with aiohttp.ClientSession(headers=self.auth) as s:
-            for r, (lat, lon) in LOCATIONS.items():
-                async with s.post(ctl.url + "/v1/regions",
-                                  json={"name": r, "latitude": lat, "longitude": lon}) as resp:
-                    resp.raise_for_status()
-
-    @property
-    def auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"}
-
-    async def failover(self, s: aiohttp.ClientSession, timeout: float = 30) -> dict[str, Any]:
-        """Kill lb-us; time until the controller has its replicas served elsewhere."""
-        assert self.controller is not None
-        urls = {d.url for d in self.replicas["us"]}
-        self.lbs["us"].kill()
-        t0 = time.monotonic()
-        deadline = t0 + timeout
-        while time.monotonic() < deadline:
-            async with s.get(self.controller.url + "/v1/replicas", headers=self.auth) as r:
-                reps = [x for x in await r.json() if x["url"] in urls]
-            takers = {x["assigned"] for x in reps}
-            if len(takers) == 1 and (taker := takers.pop()) not in (None, "lb-us"):
-                lb = self.lbs[taker.removeprefix("lb-")]
-                async with s.get(lb.url + "/status") as r:
-                    serving = set((await r.json())["replicas"])
-                if urls <= serving:
-                    return {"killed": "lb-us", "moved_to": taker,
-                            "seconds": time.monotonic() - t0}
-            await asyncio.sleep(0.05)
-        raise RuntimeError("the controller did not move lb-us's replicas in time")
-
-    async def controller_status(self, s: aiohttp.ClientSession) -> dict[str, Any]:
-        assert self.controller is not None
-        async with s.get(self.controller.url + "/v1/status", headers=self.auth) as r:
-            st: dict[str, Any] = await r.json()
-        return st
-
-    async def wait_ready(self, s: aiohttp.ClientSession, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ok = True
-            for lb in self.lbs.values():
-                async with s.get(lb.url + "/status") as r:
-                    st = await r.json()
-                if not all(p["liveness"] == "alive" for p in st["mesh"]["peers"]) or \
-                        not all(rep["healthy"] for rep in st["replicas"].values()):
-                    ok = False
-            if ok:
-                return
-            await asyncio.sleep(0.1)
-        raise RuntimeError("the mesh did not come up in time")
-
-    async def stop(self) -> None:
-        for d in self.daemons:
-            d.stop()
-        for p in self.proxies:
-            await p.stop()
 
 
 async def _client(s: aiohttp.ClientSession, url: str, rng: random.Random, stop_at: float,

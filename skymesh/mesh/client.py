@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import weakref
 from types import TracebackType
 from typing import Any
 
@@ -81,22 +82,37 @@ class ForwardCall:
     def __init__(self, peer: str, call: grpc.aio.UnaryStreamCall) -> None:
         self.peer = peer
         self._call = call
+        self._aborted: str | None = None
 
     def __aiter__(self) -> ForwardCall:
         return self
 
     async def __anext__(self) -> pb.ForwardChunk:
+        if self._aborted is not None:
+            raise PeerUnavailable(self.peer, self._aborted)
         try:
             msg = await self._call.read()
         except asyncio.CancelledError:
             self._call.cancel()
+            task = asyncio.current_task()
+            if self._aborted is not None and (task is None or not task.cancelling()):
+                # Cancelled by abort(), not by our consumer: an error it can act on.
+                raise PeerUnavailable(self.peer, self._aborted) from None
             raise
         except grpc.aio.AioRpcError as exc:
+            if self._aborted is not None:
+                raise PeerUnavailable(self.peer, self._aborted) from None
             raise from_rpc_error(self.peer, exc) from None
         if msg is grpc.aio.EOF:
             raise StopAsyncIteration
         chunk: pb.ForwardChunk = msg
         return chunk
+
+    def abort(self, reason: str) -> None:
+        """Fail the call from outside: its reader gets :class:`PeerUnavailable`."""
+        if self._aborted is None and not self._call.done():
+            self._aborted = reason
+            self._call.cancel()
 
     def cancel(self) -> bool:
         """Cancel the RPC (a no-op once it finished); the server's handler is cancelled."""
@@ -156,6 +172,7 @@ class PeerClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._calls: weakref.WeakSet[ForwardCall] = weakref.WeakSet()  # in flight
 
     def view(self) -> PeerView:
         return self.state.view(self.peer_id)
@@ -171,6 +188,8 @@ class PeerClient:
         self.state.add_peer(self.peer_id)
         name = f"peer-{self.peer_id}"
         self._tasks.append(asyncio.create_task(self._keep_connected(), name=f"{name}-channel"))
+        self._tasks.append(asyncio.create_task(self._abort_forwards_when_down(),
+                                               name=f"{name}-forward-watch"))
         if self.heartbeat:
             self._tasks.append(asyncio.create_task(self._heartbeat_loop(),
                                                    name=f"{name}-heartbeat"))
@@ -214,7 +233,10 @@ class PeerClient:
         request.forwarded_hops = 1
         if not request.origin_region:
             request.origin_region = self.state.identity.region
-        return ForwardCall(self.peer_id, self._stub.Forward(request, timeout=timeout))
+        call = ForwardCall(self.peer_id, self._stub.Forward(request, timeout=timeout))
+        if self.state.liveness(self.peer_id) is not Liveness.DOWN:
+            self._calls.add(call)
+        return call
 
     # -- background tasks --------------------------------------------------------------------
     async def _keep_connected(self) -> None:
@@ -226,6 +248,22 @@ class PeerClient:
         while True:
             await channel.wait_for_state_change(state)
             state = channel.get_state(try_to_connect=True)
+
+    async def _abort_forwards_when_down(self) -> None:
+        # A partition leaves the TCP connection open (packets vanish), so gRPC notices only
+        # when a keepalive ping goes unanswered (keepalive_s + 5 s), and a forward waiting
+        # for its first chunk waits that long. The heartbeats mark the peer DOWN much
+        # sooner (down_after): fail the forwards in flight then, so the balancer retries
+        # one that has no byte yet elsewhere and ends a started stream with an error.
+        while True:
+            await asyncio.sleep(self.interval)
+            if self._calls and self.state.liveness(self.peer_id) is Liveness.DOWN:
+                calls = list(self._calls)
+                self._calls.clear()
+                log.warning("peer %s is DOWN: failing %d forwarded request(s) in flight",
+                            self.peer_id, len(calls))
+                for call in calls:
+                    call.abort("peer went DOWN (no heartbeat) while the request was on it")
 
     async def _heartbeat_loop(self) -> None:
         delay = self.backoff_initial

@@ -56,6 +56,12 @@ def peer_identity(context: grpc.aio.ServicerContext) -> str | None:
     return names[0].decode() if names else None
 
 
+def _origin_form(path: str) -> bool:
+    """``/a/b`` style: starts with one slash, printable ASCII, no whitespace."""
+    return path.startswith("/") and not path.startswith("//") and \
+        all(33 <= ord(c) < 127 for c in path)
+
+
 def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -181,6 +187,11 @@ class _Servicer(pb_grpc.PeeringServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"request {request.request_id} was already forwarded "
                                 f"{request.forwarded_hops} times")
+        if not _origin_form(request.path):
+            # The receiving balancer appends the path to its own base URL: "@host/..."
+            # would make it an authority and send the request to another host.
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "path must be an absolute path such as /v1/completions")
         chunks = o.forward_handler(request, context)
         try:
             async for chunk in chunks:

@@ -116,6 +116,8 @@ async def _read_json(request: web.Request, limit: int) -> dict[str, Any]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"Request body is not valid JSON: {exc}") from None
+    except RecursionError:  # json.loads recurses per nesting level: a deep body is bad input
+        raise ApiError(400, "Request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "Request body must be a JSON object")
     return body
