@@ -118,6 +118,8 @@ BENCH_EXPERIMENTS: dict[str, str] = {
     "goodput": "skymesh.bench.goodput",
     "lmetric-vs-vllm": "skymesh.bench.lmetric_vllm",
     "preserve-router": "skymesh.bench.preserve_router",
+    "skylb-macro": "skymesh.bench.skylb_macro",
+    "mooncake": "skymesh.bench.mooncake",
 }
 
 # Modules adding their own subcommands through ``register(subparsers)``.
@@ -208,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="simulated seconds of client activity per run")
     bp.add_argument("--seed", type=int, default=0)
     bp.add_argument("--plots", default=None, metavar="DIR", help="write PNG plots here")
+    bp.add_argument("--quick", action="store_true",
+                    help="a short subset (skylb-macro: what the tests run)")
+    bp.add_argument("--peers", default=None, metavar="ROUTERS",
+                    help="live: also run these PyPI routers in front of the same replicas, "
+                         "e.g. sglang-router,vllm-router")
+    bp.add_argument("--workloads", default=None, metavar="NAMES",
+                    help="skylb-macro: only these workloads (comma-separated)")
     bp.set_defaults(fn=cmd_bench)
 
     dp = sub.add_parser("demo", help="run the local three-region mesh for real")

@@ -26,7 +26,7 @@ from skymesh.sim.deadlines import DEFAULT_DEADLINE_PROFILE, alone_latency
 from skymesh.sim.events import EventLoop
 from skymesh.sim.lengths import LengthSource
 from skymesh.sim.metrics import percentiles, spread
-from skymesh.sim.network import Network
+from skymesh.sim.network import DEFAULT_RTT_MS, Network
 from skymesh.sim.workload import Arrival, WorkItem, Workload
 
 
@@ -63,6 +63,13 @@ class SimConfig:
     # Predicted output lengths handed to the policy (skymesh.sim.lengths).
     length_predictor: str = "none"
     length_noise: float = 0.5
+    # SkyLB's single-balancer baselines: one balancer, in this region, in front of every
+    # replica of every region; clients of all regions reach it across the RTTs. Implies
+    # no forwarding. None: one balancer per region.
+    single_balancer: str | None = None
+    # Multiplies every inter-region RTT (0: no network cost between regions, for the
+    # benchmarks' oracle); the client-to-balancer hop within a region is unchanged.
+    rtt_scale: float = 1.0
 
 
 def spread_replicas(regions: list[str], total: int) -> dict[str, int]:
@@ -144,7 +151,15 @@ class Simulation:
         self.cfg = cfg
         self.workload = workload
         self.loop = EventLoop()
-        self.net = Network()
+        if cfg.rtt_scale < 0:
+            raise ValueError(f"rtt_scale must be >= 0, got {cfg.rtt_scale}")
+        if cfg.single_balancer is not None and cfg.single_balancer not in cfg.regions:
+            raise ValueError(f"single_balancer {cfg.single_balancer!r} is not in {cfg.regions}")
+        if cfg.rtt_scale == 1.0:
+            self.net = Network()
+        else:
+            self.net = Network({k: v * cfg.rtt_scale for k, v in DEFAULT_RTT_MS.items()},
+                               default_ms=150.0 * cfg.rtt_scale)
         self.profile = get_profile(cfg.profile)
         if cfg.deadline_scale is not None and not cfg.deadline_scale > 0:
             raise ValueError(f"deadline_scale must be > 0, got {cfg.deadline_scale}")
@@ -170,6 +185,8 @@ class Simulation:
                 for i, name in enumerate(names)
             ]
             self.replicas.extend(reps)
+            if cfg.single_balancer is not None:
+                continue  # one balancer for all, built below
             if not reps and not cfg.forwarding:
                 continue
             policy = build_policy(
@@ -184,7 +201,17 @@ class Simulation:
             )
         if not self.replicas:
             raise ValueError("the simulation needs at least one replica")
-        if cfg.forwarding:
+        if cfg.single_balancer is not None:
+            region = cfg.single_balancer
+            self.balancers[region] = SimBalancer(
+                f"lb-{region}", region, list(self.replicas),
+                build_policy(cfg.policy, cfg.policy_params,
+                             rng=random.Random(rng.getrandbits(32))),
+                self.loop, self.net, mode, cfg.max_outstanding, cfg.probe_interval_s,
+                self._active, self._on_rejected, cfg.hold_s, None, cfg.tau,
+                cfg.heartbeat_interval_s,
+            )
+        elif cfg.forwarding:
             for bal in self.balancers.values():
                 bal.connect(list(self.balancers.values()))
         self._models = {r.engine_model for r in self.replicas}
@@ -202,7 +229,7 @@ class Simulation:
     def _arrive(self, item: WorkItem, from_stream: bool = False) -> None:
         if from_stream:
             self._next_arrival()
-        bal = self.balancers.get(item.region)
+        bal = self.balancers.get(self.cfg.single_balancer or item.region)
         if bal is None:
             raise ValueError(
                 f"workload sent a request to region {item.region!r}, which has no replicas; "
@@ -231,7 +258,8 @@ class Simulation:
                             predicted_output=predicted)
         self.records.append(rec)
         self.outstanding += 1
-        self.loop.after(self.net.local_one_way_s, bal.arrive, rec)
+        # Local hop, or the way across to the single balancer of that baseline.
+        self.loop.after(self.net.one_way(item.region, bal.region), bal.arrive, rec)
 
     # -- replica events ----------------------------------------------------------------
     def _back_along(self, rec: RequestRecord, from_region: str, fn_name: str,
@@ -244,7 +272,9 @@ class Simulation:
             delay += self.net.one_way(here, bal.region)
             self.loop.after(delay, getattr(bal, fn_name), ticket, *args)
             here = bal.region
-        return delay + self.net.local_one_way_s
+        # ``here`` is now the origin balancer: the client's own region unless a single
+        # balancer elsewhere serves it (then the response crosses back to the client).
+        return delay + self.net.one_way(here, rec.item.region)
 
     def _on_event(self, rep: SimReplica, rec: RequestRecord, ev: StepEvent) -> None:
         now = self.loop.now

@@ -23,6 +23,9 @@ Parameters (defaults):
 - ``duration_s`` = None: no request at all is issued at or after this simulated time
 - ``clients_per_region`` = 10: an int, or a dict region -> int (missing regions: 0)
 - ``branching`` = 2 (SkyLB uses 2 and 4), ``depth`` = 4 (levels, root included)
+- ``branching_per_region`` = None: a dict region -> branching overriding ``branching`` for
+  the clients of the regions it names (SkyLB's mixed tree: 4-branch trees in the US,
+  2-branch elsewhere); a tree's node count and output draws follow its client's branching
 - ``system_prompt_tokens`` = 150: the shared ToT instruction prefix
 - ``instruction_tokens`` = 12: the per-child instruction appended to the parent's context
 - ``think_time_s`` = 0.0: delay between the end of a tree and the client's next tree
@@ -99,6 +102,7 @@ class _Client:
     region: str
     started: int = 0
     tree: _Tree | None = None
+    branching: int = 2
 
 
 class TreeOfThoughtsWorkload(Workload):
@@ -120,6 +124,7 @@ class TreeOfThoughtsWorkload(Workload):
         clients_per_region: int | Mapping[str, int] = 10,
         branching: int = 2,
         depth: int = 4,
+        branching_per_region: Mapping[str, int] | None = None,
         system_prompt_tokens: int = 150,
         instruction_tokens: int = 12,
         think_time_s: float = 0.0,
@@ -139,6 +144,13 @@ class TreeOfThoughtsWorkload(Workload):
         if think_time_s < 0:
             raise ValueError(f"think_time_s must be >= 0, got {think_time_s}")
         self.regions = check_regions(regions)
+        per_region = dict(branching_per_region or {})
+        unknown = sorted(set(per_region) - set(self.regions))
+        if unknown:
+            raise ValueError(f"branching_per_region names unknown regions {unknown}")
+        if any(int(b) < 1 for b in per_region.values()):
+            raise ValueError(f"branching_per_region values must be >= 1, got {per_region}")
+        self.branching_per_region = {r: int(b) for r, b in per_region.items()}
         self.seed = seed
         self.duration_s = duration_s
         self.client_regions = client_regions(self.regions, clients_per_region)
@@ -155,15 +167,18 @@ class TreeOfThoughtsWorkload(Workload):
         self.nodes_per_tree = tree_size(branching, depth)
         self.system_tokens = list(shared_tokens("tot/system", system_prompt_tokens))
         self.system_hashes = hash_token_blocks(self.system_tokens, BLOCK_SIZE)
+        # One instruction per child index, for the widest tree any client grows.
+        widest = max([branching, *self.branching_per_region.values()])
         self.instructions = [
             list(shared_tokens(f"tot/instruction/{i}", instruction_tokens))
-            for i in range(branching)
+            for i in range(widest)
         ]
         self._clients: list[_Client] = []
 
     def initial(self) -> Iterator[Arrival]:
         # Fresh client state, so a workload object can drive more than one run.
-        self._clients = [_Client(i, r) for i, r in enumerate(self.client_regions)]
+        self._clients = [_Client(i, r, branching=self.branching_per_region.get(r, self.branching))
+                         for i, r in enumerate(self.client_regions)]
         arrivals: list[Arrival] = []
         for client in self._clients:
             arrivals.extend(self._next_tree(client, 0.0))
@@ -184,8 +199,9 @@ class TreeOfThoughtsWorkload(Workload):
             return ()
         arrivals: list[Arrival] = []
         if ok and stream is not None and level + 1 < self.depth:
-            for i in range(self.branching):
-                child = self.branching * node + 1 + i
+            b = client.branching
+            for i in range(b):
+                child = b * node + 1 + i
                 arrivals.append(self._issue_child(client, tree, stream, child, i, level + 1, now))
         if not tree.pending:
             arrivals.extend(self._next_tree(client, now + self.think_time_s))
@@ -207,7 +223,7 @@ class TreeOfThoughtsWorkload(Workload):
             seq=client.started,
             question=question,
             output_lens=[self._scaled(rng.choice(self.answer_tokens))
-                         for _ in range(self.nodes_per_tree)],
+                         for _ in range(tree_size(client.branching, self.depth))],
         )
         client.started += 1
         client.tree = tree
