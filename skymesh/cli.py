@@ -70,7 +70,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         from skymesh.planning.capacity_week import run_cli
 
         return run_cli(args)
-    from skymesh.sim.runner import SimConfig, parse_replicas, run
+    from skymesh.sim.runner import SimConfig, parse_profiles, parse_replicas, run
 
     regions = [r.strip() for r in args.regions.split(",") if r.strip()]
     if not regions:
@@ -79,6 +79,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
         replicas = parse_replicas(args.replicas, regions)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    try:
+        profiles = parse_profiles(args.profiles, regions) if args.profiles else None
+    except ValueError as exc:
+        print(f"skymesh sim: {exc}", file=sys.stderr)
+        return 2
     cfg = SimConfig(
         workload=args.workload,
         regions=regions,
@@ -97,6 +102,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
         probe_interval_s=args.probe_interval,
         workload_params=_kv_params(args.param, "--param"),
         progress=not args.no_progress and sys.stderr.isatty(),
+        replica_profiles=profiles,
+        deadline_scale=args.deadline_scale,
+        length_predictor=args.length_predictor,
     )
     try:
         res = run(cfg)
@@ -200,6 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="workload parameter (repeatable), e.g. clients_per_region=30")
     sp.add_argument("--policy-param", action="append", metavar="KEY=VALUE")
     sp.add_argument("--no-progress", action="store_true")
+    sp.add_argument("--profiles", default=None, metavar="MIX",
+                    help="mixed GPUs: l4=2,a100=1,h100=1 in every region, or "
+                         "us:h100=2;eu:l4=4 (replaces --replicas/--profile where given)")
+    sp.add_argument("--deadline-scale", type=float, default=None, metavar="X",
+                    help="deadline per request = X times its alone latency on an A100; "
+                         "reports goodput_rps and slo_violation_rate")
+    sp.add_argument("--length-predictor", default="none", metavar="NAME",
+                    help="predicted output lengths for the policy: none, oracle, "
+                         "noisy-oracle, history, meta")
     sp.set_defaults(fn=cmd_sim)
 
     bp = sub.add_parser("bench", help="reproduce an experiment and print its figures")
@@ -217,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "e.g. sglang-router,vllm-router")
     bp.add_argument("--workloads", default=None, metavar="NAMES",
                     help="skylb-macro: only these workloads (comma-separated)")
+    from skymesh.predict.cli import BENCH_PREDICTORS, PredictorFlag
+    bp.add_argument("--predictor", action=PredictorFlag, choices=BENCH_PREDICTORS,
+                    default=None, help="length predictor of goodput and preserve-router "
+                                       "(default moe; else $SKYMESH_LENGTH_PREDICTOR)")
     bp.set_defaults(fn=cmd_bench)
 
     dp = sub.add_parser("demo", help="run the local three-region mesh for real")

@@ -16,6 +16,8 @@ Example::
     probe: {interval_s: 0.1, timeout_s: 1.0, failure_threshold: 3, success_threshold: 2}
     retry: {max_attempts: 3}
     breaker: {failure_threshold: 5, open_s: 10}
+    slo: {header: X-SkyMesh-SLO-Class, classes: {interactive: 2.0, batch: 60.0}}
+    prediction: {predictor: moe, model_path: null}
     replicas:
       - {url: "http://127.0.0.1:8001", kind: vllm}
       - {url: "http://127.0.0.1:8002", kind: sglang, models: [my-model]}
@@ -94,6 +96,45 @@ class UpstreamConfig(_Strict):
     read_timeout_s: float = Field(600.0, gt=0)
 
 
+class SloConfig(_Strict):
+    """Deadline classes: a request naming a class in ``header`` gets that many seconds end
+    to end (``RouteRequest.deadline_s``), as if it had sent ``X-SkyMesh-Deadline-Ms``; with
+    both, the tighter one holds. ``default``: the class of a request that names none."""
+
+    header: str = "X-SkyMesh-SLO-Class"
+    classes: dict[str, float] = Field(default_factory=dict)
+    default: str | None = None
+
+    @field_validator("header")
+    @classmethod
+    def _token(cls, v: str) -> str:
+        if not v or any(c in v for c in " :\t\r\n"):
+            raise ValueError("must be an HTTP header name")
+        return v
+
+    @field_validator("classes")
+    @classmethod
+    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, seconds in v.items():
+            if not name:
+                raise ValueError("class names must be non-empty")
+            if not seconds > 0:
+                raise ValueError(f"class {name!r}: deadline must be > 0 seconds")
+        return v
+
+
+class PredictionConfig(_Strict):
+    """Output-length prediction for policies that read ``predicted_output_tokens``
+    (goodserve, preserve); ignored for the others. ``moe``: GoodServe's MoE-MLP from
+    ``model_path`` (default: ``skymesh.predict.store.default_model_path()``), loaded off the
+    event loop at start-up, the history predictor standing in until it is loaded or when
+    the file is missing; ``history``: median of recent outputs per prompt-length bucket;
+    ``none``: no prediction (policies use ``max_tokens``, then their default)."""
+
+    predictor: Literal["moe", "history", "none"] = "moe"
+    model_path: str | None = None
+
+
 class ReplicaConfig(_Strict):
     url: str
     kind: Literal["vllm", "sglang", "skymesh"] = "vllm"
@@ -166,6 +207,8 @@ class BalancerConfig(_Strict):
     retry: RetryConfig = RetryConfig()
     breaker: BreakerConfig = BreakerConfig()
     upstream: UpstreamConfig = UpstreamConfig()
+    slo: SloConfig = SloConfig()
+    prediction: PredictionConfig = PredictionConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)
     mesh: MeshConfig | None = None
     controller: ControllerLinkConfig | None = None
@@ -179,6 +222,13 @@ class BalancerConfig(_Strict):
                 raise ValueError(f"replica {r.url} listed twice")
             seen.add(r.url)
         return v
+
+
+def _check_slo(cfg: BalancerConfig) -> None:
+    slo = cfg.slo
+    if slo.default is not None and slo.default not in slo.classes:
+        raise ConfigError(f"slo.default: {slo.default!r} is not one of slo.classes "
+                          f"({', '.join(sorted(slo.classes)) or 'none defined'})")
 
 
 def _format(exc: ValidationError) -> str:
@@ -214,6 +264,7 @@ def load_yaml(path: str | Path) -> Any:
 
 def parse_config(data: Any) -> BalancerConfig:
     cfg = parse_model(BalancerConfig, data)
+    _check_slo(cfg)
     try:
         build_policy(cfg.policy.name, cfg.policy.params)
     except PolicyConfigError as exc:

@@ -7,8 +7,9 @@ estimated from characters (about 4 per token for English BPE vocabularies), whic
 the policies need for relative costs. The original body bytes are forwarded unchanged.
 
 Affinity key: the ``X-Session-ID`` header, else the body's ``user``. Deadline: the
-``X-SkyMesh-Deadline-Ms`` header (milliseconds from now) caps how long the request may
-wait in the balancer's queue.
+``X-SkyMesh-Deadline-Ms`` header (milliseconds from now) or an SLO class named in the
+configured header (``slo.classes``), the tighter of the two: it caps how long the request
+may wait in the balancer's queue and reaches the policy as ``RouteRequest.deadline_s``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Intake:
     affinity_key: str | None
     deadline_ms: float | None
     body: dict[str, Any]
+    kind: str = "chat"  # "chat" or "completion": the endpoint it came in on
 
 
 def parse_request(kind: str, raw: bytes, headers: Mapping[str, str]) -> Intake:
@@ -80,11 +82,50 @@ def parse_request(kind: str, raw: bytes, headers: Mapping[str, str]) -> Intake:
             raise BadRequest(f"{DEADLINE_HEADER} must be a number of milliseconds") from None
         if not deadline_ms > 0:
             raise BadRequest(f"{DEADLINE_HEADER} must be positive")
-    return Intake(model, stream, text, affinity, deadline_ms, body)
+    return Intake(model, stream, text, affinity, deadline_ms, body, kind)
 
 
-def route_request(request_id: str, intake: Intake, *, prefix_keys: bool = True
-                  ) -> RouteRequest:
+def request_deadline(intake: Intake, headers: Mapping[str, str], header: str,
+                     classes: Mapping[str, float], default: str | None = None
+                     ) -> float | None:
+    """Seconds the request has end to end: its ``X-SkyMesh-Deadline-Ms``, its SLO class's
+    deadline (``header`` names the class; ``default`` when it names none), the tighter of
+    the two, or None. An SLO class that is not configured is a 400 naming it."""
+    deadline = intake.deadline_ms / 1000.0 if intake.deadline_ms is not None else None
+    if not classes:
+        return deadline
+    name = headers.get(header) or default
+    if name is None:
+        return deadline
+    seconds = classes.get(name)
+    if seconds is None:
+        raise BadRequest(f"{header}: unknown SLO class {name!r}; configured classes: "
+                         f"{', '.join(sorted(classes))}")
+    return seconds if deadline is None else min(deadline, seconds)
+
+
+def prediction_input(intake: Intake, prompt_len: int) -> tuple[str, int, int]:
+    """(text, prompt tokens, history tokens) as the length predictor was trained on them:
+    the last user turn's text, its length and the length of the conversation before it
+    (ShareGPT turns, skymesh.predict.data). Lengths are the balancer's estimates."""
+    text = intake.prompt_text
+    if intake.kind == "chat":
+        messages = intake.body.get("messages")
+        for msg in reversed(messages if isinstance(messages, list) else ()):
+            if isinstance(msg, dict) and msg.get("role") == "user":
+                content = msg.get("content")
+                if isinstance(content, list):  # validated text parts (render_chat)
+                    content = "\n".join(str(p.get("text", "")) for p in content
+                                        if isinstance(p, dict))
+                if isinstance(content, str):
+                    text = content
+                break
+    turn = max(1, len(text) // CHARS_PER_TOKEN)
+    return text, min(turn, prompt_len), max(0, prompt_len - turn)
+
+
+def route_request(request_id: str, intake: Intake, *, prefix_keys: bool = True,
+                  deadline_s: float | None = None) -> RouteRequest:
     """``prefix_keys``: hash the prompt into chunk keys (only policies that read them)."""
     from skymesh.prefix.keys import text_prefix_keys
 
@@ -97,4 +138,5 @@ def route_request(request_id: str, intake: Intake, *, prefix_keys: bool = True
         prefix_keys=text_prefix_keys(intake.prompt_text) if prefix_keys else (),
         affinity_key=intake.affinity_key,
         output_len_hint=out if isinstance(out, int) else None,
+        deadline_s=deadline_s,
     )

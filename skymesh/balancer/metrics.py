@@ -29,6 +29,9 @@ class BalancerMetrics:
         self.e2e = Histogram("skymesh_request_duration_seconds",
                              "Arrival to end of response, at the balancer", ["model"],
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.migrations = Counter("skymesh_migrations_total",
+                                  "Streaming requests moved to another replica mid-response "
+                                  "(GoodServe's migration)", ["source", "target"], registry=r)
         self.replica_waiting = Gauge("skymesh_replica_pending_requests",
                                      "Waiting requests reported by the replica's last probe",
                                      ["replica"], registry=r)

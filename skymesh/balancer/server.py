@@ -14,6 +14,16 @@ error, timeout or 5xx before the first byte is retried on another replica (at mo
 event and a clean end. One ``finally`` settles the dispatcher's counters whatever happens,
 including a client that goes away (aiohttp cancels the handler; closing the upstream
 response aborts the request on the replica).
+
+The request's deadline (``X-SkyMesh-Deadline-Ms`` or its SLO class, ``slo`` in the
+config) reaches every policy as ``RouteRequest.deadline_s``. The rest is for predictive
+policies (``goodserve``, ``preserve``), and only they pay for it: a predicted output length
+(``skymesh.balancer.prediction``) is computed only for policies with
+``uses_length_prediction``; ``Policy.on_timing`` is called at the first byte and at the
+end (dispatch, first-byte and end times, output tokens from the streamed events or
+``usage.completion_tokens``) only for policies that override it; and for a policy with
+``wants_migration`` a periodic re-check may move a streaming request to another replica
+mid-response (``skymesh.balancer.migration``).
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ import logging
 import random
 import time
 import uuid
+from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
@@ -43,9 +55,27 @@ from skymesh.balancer.errors import (
     SkyMeshError,
     UpstreamFailed,
 )
-from skymesh.balancer.intake import parse_request, route_request
+from skymesh.balancer.intake import (
+    Intake,
+    parse_request,
+    prediction_input,
+    request_deadline,
+    route_request,
+)
 from skymesh.balancer.mesh_link import FORWARDED_HEADER, MeshLink
 from skymesh.balancer.metrics import BalancerMetrics
+from skymesh.balancer.migration import (
+    LiveStream,
+    SSEFramer,
+    continuation_body,
+    given_prompt_ids,
+    max_output,
+    migratable,
+    migrated_route,
+    sse,
+    tokenize_requests,
+)
+from skymesh.balancer.prediction import LivePredictor
 from skymesh.balancer.probe import (
     ProbeParseError,
     ProbeResult,
@@ -53,6 +83,7 @@ from skymesh.balancer.probe import (
     parse_vllm_metrics,
 )
 from skymesh.policies import build_policy
+from skymesh.policies.base import Policy, RequestTiming
 
 log = logging.getLogger("skymesh.lb")
 
@@ -62,6 +93,7 @@ _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive
 
 
 OUTPUT_TOKENS_KEY = "skymesh.output_tokens"  # per-request output count, for telemetry
+TICKET_KEY = "skymesh.ticket"  # the request's current ticket, once a migration replaced it
 
 
 class _ReplicaFault(Exception):
@@ -105,6 +137,12 @@ class Balancer:
         self.metrics = BalancerMetrics()
         self._decision_counters: dict[str, Any] = {}
         self._keys = policy.uses_prefix_keys
+        self.predictor = LivePredictor(cfg.prediction)
+        self._streams: dict[str, LiveStream] = {}  # migratable streams, by first ticket
+        self._recheck_task: asyncio.Task[None] | None = None
+        self.migrations = 0
+        self.recent_migrations: deque[dict[str, Any]] = deque(maxlen=32)
+        self._policy_flags(policy)
         self._ids = itertools.count(1)
         self._id_prefix = f"req-{uuid.uuid4().hex[:8]}-"
         self._session: aiohttp.ClientSession | None = None
@@ -132,6 +170,8 @@ class Balancer:
         )
         await self.probe_all()
         self._prober = asyncio.create_task(self._probe_loop(), name="skymesh-prober")
+        if self._predicts:
+            self.predictor.start()  # loads in a thread; history predicts meanwhile
 
     async def bound(self, url: str) -> None:
         """The HTTP edge is listening at ``url``: start peering (it replays forwarded
@@ -146,10 +186,12 @@ class Balancer:
             await self.controller.stop()
         if self.mesh is not None:
             await self.mesh.stop()
-        if self._prober is not None:
-            self._prober.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._prober
+        for task in (self._prober, self._recheck_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self.predictor.stop()
         if self._session is not None:
             await self._session.close()
 
@@ -194,9 +236,20 @@ class Balancer:
         d.hold_s = d.hold_s  # re-evaluates whether the new policy can hold requests
         policy.on_membership(sorted(d.targets))
         self._keys = policy.uses_prefix_keys
+        self._policy_flags(policy)
+        if self._predicts and self._session is not None:
+            self.predictor.start()
         self._policy_params = dict(params)
         self._decision_counters.clear()
         log.info("policy is now %s %s", name, params or "")
+
+    def _policy_flags(self, policy: Policy) -> None:
+        # Decided once per policy: the request path of a policy that uses none of these
+        # pays one attribute test for each.
+        self._predicts = (policy.uses_length_prediction
+                          and self.cfg.prediction.predictor != "none")
+        self._timed = type(policy).on_timing is not Policy.on_timing
+        self._migrates = policy.wants_migration
 
     def _apply_membership(self) -> None:
         self.dispatcher.set_targets({url: h.models for url, h in self.replicas.items()})
@@ -329,32 +382,42 @@ class Balancer:
                 raise ModelNotFound(f"model {model!r} is not served here; see /v1/models",
                                     param="model")
             rid = request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._ids)}"
+            slo = self.cfg.slo
+            deadline_s = request_deadline(intake, request.headers, slo.header, slo.classes,
+                                          slo.default)
             timeout = self.cfg.queue.timeout_s
-            if intake.deadline_ms is not None:
-                timeout = min(timeout, intake.deadline_ms / 1000.0)
-            route = route_request(rid, intake, prefix_keys=self._keys)
+            if deadline_s is not None:
+                timeout = min(timeout, deadline_s)
+            route = route_request(rid, intake, prefix_keys=self._keys, deadline_s=deadline_s)
+            if self._predicts:
+                text, turn, history = prediction_input(intake, route.prompt_len)
+                route = replace(route, predicted_output_tokens=self.predictor.predict(
+                    text, turn, history, route.prompt_len, max_output(intake.body, kind)))
             if self.mesh is not None and \
                     request.headers.get(FORWARDED_HEADER) == self.mesh.secret:
                 route = replace(route, forwarded=True)
             ticket = Ticket(route, t0)
             self.dispatcher.offer(ticket, t0)
-            resp, outcome = await self._serve(request, ticket, raw, intake.stream, t0, timeout)
+            resp, outcome = await self._serve(request, ticket, raw, intake, t0, timeout)
             return resp
         except SkyMeshError as exc:
             outcome = type(exc).__name__
             return _error_response(exc)
         finally:
             if ticket is not None:
-                if self.dispatcher.cancel(ticket):
+                cur: Ticket = request.get(TICKET_KEY, ticket)  # a migration replaces it
+                if self.dispatcher.cancel(cur):
                     outcome = "cancelled"
-                if ticket.target is not None:  # still attributed: client went away
-                    self.dispatcher.complete(ticket, self.now(), ok=False)
+                if cur.target is not None:  # still attributed: client went away
+                    self.dispatcher.complete(cur, self.now(), ok=False)
                 self._pump()
             self.metrics.requests.labels(model, outcome).inc()
             self.metrics.e2e.labels(model).observe(self.now() - t0)
             if ticket is not None:
-                self.tally.add(model, ticket.route.prompt_len,
-                               request.get(OUTPUT_TOKENS_KEY, 0))
+                out_tokens = request.get(OUTPUT_TOKENS_KEY, 0)
+                self.tally.add(model, ticket.route.prompt_len, out_tokens)
+                if self._predicts and outcome == "ok":
+                    self.predictor.observe(ticket.route.prompt_len, out_tokens)
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.cfg.limits.max_body_bytes
@@ -369,18 +432,20 @@ class Balancer:
             raise BadRequest("request body is empty")
         return bytes(buf)
 
-    async def _serve(self, request: web.Request, ticket: Ticket, raw: bytes, stream: bool,
+    async def _serve(self, request: web.Request, ticket: Ticket, raw: bytes, intake: Intake,
                      t0: float, timeout: float) -> tuple[web.StreamResponse, str]:
         max_attempts = self.cfg.retry.max_attempts
         model = ticket.route.model
         while True:
             target = await self._wait_dispatch(ticket, max(0.0, t0 + timeout - self.now()))
+            sent = self.now()
             if ticket.attempts == 1:
-                self.metrics.queue_wait.labels(model).observe(self.now() - t0)
+                self.metrics.queue_wait.labels(model).observe(sent - t0)
             try:
                 if ticket.to_peer:
-                    return await self._forward_peer(request, ticket, target, raw, stream, t0)
-                return await self._forward(request, ticket, target, raw, stream, t0)
+                    return await self._forward_peer(request, ticket, target, raw,
+                                                    intake.stream, t0)
+                return await self._forward(request, ticket, target, raw, intake, t0, sent)
             except _ReplicaFault as exc:
                 log.warning("attempt %d on %s failed before the first byte: %s",
                             ticket.attempts, target, exc)
@@ -397,7 +462,9 @@ class Balancer:
                 self.dispatcher.offer(ticket, self.now(), front=True)
 
     async def _forward(self, request: web.Request, ticket: Ticket, target: str, raw: bytes,
-                       stream: bool, t0: float) -> tuple[web.StreamResponse, str]:
+                       intake: Intake, t0: float, sent: float
+                       ) -> tuple[web.StreamResponse, str]:
+        stream = intake.stream
         headers = {k: v for k in _FORWARD_HEADERS if (v := request.headers.get(k))}
         headers.setdefault("Content-Type", "application/json")
         try:
@@ -418,11 +485,20 @@ class Balancer:
                 self.metrics.ttft.labels(model).observe(self.now() - t0)
                 ok = up.status < 400
                 if ok:
-                    request[OUTPUT_TOKENS_KEY] = _completion_tokens(body)
+                    prompt, out, hits = _usage(body)
+                    request[OUTPUT_TOKENS_KEY] = out
+                    if self._timed:
+                        # No first-token time is observable without streaming: the end
+                        # only (policies learn TTFT and TPOT from streams).
+                        self.dispatcher.policy.on_timing(ticket.route, target, RequestTiming(
+                            self.now(), sent, None, out, True,
+                            prompt or ticket.route.prompt_len, hits))
                 self.dispatcher.complete(ticket, self.now(), ok=ok)
                 resp = web.Response(status=up.status, body=body, headers=_copy_headers(up))
                 return resp, "ok" if ok else f"upstream_{up.status}"
-            return await self._stream(request, ticket, up, t0)
+            if self._migrates and migratable(intake.body):
+                return await self._stream_live(request, ticket, up, t0, sent, intake)
+            return await self._stream(request, ticket, up, t0, sent, intake)
         finally:
             up.release()
 
@@ -478,8 +554,9 @@ class Balancer:
             await resp.write_eof()
             return resp, "ok" if ok else "upstream_broken"
 
-    async def _stream(self, request: web.Request, ticket: Ticket,
-                      up: aiohttp.ClientResponse, t0: float) -> tuple[web.StreamResponse, str]:
+    async def _stream(self, request: web.Request, ticket: Ticket, up: aiohttp.ClientResponse,
+                      t0: float, sent: float, intake: Intake
+                      ) -> tuple[web.StreamResponse, str]:
         model = ticket.route.model
         chunks = up.content.iter_any()
         try:
@@ -489,9 +566,14 @@ class Balancer:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _ReplicaFault(str(exc) or type(exc).__name__) from exc
         # From here on the client has bytes: no more retries.
+        first_at = self.now()
         self.dispatcher.first_byte(ticket)
         self._pump()  # a no-op unless requests wait for exactly this
-        self.metrics.ttft.labels(model).observe(self.now() - t0)
+        self.metrics.ttft.labels(model).observe(first_at - t0)
+        target = ticket.target or ""
+        if self._timed:
+            self.dispatcher.policy.on_timing(ticket.route, target, RequestTiming(
+                first_at, sent, first_at, 0, False, ticket.route.prompt_len))
         resp = web.StreamResponse(status=up.status, headers=_copy_headers(up))
         await resp.prepare(request)
         await resp.write(first)
@@ -509,10 +591,243 @@ class Balancer:
             err = {"error": {"message": f"the replica failed mid-response: {exc}",
                              "type": "server_error", "param": None, "code": "upstream_failed"}}
             await resp.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
-        request[OUTPUT_TOKENS_KEY] = max(0, events - 2)
+        # Events that carry no token: [DONE], the chat role chunk, the usage chunk.
+        opts = intake.body.get("stream_options")
+        extra = 1 + (intake.kind == "chat") + (isinstance(opts, dict)
+                                                and bool(opts.get("include_usage")))
+        tokens = max(0, events - extra)
+        request[OUTPUT_TOKENS_KEY] = tokens
+        if ok and self._timed:
+            self.dispatcher.policy.on_timing(ticket.route, target, RequestTiming(
+                self.now(), sent, first_at, tokens, True, ticket.route.prompt_len))
         self.dispatcher.complete(ticket, self.now(), ok=ok, replica_fault=not ok)
         await resp.write_eof()
         return resp, "ok" if ok else "upstream_broken"
+
+    # -- migration (policies with wants_migration: goodserve) ------------------------------
+    async def _stream_live(self, request: web.Request, ticket: Ticket,
+                           up: aiohttp.ClientResponse, t0: float, sent: float, intake: Intake
+                           ) -> tuple[web.StreamResponse, str]:
+        """``_stream`` for a request the policy may move: whole SSE events are relayed
+        one by one, so the periodic re-check (:meth:`recheck`) can cut the stream over to
+        another replica between two events."""
+        model = ticket.route.model
+        chunks: AsyncIterator[bytes] = up.content.iter_any()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            raise _ReplicaFault("empty response") from None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _ReplicaFault(str(exc) or type(exc).__name__) from exc
+        now = self.now()
+        self.dispatcher.first_byte(ticket)
+        self._pump()
+        self.metrics.ttft.labels(model).observe(now - t0)
+        resp = web.StreamResponse(status=up.status, headers=_copy_headers(up))
+        await resp.prepare(request)
+        st = LiveStream(ticket, intake.kind, intake.body, sent, first_at=now, upstream=up)
+        self.dispatcher.policy.on_timing(ticket.route, ticket.target or "", st.timing(now))
+        key = ticket.key
+        self._streams[key] = st
+        if self._recheck_task is None or self._recheck_task.done():
+            self._recheck_task = asyncio.get_running_loop().create_task(
+                self._recheck_loop(), name="skymesh-migration-recheck")
+        framer = SSEFramer()
+        pending = framer.feed(first)
+        ok = True
+        try:
+            while True:
+                await self._relay(resp, st, chunks, framer, pending)
+                if st.moving_to is None:
+                    break
+                nxt = await self._cut_over(request, resp, st)
+                if not isinstance(nxt, tuple):
+                    ok = nxt
+                    break
+                chunks, first = nxt
+                framer = SSEFramer()
+                pending = framer.feed(first)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+            ok = False
+            log.warning("upstream %s broke mid-stream: %s", st.ticket.target, exc)
+            await resp.write(_broken(f"the replica failed mid-response: {exc}"))
+        finally:
+            self._streams.pop(key, None)
+            # Whatever ends the relay (the client leaving included), the request's current
+            # ticket is the one to settle: a move may have replaced it at any await.
+            request[TICKET_KEY] = st.ticket
+            if st.upstream is not None and st.upstream is not up:
+                if st.done:
+                    st.upstream.release()
+                else:
+                    st.upstream.close()  # client gone: abort the continuation upstream
+        request[OUTPUT_TOKENS_KEY] = st.tokens
+        cur = st.ticket
+        if ok and cur.target is not None:
+            self.dispatcher.policy.on_timing(cur.route, cur.target,
+                                             st.timing(self.now(), finished=True))
+        self.dispatcher.complete(cur, self.now(), ok=ok, replica_fault=not ok)
+        await resp.write_eof()
+        return resp, "ok" if ok else "upstream_broken"
+
+    @staticmethod
+    async def _relay(resp: web.StreamResponse, st: LiveStream, chunks: AsyncIterator[bytes],
+                     framer: SSEFramer, pending: list[bytes]) -> None:
+        """Write ``st``'s upstream events to the client until the upstream ends or the
+        re-check decides to move the request (it closes the upstream to wake us)."""
+        while True:
+            for event in pending:
+                if st.moving_to is not None:
+                    return  # read but not sent: the continuation regenerates it
+                out = st.accept(event)
+                if out is not None:
+                    await resp.write(out)
+            if st.moving_to is not None:
+                return
+            try:
+                data = await chunks.__anext__()
+            except StopAsyncIteration:
+                return
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+                if st.moving_to is not None:
+                    return
+                raise
+            pending = framer.feed(data)
+
+    async def _cut_over(self, request: web.Request, resp: web.StreamResponse, st: LiveStream
+                        ) -> tuple[AsyncIterator[bytes], bytes] | bool:
+        """Continue ``st`` on the replica the re-check chose: wait for its ticket's
+        dispatch, tokenise prompt + generated text there, send the continuation. Returns
+        its chunk iterator and first chunk, or whether the stream ended cleanly (True:
+        nothing was left to generate; False: an error event went to the client)."""
+        new = st.ticket
+        fut: asyncio.Future[None] = new.payload
+        if not fut.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), self.cfg.queue.timeout_s)
+            except TimeoutError:
+                self.dispatcher.cancel(new)
+                await resp.write(_broken("no replica could take the migrated request",
+                                         "no_capacity"))
+                return False
+        target = new.target
+        assert target is not None
+        headers = {k: v for k in _FORWARD_HEADERS if (v := request.headers.get(k))}
+        headers["Content-Type"] = "application/json"
+        try:
+            prompt_req, gen_req = tokenize_requests(st.body, st.kind, st.generated_text)
+            if st.prompt_ids is None:
+                st.prompt_ids = (given_prompt_ids(st.body) if prompt_req is None
+                                 else await self._tokenize(target, prompt_req, headers))
+            gen_ids = await self._tokenize(target, gen_req, headers) if st.texts else []
+            body = continuation_body(st.body, st.kind, st.prompt_ids, gen_ids)
+            if body is None:  # every token the request may have is with the client
+                self.dispatcher.complete(new, self.now(), ok=False)
+                await resp.write(sse(st.client_chunk("", "length")) + b"data: [DONE]\n\n")
+                st.finished = st.done = True
+                return True
+            sent = self.now()  # the replica's time to first token counts from here
+            up = await self.session.post(target + "/v1/completions", json=body,
+                                         headers=headers)
+            st.upstream = up
+            if up.status != 200:
+                detail = (await up.read())[:200].decode(errors="replace")
+                raise _ReplicaFault(f"HTTP {up.status}: {detail}")
+            chunks: AsyncIterator[bytes] = up.content.iter_any()
+            first = await chunks.__anext__()
+        except (_ReplicaFault, aiohttp.ClientError, TimeoutError, StopAsyncIteration,
+                ValueError) as exc:
+            detail = str(exc) or type(exc).__name__
+            log.warning("migrating %s to %s failed: %s", new.route.request_id, target, detail)
+            self.dispatcher.complete(new, self.now(), ok=False, replica_fault=True)
+            await resp.write(_broken(f"moving the request to a faster replica failed: "
+                                     f"{detail}"))
+            return False
+        now = self.now()
+        st.spliced = True
+        st.generated_ids = len(gen_ids)
+        st.attempt_tokens = 0
+        st.dispatched_at = sent
+        st.first_at = now
+        st.moving_to = None
+        self.dispatcher.first_byte(new)
+        self._pump()
+        self.dispatcher.policy.on_timing(new.route, target, st.timing(now))
+        return chunks, first
+
+    async def _tokenize(self, target: str, body: dict[str, Any], headers: dict[str, str]
+                        ) -> list[int]:
+        async with self.session.post(target + "/tokenize", json=body, headers=headers) as r:
+            if r.status != 200:
+                detail = (await r.read())[:200].decode(errors="replace")
+                raise _ReplicaFault(f"/tokenize: HTTP {r.status}: {detail}")
+            data = await r.json(content_type=None)
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise _ReplicaFault("/tokenize: no token list in the response")
+        return tokens
+
+    async def _recheck_loop(self) -> None:
+        """GoodServe's periodic re-check; runs while migratable streams are open."""
+        while self._streams:
+            await asyncio.sleep(self.dispatcher.policy.migration_interval_s)
+            try:
+                self.recheck(self.now())
+            except Exception:  # a bug here must not stop re-checking for good
+                log.exception("migration re-check failed")
+
+    def recheck(self, now: float) -> int:
+        """Ask the policy about every open migratable stream that has produced a token;
+        start moving those it wants elsewhere. Returns how many move."""
+        d = self.dispatcher
+        policy = d.policy
+        if not policy.wants_migration:
+            return 0
+        moved = 0
+        for st in list(self._streams.values()):
+            t = st.ticket
+            source = t.target
+            if (source is None or t.to_peer or st.moving_to is not None or st.finished
+                    or st.first_at is None or st.attempt_tokens < 1):
+                continue
+            cap = max_output(st.body, st.kind)
+            if cap is not None and st.tokens >= cap:
+                continue  # its last token is on the way
+            dest = policy.migrate(t.route, source, st.timing(now), d.candidates(t, now), d)
+            if dest is None or dest == source or dest not in d.targets:
+                continue
+            self._begin_move(st, source, dest, now)
+            moved += 1
+        if moved:
+            self._pump()  # dispatches the re-offered tickets (the policy picks ``dest``)
+        return moved
+
+    def _begin_move(self, st: LiveStream, source: str, dest: str, now: float) -> None:
+        """The dispatcher's side of a move, all before the next await: the old attempt
+        ends (its slot is free at once), a ticket for the rest of the request goes to the
+        head of the queue (never back to ``source``), and the old upstream is closed,
+        which aborts it on the replica and wakes the relay."""
+        d = self.dispatcher
+        old = st.ticket
+        route = migrated_route(old.route, st.attempt_tokens, now - st.dispatched_at)
+        d.complete(old, now, ok=False)
+        new = Ticket(route, now)
+        new.excluded = set(old.excluded) | {source}
+        new.payload = asyncio.get_running_loop().create_future()
+        d.offer(new, now, front=True)
+        st.ticket = new
+        st.moving_to = dest
+        st.moved_from = source
+        st.migrations += 1
+        self.migrations += 1
+        self.metrics.migrations.labels(source, dest).inc()
+        self.recent_migrations.append({
+            "request_id": route.request_id, "source": source, "target": dest,
+            "tokens_streamed": st.tokens, "after_s": round(now - st.dispatched_at, 4)})
+        log.info("migrating %s from %s to %s after %d tokens", route.request_id, source,
+                 dest, st.tokens)
+        if st.upstream is not None:
+            st.upstream.close()
 
     # -- the rest of the API ---------------------------------------------------------------
     async def handle_models(self, request: web.Request) -> web.Response:
@@ -553,6 +868,9 @@ class Balancer:
             "policy": d.policy.name,
             "pushing": d.mode.value,
             "queued": d.queue_length(),
+            "prediction": {**self.predictor.status(), "in_use": self._predicts},
+            "migrations": {"total": self.migrations, "open_streams": len(self._streams),
+                           "recent": list(self.recent_migrations)},
             "replicas": {
                 tid: {"healthy": t.healthy, "models": sorted(t.models),
                       "waiting": t.load.waiting, "running": t.load.running,
@@ -561,12 +879,23 @@ class Balancer:
         })
 
 
-def _completion_tokens(body: bytes) -> int:
+def _usage(body: bytes) -> tuple[int, int, int | None]:
+    """(prompt tokens, completion tokens, cached prompt tokens or None) from a
+    non-streamed response's ``usage``; zeros when it has none."""
     try:
         usage = json.loads(body).get("usage") or {}
-        return int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        return (int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
+                int(cached) if cached is not None else None)
     except (ValueError, AttributeError, TypeError):
-        return 0
+        return 0, 0, None
+
+
+def _broken(message: str, code: str = "upstream_failed") -> bytes:
+    """The SSE error event and end a client gets after its first byte."""
+    err = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
 
 
 def _copy_headers(up: aiohttp.ClientResponse) -> dict[str, str]:

@@ -38,6 +38,9 @@ Parameters:
 - ``alpha`` = 0.2: EMA weight of a new observation
 - ``prior_prefill_s`` = 3e-4, ``prior_decode_s`` = 0.03, ``prior_queue_s`` = 0.0: estimates
   of a replica before its first observation
+- ``decode_priors`` = {}: target id -> seconds per output token, a replica's own prior in
+  place of ``prior_decode_s`` (e.g. from its GPU type's spec or an offline profile; the
+  EMA replaces it as requests finish there)
 - ``default_output_tokens`` = 256: ShareGPT's median response
 - ``migration`` = True, ``migration_interval_s`` = 1.0 (about the paper's tau = 50
   iterations at 20 ms), ``extension`` = 0.2
@@ -47,7 +50,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from skymesh.policies.base import LoadView, Policy, RequestTiming, RouteRequest
@@ -92,6 +95,7 @@ def just_enough(latency: dict[str, float], decode_s: dict[str, float],
 
 class GoodServe(Policy, name="goodserve"):
     uses_prefix_keys = True
+    uses_length_prediction = True
     wants_migration = True
 
     def __init__(
@@ -105,6 +109,7 @@ class GoodServe(Policy, name="goodserve"):
         migration: bool = True,
         migration_interval_s: float = 1.0,
         extension: float = 0.2,
+        decode_priors: Mapping[str, float] | None = None,
         max_nodes: int = DEFAULT_MAX_NODES,
         rng: random.Random | None = None,
     ) -> None:
@@ -116,8 +121,15 @@ class GoodServe(Policy, name="goodserve"):
         if default_output_tokens < 1 or migration_interval_s <= 0 or extension <= 0:
             raise ValueError("need default_output_tokens >= 1, migration_interval_s > 0, "
                              "extension > 0")
+        priors = dict(decode_priors or {})
+        for target, d in priors.items():
+            if not isinstance(target, str) or isinstance(d, bool) \
+                    or not isinstance(d, int | float) or not d > 0:
+                raise ValueError(f"decode_priors: need target -> seconds per token > 0, "
+                                 f"got {target!r}: {d!r}")
         self.alpha = alpha
         self.priors = (prior_queue_s, prior_prefill_s, prior_decode_s)
+        self.decode_priors = {t: float(d) for t, d in priors.items()}
         self.default_output_tokens = default_output_tokens
         self.wants_migration = migration
         self.migration_interval_s = migration_interval_s
@@ -132,7 +144,8 @@ class GoodServe(Policy, name="goodserve"):
     def speed(self, target: str) -> Speed:
         s = self.speeds.get(target)
         if s is None:
-            s = self.speeds[target] = Speed(*self.priors)
+            q, p, d = self.priors
+            s = self.speeds[target] = Speed(q, p, self.decode_priors.get(target, d))
         return s
 
     def _queue_now(self, s: Speed, now: float) -> float:

@@ -162,6 +162,8 @@ def preserve_score(queued_prefill: int, prompt: int, current_decode: int, predic
 
 
 class PreServe(Policy, name="preserve"):
+    uses_length_prediction = True
+
     def __init__(
         self,
         *,

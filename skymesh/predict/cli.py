@@ -10,6 +10,7 @@ tests) uses N training and N/2 test samples and a smaller, quicker model.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,19 @@ import numpy as np
 from skymesh.predict.data import Sample, limit
 from skymesh.predict.history import HistoryPredictor
 from skymesh.predict.metrics import PRESERVE_TABLE2, accuracy
+
+# ``skymesh bench --predictor``: the predictive benchmarks (goodput, preserve-router) read
+# their length predictor from this variable, so the flag sets it for this process; the
+# variable alone keeps working when the flag is absent. Same names as the benchmarks'.
+PREDICTOR_ENV = "SKYMESH_LENGTH_PREDICTOR"
+BENCH_PREDICTORS = ("moe", "noisy-oracle", "oracle", "history")
+
+
+class PredictorFlag(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        os.environ[PREDICTOR_ENV] = str(values)
 
 
 def _data(args: argparse.Namespace) -> tuple[list[Sample], list[Sample]]:

@@ -148,6 +148,7 @@ class MoEPredictor:
         self.gate = gate
         self.config = config
         self._stack: list[Any] | None = None
+        self._one: tuple[Any, dict[str, int], np.ndarray] | None = None
 
     def features(self, samples: list[Sample]) -> Features:
         return self.vectorizer.transform([s.text for s in samples]), _length_features(samples)
@@ -174,16 +175,39 @@ class MoEPredictor:
                 m.eval()
         return self._stack
 
+    def text_bag(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """One text's TF-IDF row as (columns, weights): what ``vectorizer.transform`` gives
+        (sublinear tf x idf, L2-normalised), without its per-call overhead, which is most
+        of a single request's prediction time (about 0.5 of 1.2 ms measured)."""
+        if self._one is None:
+            v = self.vectorizer
+            self._one = (v.build_analyzer(), v.vocabulary_,
+                         np.asarray(v.idf_, dtype=np.float32))
+        analyze, vocab, idf = self._one
+        counts: dict[int, int] = {}
+        for term in analyze(text):
+            j = vocab.get(term)
+            if j is not None:
+                counts[j] = counts.get(j, 0) + 1
+        cols = np.fromiter(sorted(counts), dtype=np.int64, count=len(counts))
+        tf = np.fromiter((counts[j] for j in cols), dtype=np.float32, count=len(cols))
+        w = (np.log(tf) + np.float32(1.0)) * idf[cols]
+        norm = np.sqrt(np.dot(w, w))
+        return cols, (w / norm if norm > 0 else w)
+
     def _predict_x(self, x: Features) -> np.ndarray:
+        return self._predict_bags(_bags(x[0]), x[1])
+
+    def _predict_bags(self, bags: tuple[Any, Any, Any], lengths: np.ndarray) -> np.ndarray:
         import torch
         import torch.nn.functional as F
 
         first, len_w, len_b, layers, gate_w, gate_b = self._stacked()
         k, h = self.config.experts, self.config.expert_hidden[0]
         with torch.no_grad():
-            idx, off, w = _bags(x[0])
+            idx, off, w = bags
             z = F.embedding_bag(idx, first, off, mode="sum", per_sample_weights=w)
-            z = z + torch.from_numpy(x[1]) @ len_w + len_b
+            z = z + torch.from_numpy(lengths) @ len_w + len_b
             hx = torch.relu(z[:, : k * h]).reshape(-1, k, h).transpose(0, 1)  # K, B, h
             for j, (wj, bj) in enumerate(layers):
                 hx = torch.baddbmm(bj.unsqueeze(1), hx, wj)
@@ -199,8 +223,13 @@ class MoEPredictor:
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
     def predict_one(self, text: str, prompt_tokens: int, history_tokens: int = 0) -> int:
+        import torch
+
+        cols, w = self.text_bag(text)
+        bags = (torch.from_numpy(cols), torch.zeros(1, dtype=torch.int64),
+                torch.from_numpy(w.astype(np.float32, copy=False)))
         s = Sample(text, prompt_tokens, history_tokens, 1, "", "")
-        return int(self._predict_x(self.features([s]))[0])
+        return int(self._predict_bags(bags, _length_features([s]))[0])
 
     # -- persistence -----------------------------------------------------------------------
     def save(self, path: Path) -> None:
