@@ -45,6 +45,8 @@ def parse_request(kind: str, raw: bytes, headers: Mapping[str, str]) -> Intake:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # json.loads recurses once per nesting level
+        raise BadRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     model = body.get("model")

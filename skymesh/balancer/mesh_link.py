@@ -37,6 +37,9 @@ log = logging.getLogger("skymesh.lb.mesh")
 FORWARDED_HEADER = "X-SkyMesh-Forwarded"
 
 
+FORWARDABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
 class MeshLink:
     def __init__(self, cfg: BalancerConfig, dispatcher: Dispatcher, wake: Any) -> None:
         from skymesh.mesh import MeshNode, TlsFiles, new_identity
@@ -170,6 +173,12 @@ class MeshLink:
         from skymesh.mesh import pb
 
         assert self._session is not None
+        if req.path not in FORWARDABLE_PATHS:
+            # Only generation is forwarded: a peer must not reach our other endpoints.
+            yield pb.ForwardChunk(error=pb.ForwardChunk.Error(
+                code="bad_path", message=f"path {req.path[:80]!r} is not forwardable",
+                status=400))
+            return
         self.forwarded_in += 1
         headers = {"Content-Type": "application/json", FORWARDED_HEADER: self.secret,
                    "X-Request-Id": req.request_id}

@@ -92,6 +92,9 @@ _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive
                 "content-encoding", "date", "server"}
 
 
+# Open streams get this long to finish at shutdown, inside the server's 5 s shutdown
+# timeout (skymesh.serving), so the rest still get their error event before handlers stop.
+STREAM_GRACE_S = 3.5
 OUTPUT_TOKENS_KEY = "skymesh.output_tokens"  # per-request output count, for telemetry
 TICKET_KEY = "skymesh.ticket"  # the request's current ticket, once a migration replaced it
 
@@ -139,6 +142,9 @@ class Balancer:
         self._keys = policy.uses_prefix_keys
         self.predictor = LivePredictor(cfg.prediction)
         self._streams: dict[str, LiveStream] = {}  # migratable streams, by first ticket
+        self._open_streams: set[aiohttp.ClientResponse] = set()  # the other streams
+        self.closing = False
+        self._shutdown_task: asyncio.Task[None] | None = None
         self._recheck_task: asyncio.Task[None] | None = None
         self.migrations = 0
         self.recent_migrations: deque[dict[str, Any]] = deque(maxlen=32)
@@ -508,8 +514,12 @@ class Balancer:
 
         assert self.mesh is not None
         route = ticket.route
-        call = self.mesh.forward(peer, route.request_id, route.model, request.path, raw, stream,
-                                 route.affinity_key, self.cfg.upstream.read_timeout_s)
+        try:
+            call = self.mesh.forward(peer, route.request_id, route.model, request.path, raw,
+                                     stream, route.affinity_key,
+                                     self.cfg.upstream.read_timeout_s)
+        except PeerError as exc:  # the peer went down after the dispatcher chose it
+            raise _ReplicaFault(str(exc)) from exc
         async with call:
             try:
                 first = await call.__anext__()
@@ -581,16 +591,16 @@ class Balancer:
         # One SSE event per generated token in vLLM's and SGLang's streams (bar the role
         # chunk and [DONE]): a count good enough for demand telemetry, and cheap.
         events = first.count(b"data: ")
+        self._open_streams.add(up)
         try:
             async for chunk in chunks:
                 events += chunk.count(b"data: ")
                 await resp.write(chunk)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             ok = False
-            log.warning("upstream %s broke mid-stream: %s", ticket.target, exc)
-            err = {"error": {"message": f"the replica failed mid-response: {exc}",
-                             "type": "server_error", "param": None, "code": "upstream_failed"}}
-            await resp.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
+            await resp.write(self._broken_stream(ticket.target, exc))
+        finally:
+            self._open_streams.discard(up)
         # Events that carry no token: [DONE], the chat role chunk, the usage chunk.
         opts = intake.body.get("stream_options")
         extra = 1 + (intake.kind == "chat") + (isinstance(opts, dict)
@@ -600,7 +610,8 @@ class Balancer:
         if ok and self._timed:
             self.dispatcher.policy.on_timing(ticket.route, target, RequestTiming(
                 self.now(), sent, first_at, tokens, True, ticket.route.prompt_len))
-        self.dispatcher.complete(ticket, self.now(), ok=ok, replica_fault=not ok)
+        self.dispatcher.complete(ticket, self.now(), ok=ok,
+                                 replica_fault=not ok and not self.closing)
         await resp.write_eof()
         return resp, "ok" if ok else "upstream_broken"
 
@@ -649,8 +660,7 @@ class Balancer:
                 pending = framer.feed(first)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             ok = False
-            log.warning("upstream %s broke mid-stream: %s", st.ticket.target, exc)
-            await resp.write(_broken(f"the replica failed mid-response: {exc}"))
+            await resp.write(self._broken_stream(st.ticket.target, exc))
         finally:
             self._streams.pop(key, None)
             # Whatever ends the relay (the client leaving included), the request's current
@@ -666,7 +676,7 @@ class Balancer:
         if ok and cur.target is not None:
             self.dispatcher.policy.on_timing(cur.route, cur.target,
                                              st.timing(self.now(), finished=True))
-        self.dispatcher.complete(cur, self.now(), ok=ok, replica_fault=not ok)
+        self.dispatcher.complete(cur, self.now(), ok=ok, replica_fault=not ok and not self.closing)
         await resp.write_eof()
         return resp, "ok" if ok else "upstream_broken"
 
@@ -829,6 +839,29 @@ class Balancer:
         if st.upstream is not None:
             st.upstream.close()
 
+    def _broken_stream(self, target: str | None, exc: BaseException) -> bytes:
+        if self.closing:
+            return _broken("the balancer is shutting down; retry the request", "shutting_down")
+        log.warning("upstream %s broke mid-stream: %s", target, exc)
+        return _broken(f"the replica failed mid-response: {exc}")
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Streams still running ``grace_s`` from now end with an SSE error and [DONE]
+        (closing their upstream wakes the relay) before the server cancels handlers: a
+        client must never see a stream cut short without being told."""
+        self.closing = True
+
+        async def cut() -> None:
+            await asyncio.sleep(grace_s)
+            ups = [*self._open_streams,
+                   *(st.upstream for st in self._streams.values() if st.upstream is not None)]
+            if ups:
+                log.warning("shutting down: ending %d open stream(s)", len(ups))
+            for up in ups:
+                up.close()
+
+        self._shutdown_task = asyncio.get_running_loop().create_task(cut())
+
     # -- the rest of the API ---------------------------------------------------------------
     async def handle_models(self, request: web.Request) -> web.Response:
         models = sorted(self.dispatcher.models())
@@ -928,10 +961,14 @@ def build_app(cfg: BalancerConfig) -> web.Application:
     async def on_startup(app: web.Application) -> None:
         await lb.start()
 
+    async def on_shutdown(app: web.Application) -> None:
+        lb.begin_shutdown(STREAM_GRACE_S)
+
     async def on_cleanup(app: web.Application) -> None:
         await lb.stop()
 
     app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     return app
 

@@ -107,3 +107,11 @@ def test_sglang_load_parsing() -> None:
     assert (res.waiting, res.running) == (2, 4)
     with pytest.raises(ProbeParseError):
         parse_sglang_load({"load": 3})
+
+
+def test_a_deeply_nested_body_is_a_400_not_a_crash() -> None:
+    from skymesh.balancer.errors import BadRequest
+
+    raw = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        parse_request("chat", raw, {})
