@@ -17,6 +17,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lb.yaml"
 def test_the_example_config_is_valid_and_complete() -> None:
     cfg = load_config(EXAMPLE)
     assert cfg.policy.name == "prefix-tree" and len(cfg.replicas) == 2
+    assert cfg.slo.classes == {"interactive": 2.0, "batch": 600.0}
+    assert cfg.prediction.predictor == "moe"
 
 
 @pytest.mark.parametrize(("data", "culprit"), [
