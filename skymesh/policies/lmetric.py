@@ -104,22 +104,32 @@ class LMetric(Policy, name="lmetric"):
         # One trie lookup gives every target's match depth, grouped by depth; the targets
         # of a group share P-token (+ 1, see the header).
         groups = self.trie.depth_groups(keys, population) if n else []
-        p1_of: dict[str, int] = {}
-        for depth, names in groups:
-            p1_of.update(dict.fromkeys(names, plen - plen * depth // n + 1))
-        p1_miss = plen + 1
-        score = {
-            c: p1_of.get(c, p1_miss) * (view.load(c).outstanding + 1) for c in candidates
-        }
-        pool: Sequence[str] = candidates
+        load = view.load
+        miss = plen + 1
+        # Scores as a list aligned with ``candidates``: this runs for every candidate on
+        # every request, and a list comprehension is the cheapest loop Python has.
+        if groups:
+            p1_of: dict[str, int] = {}
+            for depth, names in groups:
+                p1_of.update(dict.fromkeys(names, plen - plen * depth // n + 1))
+            get = p1_of.get
+            vals = [get(c, miss) * (load(c).outstanding + 1) for c in candidates]
+        else:
+            vals = [miss * (load(c).outstanding + 1) for c in candidates]
         if self.hotspot_detector and n:
-            hot = self._hotspot(request, keys, groups, len(population), score, view.now)
+            hot = self._hotspot(request, keys, groups, len(population), candidates, vals,
+                                view.now)
             if hot:
                 self.filtered += 1
-                pool = [c for c in candidates if c not in hot]
+                pool = [(c, v) for c, v in zip(candidates, vals, strict=True) if c not in hot]
                 if not pool:
-                    return self._least(candidates, lambda c: view.load(c).outstanding)
-        return self._least(pool, score.__getitem__)
+                    return self._least(candidates, lambda c: load(c).outstanding)
+                low = min(v for _, v in pool)
+                best = [c for c, v in pool if v == low]
+                return best[0] if len(best) == 1 else self.rng.choice(best)
+        low = min(vals)
+        best = [c for c, v in zip(candidates, vals, strict=True) if v == low]
+        return best[0] if len(best) == 1 else self.rng.choice(best)
 
     def _hotspot(
         self,
@@ -127,7 +137,8 @@ class LMetric(Policy, name="lmetric"):
         keys: Sequence[int],
         groups: list[tuple[int, tuple[str, ...]]],
         population: int,
-        score: dict[str, int],
+        candidates: Sequence[str],
+        vals: list[int],
         now: float,
     ) -> frozenset[str]:
         """The suspected hot targets to filter out for this request, or an empty set."""
@@ -147,8 +158,9 @@ class LMetric(Policy, name="lmetric"):
         self.alarms += 1
         hot = frozenset(t for depth, names in groups if depth >= class_depth for t in names)
         # Phase 2: does the hot set win this request on the multiplicative score (Eq. 4)?
-        best_hot = min((s for c, s in score.items() if c in hot), default=None)
-        best_rest = min((s for c, s in score.items() if c not in hot), default=None)
+        pairs = list(zip(candidates, vals, strict=True))
+        best_hot = min((v for c, v in pairs if c in hot), default=None)
+        best_rest = min((v for c, v in pairs if c not in hot), default=None)
         if best_hot is None or (best_rest is not None and best_hot >= best_rest):
             self._streak[cls] = 0
             return frozenset()
