@@ -184,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="capacity-week: simulated days (default 7; --duration also works)")
     sp.add_argument("--forecaster", default=None,
                     help="capacity-week: forecaster name (default seasonal-naive)")
+    sp.add_argument("--week-param", action="append", metavar="KEY=VALUE", help="capacity-week: a WeekConfig field, e.g. batch_share=0.14 (repeatable)")  # noqa: E501
     sp.add_argument("--policy", default="prefix-tree", choices=policy_names())
     sp.add_argument("--regions", default="us,eu,asia")
     sp.add_argument("--replicas", default="3", help="N (spread evenly) or us=4,eu=4,asia=4")

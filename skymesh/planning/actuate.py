@@ -2,8 +2,9 @@
 
 An actuator takes desired counts per (model, region, GPU type) and reports what it
 changed. It must be idempotent: applying the same plan twice changes nothing the second
-time. Adapters: :mod:`skymesh.planning.actuate_aws` (Auto Scaling groups through boto3);
-a local one (starting and stopping ``skymesh-replica`` processes) fits the same protocol.
+time. Adapters: :mod:`skymesh.planning.actuate_aws` (Auto Scaling groups through boto3)
+and :mod:`skymesh.planning.actuate_local` (``skymesh-replica`` processes registered with
+the controller).
 """
 
 from __future__ import annotations

@@ -50,6 +50,10 @@ class BatchQueue:
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
+    def pending(self) -> list[BatchRequest]:
+        """Every request still waiting, all models."""
+        return [r for q in self._queues.values() for r in q]
+
     def waiting(self, model: str) -> int:
         return len(self._queues.get(model, ()))
 

@@ -33,7 +33,25 @@ saturation the KV cache is what fills (the profiling runs are KV- or sequence-bo
 
 A region whose load exceeds 70% of its capacity spills the excess to the regions of the
 same model with headroom (SageServe's global router); spilled requests pay an 80 ms round
-trip. New instances serve after a cold start (default 3 min for 8B, 8 min for 70B: model
+trip. A region that spills reports the utilisation of its own traffic to the scalers
+(the router diverts only once the endpoint is over 70%, so the endpoint has seen it).
+
+Batch (non-interactive) load, ``batch_share`` of each model's mean interactive tokens/s
+(SageServe's 0.2M NIW next to 1.4M IW requests: 0.14), arrives at a constant rate, one
+bundle per model per step, into SageServe's queue manager (:mod:`batch_queue`): each
+endpoint signals its utilisation once per step and gets one bundle under 60%, two under
+50%. Handed-out work waits at the endpoint and uses only capacity left by interactive
+work (priority 1), or queues with it once older than 10 hours (priority 0); it expires
+after 24 hours. Batch work in progress counts in the effective memory utilisation the
+scalers see, and slows interactive requests like any other running work. The ILP adds
+SageServe's buffer beta, ``batch_buffer`` (10%) of the batch tokens/s each endpoint
+received in the past hour, to its forecast.
+
+``anticipate``: plan hour H at the start of the window holding H minus the longest cold
+start, from the forecast of H's windows, and hold the larger of the two hours' counts
+until H, so that instances ordered for H serve from H.
+
+New instances serve after a cold start (default 3 min for 8B, 8 min for 70B: model
 load; SageServe quotes 1-5 min to reclaim spot and 10 min to redeploy) and are paid for
 meanwhile: that is the scaling overhead. Stopped instances are donated to spot at once.
 """
@@ -52,6 +70,7 @@ import numpy as np
 from scipy.stats import norm
 
 from skymesh.engine.profiles import get_profile
+from skymesh.planning.batch_queue import BatchQueue, BatchRequest
 from skymesh.planning.capacity import (
     DEFAULT_OUTPUT_LEN,
     DEFAULT_PROMPT_LEN,
@@ -97,6 +116,17 @@ class WeekConfig:
     strategies: tuple[str, ...] = CONTRACT_STRATEGIES
     pool_per_endpoint: int = 40  # instances an endpoint may hold (the rest go to spot)
     cold_start_s: dict[str, float] = field(default_factory=dict)  # override per model
+    # Plan hour H at the start of the window holding H - (longest cold start), from the
+    # forecast of H's windows, so instances ordered for H serve from H (SageServe invokes
+    # the ILP "every hour" for "the next hour"; an instance ordered at H serves at H + 8').
+    anticipate: bool = False
+    # Non-interactive (batch) load as a fraction of the model's mean interactive tokens/s,
+    # arriving at a constant rate into SageServe's queue manager (batch_queue.py).
+    # SageServe's trace (sec. 4) has 0.2M NIW next to 1.4M IW requests: 0.14.
+    batch_share: float = 0.14
+    # SageServe's buffer beta: this fraction of the batch tokens/s an endpoint received in
+    # the last hour is added to its forecast in the ILP.
+    batch_buffer: float = 0.10
 
     def __post_init__(self) -> None:
         if not 0 < self.days <= 7:
@@ -105,6 +135,8 @@ class WeekConfig:
             raise ValueError("step_s must be between 1 and 60 seconds")
         if self.peak_instances < 1:
             raise ValueError("peak_instances must be at least 1")
+        if not 0 <= self.batch_share <= 2:
+            raise ValueError("batch_share must be in [0, 2]")
         for s in self.strategies:
             if s not in STRATEGIES:
                 raise ValueError(f"unknown strategy {s!r}; known: {', '.join(STRATEGIES)}")
@@ -200,6 +232,8 @@ class Endpoint:
     starting: list[float] = field(default_factory=list)  # times they become ready
     backlog: float = 0.0
     last_util: float = 0.0
+    batch_queued: float = 0.0  # batch tokens handed to this endpoint at priority 1
+    batch_urgent: float = 0.0  # ... promoted to priority 0 (older than 10 h)
 
 
 @dataclass
@@ -214,6 +248,10 @@ class Tally:
     plan_seconds: float = 0.0
     plans: int = 0
     plan_infeasible: int = 0
+    batch_submitted: float = 0.0  # tokens
+    batch_served: float = 0.0
+    batch_expired: float = 0.0
+    batch_promoted: float = 0.0
 
 
 @dataclass
@@ -255,9 +293,10 @@ def build_demand(cfg: WeekConfig) -> Demand:
             tps[(m, r)] = series
             hist = per_region[r][:start] * level
             fc = make_forecaster(cfg.forecaster, WINDOWS_PER_DAY).fit(hist)
-            out = np.empty((sim_windows, 7))
+            horizons = 6 + max(1, _lead_windows(cfg))
+            out = np.empty((sim_windows, horizons))
             for w in range(sim_windows):
-                out[w] = fc.predict(7)
+                out[w] = fc.predict(horizons)
                 lo, hi = int(w * WINDOW_S / cfg.step_s), int((w + 1) * WINDOW_S / cfg.step_s)
                 fc.update(np.array([series[lo:hi].mean()]))
             forecast[(m, r)] = out
@@ -265,13 +304,19 @@ def build_demand(cfg: WeekConfig) -> Demand:
 
 
 def _plan_targets(cfg: WeekConfig, demand: Demand, eps: dict[tuple[str, str], Endpoint],
-                  window: int, tally: Tally) -> dict[tuple[str, str], int]:
+                  window: int, tally: Tally, ahead: int = 0,
+                  batch_tps: dict[tuple[str, str], float] | None = None,
+                  ) -> dict[tuple[str, str], int]:
+    """The ILP's counts for the hour whose first window is ``window + ahead``, forecast at
+    the start of ``window``; ``batch_tps`` (last hour's batch load) feeds the buffer."""
+    batch_tps = batch_tps or {}
     gpu = {m: get_profile(p).gpu for m, (p, _) in MODELS.items()}
     n_gpus = {m: get_profile(p).num_gpus for m, (p, _) in MODELS.items()}
     inp = PlanInput(
         current={m: {r: {gpu[m]: e.ready + len(e.starting)} for (mm, r), e in eps.items()
                      if mm == m} for m in MODELS},
-        demand={m: {r: (demand.forecast[(m, r)][window, :6] * (1 + cfg.headroom)).tolist()
+        demand={m: {r: (demand.forecast[(m, r)][window, ahead:ahead + 6] * (1 + cfg.headroom)
+                        + cfg.batch_buffer * batch_tps.get((m, r), 0.0)).tolist()
                     for r in REGIONS} for m in MODELS},
         capacity={m: {gpu[m]: demand.theta[m]} for m in MODELS},
         gpus_available={r: {g: cfg.pool_per_endpoint * 4 * len(MODELS)
@@ -296,6 +341,13 @@ def _plan_targets(cfg: WeekConfig, demand: Demand, eps: dict[tuple[str, str], En
 
 def _cold(cfg: WeekConfig, model: str) -> float:
     return cfg.cold_start_s.get(model, MODELS[model][1])
+
+
+def _lead_windows(cfg: WeekConfig) -> int:
+    """Windows ahead of an hour at which anticipation plans it (0: no anticipation)."""
+    if not cfg.anticipate:
+        return 0
+    return math.ceil(max(_cold(cfg, m) for m in MODELS) / WINDOW_S)
 
 
 def _spill(loads: dict[str, float], caps: dict[str, float]) -> tuple[dict[str, float],
@@ -341,11 +393,46 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
     mean_tokens = DEFAULT_PROMPT_LEN + DEFAULT_OUTPUT_LEN
     uses_plan = name in ("lt-i", "lt-u", "lt-ua")
     steps_per_window = WINDOW_S / dt
+    windows_per_hour = round(3600 / WINDOW_S)
+    lead = _lead_windows(cfg)
+    sim_windows = demand.forecast[next(iter(demand.forecast))].shape[0]
+    upcoming: dict[tuple[str, str], int] | None = None
+    # Batch (non-interactive) traffic: a constant rate per model into the queue manager.
+    queue = BatchQueue()
+    batch_tps = {m: cfg.batch_share * float(np.mean(np.sum(
+        [demand.tps[(m, r)] for r in REGIONS], axis=0))) for m in MODELS}
+    hour_steps = max(1, round(3600 / dt))
+    batch_in = {k: np.zeros(n) for k in eps}  # batch tokens handed to each endpoint
     for i in range(n):
         now = i * dt
         window = int(i // steps_per_window)
+        new_window = i == 0 or int((i - 1) // steps_per_window) != window
         if uses_plan and (i == 0 or now % 3600 < (now - dt) % 3600):
-            targets = _plan_targets(cfg, demand, eps, window, tally)
+            last_hour = {k: float(v[max(0, i - hour_steps):i].sum()) / 3600
+                         for k, v in batch_in.items()}
+            if upcoming is not None:
+                targets, upcoming = upcoming, None
+            else:
+                targets = _plan_targets(cfg, demand, eps, window, tally,
+                                        batch_tps=last_hour)
+        elif uses_plan and lead and new_window and (window + lead) % windows_per_hour == 0 \
+                and window + lead < sim_windows:
+            # Anticipation: plan the next hour now, from its forecast; until it starts,
+            # hold the larger of this hour's and the next hour's counts.
+            last_hour = {k: float(v[max(0, i - hour_steps):i].sum()) / 3600
+                         for k, v in batch_in.items()}
+            upcoming = _plan_targets(cfg, demand, eps, window, tally, ahead=lead,
+                                     batch_tps=last_hour)
+            targets = {k: max(v, upcoming.get(k, v)) for k, v in targets.items()}
+        if cfg.batch_share > 0:
+            for m in MODELS:
+                tokens = batch_tps[m] * dt
+                queue.submit(BatchRequest(f"{m}-{i}", m, now,
+                                          round(tokens * DEFAULT_PROMPT_LEN / mean_tokens),
+                                          round(tokens * DEFAULT_OUTPUT_LEN / mean_tokens)))
+                tally.batch_submitted += tokens
+            for req in queue.expire(now):
+                tally.batch_expired += req.prompt_tokens + req.output_tokens
         for m in MODELS:
             caps_now = {}
             for r in REGIONS:
@@ -357,16 +444,43 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
                 e = eps[(m, r)]
                 cap = caps_now[r]
                 arriving = served[r] * dt
-                work = arriving + e.backlog
+                # Promoted batch work (priority 0) is served after the interactive work
+                # of the step; the rest (priority 1) gets only the capacity left over.
+                inter = arriving + e.backlog
+                work = inter + e.batch_urgent
                 if cap > 0:
                     done = min(work, cap * dt)
-                    util = min(1.0, work / (cap * dt))
-                    rho = min(served[r] / cap, 1.0)
+                    low = min(e.batch_queued, cap * dt - done)
+                    # Effective memory holds interactive and batch work alike (queued
+                    # batch included, so an endpoint stops asking once it has enough).
+                    util = min(1.0, (work + e.batch_queued) / (cap * dt))
+                    if loads[r] > 0.7 * cap:
+                        # The region spilled: the global router diverts requests only once
+                        # its endpoint is over 70%, so the endpoint has seen its own
+                        # traffic's utilisation. Without this, spilling pins the signal at
+                        # exactly the 70% threshold and no strategy scales out a region
+                        # while any other has room.
+                        util = max(util, min(1.0, loads[r] / cap))
+                    # Batch requests share the running batch and slow interactive ones.
+                    rho = min((done + low) / (cap * dt), 1.0)
                     wait = e.backlog / cap
                     scale = t0[m] / (1 - rho) if rho < 0.999 else math.inf
                 else:
-                    done, util, wait, scale = 0.0, 1.0, math.inf, math.inf
-                e.backlog = work - done
+                    done, low, util, wait, scale = 0.0, 0.0, 1.0, math.inf, math.inf
+                inter_done = min(inter, done)
+                e.backlog = inter - inter_done
+                e.batch_urgent -= done - inter_done
+                e.batch_queued -= low
+                tally.batch_served += low + done - inter_done
+                if cfg.batch_share > 0:
+                    for d in queue.on_signal(m, r, util, now):
+                        tokens = d.request.prompt_tokens + d.request.output_tokens
+                        batch_in[(m, r)][i] += tokens
+                        if d.priority == 0:
+                            e.batch_urgent += tokens
+                            tally.batch_promoted += tokens
+                        else:
+                            e.batch_queued += tokens
                 k = i * len(REGIONS) + j
                 weights[m][k] = arriving / mean_tokens
                 waits[m][k] = wait + forwarded[r] * RTT_S
@@ -378,13 +492,19 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
                 proj = (util + max(0.0, util - e.last_util) * (60.0 / dt)) \
                     * e.ready / max(1, e.ready + len(e.starting))
                 e.last_util = util
+                # PreServe sizes a window for all the load its instances will serve: the
+                # interactive forecast plus the batch work the queue handed this endpoint
+                # in the last window (otherwise each window's N cuts the instances batch
+                # work keeps busy, and the anticipator starts them again).
+                recent = batch_in[(m, r)][max(0, i - int(steps_per_window)):i]
+                pre_load = float(fc[1]) + float(recent.sum()) / WINDOW_S
                 obs = Observation(
                     now=now, utilisation=util, load_tps=loads[r], ready=e.ready,
                     starting=len(e.starting), target=targets.get((m, r)),
                     forecast_tps=float(fc[0]),
                     needed=max(1, instances_needed(
-                        float(fc[1]) * DEFAULT_PROMPT_LEN / mean_tokens,
-                        float(fc[1]) * DEFAULT_OUTPUT_LEN / mean_tokens, e.caps,
+                        pre_load * DEFAULT_PROMPT_LEN / mean_tokens,
+                        pre_load * DEFAULT_OUTPUT_LEN / mean_tokens, e.caps,
                         utilisation=demand.theta[m] / e.caps.mu_t / (1 + cfg.headroom))),
                     window_start=window * WINDOW_S, projected_utilisation=min(proj, 2.0),
                     min_instances=1, max_instances=cfg.pool_per_endpoint,
@@ -435,6 +555,15 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
         "ilp_solves": tally.plans,
         "ilp_infeasible": tally.plan_infeasible,
         "ilp_seconds_total": tally.plan_seconds,
+        "batch": {
+            "submitted_tokens": tally.batch_submitted,
+            "served_tokens": tally.batch_served,
+            "expired_tokens": tally.batch_expired,
+            "promoted_tokens": tally.batch_promoted,
+            "pending_tokens": (sum(e.batch_queued + e.batch_urgent for e in eps.values())
+                               + sum(q.prompt_tokens + q.output_tokens
+                                     for q in queue.pending())),
+        },
         "per_model": per_model,
     }
 
@@ -473,6 +602,8 @@ def run(cfg: WeekConfig, progress: Callable[[str], None] | None = None) -> dict[
                    for m, (p, _) in MODELS.items()},
         "slo_utilisation": slo_utilisation(cfg.slo_factor), "slo_factor": cfg.slo_factor,
         "epsilon": cfg.epsilon, "headroom": cfg.headroom, "peak_instances": cfg.peak_instances,
+        "anticipate": cfg.anticipate, "batch_share": cfg.batch_share,
+        "batch_buffer": cfg.batch_buffer,
         "noise_sigma": cfg.noise_sigma, "bursts": cfg.bursts,
     }
     out["wall_seconds"] = time.perf_counter() - t_wall
@@ -487,9 +618,48 @@ def print_summary(res: dict[str, Any]) -> None:
     base = res["strategies"].get("reactive", {}).get("gpu_hours")
     for name, s in res["strategies"].items():
         ratio = f"{s['gpu_hours'] / base:.3f}x" if base else "-"
+        b = s["batch"]
+        batch = (f"  batch served {b['served_tokens'] / b['submitted_tokens']:.1%}, "
+                 f"expired {b['expired_tokens'] / b['submitted_tokens']:.1%}"
+                 if b["submitted_tokens"] else "")
         print(f"  {name:<9} {s['gpu_hours']:9.1f} {ratio:>11} "
               f"{s['slo_attainment'] * 100:7.2f}% {s['scaling_events']:7d} "
-              f"{s['scaling_gpu_hours']:13.1f} {s['spot_donated_instance_hours']:11.1f}")
+              f"{s['scaling_gpu_hours']:13.1f} {s['spot_donated_instance_hours']:11.1f}{batch}")
+
+
+# WeekConfig fields ``--week-param KEY=VALUE`` may set, with how to read the value.
+_PARAM_TYPES: dict[str, Callable[[str], Any]] = {
+    "step_s": float, "peak_instances": int, "slo_factor": float, "epsilon": float,
+    "headroom": float, "noise_sigma": float, "bursts": int, "pool_per_endpoint": int,
+    "batch_share": float, "batch_buffer": float,
+    "anticipate": lambda v: _parse_bool(v),
+    "strategies": lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
+}
+
+
+def _parse_bool(value: str) -> bool:
+    low = value.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+def parse_week_params(items: list[str] | None) -> dict[str, Any]:
+    """``["headroom=0.2", "anticipate=true"]`` -> WeekConfig keyword arguments."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in _PARAM_TYPES:
+            raise ValueError(f"--week-param takes KEY=VALUE with KEY one of "
+                             f"{', '.join(sorted(_PARAM_TYPES))}; got {item!r}")
+        try:
+            out[key] = _PARAM_TYPES[key](value)
+        except ValueError as exc:
+            raise ValueError(f"--week-param {key}: {exc}") from None
+    return out
 
 
 def run_cli(args: Any) -> int:
@@ -502,7 +672,8 @@ def run_cli(args: Any) -> int:
         args.duration / DAY_S if getattr(args, "duration", None) else 7.0)
     try:
         cfg = WeekConfig(days=days, seed=args.seed,
-                         forecaster=getattr(args, "forecaster", None) or "seasonal-naive")
+                         forecaster=getattr(args, "forecaster", None) or "seasonal-naive",
+                         **parse_week_params(getattr(args, "week_param", None)))
         res = run(cfg)
     except (ValueError, FileNotFoundError) as exc:
         print(f"skymesh sim --experiment capacity-week: {exc}", file=sys.stderr)

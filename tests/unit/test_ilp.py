@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skymesh.planning.ilp import Plan, PlanInfeasible, PlanInput, PlanInputError, solve
+from skymesh.planning import ilp
+from skymesh.planning.ilp import (
+    MIP_REL_GAP,
+    Plan,
+    PlanInfeasible,
+    PlanInput,
+    PlanInputError,
+    relative_gap,
+    solve,
+)
 
 GPUS = ("L4", "H100")
 
@@ -51,16 +61,18 @@ def feasible_inputs(draw: st.DrawFn) -> PlanInput:
                   for r in regions} for m in models}
     current = {m: {r: {g: draw(st.integers(0, 4)) for g in GPUS} for r in regions}
                for m in models}
-    # Enough L4s in every region for every model's whole global peak: always feasible.
-    need = sum(math.ceil(sum(max(w) for w in demand[m].values()) / capacity[m]["L4"] + 1)
-               * size[m] for m in models)
+    # Enough L4s in every region for every model's whole global peak and its minimum
+    # count: always feasible.
+    mins = {m: draw(st.integers(0, 3)) for m in models}
+    need = sum((math.ceil(sum(max(w) for w in demand[m].values()) / capacity[m]["L4"] + 1)
+                + mins[m]) * size[m] for m in models)
     available = {r: {"L4": need + draw(st.integers(0, 10)),
                      "H100": draw(st.integers(0, 30))} for r in regions}
     # The current fleet must fit what is available after scaling in: it always can.
     return PlanInput(
         current=current, demand=demand, capacity=capacity, gpus_available=available,
         epsilon=draw(st.sampled_from((0.3, 0.5, 0.8, 1.0))),
-        min_instances={m: draw(st.integers(0, 3)) for m in models},
+        min_instances=mins,
         max_instances={m: 10_000 for m in models},
         vm_cost={"L4": draw(st.floats(0, 2)), "H100": draw(st.floats(0, 10))},
         deploy_cost={m: {g: draw(st.floats(0, 3)) for g in GPUS} for m in models},
@@ -187,3 +199,40 @@ def test_epsilon_lets_a_region_lean_on_its_peers() -> None:
 def test_bad_input_is_a_clear_error(bad: dict[str, object]) -> None:
     with pytest.raises(PlanInputError):
         solve(base_input(**bad))
+
+
+def full_objective(inp: PlanInput, plan: Plan) -> float:
+    """The solver's objective: the plan's cost plus the per-move tie-breaker."""
+    return plan.objective + inp.churn_cost * sum(abs(d) for d in plan.deltas.values())
+
+
+@settings(max_examples=30, deadline=None)
+@given(feasible_inputs())
+def test_warm_started_solve_finds_the_plain_mips_optimum(inp: PlanInput) -> None:
+    # Solved to optimality both ways, the LP-bound + neighbourhood path and the plain
+    # single MIP must agree on the optimum of the same constraints and objective. (These
+    # instances are small: force the warm-started path, which they would skip.)
+    with mock.patch.object(ilp, "WARM_START_MIN_COLUMNS", 0):
+        new = solve(inp, mip_rel_gap=0.0)
+    old = solve(inp, mip_rel_gap=0.0, warm_start=False)
+    check_constraints(inp, new)
+    assert full_objective(inp, new) == pytest.approx(full_objective(inp, old), abs=1e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_warm_start_stays_within_the_gap_on_benchmark_shaped_instances(seed: int) -> None:
+    from skymesh.bench.plan_ilp import random_instance
+
+    inp = random_instance(regions=3, models=2, gpu_types=4, seed=seed)
+    exact = solve(inp, mip_rel_gap=0.0, warm_start=False)
+    with mock.patch.object(ilp, "WARM_START_MIN_COLUMNS", 0):
+        plan = solve(inp)  # warm start at the default gap, MIP_REL_GAP
+    check_constraints(inp, plan)
+    best, got = full_objective(inp, exact), full_objective(inp, plan)
+    assert best - 1e-6 <= got <= best + MIP_REL_GAP * abs(got) + 1e-6
+
+
+def test_relative_gap_matches_highs_definition() -> None:
+    assert relative_gap(100.0, 99.5) == pytest.approx(0.005)
+    assert relative_gap(-100.0, -100.5) == pytest.approx(0.005)
+    assert relative_gap(10.0, 11.0) == 0.0  # a bound above the incumbent: no gap

@@ -1,0 +1,239 @@
+"""Apply a plan on this machine: ``skymesh-replica`` processes registered with the controller.
+
+For every (model, region, GPU type) the actuator keeps as many emulated replicas running
+as the plan counts. A new replica is started with the engine profile of its GPU type
+(``--profile``; the served model name is the plan's model), then registered with the
+controller's admin API (``POST /v1/replicas {id, url, model, region, gpu, kind,
+balancer?}``); a surplus one is deregistered first (``DELETE /v1/replicas/{id}``, so no
+balancer picks it again) and then stopped. The admin token comes from
+``SKYMESH_ADMIN_TOKEN`` unless given.
+
+Idempotent: the actuator compares the plan with the replicas it runs (alive processes
+only: one that died is deregistered and replaced), so applying the same plan twice
+changes nothing the second time. Which replicas to stop is decided by the pure
+:func:`reconcile` (the newest first: the oldest have warm caches and proven health).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from skymesh.planning.actuate import ApplyReport, Change
+from skymesh.planning.ilp import Key, Plan
+from skymesh.procs import Daemon, start_daemon
+
+# Engine profile per GPU type (the profiles in skymesh/engine/profiles.py); a
+# (model, gpu) entry in ``LocalActuator.profiles`` overrides it.
+DEFAULT_PROFILES: dict[str, str] = {
+    "L4": "llama3.1-8b-l4", "A100": "llama3.1-8b-a100", "A100-80GB": "llama3.1-8b-a100",
+    "H100": "llama3.1-8b-h100", "H100-80GB": "llama3.1-8b-h100",
+}
+
+
+def _default_profiles() -> dict[str | tuple[str, str], str]:
+    return {gpu: prof for gpu, prof in DEFAULT_PROFILES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Actions:
+    """What :func:`reconcile` decides: replicas to start per key, replica ids to stop."""
+
+    start: dict[Key, int]
+    stop: list[tuple[Key, str]]
+
+    def __bool__(self) -> bool:
+        return bool(self.start or self.stop)
+
+
+def reconcile(running: Mapping[Key, Sequence[str]], desired: Mapping[Key, int]) -> Actions:
+    """Starts and stops that turn ``running`` (ids per key, oldest first) into ``desired``.
+
+    Keys absent from ``desired`` keep what they run: a plan covers the keys it names (so a
+    partial plan for one model leaves the others alone); set a key to 0 to empty it.
+    """
+    start: dict[Key, int] = {}
+    stop: list[tuple[Key, str]] = []
+    for key, want in desired.items():
+        if want < 0:
+            raise ValueError(f"desired count of {key} is negative: {want}")
+        have = list(running.get(key, ()))
+        if want > len(have):
+            start[key] = want - len(have)
+        elif want < len(have):
+            stop += [(key, rid) for rid in reversed(have[want:])]
+    return Actions(start, stop)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+class ControllerError(RuntimeError):
+    pass
+
+
+@dataclass
+class ControllerClient:
+    """The two admin calls the actuator needs, over plain HTTP (synchronous, like the
+    Actuator protocol)."""
+
+    url: str
+    token: str
+    timeout_s: float = 10.0
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(
+            self.url.rstrip("/") + path, data=data, method=method,
+            headers={"Authorization": f"Bearer {self.token}",
+                     "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:300]
+            raise ControllerError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise ControllerError(f"{method} {path}: {exc}") from None
+        return json.loads(raw) if raw else None
+
+    def register(self, body: dict[str, Any]) -> None:
+        self._call("POST", "/v1/replicas", body)
+
+    def deregister(self, rid: str) -> None:
+        try:
+            self._call("DELETE", f"/v1/replicas/{rid}")
+        except ControllerError as exc:
+            if "HTTP 404" not in str(exc):  # already gone is what we wanted
+                raise
+
+
+@dataclass
+class _Replica:
+    id: str
+    daemon: Daemon
+
+
+@dataclass
+class LocalActuator:
+    """Runs replicas as child processes; ``close()`` deregisters and stops them all."""
+
+    controller_url: str
+    token: str | None = None  # default: $SKYMESH_ADMIN_TOKEN
+    profiles: Mapping[str | tuple[str, str], str] = field(
+        default_factory=_default_profiles)
+    balancer: str | None = None  # home balancer for every replica (default: the region's)
+    replica_args: Sequence[str] = ()  # extra flags, e.g. ("--time-scale", "0.05")
+    log_dir: Path | None = None
+    starter: Callable[..., Daemon] = start_daemon
+    _running: dict[Key, list[_Replica]] = field(default_factory=dict, repr=False)
+    _serial: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        token = self.token or os.environ.get("SKYMESH_ADMIN_TOKEN")
+        if not token:
+            raise ValueError("an admin token is needed: pass token= or set "
+                             "SKYMESH_ADMIN_TOKEN")
+        self.client = ControllerClient(self.controller_url, token)
+
+    # -- state ------------------------------------------------------------------------------
+    def running(self) -> dict[Key, list[str]]:
+        """Replica ids per key, oldest first (live processes only)."""
+        return {k: [r.id for r in reps] for k, reps in self._running.items() if reps}
+
+    def urls(self, key: Key) -> list[str]:
+        return [r.daemon.url for r in self._running.get(key, [])]
+
+    def profile_for(self, model: str, gpu: str) -> str:
+        prof = self.profiles.get((model, gpu)) or self.profiles.get(gpu)
+        if prof is None:
+            raise ValueError(f"no engine profile for GPU type {gpu!r} (model {model!r})")
+        return prof
+
+    # -- Actuator protocol ------------------------------------------------------------------
+    def apply(self, plan: Plan) -> ApplyReport:
+        return self.apply_counts(plan.counts)
+
+    def apply_counts(self, counts: Mapping[Key, int]) -> ApplyReport:
+        report = ApplyReport()
+        for key in counts:
+            self._reap(key)
+        before = {k: len(self._running.get(k, [])) for k in counts}
+        actions = reconcile(self.running(), counts)
+        for key, rid in actions.stop:
+            try:
+                self._stop(key, rid)
+            except ControllerError as exc:
+                report.errors[key] = str(exc)
+        for key, n in actions.start.items():
+            for _ in range(n):
+                try:
+                    self._start(key)
+                except (ControllerError, RuntimeError, ValueError) as exc:
+                    report.errors[key] = str(exc)
+                    break
+        for key in counts:
+            after = len(self._running.get(key, []))
+            if after != before[key]:
+                report.changed.append(Change(*key, before=before[key], after=after))
+            elif key not in report.errors:
+                report.unchanged.append(key)
+        return report
+
+    def close(self) -> None:
+        """Deregister and stop every replica this actuator started."""
+        for key, reps in list(self._running.items()):
+            for rep in list(reversed(reps)):
+                try:
+                    self._stop(key, rep.id)
+                except ControllerError:
+                    rep.daemon.stop()  # the controller is gone: still end our process
+                    reps.remove(rep)
+
+    # -- actions ----------------------------------------------------------------------------
+    def _reap(self, key: Key) -> None:
+        """Forget (and deregister) replicas whose process has exited, so they are replaced."""
+        for rep in [r for r in self._running.get(key, []) if not r.daemon.alive()]:
+            # Best effort: the controller's probe marks a dead replica unhealthy anyway.
+            with contextlib.suppress(ControllerError):
+                self.client.deregister(rep.id)
+            self._running[key].remove(rep)
+
+    def _start(self, key: Key) -> None:
+        model, region, gpu = key
+        self._serial += 1
+        rid = f"{_slug(region)}-{_slug(model)}-{_slug(gpu)}-{os.getpid()}-{self._serial}"[-63:]
+        rid = rid.lstrip("-._") or f"replica-{self._serial}"
+        log_path = self.log_dir / f"{rid}.log" if self.log_dir else None
+        daemon = self.starter(
+            "skymesh-replica",
+            ["--port", "0", "--profile", self.profile_for(model, gpu), "--model", model,
+             "--seed", str(self._serial), *self.replica_args],
+            log_path=log_path)
+        body: dict[str, Any] = {"id": rid, "url": daemon.url, "model": model,
+                                "region": region, "gpu": gpu, "kind": "skymesh"}
+        if self.balancer:
+            body["balancer"] = self.balancer
+        try:
+            self.client.register(body)
+        except ControllerError:
+            daemon.stop()  # an unregistered replica would only burn a GPU
+            raise
+        self._running.setdefault(key, []).append(_Replica(rid, daemon))
+
+    def _stop(self, key: Key, rid: str) -> None:
+        reps = self._running.get(key, [])
+        rep = next(r for r in reps if r.id == rid)
+        # Deregister first so balancers stop routing to it before it goes away.
+        self.client.deregister(rid)
+        rep.daemon.stop()
+        reps.remove(rep)
