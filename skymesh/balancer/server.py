@@ -564,11 +564,11 @@ class Balancer:
             await resp.write_eof()
             return resp, "ok" if ok else "upstream_broken"
 
-    async def _stream(self, request: web.Request, ticket: Ticket, up: aiohttp.ClientResponse,
-                      t0: float, sent: float, intake: Intake
-                      ) -> tuple[web.StreamResponse, str]:
-        model = ticket.route.model
-        chunks = up.content.iter_any()
+    async def _first_chunk(self, ticket: Ticket, up: aiohttp.ClientResponse, t0: float
+                           ) -> tuple[AsyncIterator[bytes], bytes, float]:
+        """The upstream's first bytes (a failure before them is the replica's: retry), and
+        the moment the request counts as started."""
+        chunks: AsyncIterator[bytes] = up.content.iter_any()
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:
@@ -579,7 +579,13 @@ class Balancer:
         first_at = self.now()
         self.dispatcher.first_byte(ticket)
         self._pump()  # a no-op unless requests wait for exactly this
-        self.metrics.ttft.labels(model).observe(first_at - t0)
+        self.metrics.ttft.labels(ticket.route.model).observe(first_at - t0)
+        return chunks, first, first_at
+
+    async def _stream(self, request: web.Request, ticket: Ticket, up: aiohttp.ClientResponse,
+                      t0: float, sent: float, intake: Intake
+                      ) -> tuple[web.StreamResponse, str]:
+        chunks, first, first_at = await self._first_chunk(ticket, up, t0)
         target = ticket.target or ""
         if self._timed:
             self.dispatcher.policy.on_timing(ticket.route, target, RequestTiming(
@@ -622,18 +628,7 @@ class Balancer:
         """``_stream`` for a request the policy may move: whole SSE events are relayed
         one by one, so the periodic re-check (:meth:`recheck`) can cut the stream over to
         another replica between two events."""
-        model = ticket.route.model
-        chunks: AsyncIterator[bytes] = up.content.iter_any()
-        try:
-            first = await chunks.__anext__()
-        except StopAsyncIteration:
-            raise _ReplicaFault("empty response") from None
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise _ReplicaFault(str(exc) or type(exc).__name__) from exc
-        now = self.now()
-        self.dispatcher.first_byte(ticket)
-        self._pump()
-        self.metrics.ttft.labels(model).observe(now - t0)
+        chunks, first, now = await self._first_chunk(ticket, up, t0)
         resp = web.StreamResponse(status=up.status, headers=_copy_headers(up))
         await resp.prepare(request)
         st = LiveStream(ticket, intake.kind, intake.body, sent, first_at=now, upstream=up)

@@ -14,13 +14,15 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import select
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import aiohttp
 import yaml
@@ -163,28 +165,45 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> None:
+        # The server says when it is ready on its log: wait for that line (with a deadline)
+        # rather than polling the port, then keep draining the log so it never blocks.
         self.proc = subprocess.Popen(
             [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
              "--appendonly", "yes", "--appendfsync", "always", "--save", "",
-             "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "--protected-mode", "no", "--logfile", ""],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            bufsize=0)  # unbuffered: select() must see every line the server writes
+        assert self.proc.stdout is not None
+        out = self.proc.stdout
         deadline = time.monotonic() + timeout
+        seen: list[bytes] = []
         while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(POLL_S)
+            ready, _, _ = select.select([out], [], [], max(deadline - time.monotonic(), 0))
+            line = out.readline() if ready else b""
+            if not line:
+                raise RuntimeError("redis-server did not start: "
+                                   + b"".join(seen[-5:]).decode(errors="replace"))
+            seen.append(line)
+            if b"Ready to accept connections" in line:
+                break
+        threading.Thread(target=_drain, args=(out,), daemon=True).start()
 
-    def stop(self) -> None:
+    def stop(self, kill: bool = False) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+            if kill:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
             self.proc.wait(10)
+
+    def restart(self, kill: bool = False) -> None:
+        self.stop(kill=kill)
+        self.start()
+
+
+def _drain(stream: IO[bytes]) -> None:
+    for _ in stream:
+        pass
 
 
 class Mesh:
