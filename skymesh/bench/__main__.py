@@ -2,7 +2,8 @@
 
 Long-running and machine-dependent, so never part of ``make test``. Run one on its own with
 ``python -m skymesh.bench.<name>`` (``foundation``, ``decision``, ``overhead``,
-``heartbeat``) or ``skymesh bench sp-microbench|diurnal-cost --mode sim``.
+``heartbeat``, ``forwarding``), ``skymesh bench EXPERIMENT --mode sim`` (every experiment of
+``skymesh bench``, JSON under ``out/bench/``) or ``skymesh plan bench``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ STEPS: list[tuple[str, str]] = [
 
 
 def main() -> int:
-    from skymesh.bench import diurnal, sp_microbench
+    from skymesh.cli import BENCH_EXPERIMENTS
+    from skymesh.cli import main as cli
 
     failed = []
     for title, module in STEPS:
@@ -38,10 +40,15 @@ def main() -> int:
         if rc:
             failed.append(module)
         print(f"({time.perf_counter() - t0:.0f} s)")
-    print("\n######## selective pushing microbenchmark (sim) ########", flush=True)
-    sp_microbench.main()
-    print("\n######## cost: replicas the mesh needs (sim) ########", flush=True)
-    diurnal.main()
+    commands = [["bench", name, "--mode", "sim", "--json", f"out/bench/{name}.json"]
+                for name in sorted(BENCH_EXPERIMENTS)]
+    commands.append(["plan", "bench", "--json", "out/bench/plan.json"])
+    for argv in commands:
+        print(f"\n######## skymesh {' '.join(argv)} ########", flush=True)
+        t0 = time.perf_counter()
+        if cli(argv):
+            failed.append(" ".join(argv))
+        print(f"({time.perf_counter() - t0:.0f} s)")
     if failed:
         print(f"\nfailed: {', '.join(failed)}")
     return 1 if failed else 0
