@@ -14,10 +14,19 @@ rate: the share that missed it.
 The JSON's ``systems`` holds each router's mean over the scales (the contract keys),
 ``by_scale`` the per-scale figures, ``ablations`` GoodServe without migration and with the
 history predictor instead of the MoE model (the paper's Fig. 7).
+
+Fleets (``fleet=``; ``$SKYMESH_GOODPUT_FLEET`` for ``skymesh bench goodput``, ``--fleet``
+for ``python -m skymesh.bench.goodput``): ``default`` (2 x L4, A100, H100; deadlines from
+the A100) or ``paper``, GoodServe's testbed (H800, A800, A40, 2 x V100 with tensor
+parallelism; deadlines from the A800, the paper's mid-tier GPU), or any ``parse_profiles``
+mix such as ``a40=2,h100=2`` (deadlines from the A100). ``python -m skymesh.bench.goodput``
+also takes ``--rate``, ``--duration``, ``--scales``, ``--seed``, ``--predictor`` and
+``--json``.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -34,6 +43,13 @@ SYSTEMS = ("goodserve", "least-load", "round-robin", "power-of-two", "prefix-tre
            "preserve", "vllm-load")
 SCALES = (1.0, 1.5, 2.0, 2.5, 3.0)
 FLEET = "l4=2,a100=1,h100=1"
+# Named fleets: (parse_profiles mix, profile whose alone latencies set the deadlines).
+FLEETS: dict[str, tuple[str, str]] = {
+    "default": (FLEET, DEFAULT_DEADLINE_PROFILE),
+    # GoodServe sec. 4.1: H800, A800, A40 and V100 x 2 (TP 2); deadlines from the A800.
+    "paper": ("h800=1,a800=1,a40=1,2xv100=1", "llama3.1-8b-a800"),
+}
+FLEET_ENV = "SKYMESH_GOODPUT_FLEET"
 RATE_RPS = 9.0
 PREDICTOR_ENV = "SKYMESH_LENGTH_PREDICTOR"
 PREDICTORS = ("moe", "noisy-oracle", "oracle", "history")
@@ -58,12 +74,29 @@ def requests(predictor: str, seed: int) -> list[tuple[int, int, dict[str, object
             for s, p in zip(test, preds, strict=True)]
 
 
+def resolve_fleet(fleet: str) -> tuple[str, str, list[str]]:
+    """A fleet name or ``parse_profiles`` mix -> (mix, deadline profile, profile per replica)."""
+    spec, deadline_profile = FLEETS.get(fleet, (fleet, DEFAULT_DEADLINE_PROFILE))
+    if ":" in spec:
+        raise ValueError(f"fleet {fleet!r}: one region only (no 'region:' parts)")
+    try:
+        profiles = parse_profiles(spec, ["us"])["us"]
+    except ValueError as exc:
+        raise ValueError(f"fleet {fleet!r}: {str(exc).removeprefix('--profiles: ')}; named "
+                         f"fleets: {', '.join(FLEETS)}") from None
+    if not profiles:
+        raise ValueError(f"fleet {fleet!r} has no replicas")
+    return spec, deadline_profile, profiles
+
+
 def run_one(policy: str, scale: float, arrivals: list[Any], base_s: float, predictor: str,
-            seed: int, params: dict[str, Any] | None = None) -> dict[str, Any]:
+            seed: int, params: dict[str, Any] | None = None,
+            fleet: str = FLEET) -> dict[str, Any]:
+    profiles = resolve_fleet(fleet)[2]
     cfg = SimConfig(
-        workload="replay", regions=["us"], replicas={"us": 4}, policy=policy,
+        workload="replay", regions=["us"], replicas={"us": len(profiles)}, policy=policy,
         policy_params=params or {}, push_mode="bp", forwarding=False,
-        replica_profiles=parse_profiles(FLEET, ["us"]), deadline_scale=scale,
+        replica_profiles={"us": profiles}, deadline_scale=scale,
         deadline_base_s=base_s, seed=seed,
         length_predictor="meta" if predictor == "moe" else predictor,
     )
@@ -76,19 +109,22 @@ def run_one(policy: str, scale: float, arrivals: list[Any], base_s: float, predi
 
 
 def main(duration_s: float = 120.0, seed: int = 0, rate_rps: float = RATE_RPS,
-         predictor: str = "moe", scales: tuple[float, ...] = SCALES) -> dict[str, Any]:
+         predictor: str = "moe", scales: tuple[float, ...] = SCALES,
+         fleet: str = "default") -> dict[str, Any]:
     if predictor not in PREDICTORS:
         raise ValueError(f"{PREDICTOR_ENV}: unknown predictor {predictor!r}; "
                          f"valid: {', '.join(PREDICTORS)}")
+    spec, deadline_profile, profiles = resolve_fleet(fleet)
     reqs = requests(predictor, seed)
     arrivals = poisson_items(reqs, rate_rps=rate_rps, duration_s=duration_s, region="us",
                              seed=seed, prefix="goodput")
-    base = median_alone_latency(get_profile(DEFAULT_DEADLINE_PROFILE),
+    base = median_alone_latency(get_profile(deadline_profile),
                                 [(a[1].prompt_len, a[1].output_len) for a in arrivals])
     by_scale: dict[str, dict[str, Any]] = {}
     for scale in scales:
         by_scale[f"{scale:g}x"] = {
-            name: run_one(name, scale, arrivals, base, predictor, seed) for name in SYSTEMS}
+            name: run_one(name, scale, arrivals, base, predictor, seed, fleet=spec)
+            for name in SYSTEMS}
     systems = {
         name: {
             "goodput_rps": statistics.fmean(by_scale[s][name]["goodput_rps"] for s in by_scale),
@@ -100,14 +136,15 @@ def main(duration_s: float = 120.0, seed: int = 0, rate_rps: float = RATE_RPS,
     top = max(scales)
     ablations = {
         "goodserve-no-migration": run_one("goodserve", top, arrivals, base, predictor, seed,
-                                          {"migration": False}),
+                                          {"migration": False}, fleet=spec),
         "goodserve-history-predictor": run_one("goodserve", top, arrivals, base, "history",
-                                               seed),
+                                               seed, fleet=spec),
     }
     res: dict[str, Any] = {
-        "setup": {"fleet": FLEET, "rate_rps": rate_rps, "duration_s": duration_s,
+        "setup": {"fleet": spec, "fleet_name": fleet if fleet in FLEETS else None,
+                  "profiles": profiles, "rate_rps": rate_rps, "duration_s": duration_s,
                   "requests": len(arrivals), "deadline_base_s": base,
-                  "deadline_profile": DEFAULT_DEADLINE_PROFILE, "predictor": predictor,
+                  "deadline_profile": deadline_profile, "predictor": predictor,
                   "push_mode": "bp", "seed": seed, "scales": list(scales)},
         "systems": systems, "by_scale": by_scale, "ablations": ablations, "paper": PAPER,
     }
@@ -144,8 +181,44 @@ def format_table(res: dict[str, Any]) -> str:
 def run_experiment(args: Any) -> dict[str, Any]:
     """``skymesh bench goodput`` entry point."""
     predictor = os.environ.get(PREDICTOR_ENV, "moe")
+    fleet = os.environ.get(FLEET_ENV, "default")
     try:
-        return main(duration_s=args.duration or 120.0, seed=args.seed, predictor=predictor)
+        return main(duration_s=args.duration or 120.0, seed=args.seed, predictor=predictor,
+                    fleet=fleet)
     except ValueError as exc:
         print(f"skymesh bench goodput: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """``python -m skymesh.bench.goodput``: the bench with its module-level options."""
+    ap = argparse.ArgumentParser(prog="python -m skymesh.bench.goodput",
+                                 description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--fleet", default=os.environ.get(FLEET_ENV, "default"),
+                    help=f"{' | '.join(FLEETS)} | a mix such as a40=2,h100=2")
+    ap.add_argument("--rate", type=float, default=RATE_RPS, help="arrivals per second")
+    ap.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals")
+    ap.add_argument("--scales", default=",".join(f"{s:g}" for s in SCALES),
+                    help="deadline scales, comma-separated")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--predictor", default=os.environ.get(PREDICTOR_ENV, "moe"),
+                    help=" | ".join(PREDICTORS))
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    try:
+        scales = tuple(float(x) for x in args.scales.split(","))
+        if not scales or min(scales) <= 0:
+            raise ValueError(f"--scales: need positive numbers, got {args.scales!r}")
+        res = main(duration_s=args.duration, seed=args.seed, rate_rps=args.rate,
+                   predictor=args.predictor, scales=scales, fleet=args.fleet)
+    except ValueError as exc:
+        print(f"python -m skymesh.bench.goodput: {exc}", file=sys.stderr)
+        return 2
+    from skymesh.cli import write_json
+
+    write_json(args.json, res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli())

@@ -19,7 +19,9 @@ Calibration (the figures each profile reproduces are in the README's calibration
   token; Llama-3.1-70B has 70.6 B parameters (141 GB), 80 layers, 8 KV heads x 128 dims,
   320 KiB per token.
 - Memory bandwidth and bf16 dense peak from the datasheets: L4 300 GB/s, 121 TFLOP/s;
-  A100-80GB SXM 2,039 GB/s, 312 TFLOP/s; H100 SXM 3,350 GB/s, 989 TFLOP/s.
+  A100-80GB SXM 2,039 GB/s, 312 TFLOP/s; H100 SXM 3,350 GB/s, 989 TFLOP/s. GoodServe's
+  testbed GPUs (sec. 4.1): A800-80GB SXM as the A100, H800 SXM as the H100, A40 696 GB/s,
+  149.7 TFLOP/s; V100-32GB SXM2 900 GB/s, 125 TFLOP/s fp16 (used in pairs, TP 2).
 - Achieved fraction of peak (MFU) for prefill: L4 is set so that a 512-token prefill of
   Llama-3.1-8B takes about 300 ms, the figure SkyLB reports (SkyLB section 2, "processing a
   512-token prompt with Llama-3.1-8B-Instruct might incur around 300 ms of prefill latency"
@@ -183,6 +185,57 @@ PROFILES: dict[str, Profile] = {
             sources=("NVIDIA H100 SXM datasheet: 3,350 GB/s, 989 TFLOP/s bf16",
                      "tensor parallel 4: weights and KV split over 4 GPUs, +1.5 ms all-reduce"),
             **_L70B,  # type: ignore[arg-type]
+        ),
+        # GoodServe's testbed (GoodServe sec. 4.1): H800 80GB, A800 80GB, A40 48GB and
+        # V100 32GB with tensor parallelism 2, serving Llama-3.1-8B-Instruct. The A800 and
+        # H800 are the export variants of the A100 and H100: same memory bandwidth and bf16
+        # peak, only NVLink is cut to 400 GB/s (unused by a single-GPU 8B replica), so their
+        # step times equal the A100's and H100's (SXM forms assumed; the paper names none).
+        # KV capacity as above: 90% of memory minus 16.1 GB of weights and ~2 GB of
+        # activations per GPU, / 128 KiB per token. Scheduler budget by per-GPU memory.
+        _roofline(
+            name="llama3.1-8b-a800", gpu="A800-80GB", num_gpus=1, bandwidth_gbs=2039,
+            peak_tflops=312, mfu=0.55, kv_tokens=411_000, max_num_batched_tokens=8192,
+            t_overhead=0.0015, max_model_len=131072,
+            sources=("NVIDIA A800 80GB SXM datasheet: 2,039 GB/s, 312 TFLOP/s bf16 "
+                     "(A100's figures; NVLink 400 GB/s)",
+                     "GoodServe sec. 4.1: the testbed's mid-tier GPU, sets the deadlines",
+                     "vLLM defaults: gpu_memory_utilization 0.9, 8192 batched tokens"),
+            **_L8B,  # type: ignore[arg-type]
+        ),
+        _roofline(
+            name="llama3.1-8b-h800", gpu="H800-80GB", num_gpus=1, bandwidth_gbs=3350,
+            peak_tflops=989, mfu=0.40, kv_tokens=411_000, max_num_batched_tokens=8192,
+            t_overhead=0.0015, max_model_len=131072,
+            sources=("NVIDIA H800 SXM datasheet: 3,350 GB/s, 989 TFLOP/s bf16 "
+                     "(H100 SXM's figures; NVLink 400 GB/s)",
+                     "vLLM defaults: gpu_memory_utilization 0.9, 8192 batched tokens"),
+            **_L8B,  # type: ignore[arg-type]
+        ),
+        # A40: Ampere like the A100, so the A100's prefill MFU (55%); 0.9 x 48 - 16.1 - 2 GB
+        # = 25.1 GB of KV = 191 k tokens; under 70 GiB, so vLLM's 2,048-token budget.
+        _roofline(
+            name="llama3.1-8b-a40", gpu="A40-48GB", num_gpus=1, bandwidth_gbs=696,
+            peak_tflops=149.7, mfu=0.55, kv_tokens=191_000, max_num_batched_tokens=2048,
+            t_overhead=0.0015, max_model_len=131072,
+            sources=("NVIDIA A40 datasheet: 696 GB/s GDDR6, 149.7 TFLOP/s bf16 dense",
+                     "vLLM defaults: gpu_memory_utilization 0.9, 2048 batched tokens"),
+            **_L8B,  # type: ignore[arg-type]
+        ),
+        # V100 32GB x 2, tensor parallel (GoodServe's "V100 (32GB, with a TP level of 2)"):
+        # fp16 (Volta has no bf16; same bytes), weights and KV split over both GPUs, so the
+        # pair reads at 1,800 GB/s; MFU and the +1.5 ms all-reduce overhead as the
+        # tensor-parallel 70B profile (no FlashAttention on Volta: not modelled beyond that).
+        # KV: 0.9 x 64 - 16.1 - 2 x 2 GB = 37.5 GB = 286 k tokens.
+        _roofline(
+            name="llama3.1-8b-2xv100", gpu="V100-32GB", num_gpus=2, bandwidth_gbs=900,
+            peak_tflops=125, mfu=0.35, kv_tokens=286_000, max_num_batched_tokens=2048,
+            t_overhead=0.003, max_model_len=131072,
+            sources=("NVIDIA V100 SXM2 32GB datasheet: 900 GB/s HBM2, 125 TFLOP/s fp16 "
+                     "tensor",
+                     "GoodServe sec. 4.1: V100 32GB with tensor parallelism 2",
+                     "tensor parallel 2: weights and KV split over 2 GPUs, +1.5 ms all-reduce"),
+            **_L8B,  # type: ignore[arg-type]
         ),
     )
 }
