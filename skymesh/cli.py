@@ -235,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "e.g. sglang-router,vllm-router")
     bp.add_argument("--workloads", default=None, metavar="NAMES",
                     help="skylb-macro: only these workloads (comma-separated)")
+    bp.add_argument("--load-scale", default=None, metavar="X",
+                    help="skylb-macro sim: client multiplier (X, WORKLOAD=X,..., or "
+                         "calibrated)")
     from skymesh.predict.cli import BENCH_PREDICTORS, PredictorFlag
     bp.add_argument("--predictor", action=PredictorFlag, choices=BENCH_PREDICTORS,
                     default=None, help="length predictor of goodput and preserve-router "

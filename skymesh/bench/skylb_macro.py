@@ -55,6 +55,15 @@ Simplification that favours the single-balancer baselines: the simulator's balan
 probes a remote replica's engine without the round trip a real probe takes (blind
 pushing barely uses probes; least load counts its own outstanding requests).
 
+Load calibration (sim only): ``--load-scale X`` multiplies every region's client count
+(``--load-scale chat-arena=2,tot=3`` per workload; ``--load-scale calibrated`` is
+:data:`CALIBRATED_LOAD_SCALE`). At the paper's counts our 12 L4 replicas are not
+saturated (the single balancers' P90 TTFT is 0.35-1.0 s, the paper's reaches seconds);
+:data:`CALIBRATED_LOAD_SCALE` is, per workload, the smallest multiplier of a sweep at which
+the single balancers' P90 TTFT reaches seconds (docs/notes/bench.md, "Calibration").
+Only client counts change: request sizes, think time (none, closed loop) and the systems
+stay as they are. The JSON's ``setup`` records ``load_scale`` and the scaled counts.
+
     skymesh bench skylb-macro --mode sim --json out/macro.json --plots out/plots
     python -m skymesh.bench.skylb_macro --mode sim --quick --json out/q.json
     python -m skymesh.bench.skylb_macro --mode live --peers sglang-router,vllm-router
@@ -67,7 +76,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +172,11 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 SINGLE = ("single-rr", "single-ll", "single-ch", "single-sgl")
 MESH = "skymesh-prefix"
 
+# Per workload, the client multiplier at which the single US balancers' P90 TTFT reaches
+# seconds, as in SkyLB's Figure 8 (sweep in docs/notes/bench.md, "Calibration").
+CALIBRATED_LOAD_SCALE: dict[str, float] = {"chat-arena": 2.0, "chat-wildchat": 3.0,
+                                           "tot": 3.0, "mixed-tree": 5.0}
+
 DEFAULT_DURATION_S = 600.0
 QUICK_DURATION_S = 60.0
 QUICK_WORKLOADS = ("chat-wildchat", "mixed-tree")
@@ -182,7 +196,55 @@ class Options:
     plots: Path | None = None
     progress: bool = True
     peers: tuple[str, ...] = ()
+    # Workload -> client multiplier (missing: 1.0); see parse_load_scale.
+    load_scale: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- load scale
+def parse_load_scale(text: str | None) -> dict[str, float]:
+    """``--load-scale``: ``"2"`` (every workload), ``"chat-arena=2,tot=3"`` (the rest 1)
+    or ``"calibrated"`` (:data:`CALIBRATED_LOAD_SCALE`). Returns a multiplier for every
+    workload; raises ``ValueError`` on unknown workloads and non-positive multipliers."""
+    out = dict.fromkeys(WORKLOADS, 1.0)
+    text = (text or "").strip()
+    if not text:
+        return out
+    if text == "calibrated":
+        out.update(CALIBRATED_LOAD_SCALE)
+        return out
+    if "=" not in text:
+        pairs = [(w, text) for w in WORKLOADS]
+    else:
+        pairs = []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, value = part.partition("=")
+            if not sep or name.strip() not in WORKLOADS:
+                raise ValueError(f"load scale {part!r}: expected WORKLOAD=X with WORKLOAD in "
+                                 f"{list(WORKLOADS)}")
+            pairs.append((name.strip(), value))
+    for name, value in pairs:
+        x = float(value)
+        if not x > 0:
+            raise ValueError(f"load scale for {name} must be positive, got {value!r}")
+        out[name] = x
+    return out
+
+
+def scale_clients(spec: WorkloadSpec, x: float) -> WorkloadSpec:
+    """``spec`` with every region's ``clients_per_region`` multiplied by ``x`` (rounded;
+    a region that had clients keeps at least one). Nothing else changes."""
+    if x == 1.0:
+        return spec
+
+    def one(n: int) -> int:
+        return max(1, round(n * x)) if n > 0 else 0
+
+    params = dict(spec.params)
+    c = params["clients_per_region"]
+    params["clients_per_region"] = ({r: one(n) for r, n in c.items()} if isinstance(c, dict)
+                                    else one(int(c)))
+    return replace(spec, params=params)
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -457,7 +519,9 @@ def write_plots(rows: Sequence[dict[str, Any]], outdir: Path, prefix: str = "sky
 # ---------------------------------------------------------------------------- entry
 def run_sim_sweep(opts: Options, specs: Mapping[str, WorkloadSpec] | None = None
                   ) -> dict[str, Any]:
-    specs = WORKLOADS if specs is None else specs
+    base = WORKLOADS if specs is None else specs
+    scale = {w: float(opts.load_scale.get(w, 1.0)) for w in opts.workloads}
+    specs = {w: scale_clients(base[w], scale.get(w, 1.0)) for w in base}
 
     def one(spec: WorkloadSpec, system: str) -> dict[str, Any]:
         return run_sim(spec, system, opts.duration_s, opts.seed)
@@ -471,7 +535,7 @@ def run_sim_sweep(opts: Options, specs: Mapping[str, WorkloadSpec] | None = None
         "targets": TARGETS,
         "setup": {"mode": "sim", "regions": REGIONS,
                   "duration_s": opts.duration_s, "warmup_s": WARMUP_FRACTION * opts.duration_s,
-                  "seed": opts.seed,
+                  "seed": opts.seed, "load_scale": scale,
                   "workloads": {w: {"sim_workload": specs[w].sim_workload,
                                     "profile": specs[w].profile,
                                     "replicas": specs[w].replicas,
@@ -489,7 +553,9 @@ def run(opts: Options, specs: Mapping[str, WorkloadSpec] | None = None) -> dict[
         label = "(live, scaled down, 2 shared cores)"
     else:
         res = run_sim_sweep(opts, specs)
-        label = "(simulator)"
+        scaled = {w: x for w, x in res["setup"]["load_scale"].items() if x != 1.0}
+        label = "(simulator" + (", clients x " + ", ".join(
+            f"{x:g} on {w}" for w, x in scaled.items()) if scaled else "") + ")"
     print(format_tables(res["runs"], label, specs))
     extra = res.get("peers_table")
     if extra:
@@ -509,6 +575,14 @@ def options_from_args(args: Any) -> Options:
     workloads = getattr(args, "workloads", None)
     peers = getattr(args, "peers", None) or ""
     plots = getattr(args, "plots", None)
+    load_scale = getattr(args, "load_scale", None)
+    try:
+        scale = parse_load_scale(load_scale)
+    except ValueError as e:
+        raise SystemExit(f"skylb-macro: {e}") from None
+    if mode == "live" and any(x != 1.0 for x in scale.values()):
+        raise SystemExit("skylb-macro: --load-scale applies to --mode sim only (live mode "
+                         "has its own scaled-down client counts)")
     opts = Options(
         mode=mode, seed=int(getattr(args, "seed", 0) or 0),
         workloads=tuple(workloads.split(",")) if workloads else
@@ -516,6 +590,7 @@ def options_from_args(args: Any) -> Options:
         plots=Path(plots) if plots else None,
         progress=not getattr(args, "no_progress", False),
         peers=tuple(p.strip() for p in peers.split(",") if p.strip()),
+        load_scale=scale,
         extra={"quick": quick, "duration_given": duration is not None,
                "workloads_given": bool(workloads)},
     )
@@ -548,6 +623,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--workloads", default=None, help=f"comma list of {list(WORKLOADS)}")
     ap.add_argument("--peers", default=None,
                     help="live: PyPI routers to run too, e.g. sglang-router,vllm-router")
+    ap.add_argument("--load-scale", default=None, metavar="X",
+                    help="sim: multiply client counts by X, per workload as "
+                         "chat-arena=2,tot=3, or 'calibrated' (see the module doc)")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 

@@ -133,3 +133,71 @@ def skylb_live_quick_systems() -> tuple[str, ...]:
     from skymesh.bench.skylb_live import QUICK_LIVE_SYSTEMS
 
     return QUICK_LIVE_SYSTEMS
+
+
+# ---------------------------------------------------------------------------- load scale
+def test_parse_load_scale_forms() -> None:
+    ones = dict.fromkeys(skylb_macro.WORKLOADS, 1.0)
+    assert skylb_macro.parse_load_scale(None) == ones
+    assert skylb_macro.parse_load_scale("2.5") == dict.fromkeys(skylb_macro.WORKLOADS, 2.5)
+    assert skylb_macro.parse_load_scale("chat-arena=2, tot=3") == {
+        **ones, "chat-arena": 2.0, "tot": 3.0}
+    assert skylb_macro.parse_load_scale("calibrated") == {
+        **ones, **skylb_macro.CALIBRATED_LOAD_SCALE}
+    for bad in ("0", "-1", "nope=2", "chat-arena", "tot=0", "x"):
+        with pytest.raises(ValueError):
+            skylb_macro.parse_load_scale(bad)
+
+
+def test_scale_clients_multiplies_counts_only() -> None:
+    arena = skylb_macro.scale_clients(skylb_macro.WORKLOADS["chat-arena"], 1.75)
+    assert arena.params == {"clients_per_region": 140}
+    mixed = skylb_macro.WORKLOADS["mixed-tree"]
+    scaled = skylb_macro.scale_clients(mixed, 0.1)  # us 2 * 0.1 rounds to 0: kept at 1
+    assert scaled.params["clients_per_region"] == {"us": 1, "eu": 2, "asia": 2}
+    assert {k: v for k, v in scaled.params.items() if k != "clients_per_region"} == {
+        k: v for k, v in mixed.params.items() if k != "clients_per_region"}
+    assert mixed.params["clients_per_region"] == {"us": 2, "eu": 20, "asia": 20}  # untouched
+    assert skylb_macro.scale_clients(mixed, 1.0) is mixed
+
+
+def test_load_scale_reaches_the_simulation_and_the_setup() -> None:
+    """The scaled sweep issues more requests than the unscaled one and records the scale
+    and the client counts it ran in ``setup``; the contract keys stay."""
+    def sweep(scale: str) -> dict[str, Any]:
+        opts = skylb_macro.Options(duration_s=40.0, workloads=("chat-wildchat",),
+                                   systems=("single-ll",), progress=False,
+                                   load_scale=skylb_macro.parse_load_scale(scale))
+        return skylb_macro.run_sim_sweep(opts)
+
+    base, big = sweep(""), sweep("chat-wildchat=3")
+    assert set(big) >= {"runs", "comparisons", "paper", "targets", "setup"}
+    assert big["setup"]["load_scale"] == {"chat-wildchat": 3.0}
+    assert big["setup"]["workloads"]["chat-wildchat"]["params"]["clients_per_region"] == {
+        "us": 120, "eu": 90, "asia": 90}
+    assert base["setup"]["workloads"]["chat-wildchat"]["params"]["clients_per_region"] == {
+        "us": 40, "eu": 30, "asia": 30}
+    (b,), (g,) = base["runs"], big["runs"]
+    assert set(skylb_macro.CONTRACT_KEYS) <= set(g)
+    assert g["requests"] > 2 * b["requests"]
+
+
+def test_load_scale_saturates_the_single_balancer() -> None:
+    """The point of the calibration: at the paper's 80 clients per region the single US
+    balancer (consistent hashing, blind pushing) keeps P90 TTFT under a second; at twice
+    that its hot replicas run out of KV cache (preemptions) and P90 TTFT reaches seconds."""
+    spec = skylb_macro.WORKLOADS["chat-arena"]
+    low = skylb_macro.run_sim(spec, "single-ch", 200.0, 0)
+    high = skylb_macro.run_sim(skylb_macro.scale_clients(spec, 2.0), "single-ch", 200.0, 0)
+    assert low["ttft_p90_s"] < 1.0 and low["preemptions"] == 0
+    assert high["ttft_p90_s"] > 3.0 and high["preemptions"] > 0
+
+
+def test_load_scale_cli_rejects_live_and_bad_values() -> None:
+    ap = skylb_macro.build_parser()
+    with pytest.raises(SystemExit):
+        skylb_macro.options_from_args(ap.parse_args(["--mode", "live", "--load-scale", "2"]))
+    with pytest.raises(SystemExit):
+        skylb_macro.options_from_args(ap.parse_args(["--load-scale", "tot=-1"]))
+    opts = skylb_macro.options_from_args(ap.parse_args(["--load-scale", "calibrated"]))
+    assert opts.load_scale["chat-arena"] == skylb_macro.CALIBRATED_LOAD_SCALE["chat-arena"]
