@@ -182,6 +182,18 @@ class LMetric(Policy, name="lmetric"):
                 del counts[old]
                 self._streak.pop(old, None)
 
+    def preferred(self, request: RouteRequest, targets: Sequence[str], view: LoadView
+                  ) -> str | None:
+        """The least loaded target holding most of the prompt (at least half its keys), so
+        delay scheduling can keep a request with its cache while that target is busy."""
+        keys = request.prefix_keys
+        if not keys or not targets:
+            return None
+        depth, matched = self.trie.match(keys, targets)
+        if matched and 2 * depth >= len(keys):
+            return self._least(matched, lambda c: view.load(c).outstanding)
+        return None
+
     def on_dispatch(self, request: RouteRequest, target: str, view: LoadView) -> None:
         self.trie.insert(request.prefix_keys, target)
 

@@ -335,3 +335,32 @@ def test_lmetric_window_forgets_old_classes() -> None:
     view.now = 100.0
     p.select(req("late", chain([42])), ALL, view)
     assert len(p._window) == 1 and list(p._counts) == [chain([42])[0]]
+
+
+def test_consistent_hash_prefers_the_key_owner_even_when_it_is_busy() -> None:
+    p = build_policy("consistent-hash")
+    targets = ["a", "b", "c", "d"]
+    p.on_membership(targets)
+    view = View()
+    req = RouteRequest("r1", affinity_key="session-7")
+    owner = p.select(req, targets, view)
+    assert p.preferred(req, targets, view) == owner
+    # With the owner busy, select spills the key, but the preference still names the owner:
+    # that is what lets the dispatcher hold the request for its cache.
+    others = [t for t in targets if t != owner]
+    assert p.select(req, others, view) != owner
+    assert p.preferred(req, targets, view) == owner
+    assert p.preferred(req, [], view) is None
+
+
+def test_lmetric_prefers_the_target_holding_most_of_the_prompt() -> None:
+    p = build_policy("lmetric")
+    p.on_membership(["a", "b", "c"])
+    view = View()
+    served = RouteRequest("r1", prompt_len=64, prefix_keys=(1, 2, 3, 4))
+    p.on_dispatch(served, "b", view)
+    again = RouteRequest("r2", prompt_len=64, prefix_keys=(1, 2, 3, 4, 5))
+    assert p.preferred(again, ["a", "b", "c"], view) == "b"
+    barely = RouteRequest("r3", prompt_len=64, prefix_keys=(1, 9, 9, 9, 9, 9))
+    assert p.preferred(barely, ["a", "b", "c"], view) is None  # 1 of 6 keys: no reason
+    assert p.preferred(again, ["a", "c"], view) is None  # the holder is not serving
