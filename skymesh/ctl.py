@@ -81,18 +81,27 @@ def _token(args: argparse.Namespace) -> str:
 
 
 def _read_token(args: argparse.Namespace) -> str:
-    if args.token_file:
+    try:
+        return read_admin_token(args.token_file)
+    except ValueError as exc:
+        raise CtlError(str(exc)) from None
+
+
+def read_admin_token(token_file: str | None) -> str:
+    """The admin token from ``token_file``, else ``$SKYMESH_ADMIN_TOKEN`` (shared by the
+    admin-API commands); ValueError with a message naming what to fix."""
+    if token_file:
         try:
-            with open(args.token_file) as f:
+            with open(token_file) as f:
                 token = f.read().strip()
         except OSError as exc:
-            raise CtlError(f"--token-file {args.token_file}: {exc.strerror}") from None
+            raise ValueError(f"cannot read --token-file {token_file}: {exc.strerror}") from None
         if not token:
-            raise CtlError(f"--token-file {args.token_file} is empty")
+            raise ValueError(f"--token-file {token_file} is empty")
         return token
     token = os.environ.get("SKYMESH_ADMIN_TOKEN", "").strip()
     if not token:
-        raise CtlError("no token: set SKYMESH_ADMIN_TOKEN or give --token-file FILE")
+        raise ValueError("no admin token: set SKYMESH_ADMIN_TOKEN or give --token-file FILE")
     return token
 
 

@@ -53,18 +53,12 @@ def register(subparsers: Any) -> None:
 
 
 def _token(token_file: str | None) -> str:
-    if token_file:
-        try:
-            token = Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise CliError(f"cannot read --token-file {token_file}: {exc.strerror}") from None
-        if not token:
-            raise CliError(f"--token-file {token_file} is empty")
-        return token
-    token = os.environ.get("SKYMESH_ADMIN_TOKEN", "").strip()
-    if not token:
-        raise CliError("no admin token: set SKYMESH_ADMIN_TOKEN or pass --token-file FILE")
-    return token
+    from skymesh.ctl import read_admin_token
+
+    try:
+        return read_admin_token(token_file)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _error_detail(resp: Any) -> str:
