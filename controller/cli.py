@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from controller.config import ConfigError, load_config, parse_config
+from skymesh.balancer.config import cli_base
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,15 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    base: dict[str, Any] = {}
-    if args.config:
-        base = load_config(args.config).model_dump(mode="json")
-    elif args.port is None:
+    if not args.config and args.port is None:
         raise ConfigError("give --config FILE, or --port P")
-    if args.port is not None:
-        base.setdefault("listen", {})["port"] = args.port
-    if args.host is not None:
-        base.setdefault("listen", {})["host"] = args.host
+    base = cli_base(load_config(args.config) if args.config else None, args.port, args.host)
     if args.store:
         base["store"] = args.store
     if args.probe_interval is not None:

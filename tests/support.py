@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -92,3 +93,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def make_pki(d: Path, rogue_id: str) -> Path:
+    """A mesh CA with certificates for lb-a, lb-b and lb-x, plus a rogue CA in ``d/rogue``
+    that issued ``rogue_id`` (same balancer id, wrong CA: must be refused)."""
+    from skymesh.mesh import certs
+
+    certs.create_ca(d)
+    for name in ("lb-a", "lb-b", "lb-x"):
+        certs.issue_cert(d, name)
+    certs.create_ca(d / "rogue")
+    certs.issue_cert(d / "rogue", rogue_id)
+    return d

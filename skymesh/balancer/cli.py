@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Any
 
-from skymesh.balancer.config import ConfigError, load_config, parse_config
+from skymesh.balancer.config import ConfigError, cli_base, load_config, parse_config
 from skymesh.balancer.server import balancer_of, build_app
 from skymesh.serving import run, serve_app
 
@@ -36,15 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    base: dict[str, Any] = {}
-    if args.config:
-        base = load_config(args.config).model_dump(mode="json")
-    elif not args.replicas:
+    if not args.config and not args.replicas:
         raise ConfigError("give --config FILE, or --port and --replicas URL,URL,...")
-    if args.port is not None:
-        base.setdefault("listen", {})["port"] = args.port
-    if args.host is not None:
-        base.setdefault("listen", {})["host"] = args.host
+    base = cli_base(load_config(args.config) if args.config else None, args.port, args.host)
     if args.region:
         base["region"] = args.region
     if args.policy:

@@ -279,3 +279,14 @@ def parse_config(data: Any) -> BalancerConfig:
 
 def load_config(path: str | Path) -> BalancerConfig:
     return parse_config(load_yaml(path))
+
+
+def cli_base(config: BaseModel | None, port: int | None, host: str | None) -> dict[str, Any]:
+    """A daemon's config as a mapping (from its file, or empty) with the quick-start
+    ``--port``/``--host`` flags applied: the common start of both daemons' CLIs."""
+    base: dict[str, Any] = config.model_dump(mode="json") if config is not None else {}
+    if port is not None:
+        base.setdefault("listen", {})["port"] = port
+    if host is not None:
+        base.setdefault("listen", {})["host"] = host
+    return base

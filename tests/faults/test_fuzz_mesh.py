@@ -21,9 +21,9 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import make_pki
 
 from skymesh.faults.cluster import MODEL, free_port
-from skymesh.mesh import certs
 from skymesh.mesh.client import channel_options
 from skymesh.mesh.proto import pb
 from skymesh.procs import Daemon, start_daemon
@@ -39,13 +39,7 @@ CODES: Counter[str] = Counter()
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("mesh-pki")
-    certs.create_ca(d)
-    for name in ("lb-a", "lb-b", "lb-x"):
-        certs.issue_cert(d, name)
-    certs.create_ca(d / "rogue")
-    certs.issue_cert(d / "rogue", "lb-b")
-    return d
+    return make_pki(tmp_path_factory.mktemp("mesh-pki"), rogue_id="lb-b")
 
 
 @pytest.fixture(scope="module")

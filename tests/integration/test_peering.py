@@ -11,9 +11,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support import chain, eventually
+from support import chain, eventually, make_pki
 
-from skymesh.mesh import certs
 from skymesh.mesh.client import PeerClient, channel_options
 from skymesh.mesh.errors import (
     PeerDeadlineExceeded,
@@ -39,14 +38,7 @@ INTERVAL = 0.2  # the default heartbeat interval
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("pki")
-    certs.create_ca(d)
-    for name in ("lb-a", "lb-b", "lb-x"):
-        certs.issue_cert(d, name)
-    # Same balancer id, different CA: must not get in.
-    certs.create_ca(d / "rogue")
-    certs.issue_cert(d / "rogue", "lb-a")
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"), rogue_id="lb-a")
 
 
 def chunk_bytes(i: int) -> bytes:
