@@ -303,6 +303,7 @@ class Mesh:
         self.lbs["us"].kill()
         t0 = time.monotonic()
         deadline = t0 + timeout
+        reps: list[dict[str, Any]] = []
         while time.monotonic() < deadline:
             async with s.get(self.controller.url + "/v1/replicas", headers=self.auth) as r:
                 reps = [x for x in await r.json() if x["url"] in urls]
@@ -315,7 +316,8 @@ class Mesh:
                     return {"killed": "lb-us", "moved_to": taker,
                             "seconds": time.monotonic() - t0}
             await asyncio.sleep(0.05)
-        raise RuntimeError("the controller did not move lb-us's replicas in time")
+        raise RuntimeError(f"the controller did not move lb-us's replicas within {timeout} s; "
+                           f"its view of them: {reps}")
 
     async def controller_status(self, s: aiohttp.ClientSession) -> dict[str, Any]:
         assert self.controller is not None

@@ -14,8 +14,9 @@ from skymesh.procs import executable
 @pytest.mark.slow
 def test_demo_json_has_the_contract_keys(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
-    subprocess.run([*executable("skymesh"), "demo", "--duration", "10", "--json", str(out)],
-                   check=True, timeout=240, capture_output=True)
+    run = subprocess.run([*executable("skymesh"), "demo", "--duration", "10", "--json",
+                          str(out)], timeout=240, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.read_text())
     mesh, local = res["mesh"], res["region_local"]
     for key in ("throughput_rps", "ttft_p90_s"):
