@@ -69,8 +69,9 @@ def parse_request(kind: str, raw: bytes, headers: Mapping[str, str]) -> Intake:
         raise BadRequest(str(exc), param=exc.param) from None
     for field in ("max_tokens", "max_completion_tokens"):
         v = body.get(field)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise BadRequest(f"'{field}' must be a non-negative integer", param=field)
+        # Engines (vLLM, SGLang, ours) need at least one token; failing here saves a hop.
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise BadRequest(f"'{field}' must be a positive integer", param=field)
     affinity = headers.get(SESSION_HEADER)
     if not affinity:
         user = body.get("user")

@@ -61,6 +61,11 @@ class ReplicaConfig:
         return self.model or get_profile(self.profile).model
 
 
+# A machine-readable code for every error, so clients can branch without parsing text.
+_DEFAULT_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed",
+                  413: "payload_too_large", 503: "unavailable"}
+
+
 class ApiError(Exception):
     """An error to return as an OpenAI error body."""
 
@@ -77,7 +82,8 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code or _DEFAULT_CODES.get(status, "internal_error" if status >= 500
+                                               else "invalid_request")
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
 
     def response(self) -> web.Response:

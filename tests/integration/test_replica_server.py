@@ -327,6 +327,7 @@ async def test_bad_requests(
     assert set(err) == {"message", "type", "param", "code"}
     assert err["message"] and err["type"] == "invalid_request_error"
     assert err["param"] == param
+    assert isinstance(err["code"], str) and err["code"]  # clients branch on it
     if status == 404:
         assert err["code"] == "model_not_found"
     if body == chat("x", n=2):

@@ -72,6 +72,8 @@ def test_same_prefix_gives_same_leading_keys() -> None:
     (b'{"model": "m", "prompt": "x"}', "messages"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}',
      "max_tokens"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
+     "max_tokens"),
 ])
 def test_intake_errors_name_the_field(raw: bytes, param: str | None) -> None:
     with pytest.raises(BadRequest) as exc:
