@@ -8,8 +8,10 @@ once full) and read the URL from the log, with a deadline.
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +20,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _LISTENING = re.compile(r"listening on (http://\S+)")
+_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now, for a listener that must be named before it starts (a
+    gRPC peer in another balancer's config, redis-server).
+
+    Bind-to-0 then close is racy: the kernel hands that same port out again, to a daemon
+    started with ``--port 0`` or as the local end of any outgoing connection, before our
+    listener binds it. Ports are therefore drawn below the kernel's ephemeral range,
+    which neither of those ever uses, and never twice from one process.
+    """
+    try:
+        low = int(_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 16384), low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port below the ephemeral range ({low}) after 200 tries")
 
 
 def executable(name: str) -> list[str]:

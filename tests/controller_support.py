@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from skymesh.faults.cluster import RedisProcess, free_port
+from skymesh.faults.cluster import RedisProcess
+from skymesh.procs import free_port
 
 ADMIN = "admin-token-for-tests"
 READER = "read-token-for-tests"

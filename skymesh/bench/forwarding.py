@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -27,15 +26,9 @@ import aiohttp
 import yaml
 
 from skymesh.netproxy import DelayProxy
-from skymesh.procs import Daemon, start_daemon
+from skymesh.procs import Daemon, free_port, start_daemon
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _ttft(s: aiohttp.ClientSession, url: str, i: int) -> float:
@@ -61,7 +54,7 @@ async def _run(delay: float, n: int) -> dict[str, Any]:
         certs.create_ca(d)
         for name in ("lb-a", "lb-b"):
             certs.issue_cert(d, name)
-        ports = {"a": _port(), "b": _port()}
+        ports = {"a": free_port(), "b": free_port()}
         links = {}
         for src, dst in (("a", "b"), ("b", "a")):
             p = DelayProxy("127.0.0.1", ports[dst], delay)

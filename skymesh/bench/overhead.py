@@ -56,7 +56,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -70,7 +69,7 @@ import aiohttp
 import numpy as np
 
 from skymesh.engine.profiles import get_profile
-from skymesh.procs import Daemon, start_daemon
+from skymesh.procs import Daemon, free_port, start_daemon
 
 DEFAULT_PROFILE = "llama3.1-8b-h100"
 DEFAULT_TIME_SCALE = 0.05
@@ -101,13 +100,6 @@ SGLR = "sglang-router"
 
 
 # -- processes -------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def ensure_sglang(venv: Path, version: str) -> tuple[Path | None, str]:
     """The venv's python with ``sglang-router==version`` importable, or None and why.
 
@@ -148,7 +140,7 @@ def ensure_sglang(venv: Path, version: str) -> tuple[Path | None, str]:
 
 
 def start_sglang_router(py: Path, workers: Sequence[str]) -> Daemon:
-    port = _free_port()
+    port = free_port()
     fd, tmp = tempfile.mkstemp(prefix="sglang-router-", suffix=".log")
     os.close(fd)
     log_path = Path(tmp)
@@ -156,7 +148,7 @@ def start_sglang_router(py: Path, workers: Sequence[str]) -> Daemon:
     cmd = [str(py), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
            "--port", str(port), "--worker-urls", *workers, "--policy", "round_robin",
            "--log-level", "warn", "--prometheus-host", "127.0.0.1",
-           "--prometheus-port", str(_free_port()), "--shutdown-grace-period-secs", "1"]
+           "--prometheus-port", str(free_port()), "--shutdown-grace-period-secs", "1"]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     return Daemon("sglang-router", proc, f"http://127.0.0.1:{port}", log_path, _owned_log=True)

@@ -16,7 +16,6 @@ import os
 import secrets
 import select
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -28,19 +27,13 @@ import aiohttp
 import yaml
 
 from skymesh.netproxy import DelayProxy
-from skymesh.procs import Daemon, start_daemon
+from skymesh.procs import Daemon, free_port, start_daemon
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 REGIONS = ("us", "eu", "asia")
 DEFAULT_REPLICAS = {"us": 1, "eu": 2, "asia": 2}
 LOCATIONS = {"us": (38.9, -77.0), "eu": (53.3, -6.3), "asia": (35.7, 139.7)}
 POLL_S = 0.02  # polling cadence while waiting for a condition (not a wait for it)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_bytes(pid: int) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -12,15 +11,9 @@ import yaml
 from support import until
 
 from skymesh.mesh import certs
-from skymesh.procs import Daemon, start_daemon
+from skymesh.procs import Daemon, free_port, start_daemon
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_region(tmp: Path, region: str, n_replicas: int, mesh: dict[str, Any]) -> list[Daemon]:
