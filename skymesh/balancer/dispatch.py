@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +100,7 @@ class Dispatcher:
         self.max_queue = max_queue
         self._breaker_args = (breaker_threshold, breaker_open_s)
         self.targets: dict[str, Target] = {}
+        self._loads: dict[str, ReplicaLoad | PeerLoad] = {}
         self.peer_policy = peer_policy
         self.tau = tau
         self.peers: dict[str, PeerLoad] = {}
@@ -121,8 +122,19 @@ class Dispatcher:
 
     # -- LoadView ------------------------------------------------------------------------
     def load(self, target: str) -> ReplicaLoad | PeerLoad:
-        t = self.targets.get(target)
-        return t.load if t is not None else self.peers[target]
+        return self._loads[target]
+
+    def outstanding_of(self, targets: Sequence[str]) -> list[int]:
+        """``load(t).outstanding`` for each target, in one call (see policies.base)."""
+        loads = self._loads
+        return [loads[t].outstanding for t in targets]
+
+    def _index_loads(self) -> None:
+        # Replicas and peers in one dict: load() is called for every candidate of every
+        # decision, and two lookups (replica, then peer) cost more than the rest of it.
+        loads: dict[str, ReplicaLoad | PeerLoad] = dict(self.peers)
+        loads.update((tid, t.load) for tid, t in self.targets.items())
+        self._loads = loads
 
     # -- peers ---------------------------------------------------------------------------
     @property
@@ -132,6 +144,7 @@ class Dispatcher:
     def set_peers(self, peer_ids: Iterable[str]) -> None:
         """Replace the peer set; state survives for peers that stay."""
         self.peers = {p: self.peers.get(p) or PeerLoad(p) for p in peer_ids}
+        self._index_loads()
         if self.peer_policy is not None:
             self.peer_policy.on_membership(sorted(self.peers))
 
@@ -178,6 +191,7 @@ class Dispatcher:
                 new[tid] = Target(tid, ReplicaLoad(tid, step_tokens=self.step_tokens),
                                   frozenset(models), breaker=Breaker(th, op))
         self.targets = new
+        self._index_loads()
         self.policy.on_membership(sorted(new))
 
     def set_models(self, target: str, models: Iterable[str]) -> None:

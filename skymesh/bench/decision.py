@@ -18,12 +18,12 @@ Setup
     Requests look like chat traffic: 40 applications with a system prompt of 8-40 blocks,
     conversations that grow turn by turn (each turn's prompt extends the previous one),
     and 30-200 prefix keys per request. Policies that keep a prefix trie get it pre-filled
-    to ``--nodes`` nodes (default 100,000, the default cap, so every later insert evicts)
-    from the same generator before timing starts.
+    to ``--nodes`` nodes (default 100,000, the default cap, so inserts evict) from the
+    same generator before timing starts. Both views answer ``outstanding_of`` in one call,
+    as the balancer's dispatcher does.
 
-    The "light view" column repeats the run with a view whose loads are plain attributes,
-    separating the policy's own work from the cost of reading ``ReplicaLoad.outstanding``
-    (a property that sums over a dict), which a 64-candidate scan pays 64 times.
+    The "light view" column repeats the run with bare load records instead of
+    ``ReplicaLoad`` objects, separating the policy's own work from the view's.
 
     python -m skymesh.bench.decision [--replicas 64] [--nodes 100000] [--requests 5000]
         [--repeat 3] [--policy NAME ...] [--json out.json]
@@ -108,6 +108,11 @@ class RealView:
     def load(self, target: str) -> ReplicaLoad:
         return self.loads[target]
 
+    def outstanding_of(self, targets: list[str]) -> list[int]:
+        # As the dispatcher answers it (balancer.dispatch.Dispatcher.outstanding_of).
+        loads = self.loads
+        return [loads[t].outstanding for t in targets]
+
     def dispatched(self, rid: str, target: str) -> None:
         ld = self.loads[target]
         ld.on_dispatch(rid, self.now)
@@ -136,6 +141,10 @@ class LightView(RealView):
 
     def load(self, target: str) -> _Plain:  # type: ignore[override]
         return self.plain[target]
+
+    def outstanding_of(self, targets: list[str]) -> list[int]:
+        plain = self.plain
+        return [plain[t].outstanding for t in targets]
 
     def dispatched(self, rid: str, target: str) -> None:
         super().dispatched(rid, target)

@@ -82,6 +82,18 @@ class LoadView(Protocol):
     def load(self, target: str) -> TargetLoad: ...
 
 
+def outstanding(view: LoadView, targets: Sequence[str]) -> list[int]:
+    """Each target's ``outstanding``, in order. Views that offer ``outstanding_of`` (the
+    dispatcher does) answer in one call: policies that score every candidate pay a
+    Python call per candidate otherwise, the largest part of a 64-replica decision."""
+    bulk = getattr(view, "outstanding_of", None)
+    if bulk is not None:
+        out: list[int] = bulk(targets)
+        return out
+    load = view.load
+    return [load(t).outstanding for t in targets]
+
+
 class PolicyConfigError(ValueError):
     """Unknown policy name or bad parameter; the message names the culprit."""
 
@@ -152,8 +164,17 @@ class Policy(ABC):
             return None
         if len(candidates) == 1:
             return candidates[0]
+        return self._argmin(candidates, [key(c) for c in candidates])
+
+    def _least_loaded(self, candidates: Sequence[str], view: LoadView) -> str | None:
+        """The candidate with the fewest outstanding requests, ties broken by the RNG."""
+        if len(candidates) < 2:
+            return candidates[0] if candidates else None
+        return self._argmin(candidates, outstanding(view, candidates))
+
+    def _argmin(self, candidates: Sequence[str], vals: Sequence[float]) -> str:
+        """The candidate with the smallest value (aligned lists), ties by the RNG."""
         # Two passes in C-level loops beat one Python loop with branches (hot path).
-        vals = [key(c) for c in candidates]
         low = min(vals)
         best = [c for c, v in zip(candidates, vals, strict=True) if v == low]
         return best[0] if len(best) == 1 else self.rng.choice(best)

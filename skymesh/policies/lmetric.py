@@ -54,7 +54,7 @@ import random
 from collections import deque
 from collections.abc import Sequence
 
-from skymesh.policies.base import LoadView, Policy, RouteRequest
+from skymesh.policies.base import LoadView, Policy, RouteRequest, outstanding
 from skymesh.prefix.trie import DEFAULT_MAX_NODES, PrefixTrie
 
 
@@ -104,18 +104,18 @@ class LMetric(Policy, name="lmetric"):
         # One trie lookup gives every target's match depth, grouped by depth; the targets
         # of a group share P-token (+ 1, see the header).
         groups = self.trie.depth_groups(keys, population) if n else []
-        load = view.load
         miss = plen + 1
         # Scores as a list aligned with ``candidates``: this runs for every candidate on
         # every request, and a list comprehension is the cheapest loop Python has.
+        outs = outstanding(view, candidates)
         if groups:
             p1_of: dict[str, int] = {}
             for depth, names in groups:
                 p1_of.update(dict.fromkeys(names, plen - plen * depth // n + 1))
             get = p1_of.get
-            vals = [get(c, miss) * (load(c).outstanding + 1) for c in candidates]
+            vals = [get(c, miss) * (o + 1) for c, o in zip(candidates, outs, strict=True)]
         else:
-            vals = [miss * (load(c).outstanding + 1) for c in candidates]
+            vals = [miss * (o + 1) for o in outs]
         if self.hotspot_detector and n:
             hot = self._hotspot(request, keys, groups, len(population), candidates, vals,
                                 view.now)
@@ -123,13 +123,9 @@ class LMetric(Policy, name="lmetric"):
                 self.filtered += 1
                 pool = [(c, v) for c, v in zip(candidates, vals, strict=True) if c not in hot]
                 if not pool:
-                    return self._least(candidates, lambda c: load(c).outstanding)
-                low = min(v for _, v in pool)
-                best = [c for c, v in pool if v == low]
-                return best[0] if len(best) == 1 else self.rng.choice(best)
-        low = min(vals)
-        best = [c for c, v in zip(candidates, vals, strict=True) if v == low]
-        return best[0] if len(best) == 1 else self.rng.choice(best)
+                    return self._least_loaded(candidates, view)
+                return self._argmin([c for c, _ in pool], [v for _, v in pool])
+        return self._argmin(candidates, vals)
 
     def _hotspot(
         self,
@@ -191,7 +187,7 @@ class LMetric(Policy, name="lmetric"):
             return None
         depth, matched = self.trie.match(keys, targets)
         if matched and 2 * depth >= len(keys):
-            return self._least(matched, lambda c: view.load(c).outstanding)
+            return self._least_loaded(matched, view)
         return None
 
     def on_dispatch(self, request: RouteRequest, target: str, view: LoadView) -> None:

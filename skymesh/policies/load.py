@@ -60,12 +60,18 @@ class ReplicaLoad:
     unadmitted_tokens: int = 0
     # Requests pushed but not yet started (no first byte): dispatch time, prompt tokens.
     _unstarted: dict[str, tuple[float, int]] = field(default_factory=dict)
+    # Requests on the target as far as we can tell (ours, or the probe's if larger). A
+    # plain attribute, recomputed on every change, because policies read it for every
+    # candidate on every decision (64 reads of a property cost more than the rest of a
+    # least-load decision).
+    outstanding: int = field(default=0, init=False)
 
-    @property
-    def outstanding(self) -> int:
-        """Requests on the target as far as we can tell (ours, or the probe's if larger)."""
+    def __post_init__(self) -> None:
+        self._recount()
+
+    def _recount(self) -> None:
         probed = self.running + self.waiting + self.unadmitted
-        return self.in_flight if self.in_flight > probed else probed
+        self.outstanding = self.in_flight if self.in_flight > probed else probed
 
     def on_probe(self, now: float, waiting: int, running: int, kv_usage: float,
                  kv_capacity_tokens: int | None = None) -> None:
@@ -82,6 +88,7 @@ class ReplicaLoad:
                 tokens += t
         self.unadmitted = n
         self.unadmitted_tokens = tokens
+        self._recount()
 
     def on_dispatch(self, request_id: str, now: float, tokens: int = 0) -> None:
         self.in_flight += 1
@@ -89,6 +96,7 @@ class ReplicaLoad:
         if now >= self.probed_at:
             self.unadmitted += 1
             self.unadmitted_tokens += tokens
+        self._recount()
 
     def _started(self, request_id: str) -> None:
         entry = self._unstarted.pop(request_id, None)
@@ -98,10 +106,12 @@ class ReplicaLoad:
 
     def on_first_byte(self, request_id: str) -> None:
         self._started(request_id)
+        self._recount()
 
     def on_complete(self, request_id: str) -> None:
         self._started(request_id)
         self.in_flight -= 1
+        self._recount()
 
     def probe_age(self, now: float) -> float:
         return now - self.probed_at

@@ -51,8 +51,8 @@ class PrefixTree(Policy, name="prefix-tree"):
         if keys and candidates:
             depth, matched = self.trie.match(keys, candidates)
             if matched and depth >= self.match_threshold * len(keys):
-                return self._least(matched, lambda c: view.load(c).outstanding)
-        return self._least(candidates, lambda c: view.load(c).outstanding)
+                return self._least_loaded(matched, view)
+        return self._least_loaded(candidates, view)
 
     def preferred(self, request: RouteRequest, targets: Sequence[str], view: LoadView
                   ) -> str | None:
@@ -61,7 +61,7 @@ class PrefixTree(Policy, name="prefix-tree"):
             return None
         depth, matched = self.trie.match(keys, targets)
         if matched and depth >= self.match_threshold * len(keys):
-            return self._least(matched, lambda c: view.load(c).outstanding)
+            return self._least_loaded(matched, view)
         return None
 
     def on_dispatch(self, request: RouteRequest, target: str, view: LoadView) -> None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from skymesh.policies.base import LoadView, Policy, RouteRequest
+from skymesh.policies.base import LoadView, Policy, RouteRequest, outstanding
 from skymesh.prefix.trie import DEFAULT_MAX_NODES, PrefixTrie
 
 
@@ -74,16 +74,16 @@ class SglangCacheAware(Policy, name="sglang-cache-aware"):
     ) -> str | None:
         if not candidates:
             return None
-        loads = {c: view.load(c).outstanding for c in candidates}
-        hi, lo = max(loads.values()), min(loads.values())
+        outs = outstanding(view, candidates)
+        hi, lo = max(outs), min(outs)
         if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
-            return self._least(candidates, loads.__getitem__)
+            return self._argmin(candidates, outs)
         keys = request.prefix_keys
         if keys:
             depth, matched = self.trie.match(keys, candidates)
             if matched and depth / len(keys) > self.cache_threshold:
-                return self._least(matched, loads.__getitem__)
-        return self._least(candidates, self.trie.size_of)
+                return self._least_loaded(matched, view)
+        return self._argmin(candidates, self.trie.sizes_of(candidates))
 
     def on_dispatch(self, request: RouteRequest, target: str, view: LoadView) -> None:
         self.trie.insert(request.prefix_keys, target)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -114,12 +113,12 @@ def test_holds_100k_nodes_for_64_targets() -> None:
     trie = PrefixTrie(max_nodes=100_000)
     targets = [f"http://replica-{i}:8000" for i in range(64)]
     systems = [[rng.getrandbits(30) for _ in range(20)] for _ in range(8)]
-    t0 = time.perf_counter()
     for i in range(2500):
         seq = rng.choice(systems) + [rng.getrandbits(30) for _ in range(rng.randint(10, 100))]
         trie.insert(chain(seq), targets[i % 64])
-    assert len(trie) == 100_000
-    assert time.perf_counter() - t0 < 5.0
+        assert len(trie) <= 100_000
+    # Full, less at most one eviction pass's low watermark.
+    assert 100_000 - 100_000 // 1024 <= len(trie) <= 100_000
     check_structure(trie)
     assert sum(1 for t in targets if trie.size_of(t)) == 64
 
@@ -235,14 +234,46 @@ def test_text_keys_are_stable_across_processes() -> None:
     assert text_prefix_keys("a" * 128, chunk_chars=64) == PINNED_A128
 
 
-def test_text_keys_are_fast() -> None:
-    text = "".join(random.Random(1).choice("abcdefgh ") for _ in range(32 * 1024))
-    text_prefix_keys(text)
-    t0 = time.perf_counter_ns()
-    for _ in range(50):
-        text_prefix_keys(text)
-    per_call_us = (time.perf_counter_ns() - t0) / 50 / 1000
-    assert per_call_us < 1000  # ~50 us on a laptop core; loose for loaded CI machines
-
-
 PINNED_A128 = [6966924215663199737, 15995218077299146568]
+
+
+def test_a_full_trie_evicts_down_to_its_low_watermark_oldest_first() -> None:
+    trie = PrefixTrie(max_nodes=2048)  # watermark: 2048 // 1024 = 2 keys below the cap
+    seqs = [chain([5000 + i, *range(63)]) for i in range(32)]  # 32 x 64 keys: full
+    for i, keys in enumerate(seqs):
+        trie.insert(keys, TARGETS[i % len(TARGETS)])
+    assert len(trie) == 2048
+    newest = chain([9999])
+    trie.insert(newest, TARGETS[0])
+    # One key over the cap frees 1 + 2, all from the oldest sequence's deepest keys.
+    assert len(trie) == 2048 - 2
+    assert all(k in trie._index for k in seqs[0][:64 - 3])
+    assert not any(k in trie._index for k in seqs[0][64 - 3:])
+    assert all(k in trie._index for s in seqs[1:] for k in s) and newest[0] in trie._index
+    check_structure(trie)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=ops, cap=st.integers(1, 12))
+def test_unchained_keys_give_approximate_answers_but_keep_the_invariants(
+    ops: list[tuple[str, list[int], object]], cap: int
+) -> None:
+    # Raw small ints repeat inside one sequence and across depths: the worst collisions.
+    trie = PrefixTrie(max_nodes=cap)
+    for op, seq, arg in ops:
+        if op == "insert":
+            assert isinstance(arg, str)
+            trie.insert(seq, arg)
+        elif op == "match":
+            assert isinstance(arg, list)
+            depth, found = trie.match(seq, arg)
+            assert set(found) <= set(arg) and 0 <= depth <= len(seq)
+            assert (depth == 0) == (not found)
+            groups = trie.depth_groups(seq, arg)
+            assert [d for d, _ in groups] == sorted({d for d, _ in groups}, reverse=True)
+            assert all(0 < d <= len(seq) for d, _ in groups)
+        else:
+            assert isinstance(arg, str)
+            trie.remove_target(arg)
+        assert len(trie) <= cap
+        check_structure(trie)
