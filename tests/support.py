@@ -6,10 +6,13 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from skymesh.faults.cluster import parse_metrics
 
 
 async def until(cond: Callable[[], Awaitable[bool]], what: str, timeout: float = 15.0,
@@ -31,20 +34,6 @@ async def eventually(pred: Callable[[], bool], what: str, timeout: float = 5.0) 
             raise AssertionError(f"timed out after {timeout} s waiting for: {what}")
         await asyncio.sleep(poll)
     return time.monotonic()
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> ``{"name{labels}": value}`` plus ``{"name": sum over labels}``."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        series, value = line.rsplit(" ", 1)
-        out[series] = float(value)
-        name = series.split("{", 1)[0]
-        if "{" in series:
-            out[name] = out.get(name, 0.0) + float(value)
-    return out
 
 
 async def get_metrics(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
@@ -106,3 +95,30 @@ def make_pki(d: Path, rogue_id: str) -> Path:
     certs.create_ca(d / "rogue")
     certs.issue_cert(d / "rogue", rogue_id)
     return d
+
+
+@dataclass
+class Load:
+    """A target's load as a policy reads it (policies.base.TargetLoad), set by hand."""
+
+    outstanding: int = 0
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    kv_capacity_tokens: int | None = None
+
+
+@dataclass
+class View:
+    """A LoadView over hand-set loads; unknown targets start idle."""
+
+    loads: dict[str, Load] = field(default_factory=dict)
+    now: float = 0.0
+
+    def load(self, target: str) -> Load:
+        return self.loads.setdefault(target, Load())
+
+    def set(self, **outstanding: int) -> View:
+        for t, n in outstanding.items():
+            self.load(t).outstanding = n
+        return self

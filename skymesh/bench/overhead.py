@@ -54,7 +54,6 @@ import itertools
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -68,6 +67,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from skymesh.bench.venvs import ensure_package
 from skymesh.engine.profiles import get_profile
 from skymesh.procs import Daemon, free_port, start_daemon
 
@@ -101,42 +101,8 @@ SGLR = "sglang-router"
 
 # -- processes -------------------------------------------------------------------------
 def ensure_sglang(venv: Path, version: str) -> tuple[Path | None, str]:
-    """The venv's python with ``sglang-router==version`` importable, or None and why.
-
-    Never the repository's venv: sglang-router pulls in its own dependency set.
-    """
-    py = venv / "bin" / "python"
-    check = [str(py), "-c",
-             "import importlib.metadata as m, sglang_router; print(m.version('sglang-router'))"]
-
-    def installed() -> str:
-        if not py.exists():
-            return ""
-        r = subprocess.run(check, capture_output=True, text=True, timeout=60)
-        return r.stdout.strip() if r.returncode == 0 else ""
-
-    try:
-        if installed() == version:
-            return py, f"sglang-router {version} in {venv}"
-        if not py.exists():
-            base = shutil.which("python3") or sys.executable
-            print(f"creating {venv} for sglang-router", flush=True)
-            r = subprocess.run([base, "-m", "venv", str(venv)], capture_output=True,
-                               text=True, timeout=300)
-            if r.returncode != 0:
-                return None, f"python3 -m venv {venv} failed: {(r.stderr or r.stdout)[-500:]}"
-        print(f"installing sglang-router=={version} into {venv}", flush=True)
-        r = subprocess.run([str(py), "-m", "pip", "install", "-q", f"sglang-router=={version}"],
-                           capture_output=True, text=True, timeout=1200)
-        if r.returncode != 0:
-            return None, f"pip install sglang-router=={version} failed: " \
-                         f"{(r.stderr or r.stdout)[-800:]}"
-        got = installed()
-        if got != version:
-            return None, f"sglang-router import check failed after install (got {got!r})"
-        return py, f"sglang-router {version} in {venv} (installed now)"
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"could not set up sglang-router: {exc}"
+    """The venv's python with ``sglang-router==version`` importable, or None and why."""
+    return ensure_package(venv, "sglang-router", version, "sglang_router")
 
 
 def start_sglang_router(py: Path, workers: Sequence[str]) -> Daemon:

@@ -34,7 +34,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from typing import Any
 import aiohttp
 
 from skymesh.bench.skylb_macro import SYSTEMS, Options, comparisons
+from skymesh.bench.venvs import ensure_package
 from skymesh.faults.cluster import (
     MODEL,
     REGIONS,
@@ -103,37 +103,10 @@ NET = Network()
 
 # ---------------------------------------------------------------------------- peers
 def ensure_router(name: str) -> tuple[Path | None, str]:
-    """The python of ``name``'s own venv with the pinned version, created if needed; or
-    None and why. Never the repository's venv: each router has its own dependencies."""
+    """The python of ``name``'s own venv with the pinned version, or None and why."""
     spec = PEERS[name]
-    venv = Path(spec["venv"])
-    py = venv / "bin" / "python"
-    check = [str(py), "-c", f"import importlib.metadata as m, {spec['import']}; "
-             f"print(m.version('{spec['package']}'))"]
-
-    def installed() -> str:
-        if not py.exists():
-            return ""
-        r = subprocess.run(check, capture_output=True, text=True, timeout=60)
-        return r.stdout.strip() if r.returncode == 0 else ""
-
-    try:
-        if installed() == spec["version"]:
-            return py, f"{name} {spec['version']} in {venv}"
-        if not py.exists():
-            base = shutil.which("python3") or sys.executable
-            r = subprocess.run([base, "-m", "venv", str(venv)], capture_output=True,
-                               text=True, timeout=300)
-            if r.returncode != 0:
-                return None, f"venv for {name} failed: {(r.stderr or r.stdout)[-400:]}"
-        r = subprocess.run([str(py), "-m", "pip", "install", "-q",
-                            f"{spec['package']}=={spec['version']}"],
-                           capture_output=True, text=True, timeout=1200)
-        if r.returncode != 0 or installed() != spec["version"]:
-            return None, f"pip install {name} failed: {(r.stderr or r.stdout)[-400:]}"
-        return py, f"{name} {spec['version']} in {venv} (installed now)"
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"could not set up {name}: {exc}"
+    return ensure_package(Path(spec["venv"]), spec["package"], spec["version"],
+                          spec["import"])
 
 
 def start_router(name: str, py: Path, workers: Sequence[str], workdir: Path) -> Daemon:

@@ -1,26 +1,12 @@
-"""Fixtures for the deploy tests: moto's Route53 on loopback."""
+"""Fixtures for the deploy tests: a Route53 client and a fresh zone on moto (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import boto3
 import pytest
-from controller_support import free_port
-from moto.server import ThreadedMotoServer
-
-
-@pytest.fixture(scope="session")
-def moto_url() -> Iterator[str]:
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
 
 
 @pytest.fixture

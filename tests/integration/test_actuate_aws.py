@@ -3,38 +3,24 @@
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import boto3
 import pytest
-from controller_support import free_port
-from moto.server import ThreadedMotoServer
 
 from skymesh.planning.actuate import Actuator
 from skymesh.planning.actuate_aws import AwsActuator, group_name
 from skymesh.planning.ilp import PlanInput, solve
 
 
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
-
-
 @pytest.fixture
-def actuator(moto_endpoint: str) -> AwsActuator:
+def actuator(moto_url: str) -> AwsActuator:
     # A fresh AWS account per test.
     urllib.request.urlopen(
-        urllib.request.Request(f"{moto_endpoint}/moto-api/reset", method="POST"))
+        urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST"))
 
     def factory(service: str, region: str) -> Any:
-        return boto3.client(service, region_name=region, endpoint_url=moto_endpoint,
+        return boto3.client(service, region_name=region, endpoint_url=moto_url,
                             aws_access_key_id="testing", aws_secret_access_key="testing")
 
     return AwsActuator(client_factory=factory)

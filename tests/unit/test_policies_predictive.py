@@ -3,34 +3,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import pytest
+from support import Load, View
 
 from skymesh.policies import RequestTiming, RouteRequest, build_policy
 from skymesh.policies.goodserve import GoodServe, just_enough, predict_latency
 from skymesh.policies.preserve import LookAheadMap, PreServe, preserve_score
 from skymesh.policies.vllm_load import vllm_score
 from skymesh.sim.runner import SimConfig, parse_profiles, run
-
-
-@dataclass
-class Load:
-    outstanding: int = 0
-    waiting: int = 0
-    running: int = 0
-    kv_usage: float = 0.0
-    kv_capacity_tokens: int | None = None
-
-
-@dataclass
-class View:
-    loads: dict[str, Load] = field(default_factory=dict)
-    now: float = 0.0
-
-    def load(self, target: str) -> Load:
-        return self.loads.setdefault(target, Load())
 
 
 # -- vllm-load ------------------------------------------------------------------------------

@@ -4,38 +4,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import chain
+from support import View, chain
 
 from skymesh.policies import Policy, RouteRequest, build_policy, policy_names
 from skymesh.policies.consistent_hash import ConsistentHash
 from skymesh.policies.lmetric import LMetric
-
-
-@dataclass
-class Load:
-    outstanding: int = 0
-    waiting: int = 0
-    running: int = 0
-    kv_usage: float = 0.0
-
-
-@dataclass
-class View:
-    loads: dict[str, Load] = field(default_factory=dict)
-    now: float = 0.0
-
-    def load(self, target: str) -> Load:
-        return self.loads.setdefault(target, Load())
-
-    def set(self, **outstanding: int) -> View:
-        for t, n in outstanding.items():
-            self.load(t).outstanding = n
-        return self
 
 
 def req(rid: str, keys: Sequence[int] = (), prompt_len: int = 0,
