@@ -12,8 +12,8 @@ Example::
     pushing: {mode: sp-p, max_outstanding: 16, kv_headroom: 0.9, step_tokens: 2048,
               hold_s: 2.0, window: 16}
     mesh: {id: lb-us, certs_dir: pki, peers: [{id: lb-eu, address: "eu:7001"}],
-           forwarding_rule: balanced, balance_margin: 1.0, locality_margin: 4.0,
-           rtt_weight: 10.0}
+           forwarding_rule: balanced, balance_margin: 4.0, locality_margin: 12.0,
+           rtt_weight: 30.0}
     queue: {max_length: 1024, timeout_s: 60}
     limits: {max_body_bytes: 4194304}
     probe: {interval_s: 0.1, timeout_s: 1.0, failure_threshold: 3, success_threshold: 2}

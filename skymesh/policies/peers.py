@@ -49,12 +49,15 @@ class ForwardingRule(enum.StrEnum):
 
 
 DEFAULT_FORWARDING_RULE = ForwardingRule.OVERFLOW
-# Units: outstanding requests per replica. Set by the diurnal-cost sweep
-# (docs/notes/diurnal.md).
-DEFAULT_BALANCE_MARGIN = 1.0
-DEFAULT_LOCALITY_MARGIN = 4.0
-# Requests per replica per second of RTT.
-DEFAULT_RTT_WEIGHT = 10.0
+# Units: outstanding requests per replica (rtt_weight: per second of RTT). Measured
+# (docs/notes/diurnal.md): diurnal-cost's throughput is flat over margin 0-4, locality
+# 2-12, RTT weight 0-30 (the mesh matches region-local-12 at 9 replicas throughout); the
+# lightly loaded skylb-macro --quick pays every needless forward in TTFT, and these are
+# the smallest values that leave its chat workload as overflow has it. Below a margin of
+# about 1, requests ping-pong between regions and TTFT p50 grows by ~0.1 s.
+DEFAULT_BALANCE_MARGIN = 4.0
+DEFAULT_LOCALITY_MARGIN = 12.0
+DEFAULT_RTT_WEIGHT = 30.0
 
 
 @dataclass(frozen=True, slots=True)
