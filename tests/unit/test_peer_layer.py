@@ -291,3 +291,13 @@ def test_the_simulator_feeds_outstanding_and_rtt_to_peers() -> None:
     assert res["region_stats"]["us"]["forwarded_out"] > res["region_stats"]["eu"][
         "forwarded_out"]
     assert res["completed"] == res["requests"]
+
+
+def test_diurnal_replicas_to_match_is_the_fewest_within_two_percent() -> None:
+    from skymesh.bench.diurnal import replicas_to_match
+
+    runs = [{"system": "mesh-balanced", "replicas": n, "throughput_rps": rps}
+            for n, rps in ((8, 9.15), (9, 9.34), (10, 9.30), (12, 9.78))]
+    runs.append({"system": "mesh-overflow", "replicas": 8, "throughput_rps": 9.5})
+    assert replicas_to_match(runs, "mesh-balanced", 9.45) == 9  # 0.98 x 9.45 = 9.261
+    assert replicas_to_match(runs, "mesh-balanced", 10.0) is None
