@@ -96,6 +96,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         forwarding=not args.region_local,
         peer_policy=args.peer_policy,
         tau=args.tau,
+        forwarding_rule=args.forwarding_rule,
         profile=args.profile,
         seed=args.seed,
         duration_s=args.duration,
@@ -170,6 +171,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from skymesh.policies import policy_names
     from skymesh.policies.load import PushMode
+    from skymesh.policies.peers import DEFAULT_FORWARDING_RULE, ForwardingRule
 
     ap = argparse.ArgumentParser(prog="skymesh", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -205,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="policy choosing among peer balancers when forwarding")
     sp.add_argument("--tau", type=int, default=2,
                     help="forward only to peers whose queue is at most this long")
+    sp.add_argument("--forwarding-rule", default=DEFAULT_FORWARDING_RULE.value,
+                    choices=[r.value for r in ForwardingRule],
+                    help="overflow: to a peer only when no local replica is available "
+                         "(SkyLB); balanced: also when a peer is less loaded per replica")
     sp.add_argument("--param", action="append", metavar="KEY=VALUE",
                     help="workload parameter (repeatable), e.g. clients_per_region=30")
     sp.add_argument("--policy-param", action="append", metavar="KEY=VALUE")

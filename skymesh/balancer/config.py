@@ -11,6 +11,9 @@ Example::
     policy: {name: prefix-tree, params: {}}
     pushing: {mode: sp-p, max_outstanding: 16, kv_headroom: 0.9, step_tokens: 2048,
               hold_s: 2.0, window: 16}
+    mesh: {id: lb-us, certs_dir: pki, peers: [{id: lb-eu, address: "eu:7001"}],
+           forwarding_rule: balanced, balance_margin: 4.0, locality_margin: 12.0,
+           rtt_weight: 30.0}
     queue: {max_length: 1024, timeout_s: 60}
     limits: {max_body_bytes: 4194304}
     probe: {interval_s: 0.1, timeout_s: 1.0, failure_threshold: 3, success_threshold: 2}
@@ -33,6 +36,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from skymesh.policies import PolicyConfigError, build_policy
 from skymesh.policies.load import PushMode
+from skymesh.policies.peers import (
+    DEFAULT_BALANCE_MARGIN,
+    DEFAULT_FORWARDING_RULE,
+    DEFAULT_LOCALITY_MARGIN,
+    DEFAULT_RTT_WEIGHT,
+    Balancing,
+    ForwardingRule,
+)
 
 
 class ConfigError(ValueError):
@@ -165,7 +176,19 @@ class MeshConfig(_Strict):
     forwarding: bool = True
     peer_policy: str = "prefix-tree"
     tau: int = Field(2, ge=0)
+    # When a request goes to a peer (skymesh.policies.peers): ``overflow`` only when no
+    # local replica is available (SkyLB Algorithm 1); ``balanced`` also when a peer's load
+    # per replica is lower than ours by more than balance_margin + rtt_weight x RTT
+    # (+ locality_margin when the request's prefix is cached here). Loads are outstanding
+    # requests per replica; rtt_weight is in those units per second of RTT.
+    forwarding_rule: ForwardingRule = DEFAULT_FORWARDING_RULE
+    balance_margin: float = Field(DEFAULT_BALANCE_MARGIN, ge=0)
+    locality_margin: float = Field(DEFAULT_LOCALITY_MARGIN, ge=0)
+    rtt_weight: float = Field(DEFAULT_RTT_WEIGHT, ge=0)
     heartbeat_interval_s: float = Field(0.2, gt=0)
+
+    def balancing(self) -> Balancing:
+        return Balancing(self.balance_margin, self.locality_margin, self.rtt_weight)
 
 
 class ControllerLinkConfig(_Strict):

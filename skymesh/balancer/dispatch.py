@@ -17,11 +17,18 @@ a request that finds no available local replica goes to a peer balancer that is 
 has an available replica and a queue of at most ``tau`` (``policies.peers``), picked by a
 separate peer policy. A request a peer forwarded to us (``route.forwarded``) is served
 here or waits here: it is never forwarded again.
+
+With ``forwarding_rule`` ``balanced`` (``policies.peers``), a request at the head of the
+queue may go to such a peer even while a local replica is available, when the peer's load
+per replica (from its heartbeats) is lower than ours by more than the trip and a lost
+prefix are worth: SkyLB's overflow rule leaves a region with more clients than replicas
+running big, slow batches while its peers idle.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +45,16 @@ from skymesh.policies.load import (
     ReplicaLoad,
     is_available,
 )
-from skymesh.policies.peers import DEFAULT_TAU, ModelLoad, PeerLoad
+from skymesh.policies.peers import (
+    DEFAULT_FORWARDING_RULE,
+    DEFAULT_TAU,
+    Balancing,
+    ForwardingRule,
+    ModelLoad,
+    PeerLoad,
+    PeerOption,
+    balanced_peer,
+)
 
 _ids = itertools.count()
 # How long a request may wait for the replica its policy prefers (the one holding its
@@ -89,6 +105,8 @@ class Dispatcher:
         tau: int = DEFAULT_TAU,
         breaker_threshold: int = 5,
         breaker_open_s: float = 10.0,
+        forwarding_rule: ForwardingRule = DEFAULT_FORWARDING_RULE,
+        balancing: Balancing | None = None,
     ) -> None:
         self.policy = policy
         self.mode = mode
@@ -103,6 +121,8 @@ class Dispatcher:
         self._loads: dict[str, ReplicaLoad | PeerLoad] = {}
         self.peer_policy = peer_policy
         self.tau = tau
+        self.forwarding_rule = ForwardingRule(forwarding_rule)
+        self.balancing = balancing or Balancing()
         self.peers: dict[str, PeerLoad] = {}
         self.queues: dict[str, deque[Ticket]] = {}
         self.queued = 0
@@ -157,16 +177,23 @@ class Dispatcher:
         if peer in self.peers:
             self.peers[peer].alive = alive
 
+    def set_peer_rtt(self, peer: str, rtt_s: float) -> None:
+        if peer in self.peers:
+            self.peers[peer].rtt_s = rtt_s
+
     def model_loads(self, now: float) -> dict[str, ModelLoad]:
         """This balancer's load per model, as its heartbeats tell peers: replicas that could
-        take a request now (as this dispatcher would judge it), all replicas, queue."""
+        take a request now (as this dispatcher would judge it), all replicas, queue, and
+        requests outstanding on those replicas (the balanced rule's load figure)."""
         out: dict[str, ModelLoad] = {}
         for model in self.models():
             probe = Ticket(RouteRequest("heartbeat", model=model), now)
+            serving = [t for t in self.targets.values() if model in t.models]
             out[model] = ModelLoad(
                 available=len(self.candidates(probe, now)),
-                total=sum(1 for t in self.targets.values() if model in t.models),
+                total=len(serving),
                 queue=self.queue_length(model),
+                outstanding=sum(t.load.outstanding for t in serving),
             )
         return out
 
@@ -291,8 +318,13 @@ class Dispatcher:
 
     def _pick(self, q: deque[Ticket], now: float) -> tuple[int, Ticket, str, bool] | None:
         depth = min(len(q), self.window) if self._hold_s > 0 else 1
+        balanced = self.forwarding_rule is ForwardingRule.BALANCED and self.forwarding
         for i in range(depth):
             ticket = q[i]
+            if balanced:
+                peer = self._balanced_peer(ticket)
+                if peer is not None:
+                    return i, ticket, peer, True
             cands = self.candidates(ticket, now)
             if not cands:
                 # SkyLB Algorithm 1: no local replica can take it now -> an available peer.
@@ -320,6 +352,40 @@ class Dispatcher:
             if target is not None:
                 return i, ticket, target, False
         return None
+
+    def _balanced_peer(self, ticket: Ticket) -> str | None:
+        """The balanced rule's peer for ``ticket``, or None to go on as SkyLB would."""
+        route = ticket.route
+        peers = self.peer_candidates(ticket)
+        if not peers:
+            return None
+        serving = [tid for tid, t in self.targets.items()
+                   if route.model in t.models and t.healthy]
+        if serving:
+            local = (sum(self.targets[tid].load.outstanding for tid in serving)
+                     + self.queue_length(route.model)) / len(serving)
+        else:
+            local = math.inf
+        options = []
+        for pid in peers:
+            p = self.peers[pid]
+            load = p.load_per_replica(route.model)
+            if load is not None:
+                options.append(PeerOption(pid, load, p.rtt_s))
+        if not options:
+            return None
+        b = self.balancing
+        # The prefix lookups are the costly part: skip them when no peer could win even
+        # with every locality term in its favour.
+        if min(o.load + b.margin + b.rtt_weight * o.rtt_s for o in options) \
+                >= local + b.locality:
+            return None
+        local_prefix = serving and route.prefix_keys and \
+            self.policy.preferred(route, serving, self) is not None
+        prefix_peer = None
+        if route.prefix_keys and self.peer_policy is not None:
+            prefix_peer = self.peer_policy.preferred(route, [o.peer for o in options], self)
+        return balanced_peer(local, bool(local_prefix), options, prefix_peer, b)
 
     def _assign_peer(self, ticket: Ticket, peer: str, now: float) -> None:
         assert self.peer_policy is not None

@@ -40,6 +40,25 @@ FORWARDED_HEADER = "X-SkyMesh-Forwarded"
 FORWARDABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
+def add_model_loads(msg: pb_t.HeartbeatMsg, loads: dict[str, ModelLoad]) -> None:
+    """Write the dispatcher's per-model loads into an outgoing heartbeat."""
+    for model, ld in loads.items():
+        m = msg.models.add(model=model, available_replicas=ld.available,
+                           total_replicas=ld.total, queue_length=ld.queue,
+                           pending_prefill_tokens=ld.pending_prefill_tokens)
+        if ld.outstanding is not None:
+            m.outstanding_requests = ld.outstanding
+
+
+def read_model_loads(msg: pb_t.HeartbeatMsg) -> dict[str, ModelLoad]:
+    """A heartbeat's per-model loads; ``outstanding`` stays None when the sender predates
+    the field, so the balanced rule cannot take an old peer for an idle one."""
+    return {m.model: ModelLoad(
+        m.available_replicas, m.total_replicas, m.queue_length, m.pending_prefill_tokens,
+        m.outstanding_requests if m.HasField("outstanding_requests") else None,
+    ) for m in msg.models}
+
+
 class MeshLink:
     def __init__(self, cfg: BalancerConfig, dispatcher: Dispatcher, wake: Any) -> None:
         from skymesh.mesh import MeshNode, TlsFiles, new_identity
@@ -108,20 +127,19 @@ class MeshLink:
         from skymesh.prefix.trie import PrefixTrie
 
         msg = pb.HeartbeatMsg()
-        for model, ld in self.dispatcher.model_loads(time.monotonic()).items():
-            msg.models.add(model=model, available_replicas=ld.available,
-                           total_replicas=ld.total, queue_length=ld.queue,
-                           pending_prefill_tokens=ld.pending_prefill_tokens)
+        add_model_loads(msg, self.dispatcher.model_loads(time.monotonic()))
         trie = getattr(self.dispatcher.policy, "trie", None)
         if include_prefix and isinstance(trie, PrefixTrie):
             msg.prefix.CopyFrom(prefix_summary(trie))
         return msg
 
     def _on_heartbeat(self, msg: pb_t.HeartbeatMsg) -> None:
-        models = {m.model: ModelLoad(m.available_replicas, m.total_replicas, m.queue_length,
-                                     m.pending_prefill_tokens) for m in msg.models}
+        models = read_model_loads(msg)
         self.dispatcher.on_peer_heartbeat(msg.balancer_id, time.monotonic(), msg.epoch,
                                           msg.seq, models)
+        rtt = self.node.state.rtt_s(msg.balancer_id)
+        if rtt is not None:  # the balanced rule charges a forward this round trip
+            self.dispatcher.set_peer_rtt(msg.balancer_id, rtt)
         snapshot = getattr(self.dispatcher.peer_policy, "trie", None)
         if msg.HasField("prefix") and snapshot is not None and hasattr(snapshot,
                                                                         "insert_summary"):

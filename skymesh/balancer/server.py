@@ -84,6 +84,7 @@ from skymesh.balancer.probe import (
 )
 from skymesh.policies import build_policy
 from skymesh.policies.base import Policy, RequestTiming
+from skymesh.policies.peers import DEFAULT_FORWARDING_RULE
 
 log = logging.getLogger("skymesh.lb")
 
@@ -135,6 +136,9 @@ class Balancer:
             max_queue=cfg.queue.max_length, breaker_threshold=cfg.breaker.failure_threshold,
             breaker_open_s=cfg.breaker.open_s, peer_policy=peer_policy,
             tau=cfg.mesh.tau if cfg.mesh is not None else 2,
+            forwarding_rule=(cfg.mesh.forwarding_rule if cfg.mesh is not None
+                             else DEFAULT_FORWARDING_RULE),
+            balancing=cfg.mesh.balancing() if cfg.mesh is not None else None,
         )
         self.replicas = {r.url: ReplicaHealth(r) for r in cfg.replicas}
         self.metrics = BalancerMetrics()

@@ -125,7 +125,8 @@ class _Side:
         msg = pb.HeartbeatMsg()
         for i in range(self.models):
             msg.models.add(model=f"meta-llama/Llama-3.1-8B-Instruct-{i}", available_replicas=3,
-                           total_replicas=8, queue_length=12, pending_prefill_tokens=123_456)
+                           total_replicas=8, queue_length=12, pending_prefill_tokens=123_456,
+                           outstanding_requests=4096)
         if include_prefix:
             if self.churn:
                 self._add_path()  # a new hot conversation: the summary changes

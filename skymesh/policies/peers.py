@@ -12,14 +12,93 @@ that had one free replica.
 ``PeerLoad`` satisfies the policies' ``TargetLoad`` protocol, so the same policy objects
 (round robin, least load, consistent hashing, the prefix tree as a per-peer snapshot of
 what we forwarded) serve the peer layer.
+
+Forwarding rules (``ForwardingRule``; both keep Algorithm 1's overflow step):
+
+- ``overflow`` (SkyLB Algorithm 1 as written): a request goes to a peer only when no local
+  replica is available. Under continuous batching a replica stays "available" while its
+  batch grows, so a region with more clients than replicas keeps its load and its slow
+  tokens while its peers idle.
+- ``balanced`` (SkyMesh): a request may also go to a peer while local replicas are
+  available, when the peer is lighter enough to pay for the trip. Each region's cost is
+  its load per replica (outstanding requests per replica: ours from our own bookkeeping,
+  a peer's from its heartbeat's ``outstanding`` plus what we forwarded since), plus, for
+  a peer, ``margin`` (hysteresis: equal regions keep their requests) and
+  ``rtt_weight`` x RTT (the round trip the forwarded request pays), plus ``locality``
+  for every region that lacks the request's cached prefix while another has it (a
+  conversation stays where its history is cached unless the imbalance is larger than a
+  re-prefill is worth). The request goes to the cheapest peer if that peer is cheaper
+  than staying (:func:`balanced_peer`). Peers are the same as for overflow: alive, with
+  an available replica and a queue of at most ``tau``; a peer whose heartbeat carries no
+  ``outstanding`` (an older balancer) is never a balanced target.
 """
 
 from __future__ import annotations
 
+import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_TAU = 2
+
+
+class ForwardingRule(enum.StrEnum):
+    OVERFLOW = "overflow"
+    BALANCED = "balanced"
+
+
+DEFAULT_FORWARDING_RULE = ForwardingRule.OVERFLOW
+# Units: outstanding requests per replica (rtt_weight: per second of RTT). Measured
+# (docs/notes/diurnal.md): diurnal-cost's throughput is flat over margin 0-4, locality
+# 2-12, RTT weight 0-30 (the mesh matches region-local-12 at 9 replicas throughout); the
+# lightly loaded skylb-macro --quick pays every needless forward in TTFT, and these are
+# the smallest values that leave its chat workload as overflow has it. Below a margin of
+# about 1, requests ping-pong between regions and TTFT p50 grows by ~0.1 s.
+DEFAULT_BALANCE_MARGIN = 4.0
+DEFAULT_LOCALITY_MARGIN = 12.0
+DEFAULT_RTT_WEIGHT = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Balancing:
+    """Parameters of the ``balanced`` rule (see the module docstring)."""
+
+    margin: float = DEFAULT_BALANCE_MARGIN
+    locality: float = DEFAULT_LOCALITY_MARGIN
+    rtt_weight: float = DEFAULT_RTT_WEIGHT
+
+    def __post_init__(self) -> None:
+        if self.margin < 0 or self.locality < 0 or self.rtt_weight < 0:
+            raise ValueError(f"balancing parameters must be >= 0, got {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerOption:
+    peer: str
+    load: float  # outstanding requests per replica, this request included
+    rtt_s: float
+
+
+def balanced_peer(local_load: float, local_prefix: bool, peers: Sequence[PeerOption],
+                  prefix_peer: str | None, params: Balancing) -> str | None:
+    """The peer a request should go to under the ``balanced`` rule, or None to stay.
+
+    ``local_load``: our outstanding requests per replica, this request included;
+    ``local_prefix``: a local replica holds the request's prefix; ``prefix_peer``: the
+    peer that holds it, if any. Ties stay local: a forward must win strictly.
+    """
+    cached = local_prefix or prefix_peer is not None
+    stay = local_load + (params.locality if cached and not local_prefix else 0.0)
+    best: str | None = None
+    best_cost = stay
+    for o in peers:
+        cost = o.load + params.margin + params.rtt_weight * o.rtt_s
+        if cached and o.peer != prefix_peer:
+            cost += params.locality
+        if cost < best_cost:
+            best, best_cost = o.peer, cost
+    return best
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +107,8 @@ class ModelLoad:
     total: int
     queue: int
     pending_prefill_tokens: int = 0
+    # Requests on the replicas serving the model; None: the sender did not say.
+    outstanding: int | None = None
 
 
 @dataclass(slots=True)
@@ -97,6 +178,15 @@ class PeerLoad:
     def on_complete(self, request_id: str) -> None:
         self._started(request_id)
         self.in_flight -= 1
+
+    def load_per_replica(self, model: str) -> float | None:
+        """Outstanding requests per replica for ``model`` with one more (the request being
+        placed): the heartbeat's figure plus its queue plus what we forwarded since.
+        None when the peer did not report it."""
+        m = self.models.get(model)
+        if m is None or m.outstanding is None or m.total <= 0:
+            return None
+        return (m.outstanding + m.queue + self._since.get(model, 0) + 1) / m.total
 
     def available_for(self, model: str, tau: int) -> bool:
         if not self.alive:

@@ -23,7 +23,13 @@ from skymesh.engine.hashing import BLOCK_SIZE
 from skymesh.engine.profiles import Profile
 from skymesh.policies.base import Policy, RequestTiming, RouteRequest
 from skymesh.policies.load import PushMode
-from skymesh.policies.peers import DEFAULT_TAU, ModelLoad
+from skymesh.policies.peers import (
+    DEFAULT_FORWARDING_RULE,
+    DEFAULT_TAU,
+    Balancing,
+    ForwardingRule,
+    ModelLoad,
+)
 from skymesh.sim.events import EventLoop
 from skymesh.sim.network import Network
 from skymesh.sim.workload import WorkItem
@@ -136,6 +142,8 @@ class SimBalancer:
         peer_policy: Policy | None = None,
         tau: int = DEFAULT_TAU,
         heartbeat_interval: float = 0.2,
+        forwarding_rule: ForwardingRule = DEFAULT_FORWARDING_RULE,
+        balancing: Balancing | None = None,
     ) -> None:
         self.name = name
         self.region = region
@@ -148,7 +156,8 @@ class SimBalancer:
         step_tokens = min((r.profile.max_num_batched_tokens for r in replicas), default=2048)
         self.dispatcher = Dispatcher(policy, mode, max_outstanding=max_outstanding,
                                      step_tokens=step_tokens, hold_s=hold_s,
-                                     max_queue=1 << 62, peer_policy=peer_policy, tau=tau)
+                                     max_queue=1 << 62, peer_policy=peer_policy, tau=tau,
+                                     forwarding_rule=forwarding_rule, balancing=balancing)
         self.dispatcher.set_targets({r.id: (r.engine_model,) for r in replicas})
         self.peers: dict[str, SimBalancer] = {}
         self._is_active = is_active
@@ -171,6 +180,9 @@ class SimBalancer:
     def connect(self, peers: list[SimBalancer]) -> None:
         self.peers = {p.name: p for p in peers if p is not self}
         self.dispatcher.set_peers(self.peers)
+        for p in self.peers.values():
+            # What the live balancer measures from heartbeat echoes; the network is fixed.
+            self.dispatcher.set_peer_rtt(p.name, 2 * self.net.one_way(self.region, p.region))
 
     # -- arrivals ------------------------------------------------------------------------
     def arrive(self, rec: RequestRecord) -> None:

@@ -20,7 +20,15 @@ from skymesh.engine.core import StepEvent
 from skymesh.engine.profiles import DEFAULT_PROFILE, get_profile
 from skymesh.policies import RouteRequest, build_policy
 from skymesh.policies.load import PushMode
-from skymesh.policies.peers import DEFAULT_TAU
+from skymesh.policies.peers import (
+    DEFAULT_BALANCE_MARGIN,
+    DEFAULT_FORWARDING_RULE,
+    DEFAULT_LOCALITY_MARGIN,
+    DEFAULT_RTT_WEIGHT,
+    DEFAULT_TAU,
+    Balancing,
+    ForwardingRule,
+)
 from skymesh.sim.cluster import RequestRecord, SimBalancer, SimReplica
 from skymesh.sim.deadlines import DEFAULT_DEADLINE_PROFILE, alone_latency
 from skymesh.sim.events import EventLoop
@@ -44,6 +52,12 @@ class SimConfig:
     forwarding: bool = True
     peer_policy: str = "prefix-tree"
     tau: int = DEFAULT_TAU
+    # The mesh's forwarding rule and the balanced rule's parameters, as in the balancer
+    # YAML's ``mesh`` section (skymesh.policies.peers).
+    forwarding_rule: str = DEFAULT_FORWARDING_RULE.value
+    balance_margin: float = DEFAULT_BALANCE_MARGIN
+    locality_margin: float = DEFAULT_LOCALITY_MARGIN
+    rtt_weight: float = DEFAULT_RTT_WEIGHT
     heartbeat_interval_s: float = 0.2
     profile: str = DEFAULT_PROFILE
     seed: int = 0
@@ -172,6 +186,8 @@ class Simulation:
         self._arrivals_left = True
         rng = random.Random(cfg.seed)
         mode = PushMode(cfg.push_mode)
+        rule = ForwardingRule(cfg.forwarding_rule)
+        balancing = Balancing(cfg.balance_margin, cfg.locality_margin, cfg.rtt_weight)
         self.replicas: list[SimReplica] = []
         self.balancers: dict[str, SimBalancer] = {}
         for region in cfg.regions:
@@ -197,7 +213,7 @@ class Simulation:
             self.balancers[region] = SimBalancer(
                 f"lb-{region}", region, reps, policy, self.loop, self.net, mode,
                 cfg.max_outstanding, cfg.probe_interval_s, self._active, self._on_rejected,
-                cfg.hold_s, peer_policy, cfg.tau, cfg.heartbeat_interval_s,
+                cfg.hold_s, peer_policy, cfg.tau, cfg.heartbeat_interval_s, rule, balancing,
             )
         if not self.replicas:
             raise ValueError("the simulation needs at least one replica")

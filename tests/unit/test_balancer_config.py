@@ -119,3 +119,21 @@ def test_a_deeply_nested_body_is_a_400_not_a_crash() -> None:
     raw = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     with pytest.raises(BadRequest, match="nested too deeply"):
         parse_request("chat", raw, {})
+
+
+def test_mesh_forwarding_rule_and_its_parameters() -> None:
+    from skymesh.policies.peers import DEFAULT_FORWARDING_RULE, Balancing, ForwardingRule
+
+    mesh = {"id": "lb-us", "certs_dir": "pki"}
+    cfg = parse_config({"mesh": mesh})
+    assert cfg.mesh is not None and cfg.mesh.forwarding_rule is DEFAULT_FORWARDING_RULE
+    assert cfg.mesh.balancing() == Balancing()
+    cfg = parse_config({"mesh": {**mesh, "forwarding_rule": "balanced",
+                                 "balance_margin": 0.5, "locality_margin": 6,
+                                 "rtt_weight": 0}})
+    assert cfg.mesh is not None and cfg.mesh.forwarding_rule is ForwardingRule.BALANCED
+    assert cfg.mesh.balancing() == Balancing(0.5, 6.0, 0.0)
+    with pytest.raises(ConfigError, match=r"mesh\.forwarding_rule"):
+        parse_config({"mesh": {**mesh, "forwarding_rule": "greedy"}})
+    with pytest.raises(ConfigError, match=r"mesh\.locality_margin"):
+        parse_config({"mesh": {**mesh, "locality_margin": -1}})

@@ -278,7 +278,8 @@ def test_heartbeat_with_a_100k_node_trie_stays_under_the_bound() -> None:
         msg = pb.HeartbeatMsg()
         for i in range(8):
             msg.models.add(model=f"meta-llama/Llama-3.1-{i}B-Instruct", available_replicas=3,
-                           total_replicas=8, queue_length=12, pending_prefill_tokens=123456)
+                           total_replicas=8, queue_length=12, pending_prefill_tokens=123456,
+                           outstanding_requests=4096)
         if include_prefix:
             msg.prefix.CopyFrom(prefix_summary(trie))
         return msg
@@ -399,3 +400,18 @@ def test_stubs_are_fresh_and_importable_as_a_package() -> None:
     assert codegen.is_fresh()
     assert pb.HeartbeatMsg.__module__ == "skymesh.mesh.gen.skymesh.v1.peering_pb2"
     assert pb.HeartbeatMsg.DESCRIPTOR.full_name == "skymesh.v1.HeartbeatMsg"
+
+
+def test_model_loads_cross_the_wire_and_an_old_sender_reads_as_unknown() -> None:
+    from skymesh.balancer.mesh_link import add_model_loads, read_model_loads
+    from skymesh.policies.peers import ModelLoad
+
+    sent = {"a": ModelLoad(2, 4, 1, 512, outstanding=0),
+            "b": ModelLoad(0, 3, 7, 0, outstanding=41)}
+    msg = pb.HeartbeatMsg()
+    add_model_loads(msg, sent)
+    back = read_model_loads(pb.HeartbeatMsg.FromString(msg.SerializeToString()))
+    assert back == sent  # an idle region's 0 survives as 0, not as "unknown"
+    old = pb.HeartbeatMsg()
+    old.models.add(model="a", available_replicas=2, total_replicas=4, queue_length=1)
+    assert read_model_loads(old)["a"].outstanding is None
