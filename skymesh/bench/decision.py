@@ -102,7 +102,7 @@ class RealView:
         self.loads = {t: ReplicaLoad(t) for t in targets}
         for ld in self.loads.values():
             ld.on_probe(0.0, rng.randint(0, 2), rng.randint(5, 40), rng.random())
-        self._flight: deque[tuple[str, str]] = deque()
+        self._flight: deque[tuple[RouteRequest, str]] = deque()
         self._cap = 20 * len(targets)
 
     def load(self, target: str) -> ReplicaLoad:
@@ -113,14 +113,18 @@ class RealView:
         loads = self.loads
         return [loads[t].outstanding for t in targets]
 
-    def dispatched(self, rid: str, target: str) -> None:
+    def dispatched(self, req: RouteRequest, target: str, policy: Policy) -> None:
+        """Book the dispatch; complete the oldest request, for the view and the policy
+        alike (as the balancer does), once ~20 per replica are in flight."""
+        rid = req.request_id
         ld = self.loads[target]
         ld.on_dispatch(rid, self.now)
         ld.on_first_byte(rid)
-        self._flight.append((rid, target))
+        self._flight.append((req, target))
         if len(self._flight) > self._cap:
             old, t = self._flight.popleft()
-            self.loads[t].on_complete(old)
+            self.loads[t].on_complete(old.request_id)
+            policy.on_complete(old, t, True)
 
 
 @dataclass(slots=True)
@@ -146,9 +150,10 @@ class LightView(RealView):
         plain = self.plain
         return [plain[t].outstanding for t in targets]
 
-    def dispatched(self, rid: str, target: str) -> None:
-        super().dispatched(rid, target)
-        self.plain[target].outstanding = self.loads[target].outstanding
+    def dispatched(self, req: RouteRequest, target: str, policy: Policy) -> None:
+        super().dispatched(req, target, policy)
+        for t, ld in self.loads.items():  # the dispatch and whichever request completed
+            self.plain[t].outstanding = ld.outstanding
 
 
 def _prefill(policy: Policy, stream: Iterator[RouteRequest], targets: list[str],
@@ -184,7 +189,7 @@ def measure(name: str, *, replicas: int, nodes: int, n_requests: int, seed: int,
         t1 = clock()
         if i >= warmup:
             times.append(t1 - t0)
-        view.dispatched(req.request_id, target)
+        view.dispatched(req, target, policy)
     times.sort()
     trie = getattr(policy, "trie", None)
     return {

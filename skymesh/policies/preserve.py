@@ -77,6 +77,13 @@ class LookAheadMap:
         self.origin = 0
         self.entries: dict[str, _Entry] = {}
         self.extensions = 0  # virtual extensions applied (observability, tests)
+        # Sum of the entries' ends (start + predicted), so remaining_decode is O(1): the
+        # router asks it for every candidate on every request.
+        self._end_sum = 0
+        # For one window w: prefix maxima of usage[i] + i and suffix maxima of usage[i],
+        # so peak() with any virtual request is two lookups (see peak). Rebuilt lazily
+        # after the map changes: a decision asks every candidate, a dispatch changes one.
+        self._peaks: tuple[int, list[float], list[float]] | None = None
 
     def _apply(self, e: _Entry, lo: int, hi: int, sign: float) -> None:
         """Add (sign +1) or remove (-1) ``e``'s tokens at absolute iterations [lo, hi)."""
@@ -84,18 +91,21 @@ class LookAheadMap:
         hi = min(hi, self.origin + self.horizon)
         if hi <= lo:
             return
+        self._peaks = None
         held = e.prompt + np.arange(lo - e.start, hi - e.start, dtype=float)
         self.usage[lo - self.origin: hi - self.origin] += sign * held
 
     def add(self, request_id: str, prompt_tokens: int, predicted_tokens: int) -> None:
         e = _Entry(self.origin, max(0, prompt_tokens), max(1, predicted_tokens))
         self.entries[request_id] = e
+        self._end_sum += e.start + e.predicted
         self._apply(e, e.start, e.start + e.predicted, 1.0)
 
     def finish(self, request_id: str) -> None:
         """The request ended now: drop what it would still have held (early end)."""
         e = self.entries.pop(request_id, None)
         if e is not None:
+            self._end_sum -= e.start + e.predicted
             self._apply(e, self.origin, e.start + e.predicted, -1.0)
 
     def advance(self, to_iteration: int) -> None:
@@ -104,6 +114,7 @@ class LookAheadMap:
         shift = to_iteration - self.origin
         if shift <= 0:
             return
+        self._peaks = None
         if shift >= self.horizon:
             self.usage[:] = 0.0
         else:
@@ -118,23 +129,35 @@ class LookAheadMap:
                 ext = max(1, math.ceil(self.extension * e.predicted))
                 self._apply(e, e.start + e.predicted, e.start + e.predicted + ext, 1.0)
                 e.predicted += ext
+                self._end_sum += ext
                 self.extensions += 1
 
     def remaining_decode(self) -> int:
-        """Predicted output tokens the mapped requests still have to generate."""
-        o = self.origin
-        return sum(max(0, e.start + e.predicted - max(o, e.start)) for e in self.entries.values())
+        """Predicted output tokens the mapped requests still have to generate.
+
+        Every entry started at or before the origin (entries start at the origin when
+        added, and it only moves on) and ends after it (``advance`` extends any that
+        would not), so each still has ``end - origin`` to go.
+        """
+        return self._end_sum - len(self.entries) * self.origin
 
     def peak(self, window: int, prompt_tokens: int = 0, predicted_tokens: int = 0) -> float:
         """Peak tokens over the next ``window`` iterations, with a request of
         ``prompt_tokens`` + ``predicted_tokens`` virtually added from now."""
         w = max(1, min(window, self.horizon))
-        cur = self.usage[:w]
         n = min(w, max(0, predicted_tokens))
-        if n:
-            cur = cur.copy()
-            cur[:n] += prompt_tokens + np.arange(n, dtype=float)
-        return float(cur.max())
+        peaks = self._peaks
+        if peaks is None or peaks[0] != w:
+            u = self.usage[:w]
+            with_request = np.maximum.accumulate(u + np.arange(w, dtype=float))
+            after = np.maximum.accumulate(u[::-1])[::-1]
+            peaks = (w, with_request.tolist(), [*after.tolist(), -math.inf])
+            self._peaks = peaks
+        _, with_request_max, after_max = peaks
+        # The virtual request holds prompt + i at iteration i < n; usage alone after that.
+        if n == 0:
+            return after_max[0]
+        return max(with_request_max[n - 1] + prompt_tokens, after_max[n])
 
 
 @dataclass(slots=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support import Load, View
 
 from skymesh.policies import RequestTiming, RouteRequest, build_policy
@@ -36,6 +38,31 @@ def test_map_adds_prompt_plus_generated_tokens_per_iteration() -> None:
     m.advance(2)
     assert m.usage[:3].tolist() == [102, 103, 0]
     assert m.remaining_decode() == 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "finish", "advance"]),
+                          st.integers(0, 5), st.integers(1, 30)), max_size=40))
+def test_remaining_decode_and_peak_match_their_definitions(
+    ops: list[tuple[str, int, int]]
+) -> None:
+    m = LookAheadMap(horizon=16)
+    for op, rid, n in ops:
+        if op == "add":
+            m.finish(str(rid))  # a request id is mapped once
+            m.add(str(rid), prompt_tokens=10, predicted_tokens=n)
+        elif op == "finish":
+            m.finish(str(rid))
+        else:
+            m.advance(m.origin + n)
+        o = m.origin
+        assert m.remaining_decode() == sum(
+            max(0, e.start + e.predicted - max(o, e.start)) for e in m.entries.values())
+        for window, prompt, predicted in ((8, 0, 0), (8, 50, 5), (16, 7, 30), (3, 1, 2)):
+            cur = m.usage[:window].copy()
+            k = min(window, predicted)
+            cur[:k] += prompt + np.arange(k)
+            assert m.peak(window, prompt, predicted) == cur.max()
 
 
 def test_map_early_end_removes_the_remainder() -> None:
