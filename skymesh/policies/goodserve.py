@@ -68,6 +68,25 @@ class Speed:
     observed: int = 0
     # request id -> dispatch time, for requests without a first token yet.
     waiting: dict[str, float] = field(default_factory=dict)
+    # Sum of those dispatch times: the mean wait is read for every candidate of every
+    # decision, and summing the dict each time made routing O(waiting requests).
+    waiting_since: float = 0.0
+
+    def start_wait(self, request_id: str, now: float) -> None:
+        self.end_wait(request_id)
+        self.waiting[request_id] = now
+        self.waiting_since += now
+
+    def end_wait(self, request_id: str) -> bool:
+        t = self.waiting.pop(request_id, None)
+        if t is None:
+            return False
+        self.waiting_since = self.waiting_since - t if self.waiting else 0.0
+        return True
+
+    def mean_wait(self, now: float) -> float:
+        n = len(self.waiting)
+        return now - self.waiting_since / n if n else 0.0
 
 
 def ema(old: float, sample: float, alpha: float) -> float:
@@ -151,7 +170,7 @@ class GoodServe(Policy, name="goodserve"):
     def _queue_now(self, s: Speed, now: float) -> float:
         if not s.waiting:
             return s.q
-        waited = sum(now - t for t in s.waiting.values()) / len(s.waiting)
+        waited = s.mean_wait(now)
         return s.q if s.q > waited else waited
 
     def _hits(self, request: RouteRequest, targets: Sequence[str]) -> dict[str, int]:
@@ -194,15 +213,14 @@ class GoodServe(Policy, name="goodserve"):
         hit = self._hits(request, (target,)).get(target, 0)
         idle = view.load(target).outstanding <= 1  # this request is already counted
         self._dispatched[request.request_id] = (max(1, request.prompt_len - hit), idle)
-        self.speed(target).waiting[request.request_id] = view.now
+        self.speed(target).start_wait(request.request_id, view.now)
         self.trie.insert(request.prefix_keys, target)
 
     def on_timing(self, request: RouteRequest, target: str, timing: RequestTiming) -> None:
         s = self.speed(target)
         a = self.alpha
         rid = request.request_id
-        if timing.first_token_at is not None and rid in s.waiting:
-            del s.waiting[rid]
+        if timing.first_token_at is not None and s.end_wait(rid):
             new, idle = self._dispatched.get(rid, (max(1, request.prompt_len), False))
             if timing.hit_tokens is not None:
                 new = max(1, timing.prompt_tokens - timing.hit_tokens)
@@ -222,7 +240,7 @@ class GoodServe(Policy, name="goodserve"):
         self._dispatched.pop(request.request_id, None)
         s = self.speeds.get(target)
         if s is not None:
-            s.waiting.pop(request.request_id, None)
+            s.end_wait(request.request_id)
 
     def on_membership(self, targets: Sequence[str]) -> None:
         keep = set(targets)

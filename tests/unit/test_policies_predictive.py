@@ -65,6 +65,25 @@ def test_remaining_decode_and_peak_match_their_definitions(
             assert m.peak(window, prompt, predicted) == cur.max()
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 5),
+                          st.floats(0, 1e5, allow_nan=False)), max_size=40))
+def test_goodserve_mean_wait_is_the_mean_over_waiting_requests(
+    ops: list[tuple[bool, int, float]]
+) -> None:
+    from skymesh.policies.goodserve import Speed
+
+    s = Speed(0.0, 0.0, 0.03)
+    for start, rid, t in ops:
+        if start:
+            s.start_wait(str(rid), t)
+        else:
+            s.end_wait(str(rid))
+        now = 2e5
+        want = sum(now - v for v in s.waiting.values()) / len(s.waiting) if s.waiting else 0
+        assert s.mean_wait(now) == pytest.approx(want, rel=1e-9, abs=1e-6)
+
+
 def test_map_early_end_removes_the_remainder() -> None:
     m = LookAheadMap(horizon=10)
     m.add("a", 100, 6)
