@@ -168,10 +168,18 @@ class MeshLink:
             if client is not None:
                 sessions.append(client.session)
             live = [x for x in sessions if x is not None]
+            load = self.dispatcher.peers.get(v.balancer_id)
             out.append({"id": v.balancer_id, "liveness": v.liveness.name.lower(),
                         "rtt_s": v.rtt_s,
                         "heartbeat_bytes_sent": sum(x.bytes_sent for x in live),
-                        "heartbeat_bytes_received": sum(x.bytes_received for x in live)})
+                        "heartbeat_bytes_received": sum(x.bytes_received for x in live),
+                        # Whether routing may forward to it now (heard from, and our
+                        # own channel to it is up), and its last heartbeat's loads.
+                        "forwardable": load is not None and load.alive,
+                        "models": {} if load is None else {
+                            m: {"available": ml.available, "total": ml.total,
+                                "queue": ml.queue, "outstanding": ml.outstanding}
+                            for m, ml in load.models.items()}})
         return out
 
     # -- forwarding out --------------------------------------------------------------------

@@ -157,3 +157,55 @@ async def test_a_partitioned_peer_goes_down_and_comes_back(tmp_path: Path) -> No
             d.stop()
         for p in links.values():
             await p.stop()
+
+
+async def test_the_balanced_rule_lends_to_a_lighter_peer_while_local_replicas_admit(
+        tmp_path: Path) -> None:
+    """Short requests never fill the one us replica, so SkyLB's overflow rule would keep
+    them all at home; the balanced rule sends some to the idle eu region, learning eu's
+    load from its heartbeats over gRPC."""
+    pki = tmp_path / "pki"
+    certs.create_ca(pki)
+    for name in ("lb-us", "lb-eu"):
+        certs.issue_cert(pki, name)
+    ports = {"lb-us": free_port(), "lb-eu": free_port()}
+
+    def mesh(me: str, peer: str, rule: str) -> dict[str, Any]:
+        return {"id": me, "certs_dir": str(pki), "listen_port": ports[me],
+                "heartbeat_interval_s": 0.1, "forwarding_rule": rule,
+                "balance_margin": 0.5, "locality_margin": 0.0, "rtt_weight": 0.0,
+                "peers": [{"id": peer, "address": f"127.0.0.1:{ports[peer]}"}]}
+
+    us = start_region(tmp_path, "us", 1, mesh("lb-us", "lb-eu", "balanced"))
+    eu = start_region(tmp_path, "eu", 1, mesh("lb-eu", "lb-us", "balanced"))
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            async def eu_ready() -> bool:
+                # Our channel to eu is up, and its heartbeats say its replica is up and
+                # how loaded it is.
+                peer = (await status(s, us[0]))["mesh"]["peers"][0]
+                m = peer["models"].get(MODEL)
+                return peer["forwardable"] and m is not None and \
+                    m["available"] >= 1 and m["outstanding"] == 0
+
+            await until(eu_ready, "us has heard eu's load")
+            bodies = [{"model": MODEL, "stream": True, "max_tokens": 60, "ignore_eos": True,
+                       "messages": [{"role": "user", "content": f"short question {i}"}]}
+                      for i in range(12)]
+
+            async def one(b: dict[str, Any]) -> int:
+                async with s.post(us[0].url + "/v1/chat/completions", json=b) as r:
+                    assert r.status == 200
+                    return sum(1 for raw in [x async for x in r.content]
+                               if raw.startswith(b"data: {"))
+
+            chunks = await asyncio.wait_for(asyncio.gather(*(one(b) for b in bodies)), 60)
+            assert all(n >= 60 for n in chunks)  # every stream whole, wherever it ran
+            st_us, st_eu = await status(s, us[0]), await status(s, eu[0])
+            assert st_us["mesh"]["forwarded_out"] > 0
+            assert st_eu["mesh"]["forwarded_in"] == st_us["mesh"]["forwarded_out"]
+            # Some, not all: the us replica kept admitting, so the rule weighed each one.
+            assert st_us["mesh"]["forwarded_out"] < len(bodies)
+    finally:
+        for d in [*us, *eu]:
+            d.stop()
