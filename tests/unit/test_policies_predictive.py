@@ -202,6 +202,22 @@ def test_goodserve_learns_speeds_and_routes_just_enough() -> None:
     assert pol.select(tight, ["slow", "fast"], view) == "fast"
 
 
+def test_goodserve_routes_on_a_conservative_length() -> None:
+    # Predicted 50 tokens: the slow replica needs ~3.5 s for 50 but ~6.5 s for 100.
+    req = RouteRequest("a", prompt_len=100, predicted_output_tokens=50, deadline_s=5.0)
+    picks = {}
+    for margin in (1.0, 2.0):
+        pol = GoodServe(alpha=1.0, length_margin=margin)
+        view = View()
+        _observe(pol, "slow", view, "s", ttft=0.5, tpot=0.06)
+        _observe(pol, "fast", view, "f", ttft=0.05, tpot=0.005)
+        picks[margin] = pol.select(req, ["slow", "fast"], view)
+    assert picks == {1.0: "slow", 2.0: "fast"}
+    assert GoodServe().length_margin == 2.0
+    with pytest.raises(ValueError, match="length_margin"):
+        GoodServe(length_margin=0.5)
+
+
 def test_goodserve_counts_the_wait_of_requests_without_a_first_token() -> None:
     pol = GoodServe(alpha=1.0)
     view = View()
