@@ -59,8 +59,11 @@ def start_lb(tmp: Path, slow: Daemon, fast: Daemon, *, l4_prior: float,
     cfg: dict[str, Any] = {
         "region": "test",
         "listen": {"host": "127.0.0.1", "port": 0},
+        # length_margin 1 (the paper's raw length): with the optimistic L4 prior the
+        # request is placed on the L4, which is the setup these migration tests need.
         "policy": {"name": "goodserve", "params": {
             "decode_priors": {slow.url: l4_prior, fast.url: H100_DECODE_S},
+            "length_margin": 1.0,
             "migration": migration, "migration_interval_s": 0.02}},
         "probe": {"interval_s": 0.05},
         "prediction": {"predictor": "none"},
