@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import yaml
+
 from skymesh.faults.cluster import RedisProcess
-from skymesh.procs import free_port
+from skymesh.procs import Daemon, free_port, start_daemon
 
 ADMIN = "admin-token-for-tests"
 READER = "read-token-for-tests"
@@ -12,7 +16,8 @@ AGENT = "agent-token-for-tests"
 
 # One restartable redis-server (AOF on) for the tests and the fault scenarios.
 RedisServer = RedisProcess
-__all__ = ["ADMIN", "AGENT", "READER", "RedisServer", "auth", "free_port", "token_config"]
+__all__ = ["ADMIN", "AGENT", "READER", "RedisServer", "auth", "free_port", "start_controller",
+           "token_config"]
 
 
 def token_config() -> list[dict[str, str]]:
@@ -25,3 +30,14 @@ def token_config() -> list[dict[str, str]]:
 
 def auth(token: str = ADMIN) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
+
+
+def start_controller(tmp: Path, *, probe_s: float, timeout_s: float) -> Daemon:
+    """A ``skymesh-controller`` with the test tokens, probing every ``probe_s``; two
+    failed probes in a row mark a balancer down."""
+    path = tmp / "controller.yaml"
+    path.write_text(yaml.safe_dump({
+        "listen": {"host": "127.0.0.1", "port": 0}, "tokens": token_config(),
+        "probe": {"interval_s": probe_s, "timeout_s": timeout_s, "failure_threshold": 2}}))
+    return start_daemon("skymesh-controller", ["--config", str(path)],
+                        log_path=tmp / "controller.log")

@@ -8,25 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
-from controller_support import ADMIN, auth, token_config
+from controller_support import ADMIN, auth, start_controller
 from support import until
 
 from skymesh.planning.actuate_local import LocalActuator
-from skymesh.procs import Daemon, start_daemon
+from skymesh.procs import Daemon
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 KEY = (MODEL, "us-east", "L4")
 PROBE_S = 0.2
-
-
-def start_controller(tmp: Path) -> Daemon:
-    path = tmp / "controller.yaml"
-    path.write_text(yaml.safe_dump({
-        "listen": {"host": "127.0.0.1", "port": 0}, "tokens": token_config(),
-        "probe": {"interval_s": PROBE_S, "timeout_s": 0.5, "failure_threshold": 2}}))
-    return start_daemon("skymesh-controller", ["--config", str(path)],
-                        log_path=tmp / "controller.log")
 
 
 async def replicas(s: aiohttp.ClientSession, ctl: Daemon) -> dict[str, dict[str, Any]]:
@@ -36,7 +26,7 @@ async def replicas(s: aiohttp.ClientSession, ctl: Daemon) -> dict[str, dict[str,
 
 
 async def test_plans_start_register_and_stop_replicas(tmp_path: Path) -> None:
-    ctl = start_controller(tmp_path)
+    ctl = start_controller(tmp_path, probe_s=PROBE_S, timeout_s=0.5)
     act = LocalActuator(ctl.url, token=ADMIN, replica_args=("--time-scale", "0.05"),
                         log_dir=tmp_path)
     try:

@@ -11,22 +11,13 @@ from typing import Any
 
 import aiohttp
 import yaml
-from controller_support import ADMIN, AGENT, auth, token_config
+from controller_support import ADMIN, AGENT, auth, start_controller
 from support import get_metrics, until
 
 from skymesh.procs import Daemon, start_daemon
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 PROBE_S = 0.3  # controller probe interval
-
-
-def start_controller(tmp: Path) -> Daemon:
-    path = tmp / "controller.yaml"
-    path.write_text(yaml.safe_dump({
-        "listen": {"host": "127.0.0.1", "port": 0}, "tokens": token_config(),
-        "probe": {"interval_s": PROBE_S, "timeout_s": 0.25, "failure_threshold": 2}}))
-    return start_daemon("skymesh-controller", ["--config", str(path)],
-                        log_path=tmp / "controller.log")
 
 
 def start_lb(tmp: Path, name: str, region: str, controller: str, replicas: list[Daemon],
@@ -61,7 +52,7 @@ async def test_failed_balancer_replicas_move_to_nearest_and_come_back(tmp_path: 
                                              "--seed", str(i)], log_path=tmp_path / f"r{i}.log")
             for i in range(4)]
     us_reps, eu_reps, asia_reps = reps[:2], reps[2:3], reps[3:]
-    ctl = start_controller(tmp_path)
+    ctl = start_controller(tmp_path, probe_s=PROBE_S, timeout_s=0.25)
     daemons: list[Daemon] = [*reps, ctl]
     results: list[tuple[int, str]] = []
     stop = asyncio.Event()
