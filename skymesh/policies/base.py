@@ -174,10 +174,12 @@ class Policy(ABC):
 
     def _argmin(self, candidates: Sequence[str], vals: Sequence[float]) -> str:
         """The candidate with the smallest value (aligned lists), ties by the RNG."""
-        # Two passes in C-level loops beat one Python loop with branches (hot path).
+        # C-level passes beat one Python loop with branches (hot path); a unique minimum,
+        # the common case under load, needs no list of the ties.
         low = min(vals)
-        best = [c for c, v in zip(candidates, vals, strict=True) if v == low]
-        return best[0] if len(best) == 1 else self.rng.choice(best)
+        if vals.count(low) == 1:
+            return candidates[vals.index(low)]
+        return self.rng.choice([c for c, v in zip(candidates, vals, strict=True) if v == low])
 
 
 def policy_names() -> list[str]:

@@ -145,7 +145,11 @@ class LMetric(Policy, name="lmetric"):
             self._observe(cls, now)
         total = len(self._window)
         in_class = self._counts.get(cls, 0)
-        m = sum(len(names) for depth, names in groups if depth >= class_depth)
+        m = 0
+        for depth, names in groups:  # deepest first
+            if depth < class_depth:
+                break
+            m += len(names)
         m_bar = population - m
         # Phase 1, x / (1 - x) > |M| / |M-bar| without dividing (1 - x may be 0).
         if not (m and m_bar and in_class * m_bar > (total - in_class) * m):

@@ -13,10 +13,13 @@ walk: the targets at the deepest match, then each ancestor's others at its end.
 
 The trie is path-compressed (a radix tree, like sglang-router's): a *segment* holds a
 run of keys with one parent and one target set, and is split only where paths diverge
-or target sets differ. A request that adds 30 blocks to a conversation costs one new
-segment and 30 dict entries, not 30 node objects, and a lookup walks a request's path
-a segment at a time: one dict probe per segment (two or three on chat traffic), the
-keys inside a run compared with the run's list without hashing.
+or target sets differ. A lookup walks a request's path a segment at a time: one dict
+probe per segment (two or three on chat traffic), the keys inside a run compared with
+the run's list without hashing. So only a segment's *first* key is indexed: a request
+that adds 30 blocks to a conversation appends them to a list (or starts one segment),
+and eviction trims lists. An earlier version indexed every key; on a full 100,000-key
+trie its inserts and evictions were dominated by cache misses in that large dict
+(``python -m skymesh.bench.decision``: LMETRIC 30 -> see README).
 
 Size is counted in keys (one key = one node of the uncompressed trie) and capped at
 ``max_nodes`` (default 100,000). When an insert would pass the cap, eviction frees what
@@ -32,23 +35,20 @@ Recency is kept per segment (touching any prefix of a run refreshes the run) and
 counter, not a clock, so the trie needs no time source.
 
 If keys are not chained (or two prefixes collide on one 64-bit key) answers become
-approximate, but the invariants hold: the cap, subset-of-parent target sets, and
-:meth:`match` never naming a target outside ``allowed``.
+approximate (a key may sit in two runs; a run whose first key another run already
+indexes is not reachable by lookups and ages out), but the invariants hold: the cap,
+subset-of-parent target sets, and :meth:`match` never naming a target outside
+``allowed``.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 DEFAULT_MAX_NODES = 100_000
 _CACHE_LIMIT = 4096
-
-
-def _consume(it: Iterator[object]) -> None:
-    deque(it, maxlen=0)  # runs an iterator to the end in C
 
 
 class _Segment:
@@ -73,7 +73,8 @@ class PrefixTrie:
             raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
         self.max_nodes = max_nodes
         self._slack = max_nodes >> 10  # eviction's low watermark (module docstring)
-        self._index: dict[int, _Segment] = {}  # key -> the segment holding it
+        self._index: dict[int, _Segment] = {}  # first key of a run -> its segment
+        self._size = 0  # keys held, i.e. nodes of the uncompressed trie
         self._segments: set[_Segment] = set()
         self._bits: dict[str, int] = {}  # target -> bit index
         self._names: list[str | None] = []  # bit index -> target (None: free)
@@ -88,9 +89,18 @@ class PrefixTrie:
         self._leaf_at: dict[int, _Segment] = {}
         self._mask_cache: dict[tuple[str, ...], int] = {}
         self._name_cache: dict[int, tuple[str, ...]] = {}
+        # The last tuple given as ``allowed`` and its mask: a policy passes its member
+        # tuple on every request, and hashing a 64-tuple costs more than the walk's probes.
+        self._last_allowed: tuple[str, ...] | None = None
+        self._last_mask = 0
+        self._live = 0  # the bits of every interned target
+        # A lookup's walk, kept for the insert that usually follows it for the same keys
+        # (select, then on_dispatch): (keys, depth, segment, version it is valid for).
+        self._version = 0  # bumped by every structural change
+        self._walk: tuple[Sequence[int], int, _Segment | None, int] | None = None
 
     def __len__(self) -> int:
-        return len(self._index)
+        return self._size
 
     # -- targets ---------------------------------------------------------------------------
     def targets(self) -> list[str]:
@@ -118,12 +128,16 @@ class PrefixTrie:
                 self._names.append(target)
                 self._sizes.append(0)
             self._bits[target] = b
+            self._live |= 1 << b
             self._mask_cache.clear()
+            self._last_allowed = None
         return b
 
     def _mask(self, allowed: Collection[str]) -> int:
         # Routers pass the same candidate lists over and over; building the mask bit by bit
         # would cost a dict probe per candidate on every decision.
+        if allowed is self._last_allowed:
+            return self._last_mask
         key = tuple(allowed)
         m = self._mask_cache.get(key)
         if m is None:
@@ -136,6 +150,8 @@ class PrefixTrie:
             if len(self._mask_cache) >= _CACHE_LIMIT:
                 self._mask_cache.clear()
             self._mask_cache[key] = m
+        if type(allowed) is tuple:  # immutable, so identity means the same targets
+            self._last_allowed, self._last_mask = allowed, m
         return m
 
     def _decode(self, mask: int) -> tuple[str, ...]:
@@ -203,6 +219,18 @@ class PrefixTrie:
                 return end, seg
             seg = nxt
 
+    def _lookup(self, keys: Sequence[int], amask: int) -> tuple[int, _Segment | None]:
+        d, seg = self._deepest(keys, amask, len(keys))
+        # Every target allowed: the walk insert would make. Only for a tuple of keys,
+        # which cannot change before the insert that reuses the walk.
+        if amask & self._live == self._live and type(keys) is tuple:
+            self._walk = (keys, d, seg, self._version)
+        return d, seg
+
+    def depth_of(self, keys: Sequence[int]) -> int:
+        """How much of ``keys`` is recorded, for any target. Leaves recency alone."""
+        return self._deepest(keys, -1, len(keys))[0]
+
     def match(
         self, keys: Sequence[int], allowed: Collection[str]
     ) -> tuple[int, tuple[str, ...]]:
@@ -215,7 +243,7 @@ class PrefixTrie:
         amask = self._mask(allowed)
         if not amask or not keys:
             return 0, ()
-        d, seg = self._deepest(keys, amask, len(keys))
+        d, seg = self._lookup(keys, amask)
         if seg is None:
             return 0, ()
         self._touch(seg)
@@ -237,7 +265,7 @@ class PrefixTrie:
         out: list[tuple[int, tuple[str, ...]]] = []
         if not amask or not keys:
             return out
-        d, seg = self._deepest(keys, amask, len(keys))
+        d, seg = self._lookup(keys, amask)
         if seg is None:
             return out
         self._touch(seg)
@@ -260,7 +288,14 @@ class PrefixTrie:
         b = self._intern(target)
         bit = 1 << b
         index = self._index
-        d, last = self._deepest(keys, -1, n)  # -1: any target, i.e. "the prefix exists"
+        walk = self._walk
+        if walk is not None and walk[0] is keys and walk[3] == self._version \
+                and n == len(keys):
+            _, d, last, _ = walk
+        else:
+            d, last = self._deepest(keys, -1, n)  # -1: any target: "the prefix exists"
+        self._version += 1
+        self._walk = None
         if last is not None:
             cut = d - last.start  # keys of ``last`` on this path
             if d < last.end and (d < n or not last.mask & bit):
@@ -277,33 +312,23 @@ class PrefixTrie:
             self._touch(last)
         if d == n:
             return
-        excess = len(index) + (n - d) - self.max_nodes
+        excess = self._size + (n - d) - self.max_nodes
         if excess > 0:
             # Never more than the keys off this path (excess alone never is: n <= cap),
             # so the path, touched above, survives.
-            self._evict(min(excess + self._slack, len(index) - d))
+            self._evict(min(excess + self._slack, self._size - d))
         if last is not None and not last.children and last.mask == bit:
             seg = last  # a conversation growing on the same target: extend its run
         else:
             seg = _Segment([], d, last, bit)
-        fresh = list(keys[d:n])
-        if index.keys().isdisjoint(fresh) and len(set(fresh)) == len(fresh):
-            index.update(dict.fromkeys(fresh, seg))  # the common case, in C
-        else:
-            # Key reuse or a collision: take keys up to the first one already present,
-            # so the tree stays consistent.
-            size = len(index)
-            for i, key in enumerate(fresh):
-                index.setdefault(key, seg)
-                if len(index) == size:
-                    del fresh[i:]
-                    break
-                size += 1
-        seg.keys.extend(fresh)
-        added = len(fresh)
+            if index.setdefault(keys[d], seg) is not seg:
+                return  # the key heads another run: unchained keys or a collision
+        seg.keys.extend(keys[d:n])
+        added = n - d
         seg.end += added
+        self._size += added
         self._sizes[b] += added
-        if seg is last or not added:
+        if seg is last:
             return
         self._segments.add(seg)
         if last is not None:
@@ -320,9 +345,9 @@ class PrefixTrie:
         seg.children = {tail}
         del seg.keys[cut:]
         seg.end = tail.start
-        index = self._index
-        for k in tail.keys:
-            index[k] = tail
+        # With chained keys a key inside a run heads no other run; otherwise (module
+        # docstring) the tail stays unindexed rather than steal another run's entry.
+        self._index.setdefault(tail.keys[0], tail)
         self._segments.add(tail)
         if not tail.children:
             self._push(tail)
@@ -347,6 +372,10 @@ class PrefixTrie:
                 self._free.append(b)
         if not gone:
             return
+        self._version += 1
+        self._walk = None
+        self._live &= ~gone
+        self._last_allowed = None
         self._mask_cache.clear()
         self._name_cache.clear()
         dead: list[_Segment] = []
@@ -357,19 +386,28 @@ class PrefixTrie:
                     dead.append(seg)
         # A run left empty has only empty descendants (subset invariant), so whole
         # subtrees go; only a surviving parent needs its children fixed.
-        index = self._index
         for seg in dead:
-            for k in seg.keys:
-                del index[k]
+            self._unindex(seg)
+            self._size -= len(seg.keys)
             self._segments.discard(seg)
+        # A surviving parent left childless is as recent as the newest child it lost
+        # (``dead`` is in set order, so "the last one processed" would be arbitrary).
+        newest: dict[_Segment, int] = {}
         for seg in dead:
             p = seg.parent
             if p is not None and p.mask:
                 p.children.discard(seg)
-                if not p.children:
-                    p.stamp = max(p.stamp, seg.stamp)
-                    self._push(p)
+                newest[p] = max(newest.get(p, 0), seg.stamp)
+        for p, stamp in newest.items():
+            if not p.children:
+                p.stamp = max(p.stamp, stamp)
+                self._push(p)
         self._sweep_heap()
+
+    def _unindex(self, seg: _Segment) -> None:
+        index, head = self._index, seg.keys[0]
+        if index.get(head) is seg:
+            del index[head]
 
     # -- recency and eviction ----------------------------------------------------------------
     def _touch(self, seg: _Segment) -> None:
@@ -395,7 +433,7 @@ class PrefixTrie:
 
     def _evict(self, count: int) -> None:
         """Drop ``count`` keys, deepest keys of the oldest leaf first."""
-        heap, index, leaf_at = self._heap, self._index, self._leaf_at
+        heap, leaf_at = self._heap, self._leaf_at
         while count > 0 and heap:
             stamp = heapq.heappop(heap)
             seg = leaf_at.pop(stamp, None)
@@ -404,14 +442,15 @@ class PrefixTrie:
             keys = seg.keys
             if len(keys) > count:
                 # Trim the deepest keys: they are this run's leaves, all equally old.
-                _consume(map(index.__delitem__, keys[-count:]))
                 del keys[-count:]
                 seg.end -= count
+                self._size -= count
                 self._adjust_sizes(seg.mask, -count)
                 leaf_at[stamp] = seg
                 heapq.heappush(heap, stamp)
                 return
-            _consume(map(index.__delitem__, keys))
+            self._unindex(seg)
+            self._size -= len(keys)
             self._adjust_sizes(seg.mask, -len(keys))
             count -= len(keys)
             self._segments.discard(seg)

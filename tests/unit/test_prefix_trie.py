@@ -11,14 +11,17 @@ from support import chain, common_prefix
 from skymesh.prefix import PrefixTrie, text_prefix_keys
 
 
-def check_structure(trie: PrefixTrie) -> None:
-    """Segments partition the keys, target sets shrink downwards, links agree."""
+def check_structure(trie: PrefixTrie, *, chained: bool = True) -> None:
+    """Segments hold the keys, target sets shrink downwards, links agree, and each run
+    is indexed by its first key (every run, when keys are chained)."""
     index, segs = trie._index, trie._segments
-    assert sum(len(s.keys) for s in segs) == len(index) == len(trie)
+    assert sum(len(s.keys) for s in segs) == len(trie)
+    assert all(seg in segs and seg.keys[0] == k for k, seg in index.items())
+    if chained:
+        assert len(index) == len(segs)
     for seg in segs:
         assert seg.mask and seg.keys
         assert seg.end == seg.start + len(seg.keys)
-        assert all(index[k] is seg for k in seg.keys)
         for child in seg.children:
             assert child.parent is seg and child in segs
             assert child.start == seg.start + len(seg.keys)
@@ -67,7 +70,7 @@ def test_oldest_leaf_is_evicted_first_and_match_refreshes() -> None:
     p, q, r = chain([1, 2]), chain([3, 4]), chain([5, 6])
 
     def kept(keys: list[int]) -> int:  # how much of a path survives, without touching it
-        return sum(1 for k in keys if k in trie._index)
+        return trie.depth_of(keys)
 
     trie.insert(p, "a")
     trie.insert(q, "b")
@@ -162,6 +165,48 @@ def test_invariants_hold_under_any_operations(
         check_structure(trie)
 
 
+def dump(trie: PrefixTrie) -> list[tuple[int, tuple[int, ...], tuple[str, ...], int]]:
+    return sorted((g.start, tuple(g.keys), trie._decode(g.mask), g.stamp)
+                  for g in trie._segments)
+
+
+lookup_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("lookup"), seqs, st.lists(st.sampled_from(TARGETS), unique=True)),
+        st.tuples(st.just("insert"), seqs, st.sampled_from(TARGETS)),
+        st.tuples(st.just("remove"), seqs, st.sampled_from(TARGETS)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=lookup_ops, cap=st.integers(1, 12))
+def test_an_insert_reusing_the_lookups_walk_records_what_a_fresh_walk_would(
+    ops: list[tuple[str, list[int], object]], cap: int
+) -> None:
+    # ``fast`` sees the same tuple for a sequence every time, so an insert after a lookup
+    # of it reuses the lookup's walk (when nothing changed in between); ``slow`` gets a
+    # new list each time and always walks. Same operations otherwise, same recency.
+    fast, slow = PrefixTrie(max_nodes=cap), PrefixTrie(max_nodes=cap)
+    same: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for op, seq, arg in ops:
+        keys = same.setdefault(tuple(seq), tuple(chain(seq)))
+        if op == "lookup":
+            assert isinstance(arg, list)
+            assert fast.depth_groups(keys, arg) == slow.depth_groups(list(keys), arg)
+        elif op == "insert":
+            assert isinstance(arg, str)
+            fast.insert(keys, arg)
+            slow.insert(list(keys), arg)
+        else:
+            assert isinstance(arg, str)
+            fast.remove_target(arg)
+            slow.remove_target(arg)
+        assert dump(fast) == dump(slow) and len(fast) == len(slow)
+        check_structure(fast)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     inserted=st.lists(st.tuples(seqs, st.sampled_from(TARGETS)), max_size=12),
@@ -202,13 +247,12 @@ def test_unrelated_sequences_are_evicted_oldest_first(
     seqs = [chain([1000 + i, *range(n - 1)]) for i, n in enumerate(lengths)]
     for i, keys in enumerate(seqs):
         trie.insert(keys, data.draw(st.sampled_from(TARGETS), label=f"target {i}"))
-    kept = [sum(1 for k in keys if k in trie._index) for keys in seqs]
+    kept = [trie.depth_of(keys) for keys in seqs]
     # Newest sequences whole, then at most one cut short from its end, older ones gone.
     room = cap
     for keys, k in zip(reversed(seqs), reversed(kept), strict=True):
         want = min(len(keys), room)
         assert k == want
-        assert all(key in trie._index for key in keys[:k])
         room -= want
     assert len(trie) == min(cap, sum(lengths))
     check_structure(trie)
@@ -247,9 +291,8 @@ def test_a_full_trie_evicts_down_to_its_low_watermark_oldest_first() -> None:
     trie.insert(newest, TARGETS[0])
     # One key over the cap frees 1 + 2, all from the oldest sequence's deepest keys.
     assert len(trie) == 2048 - 2
-    assert all(k in trie._index for k in seqs[0][:64 - 3])
-    assert not any(k in trie._index for k in seqs[0][64 - 3:])
-    assert all(k in trie._index for s in seqs[1:] for k in s) and newest[0] in trie._index
+    assert trie.depth_of(seqs[0]) == 64 - 3
+    assert all(trie.depth_of(s) == 64 for s in seqs[1:]) and trie.depth_of(newest) == 1
     check_structure(trie)
 
 
@@ -276,4 +319,4 @@ def test_unchained_keys_give_approximate_answers_but_keep_the_invariants(
             assert isinstance(arg, str)
             trie.remove_target(arg)
         assert len(trie) <= cap
-        check_structure(trie)
+        check_structure(trie, chained=False)
