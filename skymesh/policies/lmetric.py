@@ -111,9 +111,12 @@ class LMetric(Policy, name="lmetric"):
         if groups:
             p1_of: dict[str, int] = {}
             for depth, names in groups:
-                p1_of.update(dict.fromkeys(names, plen - plen * depth // n + 1))
+                p1 = plen - plen * depth // n + 1
+                for name in names:  # measured: half the cost of dict.fromkeys + update
+                    p1_of[name] = p1
             get = p1_of.get
-            vals = [get(c, miss) * (o + 1) for c, o in zip(candidates, outs, strict=True)]
+            # strict=False: outs is built from candidates (see _argmin on the cost).
+            vals = [get(c, miss) * (o + 1) for c, o in zip(candidates, outs, strict=False)]
         else:
             vals = [miss * (o + 1) for o in outs]
         if self.hotspot_detector and n:

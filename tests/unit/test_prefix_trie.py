@@ -320,3 +320,27 @@ def test_unchained_keys_give_approximate_answers_but_keep_the_invariants(
             trie.remove_target(arg)
         assert len(trie) <= cap
         check_structure(trie, chained=False)
+
+
+def test_many_targets_on_one_prefix_come_back_in_first_recorded_order() -> None:
+    # More than 64 targets (masks past one machine word) and more than four per prefix
+    # (the decoder's bulk path), with freed and reused bits in between.
+    trie = PrefixTrie()
+    names = [f"http://replica-{i:02d}:8000" for i in range(70)]
+    system = chain([1, 2, 3])
+    for t in names:
+        trie.insert(system, t)
+    assert trie.match(system, names) == (3, tuple(names))
+    gone = set(names[5:40:3])
+    trie.remove_targets(gone)
+    kept = [t for t in names if t not in gone]
+    assert trie.match(system, names) == (3, tuple(kept))
+    newcomers = [f"http://new-{i}:8000" for i in range(len(gone))]
+    for t in newcomers:  # they take the freed bits, which sit below the kept ones
+        trie.insert(system, t)
+    depth, found = trie.match(system, kept + newcomers)
+    assert depth == 3 and sorted(found) == sorted(kept + newcomers)
+    assert [t for t in found if t in kept] == kept
+    assert trie.depth_groups(chain([1, 2, 3, 4]), names[:10]) == [
+        (3, tuple(t for t in names[:10] if t not in gone))]
+    check_structure(trie)
