@@ -81,7 +81,7 @@ class PrefixTrie:
         self._names: list[str | None] = []  # bit index -> target (None: free)
         self._free: list[int] = []
         self._sizes: list[int] = []  # bit index -> keys recording the target
-        self._clock = itertools.count(1)
+        self._tick = 0  # the last stamp given out
         # Eviction order: a min-heap of leaf stamps, and the leaf holding each stamp. A
         # stamp names one leaf at a time (a parent inherits its evicted child's stamp), so
         # the heap holds plain ints, which compare far faster than tuples. Entries go stale
@@ -315,8 +315,10 @@ class PrefixTrie:
                 up.mask |= bit
                 self._sizes[b] += len(up.keys)
                 up = up.parent
-            # Newest now, so evicting room for the new suffix never takes the path itself.
-            self._touch(last)
+            # Newest now, so evicting room for the new suffix never takes the path itself
+            # (it is already when the lookup before this insert just touched it).
+            if last.stamp != self._tick:
+                self._touch(last)
         if d == n:
             return
         excess = self._size + (n - d) - self.max_nodes
@@ -420,7 +422,8 @@ class PrefixTrie:
     def _touch(self, seg: _Segment) -> None:
         if self._leaf_at.get(seg.stamp) is seg:
             del self._leaf_at[seg.stamp]
-        seg.stamp = next(self._clock)
+        self._tick += 1
+        seg.stamp = self._tick
         if not seg.children:
             self._push(seg)
 
