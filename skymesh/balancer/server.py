@@ -433,14 +433,23 @@ class Balancer:
         limit = self.cfg.limits.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        buf = bytearray()
-        async for chunk in request.content.iter_any():
-            buf += chunk
-            if len(buf) > limit:
-                raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        if not buf:
+        content = request.content
+        if content.is_eof():
+            # The whole body came with the headers (small JSON bodies do): take it without
+            # the async iteration, which is TTFT at low request rates.
+            raw = content.read_nowait()
+        else:
+            buf = bytearray()
+            async for chunk in content.iter_any():
+                buf += chunk
+                if len(buf) > limit:
+                    raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+            raw = bytes(buf)
+        if len(raw) > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        if not raw:
             raise BadRequest("request body is empty")
-        return bytes(buf)
+        return raw
 
     async def _serve(self, request: web.Request, ticket: Ticket, raw: bytes, intake: Intake,
                      t0: float, timeout: float) -> tuple[web.StreamResponse, str]:
@@ -550,7 +559,7 @@ class Balancer:
                 self.dispatcher.complete(ticket, self.now(), ok=ok)
                 return (web.Response(status=status, body=bytes(body), headers=headers),
                         "ok" if ok else f"upstream_{status}")
-            resp = web.StreamResponse(status=status, headers=headers)
+            resp = _CoalescedStream(status=status, headers=headers)
             await resp.prepare(request)
             ok = True
             try:
@@ -568,10 +577,10 @@ class Balancer:
             await resp.write_eof()
             return resp, "ok" if ok else "upstream_broken"
 
-    async def _first_chunk(self, ticket: Ticket, up: aiohttp.ClientResponse, t0: float
+    async def _first_chunk(self, up: aiohttp.ClientResponse
                            ) -> tuple[AsyncIterator[bytes], bytes, float]:
         """The upstream's first bytes (a failure before them is the replica's: retry), and
-        the moment the request counts as started."""
+        when they came."""
         chunks: AsyncIterator[bytes] = up.content.iter_any()
         try:
             first = await chunks.__anext__()
@@ -579,24 +588,34 @@ class Balancer:
             raise _ReplicaFault("empty response") from None
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _ReplicaFault(str(exc) or type(exc).__name__) from exc
-        # From here on the client has bytes: no more retries.
-        first_at = self.now()
+        return chunks, first, self.now()
+
+    async def _open_stream(self, request: web.Request, ticket: Ticket,
+                           up: aiohttp.ClientResponse, first: bytes, first_at: float, t0: float
+                           ) -> web.StreamResponse:
+        """Answer the client with the upstream's status, headers and first bytes, then
+        count the request as started. From here on the client has bytes: no more retries.
+
+        The bookkeeping comes after the write: it is not needed to relay the first token,
+        and at low request rates every step before that write is TTFT (each costs several
+        times its warm-cache time when the balancer wakes from idle)."""
+        resp = _CoalescedStream(status=up.status, headers=_copy_headers(up))
+        await resp.prepare(request)
+        await resp.write(first)
         self.dispatcher.first_byte(ticket)
         self._pump()  # a no-op unless requests wait for exactly this
         self.metrics.ttft.labels(ticket.route.model).observe(first_at - t0)
-        return chunks, first, first_at
+        return resp
 
     async def _stream(self, request: web.Request, ticket: Ticket, up: aiohttp.ClientResponse,
                       t0: float, sent: float, intake: Intake
                       ) -> tuple[web.StreamResponse, str]:
-        chunks, first, first_at = await self._first_chunk(ticket, up, t0)
+        chunks, first, first_at = await self._first_chunk(up)
+        resp = await self._open_stream(request, ticket, up, first, first_at, t0)
         target = ticket.target or ""
         if self._timed:
             self.dispatcher.policy.on_timing(ticket.route, target, RequestTiming(
                 first_at, sent, first_at, 0, False, ticket.route.prompt_len))
-        resp = web.StreamResponse(status=up.status, headers=_copy_headers(up))
-        await resp.prepare(request)
-        await resp.write(first)
         ok = True
         # One SSE event per generated token in vLLM's and SGLang's streams (bar the role
         # chunk and [DONE]): a count good enough for demand telemetry, and cheap.
@@ -632,9 +651,12 @@ class Balancer:
         """``_stream`` for a request the policy may move: whole SSE events are relayed
         one by one, so the periodic re-check (:meth:`recheck`) can cut the stream over to
         another replica between two events."""
-        chunks, first, now = await self._first_chunk(ticket, up, t0)
-        resp = web.StreamResponse(status=up.status, headers=_copy_headers(up))
+        chunks, first, now = await self._first_chunk(up)
+        resp = _CoalescedStream(status=up.status, headers=_copy_headers(up))
         await resp.prepare(request)
+        self.dispatcher.first_byte(ticket)
+        self._pump()
+        self.metrics.ttft.labels(ticket.route.model).observe(now - t0)
         st = LiveStream(ticket, intake.kind, intake.body, sent, first_at=now, upstream=up)
         self.dispatcher.policy.on_timing(ticket.route, ticket.target or "", st.timing(now))
         key = ticket.key
@@ -928,6 +950,18 @@ def _broken(message: str, code: str = "upstream_failed") -> bytes:
     """The SSE error event and end a client gets after its first byte."""
     err = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+
+
+class _CoalescedStream(web.StreamResponse):
+    """A streamed response whose headers leave with its first chunk, in one write.
+
+    aiohttp's StreamResponse sends headers on ``prepare``; we prepare only once the
+    upstream's first bytes are here, so a separate send would cost a system call and a
+    wake-up of the client for nothing. aiohttp's own ``Response`` buffers them this way
+    (the same class attribute); if a later aiohttp drops it, headers go out on
+    ``prepare`` again, which is only slower."""
+
+    _send_headers_immediately = False
 
 
 def _copy_headers(up: aiohttp.ClientResponse) -> dict[str, str]:

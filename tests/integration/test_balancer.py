@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +157,32 @@ async def test_bad_input_gets_openai_errors(mesh1: tuple[Daemon, list[Daemon]], 
             assert err["message"]
             if param is not None:
                 assert err["param"] == param
+        assert lb.alive()
+        await until(lambda: drained(s, lb), "nothing left queued")
+
+
+@pytest.mark.parametrize(("pieces", "status"), [
+    ([b'{"model": "%s", "messages": ' % MODEL.encode(),
+      b'[{"role": "user", "content": "hi"}], "max_tokens": 2}'], 200),
+    ([b'{"model": "x", "messages": [{"role": "user", "content": "'] + [b"x" * 8192] * 9
+     + [b'"}]}'], 413),
+])
+async def test_a_chunked_body_in_pieces_is_read_whole_and_capped(
+        mesh1: tuple[Daemon, list[Daemon]], pieces: list[bytes], status: int) -> None:
+    # No Content-Length: the body arrives after the headers, in pieces, and the limit
+    # (64 KiB here) must hold while reading rather than from a declared length.
+    lb, _ = mesh1
+
+    async def body() -> AsyncIterator[bytes]:
+        for piece in pieces:
+            yield piece
+
+    async with aiohttp.ClientSession() as s:
+        async with s.post(lb.url + "/v1/chat/completions", data=body(),
+                          headers={"Content-Type": "application/json"}) as r:
+            assert r.status == status, await r.text()
+            out = await r.json()
+            assert ("choices" in out) if status == 200 else out["error"]["message"]
         assert lb.alive()
         await until(lambda: drained(s, lb), "nothing left queued")
 
