@@ -37,6 +37,7 @@ import json
 import random
 import sys
 import time
+import tracemalloc
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -201,6 +202,28 @@ def measure(name: str, *, replicas: int, nodes: int, n_requests: int, seed: int,
     }
 
 
+def trie_memory_mib(nodes: int, replicas: int, seed: int) -> float:
+    """Memory a prefix trie filled to ``nodes`` keys holds (tracemalloc, MiB), the keys
+    themselves excluded: they belong to the requests that brought them."""
+    rng = random.Random(seed)
+    targets = [f"http://replica-{i:02d}.internal:8000" for i in range(replicas)]
+    stream = requests(seed)
+    batch = [next(stream) for _ in range(max(1, nodes // 8))]
+    tracemalloc.start()
+    try:
+        trie = PrefixTrie(nodes)
+        i = 0
+        while len(trie) < nodes * 0.99:  # a full trie hovers just below its cap
+            if i == len(batch):  # keys made here count; keep them few
+                batch.extend(next(stream) for _ in range(len(batch)))
+            trie.insert(batch[i].prefix_keys, rng.choice(targets))
+            i += 1
+        used, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return used / 2**20
+
+
 def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(runs[0])
     for key in ("p50_us", "p99_us"):
@@ -238,10 +261,13 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         rows.append({**real, "light_p50_us": light["p50_us"], "light_p99_us": light["p99_us"],
                      "meets_target": ok == "ok"})
+    mib = trie_memory_mib(args.nodes, args.replicas, args.seed)
+    print(f"prefix trie filled to {args.nodes:,} keys holds {mib:.1f} MiB (tracemalloc)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"target_p50_us": TARGET_P50_US, "replicas": args.replicas,
-                       "nodes": args.nodes, "results": rows}, f, indent=2)
+                       "nodes": args.nodes, "trie_mib": round(mib, 2), "results": rows},
+                      f, indent=2)
     return 0
 
 
