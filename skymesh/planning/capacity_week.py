@@ -371,7 +371,38 @@ def _spill(loads: dict[str, float], caps: dict[str, float]) -> tuple[dict[str, f
     return served, {r: (moved[r] / served[r] if served[r] > 0 else 0.0) for r in loads}
 
 
-def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
+TRACE_FIELDS = (
+    "requests",  # interactive requests the endpoint served in the step
+    "attainment",  # fraction of them that met the TTFT SLO
+    "utilisation",  # effective memory utilisation the strategy saw
+    "rho",  # busy fraction that sets the processor-sharing slowdown (batch included)
+    "batch_rho",  # ... of which batch work
+    "wait_s",  # backlog wait plus the spill round trip, before prefill
+    "ready", "starting", "target",  # instances; target -1 when there is none
+    "load_tps", "forecast_tps", "capacity_tps",  # own traffic, window forecast, ready x mu_t
+    "forwarded",  # share of the served load that came from another region
+)
+
+
+@dataclass
+class WeekTrace:
+    """Per-step state of every endpoint in one strategy's run, for diagnosis.
+
+    ``data[(model, region)][field]`` is an array over steps, one per ``TRACE_FIELDS``.
+    Pass one to :func:`run_strategy` to have it filled; runs without one record nothing.
+    """
+
+    step_s: float = 0.0
+    data: dict[tuple[str, str], dict[str, np.ndarray]] = field(default_factory=dict)
+
+    def reset(self, step_s: float, steps: int) -> None:
+        self.step_s = step_s
+        self.data = {(m, r): {f: np.zeros(steps) for f in TRACE_FIELDS}
+                     for m in MODELS for r in REGIONS}
+
+
+def run_strategy(name: str, cfg: WeekConfig, demand: Demand,
+                 trace: WeekTrace | None = None) -> dict[str, Any]:
     strat: Strategy = make_strategy(name)
     dt = demand.step_s
     slo = {m: cfg.slo_factor * demand.caps[m].prompt_len / demand.caps[m].mu_p
@@ -387,6 +418,8 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
     tally = Tally()
     targets: dict[tuple[str, str], int] = {}
     n = demand.steps
+    if trace is not None:
+        trace.reset(dt, n)
     weights = {m: np.zeros(n * len(REGIONS)) for m in MODELS}
     waits = {m: np.zeros(n * len(REGIONS)) for m in MODELS}
     scales = {m: np.zeros(n * len(REGIONS)) for m in MODELS}
@@ -466,7 +499,7 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
                     wait = e.backlog / cap
                     scale = t0[m] / (1 - rho) if rho < 0.999 else math.inf
                 else:
-                    done, low, util, wait, scale = 0.0, 0.0, 1.0, math.inf, math.inf
+                    done, low, util, rho, wait, scale = 0.0, 0.0, 1.0, 1.0, math.inf, math.inf
                 inter_done = min(inter, done)
                 e.backlog = inter - inter_done
                 e.batch_urgent -= done - inter_done
@@ -487,6 +520,20 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
                 scales[m][k] = scale
                 # Observe and act.
                 fc = demand.forecast[(m, r)][window]
+                if trace is not None:
+                    row = trace.data[(m, r)]
+                    row["requests"][i] = weights[m][k]
+                    row["utilisation"][i] = util
+                    row["rho"][i] = rho
+                    row["batch_rho"][i] = (low + done - inter_done) / (cap * dt) if cap else 0.0
+                    row["wait_s"][i] = waits[m][k]
+                    row["ready"][i] = e.ready
+                    row["starting"][i] = len(e.starting)
+                    row["target"][i] = targets.get((m, r), -1)
+                    row["load_tps"][i] = loads[r]
+                    row["forecast_tps"][i] = float(fc[0])
+                    row["capacity_tps"][i] = cap
+                    row["forwarded"][i] = forwarded[r]
                 # The load anticipator: this step's utilisation plus a minute of its
                 # trend, spread over the instances already on their way.
                 proj = (util + max(0.0, util - e.last_util) * (60.0 / dt)) \
@@ -533,6 +580,9 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
     all_w, all_ok = 0.0, 0.0
     for m in MODELS:
         ok = attainment(slo[m], waits[m], scales[m])
+        if trace is not None:
+            for j, r in enumerate(REGIONS):
+                trace.data[(m, r)]["attainment"][:] = ok[j::len(REGIONS)]
         w = weights[m]
         all_w += float(w.sum())
         all_ok += float((w * ok).sum())
