@@ -38,14 +38,21 @@ trip. A region that spills reports the utilisation of its own traffic to the sca
 
 Batch (non-interactive) load, ``batch_share`` of each model's mean interactive tokens/s
 (SageServe's 0.2M NIW next to 1.4M IW requests: 0.14), arrives at a constant rate, one
-bundle per model per step, into SageServe's queue manager (:mod:`batch_queue`): each
-endpoint signals its utilisation once per step and gets one bundle under 60%, two under
-50%. Handed-out work waits at the endpoint and uses only capacity left by interactive
-work (priority 1), or queues with it once older than 10 hours (priority 0); it expires
-after 24 hours. Batch work in progress counts in the effective memory utilisation the
-scalers see, and slows interactive requests like any other running work. The ILP adds
-SageServe's buffer beta, ``batch_buffer`` (10%) of the batch tokens/s each endpoint
-received in the past hour, to its forecast.
+bundle per model per step, into SageServe's queue manager (:mod:`batch_queue`).
+SageServe's endpoints signal on every request and get one or two requests per signal while
+under 60%, so an endpoint tops up with batch work to 60% of its capacity and no further:
+each step, an endpoint under 60% receives batch tokens up to that level
+(``batch_feed="fill"``, the fluid limit of per-request signalling; a bundle is split when
+only part of it fits). ``batch_feed="bundle"`` is the earlier coarse form: one signal per
+endpoint per step, one whole bundle (15 s of the model's batch load) under 60%, two under
+50%, which can hand a small endpoint more than its spare capacity in one step and run it
+at 100%, where every interactive request of the step misses its SLO. Handed-out work waits
+at the endpoint and uses only capacity left by interactive work (priority 1), or queues
+with it once older than 10 hours (priority 0); it expires after 24 hours. Batch work in
+progress counts in the effective memory utilisation the scalers see, and slows interactive
+requests like any other running work. The ILP adds SageServe's buffer beta,
+``batch_buffer`` (10%) of the batch tokens/s each endpoint received in the past hour, to
+its forecast.
 
 ``anticipate``: plan hour H at the start of the window holding H minus the longest cold
 start, from the forecast of H's windows, and hold the larger of the two hours' counts
@@ -97,6 +104,7 @@ PROMPT_SIGMA = 0.985  # log-normal spread of prompt lengths, Azure 2023 conversa
 RTT_S = 0.08
 SLO_QUANTILE = 0.95
 CONTRACT_STRATEGIES = ("reactive", "lt-i", "lt-u", "lt-ua", "preserve")
+BATCH_FEEDS = ("fill", "bundle")
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,9 @@ class WeekConfig:
     # SageServe's buffer beta: this fraction of the batch tokens/s an endpoint received in
     # the last hour is added to its forecast in the ILP.
     batch_buffer: float = 0.10
+    # How the queue manager hands batch work out (module docstring): "fill" tops each
+    # endpoint up to 60% per step; "bundle" hands whole per-step bundles per signal.
+    batch_feed: str = "fill"
 
     def __post_init__(self) -> None:
         if not 0 < self.days <= 7:
@@ -137,6 +148,8 @@ class WeekConfig:
             raise ValueError("peak_instances must be at least 1")
         if not 0 <= self.batch_share <= 2:
             raise ValueError("batch_share must be in [0, 2]")
+        if self.batch_feed not in BATCH_FEEDS:
+            raise ValueError(f"batch_feed must be one of {', '.join(BATCH_FEEDS)}")
         for s in self.strategies:
             if s not in STRATEGIES:
                 raise ValueError(f"unknown strategy {s!r}; known: {', '.join(STRATEGIES)}")
@@ -506,7 +519,9 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand,
                 e.batch_queued -= low
                 tally.batch_served += low + done - inter_done
                 if cfg.batch_share > 0:
-                    for d in queue.on_signal(m, r, util, now):
+                    handed = (queue.fill(m, r, util, cap * dt, now)
+                              if cfg.batch_feed == "fill" else queue.on_signal(m, r, util, now))
+                    for d in handed:
                         tokens = d.request.prompt_tokens + d.request.output_tokens
                         batch_in[(m, r)][i] += tokens
                         if d.priority == 0:
@@ -653,7 +668,7 @@ def run(cfg: WeekConfig, progress: Callable[[str], None] | None = None) -> dict[
         "slo_utilisation": slo_utilisation(cfg.slo_factor), "slo_factor": cfg.slo_factor,
         "epsilon": cfg.epsilon, "headroom": cfg.headroom, "peak_instances": cfg.peak_instances,
         "anticipate": cfg.anticipate, "batch_share": cfg.batch_share,
-        "batch_buffer": cfg.batch_buffer,
+        "batch_buffer": cfg.batch_buffer, "batch_feed": cfg.batch_feed,
         "noise_sigma": cfg.noise_sigma, "bursts": cfg.bursts,
     }
     out["wall_seconds"] = time.perf_counter() - t_wall
@@ -681,7 +696,7 @@ def print_summary(res: dict[str, Any]) -> None:
 _PARAM_TYPES: dict[str, Callable[[str], Any]] = {
     "step_s": float, "peak_instances": int, "slo_factor": float, "epsilon": float,
     "headroom": float, "noise_sigma": float, "bursts": int, "pool_per_endpoint": int,
-    "batch_share": float, "batch_buffer": float,
+    "batch_share": float, "batch_buffer": float, "batch_feed": str,
     "anticipate": lambda v: _parse_bool(v),
     "strategies": lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
 }

@@ -1,5 +1,5 @@
-"""The capacity week's per-step trace, the miss diagnosis and the fluid bound, on
-hand-made inputs and short runs."""
+"""The capacity week's per-step trace, the miss diagnosis, the fluid bound and the
+batch feed, on hand-made inputs and short runs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from skymesh.planning.capacity_week import (
     WeekConfig,
     WeekTrace,
     build_demand,
+    parse_week_params,
     run_strategy,
 )
 from skymesh.planning.week_diagnose import STATES, classify, fluid_bound
@@ -19,12 +20,21 @@ SHORT = dict(days=0.25, step_s=30.0)
 KEY = ("m-mid", "us")
 
 
+def test_week_config_rejects_an_unknown_batch_feed() -> None:
+    with pytest.raises(ValueError, match="batch_feed"):
+        WeekConfig(batch_feed="trickle")
+    assert parse_week_params(["batch_feed=bundle"]) == {"batch_feed": "bundle"}
+
+
 @pytest.fixture(scope="module")
 def traced() -> dict[str, tuple[dict, WeekTrace]]:
-    cfg = WeekConfig(**SHORT, batch_share=0.3)
-    demand = build_demand(cfg)
-    trace = WeekTrace()
-    return {"fill": (run_strategy("lt-ua", cfg, demand, trace), trace)}
+    out = {}
+    for feed in ("fill", "bundle"):
+        cfg = WeekConfig(**SHORT, batch_share=0.3, batch_feed=feed)
+        demand = build_demand(cfg)
+        trace = WeekTrace()
+        out[feed] = (run_strategy("lt-ua", cfg, demand, trace), trace)
+    return out
 
 
 def test_trace_records_every_field_and_adds_up_to_the_summary(traced: dict) -> None:
@@ -39,6 +49,19 @@ def test_trace_records_every_field_and_adds_up_to_the_summary(traced: dict) -> N
     w = np.concatenate([row["requests"] for row in trace.data.values()])
     ok = np.concatenate([row["attainment"] for row in trace.data.values()])
     assert float((w * ok).sum() / w.sum()) == pytest.approx(res["slo_attainment"])
+
+
+def test_fill_never_runs_an_endpoint_full_on_batch_work(traced: dict) -> None:
+    # "bundle" hands a whole step of the model's batch load to one endpoint and can run it
+    # at 100% (every interactive request of the step misses); "fill" stops at 60%.
+    def batch_full(trace: WeekTrace) -> int:
+        return sum(int(np.sum((row["rho"] >= 0.999) & (row["rho"] - row["batch_rho"] < 0.6)))
+                   for row in trace.data.values())
+
+    assert batch_full(traced["bundle"][1]) > 0
+    assert batch_full(traced["fill"][1]) == 0
+    assert max(float(row["batch_rho"].max()) for row in traced["fill"][1].data.values()) \
+        <= 0.6 + 1e-6
 
 
 def test_classify_takes_the_first_matching_state() -> None:
