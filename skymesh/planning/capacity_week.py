@@ -69,6 +69,7 @@ import csv
 import math
 import random
 import time
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,6 +139,11 @@ class WeekConfig:
     # How the queue manager hands batch work out (module docstring): "fill" tops each
     # endpoint up to 60% per step; "bundle" hands whole per-step bundles per signal.
     batch_feed: str = "fill"
+    # Plan from an upper quantile of the forecast's error instead of a fixed headroom:
+    # each endpoint's forecast is scaled by this quantile of (load in a step / the
+    # forecast its plan used for that step's window) over the trailing day; ``headroom``
+    # applies only until the first hour has been seen. None: fixed headroom.
+    plan_quantile: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.days <= 7:
@@ -148,6 +154,8 @@ class WeekConfig:
             raise ValueError("peak_instances must be at least 1")
         if not 0 <= self.batch_share <= 2:
             raise ValueError("batch_share must be in [0, 2]")
+        if self.plan_quantile is not None and not 0 < self.plan_quantile < 1:
+            raise ValueError("plan_quantile must be in (0, 1)")
         if self.batch_feed not in BATCH_FEEDS:
             raise ValueError(f"batch_feed must be one of {', '.join(BATCH_FEEDS)}")
         for s in self.strategies:
@@ -316,19 +324,62 @@ def build_demand(cfg: WeekConfig) -> Demand:
     return Demand(cfg.step_s, steps, tps, forecast, caps, theta)
 
 
+class PlanErrors:
+    """Each endpoint's realised load against the forecast its plan was made from.
+
+    ``planned`` records the window forecasts a plan used (from ``first_window`` on);
+    ``observe`` adds a step's load over the forecast of its window; ``scale`` is the
+    ``quantile`` of those ratios over the last ``keep`` steps, the factor by which the
+    next plan scales the forecast (``default`` until there is a plan's worth of history).
+    """
+
+    def __init__(self, quantile: float, keep: int, min_samples: int) -> None:
+        self.quantile = quantile
+        self.min_samples = min_samples
+        self._ratios: dict[tuple[str, str], deque[float]] = defaultdict(
+            lambda: deque(maxlen=keep))
+        self._plans: dict[tuple[str, str], tuple[int, np.ndarray]] = {}
+
+    def planned(self, key: tuple[str, str], first_window: int, forecast: np.ndarray) -> None:
+        self._plans[key] = (first_window, np.asarray(forecast, dtype=float))
+
+    def observe(self, key: tuple[str, str], window: int, load_tps: float) -> None:
+        plan = self._plans.get(key)
+        if plan is None:
+            return
+        idx = window - plan[0]
+        if 0 <= idx < len(plan[1]) and plan[1][idx] > 0:
+            self._ratios[key].append(load_tps / float(plan[1][idx]))
+
+    def scale(self, key: tuple[str, str], default: float) -> float:
+        seen = self._ratios.get(key)
+        if seen is None or len(seen) < self.min_samples:
+            return default
+        return float(np.quantile(np.fromiter(seen, float, len(seen)), self.quantile))
+
+
 def _plan_targets(cfg: WeekConfig, demand: Demand, eps: dict[tuple[str, str], Endpoint],
                   window: int, tally: Tally, ahead: int = 0,
                   batch_tps: dict[tuple[str, str], float] | None = None,
+                  errors: PlanErrors | None = None,
                   ) -> dict[tuple[str, str], int]:
     """The ILP's counts for the hour whose first window is ``window + ahead``, forecast at
-    the start of ``window``; ``batch_tps`` (last hour's batch load) feeds the buffer."""
+    the start of ``window``; ``batch_tps`` (last hour's batch load) feeds the buffer;
+    ``errors``, when given, scales each forecast by its error quantile instead of the
+    fixed headroom and records the forecasts this plan used."""
     batch_tps = batch_tps or {}
+    fcs = {k: demand.forecast[k][window, ahead:ahead + 6] for k in eps}
+    factor = {k: (errors.scale(k, 1 + cfg.headroom) if errors else 1 + cfg.headroom)
+              for k in eps}
+    if errors:
+        for k, f in fcs.items():
+            errors.planned(k, window + ahead, f)
     gpu = {m: get_profile(p).gpu for m, (p, _) in MODELS.items()}
     n_gpus = {m: get_profile(p).num_gpus for m, (p, _) in MODELS.items()}
     inp = PlanInput(
         current={m: {r: {gpu[m]: e.ready + len(e.starting)} for (mm, r), e in eps.items()
                      if mm == m} for m in MODELS},
-        demand={m: {r: (demand.forecast[(m, r)][window, ahead:ahead + 6] * (1 + cfg.headroom)
+        demand={m: {r: (fcs[(m, r)] * factor[(m, r)]
                         + cfg.batch_buffer * batch_tps.get((m, r), 0.0)).tolist()
                     for r in REGIONS} for m in MODELS},
         capacity={m: {gpu[m]: demand.theta[m]} for m in MODELS},
@@ -443,6 +494,9 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand,
     lead = _lead_windows(cfg)
     sim_windows = demand.forecast[next(iter(demand.forecast))].shape[0]
     upcoming: dict[tuple[str, str], int] | None = None
+    errors = (PlanErrors(cfg.plan_quantile, keep=round(DAY_S / dt),
+                         min_samples=round(3600 / dt))
+              if uses_plan and cfg.plan_quantile is not None else None)
     # Batch (non-interactive) traffic: a constant rate per model into the queue manager.
     queue = BatchQueue()
     batch_tps = {m: cfg.batch_share * float(np.mean(np.sum(
@@ -460,7 +514,7 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand,
                 targets, upcoming = upcoming, None
             else:
                 targets = _plan_targets(cfg, demand, eps, window, tally,
-                                        batch_tps=last_hour)
+                                        batch_tps=last_hour, errors=errors)
         elif uses_plan and lead and new_window and (window + lead) % windows_per_hour == 0 \
                 and window + lead < sim_windows:
             # Anticipation: plan the next hour now, from its forecast; until it starts,
@@ -468,7 +522,7 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand,
             last_hour = {k: float(v[max(0, i - hour_steps):i].sum()) / 3600
                          for k, v in batch_in.items()}
             upcoming = _plan_targets(cfg, demand, eps, window, tally, ahead=lead,
-                                     batch_tps=last_hour)
+                                     batch_tps=last_hour, errors=errors)
             targets = {k: max(v, upcoming.get(k, v)) for k, v in targets.items()}
         if cfg.batch_share > 0:
             for m in MODELS:
@@ -485,6 +539,9 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand,
                 e = eps[(m, r)]
                 caps_now[r] = e.ready * e.caps.mu_t
             loads = {r: float(demand.tps[(m, r)][i]) for r in REGIONS}
+            if errors is not None:
+                for r in REGIONS:
+                    errors.observe((m, r), window, loads[r])
             served, forwarded = _spill(loads, caps_now)
             for j, r in enumerate(REGIONS):
                 e = eps[(m, r)]
@@ -669,6 +726,7 @@ def run(cfg: WeekConfig, progress: Callable[[str], None] | None = None) -> dict[
         "epsilon": cfg.epsilon, "headroom": cfg.headroom, "peak_instances": cfg.peak_instances,
         "anticipate": cfg.anticipate, "batch_share": cfg.batch_share,
         "batch_buffer": cfg.batch_buffer, "batch_feed": cfg.batch_feed,
+        "plan_quantile": cfg.plan_quantile,
         "noise_sigma": cfg.noise_sigma, "bursts": cfg.bursts,
     }
     out["wall_seconds"] = time.perf_counter() - t_wall
@@ -697,6 +755,7 @@ _PARAM_TYPES: dict[str, Callable[[str], Any]] = {
     "step_s": float, "peak_instances": int, "slo_factor": float, "epsilon": float,
     "headroom": float, "noise_sigma": float, "bursts": int, "pool_per_endpoint": int,
     "batch_share": float, "batch_buffer": float, "batch_feed": str,
+    "plan_quantile": float,
     "anticipate": lambda v: _parse_bool(v),
     "strategies": lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
 }

@@ -1,5 +1,5 @@
-"""The capacity week's per-step trace, the miss diagnosis, the fluid bound and the
-batch feed, on hand-made inputs and short runs."""
+"""The capacity week's per-step trace, the miss diagnosis, the fluid bound, quantile
+planning and the batch feed, on hand-made inputs and short runs."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from skymesh.planning.capacity_week import (
     TRACE_FIELDS,
+    PlanErrors,
     WeekConfig,
     WeekTrace,
     build_demand,
@@ -20,10 +21,52 @@ SHORT = dict(days=0.25, step_s=30.0)
 KEY = ("m-mid", "us")
 
 
-def test_week_config_rejects_an_unknown_batch_feed() -> None:
+def test_plan_errors_scale_is_the_quantile_of_load_over_the_plans_forecast() -> None:
+    errs = PlanErrors(quantile=0.9, keep=100, min_samples=10)
+    assert errs.scale(KEY, default=1.1) == 1.1  # no plan yet
+    errs.observe(KEY, 0, 50.0)  # before any plan: nothing to compare with
+    errs.planned(KEY, first_window=6, forecast=np.array([100.0, 200.0, 0.0]))
+    for load in range(1, 10):
+        errs.observe(KEY, 6, float(load) * 10)  # ratios 0.1 .. 0.9 against window 6
+    assert errs.scale(KEY, default=1.1) == 1.1  # 9 samples < min_samples
+    errs.observe(KEY, 7, 400.0)  # window 7's forecast is 200: ratio 2
+    errs.observe(KEY, 8, 400.0)  # forecast 0: skipped
+    errs.observe(KEY, 9, 400.0)  # outside the plan's windows: skipped
+    errs.observe(KEY, 5, 400.0)  # before them too
+    ratios = [0.1 * k for k in range(1, 10)] + [2.0]
+    assert errs.scale(KEY, default=1.1) == pytest.approx(float(np.quantile(ratios, 0.9)))
+    assert errs.scale(("m-mid", "eu"), default=1.1) == 1.1
+
+
+def test_plan_errors_forget_samples_older_than_keep() -> None:
+    errs = PlanErrors(quantile=0.5, keep=4, min_samples=1)
+    errs.planned(KEY, 0, np.array([10.0]))
+    for load in (100.0, 100.0, 100.0, 10.0, 10.0, 10.0, 10.0):
+        errs.observe(KEY, 0, load)
+    assert errs.scale(KEY, default=0.0) == pytest.approx(1.0)
+
+
+def test_week_config_rejects_bad_quantile_and_feed() -> None:
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="plan_quantile"):
+            WeekConfig(plan_quantile=bad)
     with pytest.raises(ValueError, match="batch_feed"):
         WeekConfig(batch_feed="trickle")
-    assert parse_week_params(["batch_feed=bundle"]) == {"batch_feed": "bundle"}
+    kw = parse_week_params(["plan_quantile=0.8", "batch_feed=bundle"])
+    assert kw == {"plan_quantile": 0.8, "batch_feed": "bundle"}
+
+
+def test_quantile_planning_follows_the_error_it_sees() -> None:
+    # A forecast that under-shoots by half makes quantile planning hold more instances
+    # than the fixed 10% headroom does; one that is right holds about as many.
+    cfg = WeekConfig(**SHORT, batch_share=0.0, strategies=("lt-i",))
+    demand = build_demand(cfg)
+    for fc in demand.forecast.values():
+        fc *= 0.5
+    fixed = run_strategy("lt-i", cfg, demand)["gpu_hours"]
+    quantile = run_strategy("lt-i", WeekConfig(**SHORT, batch_share=0.0, plan_quantile=0.5),
+                            demand)["gpu_hours"]
+    assert quantile > 1.3 * fixed
 
 
 @pytest.fixture(scope="module")
