@@ -8,7 +8,8 @@ and splits each strategy's missed requests (in points of all its interactive req
 by local hour of day, minute of the hour, model, region, the endpoint's state in the step
 (saturated, capped at the ILP target, waiting for a cold start, ...) and its busy
 fraction ``rho``; it also gives the misses batch work causes (the same step with batch's
-share of ``rho`` removed) and the forecast's error where the misses fall.
+share of ``rho`` removed), the forecast's error where the misses fall, and the attainment
+a clairvoyant allocator reaches on the same GPU-hours (:func:`fluid_bound`).
 """
 
 from __future__ import annotations
@@ -139,13 +140,16 @@ def diagnose(trace: WeekTrace, slo_s: dict[str, float], t0_s: dict[str, float],
     }
 
 
-def fluid_bound(cfg: WeekConfig, demand: Demand, budget_gpu_hours: float) -> dict[str, Any]:
+def fluid_bound(cfg: WeekConfig, demand: Demand, budget_gpu_hours: float,
+                per_model: bool = True) -> dict[str, Any]:
     """The best interactive SLO attainment any strategy can reach in this latency model
     on ``budget_gpu_hours``: clairvoyant, fractional instances, no cold starts, no
     backlog, and batch work on capacity of its own run full (so it slows no interactive
     request). A step's attainment depends only on its busy fraction ``rho = load /
     capacity``, and the gain of capacity, ``rho^2 |a'(rho)|``, grows with ``rho``, so the
-    optimum holds one ``rho`` per model all week; this finds those three."""
+    optimum holds one ``rho`` per model all week; this finds those three. With
+    ``per_model=False`` every model runs at the same ``rho`` (so each gets about the same
+    attainment, as reactive's models do) and the bound is lower."""
     from scipy.optimize import brentq
 
     dt = demand.step_s
@@ -189,11 +193,15 @@ def fluid_bound(cfg: WeekConfig, demand: Demand, budget_gpu_hours: float) -> dic
 
     if interactive_budget <= sum(unit.values()):
         raise ValueError("budget below what the load needs at 100% utilisation")
-    lo_l, hi_l = 1e-15, 1.0
-    while spend(hi_l) > interactive_budget:
-        hi_l *= 10
-    lam = brentq(lambda x: spend(x) - interactive_budget, lo_l, hi_l, xtol=1e-14)
-    rhos = rhos_for(lam)
+    if per_model:
+        lo_l, hi_l = 1e-15, 1.0
+        while spend(hi_l) > interactive_budget:
+            hi_l *= 10
+        lam = brentq(lambda x: spend(x) - interactive_budget, lo_l, hi_l, xtol=1e-14)
+        rhos = rhos_for(lam)
+    else:
+        one = sum(unit.values()) / interactive_budget
+        rhos = dict.fromkeys(models, one)
     total = sum(weight.values())
     return {"budget_gpu_hours": budget_gpu_hours, "batch_gpu_hours": batch,
             "rho": rhos,
@@ -227,6 +235,10 @@ def run(cfg: WeekConfig, progress: Callable[[str], None] | None = None,
         res = run_strategy(name, cfg, demand, trace)
         diag = diagnose(trace, slo_s, t0_s, demand.theta)
         diag["gpu_hours"] = res["gpu_hours"]
+        # What a clairvoyant allocator would attain on the same GPU-hours.
+        diag["fluid_bound_slo"] = fluid_bound(cfg, demand, res["gpu_hours"])["slo_attainment"]
+        diag["fluid_bound_slo_one_rho"] = fluid_bound(
+            cfg, demand, res["gpu_hours"], per_model=False)["slo_attainment"]
         out["strategies"][name] = diag
         if progress:
             progress(name)
@@ -240,6 +252,8 @@ def _print(res: dict[str, Any]) -> None:
     for key in ("missed_points", "missed_points_without_batch_slowdown",
                 "missed_points_load_over_plan", "requests_load_over_plan", "gpu_hours"):
         print(f"  {key:<40} " + " ".join(f"{rows[n][key]:10.2f}" for n in names))
+    for key in ("fluid_bound_slo", "fluid_bound_slo_one_rho"):
+        print(f"  {key + ' (%)':<40} " + " ".join(f"{rows[n][key] * 100:10.2f}" for n in names))
     for section in ("by_state", "requests_by_state", "by_rho", "requests_by_rho",
                     "by_minute_of_hour", "by_model", "by_region", "by_load_over_forecast",
                     "by_local_hour"):

@@ -133,5 +133,9 @@ def test_fluid_bound_grows_with_the_budget_and_runs_dear_models_fuller() -> None
     # m-mid (8B on one H100) serves the most tokens per GPU, so a GPU-hour buys the most
     # met requests there: the bound runs it emptier than the 4-GPU 70B.
     assert lo["rho"]["m-mid"] < lo["rho"]["m-large"]
+    # One rho for every model spends the same GPU-hours less well.
+    one = fluid_bound(cfg, demand, 600.0, per_model=False)
+    assert len(set(one["rho"].values())) == 1
+    assert one["slo_attainment"] < lo["slo_attainment"]
     with pytest.raises(ValueError, match="budget"):
         fluid_bound(cfg, demand, 1.0)
