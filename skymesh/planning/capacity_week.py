@@ -38,14 +38,21 @@ trip. A region that spills reports the utilisation of its own traffic to the sca
 
 Batch (non-interactive) load, ``batch_share`` of each model's mean interactive tokens/s
 (SageServe's 0.2M NIW next to 1.4M IW requests: 0.14), arrives at a constant rate, one
-bundle per model per step, into SageServe's queue manager (:mod:`batch_queue`): each
-endpoint signals its utilisation once per step and gets one bundle under 60%, two under
-50%. Handed-out work waits at the endpoint and uses only capacity left by interactive
-work (priority 1), or queues with it once older than 10 hours (priority 0); it expires
-after 24 hours. Batch work in progress counts in the effective memory utilisation the
-scalers see, and slows interactive requests like any other running work. The ILP adds
-SageServe's buffer beta, ``batch_buffer`` (10%) of the batch tokens/s each endpoint
-received in the past hour, to its forecast.
+bundle per model per step, into SageServe's queue manager (:mod:`batch_queue`).
+SageServe's endpoints signal on every request and get one or two requests per signal while
+under 60%, so an endpoint tops up with batch work to 60% of its capacity and no further:
+each step, an endpoint under 60% receives batch tokens up to that level
+(``batch_feed="fill"``, the fluid limit of per-request signalling; a bundle is split when
+only part of it fits). ``batch_feed="bundle"`` is the earlier coarse form: one signal per
+endpoint per step, one whole bundle (15 s of the model's batch load) under 60%, two under
+50%, which can hand a small endpoint more than its spare capacity in one step and run it
+at 100%, where every interactive request of the step misses its SLO. Handed-out work waits
+at the endpoint and uses only capacity left by interactive work (priority 1), or queues
+with it once older than 10 hours (priority 0); it expires after 24 hours. Batch work in
+progress counts in the effective memory utilisation the scalers see, and slows interactive
+requests like any other running work. The ILP adds SageServe's buffer beta,
+``batch_buffer`` (10%) of the batch tokens/s each endpoint received in the past hour, to
+its forecast.
 
 ``anticipate``: plan hour H at the start of the window holding H minus the longest cold
 start, from the forecast of H's windows, and hold the larger of the two hours' counts
@@ -62,6 +69,7 @@ import csv
 import math
 import random
 import time
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +105,7 @@ PROMPT_SIGMA = 0.985  # log-normal spread of prompt lengths, Azure 2023 conversa
 RTT_S = 0.08
 SLO_QUANTILE = 0.95
 CONTRACT_STRATEGIES = ("reactive", "lt-i", "lt-u", "lt-ua", "preserve")
+BATCH_FEEDS = ("fill", "bundle")
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,14 @@ class WeekConfig:
     # SageServe's buffer beta: this fraction of the batch tokens/s an endpoint received in
     # the last hour is added to its forecast in the ILP.
     batch_buffer: float = 0.10
+    # How the queue manager hands batch work out (module docstring): "fill" tops each
+    # endpoint up to 60% per step; "bundle" hands whole per-step bundles per signal.
+    batch_feed: str = "fill"
+    # Plan from an upper quantile of the forecast's error instead of a fixed headroom:
+    # each endpoint's forecast is scaled by this quantile of (load in a step / the
+    # forecast its plan used for that step's window) over the trailing day; ``headroom``
+    # applies only until the first hour has been seen. None: fixed headroom.
+    plan_quantile: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.days <= 7:
@@ -137,6 +154,10 @@ class WeekConfig:
             raise ValueError("peak_instances must be at least 1")
         if not 0 <= self.batch_share <= 2:
             raise ValueError("batch_share must be in [0, 2]")
+        if self.plan_quantile is not None and not 0 < self.plan_quantile < 1:
+            raise ValueError("plan_quantile must be in (0, 1)")
+        if self.batch_feed not in BATCH_FEEDS:
+            raise ValueError(f"batch_feed must be one of {', '.join(BATCH_FEEDS)}")
         for s in self.strategies:
             if s not in STRATEGIES:
                 raise ValueError(f"unknown strategy {s!r}; known: {', '.join(STRATEGIES)}")
@@ -303,19 +324,62 @@ def build_demand(cfg: WeekConfig) -> Demand:
     return Demand(cfg.step_s, steps, tps, forecast, caps, theta)
 
 
+class PlanErrors:
+    """Each endpoint's realised load against the forecast its plan was made from.
+
+    ``planned`` records the window forecasts a plan used (from ``first_window`` on);
+    ``observe`` adds a step's load over the forecast of its window; ``scale`` is the
+    ``quantile`` of those ratios over the last ``keep`` steps, the factor by which the
+    next plan scales the forecast (``default`` until there is a plan's worth of history).
+    """
+
+    def __init__(self, quantile: float, keep: int, min_samples: int) -> None:
+        self.quantile = quantile
+        self.min_samples = min_samples
+        self._ratios: dict[tuple[str, str], deque[float]] = defaultdict(
+            lambda: deque(maxlen=keep))
+        self._plans: dict[tuple[str, str], tuple[int, np.ndarray]] = {}
+
+    def planned(self, key: tuple[str, str], first_window: int, forecast: np.ndarray) -> None:
+        self._plans[key] = (first_window, np.asarray(forecast, dtype=float))
+
+    def observe(self, key: tuple[str, str], window: int, load_tps: float) -> None:
+        plan = self._plans.get(key)
+        if plan is None:
+            return
+        idx = window - plan[0]
+        if 0 <= idx < len(plan[1]) and plan[1][idx] > 0:
+            self._ratios[key].append(load_tps / float(plan[1][idx]))
+
+    def scale(self, key: tuple[str, str], default: float) -> float:
+        seen = self._ratios.get(key)
+        if seen is None or len(seen) < self.min_samples:
+            return default
+        return float(np.quantile(np.fromiter(seen, float, len(seen)), self.quantile))
+
+
 def _plan_targets(cfg: WeekConfig, demand: Demand, eps: dict[tuple[str, str], Endpoint],
                   window: int, tally: Tally, ahead: int = 0,
                   batch_tps: dict[tuple[str, str], float] | None = None,
+                  errors: PlanErrors | None = None,
                   ) -> dict[tuple[str, str], int]:
     """The ILP's counts for the hour whose first window is ``window + ahead``, forecast at
-    the start of ``window``; ``batch_tps`` (last hour's batch load) feeds the buffer."""
+    the start of ``window``; ``batch_tps`` (last hour's batch load) feeds the buffer;
+    ``errors``, when given, scales each forecast by its error quantile instead of the
+    fixed headroom and records the forecasts this plan used."""
     batch_tps = batch_tps or {}
+    fcs = {k: demand.forecast[k][window, ahead:ahead + 6] for k in eps}
+    factor = {k: (errors.scale(k, 1 + cfg.headroom) if errors else 1 + cfg.headroom)
+              for k in eps}
+    if errors:
+        for k, f in fcs.items():
+            errors.planned(k, window + ahead, f)
     gpu = {m: get_profile(p).gpu for m, (p, _) in MODELS.items()}
     n_gpus = {m: get_profile(p).num_gpus for m, (p, _) in MODELS.items()}
     inp = PlanInput(
         current={m: {r: {gpu[m]: e.ready + len(e.starting)} for (mm, r), e in eps.items()
                      if mm == m} for m in MODELS},
-        demand={m: {r: (demand.forecast[(m, r)][window, ahead:ahead + 6] * (1 + cfg.headroom)
+        demand={m: {r: (fcs[(m, r)] * factor[(m, r)]
                         + cfg.batch_buffer * batch_tps.get((m, r), 0.0)).tolist()
                     for r in REGIONS} for m in MODELS},
         capacity={m: {gpu[m]: demand.theta[m]} for m in MODELS},
@@ -371,7 +435,38 @@ def _spill(loads: dict[str, float], caps: dict[str, float]) -> tuple[dict[str, f
     return served, {r: (moved[r] / served[r] if served[r] > 0 else 0.0) for r in loads}
 
 
-def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
+TRACE_FIELDS = (
+    "requests",  # interactive requests the endpoint served in the step
+    "attainment",  # fraction of them that met the TTFT SLO
+    "utilisation",  # effective memory utilisation the strategy saw
+    "rho",  # busy fraction that sets the processor-sharing slowdown (batch included)
+    "batch_rho",  # ... of which batch work
+    "wait_s",  # backlog wait plus the spill round trip, before prefill
+    "ready", "starting", "target",  # instances; target -1 when there is none
+    "load_tps", "forecast_tps", "capacity_tps",  # own traffic, window forecast, ready x mu_t
+    "forwarded",  # share of the served load that came from another region
+)
+
+
+@dataclass
+class WeekTrace:
+    """Per-step state of every endpoint in one strategy's run, for diagnosis.
+
+    ``data[(model, region)][field]`` is an array over steps, one per ``TRACE_FIELDS``.
+    Pass one to :func:`run_strategy` to have it filled; runs without one record nothing.
+    """
+
+    step_s: float = 0.0
+    data: dict[tuple[str, str], dict[str, np.ndarray]] = field(default_factory=dict)
+
+    def reset(self, step_s: float, steps: int) -> None:
+        self.step_s = step_s
+        self.data = {(m, r): {f: np.zeros(steps) for f in TRACE_FIELDS}
+                     for m in MODELS for r in REGIONS}
+
+
+def run_strategy(name: str, cfg: WeekConfig, demand: Demand,
+                 trace: WeekTrace | None = None) -> dict[str, Any]:
     strat: Strategy = make_strategy(name)
     dt = demand.step_s
     slo = {m: cfg.slo_factor * demand.caps[m].prompt_len / demand.caps[m].mu_p
@@ -387,6 +482,8 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
     tally = Tally()
     targets: dict[tuple[str, str], int] = {}
     n = demand.steps
+    if trace is not None:
+        trace.reset(dt, n)
     weights = {m: np.zeros(n * len(REGIONS)) for m in MODELS}
     waits = {m: np.zeros(n * len(REGIONS)) for m in MODELS}
     scales = {m: np.zeros(n * len(REGIONS)) for m in MODELS}
@@ -397,6 +494,9 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
     lead = _lead_windows(cfg)
     sim_windows = demand.forecast[next(iter(demand.forecast))].shape[0]
     upcoming: dict[tuple[str, str], int] | None = None
+    errors = (PlanErrors(cfg.plan_quantile, keep=round(DAY_S / dt),
+                         min_samples=round(3600 / dt))
+              if uses_plan and cfg.plan_quantile is not None else None)
     # Batch (non-interactive) traffic: a constant rate per model into the queue manager.
     queue = BatchQueue()
     batch_tps = {m: cfg.batch_share * float(np.mean(np.sum(
@@ -414,7 +514,7 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
                 targets, upcoming = upcoming, None
             else:
                 targets = _plan_targets(cfg, demand, eps, window, tally,
-                                        batch_tps=last_hour)
+                                        batch_tps=last_hour, errors=errors)
         elif uses_plan and lead and new_window and (window + lead) % windows_per_hour == 0 \
                 and window + lead < sim_windows:
             # Anticipation: plan the next hour now, from its forecast; until it starts,
@@ -422,7 +522,7 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
             last_hour = {k: float(v[max(0, i - hour_steps):i].sum()) / 3600
                          for k, v in batch_in.items()}
             upcoming = _plan_targets(cfg, demand, eps, window, tally, ahead=lead,
-                                     batch_tps=last_hour)
+                                     batch_tps=last_hour, errors=errors)
             targets = {k: max(v, upcoming.get(k, v)) for k, v in targets.items()}
         if cfg.batch_share > 0:
             for m in MODELS:
@@ -439,6 +539,9 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
                 e = eps[(m, r)]
                 caps_now[r] = e.ready * e.caps.mu_t
             loads = {r: float(demand.tps[(m, r)][i]) for r in REGIONS}
+            if errors is not None:
+                for r in REGIONS:
+                    errors.observe((m, r), window, loads[r])
             served, forwarded = _spill(loads, caps_now)
             for j, r in enumerate(REGIONS):
                 e = eps[(m, r)]
@@ -466,14 +569,16 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
                     wait = e.backlog / cap
                     scale = t0[m] / (1 - rho) if rho < 0.999 else math.inf
                 else:
-                    done, low, util, wait, scale = 0.0, 0.0, 1.0, math.inf, math.inf
+                    done, low, util, rho, wait, scale = 0.0, 0.0, 1.0, 1.0, math.inf, math.inf
                 inter_done = min(inter, done)
                 e.backlog = inter - inter_done
                 e.batch_urgent -= done - inter_done
                 e.batch_queued -= low
                 tally.batch_served += low + done - inter_done
                 if cfg.batch_share > 0:
-                    for d in queue.on_signal(m, r, util, now):
+                    handed = (queue.fill(m, r, util, cap * dt, now)
+                              if cfg.batch_feed == "fill" else queue.on_signal(m, r, util, now))
+                    for d in handed:
                         tokens = d.request.prompt_tokens + d.request.output_tokens
                         batch_in[(m, r)][i] += tokens
                         if d.priority == 0:
@@ -487,6 +592,20 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
                 scales[m][k] = scale
                 # Observe and act.
                 fc = demand.forecast[(m, r)][window]
+                if trace is not None:
+                    row = trace.data[(m, r)]
+                    row["requests"][i] = weights[m][k]
+                    row["utilisation"][i] = util
+                    row["rho"][i] = rho
+                    row["batch_rho"][i] = (low + done - inter_done) / (cap * dt) if cap else 0.0
+                    row["wait_s"][i] = waits[m][k]
+                    row["ready"][i] = e.ready
+                    row["starting"][i] = len(e.starting)
+                    row["target"][i] = targets.get((m, r), -1)
+                    row["load_tps"][i] = loads[r]
+                    row["forecast_tps"][i] = float(fc[0])
+                    row["capacity_tps"][i] = cap
+                    row["forwarded"][i] = forwarded[r]
                 # The load anticipator: this step's utilisation plus a minute of its
                 # trend, spread over the instances already on their way.
                 proj = (util + max(0.0, util - e.last_util) * (60.0 / dt)) \
@@ -533,6 +652,9 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand) -> dict[str, Any]:
     all_w, all_ok = 0.0, 0.0
     for m in MODELS:
         ok = attainment(slo[m], waits[m], scales[m])
+        if trace is not None:
+            for j, r in enumerate(REGIONS):
+                trace.data[(m, r)]["attainment"][:] = ok[j::len(REGIONS)]
         w = weights[m]
         all_w += float(w.sum())
         all_ok += float((w * ok).sum())
@@ -603,7 +725,8 @@ def run(cfg: WeekConfig, progress: Callable[[str], None] | None = None) -> dict[
         "slo_utilisation": slo_utilisation(cfg.slo_factor), "slo_factor": cfg.slo_factor,
         "epsilon": cfg.epsilon, "headroom": cfg.headroom, "peak_instances": cfg.peak_instances,
         "anticipate": cfg.anticipate, "batch_share": cfg.batch_share,
-        "batch_buffer": cfg.batch_buffer,
+        "batch_buffer": cfg.batch_buffer, "batch_feed": cfg.batch_feed,
+        "plan_quantile": cfg.plan_quantile,
         "noise_sigma": cfg.noise_sigma, "bursts": cfg.bursts,
     }
     out["wall_seconds"] = time.perf_counter() - t_wall
@@ -631,7 +754,8 @@ def print_summary(res: dict[str, Any]) -> None:
 _PARAM_TYPES: dict[str, Callable[[str], Any]] = {
     "step_s": float, "peak_instances": int, "slo_factor": float, "epsilon": float,
     "headroom": float, "noise_sigma": float, "bursts": int, "pool_per_endpoint": int,
-    "batch_share": float, "batch_buffer": float,
+    "batch_share": float, "batch_buffer": float, "batch_feed": str,
+    "plan_quantile": float,
     "anticipate": lambda v: _parse_bool(v),
     "strategies": lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
 }

@@ -150,3 +150,34 @@ def test_batch_queue_rejects_out_of_order_submissions() -> None:
     q.submit(BatchRequest("a", "m", arrival=5.0))
     with pytest.raises(ValueError):
         q.submit(BatchRequest("b", "m", arrival=4.0))
+
+
+def test_batch_queue_fill_tops_an_endpoint_up_to_60_percent() -> None:
+    q = BatchQueue()
+    q.submit(BatchRequest("a", "m", arrival=0.0, prompt_tokens=600, output_tokens=200))
+    q.submit(BatchRequest("b", "m", arrival=1.0, prompt_tokens=1_500, output_tokens=500))
+    assert q.fill("m", "us", 0.60, capacity_tokens=10_000, now=2.0) == []
+    assert q.fill("m", "us", 0.75, capacity_tokens=10_000, now=2.0) == []
+    # 40% used of 10,000 tokens: room for 2,000 more -> all of "a", 1,200 of "b".
+    out = q.fill("m", "us", 0.40, capacity_tokens=10_000, now=2.0)
+    assert [(d.request.request_id, d.request.prompt_tokens, d.request.output_tokens)
+            for d in out] == [("a", 600, 200), ("b", 900, 300)]
+    assert all(d.region == "us" and d.priority == 1 for d in out)
+    # The rest of "b" waits, with its own arrival time.
+    assert [(r.request_id, r.arrival, r.prompt_tokens, r.output_tokens)
+            for r in q.pending()] == [("b", 1.0, 600, 200)]
+
+
+def test_batch_queue_fill_splits_the_oldest_request_and_keeps_its_age() -> None:
+    q = BatchQueue()
+    q.submit(BatchRequest("big", "m", arrival=0.0, prompt_tokens=9_000, output_tokens=1_000))
+    out = q.fill("m", "eu", 0.50, capacity_tokens=10_000, now=11 * 3600.0)
+    assert len(out) == 1
+    part = out[0].request
+    assert part.prompt_tokens + part.output_tokens == 1_000
+    assert (part.prompt_tokens, part.output_tokens) == (900, 100)  # same prompt share
+    assert out[0].priority == 0  # older than 10 hours: promoted
+    (rest,) = q.pending()
+    assert (rest.request_id, rest.arrival, rest.prompt_tokens, rest.output_tokens) \
+        == ("big", 0.0, 8_100, 900)
+    assert q.fill("other", "eu", 0.0, capacity_tokens=10_000, now=0.0) == []
