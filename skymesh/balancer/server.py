@@ -174,6 +174,10 @@ class Balancer:
         up = self.cfg.upstream
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            # One session carries every client's requests: a cookie a replica sets for
+            # one client must not ride along on the next client's request (and the jar's
+            # per-request bookkeeping is on the hot path for nothing).
+            cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=up.connect_timeout_s,
                                           sock_read=up.read_timeout_s),
             auto_decompress=False,
