@@ -57,6 +57,12 @@ from collections.abc import Sequence
 from skymesh.policies.base import LoadView, Policy, RouteRequest, outstanding
 from skymesh.prefix.trie import DEFAULT_MAX_NODES, PrefixTrie
 
+_NONE: frozenset[str] = frozenset()  # "filter nothing", the usual answer of _hotspot
+
+
+def _class_size(c: tuple[int, tuple[str, ...]]) -> int:
+    return len(c[1])
+
 
 class LMetric(Policy, name="lmetric"):
     uses_prefix_keys = True
@@ -102,23 +108,34 @@ class LMetric(Policy, name="lmetric"):
         plen = request.prompt_len
         population = self._members or candidates
         # One trie lookup gives every target's match depth, grouped by depth; the targets
-        # of a group share P-token (+ 1, see the header).
-        groups = self.trie.depth_groups(keys, population) if n else []
-        miss = plen + 1
+        # of a group share P-token (+ 1, see the header). The targets that matched nothing
+        # come too, when the trie can name them.
+        groups, rest = self.trie.depth_partition(keys, population) if n else ([], ())
         # Scores as a list aligned with ``candidates``: this runs for every candidate on
         # every request, and a list comprehension is the cheapest loop Python has.
         outs = outstanding(view, candidates)
         if groups:
+            # P-token + 1 by target; the largest class (often the dozens of targets that
+            # hold a shared system prompt) is left out as the lookup's default, so only
+            # the few others are written per request.
+            classes = [(plen - plen * depth // n + 1, names) for depth, names in groups]
+            default = plen + 1
+            if rest is not None:
+                classes.append((default, rest))
+                default, big = max(classes, key=_class_size)
+            else:
+                big = ()
             p1_of: dict[str, int] = {}
-            for depth, names in groups:
-                p1 = plen - plen * depth // n + 1
-                for name in names:  # measured: half the cost of dict.fromkeys + update
-                    p1_of[name] = p1
+            for p1, names in classes:
+                if names is not big:
+                    for name in names:  # measured: half the cost of dict.fromkeys
+                        p1_of[name] = p1
             get = p1_of.get
             # strict=False: outs is built from candidates (see _argmin on the cost).
-            vals = [get(c, miss) * (o + 1) for c, o in zip(candidates, outs, strict=False)]
-        else:
-            vals = [miss * (o + 1) for o in outs]
+            vals = [get(c, default) * (o + 1)
+                    for c, o in zip(candidates, outs, strict=False)]
+        else:  # one P-token for all: the scores order as the loads do
+            vals = outs
         if self.hotspot_detector and n:
             hot = self._hotspot(request, keys, groups, len(population), candidates, vals,
                                 view.now)
@@ -157,7 +174,7 @@ class LMetric(Policy, name="lmetric"):
         # Phase 1, x / (1 - x) > |M| / |M-bar| without dividing (1 - x may be 0).
         if not (m and m_bar and in_class * m_bar > (total - in_class) * m):
             self._streak.pop(cls, None)
-            return frozenset()
+            return _NONE
         self.alarms += 1
         hot = frozenset(t for depth, names in groups if depth >= class_depth for t in names)
         # Phase 2: does the hot set win this request on the multiplicative score (Eq. 4)?

@@ -268,13 +268,29 @@ class PrefixTrie:
         Target sets shrink down the path, so after the deepest match the others are the
         segments above it: each ancestor's new targets matched down to its end.
         """
+        return self._groups(keys, self._mask(allowed))[0]
+
+    def depth_partition(
+        self, keys: Sequence[int], allowed: Sequence[str]
+    ) -> tuple[list[tuple[int, tuple[str, ...]]], tuple[str, ...] | None]:
+        """:meth:`depth_groups`, and the allowed targets that matched nothing (first
+        recorded first), or None when some allowed target is unknown to the trie (its name
+        is in no mask). Lets a caller treat the largest class, matched or not, as the
+        default instead of naming its members one by one."""
         amask = self._mask(allowed)
+        groups, rest = self._groups(keys, amask)
+        if amask.bit_count() != len(allowed):
+            return groups, None
+        return groups, self._decode(rest) if rest else ()
+
+    def _groups(self, keys: Sequence[int], amask: int
+                ) -> tuple[list[tuple[int, tuple[str, ...]]], int]:
         out: list[tuple[int, tuple[str, ...]]] = []
         if not amask or not keys:
-            return out
+            return out, amask
         d, seg = self._lookup(keys, amask)
         if seg is None:
-            return out
+            return out, amask
         self._touch(seg)
         while seg is not None and amask:
             group = seg.mask & amask
@@ -284,7 +300,7 @@ class PrefixTrie:
             seg = seg.parent
             if seg is not None:
                 d = seg.end
-        return out
+        return out, amask
 
     # -- updates ---------------------------------------------------------------------------
     def insert(self, keys: Sequence[int], target: str) -> None:

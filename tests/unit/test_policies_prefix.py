@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import View, chain
+from support import Load, View, chain
 
 from skymesh.policies import Policy, RouteRequest, build_policy, policy_names
 from skymesh.policies.consistent_hash import ConsistentHash
@@ -341,3 +341,38 @@ def test_lmetric_prefers_the_target_holding_most_of_the_prompt() -> None:
     barely = RouteRequest("r3", prompt_len=64, prefix_keys=(1, 9, 9, 9, 9, 9))
     assert p.preferred(barely, ["a", "b", "c"], view) is None  # 1 of 6 keys: no reason
     assert p.preferred(again, ["a", "c"], view) is None  # the holder is not serving
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n_targets=st.integers(1, 10),
+    history=st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=6),
+                               st.integers(0, 9)), max_size=12),
+    prompt=st.lists(st.integers(0, 3), min_size=1, max_size=8),
+    extra_tokens=st.integers(0, 40),
+    loads=st.lists(st.integers(0, 4), min_size=10, max_size=10),
+    data=st.data(),
+)
+def test_lmetric_picks_as_the_bare_formula_would_with_the_same_draw(
+    n_targets: int, history: list[tuple[list[int], int]], prompt: list[int],
+    extra_tokens: int, loads: list[int], data: st.DataObject,
+) -> None:
+    # The scoring takes shortcuts (the largest class as a default, unique minima without
+    # a list of ties); the answer and the RNG draw must be the formula's: argmin over the
+    # candidates of (P-token + 1) x (BS + 1), ties drawn in candidate order.
+    members = [f"t{i}" for i in range(n_targets)]
+    cands = data.draw(st.permutations(members).flatmap(
+        lambda p: st.integers(1, len(p)).map(lambda k: p[:k])), label="candidates")
+    p = LMetric(hotspot_detector=False, rng=random.Random(7))
+    p.on_membership(members)
+    for seq, t in history:  # some members may never be recorded: not in the trie at all
+        p.trie.insert(chain(seq), members[t % n_targets])
+    view = View({t: Load(outstanding=loads[i]) for i, t in enumerate(members)})
+    keys = chain(prompt)
+    r = req("q", keys, prompt_len=16 * len(keys) + extra_tokens)
+    depth = {t: d for d, g in p.trie.depth_groups(keys, members) for t in g}
+    scores = [(r.prompt_len - r.prompt_len * depth.get(c, 0) // len(keys) + 1)
+              * (view.load(c).outstanding + 1) for c in cands]
+    ties = [c for c, s in zip(cands, scores, strict=True) if s == min(scores)]
+    expected = ties[0] if len(ties) == 1 else random.Random(7).choice(ties)
+    assert p.select(r, cands, view) == expected
