@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from skymesh.faults.cluster import parse_metrics
 
@@ -122,3 +124,17 @@ class View:
         for t, n in outstanding.items():
             self.load(t).outstanding = n
         return self
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[int]:
+    """Serve ``app`` on a free loopback port (yielded) for the block: in-test stand-ins for
+    a controller or a replica, where the test needs to see what the daemon sent."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()

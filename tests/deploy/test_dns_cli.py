@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from support import serving
 
 from skymesh.cli import main
 from skymesh.procs import executable
@@ -41,15 +42,8 @@ async def controller() -> AsyncIterator[tuple[str, FakeController]]:
     fake = FakeController()
     app = web.Application()
     app.router.add_post("/v1/dns/sync", fake.sync)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
+    async with serving(app) as port:
         yield f"http://127.0.0.1:{port}", fake
-    finally:
-        await runner.cleanup()
 
 
 async def run_cli(*argv: str) -> int:

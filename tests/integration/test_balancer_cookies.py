@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 from aiohttp import web
-from support import until
+from support import serving, until
 
 from skymesh.procs import start_daemon
 
@@ -44,17 +44,10 @@ async def upstream() -> AsyncIterator[tuple[str, list[str | None]]]:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
+    async with serving(app) as port:
         # A host name, not an address: aiohttp's cookie jar ignores cookies from bare IP
         # addresses, so only a named replica (the production case) shows the leak.
         yield f"http://localhost:{port}", seen
-    finally:
-        await runner.cleanup()
 
 
 async def test_a_cookie_set_for_one_client_is_not_sent_upstream_for_the_next(
