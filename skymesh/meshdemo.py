@@ -7,7 +7,8 @@ for the run by ``skymesh.mesh.certs``); every inter-region link goes through a
 (us-eu 75 ms, us-asia 160 ms, eu-asia 225 ms, as in the simulator). Clients are skewed
 toward us, whose replicas are too few for its load: the moment SkyMesh exists for. The
 same load runs twice, with forwarding (the mesh) and without (region-local), and the demo
-prints per-region served and forwarded counts, TTFT percentiles and throughput.
+prints per-region finished requests and generated tokens (on the region's replicas),
+forwarded counts, TTFT percentiles and throughput.
 
 The mesh run also has a ``skymesh-controller`` (embedded in-memory store): balancers
 register with it and take their membership from it. At the end the demo kills lb-us and
@@ -81,15 +82,21 @@ async def _run_load(mesh: Mesh, duration: float, seed: int) -> dict[str, Any]:
         in_window = sum(1 for t in done if t <= stop_at)
         regions: dict[str, dict[str, int]] = {}
         for r, lb in mesh.lbs.items():
-            served = 0.0
+            served = tokens = 0.0
             for rep in mesh.replicas[r]:
                 async with s.get(rep.url + "/metrics") as resp:
                     text = await resp.text()
-                served += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                              if line.startswith("vllm:request_success_total{"))
+                for line in text.splitlines():
+                    if line.startswith("vllm:request_success_total{"):
+                        served += float(line.rsplit(" ", 1)[1])
+                    elif line.startswith("vllm:generation_tokens_total"):
+                        tokens += float(line.rsplit(" ", 1)[1])
             async with s.get(lb.url + "/status") as resp:
                 st = await resp.json()
-            regions[r] = {"served": int(served), "forwarded_out": st["mesh"]["forwarded_out"],
+            # Tokens too: a region whose few replicas carry long requests may finish none
+            # inside a short window while generating all along.
+            regions[r] = {"served": int(served), "tokens": int(tokens),
+                          "forwarded_out": st["mesh"]["forwarded_out"],
                           "forwarded_in": st["mesh"]["forwarded_in"]}
     arr = np.asarray(ttfts) if ttfts else np.zeros(1)
     return {"throughput_rps": in_window / duration, "ttft_p50_s": float(np.percentile(arr, 50)),
@@ -125,8 +132,9 @@ def run_demo(duration: float = 20.0, seed: int = 0, json_path: str | None = None
         print(f"  {name:<13} {r['throughput_rps']:6.2f} req/s  TTFT p50 "
               f"{r['ttft_p50_s'] * 1000:6.0f} ms  p90 {r['ttft_p90_s'] * 1000:6.0f} ms")
         for region, st in r["regions"].items():
-            print(f"    {region:<5} served {st['served']:>4}  forwarded out "
-                  f"{st['forwarded_out']:>4}  in {st['forwarded_in']:>4}")
+            print(f"    {region:<5} its replicas finished {st['served']:>3} requests, "
+                  f"generated {st['tokens']:>6,} tokens; forwarded out "
+                  f"{st['forwarded_out']:>3}, in {st['forwarded_in']:>3}")
         if "controller" in r:
             c = r["controller"]
             f = c["failover"]

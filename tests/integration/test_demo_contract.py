@@ -23,6 +23,7 @@ def test_demo_json_has_the_contract_keys(tmp_path: Path) -> None:
         assert isinstance(mesh[key], float) and isinstance(local[key], float)
     assert set(mesh["regions"]) == {"us", "eu", "asia"}
     for st in mesh["regions"].values():
-        assert set(st) >= {"served", "forwarded_out", "forwarded_in"}
+        assert set(st) >= {"served", "tokens", "forwarded_out", "forwarded_in"}
+    assert sum(st["tokens"] for st in mesh["regions"].values()) > 0
     assert mesh["completed"] > 0 and local["completed"] > 0
     assert all(st["forwarded_out"] == 0 for st in local["regions"].values())
