@@ -54,6 +54,29 @@ requests like any other running work. The ILP adds SageServe's buffer beta,
 ``batch_buffer`` (10%) of the batch tokens/s each endpoint received in the past hour, to
 its forecast.
 
+Per-model target utilisation (``target_miss``, default off). By default the planners
+size every endpoint for one utilisation, ``rho*`` above (95% of requests meet the SLO),
+and LT-U / LT-UA scale towards the plan over 70% / under 30%. With ``target_miss = p``,
+each model is sized for its own target utilisation, derived once from its latency
+profile, as capacity profiling does per model (SageServe, PreServe): the profile is the
+function this simulation scores requests with, for one endpoint with no backlog and no
+spill round trip,
+
+    miss_m(rho) = 1 - P(X * t0_m / (1 - rho) <= slo_m),   X log-normal, mean 1, sigma 0.985,
+
+and the model's target ``u_m`` is the highest utilisation in [0.05, 0.95] with
+``miss_m(u_m) <= p`` (found by bisection; ``miss_m`` rises with ``rho``).
+``p`` is one number for all models (the SLO's miss budget, e.g. 0.02 for a 98%
+attainment goal), not fitted to any run's outcome. LT-I / LT-U / LT-UA then plan with
+``theta_m = u_m x mu_t`` (instances = forecast / theta_m), and LT-U / LT-UA scale out
+over ``u_m`` and in under ``u_m x 30/70`` (SageServe's ratio of the two thresholds).
+Reactive and PreServe are unchanged, and so are the demand levels (set from ``rho*``).
+Note that here ``slo_m = slo_factor x t0_m`` for every model and the prompt spread is the
+trace's for all, so ``miss_m`` is the same curve for the three models and ``u_m`` is one
+value (0.535 at p = 0.02, 0.391 at p = 0.01, ``rho*`` = 0.689 at p = 0.05): in this model
+the per-model skew of the clairvoyant bound (``week_diagnose.fluid_bound``) comes from the
+models' requests per GPU-hour, not from their latency curves.
+
 ``anticipate``: plan hour H at the start of the window holding H minus the longest cold
 start, from the forecast of H's windows, and hold the larger of the two hours' counts
 until H, so that instances ordered for H serve from H.
@@ -87,7 +110,14 @@ from skymesh.planning.capacity import (
     profile_capacity,
 )
 from skymesh.planning.ilp import PlanInfeasible, PlanInput, solve
-from skymesh.planning.strategies import STRATEGIES, Observation, Strategy, make_strategy
+from skymesh.planning.strategies import (
+    SCALE_IN_UTILISATION,
+    SCALE_OUT_UTILISATION,
+    STRATEGIES,
+    Observation,
+    Strategy,
+    make_strategy,
+)
 from skymesh.sim.workloads.data import data_file
 
 WINDOW_S = 600
@@ -144,6 +174,10 @@ class WeekConfig:
     # forecast its plan used for that step's window) over the trailing day; ``headroom``
     # applies only until the first hour has been seen. None: fixed headroom.
     plan_quantile: float | None = None
+    # Per-model target utilisation for LT-I / LT-U / LT-UA (module docstring): the miss
+    # budget p; each model's target is the highest utilisation at which its latency
+    # profile misses the TTFT SLO for at most p of requests. None: one rho* for all.
+    target_miss: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.days <= 7:
@@ -156,6 +190,8 @@ class WeekConfig:
             raise ValueError("batch_share must be in [0, 2]")
         if self.plan_quantile is not None and not 0 < self.plan_quantile < 1:
             raise ValueError("plan_quantile must be in (0, 1)")
+        if self.target_miss is not None and not 0 < self.target_miss < 0.5:
+            raise ValueError("target_miss must be in (0, 0.5)")
         if self.batch_feed not in BATCH_FEEDS:
             raise ValueError(f"batch_feed must be one of {', '.join(BATCH_FEEDS)}")
         for s in self.strategies:
@@ -221,6 +257,64 @@ def attainment(slo_s: float, wait_s: np.ndarray, scale_s: np.ndarray) -> np.ndar
     z = (np.log(np.where(ok, room, 1.0) / np.where(ok, scale_s, 1.0)) - _MU) / PROMPT_SIGMA
     out[ok] = norm.cdf(z[ok])
     return out
+
+
+TARGET_BOUNDS = (0.05, 0.95)  # the range a target utilisation is searched in
+
+
+def miss_curve(slo_s: float, t0_s: float, wait_s: float = 0.0) -> Callable[[float], float]:
+    """A model's latency profile: the fraction of requests that miss TTFT <= ``slo_s`` at
+    utilisation ``rho`` on an endpoint whose mean prompt takes ``t0_s`` idle (the same
+    function the week scores requests with; ``wait_s`` before prefill, 0 for a profile)."""
+    def miss(rho: float) -> float:
+        if rho >= 1:
+            return 1.0
+        return 1.0 - float(attainment(slo_s, np.array([wait_s]),
+                                      np.array([t0_s / (1 - rho)]))[0])
+    return miss
+
+
+def target_utilisation(miss: Callable[[float], float], budget: float,
+                       bounds: tuple[float, float] = TARGET_BOUNDS) -> float:
+    """The highest utilisation in ``bounds`` at which ``miss(rho) <= budget``, for a miss
+    curve that rises with ``rho``: the lower bound if even it misses more, the upper if
+    even it misses less."""
+    if not 0 < budget < 1:
+        raise ValueError("budget must be in (0, 1)")
+    lo, hi = bounds
+    if not 0 < lo < hi < 1:
+        raise ValueError("bounds must satisfy 0 < lo < hi < 1")
+    if miss(lo) > budget:
+        return lo
+    if miss(hi) <= budget:
+        return hi
+    for _ in range(60):  # miss(lo) <= budget < miss(hi)
+        mid = (lo + hi) / 2
+        if miss(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def model_targets(cfg: WeekConfig, caps: dict[str, Capacity]) -> dict[str, float] | None:
+    """Each model's target utilisation from its own latency profile at the budget
+    ``cfg.target_miss`` (None when the option is off)."""
+    if cfg.target_miss is None:
+        return None
+    out = {}
+    for m, c in caps.items():
+        t0 = c.prompt_len / c.mu_p
+        out[m] = target_utilisation(miss_curve(cfg.slo_factor * t0, t0), cfg.target_miss)
+    return out
+
+
+def plan_theta(cfg: WeekConfig, demand: Demand) -> dict[str, float]:
+    """Tokens/s the plan-driven strategies count per instance of each model."""
+    targets = model_targets(cfg, demand.caps)
+    if targets is None:
+        return dict(demand.theta)
+    return {m: targets[m] * demand.caps[m].mu_t for m in demand.caps}
 
 
 def mixture_quantile(q: float, weight: np.ndarray, wait_s: np.ndarray,
@@ -362,11 +456,13 @@ def _plan_targets(cfg: WeekConfig, demand: Demand, eps: dict[tuple[str, str], En
                   window: int, tally: Tally, ahead: int = 0,
                   batch_tps: dict[tuple[str, str], float] | None = None,
                   errors: PlanErrors | None = None,
+                  theta: dict[str, float] | None = None,
                   ) -> dict[tuple[str, str], int]:
     """The ILP's counts for the hour whose first window is ``window + ahead``, forecast at
     the start of ``window``; ``batch_tps`` (last hour's batch load) feeds the buffer;
     ``errors``, when given, scales each forecast by its error quantile instead of the
-    fixed headroom and records the forecasts this plan used."""
+    fixed headroom and records the forecasts this plan used; ``theta`` (tokens/s per
+    instance of each model, default ``demand.theta``) is the capacity the plan counts."""
     batch_tps = batch_tps or {}
     fcs = {k: demand.forecast[k][window, ahead:ahead + 6] for k in eps}
     factor = {k: (errors.scale(k, 1 + cfg.headroom) if errors else 1 + cfg.headroom)
@@ -382,7 +478,7 @@ def _plan_targets(cfg: WeekConfig, demand: Demand, eps: dict[tuple[str, str], En
         demand={m: {r: (fcs[(m, r)] * factor[(m, r)]
                         + cfg.batch_buffer * batch_tps.get((m, r), 0.0)).tolist()
                     for r in REGIONS} for m in MODELS},
-        capacity={m: {gpu[m]: demand.theta[m]} for m in MODELS},
+        capacity={m: {gpu[m]: (theta or demand.theta)[m]} for m in MODELS},
         gpus_available={r: {g: cfg.pool_per_endpoint * 4 * len(MODELS)
                             for g in set(gpu.values())} for r in REGIONS},
         epsilon=cfg.epsilon,
@@ -472,13 +568,20 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand,
     slo = {m: cfg.slo_factor * demand.caps[m].prompt_len / demand.caps[m].mu_p
            for m in MODELS}
     t0 = {m: demand.caps[m].prompt_len / demand.caps[m].mu_p for m in MODELS}
+    uses_plan = name in ("lt-i", "lt-u", "lt-ua")
+    # Per-model target utilisation (``target_miss``): the plan's capacity per instance and
+    # LT-U / LT-UA's thresholds; reactive and PreServe keep theirs.
+    targets_u = model_targets(cfg, demand.caps) if uses_plan else None
+    theta = plan_theta(cfg, demand) if uses_plan else dict(demand.theta)
+    thresholds = {m: (u, u * SCALE_IN_UTILISATION / SCALE_OUT_UTILISATION)
+                  for m, u in (targets_u or {}).items()}
     eps: dict[tuple[str, str], Endpoint] = {}
     for m, (p, _) in MODELS.items():
         prof = get_profile(p)
         for r in REGIONS:
             first = demand.forecast[(m, r)][0, :6].max()
             eps[(m, r)] = Endpoint(m, r, demand.caps[m], prof.num_gpus, _cold(cfg, m),
-                                   ready=max(1, math.ceil(first / demand.theta[m])))
+                                   ready=max(1, math.ceil(first / theta[m])))
     tally = Tally()
     targets: dict[tuple[str, str], int] = {}
     n = demand.steps
@@ -488,7 +591,6 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand,
     waits = {m: np.zeros(n * len(REGIONS)) for m in MODELS}
     scales = {m: np.zeros(n * len(REGIONS)) for m in MODELS}
     mean_tokens = DEFAULT_PROMPT_LEN + DEFAULT_OUTPUT_LEN
-    uses_plan = name in ("lt-i", "lt-u", "lt-ua")
     steps_per_window = WINDOW_S / dt
     windows_per_hour = round(3600 / WINDOW_S)
     lead = _lead_windows(cfg)
@@ -514,7 +616,7 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand,
                 targets, upcoming = upcoming, None
             else:
                 targets = _plan_targets(cfg, demand, eps, window, tally,
-                                        batch_tps=last_hour, errors=errors)
+                                        batch_tps=last_hour, errors=errors, theta=theta)
         elif uses_plan and lead and new_window and (window + lead) % windows_per_hour == 0 \
                 and window + lead < sim_windows:
             # Anticipation: plan the next hour now, from its forecast; until it starts,
@@ -522,7 +624,7 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand,
             last_hour = {k: float(v[max(0, i - hour_steps):i].sum()) / 3600
                          for k, v in batch_in.items()}
             upcoming = _plan_targets(cfg, demand, eps, window, tally, ahead=lead,
-                                     batch_tps=last_hour, errors=errors)
+                                     batch_tps=last_hour, errors=errors, theta=theta)
             targets = {k: max(v, upcoming.get(k, v)) for k, v in targets.items()}
         if cfg.batch_share > 0:
             for m in MODELS:
@@ -627,6 +729,8 @@ def run_strategy(name: str, cfg: WeekConfig, demand: Demand,
                         utilisation=demand.theta[m] / e.caps.mu_t / (1 + cfg.headroom))),
                     window_start=window * WINDOW_S, projected_utilisation=min(proj, 2.0),
                     min_instances=1, max_instances=cfg.pool_per_endpoint,
+                    scale_out_utilisation=thresholds[m][0] if thresholds else None,
+                    scale_in_utilisation=thresholds[m][1] if thresholds else None,
                 )
                 act = strat.decide((m, r), obs)
                 if act.delta > 0:
@@ -726,7 +830,8 @@ def run(cfg: WeekConfig, progress: Callable[[str], None] | None = None) -> dict[
         "epsilon": cfg.epsilon, "headroom": cfg.headroom, "peak_instances": cfg.peak_instances,
         "anticipate": cfg.anticipate, "batch_share": cfg.batch_share,
         "batch_buffer": cfg.batch_buffer, "batch_feed": cfg.batch_feed,
-        "plan_quantile": cfg.plan_quantile,
+        "plan_quantile": cfg.plan_quantile, "target_miss": cfg.target_miss,
+        "target_utilisation": model_targets(cfg, demand.caps),
         "noise_sigma": cfg.noise_sigma, "bursts": cfg.bursts,
     }
     out["wall_seconds"] = time.perf_counter() - t_wall
@@ -755,7 +860,7 @@ _PARAM_TYPES: dict[str, Callable[[str], Any]] = {
     "step_s": float, "peak_instances": int, "slo_factor": float, "epsilon": float,
     "headroom": float, "noise_sigma": float, "bursts": int, "pool_per_endpoint": int,
     "batch_share": float, "batch_buffer": float, "batch_feed": str,
-    "plan_quantile": float,
+    "plan_quantile": float, "target_miss": float,
     "anticipate": lambda v: _parse_bool(v),
     "strategies": lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
 }

@@ -10,7 +10,10 @@ hand-made observations.
   utilisation is over 70%, in by one under 30%, at most one event per 15 s cooldown.
 - ``lt-i``: jump to the hour's ILP target as soon as it is known (sec. 6.5.1).
 - ``lt-u``: the ILP sets the target, but move towards it only when utilisation says so:
-  out over 70% while below target, in under 30% while above it.
+  out over 70% while below target, in under 30% while above it. An observation may carry
+  the endpoint's own thresholds (``scale_out_utilisation``, ``scale_in_utilisation``:
+  per-model target utilisation, see ``capacity_week.target_utilisation``); LT-U and LT-UA
+  then use those instead of 70% / 30%. Reactive ignores them: it is SageServe's rule.
 - ``lt-ua``: LT-U, and once the target is reached, in the last 20 minutes of the hour keep
   scaling out while traffic is at least 5x the forecast, and in while at most 0.5x.
 - ``preserve`` (PreServe sec. 4.3.2): at each window pre-start PreServe's N (from the
@@ -56,6 +59,9 @@ class Observation:
     projected_utilisation: float | None = None  # load anticipator's peak over look-ahead
     min_instances: int = 1
     max_instances: int = 1_000_000
+    # Per-endpoint thresholds for the plan-driven strategies (None: 70% / 30%).
+    scale_out_utilisation: float | None = None
+    scale_in_utilisation: float | None = None
 
     @property
     def total(self) -> int:
@@ -133,11 +139,21 @@ class LongTermUtilisation(Strategy):
     def _decide(self, endpoint: Hashable, obs: Observation) -> Action:
         if self._cooling(endpoint, obs.now) or obs.target is None:
             return HOLD
-        if obs.utilisation > SCALE_OUT_UTILISATION and obs.total < obs.target:
-            return Action(1, "utilisation over 70%, below ILP target")
-        if obs.utilisation < SCALE_IN_UTILISATION and obs.total > obs.target:
-            return Action(-1, "utilisation under 30%, above ILP target")
+        if obs.utilisation > _out(obs) and obs.total < obs.target:
+            return Action(1, "utilisation over the scale-out threshold, below ILP target")
+        if obs.utilisation < _in(obs) and obs.total > obs.target:
+            return Action(-1, "utilisation under the scale-in threshold, above ILP target")
         return HOLD
+
+
+def _out(obs: Observation) -> float:
+    return SCALE_OUT_UTILISATION if obs.scale_out_utilisation is None \
+        else obs.scale_out_utilisation
+
+
+def _in(obs: Observation) -> float:
+    return SCALE_IN_UTILISATION if obs.scale_in_utilisation is None \
+        else obs.scale_in_utilisation
 
 
 class LongTermUtilisationAdjusted(LongTermUtilisation):
@@ -156,7 +172,7 @@ class LongTermUtilisationAdjusted(LongTermUtilisation):
             # Stop short of pushing the remaining instances over the scale-out threshold,
             # which would only trigger a scale-out right after.
             after = obs.utilisation * obs.ready / (obs.ready - 1)
-            if after <= SCALE_OUT_UTILISATION:
+            if after <= _out(obs):
                 return Action(-1, "last 20 min: traffic at most 0.5x forecast")
         return act
 

@@ -36,6 +36,7 @@ from skymesh.planning.capacity_week import (
     attainment,
     build_demand,
     parse_week_params,
+    plan_theta,
     run_strategy,
 )
 from skymesh.planning.strategies import SCALE_OUT_UTILISATION
@@ -233,7 +234,8 @@ def run(cfg: WeekConfig, progress: Callable[[str], None] | None = None,
     for name in cfg.strategies:
         trace = WeekTrace()
         res = run_strategy(name, cfg, demand, trace)
-        diag = diagnose(trace, slo_s, t0_s, demand.theta)
+        diag = diagnose(trace, slo_s, t0_s,
+                        plan_theta(cfg, demand) if name != 'reactive' else demand.theta)
         diag["gpu_hours"] = res["gpu_hours"]
         # What a clairvoyant allocator would attain on the same GPU-hours.
         diag["fluid_bound_slo"] = fluid_bound(cfg, demand, res["gpu_hours"])["slo_attainment"]
