@@ -606,10 +606,14 @@ class Balancer:
         resp = _CoalescedStream(status=up.status, headers=_copy_headers(up))
         await resp.prepare(request)
         await resp.write(first)
+        self._started(ticket, first_at, t0)
+        return resp
+
+    def _started(self, ticket: Ticket, first_at: float, t0: float) -> None:
+        """The replica has answered: the request no longer waits to be admitted there."""
         self.dispatcher.first_byte(ticket)
         self._pump()  # a no-op unless requests wait for exactly this
         self.metrics.ttft.labels(ticket.route.model).observe(first_at - t0)
-        return resp
 
     async def _stream(self, request: web.Request, ticket: Ticket, up: aiohttp.ClientResponse,
                       t0: float, sent: float, intake: Intake
@@ -658,9 +662,7 @@ class Balancer:
         chunks, first, now = await self._first_chunk(up)
         resp = _CoalescedStream(status=up.status, headers=_copy_headers(up))
         await resp.prepare(request)
-        self.dispatcher.first_byte(ticket)
-        self._pump()
-        self.metrics.ttft.labels(ticket.route.model).observe(now - t0)
+        self._started(ticket, now, t0)
         st = LiveStream(ticket, intake.kind, intake.body, sent, first_at=now, upstream=up)
         self.dispatcher.policy.on_timing(ticket.route, ticket.target or "", st.timing(now))
         key = ticket.key

@@ -149,18 +149,25 @@ async def _wait_ok(session: aiohttp.ClientSession, d: Daemon, method: str, path:
         await asyncio.sleep(0.1)
 
 
-async def start_stack(exits: contextlib.ExitStack, session: aiohttp.ClientSession,
-                      n_replicas: int, profile: str, time_scale: float, body: bytes,
-                      sglang_py: Path | None, sglang_note: str) -> Stack:
-    """Start everything; each process is registered on ``exits`` as soon as it exists."""
+async def start_replicas(exits: contextlib.ExitStack, session: aiohttp.ClientSession,
+                         n: int, profile: str, time_scale: float) -> list[Daemon]:
+    """``n`` emulated replicas, healthy, each registered on ``exits`` once it exists."""
     replicas: list[Daemon] = []
-    for i in range(n_replicas):
+    for i in range(n):
         d = start_daemon("skymesh-replica", ["--port", "0", "--profile", profile,
                                              "--time-scale", repr(time_scale),
                                              "--seed", str(i)])
         exits.callback(d.stop)
         replicas.append(d)
     await asyncio.gather(*(_wait_ok(session, d, "GET", "/health") for d in replicas))
+    return replicas
+
+
+async def start_stack(exits: contextlib.ExitStack, session: aiohttp.ClientSession,
+                      n_replicas: int, profile: str, time_scale: float, body: bytes,
+                      sglang_py: Path | None, sglang_note: str) -> Stack:
+    """Start everything; each process is registered on ``exits`` as soon as it exists."""
+    replicas = await start_replicas(exits, session, n_replicas, profile, time_scale)
     urls = [d.url for d in replicas]
     proxies: dict[str, Daemon] = {}
     for name, policy, mode in ((LB_BP, "round-robin", "bp"), (LB_DEFAULT, "least-load", "sp-p")):

@@ -33,6 +33,7 @@ from skymesh.bench.overhead import (
     _wait_ok,
     _warm,
     open_loop_segment,
+    start_replicas,
 )
 from skymesh.engine.profiles import get_profile
 from skymesh.procs import start_daemon
@@ -44,15 +45,7 @@ async def run(trees: dict[str, Path], rate: float, seconds: float, seed: int
     body = _body(get_profile(DEFAULT_PROFILE).model)
     with contextlib.ExitStack() as exits:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-            replicas = []
-            for i in range(2):
-                d = start_daemon("skymesh-replica", [
-                    "--port", "0", "--profile", DEFAULT_PROFILE,
-                    "--time-scale", repr(DEFAULT_TIME_SCALE), "--seed", str(i)])
-                exits.callback(d.stop)
-                replicas.append(d)
-            for d in replicas:
-                await _wait_ok(s, d, "GET", "/health")
+            replicas = await start_replicas(exits, s, 2, DEFAULT_PROFILE, DEFAULT_TIME_SCALE)
             urls = [d.url for d in replicas]
             paths: dict[str, list[str]] = {"direct": urls}
             for name, tree in trees.items():
