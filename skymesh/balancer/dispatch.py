@@ -441,6 +441,17 @@ class Dispatcher:
                 t.breaker.on_neutral()
         self.policy.on_complete(ticket.route, tid, ok)
 
+    def cached(self, route: RouteRequest, target: str, keys: Sequence[int]) -> None:
+        """``route`` ended well on ``target`` (a replica or a peer balancer), which now
+        caches ``keys``: the prefix keys of its prompt and output. Called after
+        :meth:`complete` by drivers that see the output."""
+        if not keys:
+            return
+        if target in self.targets:
+            self.policy.on_cached(route, target, keys)
+        elif target in self.peers and self.peer_policy is not None:
+            self.peer_policy.on_cached(route, target, keys)
+
     def on_probe(self, target: str, now: float, waiting: int, running: int,
                  kv_usage: float, kv_capacity_tokens: int | None = None) -> None:
         t = self.targets.get(target)

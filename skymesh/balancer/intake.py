@@ -113,10 +113,10 @@ def prediction_input(intake: Intake, prompt_len: int) -> tuple[str, int, int]:
     (ShareGPT turns, skymesh.predict.data). Lengths are the balancer's estimates."""
     text = intake.prompt_text
     if intake.kind == "chat":
-        messages = intake.body.get("messages")
-        for msg in reversed(messages if isinstance(messages, list) else ()):
+        messages: list[Any] = intake.body.get("messages") or []
+        for msg in reversed(messages if isinstance(messages, list) else []):
             if isinstance(msg, dict) and msg.get("role") == "user":
-                content = msg.get("content")
+                content: Any = msg.get("content")
                 if isinstance(content, list):  # validated text parts (render_chat)
                     content = "\n".join(str(p.get("text", "")) for p in content
                                         if isinstance(p, dict))

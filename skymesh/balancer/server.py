@@ -75,6 +75,12 @@ from skymesh.balancer.migration import (
     sse,
     tokenize_requests,
 )
+from skymesh.balancer.output_text import (
+    OutputCapture,
+    cached_text,
+    json_output_text,
+    sse_output_text,
+)
 from skymesh.balancer.prediction import LivePredictor
 from skymesh.balancer.probe import (
     ProbeParseError,
@@ -83,8 +89,9 @@ from skymesh.balancer.probe import (
     parse_vllm_metrics,
 )
 from skymesh.policies import build_policy
-from skymesh.policies.base import Policy, RequestTiming
+from skymesh.policies.base import Policy, RequestTiming, RouteRequest
 from skymesh.policies.peers import DEFAULT_FORWARDING_RULE
+from skymesh.prefix.keys import text_prefix_keys
 
 log = logging.getLogger("skymesh.lb")
 
@@ -143,7 +150,6 @@ class Balancer:
         self.replicas = {r.url: ReplicaHealth(r) for r in cfg.replicas}
         self.metrics = BalancerMetrics()
         self._decision_counters: dict[str, Any] = {}
-        self._keys = policy.uses_prefix_keys
         self.predictor = LivePredictor(cfg.prediction)
         self._streams: dict[str, LiveStream] = {}  # migratable streams, by first ticket
         self._open_streams: set[aiohttp.ClientResponse] = set()  # the other streams
@@ -249,7 +255,6 @@ class Balancer:
         d.policy = policy
         d.hold_s = d.hold_s  # re-evaluates whether the new policy can hold requests
         policy.on_membership(sorted(d.targets))
-        self._keys = policy.uses_prefix_keys
         self._policy_flags(policy)
         if self._predicts and self._session is not None:
             self.predictor.start()
@@ -264,6 +269,12 @@ class Balancer:
                           and self.cfg.prediction.predictor != "none")
         self._timed = type(policy).on_timing is not Policy.on_timing
         self._migrates = policy.wants_migration
+        self._keys = policy.uses_prefix_keys
+        # Policies that record what a replica caches after a request get its output too
+        # (the reply is kept while relayed, and keyed after the client has it).
+        self._records = self._keys and _records_output(policy)
+        peer = self.dispatcher.peer_policy
+        self._records_peer = self._keys and peer is not None and _records_output(peer)
 
     def _apply_membership(self) -> None:
         self.dispatcher.set_targets({url: h.models for url, h in self.replicas.items()})
@@ -466,8 +477,7 @@ class Balancer:
                 self.metrics.queue_wait.labels(model).observe(sent - t0)
             try:
                 if ticket.to_peer:
-                    return await self._forward_peer(request, ticket, target, raw,
-                                                    intake.stream, t0)
+                    return await self._forward_peer(request, ticket, target, raw, intake, t0)
                 return await self._forward(request, ticket, target, raw, intake, t0, sent)
             except _ReplicaFault as exc:
                 log.warning("attempt %d on %s failed before the first byte: %s",
@@ -517,6 +527,9 @@ class Balancer:
                             self.now(), sent, None, out, True,
                             prompt or ticket.route.prompt_len, hits))
                 self.dispatcher.complete(ticket, self.now(), ok=ok)
+                if ok and self._records:
+                    self._record_later(ticket.route, target, intake,
+                                       json_output_text(body, intake.kind))
                 resp = web.Response(status=up.status, body=body, headers=_copy_headers(up))
                 return resp, "ok" if ok else f"upstream_{up.status}"
             if self._migrates and migratable(intake.body):
@@ -526,11 +539,12 @@ class Balancer:
             up.release()
 
     async def _forward_peer(self, request: web.Request, ticket: Ticket, peer: str, raw: bytes,
-                            stream: bool, t0: float) -> tuple[web.StreamResponse, str]:
+                            intake: Intake, t0: float) -> tuple[web.StreamResponse, str]:
         from skymesh.mesh import PeerError
 
         assert self.mesh is not None
         route = ticket.route
+        stream = intake.stream
         try:
             call = self.mesh.forward(peer, route.request_id, route.model, request.path, raw,
                                      stream, route.affinity_key,
@@ -561,16 +575,22 @@ class Balancer:
                     raise _ReplicaFault(f"peer {peer}: HTTP {status}")
                 ok = status < 400
                 self.dispatcher.complete(ticket, self.now(), ok=ok)
+                if ok and self._records_peer:
+                    self._record_later(route, peer, intake,
+                                       json_output_text(bytes(body), intake.kind))
                 return (web.Response(status=status, body=bytes(body), headers=headers),
                         "ok" if ok else f"upstream_{status}")
             resp = _CoalescedStream(status=status, headers=headers)
             await resp.prepare(request)
             ok = True
+            cap = OutputCapture.for_prompt(intake.prompt_text) if self._records_peer else None
             try:
                 async for chunk in call:
                     if chunk.HasField("error"):
                         raise PeerError(peer, chunk.error.message)
                     await resp.write(chunk.data)
+                    if cap is not None:
+                        cap.add(chunk.data)
             except PeerError as exc:
                 ok = False
                 err = {"error": {"message": f"the peer region failed mid-response: {exc}",
@@ -579,6 +599,8 @@ class Balancer:
                 await resp.write(f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode())
             self.dispatcher.complete(ticket, self.now(), ok=ok)
             await resp.write_eof()
+            if ok and cap is not None:
+                self._record_cached(route, peer, intake, sse_output_text(cap.raw(), intake.kind))
             return resp, "ok" if ok else "upstream_broken"
 
     async def _first_chunk(self, up: aiohttp.ClientResponse
@@ -628,11 +650,16 @@ class Balancer:
         # One SSE event per generated token in vLLM's and SGLang's streams (bar the role
         # chunk and [DONE]): a count good enough for demand telemetry, and cheap.
         events = first.count(b"data: ")
+        cap = OutputCapture.for_prompt(intake.prompt_text) if self._records else None
+        if cap is not None:
+            cap.add(first)
         self._open_streams.add(up)
         try:
             async for chunk in chunks:
                 events += chunk.count(b"data: ")
                 await resp.write(chunk)
+                if cap is not None:
+                    cap.add(chunk)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             ok = False
             await resp.write(self._broken_stream(ticket.target, exc))
@@ -650,7 +677,24 @@ class Balancer:
         self.dispatcher.complete(ticket, self.now(), ok=ok,
                                  replica_fault=not ok and not self.closing)
         await resp.write_eof()
+        if ok and cap is not None:
+            self._record_cached(ticket.route, target, intake,
+                                sse_output_text(cap.raw(), intake.kind))
         return resp, "ok" if ok else "upstream_broken"
+
+    def _record_cached(self, route: RouteRequest, target: str, intake: Intake,
+                       output: str) -> None:
+        """``target`` now caches the request's prompt and ``output``: tell the policy."""
+        text = cached_text(intake.prompt_text, intake.body, output)
+        if text is not None:
+            self.dispatcher.cached(route, target, text_prefix_keys(text))
+
+    def _record_later(self, route: RouteRequest, target: str, intake: Intake,
+                      output: str) -> None:
+        """:meth:`_record_cached` once the response in hand has been written: keying the
+        text is not the client's wait."""
+        asyncio.get_running_loop().call_soon(self._record_cached, route, target, intake,
+                                             output)
 
     # -- migration (policies with wants_migration: goodserve) ------------------------------
     async def _stream_live(self, request: web.Request, ticket: Ticket,
@@ -937,6 +981,10 @@ class Balancer:
                       "in_flight": t.load.in_flight, "breaker": t.breaker.state.name.lower()}
                 for tid, t in d.targets.items()},
         })
+
+
+def _records_output(policy: Policy) -> bool:
+    return type(policy).on_cached is not Policy.on_cached
 
 
 def _usage(body: bytes) -> tuple[int, int, int | None]:

@@ -144,6 +144,11 @@ class Policy(ABC):
     def on_complete(self, request: RouteRequest, target: str, ok: bool) -> None:
         """``request`` ended on ``target`` (``ok`` False: failed or cancelled)."""
 
+    def on_cached(self, request: RouteRequest, target: str, keys: Sequence[int]) -> None:
+        """``request`` finished on ``target``, which now caches ``keys``: the prefix keys
+        of its prompt *and* its output (the next turn of a conversation resends both).
+        Drivers that know the output call it after ``on_complete``; others never do."""
+
     def on_membership(self, targets: Sequence[str]) -> None:
         """The full target set changed to ``targets`` (prune state for departed ones)."""
 

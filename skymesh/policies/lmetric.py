@@ -217,6 +217,9 @@ class LMetric(Policy, name="lmetric"):
     def on_dispatch(self, request: RouteRequest, target: str, view: LoadView) -> None:
         self.trie.insert(request.prefix_keys, target)
 
+    def on_cached(self, request: RouteRequest, target: str, keys: Sequence[int]) -> None:
+        self.trie.insert(keys, target)
+
     def on_membership(self, targets: Sequence[str]) -> None:
         self._members = tuple(targets)
         self.trie.retain(targets)

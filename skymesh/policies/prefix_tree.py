@@ -10,12 +10,21 @@ deepest match; otherwise the prefix is too weak to be worth the load skew, and i
 the least loaded candidate overall (SkyLB: "when the prefix hit ratio is low (e.g.,
 < 50%), it explores other underutilized replicas"). Ties break with the seeded RNG.
 
-The trie is updated on dispatch with the request's keys and the chosen target, is bounded
-(oldest entries evicted first) and forgets targets that leave the membership.
+The trie is updated on dispatch with the request's keys and the chosen target, and again
+when the request ends well with the keys of its prompt *and output* (``on_cached``): the
+replica's cache holds both, and the next turn of a conversation or a tree's children
+resend both. It is bounded (oldest entries evicted first) and forgets targets that leave
+the membership.
 
 Parameters:
 
-- ``match_threshold`` = 0.5: minimum matched fraction of the keys to follow the match
+- ``match_threshold`` = 0.7: minimum matched fraction of the keys to follow the match.
+  SkyLB's 50% was set for a trie that holds prompts only, where a conversation's next turn
+  matches just its previous prompt (often under half of the new one, the reply being
+  long). With outputs recorded a continuation matches 90-100%, and a higher bar stops new
+  requests from following a shared template (a few-shot prompt) onto the replicas that
+  hold it, which pulled whole trees of thought together (``docs/notes/bench.md``,
+  "Outputs in the trie").
 - ``max_nodes`` = 100_000: trie node cap
 """
 
@@ -34,7 +43,7 @@ class PrefixTree(Policy, name="prefix-tree"):
     def __init__(
         self,
         *,
-        match_threshold: float = 0.5,
+        match_threshold: float = 0.7,
         max_nodes: int = DEFAULT_MAX_NODES,
         rng: random.Random | None = None,
     ) -> None:
@@ -66,6 +75,9 @@ class PrefixTree(Policy, name="prefix-tree"):
 
     def on_dispatch(self, request: RouteRequest, target: str, view: LoadView) -> None:
         self.trie.insert(request.prefix_keys, target)
+
+    def on_cached(self, request: RouteRequest, target: str, keys: Sequence[int]) -> None:
+        self.trie.insert(keys, target)
 
     def on_membership(self, targets: Sequence[str]) -> None:
         self.trie.retain(targets)

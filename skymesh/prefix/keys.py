@@ -67,7 +67,14 @@ def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
     return fwd, inv
 
 
-def text_prefix_keys(text: str, chunk_chars: int = 64, max_keys: int = 512) -> list[int]:
+CHUNK_CHARS = 64
+MAX_KEYS = 512
+# Characters of text the default keys cover; anything past them adds no key.
+KEYED_CHARS = CHUNK_CHARS * MAX_KEYS
+
+
+def text_prefix_keys(text: str, chunk_chars: int = CHUNK_CHARS, max_keys: int = MAX_KEYS
+                     ) -> list[int]:
     """Chained 64-bit keys of the full ``chunk_chars``-character chunks of ``text``."""
     if chunk_chars < 1:
         raise ValueError(f"chunk_chars must be >= 1, got {chunk_chars}")

@@ -273,7 +273,12 @@ class SimBalancer:
                 self.policy.on_timing(ticket.route, ticket.target or "",
                                       self._timing(ticket, finished=True))
             del self._sent[ticket.key]
+        target = ticket.target
         self.dispatcher.complete(ticket, self.loop.now, ok=ok)
+        if ok and target is not None:
+            # The replica (or the peer region's) cache now holds prompt and output.
+            rec: RequestRecord = ticket.payload
+            self.dispatcher.cached(ticket.route, target, rec.item.block_hashes)
         self._pump()
 
     # -- timings and migration (policies that learn speeds, GoodServe) ---------------------

@@ -378,3 +378,39 @@ async def test_replica_killed_mid_run(tmp_path: Path) -> None:
             await until(lambda: drained(s, lb), "in-flight back to zero")
     finally:
         stop_all([lb, *reps])
+
+
+async def test_a_conversations_next_turn_returns_to_the_replica_caching_its_reply(
+        tmp_path: Path) -> None:
+    """The prefix tree learns the reply each replica relayed (prompt + output are what the
+    replica caches), so turn 2, whose history is mostly that reply, goes back to turn 1's
+    replica and is served from its cache. With prompts recorded alone, turn 1's prompt is
+    a small part of turn 2's and each turn 2 lands on either replica by chance."""
+    reps = start_replicas(tmp_path, 2)
+    lb = start_lb(tmp_path, reps, policy={"name": "prefix-tree"})
+    try:
+        async with aiohttp.ClientSession() as s:
+            await ready(s, lb, 2)
+            for i in range(4):
+                msgs = [{"role": "user", "content": f"Conversation {i}: tell me a story."}]
+                first = {"model": MODEL, "messages": msgs, "max_tokens": 120,
+                         "ignore_eos": True, "seed": 50 + i, "stream": True,
+                         "stream_options": {"include_usage": True}}
+                code, events = await stream_text(s, lb.url, first)
+                assert code == 200
+                reply = content_of(events)
+                turn1 = events[-2]["usage"]
+                nxt = {"model": MODEL, "max_tokens": 4, "stream": True,
+                       "stream_options": {"include_usage": True},
+                       "messages": [*msgs, {"role": "assistant", "content": reply},
+                                    {"role": "user", "content": "Go on."}]}
+                code, events = await stream_text(s, lb.url, nxt)
+                assert code == 200
+                usage = events[-2]["usage"]
+                cached = usage["prompt_tokens_details"]["cached_tokens"]
+                # Turn 2 hit turn 1's prompt and most of its reply on the same replica.
+                assert cached >= turn1["prompt_tokens"] + 0.8 * turn1["completion_tokens"] \
+                    - 16, (i, cached, turn1)
+            await until(lambda: drained(s, lb), "in-flight counts back to zero")
+    finally:
+        stop_all([lb, *reps])

@@ -252,7 +252,7 @@ def test_balanced_rule_weighs_a_locally_cached_prefix() -> None:
         assert d.pump(0.0) == [first] and not first.to_peer
         fill(d, local_requests - 1)
         load_beat(d, 1, outstanding=2)
-        turn = Ticket(RouteRequest("c1", model="m", prefix_keys=(1, 2, 3, 4, 5, 6)), 0.0)
+        turn = Ticket(RouteRequest("c1", model="m", prefix_keys=(1, 2, 3, 4, 5)), 0.0)
         d.offer(turn, 0.0)
         assert d.pump(0.0) == [turn]
         return turn.to_peer

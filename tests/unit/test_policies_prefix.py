@@ -179,7 +179,9 @@ def test_prefix_tree_cases() -> None:
         (conv, ["b", "c"], {"c": 1}, "b", "a unavailable: the system prompt (8/12) is on "
          "nobody else, so least loaded"),
         (chain([*SYSTEM, 9, 9, 9, 9, 9, 9, 9, 9, 9]), ALL, {}, None,
-         "8 of 17 keys (< 50%): least loaded among all, not a"),
+         "8 of 17 keys (< 70%): least loaded among all, not a"),
+        (chain([*SYSTEM, 9, 9, 9, 9]), ALL, {}, None,
+         "8 of 12 keys (67%, which SkyLB's 50% would follow): a shared template only"),
     ]
     for keys, cands, loads, expected, why in cases:
         view.set(**loads)
@@ -200,6 +202,52 @@ def test_prefix_tree_picks_the_least_loaded_of_the_matched_targets() -> None:
     assert p.select(req("x", keys), ALL, view) == "b"
     with pytest.raises(Exception, match="match_threshold"):
         build_policy("prefix-tree", {"match_threshold": 1.5})
+
+
+@pytest.mark.parametrize("name", ["prefix-tree", "lmetric"])
+def test_a_conversation_follows_its_cached_reply(name: str) -> None:
+    """The trie learns what the replica caches after a turn (prompt and reply), so the
+    next turn, which resends both, goes back to it even when the reply dwarfs the prompt.
+    Recorded at dispatch alone, the old prompt is 4 of the new 16 keys."""
+    p = build_policy(name)
+    view = View().set(a=3, b=0, c=0, d=0)
+    turn1 = chain([7, 1, 2, 3])
+    reply_and_turn2 = chain([7, 1, 2, 3, *range(200, 212)])
+    p.on_dispatch(req("t1", turn1, 64), "a", view)
+    p.on_complete(req("t1", turn1, 64), "a", True)
+    turn2 = req("t2", reply_and_turn2, 256)
+    assert p.select(turn2, ALL, view) != "a", "prompt-only record: too weak to pay a's load"
+    p.on_cached(req("t1", turn1, 64), "a", reply_and_turn2[:14])  # prompt + reply
+    assert p.select(turn2, ALL, view) == "a"
+    assert p.preferred(turn2, ALL, view) == "a"  # delay scheduling holds it for a
+
+
+def test_dispatcher_hands_cached_keys_to_the_layer_that_served() -> None:
+    from skymesh.balancer.dispatch import Dispatcher, PushMode
+
+    seen: list[tuple[str, str, tuple[int, ...]]] = []
+
+    class Spy(Policy):
+        def __init__(self, layer: str) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def select(self, request: RouteRequest, candidates: Sequence[str], view: object
+                   ) -> str | None:
+            return candidates[0] if candidates else None
+
+        def on_cached(self, request: RouteRequest, target: str, keys: Sequence[int]) -> None:
+            seen.append((self.layer, target, tuple(keys)))
+
+    d = Dispatcher(Spy("replicas"), PushMode.BP, peer_policy=Spy("peers"))
+    d.set_targets({"r1": frozenset({"default"})})
+    d.set_peers(["eu"])
+    r = req("x", [1, 2])
+    d.cached(r, "r1", [1, 2, 3])
+    d.cached(r, "eu", [1, 2, 3, 4])
+    d.cached(r, "gone", [5])  # left the membership meanwhile: nobody records it
+    d.cached(r, "r1", [])
+    assert seen == [("replicas", "r1", (1, 2, 3)), ("peers", "eu", (1, 2, 3, 4))]
 
 
 # -- sglang cache-aware ------------------------------------------------------------------------
