@@ -583,7 +583,8 @@ class Balancer:
             resp = _CoalescedStream(status=status, headers=headers)
             await resp.prepare(request)
             ok = True
-            cap = OutputCapture.for_prompt(intake.prompt_text) if self._records_peer else None
+            cap = (OutputCapture.for_request(intake.prompt_text, intake.body)
+                   if self._records_peer else None)
             try:
                 async for chunk in call:
                     if chunk.HasField("error"):
@@ -650,7 +651,8 @@ class Balancer:
         # One SSE event per generated token in vLLM's and SGLang's streams (bar the role
         # chunk and [DONE]): a count good enough for demand telemetry, and cheap.
         events = first.count(b"data: ")
-        cap = OutputCapture.for_prompt(intake.prompt_text) if self._records else None
+        cap = (OutputCapture.for_request(intake.prompt_text, intake.body)
+               if self._records else None)
         if cap is not None:
             cap.add(first)
         self._open_streams.add(up)

@@ -23,20 +23,23 @@ def sse(*events: Any) -> bytes:
     return out
 
 
-def delta(text: str | None, index: int = 0, role: str | None = None) -> dict[str, Any]:
+def delta(text: str | None, role: str | None = None) -> dict[str, Any]:
     d: dict[str, Any] = {}
     if role:
         d["role"] = role
     if text is not None:
         d["content"] = text
-    return {"object": "chat.completion.chunk", "choices": [{"index": index, "delta": d}]}
+    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": d}]}
 
 
-def test_chat_stream_text_skips_role_usage_other_choices_and_done() -> None:
-    raw = sse(delta(None, role="assistant"), delta("Hel"), delta("lo", index=1),
-              delta("lo, "), delta("wörld"), {"choices": [], "usage": {"total_tokens": 9}},
-              b"[DONE]")
-    assert sse_output_text(raw, "chat") == "Hello, wörld"
+def test_chat_stream_text_skips_role_usage_and_done_and_decodes_escapes() -> None:
+    raw = sse(delta(None, role="assistant"), delta("Hel"), delta("lo, "), delta("wörld"),
+              delta(' "quoted" \\ \n\u00e9 "content": "x"'),
+              {"choices": [], "usage": {"total_tokens": 9}}, b"[DONE]")
+    assert sse_output_text(raw, "chat") == 'Hello, wörld "quoted" \\ \n\u00e9 "content": "x"'
+    # Spaces after the colons (Python's json.dumps default) read the same.
+    spaced = b'data: {"choices": [{"index": 0, "delta": {"content": "a b"}}]}\n\n'
+    assert sse_output_text(spaced, "chat") == "a b"
 
 
 def test_completion_stream_and_json_bodies() -> None:
@@ -73,9 +76,12 @@ def test_capture_budget_bounds_memory_and_prompt_fills_the_keys() -> None:
     for _ in range(50):
         cap.add(b"x" * 40)
     assert len(cap.raw()) == 120  # stops at the first chunk past the budget
-    assert OutputCapture.for_prompt("p" * KEYED_CHARS) is None  # the reply adds no key
-    small = OutputCapture.for_prompt("p" * 100)
+    assert OutputCapture.for_request("p" * KEYED_CHARS, {}) is None  # reply adds no key
+    small = OutputCapture.for_request("p" * 100, {"n": 1})
     assert small is not None and small.left > 0
+    # Several replies interleave in one stream, and echo repeats the prompt: not captured.
+    for body in ({"n": 2}, {"best_of": 3}, {"echo": True}):
+        assert OutputCapture.for_request("p" * 100, body) is None
 
 
 def test_prompt_plus_reply_is_the_next_turns_prefix() -> None:
