@@ -34,9 +34,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import aiohttp
-
 from skymesh.balancer.dispatch import Ticket
+from skymesh.balancer.upstream import Reply
 from skymesh.policies.base import RequestTiming, RouteRequest
 
 # vLLM's and OpenAI's legacy default for /v1/completions without max_tokens.
@@ -186,7 +185,7 @@ class LiveStream:
     moving_to: str | None = None  # set by the re-check: cut over to this replica
     moved_from: str | None = None
     spliced: bool = False  # the current upstream is a continuation (rewrite its events)
-    upstream: aiohttp.ClientResponse | None = None
+    upstream: Reply | None = None
     prompt_ids: list[int] | None = None
     generated_ids: int = 0  # tokens carried into the current continuation
     usage: dict[str, Any] | None = None

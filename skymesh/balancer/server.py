@@ -88,6 +88,7 @@ from skymesh.balancer.probe import (
     parse_sglang_load,
     parse_vllm_metrics,
 )
+from skymesh.balancer.upstream import Reply, Upstream
 from skymesh.policies import build_policy
 from skymesh.policies.base import Policy, RequestTiming, RouteRequest
 from skymesh.policies.peers import DEFAULT_FORWARDING_RULE
@@ -152,7 +153,7 @@ class Balancer:
         self._decision_counters: dict[str, Any] = {}
         self.predictor = LivePredictor(cfg.prediction)
         self._streams: dict[str, LiveStream] = {}  # migratable streams, by first ticket
-        self._open_streams: set[aiohttp.ClientResponse] = set()  # the other streams
+        self._open_streams: set[Reply] = set()  # the other streams
         self.closing = False
         self._shutdown_task: asyncio.Task[None] | None = None
         self._recheck_task: asyncio.Task[None] | None = None
@@ -162,6 +163,7 @@ class Balancer:
         self._ids = itertools.count(1)
         self._id_prefix = f"req-{uuid.uuid4().hex[:8]}-"
         self._session: aiohttp.ClientSession | None = None
+        self._upstream: Upstream | None = None
         self._prober: asyncio.Task[None] | None = None
         self.mesh: MeshLink | None = (MeshLink(cfg, self.dispatcher, self._pump)
                                       if cfg.mesh is not None else None)
@@ -188,6 +190,8 @@ class Balancer:
                                           sock_read=up.read_timeout_s),
             auto_decompress=False,
         )
+        self._upstream = Upstream(connect_timeout_s=up.connect_timeout_s,
+                                  read_timeout_s=up.read_timeout_s)
         await self.probe_all()
         self._prober = asyncio.create_task(self._probe_loop(), name="skymesh-prober")
         if self._predicts:
@@ -212,6 +216,8 @@ class Balancer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self.predictor.stop()
+        if self._upstream is not None:
+            await self._upstream.close()
         if self._session is not None:
             await self._session.close()
 
@@ -500,10 +506,13 @@ class Balancer:
         stream = intake.stream
         headers = {k: v for k in _FORWARD_HEADERS if (v := request.headers.get(k))}
         headers.setdefault("Content-Type", "application/json")
+        assert self._upstream is not None, "balancer not started"
         try:
-            up = await self.session.post(target + request.path, data=raw, headers=headers)
+            up: Reply = await self._upstream.post(target, request.path, raw, headers)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _ReplicaFault(str(exc) or type(exc).__name__) from exc
+        except ValueError as exc:  # a header with a line break: never sent upstream
+            raise BadRequest(str(exc)) from None
         try:
             if up.status >= 500:
                 detail = (await up.read())[:200].decode(errors="replace")
@@ -604,7 +613,7 @@ class Balancer:
                 self._record_cached(route, peer, intake, sse_output_text(cap.raw(), intake.kind))
             return resp, "ok" if ok else "upstream_broken"
 
-    async def _first_chunk(self, up: aiohttp.ClientResponse
+    async def _first_chunk(self, up: Reply
                            ) -> tuple[AsyncIterator[bytes], bytes, float]:
         """The upstream's first bytes (a failure before them is the replica's: retry), and
         when they came."""
@@ -618,7 +627,7 @@ class Balancer:
         return chunks, first, self.now()
 
     async def _open_stream(self, request: web.Request, ticket: Ticket,
-                           up: aiohttp.ClientResponse, first: bytes, first_at: float, t0: float
+                           up: Reply, first: bytes, first_at: float, t0: float
                            ) -> web.StreamResponse:
         """Answer the client with the upstream's status, headers and first bytes, then
         count the request as started. From here on the client has bytes: no more retries.
@@ -638,7 +647,7 @@ class Balancer:
         self._pump()  # a no-op unless requests wait for exactly this
         self.metrics.ttft.labels(ticket.route.model).observe(first_at - t0)
 
-    async def _stream(self, request: web.Request, ticket: Ticket, up: aiohttp.ClientResponse,
+    async def _stream(self, request: web.Request, ticket: Ticket, up: Reply,
                       t0: float, sent: float, intake: Intake
                       ) -> tuple[web.StreamResponse, str]:
         chunks, first, first_at = await self._first_chunk(up)
@@ -700,7 +709,7 @@ class Balancer:
 
     # -- migration (policies with wants_migration: goodserve) ------------------------------
     async def _stream_live(self, request: web.Request, ticket: Ticket,
-                           up: aiohttp.ClientResponse, t0: float, sent: float, intake: Intake
+                           up: Reply, t0: float, sent: float, intake: Intake
                            ) -> tuple[web.StreamResponse, str]:
         """``_stream`` for a request the policy may move: whole SSE events are relayed
         one by one, so the periodic re-check (:meth:`recheck`) can cut the stream over to
@@ -1020,7 +1029,7 @@ class _CoalescedStream(web.StreamResponse):
     _send_headers_immediately = False
 
 
-def _copy_headers(up: aiohttp.ClientResponse) -> dict[str, str]:
+def _copy_headers(up: Reply) -> dict[str, str]:
     return {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS}
 
 

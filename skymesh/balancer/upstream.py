@@ -1,0 +1,411 @@
+"""The balancer's HTTP/1.1 client for the request path: POST to a replica, relay the reply.
+
+Why not aiohttp's ``ClientSession`` here: it does general work per request (URL objects,
+timeouts, tracing hooks, cookie and redirect handling, a ``ClientResponse`` with its
+stream reader) that costs 75-100 us of CPU on this machine, against 14 us for the same
+exchange on a bare connection (``docs/notes/balancer.md``, "Upstream client"). A
+balancer pays it on every request, and at low request rates that Python runs cold and
+shows in TTFT. This client does only what the proxy needs: keep-alive connections per
+replica, one request written in one call, the reply parsed by ``httptools`` (llhttp, the
+parser aiohttp and uvicorn use, in C; chunked bodies are decoded there), and
+backpressure while the client is slower than the replica.
+
+What it keeps of aiohttp's surface, so the proxy code reads the same: ``status``,
+``headers``, ``read()``, ``content.iter_any()``, ``release()`` and ``close()``. Its
+errors subclass aiohttp's connection and payload errors, which the proxy already treats
+as replica faults. Probes, models and the rest of the control path stay on aiohttp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Protocol, cast
+
+import aiohttp
+import httptools
+from multidict import CIMultiDict
+from yarl import URL
+
+# Past this many unread bytes from a replica, stop reading its socket until the client
+# has taken them: a slow client must not make the balancer buffer a whole reply.
+HIGH_WATER = 256 * 1024
+# Idle connections kept per replica, and how long one may idle before it is dropped
+# (below the usual server keep-alive timeouts: uvicorn's 5 s default is the shortest of
+# the engines', so a request never goes out on a connection the replica is closing).
+MAX_IDLE_PER_TARGET = 128
+IDLE_S = 4.0
+
+
+class ReplyBody(Protocol):
+    def iter_any(self) -> AsyncIterator[bytes]: ...
+
+
+class Reply(Protocol):
+    """What the proxy reads of a replica's reply: :class:`UpstreamReply`, or aiohttp's
+    ``ClientResponse`` where the control path (migration) still uses aiohttp."""
+
+    @property
+    def status(self) -> int: ...
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+    @property
+    def content(self) -> ReplyBody: ...
+    async def read(self) -> bytes: ...
+    def release(self) -> Any: ...
+    def close(self) -> None: ...
+
+
+class UpstreamConnectionError(aiohttp.ClientConnectionError):
+    """Could not connect to the replica, or it closed the connection mid-reply."""
+
+
+class UpstreamPayloadError(aiohttp.ClientPayloadError):
+    """The replica's reply is not valid HTTP/1.1."""
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection to a replica and the reply in progress on it."""
+
+    def __init__(self, key: tuple[str, int, bool]) -> None:
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.reply: UpstreamReply | None = None
+        self.lost = False
+        self.idle_since = 0.0
+
+    # -- asyncio.Protocol ---------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamPayloadError("the replica switched protocols"))
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamPayloadError(f"bad HTTP from the replica: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        reply = self.reply
+        if reply is None or reply.complete or reply.failed:
+            return
+        if exc is None and reply.status and not reply.delimited():
+            reply.complete = True  # a body that runs to the end of the connection
+            reply.wake()
+            return
+        reply.fail(UpstreamConnectionError(
+            f"the replica closed the connection{f': {exc}' if exc else ''}"))
+
+    def pause_writing(self) -> None:  # a request body is small: nothing to pause
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools callbacks ------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.reply is not None:
+            self.reply.raw_headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        reply = self.reply
+        if reply is not None:
+            reply.status = self.parser.get_status_code()
+            reply.keep_alive = self.parser.should_keep_alive()
+            reply.wake()
+
+    def on_body(self, body: bytes) -> None:
+        reply = self.reply
+        if reply is not None:
+            reply.feed(body)
+
+    def on_message_complete(self) -> None:
+        reply = self.reply
+        if reply is not None:
+            reply.complete = True
+            reply.wake()
+
+    # -- helpers ------------------------------------------------------------------------
+    def _fail(self, exc: Exception) -> None:
+        if self.reply is not None:
+            self.reply.fail(exc)
+        self.abort()
+
+    def abort(self) -> None:
+        self.lost = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class UpstreamReply:
+    """A replica's reply as it arrives: aiohttp ``ClientResponse``'s surface, minus what
+    the proxy does not use. ``content`` is the reply itself (``content.iter_any()``)."""
+
+    __slots__ = ("_buf", "_buffered", "_conn", "_error", "_headers", "_paused", "_pool",
+                 "_read_timeout", "_waiter", "complete", "keep_alive", "raw_headers",
+                 "status")
+
+    def __init__(self, conn: _Conn, pool: Upstream, read_timeout: float) -> None:
+        self._conn = conn
+        self._pool = pool
+        self._read_timeout = read_timeout
+        self._buf: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._paused = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: Exception | None = None
+        self._headers: CIMultiDict[str] | None = None
+        self.raw_headers: list[tuple[str, str]] = []
+        self.status = 0
+        self.keep_alive = False
+        self.complete = False
+
+    # -- fed by the connection ----------------------------------------------------------
+    def wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def feed(self, data: bytes) -> None:
+        self._buf.append(data)
+        self._buffered += len(data)
+        if self._buffered > HIGH_WATER and not self._paused and \
+                self._conn.transport is not None:
+            self._paused = True
+            self._conn.transport.pause_reading()
+        self.wake()
+
+    def delimited(self) -> bool:
+        """Whether the body's end is marked (a length or chunked), not the connection's."""
+        return any(n.lower() in ("content-length", "transfer-encoding")
+                   for n, _ in self.raw_headers)
+
+    @property
+    def reading_paused(self) -> bool:
+        """Whether the unread part reached HIGH_WATER and the socket is not being read."""
+        return self._paused
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def fail(self, exc: Exception) -> None:
+        if self._error is None:
+            self._error = exc
+        self.wake()
+
+    # -- read by the proxy --------------------------------------------------------------
+    @property
+    def headers(self) -> Mapping[str, str]:
+        if self._headers is None:
+            self._headers = CIMultiDict(self.raw_headers)
+        return self._headers
+
+    @property
+    def content(self) -> UpstreamReply:
+        return self
+
+    async def _wait(self) -> None:
+        """Until something arrives (bytes, the end, an error), at most the read timeout."""
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        handle = loop.call_later(self._read_timeout, self._timed_out, self._waiter)
+        try:
+            await self._waiter
+        finally:
+            handle.cancel()
+            self._waiter = None
+
+    def _timed_out(self, waiter: asyncio.Future[None]) -> None:
+        if not waiter.done():
+            waiter.set_exception(TimeoutError(
+                f"no bytes from the replica for {self._read_timeout:g} s"))
+
+    async def _headers_ready(self) -> None:
+        while not self.status and self._error is None:
+            await self._wait()
+        if self._error is not None:
+            raise self._error
+
+    def _take(self) -> bytes:
+        data = self._buf.popleft() if len(self._buf) == 1 else b"".join(self._buf)
+        self._buf.clear()
+        self._buffered = 0
+        if self._paused and self._conn.transport is not None:
+            self._paused = False
+            self._conn.transport.resume_reading()
+        return data
+
+    def iter_any(self) -> UpstreamReply:
+        return self
+
+    def __aiter__(self) -> UpstreamReply:
+        return self
+
+    async def __anext__(self) -> bytes:
+        """The bytes that have arrived since the last call, as soon as there are any."""
+        while not self._buf:
+            if self.complete:
+                raise StopAsyncIteration
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+        return self._take()
+
+    async def read(self) -> bytes:
+        parts = []
+        async for chunk in self:
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """Done with the reply: the connection goes back to the pool if the reply was
+        read to its end and the replica keeps connections alive, else it is closed (a
+        reply abandoned midway, e.g. the client left, must stop on the replica)."""
+        conn = self._conn
+        if conn.reply is not self:  # released already (the connection may serve another)
+            return
+        conn.reply = None
+        if self.complete and self.keep_alive and self._error is None and not conn.lost \
+                and not self._buf:
+            self._pool.put(conn)
+        else:
+            conn.abort()
+
+    def close(self) -> None:
+        """Abort the reply now (shutdown, a migration): whoever reads it gets an error."""
+        self.fail(UpstreamConnectionError("the balancer closed the upstream connection"))
+        self._conn.abort()
+
+
+class Upstream:
+    """Keep-alive connections to the replicas, and ``post`` over them."""
+
+    def __init__(self, *, connect_timeout_s: float, read_timeout_s: float) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._idle: dict[tuple[str, int, bool], collections.deque[_Conn]] = {}
+        self._targets: dict[str, tuple[tuple[str, int, bool], bytes, str]] = {}
+        self._ssl: ssl.SSLContext | None = None
+        self.closed = False
+
+    def _target(self, target: str) -> tuple[tuple[str, int, bool], bytes, str]:
+        """(connection key, Host header line, path prefix) of a replica URL, cached."""
+        got = self._targets.get(target)
+        if got is None:
+            url = URL(target)
+            if url.scheme not in ("http", "https") or not url.host:
+                raise UpstreamConnectionError(f"not an http(s) URL: {target!r}")
+            tls = url.scheme == "https"
+            port = url.port or (443 if tls else 80)
+            host = f"[{url.host}]" if ":" in url.host else url.host
+            host_line = f"Host: {host}:{port}\r\n".encode("latin-1")
+            got = ((url.host, port, tls), host_line, url.path.rstrip("/"))
+            if len(self._targets) > 4096:  # replica URLs come from config: a bound anyway
+                self._targets.clear()
+            self._targets[target] = got
+        return got
+
+    def put(self, conn: _Conn) -> None:
+        idle = self._idle.setdefault(conn.key, collections.deque())
+        if self.closed or len(idle) >= MAX_IDLE_PER_TARGET:
+            conn.abort()
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    def _get(self, key: tuple[str, int, bool]) -> _Conn | None:
+        idle = self._idle.get(key)
+        if not idle:
+            return None
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()  # the most recently used: the likeliest to be warm
+            if conn.lost or now - conn.idle_since > IDLE_S:
+                conn.abort()
+                continue
+            # Anything older than this one idled longer: drop those too.
+            while idle and now - idle[0].idle_since > IDLE_S:
+                idle.popleft().abort()
+            return conn
+        return None
+
+    async def _connect(self, key: tuple[str, int, bool]) -> _Conn:
+        host, port, tls = key
+        if tls and self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(
+                    lambda: _Conn(key), host, port, ssl=self._ssl if tls else None)
+        except TimeoutError:
+            raise UpstreamConnectionError(
+                f"connecting to {host}:{port} timed out after {self.connect_timeout_s:g} s"
+            ) from None
+        except OSError as exc:
+            raise UpstreamConnectionError(f"cannot connect to {host}:{port}: {exc}") from exc
+        return conn
+
+    async def post(self, target: str, path: str, body: bytes, headers: Mapping[str, str]
+                   ) -> UpstreamReply:
+        """POST ``body`` to ``target`` + ``path``; returns once the reply's status and
+        headers are in. A kept-alive connection the replica closed before answering is
+        retried once on a fresh one (nothing reached the engine)."""
+        if self.closed:
+            raise UpstreamConnectionError("the balancer is shutting down")
+        key, host_line, prefix = self._target(target)
+        head = [f"POST {prefix}{path} HTTP/1.1\r\n".encode("latin-1"), host_line]
+        for name, value in headers.items():
+            if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+                raise ValueError(f"header {name!r} has a line break")
+            head.append(f"{name}: {value}\r\n".encode("latin-1"))
+        head.append(b"Content-Length: %d\r\n\r\n" % len(body))
+        message = b"".join(head) + body
+        conn = self._get(key)
+        if conn is not None:
+            reply = await self._exchange(conn, message)
+            if reply.status or not conn.lost:
+                return await self._answered(reply)
+            reply.release()  # stale: the replica closed it as we sent
+        return await self._answered(await self._exchange(await self._connect(key), message))
+
+    async def _exchange(self, conn: _Conn, message: bytes) -> UpstreamReply:
+        reply = UpstreamReply(conn, self, self.read_timeout_s)
+        conn.reply = reply
+        conn.parser = httptools.HttpResponseParser(conn)
+        assert conn.transport is not None
+        conn.transport.write(message)
+        try:
+            await reply._headers_ready()
+        except UpstreamConnectionError:
+            if reply.status:
+                raise
+            # Lost before any reply: the caller may retry a reused connection.
+        except BaseException:
+            reply.release()
+            raise
+        return reply
+
+    @staticmethod
+    async def _answered(reply: UpstreamReply) -> UpstreamReply:
+        if not reply.status:
+            err = reply._error or UpstreamConnectionError("the replica sent no reply")
+            reply.release()
+            raise err
+        return reply
+
+    async def close(self) -> None:
+        self.closed = True
+        for idle in self._idle.values():
+            while idle:
+                idle.pop().abort()
+        self._idle.clear()
+
