@@ -34,10 +34,11 @@ from yarl import URL
 # has taken them: a slow client must not make the balancer buffer a whole reply.
 HIGH_WATER = 256 * 1024
 # Idle connections kept per replica, and how long one may idle before it is dropped
-# (below the usual server keep-alive timeouts: uvicorn's 5 s default is the shortest of
-# the engines', so a request never goes out on a connection the replica is closing).
+# (aiohttp's client default). A replica that closes idle connections sooner (vLLM's and
+# SGLang's uvicorn do after 5 s) is seen closing them and they are skipped; one closed
+# just as a request goes out is retried on a fresh connection (``Upstream.post``).
 MAX_IDLE_PER_TARGET = 128
-IDLE_S = 4.0
+IDLE_S = 15.0
 
 
 class ReplyBody(Protocol):
