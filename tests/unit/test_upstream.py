@@ -99,15 +99,23 @@ async def test_chunked_and_sized_replies_on_one_kept_alive_connection() -> None:
     assert body == b'{"x": 0}'
 
 
+def answer_once(reply: bytes, linger_s: float = 0.0) -> Handler:
+    """A connection handler that answers one request with ``reply`` (may be partial or
+    empty), keeps the connection open ``linger_s``, then closes it."""
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(reply)
+        await w.drain()
+        await asyncio.sleep(linger_s)
+
+    return handler
+
+
 async def test_a_connection_the_replica_closed_is_replaced_not_reported() -> None:
     """A replica closing idle keep-alive connections (uvicorn does after 5 s) must not
     fail the next request: nothing of it reached the engine."""
-    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await read_request(r)
-        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-        await w.drain()
-        # Then close, as a server whose keep-alive timer fired would.
-
+    # Each connection closes after one answer, as a server whose keep-alive timer fired.
+    handler = answer_once(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
     async with server(handler) as (url, conns):
         up = Upstream(connect_timeout_s=2, read_timeout_s=5)
         for _ in range(3):
@@ -125,30 +133,16 @@ async def test_errors_are_the_aiohttp_kinds_the_proxy_treats_as_replica_faults()
     with pytest.raises(UpstreamConnectionError, match="cannot connect"):
         await up.post(url, "/v1/completions", b"{}", {})
 
-    async def garbage(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await read_request(r)
-        w.write(b"SPDY/9 nonsense\r\n\r\n")
-        await w.drain()
-        await asyncio.sleep(1)
-
-    async with server(garbage) as (url, _):
+    async with server(answer_once(b"SPDY/9 nonsense\r\n\r\n", linger_s=1)) as (url, _):
         with pytest.raises(UpstreamPayloadError):
             await up.post(url, "/v1/completions", b"{}", {})
 
-    async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await read_request(r)
-        await asyncio.sleep(5)
-
-    async with server(silent) as (url, _):
+    async with server(answer_once(b"", linger_s=5)) as (url, _):  # says nothing
         with pytest.raises(TimeoutError):
             await up.post(url, "/v1/completions", b"{}", {})
 
-    async def dies_midway(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await read_request(r)
-        w.write(SSE_HEAD + b"9\r\ndata: 1\n\n\r\n")
-        await w.drain()
-
-    async with server(dies_midway) as (url, _):
+    # One event of a stream, then the connection ends.
+    async with server(answer_once(SSE_HEAD + b"9\r\ndata: 1\n\n\r\n")) as (url, _):
         reply = await up.post(url, "/v1/completions", b"{}", {})
         it = reply.content.iter_any()
         assert await it.__anext__() == b"data: 1\n\n"
@@ -161,11 +155,7 @@ async def test_errors_are_the_aiohttp_kinds_the_proxy_treats_as_replica_faults()
 
 
 async def test_a_body_delimited_by_the_connection_end_is_complete() -> None:
-    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await read_request(r)
-        w.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
-        await w.drain()
-
+    handler = answer_once(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
     async with server(handler) as (url, _):
         up = Upstream(connect_timeout_s=2, read_timeout_s=5)
         reply = await up.post(url, "/v1/completions", b"{}", {})
