@@ -408,10 +408,12 @@ class Balancer:
         try:
             raw = await self._read_body(request)
             intake = parse_request(kind, raw, request.headers)
+            if not self.dispatcher.reachable(intake.model):
+                raise ModelNotFound(f"model {intake.model!r} is not served here; see "
+                                    "/v1/models", param="model")
+            # Only now a metric label: a name a client made up would be a new time
+            # series per request (unbounded /metrics and memory).
             model = intake.model
-            if not self.dispatcher.reachable(model):
-                raise ModelNotFound(f"model {model!r} is not served here; see /v1/models",
-                                    param="model")
             rid = request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._ids)}"
             slo = self.cfg.slo
             deadline_s = request_deadline(intake, request.headers, slo.header, slo.classes,

@@ -161,6 +161,22 @@ async def test_bad_input_gets_openai_errors(mesh1: tuple[Daemon, list[Daemon]], 
         await until(lambda: drained(s, lb), "nothing left queued")
 
 
+async def test_made_up_model_names_add_no_metric_series(
+        mesh1: tuple[Daemon, list[Daemon]]) -> None:
+    """A client's model name becomes a metric label only once the model is known to be
+    served: made-up names would otherwise grow /metrics (and memory) without bound."""
+    lb, _ = mesh1
+    async with aiohttp.ClientSession() as s:
+        for i in range(5):
+            body = chat("x", model=f"made-up-{i}")
+            async with s.post(lb.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 404
+        text = await (await s.get(lb.url + "/metrics")).text()
+        assert "made-up-" not in text
+        m = await get_metrics(s, lb.url)
+        assert m['skymesh_requests_total{model="?",outcome="ModelNotFound"}'] >= 5
+
+
 @pytest.mark.parametrize(("pieces", "status"), [
     ([b'{"model": "%s", "messages": ' % MODEL.encode(),
       b'[{"role": "user", "content": "hi"}], "max_tokens": 2}'], 200),
