@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -27,12 +28,29 @@ def run(main: Coroutine[Any, Any, None]) -> None:
     uvloop.run(main)
 
 
+def tune_gc() -> None:
+    """Fewer, cheaper garbage collections for a daemon on a request path.
+
+    Everything built at start-up (config, policy, tries, the app) moves to a permanent
+    generation that collections no longer scan (``gc.freeze``), and the young generation
+    is collected every 20,000 net allocations instead of 700. With CPython's defaults a
+    collection runs every few proxied requests, inside one of them. Tuned, skymesh-lb's
+    added TTFT p50 was 0.06-0.08 ms lower in four of seven same-run A/B runs at 20-100
+    req/s (``python -m skymesh.bench.overhead_ab``), and within 0.03 ms in the other
+    three (mean -0.04 ms). Cycles are still collected, only later: a few MB of garbage
+    at most wait for it.
+    """
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
+
+
 async def serve_app(app: web.Application, host: str, port: int, name: str, detail: str = "",
-                    on_bound: Callable[[str], Awaitable[None]] | None = None) -> None:
+                    on_bound: Callable[[str], Awaitable[None]] | None = None,
+                    tuned_gc: bool = False) -> None:
     """Serve ``app`` on ``host:port`` (0: any free port) until a stop signal.
 
     Prints ``NAME listening on http://HOST:PORT`` to stderr once bound: scripts and tests
-    read the real port from it.
+    read the real port from it. ``tuned_gc``: :func:`tune_gc` once serving.
     """
     # handler_cancellation: a client that disconnects cancels its handler, whose finally
     # block releases what the request held (aiohttp leaves this off by default).
@@ -51,6 +69,8 @@ async def serve_app(app: web.Application, host: str, port: int, name: str, detai
         suffix = f" ({detail})" if detail else ""
         if on_bound is not None:
             await on_bound(f"http://{shown}:{bound_port}")
+        if tuned_gc:
+            tune_gc()
         print(f"{name} listening on http://{shown}:{bound_port}{suffix}",
               file=sys.stderr, flush=True)
         await stop.wait()

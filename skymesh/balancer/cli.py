@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = build_app(cfg)
         run(serve_app(app, cfg.listen.host, cfg.listen.port, "skymesh-lb", detail,
-                      on_bound=balancer_of(app).bound))
+                      on_bound=balancer_of(app).bound, tuned_gc=True))
     except OSError as exc:
         print(f"skymesh-lb: {exc}", file=sys.stderr)
         return 1
