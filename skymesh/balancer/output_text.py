@@ -56,13 +56,21 @@ class OutputCapture:
         return b"".join(self.parts)
 
 
-def _choice_text(obj: Any, kind: str) -> str | None:
-    """Choice 0's text in a non-streamed response object; None when it has none."""
-    if not isinstance(obj, dict):
+def parse_json(body: bytes) -> Any:
+    """A non-streamed response body parsed, or None when it is not JSON."""
+    try:
+        return json.loads(body)
+    except ValueError:
         return None
+
+
+def reply_text(obj: Any, kind: str) -> str:
+    """Choice 0's generated text in a parsed non-streamed response ("" when none)."""
+    if not isinstance(obj, dict):
+        return ""
     choices = obj.get("choices")
     if not isinstance(choices, list):
-        return None
+        return ""
     for ch in choices:
         if not isinstance(ch, dict) or ch.get("index", 0) != 0:
             continue
@@ -71,8 +79,8 @@ def _choice_text(obj: Any, kind: str) -> str | None:
             text = msg.get("content") if isinstance(msg, dict) else None
         else:
             text = ch.get("text")
-        return text if isinstance(text, str) else None
-    return None
+        return text if isinstance(text, str) else ""
+    return ""
 
 
 # The text field of a stream event, as a JSON string literal. Inside a JSON string every
@@ -102,15 +110,6 @@ def sse_output_text(raw: bytes, kind: str) -> str:
             except ValueError:
                 break
     return "".join(parts)
-
-
-def json_output_text(body: bytes, kind: str) -> str:
-    """Choice 0's generated text in a non-streamed response ("" when it has none)."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return ""
-    return _choice_text(obj, kind) or ""
 
 
 def single_choice(body: dict[str, Any]) -> bool:

@@ -78,7 +78,8 @@ from skymesh.balancer.migration import (
 from skymesh.balancer.output_text import (
     OutputCapture,
     cached_text,
-    json_output_text,
+    parse_json,
+    reply_text,
     sse_output_text,
 )
 from skymesh.balancer.prediction import LivePredictor
@@ -528,8 +529,9 @@ class Balancer:
                 self.dispatcher.first_byte(ticket)
                 self.metrics.ttft.labels(model).observe(self.now() - t0)
                 ok = up.status < 400
+                reply = parse_json(body) if ok else None
                 if ok:
-                    prompt, out, hits = _usage(body)
+                    prompt, out, hits = _usage(reply)
                     request[OUTPUT_TOKENS_KEY] = out
                     if self._timed:
                         # No first-token time is observable without streaming: the end
@@ -540,7 +542,7 @@ class Balancer:
                 self.dispatcher.complete(ticket, self.now(), ok=ok)
                 if ok and self._records:
                     self._record_later(ticket.route, target, intake,
-                                       json_output_text(body, intake.kind))
+                                       reply_text(reply, intake.kind))
                 resp = web.Response(status=up.status, body=body, headers=_copy_headers(up))
                 return resp, "ok" if ok else f"upstream_{up.status}"
             if self._migrates and migratable(intake.body):
@@ -588,7 +590,7 @@ class Balancer:
                 self.dispatcher.complete(ticket, self.now(), ok=ok)
                 if ok and self._records_peer:
                     self._record_later(route, peer, intake,
-                                       json_output_text(bytes(body), intake.kind))
+                                       reply_text(parse_json(bytes(body)), intake.kind))
                 return (web.Response(status=status, body=bytes(body), headers=headers),
                         "ok" if ok else f"upstream_{status}")
             resp = _CoalescedStream(status=status, headers=headers)
@@ -1000,11 +1002,11 @@ def _records_output(policy: Policy) -> bool:
     return type(policy).on_cached is not Policy.on_cached
 
 
-def _usage(body: bytes) -> tuple[int, int, int | None]:
-    """(prompt tokens, completion tokens, cached prompt tokens or None) from a
+def _usage(reply: Any) -> tuple[int, int, int | None]:
+    """(prompt tokens, completion tokens, cached prompt tokens or None) from a parsed
     non-streamed response's ``usage``; zeros when it has none."""
     try:
-        usage = json.loads(body).get("usage") or {}
+        usage = reply.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
         return (int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),

@@ -380,8 +380,9 @@ class Upstream:
 
     async def _exchange(self, conn: _Conn, message: bytes) -> UpstreamReply:
         reply = UpstreamReply(conn, self, self.read_timeout_s)
+        # The connection's parser carries on: a pooled connection's last reply ended
+        # cleanly, and llhttp starts the next message from there.
         conn.reply = reply
-        conn.parser = httptools.HttpResponseParser(conn)
         assert conn.transport is not None
         conn.transport.write(message)
         try:

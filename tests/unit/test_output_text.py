@@ -9,7 +9,8 @@ from typing import Any
 from skymesh.balancer.output_text import (
     OutputCapture,
     cached_text,
-    json_output_text,
+    parse_json,
+    reply_text,
     sse_output_text,
 )
 from skymesh.prefix.keys import KEYED_CHARS, text_prefix_keys
@@ -48,10 +49,11 @@ def test_completion_stream_and_json_bodies() -> None:
     assert sse_output_text(raw, "completion") == "42"
     body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant",
                                                             "content": "Hi there"}}]})
-    assert json_output_text(body.encode(), "chat") == "Hi there"
-    assert json_output_text(b'{"choices": [{"index": 0, "text": "x"}]}', "completion") == "x"
-    assert json_output_text(b"not json", "chat") == ""
-    assert json_output_text(b'{"error": {"message": "no"}}', "chat") == ""
+    assert reply_text(parse_json(body.encode()), "chat") == "Hi there"
+    assert reply_text(parse_json(b'{"choices": [{"index": 0, "text": "x"}]}'), "completion") \
+        == "x"
+    assert reply_text(parse_json(b"not json"), "chat") == ""
+    assert reply_text(parse_json(b'{"error": {"message": "no"}}'), "chat") == ""
 
 
 def test_a_cut_or_broken_event_ends_the_text_there() -> None:

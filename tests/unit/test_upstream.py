@@ -99,14 +99,15 @@ async def test_chunked_and_sized_replies_on_one_kept_alive_connection() -> None:
     assert body == b'{"x": 0}'
 
 
-def answer_once(reply: bytes, linger_s: float = 0.0) -> Handler:
+def answer_once(reply: bytes, hold: bool = False) -> Handler:
     """A connection handler that answers one request with ``reply`` (may be partial or
-    empty), keeps the connection open ``linger_s``, then closes it."""
+    empty), then closes the connection, or with ``hold`` waits for the client to."""
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         await read_request(r)
         w.write(reply)
         await w.drain()
-        await asyncio.sleep(linger_s)
+        if hold:
+            await r.read()  # EOF: the client closed it
 
     return handler
 
@@ -128,16 +129,16 @@ async def test_a_connection_the_replica_closed_is_replaced_not_reported() -> Non
 
 async def test_errors_are_the_aiohttp_kinds_the_proxy_treats_as_replica_faults() -> None:
     up = Upstream(connect_timeout_s=2, read_timeout_s=0.3)
-    async with server(lambda r, w: asyncio.sleep(0)) as (url, _):
+    async with server(answer_once(b"")) as (url, _):
         pass  # closed: nobody listens on that port any more
     with pytest.raises(UpstreamConnectionError, match="cannot connect"):
         await up.post(url, "/v1/completions", b"{}", {})
 
-    async with server(answer_once(b"SPDY/9 nonsense\r\n\r\n", linger_s=1)) as (url, _):
+    async with server(answer_once(b"SPDY/9 nonsense\r\n\r\n", hold=True)) as (url, _):
         with pytest.raises(UpstreamPayloadError):
             await up.post(url, "/v1/completions", b"{}", {})
 
-    async with server(answer_once(b"", linger_s=5)) as (url, _):  # says nothing
+    async with server(answer_once(b"", hold=True)) as (url, _):  # says nothing
         with pytest.raises(TimeoutError):
             await up.post(url, "/v1/completions", b"{}", {})
 
@@ -210,17 +211,19 @@ async def test_a_slow_reader_pauses_the_replica_and_an_abandoned_reply_closes() 
 
 
 async def test_cancelling_a_request_in_flight_closes_its_connection() -> None:
+    received = asyncio.Event()
     closed = asyncio.Event()
 
     async def slow(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         await read_request(r)
+        received.set()
         await r.read()  # returns at EOF: the balancer hung up
         closed.set()
 
     async with server(slow) as (url, _):
         up = Upstream(connect_timeout_s=2, read_timeout_s=30)
         task = asyncio.ensure_future(up.post(url, "/v1/completions", b"{}", {}))
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(received.wait(), 5)  # the replica has the request
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
