@@ -17,6 +17,8 @@
 #   SKYMESH_EIP_ALLOCATION_ID   on EC2: associate this Elastic IP with the instance
 #   SKYMESH_CERTS_SSM_PREFIX    on EC2: fetch ca.crt, ID.crt, ID.key of the mesh from SSM
 #   SKYMESH_MESH_ID             the balancer id whose certificate to fetch
+#   SKYMESH_API_KEYS_SSM_PARAM  on EC2: fetch the balancer's client API keys (one per
+#                               line, SecureString) from this SSM parameter
 # systemctl runs only when installing into the real root of a host booted with systemd.
 set -euo pipefail
 
@@ -68,6 +70,17 @@ mkdir -p "$ETC_DIR"
 for role in "${roles[@]}"; do
   install -m 0640 "$STAGE/config/${CONFIG_OF[$role]}" "$ETC_DIR/${CONFIG_OF[$role]}"
 done
+if [[ " ${roles[*]} " == *" lb "* ]]; then
+  # Client API keys: staged ones, else the ones already there, else an empty file the
+  # operator fills (skymesh-lb refuses a public address without keys and says so).
+  if [[ -f "$STAGE/config/api-keys" ]]; then
+    install -m 0640 "$STAGE/config/api-keys" "$ETC_DIR/api-keys"
+  elif [[ ! -f "$ETC_DIR/api-keys" ]]; then
+    install -m 0640 /dev/null "$ETC_DIR/api-keys"
+    [[ -n "${SKYMESH_API_KEYS_SSM_PARAM:-}" ]] ||
+      log "add client API keys to $ETC_DIR/api-keys (one per line) before skymesh-lb can serve"
+  fi
+fi
 if [[ -d "$STAGE/pki" ]]; then
   mkdir -p "$ETC_DIR/pki"
   install -m 0640 "$STAGE"/pki/* "$ETC_DIR/pki/"
@@ -94,25 +107,34 @@ boto3.client("ec2", region_name=region).associate_address(
 print(f"install-skymesh: associated {sys.argv[1]} with {instance}", file=sys.stderr)
 PY
 fi
-if [[ -n "${SKYMESH_CERTS_SSM_PREFIX:-}" ]]; then
-  [[ -n "${SKYMESH_MESH_ID:-}" ]] || die "SKYMESH_CERTS_SSM_PREFIX needs SKYMESH_MESH_ID"
-  mkdir -p "$ETC_DIR/pki"
-  "$PREFIX/venv/bin/python" - "$SKYMESH_CERTS_SSM_PREFIX" "$SKYMESH_MESH_ID" "$ETC_DIR/pki" <<'PY'
+if [[ -n "${SKYMESH_CERTS_SSM_PREFIX:-}" || -n "${SKYMESH_API_KEYS_SSM_PARAM:-}" ]]; then
+  if [[ -n "${SKYMESH_CERTS_SSM_PREFIX:-}" ]]; then
+    [[ -n "${SKYMESH_MESH_ID:-}" ]] || die "SKYMESH_CERTS_SSM_PREFIX needs SKYMESH_MESH_ID"
+    mkdir -p "$ETC_DIR/pki"
+  fi
+  # Parameter name -> file, all SecureStrings: the mesh certificates, the client keys.
+  "$PREFIX/venv/bin/python" - "${SKYMESH_CERTS_SSM_PREFIX:-}" "${SKYMESH_MESH_ID:-}" \
+      "${SKYMESH_API_KEYS_SSM_PARAM:-}" "$ETC_DIR" <<'PY'
 import os, sys, urllib.request
 import boto3
-prefix, mesh_id, out = sys.argv[1].rstrip("/"), sys.argv[2], sys.argv[3]
+prefix, mesh_id, keys_param, etc = sys.argv[1].rstrip("/"), sys.argv[2], sys.argv[3], sys.argv[4]
+wanted = {}
+if prefix:
+    for name in ("ca.crt", f"{mesh_id}.crt", f"{mesh_id}.key"):
+        wanted[f"{prefix}/{name}"] = os.path.join(etc, "pki", name)
+if keys_param:
+    wanted[keys_param] = os.path.join(etc, "api-keys")
 tok = urllib.request.Request("http://169.254.169.254/latest/api/token", method="PUT",
                              headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"})
 token = urllib.request.urlopen(tok, timeout=5).read().decode()
 reg = urllib.request.Request("http://169.254.169.254/latest/meta-data/placement/region",
                              headers={"X-aws-ec2-metadata-token": token})
 ssm = boto3.client("ssm", region_name=urllib.request.urlopen(reg, timeout=5).read().decode())
-for name in ("ca.crt", f"{mesh_id}.crt", f"{mesh_id}.key"):
-    value = ssm.get_parameter(Name=f"{prefix}/{name}", WithDecryption=True)["Parameter"]["Value"]
-    path = os.path.join(out, name)
+for param, path in wanted.items():
+    value = ssm.get_parameter(Name=param, WithDecryption=True)["Parameter"]["Value"]
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640), "w") as f:
         f.write(value)
-print(f"install-skymesh: fetched mesh certificates for {mesh_id}", file=sys.stderr)
+    print(f"install-skymesh: fetched {param} into {path}", file=sys.stderr)
 PY
 fi
 if as_root && [[ -z "$ROOT" ]]; then

@@ -59,13 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         logging.DEBUG if args.log_level == "debug" else logging.WARNING)
     try:
         cfg = config_from_args(args)
+        app = build_app(cfg)  # reads the API keys (files, environment)
     except ConfigError as exc:
         print(f"skymesh-lb: config error: {exc}", file=sys.stderr)
         return 2
     detail = (f"region {cfg.region}, policy {cfg.policy.name}, {cfg.pushing.mode.value}, "
               f"{len(cfg.replicas)} replicas")
     try:
-        app = build_app(cfg)
         run(serve_app(app, cfg.listen.host, cfg.listen.port, "skymesh-lb", detail,
                       on_bound=balancer_of(app).bound, tuned_gc=True))
     except OSError as exc:

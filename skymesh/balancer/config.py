@@ -16,6 +16,7 @@ Example::
            rtt_weight: 30.0}
     queue: {max_length: 1024, timeout_s: 60}
     limits: {max_body_bytes: 4194304}
+    auth: {api_keys_env: SKYMESH_API_KEYS, api_keys_file: /etc/skymesh/api-keys}
     probe: {interval_s: 0.1, timeout_s: 1.0, failure_threshold: 3, success_threshold: 2}
     retry: {max_attempts: 3}
     breaker: {failure_threshold: 5, open_s: 10}
@@ -105,6 +106,24 @@ class BreakerConfig(_Strict):
 class UpstreamConfig(_Strict):
     connect_timeout_s: float = Field(2.0, gt=0)
     read_timeout_s: float = Field(600.0, gt=0)
+    # The environment variable holding the key the replicas want (vLLM's and SGLang's
+    # --api-key), sent as "Authorization: Bearer KEY" on everything the balancer asks of
+    # them. Unset: the balancer sends none of its own.
+    api_key_env: str | None = None
+
+
+class AuthConfig(_Strict):
+    """Client API keys (``Authorization: Bearer KEY``) on the OpenAI routes and /status.
+
+    Keys come from the environment variable ``api_keys_env`` (comma-separated) and from
+    ``api_keys_file`` (one per line, ``#`` comments), both read at start. With none, the
+    balancer serves anyone, and it refuses to start on a non-loopback address unless
+    ``allow_anonymous`` says so: a balancer that DNS sends the internet to is not left
+    open by accident. /health, /ready and /metrics stay open (probes and scrapers)."""
+
+    api_keys_env: str = "SKYMESH_API_KEYS"
+    api_keys_file: str | None = None
+    allow_anonymous: bool = False
 
 
 class SloConfig(_Strict):
@@ -230,6 +249,7 @@ class BalancerConfig(_Strict):
     retry: RetryConfig = RetryConfig()
     breaker: BreakerConfig = BreakerConfig()
     upstream: UpstreamConfig = UpstreamConfig()
+    auth: AuthConfig = AuthConfig()
     slo: SloConfig = SloConfig()
     prediction: PredictionConfig = PredictionConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)

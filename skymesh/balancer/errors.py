@@ -3,6 +3,7 @@ OpenAI error body (``{"error": {"message", "type", "param", "code"}}``).
 
     SkyMeshError
     ├── BadRequest            400 invalid_request_error
+    ├── Unauthorized          401 invalid_api_key (with WWW-Authenticate)
     ├── ModelNotFound         404 model_not_found
     ├── PayloadTooLarge       413 payload_too_large
     ├── Overloaded            429 rate_limit_exceeded (with Retry-After)
@@ -37,6 +38,15 @@ class BadRequest(SkyMeshError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+
+
+class Unauthorized(SkyMeshError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": 'Bearer realm="skymesh"'}
 
 
 class ModelNotFound(SkyMeshError):

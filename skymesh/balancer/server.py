@@ -44,6 +44,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from skymesh.balancer.auth import load_client_keys, upstream_key
 from skymesh.balancer.config import BalancerConfig, ReplicaConfig
 from skymesh.balancer.controller_link import ControllerLink, Tally
 from skymesh.balancer.dispatch import Dispatcher, Ticket
@@ -53,6 +54,7 @@ from skymesh.balancer.errors import (
     NoCapacity,
     PayloadTooLarge,
     SkyMeshError,
+    Unauthorized,
     UpstreamFailed,
 )
 from skymesh.balancer.intake import (
@@ -150,6 +152,14 @@ class Balancer:
             balancing=cfg.mesh.balancing() if cfg.mesh is not None else None,
         )
         self.replicas = {r.url: ReplicaHealth(r) for r in cfg.replicas}
+        self.client_keys = load_client_keys(cfg.auth, cfg.listen.host)
+        key = upstream_key(cfg.upstream.api_key_env)
+        self._upstream_auth = {"Authorization": f"Bearer {key}"} if key else {}
+        # A client's key is for this balancer: it reaches the replicas only when the
+        # balancer checks none and has none of its own (the replicas may check it then).
+        self._forward_headers = (
+            tuple(h for h in _FORWARD_HEADERS if h != "Authorization")
+            if self.client_keys.required or key else _FORWARD_HEADERS)
         self.metrics = BalancerMetrics()
         self._decision_counters: dict[str, Any] = {}
         self.predictor = LivePredictor(cfg.prediction)
@@ -190,6 +200,7 @@ class Balancer:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=up.connect_timeout_s,
                                           sock_read=up.read_timeout_s),
             auto_decompress=False,
+            headers=self._upstream_auth,
         )
         self._upstream = Upstream(connect_timeout_s=up.connect_timeout_s,
                                   read_timeout_s=up.read_timeout_s)
@@ -407,6 +418,7 @@ class Balancer:
         outcome = "error"
         ticket: Ticket | None = None
         try:
+            self._authorize(request)
             raw = await self._read_body(request)
             intake = parse_request(kind, raw, request.headers)
             if not self.dispatcher.reachable(intake.model):
@@ -427,8 +439,7 @@ class Balancer:
                 text, turn, history = prediction_input(intake, route.prompt_len)
                 route = replace(route, predicted_output_tokens=self.predictor.predict(
                     text, turn, history, route.prompt_len, max_output(intake.body, kind)))
-            if self.mesh is not None and \
-                    request.headers.get(FORWARDED_HEADER) == self.mesh.secret:
+            if self._forwarded_by_peer(request):
                 route = replace(route, forwarded=True)
             ticket = Ticket(route, t0)
             self.dispatcher.offer(ticket, t0)
@@ -452,6 +463,23 @@ class Balancer:
                 self.tally.add(model, ticket.route.prompt_len, out_tokens)
                 if self._predicts and outcome == "ok":
                     self.predictor.observe(ticket.route.prompt_len, out_tokens)
+
+    def _forwarded_by_peer(self, request: web.Request) -> bool:
+        return self.mesh is not None and \
+            request.headers.get(FORWARDED_HEADER) == self.mesh.secret
+
+    def _authorize(self, request: web.Request) -> None:
+        keys = self.client_keys
+        if keys.required and not keys.allows(request.headers.get("Authorization")) \
+                and not self._forwarded_by_peer(request):
+            raise Unauthorized("a valid API key is required: send it as "
+                               "'Authorization: Bearer KEY'")
+
+    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+        """What a request to a replica carries from the client's, plus our own key."""
+        headers = {k: v for k in self._forward_headers if (v := request.headers.get(k))}
+        headers.update(self._upstream_auth)
+        return headers
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.cfg.limits.max_body_bytes
@@ -507,7 +535,7 @@ class Balancer:
                        intake: Intake, t0: float, sent: float
                        ) -> tuple[web.StreamResponse, str]:
         stream = intake.stream
-        headers = {k: v for k in _FORWARD_HEADERS if (v := request.headers.get(k))}
+        headers = self._upstream_headers(request)
         headers.setdefault("Content-Type", "application/json")
         assert self._upstream is not None, "balancer not started"
         try:
@@ -808,7 +836,7 @@ class Balancer:
                 return False
         target = new.target
         assert target is not None
-        headers = {k: v for k in _FORWARD_HEADERS if (v := request.headers.get(k))}
+        headers = self._upstream_headers(request)
         headers["Content-Type"] = "application/json"
         try:
             prompt_req, gen_req = tokenize_requests(st.body, st.kind, st.generated_text)
@@ -950,6 +978,10 @@ class Balancer:
 
     # -- the rest of the API ---------------------------------------------------------------
     async def handle_models(self, request: web.Request) -> web.Response:
+        try:
+            self._authorize(request)
+        except Unauthorized as exc:
+            return _error_response(exc)
         models = sorted(self.dispatcher.models())
         now = int(time.time())
         return web.json_response({"object": "list", "data": [
@@ -971,6 +1003,10 @@ class Balancer:
                             headers={"Content-Type": "text/plain; version=0.0.4"})
 
     async def handle_status(self, request: web.Request) -> web.Response:
+        try:
+            self._authorize(request)
+        except Unauthorized as exc:
+            return _error_response(exc)
         d = self.dispatcher
         mesh = None
         if self.mesh is not None:

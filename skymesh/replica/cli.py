@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from aiohttp.http_exceptions import BadHttpMessage
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="multiply step durations by this (< 1 runs faster than real time)")
     ap.add_argument("--log-level", default="warning",
                     choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--api-key", default=os.environ.get("SKYMESH_REPLICA_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on the /v1 routes, as vLLM's "
+                         "--api-key (default: $SKYMESH_REPLICA_API_KEY)")
     ap.add_argument("--list-profiles", action="store_true", help="print profile names and exit")
     return ap
 
@@ -88,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("skymesh-replica.access").setLevel(
         logging.DEBUG if args.log_level == "debug" else logging.WARNING)
     config = ReplicaConfig(profile=args.profile, model=args.model, seed=args.seed,
-                           time_scale=args.time_scale, max_body_bytes=args.max_body_bytes)
+                           time_scale=args.time_scale, max_body_bytes=args.max_body_bytes,
+                           api_key=args.api_key or None)
     try:
         run(serve(config, args.host, args.port))
     except OSError as exc:

@@ -14,6 +14,7 @@ for the non-streaming case.
 
 from __future__ import annotations
 
+import hmac
 import importlib.metadata
 import json
 import logging
@@ -55,6 +56,9 @@ class ReplicaConfig:
     seed: int = 0
     time_scale: float = 1.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # vLLM's --api-key: the /v1 routes want "Authorization: Bearer KEY"; the others
+    # (health, metrics, load, tokenize) stay open, as in vLLM.
+    api_key: str | None = None
 
     @property
     def served_model(self) -> str:
@@ -455,6 +459,11 @@ async def _errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     try:
+        key = request.app[REPLICA].config.api_key
+        if key is not None and request.path.startswith("/v1") and \
+                not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
+                                        f"Bearer {key}".encode()):
+            raise ApiError(401, "Unauthorized", code="invalid_api_key")
         return await handler(request)
     except ApiError as exc:
         return exc.response()

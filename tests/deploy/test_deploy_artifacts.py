@@ -99,6 +99,7 @@ def test_units_run_real_scripts_with_real_flags_hardened(daemon: str) -> None:
 def test_example_configs_validate_against_the_daemons_models() -> None:
     lb = load_lb_config(DEPLOY / "config" / "lb.yaml")
     assert lb.mesh is not None and lb.mesh.listen_port == 7001 and lb.listen.host == "0.0.0.0"
+    assert lb.auth.api_keys_file == "/etc/skymesh/api-keys"  # install-skymesh.sh puts it
     ctl = parse_controller_config(yaml.safe_load((DEPLOY / "config" / "controller.yaml")
                                                  .read_text()))
     assert ctl.dns is not None and ctl.dns.record == "api.example.com"
@@ -164,6 +165,13 @@ def test_kubernetes_workloads_run_real_flags_and_probe_the_right_paths() -> None
                                            if p["name"] == "http")
             assert cfg.mesh is not None and cfg.mesh.listen_port == next(
                 p["containerPort"] for p in c["ports"] if p["name"] == "peering")
+            # The client keys file sits in a mounted Secret (a public address needs keys).
+            keys_file = cfg.auth.api_keys_file
+            assert keys_file is not None and not cfg.auth.allow_anonymous
+            mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+            assert keys_file.startswith(mounts["api-keys"] + "/")
+            assert any(v["name"] == "api-keys" and "secret" in v
+                       for v in pod["spec"]["volumes"])
         if name == "skymesh-controller":
             parse_controller_config(yaml.safe_load(env[Path(parsed.config).name]))
 

@@ -70,8 +70,12 @@ def test_installs_the_scripts_configs_and_units_without_systemctl(
     for role in ROLES:
         assert os.access(prefix / "venv" / "bin" / f"skymesh-{role}", os.X_OK)
     assert sorted(p.name for p in (root / "etc" / "skymesh").iterdir()) == [
-        "controller.yaml", "lb.yaml", "replica.env"]
-    assert (root / "etc" / "skymesh" / "lb.yaml").stat().st_mode & 0o777 == 0o640
+        "api-keys", "controller.yaml", "lb.yaml", "replica.env"]
+    for name in ("lb.yaml", "api-keys"):
+        assert (root / "etc" / "skymesh" / name).stat().st_mode & 0o777 == 0o640
+    # No keys yet: the operator is told, and skymesh-lb would refuse a public address.
+    assert (root / "etc" / "skymesh" / "api-keys").read_text() == ""
+    assert "add client API keys to" in log
     assert "installed skymesh 0.1.0" in log
     assert "not running under systemd" in log
     for role in ROLES:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,8 @@ from skymesh.procs import Daemon, free_port, start_daemon
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
-def start_region(tmp: Path, region: str, n_replicas: int, mesh: dict[str, Any]) -> list[Daemon]:
+def start_region(tmp: Path, region: str, n_replicas: int, mesh: dict[str, Any],
+                 api_key: str | None = None) -> list[Daemon]:
     reps = [start_daemon("skymesh-replica", ["--port", "0", "--time-scale", "0.1", "--seed",
                                              "7"], log_path=tmp / f"{region}-r{i}.log")
             for i in range(n_replicas)]
@@ -25,12 +27,19 @@ def start_region(tmp: Path, region: str, n_replicas: int, mesh: dict[str, Any]) 
            "mesh": mesh}
     path = tmp / f"{region}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    lb = start_daemon("skymesh-lb", ["--config", str(path)], log_path=tmp / f"{region}-lb.log")
+    env = {**os.environ, "SKYMESH_API_KEYS": api_key} if api_key else None
+    lb = start_daemon("skymesh-lb", ["--config", str(path)], log_path=tmp / f"{region}-lb.log",
+                      env=env)
     return [lb, *reps]
 
 
-async def status(s: aiohttp.ClientSession, lb: Daemon) -> dict[str, Any]:
-    async with s.get(lb.url + "/status") as r:
+def bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+async def status(s: aiohttp.ClientSession, lb: Daemon, key: str | None = None
+                 ) -> dict[str, Any]:
+    async with s.get(lb.url + "/status", headers=bearer(key)) as r:
         out: dict[str, Any] = await r.json()
         return out
 
@@ -47,12 +56,15 @@ async def test_a_saturated_region_forwards_and_streams_arrive_intact(tmp_path: P
                 "heartbeat_interval_s": 0.1,
                 "peers": [{"id": peer, "address": f"127.0.0.1:{ports[peer]}"}]}
 
-    us = start_region(tmp_path, "us", 1, mesh("lb-us", "lb-eu"))
-    eu = start_region(tmp_path, "eu", 2, mesh("lb-eu", "lb-us"))
+    # Each region has its own client keys: a request us forwards is served by eu without
+    # eu's key (the peer link is authenticated by certificate).
+    us = start_region(tmp_path, "us", 1, mesh("lb-us", "lb-eu"), api_key="sk-us")
+    eu = start_region(tmp_path, "eu", 2, mesh("lb-eu", "lb-us"), api_key="sk-eu")
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         headers=bearer("sk-us")) as s:
             async def peers_alive() -> bool:
-                st_us, st_eu = await status(s, us[0]), await status(s, eu[0])
+                st_us, st_eu = await status(s, us[0]), await status(s, eu[0], "sk-eu")
                 return all(p["liveness"] == "alive"
                            for st in (st_us, st_eu) for p in st["mesh"]["peers"])
 
@@ -77,7 +89,7 @@ async def test_a_saturated_region_forwards_and_streams_arrive_intact(tmp_path: P
 
             counts = await asyncio.wait_for(asyncio.gather(*(one(b) for b in bodies)), 90)
             assert counts == [200] * len(bodies)  # every stream whole, wherever it ran
-            st_us, st_eu = await status(s, us[0]), await status(s, eu[0])
+            st_us, st_eu = await status(s, us[0]), await status(s, eu[0], "sk-eu")
             assert st_us["mesh"]["forwarded_out"] > 0
             assert st_eu["mesh"]["forwarded_in"] == st_us["mesh"]["forwarded_out"]
             assert st_eu["mesh"]["forwarded_out"] == 0  # one hop: eu never sends them on
@@ -201,7 +213,7 @@ async def test_the_balanced_rule_lends_to_a_lighter_peer_while_local_replicas_ad
 
             chunks = await asyncio.wait_for(asyncio.gather(*(one(b) for b in bodies)), 60)
             assert all(n >= 60 for n in chunks)  # every stream whole, wherever it ran
-            st_us, st_eu = await status(s, us[0]), await status(s, eu[0])
+            st_us, st_eu = await status(s, us[0]), await status(s, eu[0], "sk-eu")
             assert st_us["mesh"]["forwarded_out"] > 0
             assert st_eu["mesh"]["forwarded_in"] == st_us["mesh"]["forwarded_out"]
             # Some, not all: the us replica kept admitting, so the rule weighed each one.

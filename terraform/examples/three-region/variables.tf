@@ -14,6 +14,12 @@ variable "client_cidrs" {
   default     = ["0.0.0.0/0"]
 }
 
+variable "api_keys_ssm_param" {
+  description = "SSM SecureString with the balancers' client API keys, one per line (every region reads the same path)."
+  type        = string
+  default     = "/skymesh/api-keys"
+}
+
 variable "certs_ssm_prefix" {
   description = "SSM path where `skymesh certs` output was stored in every region (null: no mesh, region-local balancers)."
   type        = string

@@ -42,6 +42,7 @@ locals {
     {
       region   = var.name
       listen   = { host = "0.0.0.0", port = var.lb_port }
+      auth     = { api_keys_file = "/etc/skymesh/api-keys" }
       policy   = { name = var.policy, params = {} }
       pushing  = { mode = "sp-p" }
       probe    = { interval_s = 0.1, failure_threshold = 3, success_threshold = 2 }
@@ -258,6 +259,11 @@ resource "aws_iam_role_policy" "lb" {
         Action   = ["ssm:GetParameter"]
         Resource = "arn:aws:ssm:${data.aws_region.current.name}:${data.aws_caller_identity.current.account_id}:parameter${var.certs_ssm_prefix}/*"
       }] : [],
+      [{
+        Effect   = "Allow"
+        Action   = ["ssm:GetParameter"]
+        Resource = "arn:aws:ssm:${data.aws_region.current.name}:${data.aws_caller_identity.current.account_id}:parameter${var.api_keys_ssm_param}"
+      }],
     )
   })
 }
@@ -320,6 +326,7 @@ resource "aws_launch_template" "lb" {
     eip_allocation = aws_eip.lb[count.index].allocation_id
     certs_prefix   = local.mesh ? var.certs_ssm_prefix : ""
     mesh_id        = local.balancer_id[count.index]
+    api_keys_param = var.api_keys_ssm_param
   }))
 
   tag_specifications {
@@ -391,6 +398,7 @@ resource "aws_instance" "replica" {
     eip_allocation = ""
     certs_prefix   = ""
     mesh_id        = ""
+    api_keys_param = ""
   })
 
   tags = merge(local.tags, { Name = "skymesh-replica-${var.name}-${count.index}", "skymesh:role" = "replica" })

@@ -113,6 +113,16 @@ variable "mesh_peers" {
   default = []
 }
 
+variable "api_keys_ssm_param" {
+  description = "SSM parameter (SecureString, absolute path such as /skymesh/api-keys) holding the balancers' client API keys, one per line; skymesh-lb serves no client without one."
+  type        = string
+
+  validation {
+    condition     = startswith(var.api_keys_ssm_param, "/")
+    error_message = "api_keys_ssm_param must be an absolute SSM parameter path such as /skymesh/api-keys."
+  }
+}
+
 variable "certs_ssm_prefix" {
   description = "SSM Parameter Store path holding ca.crt, <id>.crt and <id>.key (SecureString) from `skymesh certs`; null runs without the mesh."
   type        = string

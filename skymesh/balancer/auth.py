@@ -1,0 +1,110 @@
+"""Client API keys at the balancer's edge, and the key it shows the replicas.
+
+The keys are loaded once at start (:func:`load_client_keys`); checking one costs a
+constant-time comparison per configured key (:meth:`ClientKeys.allows`), so a wrong key
+takes as long to refuse as a nearly right one. Requests a peer balancer forwarded over the
+mesh are let through by the caller: the peer authenticated itself with its certificate,
+and the client with the peer.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from skymesh.balancer.config import AuthConfig, ConfigError
+
+# Keys are opaque; these bounds only keep a mistake (a whole file in one variable, a
+# binary file) from becoming a start-up surprise.
+MAX_KEYS = 10_000
+MAX_KEY_CHARS = 512
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    keys: tuple[bytes, ...] = ()
+
+    @property
+    def required(self) -> bool:
+        return bool(self.keys)
+
+    def allows(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` header value carries one of the keys."""
+        if not self.keys:
+            return True
+        if not authorization:
+            return False
+        scheme, _, given = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            return False
+        token = given.strip().encode("utf-8", "surrogateescape")
+        ok = False
+        for key in self.keys:  # no early exit: the time says nothing about which key
+            ok |= hmac.compare_digest(token, key)
+        return ok
+
+
+def _parse_keys(text: str, source: str) -> list[str]:
+    keys = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if len(line) > MAX_KEY_CHARS or any(c.isspace() for c in line):
+            raise ConfigError(f"{source}, line {n}: not an API key (one key per line, "
+                              f"no spaces, at most {MAX_KEY_CHARS} characters)")
+        keys.append(line)
+    return keys
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def load_client_keys(auth: AuthConfig, listen_host: str,
+                     environ: dict[str, str] | None = None) -> ClientKeys:
+    """The configured keys; raises ConfigError naming the key at fault (an unreadable
+    file, a malformed line, or no keys on a public address without allow_anonymous)."""
+    env = os.environ if environ is None else environ
+    keys: list[str] = []
+    from_env = env.get(auth.api_keys_env, "")
+    if from_env.strip():
+        keys += _parse_keys(from_env.replace(",", "\n"), f"${auth.api_keys_env}")
+    if auth.api_keys_file is not None:
+        try:
+            text = Path(auth.api_keys_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"auth.api_keys_file: cannot read {auth.api_keys_file}: "
+                              f"{getattr(exc, 'strerror', None) or exc}") from None
+        keys += _parse_keys(text, f"auth.api_keys_file ({auth.api_keys_file})")
+    if len(keys) > MAX_KEYS:
+        raise ConfigError(f"auth: {len(keys)} API keys, more than {MAX_KEYS}")
+    if not keys and not auth.allow_anonymous and not is_loopback(listen_host):
+        where = f"${auth.api_keys_env}"
+        if auth.api_keys_file is not None:
+            where += f" or {auth.api_keys_file}"
+        raise ConfigError(
+            f"auth: listen.host {listen_host} is not a loopback address and no client API "
+            f"key is configured; put keys in {where}, or set auth.allow_anonymous: true "
+            "to serve anyone")
+    return ClientKeys(tuple(dict.fromkeys(k.encode() for k in keys)))
+
+
+def upstream_key(env_name: str | None, environ: dict[str, str] | None = None) -> str | None:
+    """The key for the replicas from ``upstream.api_key_env``, or None when unset."""
+    if env_name is None:
+        return None
+    value = (os.environ if environ is None else environ).get(env_name, "").strip()
+    if not value:
+        raise ConfigError(f"upstream.api_key_env: ${env_name} is not set or empty")
+    if any(c.isspace() for c in value) or len(value) > MAX_KEY_CHARS:
+        raise ConfigError(f"upstream.api_key_env: ${env_name} does not hold one API key")
+    return value

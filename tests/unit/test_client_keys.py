@@ -1,0 +1,72 @@
+"""Client API keys at the balancer: loading them, checking them, the key for replicas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from skymesh.balancer.auth import ClientKeys, is_loopback, load_client_keys, upstream_key
+from skymesh.balancer.config import AuthConfig, ConfigError, parse_config
+
+
+def test_a_key_from_the_environment_opens_the_door_and_only_it() -> None:
+    keys = load_client_keys(AuthConfig(), "127.0.0.1", {"SKYMESH_API_KEYS": "k1, k2"})
+    assert keys.required
+    assert keys.allows("Bearer k1") and keys.allows("bearer k2")
+    for header in (None, "", "Bearer", "Bearer k3", "Basic k1", "k1", "Bearer k1x"):
+        assert not keys.allows(header), header
+
+
+def test_keys_file_takes_one_key_per_line_with_comments(tmp_path: Path) -> None:
+    f = tmp_path / "keys"
+    f.write_text("# team a\nsk-a\n\n  sk-b   # rotated 2026-11\n")
+    keys = load_client_keys(AuthConfig(api_keys_file=str(f)), "0.0.0.0", {})
+    assert keys.allows("Bearer sk-a") and keys.allows("Bearer sk-b")
+    assert not keys.allows("Bearer # team a")
+
+
+def test_a_malformed_keys_file_is_refused_naming_the_line(tmp_path: Path) -> None:
+    f = tmp_path / "keys"
+    f.write_text("sk-a\ntwo words\n")
+    with pytest.raises(ConfigError, match=r"api_keys_file .*line 2"):
+        load_client_keys(AuthConfig(api_keys_file=str(f)), "127.0.0.1", {})
+
+
+def test_an_unreadable_keys_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"auth\.api_keys_file: cannot read"):
+        load_client_keys(AuthConfig(api_keys_file=str(tmp_path / "missing")), "::1", {})
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.0.1.5", "lb.example.com"])
+def test_a_public_address_without_keys_refuses_to_start(host: str) -> None:
+    with pytest.raises(ConfigError, match="allow_anonymous"):
+        load_client_keys(AuthConfig(), host, {})
+    assert not load_client_keys(AuthConfig(allow_anonymous=True), host, {}).required
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost", "127.1.2.3"])
+def test_loopback_serves_without_keys(host: str) -> None:
+    assert is_loopback(host)
+    keys = load_client_keys(AuthConfig(), host, {})
+    assert not keys.required and keys.allows(None)
+
+
+def test_upstream_key_comes_from_the_named_variable() -> None:
+    assert upstream_key(None, {}) is None
+    assert upstream_key("REPLICA_KEY", {"REPLICA_KEY": " sk-up "}) == "sk-up"
+    with pytest.raises(ConfigError, match=r"upstream.api_key_env: \$REPLICA_KEY"):
+        upstream_key("REPLICA_KEY", {})
+
+
+def test_auth_section_is_strict() -> None:
+    cfg = parse_config({"auth": {"api_keys_file": "/etc/skymesh/api-keys",
+                                 "allow_anonymous": False}})
+    assert cfg.auth.api_keys_file == "/etc/skymesh/api-keys"
+    with pytest.raises(ConfigError, match=r"auth\.api_key"):
+        parse_config({"auth": {"api_key": "inline keys are not a thing"}})
+
+
+def test_duplicate_keys_are_kept_once() -> None:
+    keys = load_client_keys(AuthConfig(), "127.0.0.1", {"SKYMESH_API_KEYS": "a,a,b"})
+    assert keys == ClientKeys((b"a", b"b"))
