@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_LISTENING = re.compile(r"listening on (http://\S+)")
+_LISTENING = re.compile(r"listening on (https?://\S+)")
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _handed_out: set[int] = set()
 

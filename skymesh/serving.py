@@ -6,6 +6,7 @@ import asyncio
 import gc
 import logging
 import signal
+import ssl
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -46,11 +47,13 @@ def tune_gc() -> None:
 
 async def serve_app(app: web.Application, host: str, port: int, name: str, detail: str = "",
                     on_bound: Callable[[str], Awaitable[None]] | None = None,
-                    tuned_gc: bool = False) -> None:
+                    tuned_gc: bool = False, ssl_context: ssl.SSLContext | None = None
+                    ) -> None:
     """Serve ``app`` on ``host:port`` (0: any free port) until a stop signal.
 
-    Prints ``NAME listening on http://HOST:PORT`` to stderr once bound: scripts and tests
-    read the real port from it. ``tuned_gc``: :func:`tune_gc` once serving.
+    Prints ``NAME listening on http(s)://HOST:PORT`` to stderr once bound: scripts and
+    tests read the real port from it. ``tuned_gc``: :func:`tune_gc` once serving.
+    ``ssl_context``: serve HTTPS.
     """
     # handler_cancellation: a client that disconnects cancels its handler, whose finally
     # block releases what the request held (aiohttp leaves this off by default).
@@ -62,16 +65,17 @@ async def serve_app(app: web.Application, host: str, port: int, name: str, detai
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         suffix = f" ({detail})" if detail else ""
+        scheme = "https" if ssl_context is not None else "http"
         if on_bound is not None:
-            await on_bound(f"http://{shown}:{bound_port}")
+            await on_bound(f"{scheme}://{shown}:{bound_port}")
         if tuned_gc:
             tune_gc()
-        print(f"{name} listening on http://{shown}:{bound_port}{suffix}",
+        print(f"{name} listening on {scheme}://{shown}:{bound_port}{suffix}",
               file=sys.stderr, flush=True)
         await stop.wait()
     finally:

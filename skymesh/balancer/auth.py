@@ -1,4 +1,4 @@
-"""Client API keys at the balancer's edge, and the key it shows the replicas.
+"""The balancer's edge for clients: API keys, the key it shows the replicas, and TLS.
 
 The keys are loaded once at start (:func:`load_client_keys`); checking one costs a
 constant-time comparison per configured key (:meth:`ClientKeys.allows`), so a wrong key
@@ -12,10 +12,11 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
-from skymesh.balancer.config import AuthConfig, ConfigError
+from skymesh.balancer.config import AuthConfig, ConfigError, ListenTlsConfig
 
 # Keys are opaque; these bounds only keep a mistake (a whole file in one variable, a
 # binary file) from becoming a start-up surprise.
@@ -108,3 +109,19 @@ def upstream_key(env_name: str | None, environ: dict[str, str] | None = None) ->
     if any(c.isspace() for c in value) or len(value) > MAX_KEY_CHARS:
         raise ConfigError(f"upstream.api_key_env: ${env_name} does not hold one API key")
     return value
+
+
+def server_ssl_context(tls: ListenTlsConfig) -> ssl.SSLContext:
+    """The HTTPS context for ``listen.tls``; ConfigError naming the file at fault."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = (ssl.TLSVersion.TLSv1_3 if tls.min_version == "1.3"
+                           else ssl.TLSVersion.TLSv1_2)
+    for key, path in (("cert_file", tls.cert_file), ("key_file", tls.key_file)):
+        if not Path(path).is_file():
+            raise ConfigError(f"listen.tls.{key}: {path} is not a readable file")
+    try:
+        ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"listen.tls: cannot load {tls.cert_file} with {tls.key_file}: "
+                          f"{getattr(exc, 'reason', None) or exc}") from None
+    return ctx

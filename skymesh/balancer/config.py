@@ -58,9 +58,18 @@ class _Strict(BaseModel):
 M = TypeVar("M", bound=BaseModel)
 
 
+class ListenTlsConfig(_Strict):
+    """HTTPS for clients: a PEM certificate (chain first) and its private key."""
+
+    cert_file: str
+    key_file: str
+    min_version: Literal["1.2", "1.3"] = "1.2"
+
+
 class ListenConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
+    tls: ListenTlsConfig | None = None
 
 
 class PolicyConfig(_Strict):

@@ -70,3 +70,20 @@ def test_auth_section_is_strict() -> None:
 def test_duplicate_keys_are_kept_once() -> None:
     keys = load_client_keys(AuthConfig(), "127.0.0.1", {"SKYMESH_API_KEYS": "a,a,b"})
     assert keys == ClientKeys((b"a", b"b"))
+
+
+def test_tls_context_loads_a_pair_and_names_what_is_wrong(tmp_path: Path) -> None:
+    from skymesh.balancer.auth import server_ssl_context
+    from skymesh.balancer.config import ListenTlsConfig
+    from skymesh.mesh import certs
+
+    certs.create_ca(tmp_path)
+    a, b = certs.issue_cert(tmp_path, "edge-a"), certs.issue_cert(tmp_path, "edge-b")
+    ctx = server_ssl_context(ListenTlsConfig(cert_file=str(a.cert), key_file=str(a.key),
+                                             min_version="1.3"))
+    assert ctx.minimum_version.name == "TLSv1_3"
+    with pytest.raises(ConfigError, match=r"listen\.tls: cannot load"):
+        server_ssl_context(ListenTlsConfig(cert_file=str(a.cert), key_file=str(b.key)))
+    with pytest.raises(ConfigError, match=r"listen\.tls\.key_file"):
+        server_ssl_context(ListenTlsConfig(cert_file=str(a.cert),
+                                           key_file=str(tmp_path / "missing.key")))
