@@ -1,6 +1,7 @@
 """The balancer's edge for clients: API keys, the key it shows the replicas, and TLS.
 
-The keys are loaded once at start (:func:`load_client_keys`); checking one costs a
+The keys are loaded at start (:func:`load_client_keys`) and again when their file changes
+(:class:`EdgeFiles`, which also reloads the TLS certificate); checking one costs a
 constant-time comparison per configured key (:meth:`ClientKeys.allows`), so a wrong key
 takes as long to refuse as a nearly right one. Requests a peer balancer forwarded over the
 mesh are let through by the caller: the peer authenticated itself with its certificate,
@@ -11,12 +12,15 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
 from skymesh.balancer.config import AuthConfig, ConfigError, ListenTlsConfig
+
+log = logging.getLogger(__name__)
 
 # Keys are opaque; these bounds only keep a mistake (a whole file in one variable, a
 # binary file) from becoming a start-up surprise.
@@ -111,11 +115,14 @@ def upstream_key(env_name: str | None, environ: dict[str, str] | None = None) ->
     return value
 
 
-def server_ssl_context(tls: ListenTlsConfig) -> ssl.SSLContext:
-    """The HTTPS context for ``listen.tls``; ConfigError naming the file at fault."""
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.minimum_version = (ssl.TLSVersion.TLSv1_3 if tls.min_version == "1.3"
-                           else ssl.TLSVersion.TLSv1_2)
+def server_ssl_context(tls: ListenTlsConfig, ctx: ssl.SSLContext | None = None
+                       ) -> ssl.SSLContext:
+    """The HTTPS context for ``listen.tls``; ConfigError naming the file at fault.
+    With ``ctx``, its certificate is replaced in place (new handshakes use the new one)."""
+    if ctx is None:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.minimum_version = (ssl.TLSVersion.TLSv1_3 if tls.min_version == "1.3"
+                               else ssl.TLSVersion.TLSv1_2)
     for key, path in (("cert_file", tls.cert_file), ("key_file", tls.key_file)):
         if not Path(path).is_file():
             raise ConfigError(f"listen.tls.{key}: {path} is not a readable file")
@@ -125,3 +132,68 @@ def server_ssl_context(tls: ListenTlsConfig) -> ssl.SSLContext:
         raise ConfigError(f"listen.tls: cannot load {tls.cert_file} with {tls.key_file}: "
                           f"{getattr(exc, 'reason', None) or exc}") from None
     return ctx
+
+
+def _stamp(paths: tuple[str, ...]) -> tuple[tuple[int, int, int], ...] | None:
+    """What identifies the files' current contents, or None if one cannot be read (a
+    Kubernetes Secret's files disappear for a moment while it is swapped)."""
+    try:
+        return tuple((st.st_mtime_ns, st.st_size, st.st_ino)
+                     for st in (os.stat(p) for p in paths))
+    except OSError:
+        return None
+
+
+class EdgeFiles:
+    """The keys file and the TLS pair, read again when they change.
+
+    ``check`` is cheap (a stat per file) and is called every ``auth.reload_interval_s``.
+    A change that does not load (a malformed key line, a key that does not match its
+    certificate, no keys left on a public address) keeps what was loaded before and says
+    why in the log: a rotation half done must not lock clients out or take TLS down."""
+
+    def __init__(self, auth: AuthConfig, listen_host: str, tls: ListenTlsConfig | None,
+                 environ: dict[str, str] | None = None) -> None:
+        self.auth = auth
+        self.listen_host = listen_host
+        self.tls = tls
+        self.environ = environ
+        self.keys = load_client_keys(auth, listen_host, environ)
+        self.ssl_context = server_ssl_context(tls) if tls is not None else None
+        self._key_paths = (auth.api_keys_file,) if auth.api_keys_file is not None else ()
+        self._tls_paths = (tls.cert_file, tls.key_file) if tls is not None else ()
+        self._key_stamp = _stamp(self._key_paths)
+        self._tls_stamp = _stamp(self._tls_paths)
+        self.reloads = 0
+        self.errors = 0
+
+    def check(self) -> list[str]:
+        """Reload what changed; returns what was reloaded ("keys", "tls")."""
+        done: list[str] = []
+        if self._key_paths:
+            stamp = _stamp(self._key_paths)
+            if stamp is not None and stamp != self._key_stamp:
+                self._key_stamp = stamp
+                try:
+                    keys = load_client_keys(self.auth, self.listen_host, self.environ)
+                except ConfigError as exc:
+                    self.errors += 1
+                    log.error("client API keys not reloaded, the previous ones stay: %s", exc)
+                else:
+                    self.keys = keys
+                    done.append("keys")
+        if self.tls is not None and self.ssl_context is not None:
+            stamp = _stamp(self._tls_paths)
+            if stamp is not None and stamp != self._tls_stamp:
+                self._tls_stamp = stamp
+                try:
+                    server_ssl_context(self.tls, self.ssl_context)
+                except ConfigError as exc:
+                    self.errors += 1
+                    log.error("TLS certificate not reloaded, the previous one stays: %s", exc)
+                else:
+                    done.append("tls")
+        if done:
+            self.reloads += 1
+            log.warning("reloaded %s", " and ".join(done))
+        return done

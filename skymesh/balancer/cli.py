@@ -13,7 +13,6 @@ import logging
 import sys
 from typing import Any
 
-from skymesh.balancer.auth import server_ssl_context
 from skymesh.balancer.config import ConfigError, cli_base, load_config, parse_config
 from skymesh.balancer.server import balancer_of, build_app
 from skymesh.serving import run, serve_app
@@ -60,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.DEBUG if args.log_level == "debug" else logging.WARNING)
     try:
         cfg = config_from_args(args)
-        app = build_app(cfg)  # reads the API keys (files, environment)
-        tls = server_ssl_context(cfg.listen.tls) if cfg.listen.tls is not None else None
+        app = build_app(cfg)  # reads the API keys and the TLS files
     except ConfigError as exc:
         print(f"skymesh-lb: config error: {exc}", file=sys.stderr)
         return 2
@@ -69,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(cfg.replicas)} replicas")
     try:
         run(serve_app(app, cfg.listen.host, cfg.listen.port, "skymesh-lb", detail,
-                      on_bound=balancer_of(app).bound, tuned_gc=True, ssl_context=tls))
+                      on_bound=balancer_of(app).bound, tuned_gc=True,
+                      ssl_context=balancer_of(app).edge.ssl_context))
     except OSError as exc:
         print(f"skymesh-lb: {exc}", file=sys.stderr)
         return 1

@@ -128,11 +128,15 @@ class AuthConfig(_Strict):
     ``api_keys_file`` (one per line, ``#`` comments), both read at start. With none, the
     balancer serves anyone, and it refuses to start on a non-loopback address unless
     ``allow_anonymous`` says so: a balancer that DNS sends the internet to is not left
-    open by accident. /health, /ready and /metrics stay open (probes and scrapers)."""
+    open by accident. /health, /ready and /metrics stay open (probes and scrapers). The
+    file is read again when it changes (``reload_interval_s``)."""
 
     api_keys_env: str = "SKYMESH_API_KEYS"
     api_keys_file: str | None = None
     allow_anonymous: bool = False
+    # How often the keys file and listen.tls's files are checked for a change (a rotated
+    # key or certificate takes effect without a restart).
+    reload_interval_s: float = Field(5.0, gt=0)
 
 
 class SloConfig(_Strict):

@@ -44,7 +44,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from skymesh.balancer.auth import load_client_keys, upstream_key
+from skymesh.balancer.auth import EdgeFiles, upstream_key
 from skymesh.balancer.config import BalancerConfig, ReplicaConfig
 from skymesh.balancer.controller_link import ControllerLink, Tally
 from skymesh.balancer.dispatch import Dispatcher, Ticket
@@ -152,14 +152,14 @@ class Balancer:
             balancing=cfg.mesh.balancing() if cfg.mesh is not None else None,
         )
         self.replicas = {r.url: ReplicaHealth(r) for r in cfg.replicas}
-        self.client_keys = load_client_keys(cfg.auth, cfg.listen.host)
+        self.edge = EdgeFiles(cfg.auth, cfg.listen.host, cfg.listen.tls)
         key = upstream_key(cfg.upstream.api_key_env)
         self._upstream_auth = {"Authorization": f"Bearer {key}"} if key else {}
         # A client's key is for this balancer: it reaches the replicas only when the
         # balancer checks none and has none of its own (the replicas may check it then).
         self._forward_headers = (
             tuple(h for h in _FORWARD_HEADERS if h != "Authorization")
-            if self.client_keys.required or key else _FORWARD_HEADERS)
+            if self.edge.keys.required or key else _FORWARD_HEADERS)
         self.metrics = BalancerMetrics()
         self._decision_counters: dict[str, Any] = {}
         self.predictor = LivePredictor(cfg.prediction)
@@ -176,6 +176,7 @@ class Balancer:
         self._session: aiohttp.ClientSession | None = None
         self._upstream: Upstream | None = None
         self._prober: asyncio.Task[None] | None = None
+        self._reloader: asyncio.Task[None] | None = None
         self.mesh: MeshLink | None = (MeshLink(cfg, self.dispatcher, self._pump)
                                       if cfg.mesh is not None else None)
         self.tally = Tally()
@@ -206,6 +207,7 @@ class Balancer:
                                   read_timeout_s=up.read_timeout_s)
         await self.probe_all()
         self._prober = asyncio.create_task(self._probe_loop(), name="skymesh-prober")
+        self._reloader = asyncio.create_task(self._reload_loop(), name="skymesh-reload")
         if self._predicts:
             self.predictor.start()  # loads in a thread; history predicts meanwhile
 
@@ -222,7 +224,7 @@ class Balancer:
             await self.controller.stop()
         if self.mesh is not None:
             await self.mesh.stop()
-        for task in (self._prober, self._recheck_task):
+        for task in (self._prober, self._reloader, self._recheck_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -298,6 +300,14 @@ class Balancer:
         self.dispatcher.set_targets({url: h.models for url, h in self.replicas.items()})
         for url, h in self.replicas.items():
             self.dispatcher.set_healthy(url, h.healthy)
+
+    async def _reload_loop(self) -> None:
+        """A rotated keys file or certificate takes effect without a restart."""
+        while True:
+            await asyncio.sleep(self.cfg.auth.reload_interval_s)
+            # On the loop, not in a thread: the SSL context is not to be changed while a
+            # handshake reads it. A stat per file, and a small read when one changed.
+            self.edge.check()
 
     async def _probe_loop(self) -> None:
         interval = self.cfg.probe.interval_s
@@ -469,7 +479,7 @@ class Balancer:
             request.headers.get(FORWARDED_HEADER) == self.mesh.secret
 
     def _authorize(self, request: web.Request) -> None:
-        keys = self.client_keys
+        keys = self.edge.keys
         if keys.required and not keys.allows(request.headers.get("Authorization")) \
                 and not self._forwarded_by_peer(request):
             raise Unauthorized("a valid API key is required: send it as "

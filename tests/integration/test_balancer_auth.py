@@ -5,6 +5,7 @@ public address without keys refuses to start."""
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 import yaml
 from support import content_of, read_sse, until
 
+from skymesh.mesh import certs
 from skymesh.procs import Daemon, executable, start_daemon
 
 CLIENT_KEY = "sk-client-3f9a"
@@ -104,3 +106,104 @@ def test_a_public_address_without_keys_does_not_start(tmp_path: Path) -> None:
         timeout=60)
     assert proc.returncode == 2
     assert "allow_anonymous" in proc.stderr and "0.0.0.0" in proc.stderr
+
+
+def _swap(src: Path, dst: Path) -> None:
+    """Replace ``dst`` with ``src``'s bytes the way deploy tools do (a rename)."""
+    tmp = dst.with_name(dst.name + ".new")
+    tmp.write_bytes(src.read_bytes())
+    tmp.replace(dst)
+
+
+async def test_a_tls_edge_serves_clients_that_trust_it_and_rotates_keys_and_certificate(
+        tmp_path: Path) -> None:
+    certs.create_ca(tmp_path / "ca1")
+    first = certs.issue_cert(tmp_path / "ca1", "lb-edge")
+    live_cert, live_key = tmp_path / "edge.crt", tmp_path / "edge.key"
+    _swap(first.cert, live_cert)
+    _swap(first.key, live_key)
+    keys_file = tmp_path / "api-keys"
+    keys_file.write_text(f"{CLIENT_KEY}\n")
+    rep = start_daemon("skymesh-replica", ["--port", "0", "--time-scale", "0.05"],
+                       log_path=tmp_path / "replica.log")
+    cfg = {"listen": {"host": "127.0.0.1", "port": 0,
+                      "tls": {"cert_file": str(live_cert), "key_file": str(live_key),
+                              "min_version": "1.3"}},
+           "auth": {"api_keys_file": str(keys_file), "reload_interval_s": 0.1},
+           "replicas": [{"url": rep.url}]}
+    (tmp_path / "lb.yaml").write_text(yaml.safe_dump(cfg))
+    try:
+        lb = start_daemon("skymesh-lb", ["--config", str(tmp_path / "lb.yaml")],
+                          log_path=tmp_path / "lb.log")
+    except BaseException:
+        rep.stop()
+        raise
+    try:
+        assert lb.url.startswith("https://127.0.0.1:")
+        trust = ssl.create_default_context(cafile=str(first.ca))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=trust)) as s:
+            async def ready() -> bool:
+                async with s.get(lb.url + "/ready") as r:
+                    return r.status == 200
+            await until(ready, "a healthy replica behind the TLS edge")
+            async with s.get(lb.url + "/v1/models", headers=_bearer(CLIENT_KEY)) as r:
+                model = (await r.json())["data"][0]["id"]
+            chat = {"model": model, "stream": True, "max_tokens": 6,
+                    "messages": [{"role": "user", "content": "over TLS"}]}
+            async with s.post(lb.url + "/v1/chat/completions", json=chat,
+                              headers=_bearer(CLIENT_KEY)) as r:
+                assert r.status == 200
+                assert content_of(await read_sse(r))
+
+            # A rotated keys file takes effect without a restart.
+            (tmp_path / "keys.new").write_text("sk-rotated\n")
+            _swap(tmp_path / "keys.new", keys_file)
+
+            async def models_status(key: str) -> int:
+                async with s.get(lb.url + "/v1/models", headers=_bearer(key)) as r:
+                    return r.status
+
+            async def rotated_in() -> bool:
+                return await models_status("sk-rotated") == 200
+            await until(rotated_in, "the rotated key accepted")
+            assert await models_status(CLIENT_KEY) == 401
+
+        # So does a certificate from another CA: new connections get it.
+        certs.create_ca(tmp_path / "ca2")
+        second = certs.issue_cert(tmp_path / "ca2", "lb-edge")
+        _swap(second.key, live_key)
+        _swap(second.cert, live_cert)
+        trust2 = ssl.create_default_context(cafile=str(second.ca))
+
+        async def new_certificate_served() -> bool:
+            try:
+                async with aiohttp.ClientSession(
+                        connector=aiohttp.TCPConnector(ssl=trust2)) as s2, \
+                        s2.get(lb.url + "/health") as r:
+                    return r.status == 200
+            except aiohttp.ClientConnectorCertificateError:
+                return False
+        await until(new_certificate_served, "the new certificate served")
+
+        # Plain HTTP to the TLS port, and TLS without trusting the CA, get nothing.
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(aiohttp.ClientError):
+                async with s.get(lb.url.replace("https://", "http://") + "/health") as r:
+                    await r.read()
+            with pytest.raises(aiohttp.ClientConnectorCertificateError):
+                async with s.get(lb.url + "/health") as r:
+                    await r.read()
+    finally:
+        lb.stop()
+        rep.stop()
+
+
+def test_a_missing_certificate_stops_the_start(tmp_path: Path) -> None:
+    cfg = {"listen": {"port": 0, "tls": {"cert_file": str(tmp_path / "none.crt"),
+                                         "key_file": str(tmp_path / "none.key")}},
+           "replicas": [{"url": "http://127.0.0.1:9"}]}
+    (tmp_path / "lb.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([*executable("skymesh-lb"), "--config", str(tmp_path / "lb.yaml")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "listen.tls.cert_file" in proc.stderr

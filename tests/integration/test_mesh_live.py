@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,13 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
 def start_region(tmp: Path, region: str, n_replicas: int, mesh: dict[str, Any],
-                 api_key: str | None = None) -> list[Daemon]:
+                 api_key: str | None = None, tls: dict[str, str] | None = None
+                 ) -> list[Daemon]:
     reps = [start_daemon("skymesh-replica", ["--port", "0", "--time-scale", "0.1", "--seed",
                                              "7"], log_path=tmp / f"{region}-r{i}.log")
             for i in range(n_replicas)]
-    cfg = {"region": region, "listen": {"port": 0}, "policy": {"name": "least-load"},
+    listen: dict[str, Any] = {"port": 0, **({"tls": tls} if tls else {})}
+    cfg = {"region": region, "listen": listen, "policy": {"name": "least-load"},
            "probe": {"interval_s": 0.05}, "replicas": [{"url": r.url} for r in reps],
            "mesh": mesh}
     path = tmp / f"{region}.yaml"
@@ -57,11 +60,16 @@ async def test_a_saturated_region_forwards_and_streams_arrive_intact(tmp_path: P
                 "peers": [{"id": peer, "address": f"127.0.0.1:{ports[peer]}"}]}
 
     # Each region has its own client keys: a request us forwards is served by eu without
-    # eu's key (the peer link is authenticated by certificate).
+    # eu's key (the peer link is authenticated by certificate). eu's clients come over
+    # HTTPS, which eu's replay of forwarded requests on its own edge must get through.
     us = start_region(tmp_path, "us", 1, mesh("lb-us", "lb-eu"), api_key="sk-us")
-    eu = start_region(tmp_path, "eu", 2, mesh("lb-eu", "lb-us"), api_key="sk-eu")
+    eu = start_region(tmp_path, "eu", 2, mesh("lb-eu", "lb-us"), api_key="sk-eu",
+                      tls={"cert_file": str(pki / "lb-eu.crt"),
+                           "key_file": str(pki / "lb-eu.key")})
+    assert eu[0].url.startswith("https://") and us[0].url.startswith("http://")
+    trust = ssl.create_default_context(cafile=str(pki / "ca.crt"))
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ssl=trust),
                                          headers=bearer("sk-us")) as s:
             async def peers_alive() -> bool:
                 st_us, st_eu = await status(s, us[0]), await status(s, eu[0], "sk-eu")

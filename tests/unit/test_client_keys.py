@@ -87,3 +87,55 @@ def test_tls_context_loads_a_pair_and_names_what_is_wrong(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match=r"listen\.tls\.key_file"):
         server_ssl_context(ListenTlsConfig(cert_file=str(a.cert),
                                            key_file=str(tmp_path / "missing.key")))
+
+
+def _rewrite(path: Path, text: str) -> None:
+    """Replace a file the way deploy tools do: a new file renamed over the old one."""
+    tmp = path.with_suffix(".new")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def test_edge_files_pick_up_a_rotated_keys_file_and_keep_the_old_on_a_bad_one(
+        tmp_path: Path) -> None:
+    from skymesh.balancer.auth import EdgeFiles
+
+    f = tmp_path / "keys"
+    f.write_text("sk-old\n")
+    edge = EdgeFiles(AuthConfig(api_keys_file=str(f)), "0.0.0.0", None, {})
+    assert edge.check() == []  # nothing changed
+    _rewrite(f, "sk-new\n")
+    assert edge.check() == ["keys"]
+    assert edge.keys.allows("Bearer sk-new") and not edge.keys.allows("Bearer sk-old")
+    _rewrite(f, "two words\n")  # malformed: the previous keys stay
+    assert edge.check() == [] and edge.errors == 1
+    assert edge.keys.allows("Bearer sk-new")
+    _rewrite(f, "# emptied\n")  # no keys on a public address: refused too
+    assert edge.check() == [] and edge.errors == 2
+    assert edge.keys.allows("Bearer sk-new")
+    f.unlink()  # gone for a moment (a Secret being swapped): nothing happens
+    assert edge.check() == [] and edge.errors == 2
+    _rewrite(f, "sk-third\n")
+    assert edge.check() == ["keys"] and edge.keys.allows("Bearer sk-third")
+
+
+def test_edge_files_swap_the_certificate_in_the_live_context(tmp_path: Path) -> None:
+    from skymesh.balancer.auth import EdgeFiles
+    from skymesh.balancer.config import ListenTlsConfig
+    from skymesh.mesh import certs
+
+    certs.create_ca(tmp_path / "ca")
+    first = certs.issue_cert(tmp_path / "a", "edge", ca_dir=tmp_path / "ca")
+    second = certs.issue_cert(tmp_path / "b", "edge", ca_dir=tmp_path / "ca")
+    live_cert, live_key = tmp_path / "edge.crt", tmp_path / "edge.key"
+    live_cert.write_bytes(first.cert.read_bytes())
+    live_key.write_bytes(first.key.read_bytes())
+    tls = ListenTlsConfig(cert_file=str(live_cert), key_file=str(live_key))
+    edge = EdgeFiles(AuthConfig(), "127.0.0.1", tls, {})
+    ctx = edge.ssl_context
+    assert ctx is not None
+    # A certificate whose key has not arrived yet does not load: the old pair stays.
+    _rewrite(live_cert, second.cert.read_text())
+    assert edge.check() == [] and edge.errors == 1
+    _rewrite(live_key, second.key.read_text())
+    assert edge.check() == ["tls"] and edge.ssl_context is ctx
