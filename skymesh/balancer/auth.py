@@ -1,16 +1,15 @@
 """The balancer's edge for clients: API keys, the key it shows the replicas, and TLS.
 
 The keys are loaded at start (:func:`load_client_keys`) and again when their file changes
-(:class:`EdgeFiles`, which also reloads the TLS certificate); checking one costs a
-constant-time comparison per configured key (:meth:`ClientKeys.allows`), so a wrong key
-takes as long to refuse as a nearly right one. Requests a peer balancer forwarded over the
+(:class:`EdgeFiles`, which also reloads the TLS certificate); they are kept as SHA-256
+digests (:class:`ClientKeys`). Requests a peer balancer forwarded over the
 mesh are let through by the caller: the peer authenticated itself with its certificate,
 and the client with the peer.
 """
 
 from __future__ import annotations
 
-import hmac
+import hashlib
 import ipaddress
 import logging
 import os
@@ -30,15 +29,23 @@ MAX_KEY_CHARS = 512
 
 @dataclass(frozen=True)
 class ClientKeys:
-    keys: tuple[bytes, ...] = ()
+    """SHA-256 digests of the keys. A request's key is hashed and looked up: one hash and
+    one set probe whatever the number of keys, and the lookup's timing can only tell an
+    attacker about digests, which say nothing of the keys without a preimage."""
+
+    digests: frozenset[bytes] = frozenset()
+
+    @classmethod
+    def of(cls, keys: list[str]) -> ClientKeys:
+        return cls(frozenset(hashlib.sha256(k.encode()).digest() for k in keys))
 
     @property
     def required(self) -> bool:
-        return bool(self.keys)
+        return bool(self.digests)
 
     def allows(self, authorization: str | None) -> bool:
         """Whether an ``Authorization`` header value carries one of the keys."""
-        if not self.keys:
+        if not self.digests:
             return True
         if not authorization:
             return False
@@ -46,10 +53,7 @@ class ClientKeys:
         if scheme.lower() != "bearer" or not given:
             return False
         token = given.strip().encode("utf-8", "surrogateescape")
-        ok = False
-        for key in self.keys:  # no early exit: the time says nothing about which key
-            ok |= hmac.compare_digest(token, key)
-        return ok
+        return hashlib.sha256(token).digest() in self.digests
 
 
 def _parse_keys(text: str, source: str) -> list[str]:
@@ -100,7 +104,7 @@ def load_client_keys(auth: AuthConfig, listen_host: str,
             f"auth: listen.host {listen_host} is not a loopback address and no client API "
             f"key is configured; put keys in {where}, or set auth.allow_anonymous: true "
             "to serve anyone")
-    return ClientKeys(tuple(dict.fromkeys(k.encode() for k in keys)))
+    return ClientKeys.of(keys)
 
 
 def upstream_key(env_name: str | None, environ: dict[str, str] | None = None) -> str | None:

@@ -67,9 +67,10 @@ def test_auth_section_is_strict() -> None:
         parse_config({"auth": {"api_key": "inline keys are not a thing"}})
 
 
-def test_duplicate_keys_are_kept_once() -> None:
+def test_duplicate_keys_are_kept_once_and_never_in_the_clear() -> None:
     keys = load_client_keys(AuthConfig(), "127.0.0.1", {"SKYMESH_API_KEYS": "a,a,b"})
-    assert keys == ClientKeys((b"a", b"b"))
+    assert keys == ClientKeys.of(["b", "a"]) and len(keys.digests) == 2
+    assert b"a" not in keys.digests and keys.allows("Bearer a")
 
 
 def test_tls_context_loads_a_pair_and_names_what_is_wrong(tmp_path: Path) -> None:
