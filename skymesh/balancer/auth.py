@@ -45,15 +45,18 @@ class ClientKeys:
 
     def allows(self, authorization: str | None) -> bool:
         """Whether an ``Authorization`` header value carries one of the keys."""
-        if not self.digests:
-            return True
+        return not self.digests or self.digest_of(authorization) is not None
+
+    def digest_of(self, authorization: str | None) -> bytes | None:
+        """The digest of the key the header carries, if it is one of ours."""
         if not authorization:
-            return False
+            return None
         scheme, _, given = authorization.partition(" ")
         if scheme.lower() != "bearer" or not given:
-            return False
+            return None
         token = given.strip().encode("utf-8", "surrogateescape")
-        return hashlib.sha256(token).digest() in self.digests
+        digest = hashlib.sha256(token).digest()
+        return digest if digest in self.digests else None
 
 
 def _parse_keys(text: str, source: str) -> list[str]:

@@ -137,6 +137,9 @@ class AuthConfig(_Strict):
     # How often the keys file and listen.tls's files are checked for a change (a rotated
     # key or certificate takes effect without a restart).
     reload_interval_s: float = Field(5.0, gt=0)
+    # Requests one key may have queued or running here at once; more get 429. None: no
+    # cap (one tenant may then fill the queue that all share).
+    max_in_flight_per_key: int | None = Field(None, ge=1)
 
 
 class SloConfig(_Strict):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import json
 import logging
@@ -52,6 +53,7 @@ from skymesh.balancer.errors import (
     BadRequest,
     ModelNotFound,
     NoCapacity,
+    Overloaded,
     PayloadTooLarge,
     SkyMeshError,
     Unauthorized,
@@ -153,6 +155,7 @@ class Balancer:
         )
         self.replicas = {r.url: ReplicaHealth(r) for r in cfg.replicas}
         self.edge = EdgeFiles(cfg.auth, cfg.listen.host, cfg.listen.tls)
+        self._in_flight_by_key: dict[bytes, int] = {}  # key digest -> requests here
         key = upstream_key(cfg.upstream.api_key_env)
         self._upstream_auth = {"Authorization": f"Bearer {key}"} if key else {}
         # A client's key is for this balancer: it reaches the replicas only when the
@@ -427,8 +430,10 @@ class Balancer:
         model = "?"
         outcome = "error"
         ticket: Ticket | None = None
+        holder: bytes | None = None
         try:
             self._authorize(request)
+            holder = self._hold_key_slot(request)
             raw = await self._read_body(request)
             intake = parse_request(kind, raw, request.headers)
             if not self.dispatcher.reachable(intake.model):
@@ -459,6 +464,12 @@ class Balancer:
             outcome = type(exc).__name__
             return _error_response(exc)
         finally:
+            if holder is not None:
+                left = self._in_flight_by_key[holder] - 1
+                if left:
+                    self._in_flight_by_key[holder] = left
+                else:
+                    del self._in_flight_by_key[holder]
             if ticket is not None:
                 cur: Ticket = request.get(TICKET_KEY, ticket)  # a migration replaces it
                 if self.dispatcher.cancel(cur):
@@ -475,8 +486,11 @@ class Balancer:
                     self.predictor.observe(ticket.route.prompt_len, out_tokens)
 
     def _forwarded_by_peer(self, request: web.Request) -> bool:
-        return self.mesh is not None and \
-            request.headers.get(FORWARDED_HEADER) == self.mesh.secret
+        """Replayed by our own mesh link (it carries this process's random secret): such
+        a request skips the client key check, so the comparison takes constant time."""
+        given = request.headers.get(FORWARDED_HEADER)
+        return self.mesh is not None and given is not None and hmac.compare_digest(
+            given.encode("utf-8", "surrogateescape"), self.mesh.secret.encode())
 
     def _authorize(self, request: web.Request) -> None:
         keys = self.edge.keys
@@ -484,6 +498,24 @@ class Balancer:
                 and not self._forwarded_by_peer(request):
             raise Unauthorized("a valid API key is required: send it as "
                                "'Authorization: Bearer KEY'")
+
+    def _hold_key_slot(self, request: web.Request) -> bytes | None:
+        """Count the request against its key's ``auth.max_in_flight_per_key``; returns the
+        key's digest to release, or None when nothing is counted. A peer's forwarded
+        requests were counted at the balancer their client reached."""
+        cap = self.cfg.auth.max_in_flight_per_key
+        if cap is None or not self.edge.keys.required or self._forwarded_by_peer(request):
+            return None
+        digest = self.edge.keys.digest_of(request.headers.get("Authorization"))
+        if digest is None:
+            return None
+        n = self._in_flight_by_key.get(digest, 0)
+        if n >= cap:
+            raise Overloaded(f"this API key already has {n} requests in flight here "
+                             f"(auth.max_in_flight_per_key); retry when one ends",
+                             retry_after_s=1.0)
+        self._in_flight_by_key[digest] = n + 1
+        return digest
 
     def _upstream_headers(self, request: web.Request) -> dict[str, str]:
         """What a request to a replica carries from the client's, plus our own key."""
@@ -1030,6 +1062,9 @@ class Balancer:
                 "url": self.controller.cfg.url, "balancer_id": self.controller.balancer_id,
                 "registered": self.controller.registered,
                 "revision": self.controller.revision, "error": self.controller.last_error},
+            "auth": {"keys": len(self.edge.keys.digests),
+                     "keys_in_flight": len(self._in_flight_by_key),
+                     "reloads": self.edge.reloads, "reload_errors": self.edge.errors},
             "policy": d.policy.name,
             "pushing": d.mode.value,
             "queued": d.queue_length(),

@@ -9,6 +9,7 @@ import ssl
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -207,3 +208,63 @@ def test_a_missing_certificate_stops_the_start(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "listen.tls.cert_file" in proc.stderr
+
+
+async def test_one_key_cannot_hold_more_than_its_share(tmp_path: Path) -> None:
+    rep = start_daemon("skymesh-replica", ["--port", "0"], log_path=tmp_path / "replica.log")
+    cfg = {"listen": {"host": "127.0.0.1", "port": 0}, "probe": {"interval_s": 0.05},
+           "auth": {"max_in_flight_per_key": 1}, "pushing": {"mode": "bp"},
+           "replicas": [{"url": rep.url}]}
+    (tmp_path / "lb.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "SKYMESH_API_KEYS": "sk-a,sk-b"}
+    try:
+        lb = start_daemon("skymesh-lb", ["--config", str(tmp_path / "lb.yaml")],
+                          log_path=tmp_path / "lb.log", env=env)
+    except BaseException:
+        rep.stop()
+        raise
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def status() -> dict[str, Any]:
+                async with s.get(lb.url + "/status", headers=_bearer("sk-a")) as r:
+                    out: dict[str, Any] = await r.json()
+                    return out
+
+            async def ready() -> bool:
+                async with s.get(lb.url + "/ready") as r:
+                    return r.status == 200
+            await until(ready, "the replica healthy")
+            async with s.get(lb.url + "/v1/models", headers=_bearer("sk-a")) as r:
+                model = (await r.json())["data"][0]["id"]
+            # Real-time emulation: 400 tokens keep the first stream open for seconds.
+            long = {"model": model, "stream": True, "max_tokens": 400, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": "a long answer"}]}
+            short = {**long, "max_tokens": 2}
+            first = await s.post(lb.url + "/v1/chat/completions", json=long,
+                                 headers=_bearer("sk-a"))
+            try:
+                assert first.status == 200
+                await first.content.readany()  # it has started
+                async with s.post(lb.url + "/v1/chat/completions", json=short,
+                                  headers=_bearer("sk-a")) as r:
+                    assert r.status == 429
+                    assert r.headers["Retry-After"] == "1"
+                    assert "max_in_flight_per_key" in (await r.json())["error"]["message"]
+                async with s.post(lb.url + "/v1/chat/completions", json=short,
+                                  headers=_bearer("sk-b")) as r:
+                    assert r.status == 200  # another key is not held back
+                    await r.read()
+                assert (await status())["auth"]["keys_in_flight"] == 1
+            finally:
+                first.close()  # the client goes away: its slot must come back
+
+            async def released() -> bool:
+                return (await status())["auth"]["keys_in_flight"] == 0
+            await until(released, "the key's slot released")
+            async with s.post(lb.url + "/v1/chat/completions", json=short,
+                              headers=_bearer("sk-a")) as r:
+                assert r.status == 200
+                await r.read()
+    finally:
+        lb.stop()
+        rep.stop()

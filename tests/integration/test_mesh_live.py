@@ -77,6 +77,11 @@ async def test_a_saturated_region_forwards_and_streams_arrive_intact(tmp_path: P
                            for st in (st_us, st_eu) for p in st["mesh"]["peers"])
 
             await until(peers_alive, "both balancers see each other alive")
+            # Only eu's own mesh link may skip its client keys: a guessed marker may not.
+            async with s.get(eu[0].url + "/v1/models",
+                             headers={"Authorization": "", "X-SkyMesh-Forwarded": "0" * 32}
+                             ) as r:
+                assert r.status == 401
             # Long prompts fill the one us replica's KV cache: us must lend to eu.
             long = "word " * 3000
             bodies = [{"model": MODEL, "stream": True, "max_tokens": 200, "ignore_eos": True,
