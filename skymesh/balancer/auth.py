@@ -174,6 +174,11 @@ class EdgeFiles:
         self.reloads = 0
         self.errors = 0
 
+    @property
+    def watching(self) -> bool:
+        """Whether there is a file to watch at all."""
+        return bool(self._key_paths or self._tls_paths)
+
     def check(self) -> list[str]:
         """Reload what changed; returns what was reloaded ("keys", "tls")."""
         done: list[str] = []

@@ -210,7 +210,8 @@ class Balancer:
                                   read_timeout_s=up.read_timeout_s)
         await self.probe_all()
         self._prober = asyncio.create_task(self._probe_loop(), name="skymesh-prober")
-        self._reloader = asyncio.create_task(self._reload_loop(), name="skymesh-reload")
+        if self.edge.watching:
+            self._reloader = asyncio.create_task(self._reload_loop(), name="skymesh-reload")
         if self._predicts:
             self.predictor.start()  # loads in a thread; history predicts meanwhile
 
@@ -488,8 +489,10 @@ class Balancer:
     def _forwarded_by_peer(self, request: web.Request) -> bool:
         """Replayed by our own mesh link (it carries this process's random secret): such
         a request skips the client key check, so the comparison takes constant time."""
+        if self.mesh is None:
+            return False
         given = request.headers.get(FORWARDED_HEADER)
-        return self.mesh is not None and given is not None and hmac.compare_digest(
+        return given is not None and hmac.compare_digest(
             given.encode("utf-8", "surrogateescape"), self.mesh.secret.encode())
 
     def _authorize(self, request: web.Request) -> None:

@@ -140,3 +140,9 @@ def test_edge_files_swap_the_certificate_in_the_live_context(tmp_path: Path) -> 
     assert edge.check() == [] and edge.errors == 1
     _rewrite(live_key, second.key.read_text())
     assert edge.check() == ["tls"] and edge.ssl_context is ctx
+
+
+def test_nothing_to_watch_without_a_keys_file_or_tls() -> None:
+    from skymesh.balancer.auth import EdgeFiles
+
+    assert not EdgeFiles(AuthConfig(), "127.0.0.1", None, {"SKYMESH_API_KEYS": "k"}).watching
