@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from skymesh.balancer.auth import ClientKeys, is_loopback, load_client_keys, upstream_key
 from skymesh.balancer.config import AuthConfig, ConfigError, parse_config
@@ -146,3 +148,11 @@ def test_nothing_to_watch_without_a_keys_file_or_tls() -> None:
     from skymesh.balancer.auth import EdgeFiles
 
     assert not EdgeFiles(AuthConfig(), "127.0.0.1", None, {"SKYMESH_API_KEYS": "k"}).watching
+
+
+@given(st.text(max_size=80))
+def test_any_header_value_is_refused_unless_it_is_bearer_and_a_key(value: str) -> None:
+    keys = ClientKeys.of(["sk-right"])
+    scheme, _, rest = value.partition(" ")
+    expected = scheme.lower() == "bearer" and rest.strip() == "sk-right"
+    assert keys.allows(value) is expected
