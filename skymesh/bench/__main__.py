@@ -2,8 +2,8 @@
 
 Long-running and machine-dependent, so never part of ``make test``. Run one on its own with
 ``python -m skymesh.bench.<name>`` (``foundation``, ``decision``, ``overhead``,
-``heartbeat``, ``forwarding``), ``skymesh bench EXPERIMENT --mode sim`` (every experiment of
-``skymesh bench``, JSON under ``out/bench/``) or ``skymesh plan bench``.
+``critical_path``, ``heartbeat``, ``forwarding``), ``skymesh bench EXPERIMENT --mode sim``
+(every experiment of ``skymesh bench``, JSON under ``out/bench/``) or ``skymesh plan bench``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ STEPS: list[tuple[str, str]] = [
     ("simulator speed and sim-vs-live fidelity", "skymesh.bench.foundation"),
     ("routing decision time", "skymesh.bench.decision"),
     ("balancer added latency", "skymesh.bench.overhead"),
+    ("where the balancer's time goes", "skymesh.bench.critical_path"),
     ("heartbeat size", "skymesh.bench.heartbeat"),
     ("round trips per forwarded request", "skymesh.bench.forwarding"),
 ]
