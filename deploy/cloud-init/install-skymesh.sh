@@ -19,6 +19,8 @@
 #   SKYMESH_MESH_ID             the balancer id whose certificate to fetch
 #   SKYMESH_API_KEYS_SSM_PARAM  on EC2: fetch the balancer's client API keys (one per
 #                               line, SecureString) from this SSM parameter
+#   SKYMESH_TLS_SSM_PREFIX      on EC2: fetch edge.crt and edge.key (HTTPS for clients)
+#                               from under this SSM path into /etc/skymesh/tls
 # systemctl runs only when installing into the real root of a host booted with systemd.
 set -euo pipefail
 
@@ -107,23 +109,28 @@ boto3.client("ec2", region_name=region).associate_address(
 print(f"install-skymesh: associated {sys.argv[1]} with {instance}", file=sys.stderr)
 PY
 fi
-if [[ -n "${SKYMESH_CERTS_SSM_PREFIX:-}" || -n "${SKYMESH_API_KEYS_SSM_PARAM:-}" ]]; then
+if [[ -n "${SKYMESH_CERTS_SSM_PREFIX:-}${SKYMESH_API_KEYS_SSM_PARAM:-}${SKYMESH_TLS_SSM_PREFIX:-}" ]]; then
   if [[ -n "${SKYMESH_CERTS_SSM_PREFIX:-}" ]]; then
     [[ -n "${SKYMESH_MESH_ID:-}" ]] || die "SKYMESH_CERTS_SSM_PREFIX needs SKYMESH_MESH_ID"
     mkdir -p "$ETC_DIR/pki"
   fi
-  # Parameter name -> file, all SecureStrings: the mesh certificates, the client keys.
+  [[ -z "${SKYMESH_TLS_SSM_PREFIX:-}" ]] || mkdir -p "$ETC_DIR/tls"
+  # Parameter name -> file, all SecureStrings: the mesh certificates, the client keys,
+  # the clients' TLS pair.
   "$PREFIX/venv/bin/python" - "${SKYMESH_CERTS_SSM_PREFIX:-}" "${SKYMESH_MESH_ID:-}" \
-      "${SKYMESH_API_KEYS_SSM_PARAM:-}" "$ETC_DIR" <<'PY'
+      "${SKYMESH_API_KEYS_SSM_PARAM:-}" "${SKYMESH_TLS_SSM_PREFIX:-}" "$ETC_DIR" <<'PY'
 import os, sys, urllib.request
 import boto3
-prefix, mesh_id, keys_param, etc = sys.argv[1].rstrip("/"), sys.argv[2], sys.argv[3], sys.argv[4]
+prefix, mesh_id, keys_param, tls_prefix, etc = sys.argv[1].rstrip("/"), *sys.argv[2:6]
 wanted = {}
 if prefix:
     for name in ("ca.crt", f"{mesh_id}.crt", f"{mesh_id}.key"):
         wanted[f"{prefix}/{name}"] = os.path.join(etc, "pki", name)
 if keys_param:
     wanted[keys_param] = os.path.join(etc, "api-keys")
+if tls_prefix:
+    for name in ("edge.crt", "edge.key"):
+        wanted[f"{tls_prefix.rstrip('/')}/{name}"] = os.path.join(etc, "tls", name)
 tok = urllib.request.Request("http://169.254.169.254/latest/api/token", method="PUT",
                              headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"})
 token = urllib.request.urlopen(tok, timeout=5).read().decode()

@@ -28,6 +28,7 @@ module "us_east" {
   mesh_peers         = local.peers_of["us-east"]
   certs_ssm_prefix   = var.certs_ssm_prefix
   api_keys_ssm_param = var.api_keys_ssm_param
+  tls_ssm_prefix     = var.tls_ssm_prefix
   replica_urls       = lookup(var.replica_urls, "us-east", [])
   replica_count      = var.emulated_replicas
   pip_spec           = var.pip_spec
@@ -45,6 +46,7 @@ module "eu_west" {
   mesh_peers         = local.peers_of["eu-west"]
   certs_ssm_prefix   = var.certs_ssm_prefix
   api_keys_ssm_param = var.api_keys_ssm_param
+  tls_ssm_prefix     = var.tls_ssm_prefix
   replica_urls       = lookup(var.replica_urls, "eu-west", [])
   replica_count      = var.emulated_replicas
   pip_spec           = var.pip_spec
@@ -62,6 +64,7 @@ module "ap_northeast" {
   mesh_peers         = local.peers_of["ap-northeast"]
   certs_ssm_prefix   = var.certs_ssm_prefix
   api_keys_ssm_param = var.api_keys_ssm_param
+  tls_ssm_prefix     = var.tls_ssm_prefix
   replica_urls       = lookup(var.replica_urls, "ap-northeast", [])
   replica_count      = var.emulated_replicas
   pip_spec           = var.pip_spec
@@ -73,9 +76,10 @@ module "dns" {
   source    = "../../modules/dns"
   providers = { aws = aws.us_east_1 }
 
-  zone_name   = var.zone_name
-  record_name = var.record_name
-  ttl         = 60
-  balancers   = [for b in local.balancers : { id = b.id, ip = b.ip, port = b.port, region = b.region }]
-  tags        = local.tags
+  zone_name         = var.zone_name
+  record_name       = var.record_name
+  ttl               = 60
+  balancers         = [for b in local.balancers : { id = b.id, ip = b.ip, port = b.port, region = b.region }]
+  health_check_type = var.tls_ssm_prefix != null ? "HTTPS" : "HTTP"
+  tags              = local.tags
 }

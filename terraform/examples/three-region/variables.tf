@@ -20,6 +20,12 @@ variable "api_keys_ssm_param" {
   default     = "/skymesh/api-keys"
 }
 
+variable "tls_ssm_prefix" {
+  description = "SSM path with edge.crt and edge.key for HTTPS on the client port, in every region (null: plain HTTP)."
+  type        = string
+  default     = null
+}
+
 variable "certs_ssm_prefix" {
   description = "SSM path where `skymesh certs` output was stored in every region (null: no mesh, region-local balancers)."
   type        = string

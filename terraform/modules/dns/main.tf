@@ -18,7 +18,7 @@ resource "aws_route53_health_check" "balancer" {
 
   ip_address        = each.value.ip
   port              = each.value.port
-  type              = "HTTP"
+  type              = var.health_check_type
   resource_path     = var.health_check_path
   request_interval  = var.request_interval
   failure_threshold = var.failure_threshold

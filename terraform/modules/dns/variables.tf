@@ -24,6 +24,17 @@ variable "balancers" {
   }))
 }
 
+variable "health_check_type" {
+  description = "HTTP, or HTTPS when the balancers serve clients over TLS (Route53 does not verify the certificate)."
+  type        = string
+  default     = "HTTP"
+
+  validation {
+    condition     = contains(["HTTP", "HTTPS"], var.health_check_type)
+    error_message = "health_check_type must be HTTP or HTTPS."
+  }
+}
+
 variable "health_check_path" {
   description = "Path Route53 probes on every balancer (skymesh-lb answers /health)."
   type        = string

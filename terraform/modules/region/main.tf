@@ -26,6 +26,7 @@ locals {
   subnet_ids  = local.create_vpc ? aws_subnet.public[*].id : var.subnet_ids
   ami_id      = coalesce(var.ami_id, data.aws_ami.debian.id)
   mesh        = var.certs_ssm_prefix != null
+  tls         = var.tls_ssm_prefix != null
   balancer_id = [for i in range(var.balancer_count) : "lb-${var.name}-${i}"]
   tags        = merge(var.tags, { "skymesh:region" = var.name })
 
@@ -40,8 +41,10 @@ locals {
   # skymesh-lb's configuration (skymesh/balancer/config.py); one per balancer id.
   lb_config = [for id in local.balancer_id : merge(
     {
-      region   = var.name
-      listen   = { host = "0.0.0.0", port = var.lb_port }
+      region = var.name
+      listen = merge({ host = "0.0.0.0", port = var.lb_port }, local.tls ? {
+        tls = { cert_file = "/etc/skymesh/tls/edge.crt", key_file = "/etc/skymesh/tls/edge.key" }
+      } : {})
       auth     = { api_keys_file = "/etc/skymesh/api-keys" }
       policy   = { name = var.policy, params = {} }
       pushing  = { mode = "sp-p" }
@@ -264,6 +267,11 @@ resource "aws_iam_role_policy" "lb" {
         Action   = ["ssm:GetParameter"]
         Resource = "arn:aws:ssm:${data.aws_region.current.name}:${data.aws_caller_identity.current.account_id}:parameter${var.api_keys_ssm_param}"
       }],
+      local.tls ? [{
+        Effect   = "Allow"
+        Action   = ["ssm:GetParameter"]
+        Resource = "arn:aws:ssm:${data.aws_region.current.name}:${data.aws_caller_identity.current.account_id}:parameter${var.tls_ssm_prefix}/*"
+      }] : [],
     )
   })
 }
@@ -327,6 +335,7 @@ resource "aws_launch_template" "lb" {
     certs_prefix   = local.mesh ? var.certs_ssm_prefix : ""
     mesh_id        = local.balancer_id[count.index]
     api_keys_param = var.api_keys_ssm_param
+    tls_prefix     = local.tls ? var.tls_ssm_prefix : ""
   }))
 
   tag_specifications {
@@ -399,6 +408,7 @@ resource "aws_instance" "replica" {
     certs_prefix   = ""
     mesh_id        = ""
     api_keys_param = ""
+    tls_prefix     = ""
   })
 
   tags = merge(local.tags, { Name = "skymesh-replica-${var.name}-${count.index}", "skymesh:role" = "replica" })

@@ -9,13 +9,13 @@ output "vpc_id" {
 }
 
 output "balancers" {
-  description = "One entry per balancer: id, public IP, HTTP port, peering address."
+  description = "One entry per balancer: id, public IP, client port, its URL (https with tls_ssm_prefix), peering address."
   value = [for i, id in local.balancer_id : {
     id       = id
     ip       = aws_eip.lb[i].public_ip
     port     = var.lb_port
     region   = data.aws_region.current.name
-    url      = "http://${aws_eip.lb[i].public_ip}:${var.lb_port}"
+    url      = "${local.tls ? "https" : "http"}://${aws_eip.lb[i].public_ip}:${var.lb_port}"
     peer     = "${aws_eip.lb[i].public_ip}:${var.peering_port}"
     asg_name = aws_autoscaling_group.lb[i].name
   }]

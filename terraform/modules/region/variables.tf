@@ -123,6 +123,12 @@ variable "api_keys_ssm_param" {
   }
 }
 
+variable "tls_ssm_prefix" {
+  description = "SSM path holding edge.crt (chain first) and edge.key (SecureString) for HTTPS on the balancers' client port; null serves plain HTTP."
+  type        = string
+  default     = null
+}
+
 variable "certs_ssm_prefix" {
   description = "SSM Parameter Store path holding ca.crt, <id>.crt and <id>.key (SecureString) from `skymesh certs`; null runs without the mesh."
   type        = string
