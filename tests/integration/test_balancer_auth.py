@@ -4,6 +4,7 @@ public address without keys refuses to start."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import ssl
 import subprocess
@@ -23,29 +24,37 @@ CLIENT_KEY = "sk-client-3f9a"
 REPLICA_KEY = "sk-replica-77c1"
 
 
+# The keys a test gives, not the ones the shell running it may have.
+_INHERITED = {k: v for k, v in os.environ.items() if k != "SKYMESH_API_KEYS"}
+
+
+@contextlib.contextmanager
+def replica_and_lb(tmp: Path, replica_args: list[str], cfg: dict[str, Any],
+                   env: dict[str, str] | None = None) -> Iterator[tuple[Daemon, Daemon]]:
+    """A replica, and a balancer in front of it (``cfg`` plus the replica); both stopped
+    afterwards, whatever happens."""
+    rep = start_daemon("skymesh-replica", ["--port", "0", *replica_args],
+                       log_path=tmp / "replica.log")
+    try:
+        (tmp / "lb.yaml").write_text(yaml.safe_dump({**cfg, "replicas": [{"url": rep.url}]}))
+        lb = start_daemon("skymesh-lb", ["--config", str(tmp / "lb.yaml")],
+                          log_path=tmp / "lb.log", env={**_INHERITED, **(env or {})})
+        try:
+            yield lb, rep
+        finally:
+            lb.stop()
+    finally:
+        rep.stop()
+
+
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Daemon]]:
-    tmp = tmp_path_factory.mktemp("auth")
-    rep = start_daemon("skymesh-replica", ["--port", "0", "--time-scale", "0.05",
-                                           "--api-key", REPLICA_KEY],
-                       log_path=tmp / "replica.log")
     cfg = {"region": "test", "listen": {"host": "127.0.0.1", "port": 0},
-           "probe": {"interval_s": 0.05}, "replicas": [{"url": rep.url}],
-           "upstream": {"api_key_env": "TEST_REPLICA_KEY"}}
-    (tmp / "lb.yaml").write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "SKYMESH_API_KEYS": f"sk-other,{CLIENT_KEY}",
-           "TEST_REPLICA_KEY": REPLICA_KEY}
-    try:
-        lb = start_daemon("skymesh-lb", ["--config", str(tmp / "lb.yaml")],
-                          log_path=tmp / "lb.log", env=env)
-    except BaseException:
-        rep.stop()
-        raise
-    try:
-        yield lb, rep
-    finally:
-        lb.stop()
-        rep.stop()
+           "probe": {"interval_s": 0.05}, "upstream": {"api_key_env": "TEST_REPLICA_KEY"}}
+    env = {"SKYMESH_API_KEYS": f"sk-other,{CLIENT_KEY}", "TEST_REPLICA_KEY": REPLICA_KEY}
+    with replica_and_lb(tmp_path_factory.mktemp("auth"),
+                        ["--time-scale", "0.05", "--api-key", REPLICA_KEY], cfg, env) as pair:
+        yield pair
 
 
 def _bearer(key: str) -> dict[str, str]:
@@ -100,10 +109,9 @@ async def test_clients_need_a_key_and_replicas_get_theirs(guarded: tuple[Daemon,
 
 
 def test_a_public_address_without_keys_does_not_start(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "SKYMESH_API_KEYS"}
     proc = subprocess.run(
         [*executable("skymesh-lb"), "--host", "0.0.0.0", "--port", "0",
-         "--replicas", "http://127.0.0.1:9"], env=env, capture_output=True, text=True,
+         "--replicas", "http://127.0.0.1:9"], env=_INHERITED, capture_output=True, text=True,
         timeout=60)
     assert proc.returncode == 2
     assert "allow_anonymous" in proc.stderr and "0.0.0.0" in proc.stderr
@@ -125,21 +133,11 @@ async def test_a_tls_edge_serves_clients_that_trust_it_and_rotates_keys_and_cert
     _swap(first.key, live_key)
     keys_file = tmp_path / "api-keys"
     keys_file.write_text(f"{CLIENT_KEY}\n")
-    rep = start_daemon("skymesh-replica", ["--port", "0", "--time-scale", "0.05"],
-                       log_path=tmp_path / "replica.log")
     cfg = {"listen": {"host": "127.0.0.1", "port": 0,
                       "tls": {"cert_file": str(live_cert), "key_file": str(live_key),
                               "min_version": "1.3"}},
-           "auth": {"api_keys_file": str(keys_file), "reload_interval_s": 0.1},
-           "replicas": [{"url": rep.url}]}
-    (tmp_path / "lb.yaml").write_text(yaml.safe_dump(cfg))
-    try:
-        lb = start_daemon("skymesh-lb", ["--config", str(tmp_path / "lb.yaml")],
-                          log_path=tmp_path / "lb.log")
-    except BaseException:
-        rep.stop()
-        raise
-    try:
+           "auth": {"api_keys_file": str(keys_file), "reload_interval_s": 0.1}}
+    with replica_and_lb(tmp_path, ["--time-scale", "0.05"], cfg) as (lb, _):
         assert lb.url.startswith("https://127.0.0.1:")
         trust = ssl.create_default_context(cafile=str(first.ca))
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=trust)) as s:
@@ -194,9 +192,6 @@ async def test_a_tls_edge_serves_clients_that_trust_it_and_rotates_keys_and_cert
             with pytest.raises(aiohttp.ClientConnectorCertificateError):
                 async with s.get(lb.url + "/health") as r:
                     await r.read()
-    finally:
-        lb.stop()
-        rep.stop()
 
 
 def test_a_missing_certificate_stops_the_start(tmp_path: Path) -> None:
@@ -211,19 +206,9 @@ def test_a_missing_certificate_stops_the_start(tmp_path: Path) -> None:
 
 
 async def test_one_key_cannot_hold_more_than_its_share(tmp_path: Path) -> None:
-    rep = start_daemon("skymesh-replica", ["--port", "0"], log_path=tmp_path / "replica.log")
     cfg = {"listen": {"host": "127.0.0.1", "port": 0}, "probe": {"interval_s": 0.05},
-           "auth": {"max_in_flight_per_key": 1}, "pushing": {"mode": "bp"},
-           "replicas": [{"url": rep.url}]}
-    (tmp_path / "lb.yaml").write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "SKYMESH_API_KEYS": "sk-a,sk-b"}
-    try:
-        lb = start_daemon("skymesh-lb", ["--config", str(tmp_path / "lb.yaml")],
-                          log_path=tmp_path / "lb.log", env=env)
-    except BaseException:
-        rep.stop()
-        raise
-    try:
+           "auth": {"max_in_flight_per_key": 1}, "pushing": {"mode": "bp"}}
+    with replica_and_lb(tmp_path, [], cfg, {"SKYMESH_API_KEYS": "sk-a,sk-b"}) as (lb, _):
         async with aiohttp.ClientSession() as s:
             async def status() -> dict[str, Any]:
                 async with s.get(lb.url + "/status", headers=_bearer("sk-a")) as r:
@@ -265,6 +250,3 @@ async def test_one_key_cannot_hold_more_than_its_share(tmp_path: Path) -> None:
                               headers=_bearer("sk-a")) as r:
                 assert r.status == 200
                 await r.read()
-    finally:
-        lb.stop()
-        rep.stop()
