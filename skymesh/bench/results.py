@@ -38,7 +38,20 @@ def command_for(res: dict[str, Any], path: Path) -> str:
     seed = setup.get("seed", 0)
     if seed:
         cmd += f" --seed {seed}"
+    scaled = load_scale_flag(setup.get("load_scale") or {})
+    if scaled:
+        cmd += f" --load-scale {scaled}"
     return f"{cmd} --json {path}"
+
+
+def load_scale_flag(scale: dict[str, float]) -> str:
+    """``--load-scale``'s value for the multipliers a run recorded ("" when none)."""
+    moved = {w: x for w, x in scale.items() if x != 1.0}
+    if not moved:
+        return ""
+    if moved == {w: x for w, x in skylb_macro.CALIBRATED_LOAD_SCALE.items() if w in scale}:
+        return "calibrated"
+    return ",".join(f"{w}={x:g}" for w, x in moved.items())
 
 
 def targets_table(res: dict[str, Any]) -> str:
