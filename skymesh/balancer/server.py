@@ -376,18 +376,24 @@ class Balancer:
         d = self.dispatcher
         if not d.queued:
             return
+        loop = asyncio.get_running_loop()
         for ticket in d.pump(self.now()):
             fut: asyncio.Future[None] = ticket.payload
             if not fut.done():
                 fut.set_result(None)
-            self._decisions(ticket.target or "").inc()
+            # Counted once the loop comes round, after the request is on its way to the
+            # replica: at low rates every step before that write is TTFT.
+            loop.call_soon(self._count_decision, ticket.target or "")
 
-    def _decisions(self, target: str) -> Any:
+    def _observe_wait(self, model: str, seconds: float) -> None:
+        self.metrics.queue_wait.labels(model).observe(seconds)
+
+    def _count_decision(self, target: str) -> None:
         c = self._decision_counters.get(target)
         if c is None:
             c = self._decision_counters[target] = self.metrics.decisions.labels(
                 self.dispatcher.policy.name, target)
-        return c
+        c.inc()
 
     def _refresh_gauges(self) -> None:
         """Dispatcher state into gauges, at scrape time: off the request path."""
@@ -555,8 +561,8 @@ class Balancer:
         while True:
             target = await self._wait_dispatch(ticket, max(0.0, t0 + timeout - self.now()))
             sent = self.now()
-            if ticket.attempts == 1:
-                self.metrics.queue_wait.labels(model).observe(sent - t0)
+            if ticket.attempts == 1:  # recorded after the write to the replica, as above
+                asyncio.get_running_loop().call_soon(self._observe_wait, model, sent - t0)
             try:
                 if ticket.to_peer:
                     return await self._forward_peer(request, ticket, target, raw, intake, t0)
