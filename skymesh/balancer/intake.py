@@ -15,7 +15,7 @@ may wait in the balancer's queue and reaches the policy as ``RouteRequest.deadli
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,15 +130,18 @@ def prediction_input(intake: Intake, prompt_len: int) -> tuple[str, int, int]:
 def route_request(request_id: str, intake: Intake, *, prefix_keys: bool = True,
                   deadline_s: float | None = None) -> RouteRequest:
     """``prefix_keys``: hash the prompt into chunk keys (only policies that read them)."""
-    from skymesh.prefix.keys import text_prefix_keys
+    keys: Sequence[int] = ()
+    if prefix_keys:  # the import only then: it is a lookup per call, on the TTFT path
+        from skymesh.prefix.keys import text_prefix_keys
 
+        keys = text_prefix_keys(intake.prompt_text)
     body = intake.body
     out = body.get("max_completion_tokens") or body.get("max_tokens")
     return RouteRequest(
         request_id=request_id,
         model=intake.model,
         prompt_len=max(1, len(intake.prompt_text) // CHARS_PER_TOKEN),
-        prefix_keys=text_prefix_keys(intake.prompt_text) if prefix_keys else (),
+        prefix_keys=keys,
         affinity_key=intake.affinity_key,
         output_len_hint=out if isinstance(out, int) else None,
         deadline_s=deadline_s,
