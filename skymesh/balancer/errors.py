@@ -7,6 +7,7 @@ OpenAI error body (``{"error": {"message", "type", "param", "code"}}``).
     ├── ModelNotFound         404 model_not_found
     ├── PayloadTooLarge       413 payload_too_large
     ├── Overloaded            429 rate_limit_exceeded (with Retry-After)
+    │   └── KeyAtCap          429 the same, for one API key at its in-flight cap
     ├── NoCapacity            503 queue timeout / no healthy replica
     └── UpstreamFailed        502 every attempt failed before the first byte
 """
@@ -72,6 +73,11 @@ class Overloaded(SkyMeshError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+
+
+class KeyAtCap(Overloaded):
+    """One client key has ``auth.max_in_flight_per_key`` requests here already: its own
+    class so ``skymesh_requests_total{outcome}`` tells it from a full queue."""
 
 
 class NoCapacity(SkyMeshError):

@@ -51,9 +51,9 @@ from skymesh.balancer.controller_link import ControllerLink, Tally
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.errors import (
     BadRequest,
+    KeyAtCap,
     ModelNotFound,
     NoCapacity,
-    Overloaded,
     PayloadTooLarge,
     SkyMeshError,
     Unauthorized,
@@ -520,7 +520,7 @@ class Balancer:
             return None
         n = self._in_flight_by_key.get(digest, 0)
         if n >= cap:
-            raise Overloaded(f"this API key already has {n} requests in flight here "
+            raise KeyAtCap(f"this API key already has {n} requests in flight here "
                              f"(auth.max_in_flight_per_key); retry when one ends",
                              retry_after_s=1.0)
         self._in_flight_by_key[digest] = n + 1

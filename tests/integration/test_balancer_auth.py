@@ -250,3 +250,7 @@ async def test_one_key_cannot_hold_more_than_its_share(tmp_path: Path) -> None:
                               headers=_bearer("sk-a")) as r:
                 assert r.status == 200
                 await r.read()
+            async with s.get(lb.url + "/metrics") as r:
+                metrics = await r.text()
+            # Told apart from a full queue (outcome "Overloaded").
+            assert 'outcome="KeyAtCap"} 1.0' in metrics
