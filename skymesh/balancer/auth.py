@@ -14,6 +14,7 @@ import ipaddress
 import logging
 import os
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,13 +60,17 @@ class ClientKeys:
         return digest if digest in self.digests else None
 
 
+def _one_key(text: str) -> bool:
+    return len(text) <= MAX_KEY_CHARS and not any(c.isspace() for c in text)
+
+
 def _parse_keys(text: str, source: str) -> list[str]:
     keys = []
     for n, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        if len(line) > MAX_KEY_CHARS or any(c.isspace() for c in line):
+        if not _one_key(line):
             raise ConfigError(f"{source}, line {n}: not an API key (one key per line, "
                               f"no spaces, at most {MAX_KEY_CHARS} characters)")
         keys.append(line)
@@ -117,7 +122,7 @@ def upstream_key(env_name: str | None, environ: dict[str, str] | None = None) ->
     value = (os.environ if environ is None else environ).get(env_name, "").strip()
     if not value:
         raise ConfigError(f"upstream.api_key_env: ${env_name} is not set or empty")
-    if any(c.isspace() for c in value) or len(value) > MAX_KEY_CHARS:
+    if not _one_key(value):
         raise ConfigError(f"upstream.api_key_env: ${env_name} does not hold one API key")
     return value
 
@@ -167,44 +172,43 @@ class EdgeFiles:
         self.environ = environ
         self.keys = load_client_keys(auth, listen_host, environ)
         self.ssl_context = server_ssl_context(tls) if tls is not None else None
-        self._key_paths = (auth.api_keys_file,) if auth.api_keys_file is not None else ()
-        self._tls_paths = (tls.cert_file, tls.key_file) if tls is not None else ()
-        self._key_stamp = _stamp(self._key_paths)
-        self._tls_stamp = _stamp(self._tls_paths)
+        # What each watched group of files reloads: (name, paths, reload).
+        self._watched: list[tuple[str, tuple[str, ...], Callable[[], None]]] = []
+        if auth.api_keys_file is not None:
+            self._watched.append(("keys", (auth.api_keys_file,), self._reload_keys))
+        if tls is not None:
+            self._watched.append(("tls", (tls.cert_file, tls.key_file), self._reload_tls))
+        self._stamps = [_stamp(paths) for _, paths, _ in self._watched]
         self.reloads = 0
         self.errors = 0
 
     @property
     def watching(self) -> bool:
         """Whether there is a file to watch at all."""
-        return bool(self._key_paths or self._tls_paths)
+        return bool(self._watched)
+
+    def _reload_keys(self) -> None:
+        self.keys = load_client_keys(self.auth, self.listen_host, self.environ)
+
+    def _reload_tls(self) -> None:
+        assert self.tls is not None and self.ssl_context is not None
+        server_ssl_context(self.tls, self.ssl_context)
 
     def check(self) -> list[str]:
         """Reload what changed; returns what was reloaded ("keys", "tls")."""
         done: list[str] = []
-        if self._key_paths:
-            stamp = _stamp(self._key_paths)
-            if stamp is not None and stamp != self._key_stamp:
-                self._key_stamp = stamp
-                try:
-                    keys = load_client_keys(self.auth, self.listen_host, self.environ)
-                except ConfigError as exc:
-                    self.errors += 1
-                    log.error("client API keys not reloaded, the previous ones stay: %s", exc)
-                else:
-                    self.keys = keys
-                    done.append("keys")
-        if self.tls is not None and self.ssl_context is not None:
-            stamp = _stamp(self._tls_paths)
-            if stamp is not None and stamp != self._tls_stamp:
-                self._tls_stamp = stamp
-                try:
-                    server_ssl_context(self.tls, self.ssl_context)
-                except ConfigError as exc:
-                    self.errors += 1
-                    log.error("TLS certificate not reloaded, the previous one stays: %s", exc)
-                else:
-                    done.append("tls")
+        for i, (name, paths, reload) in enumerate(self._watched):
+            stamp = _stamp(paths)
+            if stamp is None or stamp == self._stamps[i]:
+                continue
+            self._stamps[i] = stamp
+            try:
+                reload()
+            except ConfigError as exc:
+                self.errors += 1
+                log.error("%s not reloaded, what was loaded before stays: %s", name, exc)
+            else:
+                done.append(name)
         if done:
             self.reloads += 1
             log.warning("reloaded %s", " and ".join(done))

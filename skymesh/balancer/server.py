@@ -438,9 +438,10 @@ class Balancer:
         outcome = "error"
         ticket: Ticket | None = None
         holder: bytes | None = None
+        forwarded = self._forwarded_by_peer(request)
         try:
-            self._authorize(request)
-            holder = self._hold_key_slot(request)
+            self._authorize(request, forwarded)
+            holder = self._hold_key_slot(request, forwarded)
             raw = await self._read_body(request)
             intake = parse_request(kind, raw, request.headers)
             if not self.dispatcher.reachable(intake.model):
@@ -461,7 +462,7 @@ class Balancer:
                 text, turn, history = prediction_input(intake, route.prompt_len)
                 route = replace(route, predicted_output_tokens=self.predictor.predict(
                     text, turn, history, route.prompt_len, max_output(intake.body, kind)))
-            if self._forwarded_by_peer(request):
+            if forwarded:
                 route = replace(route, forwarded=True)
             ticket = Ticket(route, t0)
             self.dispatcher.offer(ticket, t0)
@@ -501,19 +502,27 @@ class Balancer:
         return given is not None and hmac.compare_digest(
             given.encode("utf-8", "surrogateescape"), self.mesh.secret.encode())
 
-    def _authorize(self, request: web.Request) -> None:
+    def _authorize(self, request: web.Request, forwarded: bool) -> None:
         keys = self.edge.keys
-        if keys.required and not keys.allows(request.headers.get("Authorization")) \
-                and not self._forwarded_by_peer(request):
+        if keys.required and not forwarded and \
+                not keys.allows(request.headers.get("Authorization")):
             raise Unauthorized("a valid API key is required: send it as "
                                "'Authorization: Bearer KEY'")
 
-    def _hold_key_slot(self, request: web.Request) -> bytes | None:
+    def _refused(self, request: web.Request) -> web.Response | None:
+        """The 401 for a request to a guarded route other than generation, or None."""
+        try:
+            self._authorize(request, self._forwarded_by_peer(request))
+        except Unauthorized as exc:
+            return _error_response(exc)
+        return None
+
+    def _hold_key_slot(self, request: web.Request, forwarded: bool) -> bytes | None:
         """Count the request against its key's ``auth.max_in_flight_per_key``; returns the
         key's digest to release, or None when nothing is counted. A peer's forwarded
         requests were counted at the balancer their client reached."""
         cap = self.cfg.auth.max_in_flight_per_key
-        if cap is None or not self.edge.keys.required or self._forwarded_by_peer(request):
+        if cap is None or not self.edge.keys.required or forwarded:
             return None
         digest = self.edge.keys.digest_of(request.headers.get("Authorization"))
         if digest is None:
@@ -1029,10 +1038,8 @@ class Balancer:
 
     # -- the rest of the API ---------------------------------------------------------------
     async def handle_models(self, request: web.Request) -> web.Response:
-        try:
-            self._authorize(request)
-        except Unauthorized as exc:
-            return _error_response(exc)
+        if (refused := self._refused(request)) is not None:
+            return refused
         models = sorted(self.dispatcher.models())
         now = int(time.time())
         return web.json_response({"object": "list", "data": [
@@ -1054,10 +1061,8 @@ class Balancer:
                             headers={"Content-Type": "text/plain; version=0.0.4"})
 
     async def handle_status(self, request: web.Request) -> web.Response:
-        try:
-            self._authorize(request)
-        except Unauthorized as exc:
-            return _error_response(exc)
+        if (refused := self._refused(request)) is not None:
+            return refused
         d = self.dispatcher
         mesh = None
         if self.mesh is not None:
