@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test,forecast]' 2>&1 | grep -v "is ignored" || true
+	$(BIN)/pip install -q -e '.[test,forecast,predict]' 2>&1 | grep -v "is ignored" || true
 	$(BIN)/python -m skymesh.mesh.codegen
 	$(BIN)/python -c "import skymesh, aiohttp, pytest" 
 	touch $@

@@ -174,10 +174,12 @@ class PredictionConfig(_Strict):
     (goodserve, preserve); ignored for the others. ``moe``: GoodServe's MoE-MLP from
     ``model_path`` (default: ``skymesh.predict.store.default_model_path()``), loaded off the
     event loop at start-up, the history predictor standing in until it is loaded or when
-    the file is missing; ``history``: median of recent outputs per prompt-length bucket;
-    ``none``: no prediction (policies use ``max_tokens``, then their default)."""
+    the file is missing; ``wordvec``: the same with the word-vector MLP
+    (``skymesh.predict.wordvec``, default file ``default_wordvec_path()``); ``history``:
+    median of recent outputs per prompt-length bucket; ``none``: no prediction (policies
+    use ``max_tokens``, then their default)."""
 
-    predictor: Literal["moe", "history", "none"] = "moe"
+    predictor: Literal["moe", "wordvec", "history", "none"] = "moe"
     model_path: str | None = None
 
 

@@ -31,7 +31,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from skymesh.balancer.breaker import Breaker
@@ -78,6 +78,19 @@ class Ticket:
     held_since: float | None = None
     to_peer: bool = False  # the current target is a peer balancer
     key: str = field(default_factory=lambda: f"t{next(_ids)}")
+    # When ``route.deadline_s`` started counting: None is ``enqueued_at``. Each dispatch
+    # moves it there and shrinks the route's deadline to what was left, so a policy
+    # always sees the budget from dispatch (GoodServe's D_r), net of the time spent queued
+    # here or on a failed attempt.
+    deadline_from: float | None = None
+
+    def route_at(self, now: float) -> RouteRequest:
+        """The route with what is left of its deadline at ``now``."""
+        d = self.route.deadline_s
+        start = self.enqueued_at if self.deadline_from is None else self.deadline_from
+        if d is None or now <= start:
+            return self.route
+        return replace(self.route, deadline_s=d - (now - start))
 
 
 @dataclass(slots=True)
@@ -337,18 +350,19 @@ class Dispatcher:
                 if self._hold_s > 0:
                     continue
                 return None
+            route = ticket.route_at(now)
             if self._prefers and (ticket.held_since is None
                                   or now - ticket.held_since < self.hold_s):
                 serving = [tid for tid, t in self.targets.items()
-                           if ticket.route.model in t.models and t.healthy]
-                pref = self.policy.preferred(ticket.route, serving, self)
+                           if route.model in t.models and t.healthy]
+                pref = self.policy.preferred(route, serving, self)
                 if pref is not None and pref not in cands:
                     # The hold counts from the first time another replica could have
                     # taken it: it bounds the delay locality adds, not the queueing.
                     if ticket.held_since is None:
                         ticket.held_since = now
                     continue
-            target = self.policy.select(ticket.route, cands, self)
+            target = self.policy.select(route, cands, self)
             if target is not None:
                 return i, ticket, target, False
         return None
@@ -397,6 +411,9 @@ class Dispatcher:
 
     def _assign(self, ticket: Ticket, target: str, now: float) -> None:
         t = self.targets[target]
+        if ticket.route.deadline_s is not None:
+            ticket.route = ticket.route_at(now)
+            ticket.deadline_from = now
         ticket.to_peer = False
         ticket.target = target
         ticket.attempts += 1

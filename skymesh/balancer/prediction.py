@@ -1,8 +1,9 @@
 """Output-length prediction in the live balancer, for policies that read
 ``RouteRequest.predicted_output_tokens`` (``Policy.uses_length_prediction``).
 
-``prediction.predictor: moe`` (default) loads GoodServe's MoE-MLP (``skymesh.predict``)
-at start-up in a worker thread, so the event loop serves from the first moment; until the
+``prediction.predictor: moe`` (default) loads GoodServe's MoE-MLP (``skymesh.predict``),
+``wordvec`` the word-vector MLP (:mod:`skymesh.predict.wordvec`), at start-up in a worker
+thread, so the event loop serves from the first moment; until the
 model is in memory, and for good when its file is missing or unreadable, the history
 predictor answers (median of recent outputs per prompt-length bucket, fed by this
 balancer's own completions) and the log says why.
@@ -13,8 +14,9 @@ minutes after a restart; training in a background thread would take the CPU the 
 loop needs just as traffic arrives (the GIL, and torch's own threads). A model is a
 build artefact: ``skymesh predict train`` makes it once, every balancer then loads it.
 
-A prediction runs inline on the event loop (about 0.5-1 ms, torch on one thread): cheap
-next to a request's lifetime, and only for the policies that use it.
+A prediction runs inline on the event loop (about 0.5-1 ms for the MoE, torch on one
+thread; 0.2-0.4 ms for the word-vector model, numpy): cheap next to a request's lifetime,
+and only for the policies that use it.
 """
 
 from __future__ import annotations
@@ -51,11 +53,23 @@ def load_moe(path: Path) -> LengthModel:
     return model
 
 
+def load_wordvec(path: Path) -> LengthModel:
+    """Load the word-vector model (numpy and the tokenizer; no torch) and run it once."""
+    from skymesh.predict.wordvec import WordVecPredictor
+
+    model = WordVecPredictor.load(path)
+    model.predict_one("warm up", 2, 0)
+    return model
+
+
+LOADERS: dict[str, Callable[[Path], LengthModel]] = {"moe": load_moe, "wordvec": load_wordvec}
+
+
 class LivePredictor:
     def __init__(self, cfg: PredictionConfig,
-                 loader: Callable[[Path], LengthModel] = load_moe) -> None:
+                 loader: Callable[[Path], LengthModel] | None = None) -> None:
         self.cfg = cfg
-        self._loader = loader
+        self._loader = loader or LOADERS.get(cfg.predictor, load_moe)
         self.history = HistoryPredictor()
         self.model: LengthModel | None = None
         self.error: str | None = None
@@ -64,21 +78,23 @@ class LivePredictor:
 
     @property
     def active(self) -> str:
-        """What answers right now: "moe", "history" or "none"."""
+        """What answers right now: "moe", "wordvec", "history" or "none"."""
         if self.cfg.predictor == "none":
             return "none"
-        return "moe" if self.model is not None else "history"
+        return self.cfg.predictor if self.model is not None else "history"
 
     def model_path(self) -> Path:
         if self.cfg.model_path:
             return Path(self.cfg.model_path).expanduser()
-        from skymesh.predict.store import default_model_path
+        from skymesh.predict.store import default_model_path, default_wordvec_path
 
-        return default_model_path()
+        return default_wordvec_path() if self.cfg.predictor == "wordvec" else \
+            default_model_path()
 
     def start(self) -> None:
         """Begin loading the model, if configured; returns at once (idempotent)."""
-        if self.cfg.predictor != "moe" or self._task is not None or self.model is not None:
+        if (self.cfg.predictor not in LOADERS or self._task is not None
+                or self.model is not None):
             return
         self._task = asyncio.get_running_loop().create_task(self._load(),
                                                             name="skymesh-length-model")
@@ -91,8 +107,10 @@ class LivePredictor:
         path = self.model_path()
         if not path.is_file():
             self.error = f"{path} not found"
+            flag = " --predictor wordvec" if self.cfg.predictor == "wordvec" else ""
             log.warning("length model %s not found: predicting with the history baseline "
-                        "(run `skymesh predict train` once to create it, then restart)", path)
+                        "(run `skymesh predict train%s` once to create it, then restart)",
+                        path, flag)
             return
         try:
             self.model = await asyncio.to_thread(self._loader, path)

@@ -52,23 +52,30 @@ FLEETS: dict[str, tuple[str, str]] = {
 FLEET_ENV = "SKYMESH_GOODPUT_FLEET"
 RATE_RPS = 9.0
 PREDICTOR_ENV = "SKYMESH_LENGTH_PREDICTOR"
-PREDICTORS = ("moe", "noisy-oracle", "oracle", "history")
+# "moe" and "wordvec" are trained models whose predictions ride on each request (the
+# simulator's "meta" predictor); the others the simulator computes itself.
+MODEL_PREDICTORS = ("moe", "wordvec")
+PREDICTORS = (*MODEL_PREDICTORS, "noisy-oracle", "oracle", "history")
+
+
+def sim_predictor(predictor: str) -> str:
+    return "meta" if predictor in MODEL_PREDICTORS else predictor
 
 
 def requests(predictor: str, seed: int) -> list[tuple[int, int, dict[str, object]]]:
-    """Held-out prompts in a seeded order, with predicted lengths when the MoE predicts."""
+    """Held-out prompts in a seeded order, with predicted lengths when a trained model
+    predicts."""
     import random
 
-    from skymesh.predict.store import default_split
+    from skymesh.predict.store import default_split, get_moe, get_wordvec
 
     _, test = default_split()
     test = list(test)
     random.Random(f"goodput/{seed}").shuffle(test)
     preds: list[int | None] = [None] * len(test)
-    if predictor == "moe":
-        from skymesh.predict.store import get_moe
-
-        preds = [int(p) for p in get_moe().predict(test)]
+    if predictor in MODEL_PREDICTORS:
+        model = get_moe() if predictor == "moe" else get_wordvec()
+        preds = [int(p) for p in model.predict(test)]
     return [(s.prompt_tokens + s.history_tokens, s.output_tokens,
              {} if p is None else {"predicted_output_tokens": p})
             for s, p in zip(test, preds, strict=True)]
@@ -98,7 +105,7 @@ def run_one(policy: str, scale: float, arrivals: list[Any], base_s: float, predi
         policy_params=params or {}, push_mode="bp", forwarding=False,
         replica_profiles={"us": profiles}, deadline_scale=scale,
         deadline_base_s=base_s, seed=seed,
-        length_predictor="meta" if predictor == "moe" else predictor,
+        length_predictor=sim_predictor(predictor),
     )
     r = Simulation(cfg, ReplayWorkload(arrivals)).run()
     keys = ("goodput_rps", "slo_violation_rate", "throughput_rps", "e2e_p50_s", "e2e_p90_s",

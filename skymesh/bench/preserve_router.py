@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from skymesh.bench.goodput import PREDICTOR_ENV, PREDICTORS, requests
+from skymesh.bench.goodput import PREDICTOR_ENV, PREDICTORS, requests, sim_predictor
 from skymesh.sim.runner import SimConfig, Simulation
 from skymesh.sim.workloads.replay import ReplayWorkload, poisson_items
 
@@ -29,7 +29,7 @@ RATES = (2.0, 3.0, 4.0, 5.0)
 def run_one(policy: str, arrivals: list[Any], predictor: str, seed: int) -> dict[str, Any]:
     cfg = SimConfig(workload="replay", regions=["us"], replicas={"us": 4}, policy=policy,
                     push_mode="bp", forwarding=False, profile="llama3.1-8b-l4", seed=seed,
-                    length_predictor="meta" if predictor == "moe" else predictor)
+                    length_predictor=sim_predictor(predictor))
     sim = Simulation(cfg, ReplayWorkload(arrivals))
     r = sim.run()
     norm = [(x.t_done - x.t_arrival) / x.item.output_len for x in sim.records if x.ok]

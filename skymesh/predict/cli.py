@@ -1,10 +1,13 @@
 """``skymesh predict train|eval``: the output-length predictors and their accuracy.
 
-``train`` fits GoodServe's MoE-MLP on the training split and saves it (default: the cache
-file every user of the model loads, see :mod:`skymesh.predict.store`). ``eval`` scores it
-and the history baseline on the test split, beside PreServe's Table 2, and writes
-``{"predictors": {"moe-mlp": {...}, "history": {...}}}``. ``--limit N`` (hidden: for
-tests) uses N training and N/2 test samples and a smaller, quicker model.
+``train`` fits GoodServe's MoE-MLP (``--predictor wordvec``: the word-vector MLP of
+:mod:`skymesh.predict.wordvec`) on the training split and saves it (default: the cache
+file every user of the model loads, see :mod:`skymesh.predict.store`). ``eval`` scores the
+MoE, the word-vector model (when its vectors are installed or its file exists) and the
+history baseline on the test split, beside PreServe's Table 2, and writes
+``{"predictors": {"moe-mlp": {...}, "wordvec-mlp": {...}, "history": {...}}}``.
+``--limit N`` (hidden: for tests) uses N training and N/2 test samples and smaller,
+quicker models.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from skymesh.predict.metrics import PRESERVE_TABLE2, accuracy
 # their length predictor from this variable, so the flag sets it for this process; the
 # variable alone keeps working when the flag is absent. Same names as the benchmarks'.
 PREDICTOR_ENV = "SKYMESH_LENGTH_PREDICTOR"
-BENCH_PREDICTORS = ("moe", "noisy-oracle", "oracle", "history")
+BENCH_PREDICTORS = ("moe", "wordvec", "noisy-oracle", "oracle", "history")
 
 
 class PredictorFlag(argparse.Action):
@@ -56,6 +59,14 @@ def _config(args: argparse.Namespace) -> Any:
                      gate_hidden=16, expert_epochs=4, gate_epochs=4, batch_size=64)
 
 
+def _wordvec_config(args: argparse.Namespace) -> Any:
+    from skymesh.predict.wordvec import WordVecConfig
+
+    if args.limit is None:
+        return WordVecConfig(seed=args.seed)
+    return WordVecConfig(seed=args.seed, hidden=(64,), epochs=4, batch_size=64)
+
+
 def history_predictions(train: list[Sample], test: list[Sample]) -> tuple[np.ndarray, float]:
     """The history baseline fed the training set, then predicting (and learning from) the
     test set in order, as a balancer would; returns predictions and ms per request."""
@@ -72,6 +83,8 @@ def history_predictions(train: list[Sample], test: list[Sample]) -> tuple[np.nda
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.predictor == "wordvec":
+        return _train_wordvec(args)
     from skymesh.predict.moe import train_moe
     from skymesh.predict.store import default_model_path
 
@@ -90,6 +103,43 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_wordvec(args: argparse.Namespace) -> int:
+    from skymesh.predict.store import default_wordvec_path
+    from skymesh.predict.wordvec import train_wordvec
+
+    train, _ = _data(args)
+    model, seconds = train_wordvec(train, _wordvec_config(args))
+    out = Path(args.out) if args.out else default_wordvec_path()
+    model.save(out)
+    print(f"trained on {len(train)} samples in {seconds:.1f} s; saved {out}")
+    if args.json:
+        from skymesh.cli import write_json
+
+        write_json(args.json, {"model": str(out), "samples": len(train),
+                               "train_seconds": seconds})
+    return 0
+
+
+def _wordvec_model(args: argparse.Namespace, train: list[Sample]) -> Any:
+    """The word-vector model to score, or None (with the reason on stderr) when neither a
+    model file nor the vectors to train one are here."""
+    from skymesh.predict.store import default_wordvec_path, get_wordvec
+    from skymesh.predict.wordvec import WordVecPredictor, package_dir, train_wordvec
+
+    if args.wordvec_model:
+        return WordVecPredictor.load(Path(args.wordvec_model))
+    try:
+        if args.limit is not None:
+            package_dir()
+            return train_wordvec(train, _wordvec_config(args))[0]
+        if not default_wordvec_path().is_file():
+            package_dir()
+        return get_wordvec()
+    except FileNotFoundError as exc:
+        print(f"wordvec-mlp: skipped ({exc})", file=sys.stderr)
+        return None
+
+
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     from skymesh.predict.moe import MoEPredictor, ms_per_request, train_moe
     from skymesh.predict.store import get_moe
@@ -102,16 +152,23 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     else:
         model = get_moe()
     actual = np.array([s.output_tokens for s in test])
-    moe = model.predict(test)
-    hist, hist_ms = history_predictions(train, test)
+    preds = {"moe-mlp": model.predict(test)}
     res: dict[str, Any] = {"predictors": {
-        "moe-mlp": {**accuracy(moe, actual), "ms_per_request": ms_per_request(model, test)},
-        "history": {**accuracy(hist, actual), "ms_per_request": hist_ms},
-    }}
+        "moe-mlp": {**accuracy(preds["moe-mlp"], actual),
+                    "ms_per_request": ms_per_request(model, test)}}}
+    wv = _wordvec_model(args, train)
+    if wv is not None:
+        from skymesh.predict import wordvec
+
+        preds["wordvec-mlp"] = wv.predict(test)
+        res["predictors"]["wordvec-mlp"] = {**accuracy(preds["wordvec-mlp"], actual),
+                                            "ms_per_request": wordvec.ms_per_request(wv, test)}
+    preds["history"], hist_ms = history_predictions(train, test)
+    res["predictors"]["history"] = {**accuracy(preds["history"], actual),
+                                    "ms_per_request": hist_ms}
     sources = sorted({s.source for s in test})
     res["by_source"] = {
-        src: {name: accuracy(pred[mask], actual[mask])
-              for name, pred in (("moe-mlp", moe), ("history", hist))}
+        src: {name: accuracy(pred[mask], actual[mask]) for name, pred in preds.items()}
         for src in sources
         for mask in [np.array([s.source == src for s in test])]
     }
@@ -121,15 +178,14 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_table(res: dict[str, Any]) -> str:
-    rows = [("moe-mlp (all)", res["predictors"]["moe-mlp"]),
-            ("history (all)", res["predictors"]["history"])]
+    rows = [(f"{name} (all)", r) for name, r in res["predictors"].items()]
     for src, by in res.get("by_source", {}).items():
-        rows += [(f"moe-mlp ({src})", by["moe-mlp"]), (f"history ({src})", by["history"])]
+        rows += [(f"{name} ({src})", r) for name, r in by.items()]
     rows.append(("PreServe, Table 2", PRESERVE_TABLE2))
-    lines = [f"{'predictor':<20}{'MAE':>9}{'Acc-25':>9}{'Acc-50':>9}{'Acc-100':>9}{'ms/req':>9}"]
+    lines = [f"{'predictor':<24}{'MAE':>9}{'Acc-25':>9}{'Acc-50':>9}{'Acc-100':>9}{'ms/req':>9}"]
     for name, r in rows:
         ms = f"{r['ms_per_request']:>9.3f}" if "ms_per_request" in r else f"{'':>9}"
-        lines.append(f"{name:<20}{r['mae_tokens']:>9.2f}{r['acc25'] * 100:>8.2f}%"
+        lines.append(f"{name:<24}{r['mae_tokens']:>9.2f}{r['acc25'] * 100:>8.2f}%"
                      f"{r['acc50'] * 100:>8.2f}%{r['acc100'] * 100:>8.2f}%{ms}")
     return "\n".join(lines)
 
@@ -157,16 +213,22 @@ def _guard(fn: Any) -> Any:
 def register(sub: Any) -> None:
     pp = sub.add_parser("predict", help="output-length predictors: train, evaluate")
     psub = pp.add_subparsers(dest="predict_cmd", required=True)
-    for name, fn, helptext in (("train", cmd_train, "train the MoE-MLP length model"),
+    for name, fn, helptext in (("train", cmd_train, "train a length model (default MoE-MLP)"),
                                ("eval", cmd_eval, "accuracy beside PreServe's Table 2")):
         p = psub.add_parser(name, help=helptext)
         p.add_argument("--json", default=None, metavar="PATH")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--limit", type=int, default=None, help=argparse.SUPPRESS)
         if name == "train":
+            p.add_argument("--predictor", choices=("moe", "wordvec"), default="moe",
+                           help="moe: GoodServe's MoE-MLP on TF-IDF; wordvec: an MLP on "
+                                "pretrained word vectors (needs the predict extra)")
             p.add_argument("--out", default=None, metavar="PATH",
                            help="where to save the model (default: the cache file)")
         else:
             p.add_argument("--model", default=None, metavar="PATH",
                            help="a model file (default: the cached one, trained if missing)")
+            p.add_argument("--wordvec-model", default=None, metavar="PATH",
+                           help="a word-vector model file (default: the cached one, "
+                                "trained if missing and the vectors are installed)")
         p.set_defaults(fn=_guard(fn))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from skymesh.balancer.breaker import Breaker, BreakerState
@@ -190,3 +192,44 @@ def test_no_hold_means_strict_fcfs() -> None:
     held = Ticket(RouteRequest("cached-1", model="m"), 0.0)
     d.offer(held, 0.0)
     assert d.pump(0.1) == [held] and held.target == "b"
+
+
+_RoundRobin: Any = type(build_policy("round-robin"))
+
+
+class _Recorder(_RoundRobin):
+    """Round robin that notes the deadline each decision saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[float | None] = []
+
+    def select(self, request: RouteRequest, candidates: Any, view: Any) -> str | None:
+        self.seen.append(request.deadline_s)
+        return super().select(request, candidates, view)
+
+
+def test_policies_see_the_deadline_left_after_queueing_and_failed_attempts() -> None:
+    rec = _Recorder()
+    d = Dispatcher(rec, PushMode.SP_P)
+    d.set_targets({"a": ["m"]})
+    busy = ticket(0)
+    d.offer(busy, 0.0)
+    assert d.pump(0.0) == [busy]  # a is taken: the next request waits here
+    t = Ticket(RouteRequest("r1", model="m", deadline_s=10.0), 1.0)
+    d.offer(t, 1.0)
+    assert d.pump(2.0) == []
+    d.first_byte(busy)
+    assert d.pump(4.0) == [t]
+    assert rec.seen[-1] == pytest.approx(7.0)  # 3 s queued came off the 10 s budget
+    assert t.route.deadline_s == pytest.approx(7.0)  # now counted from this dispatch
+    d.complete(t, 5.5, ok=False, replica_fault=True)
+    d.offer(t, 5.5, front=True)
+    d.first_byte(busy)
+    assert d.pump(6.0) == [t]
+    assert rec.seen[-1] == pytest.approx(5.0)  # and so did the failed attempt's 2 s
+    no_deadline = ticket(2)
+    d.complete(t, 6.0, ok=True)
+    d.offer(no_deadline, 6.0)
+    d.pump(9.0)
+    assert rec.seen[-1] is None and no_deadline.route.deadline_s is None
