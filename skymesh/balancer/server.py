@@ -881,52 +881,68 @@ class Balancer:
     async def _cut_over(self, request: web.Request, resp: web.StreamResponse, st: LiveStream
                         ) -> tuple[AsyncIterator[bytes], bytes] | bool:
         """Continue ``st`` on the replica the re-check chose: wait for its ticket's
-        dispatch, tokenise prompt + generated text there, send the continuation. Returns
-        its chunk iterator and first chunk, or whether the stream ended cleanly (True:
-        nothing was left to generate; False: an error event went to the client)."""
-        new = st.ticket
-        fut: asyncio.Future[None] = new.payload
-        if not fut.done():
+        dispatch, tokenise prompt + generated text there, send the continuation. A target
+        that fails before the continuation's first byte is retried like a request's first
+        attempt: another replica, at most ``retry.max_attempts`` in all. Returns the chunk
+        iterator and first chunk, or whether the stream ended cleanly (True: nothing was
+        left to generate; False: an error event went to the client)."""
+        attempts = 0
+        while True:
+            new = st.ticket
+            fut: asyncio.Future[None] = new.payload
+            if not fut.done():
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), self.cfg.queue.timeout_s)
+                except TimeoutError:
+                    self.dispatcher.cancel(new)
+                    await resp.write(_broken("no replica could take the migrated request",
+                                             "no_capacity"))
+                    return False
+            target = new.target
+            assert target is not None
+            attempts += 1
             try:
-                await asyncio.wait_for(asyncio.shield(fut), self.cfg.queue.timeout_s)
-            except TimeoutError:
-                self.dispatcher.cancel(new)
-                await resp.write(_broken("no replica could take the migrated request",
-                                         "no_capacity"))
-                return False
-        target = new.target
-        assert target is not None
+                return await self._continue_on(request, resp, st, target)
+            except (_ReplicaFault, aiohttp.ClientError, TimeoutError, StopAsyncIteration,
+                    ValueError) as exc:
+                detail = str(exc) or type(exc).__name__
+                log.warning("migrating %s to %s failed: %s", new.route.request_id, target,
+                            detail)
+                self.dispatcher.complete(new, self.now(), ok=False, replica_fault=True)
+                if st.upstream is not None:
+                    st.upstream.close()
+                    st.upstream = None
+                if not self._retry_move(st, target, attempts):
+                    await resp.write(_broken(f"moving the request to a faster replica "
+                                             f"failed: {detail}"))
+                    return False
+
+    async def _continue_on(self, request: web.Request, resp: web.StreamResponse,
+                           st: LiveStream, target: str
+                           ) -> tuple[AsyncIterator[bytes], bytes] | bool:
+        """One attempt of :meth:`_cut_over` on ``target`` (its ticket is dispatched)."""
+        new = st.ticket
         headers = self._upstream_headers(request)
         headers["Content-Type"] = "application/json"
-        try:
-            prompt_req, gen_req = tokenize_requests(st.body, st.kind, st.generated_text)
-            if st.prompt_ids is None:
-                st.prompt_ids = (given_prompt_ids(st.body) if prompt_req is None
-                                 else await self._tokenize(target, prompt_req, headers))
-            gen_ids = await self._tokenize(target, gen_req, headers) if st.texts else []
-            body = continuation_body(st.body, st.kind, st.prompt_ids, gen_ids)
-            if body is None:  # every token the request may have is with the client
-                self.dispatcher.complete(new, self.now(), ok=False)
-                await resp.write(sse(st.client_chunk("", "length")) + b"data: [DONE]\n\n")
-                st.finished = st.done = True
-                return True
-            sent = self.now()  # the replica's time to first token counts from here
-            up = await self.session.post(target + "/v1/completions", json=body,
-                                         headers=headers)
-            st.upstream = up
-            if up.status != 200:
-                detail = (await up.read())[:200].decode(errors="replace")
-                raise _ReplicaFault(f"HTTP {up.status}: {detail}")
-            chunks: AsyncIterator[bytes] = up.content.iter_any()
-            first = await chunks.__anext__()
-        except (_ReplicaFault, aiohttp.ClientError, TimeoutError, StopAsyncIteration,
-                ValueError) as exc:
-            detail = str(exc) or type(exc).__name__
-            log.warning("migrating %s to %s failed: %s", new.route.request_id, target, detail)
-            self.dispatcher.complete(new, self.now(), ok=False, replica_fault=True)
-            await resp.write(_broken(f"moving the request to a faster replica failed: "
-                                     f"{detail}"))
-            return False
+        prompt_req, gen_req = tokenize_requests(st.body, st.kind, st.generated_text)
+        if st.prompt_ids is None:
+            st.prompt_ids = (given_prompt_ids(st.body) if prompt_req is None
+                             else await self._tokenize(target, prompt_req, headers))
+        gen_ids = await self._tokenize(target, gen_req, headers) if st.texts else []
+        body = continuation_body(st.body, st.kind, st.prompt_ids, gen_ids)
+        if body is None:  # every token the request may have is with the client
+            self.dispatcher.complete(new, self.now(), ok=False)
+            await resp.write(sse(st.client_chunk("", "length")) + b"data: [DONE]\n\n")
+            st.finished = st.done = True
+            return True
+        sent = self.now()  # the replica's time to first token counts from here
+        up = await self.session.post(target + "/v1/completions", json=body, headers=headers)
+        st.upstream = up
+        if up.status != 200:
+            detail = (await up.read())[:200].decode(errors="replace")
+            raise _ReplicaFault(f"HTTP {up.status}: {detail}")
+        chunks: AsyncIterator[bytes] = up.content.iter_any()
+        first = await chunks.__anext__()
         now = self.now()
         st.spliced = True
         st.generated_ids = len(gen_ids)
@@ -938,6 +954,25 @@ class Balancer:
         self._pump()
         self.dispatcher.policy.on_timing(new.route, target, st.timing(now))
         return chunks, first
+
+    def _retry_move(self, st: LiveStream, failed: str, attempts: int) -> bool:
+        """Re-offer a continuation whose target failed, never to that target again; False
+        when no attempt or replica is left (or the balancer is closing)."""
+        old = st.ticket
+        excluded = old.excluded | {failed}
+        serving = {tid for tid, t in self.dispatcher.targets.items()
+                   if old.route.model in t.models}
+        if self.closing or attempts >= self.cfg.retry.max_attempts or serving <= excluded:
+            return False
+        now = self.now()
+        new = Ticket(old.route_at(now), now)
+        new.excluded = excluded
+        new.payload = asyncio.get_running_loop().create_future()
+        self.dispatcher.offer(new, now, front=True)
+        st.ticket = new
+        self.metrics.retries.labels(failed).inc()
+        self._pump()
+        return True
 
     async def _tokenize(self, target: str, body: dict[str, Any], headers: dict[str, str]
                         ) -> list[int]:

@@ -16,6 +16,7 @@ co-tenant burst, a stale estimate). GoodServe then places a deadline request on 
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from aiohttp import web
 from support import get_metrics, read_sse, until
 
 from skymesh.procs import Daemon, start_daemon
@@ -82,14 +84,14 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
         yield s
 
 
-async def ready(s: aiohttp.ClientSession, lb: Daemon) -> None:
+async def ready(s: aiohttp.ClientSession, lb: Daemon, replicas: int = 2) -> None:
     async def ok() -> bool:
         try:
             async with s.get(lb.url + "/ready") as r:
-                return r.status == 200 and (await r.json())["healthy_replicas"] == 2
+                return r.status == 200 and (await r.json())["healthy_replicas"] == replicas
         except aiohttp.ClientError:
             return False
-    await until(ok, "both replicas healthy behind the balancer")
+    await until(ok, f"{replicas} replicas healthy behind the balancer")
 
 
 async def status(s: aiohttp.ClientSession, lb: Daemon) -> dict[str, Any]:
@@ -184,32 +186,37 @@ async def test_goodserve_moves_a_late_stream_to_the_fast_replica_and_the_client_
         assert usage == {"prompt_tokens": len(prompt_ids), "completion_tokens": N,
                          "total_tokens": len(prompt_ids) + N}
 
-        # No token lost, duplicated or reordered: the first k are the unmigrated run's
-        # first k; the rest are exactly what the fast replica continues with when given
-        # prompt + those k tokens (the same request seed; both replicas run --seed 7).
-        direct = texts(await post_stream(session, fast.url, path, body))
-        assert len(direct) == N
-        assert got[:k] == direct[:k]
-        gen_ids = await tokenize(session, fast.url,
-                                 {"model": MODEL, "prompt": "".join(direct[:k])})
-        assert len(gen_ids) == k
-        cont = {"model": MODEL, "prompt": prompt_ids + gen_ids, "max_tokens": N - k,
-                "ignore_eos": True, "seed": 11, "stream": True}
-        rest = texts(await post_stream(session, fast.url, "/v1/completions", cont))
-        assert got[k:] == rest
-
-        # The balancer settled both attempts: nothing in flight, nothing queued.
-        async def drained() -> bool:
-            s2 = await status(session, lb)
-            return s2["queued"] == 0 and all(r["in_flight"] == 0
-                                             for r in s2["replicas"].values())
-        await until(drained, "in-flight counts back to zero")
+        await check_continued(session, fast, path, body, prompt_ids, got, k)
+        await until(lambda: drained(session, lb), "in-flight counts back to zero")
         m = await get_metrics(session, lb.url)
         assert m[f'skymesh_requests_total{{model="{MODEL}",outcome="ok"}}'] == 1
         # The L4's upstream request was cancelled, not left running to its end.
         assert await aborted(session, slow) == l4_aborted + 1
     finally:
         lb.stop()
+
+
+async def check_continued(s: aiohttp.ClientSession, fast: Daemon, path: str,
+                          body: dict[str, Any], prompt_ids: list[int], got: list[str],
+                          k: int) -> None:
+    """No token lost, duplicated or reordered: the first ``k`` are the unmigrated run's
+    first k; the rest are exactly what the fast replica continues with when given prompt
+    + those k tokens (the same request seed; both replicas run --seed 7)."""
+    direct = texts(await post_stream(s, fast.url, path, body))
+    assert len(direct) == N
+    assert got[:k] == direct[:k]
+    gen_ids = await tokenize(s, fast.url, {"model": MODEL, "prompt": "".join(direct[:k])})
+    assert len(gen_ids) == k
+    cont = {"model": MODEL, "prompt": prompt_ids + gen_ids, "max_tokens": N - k,
+            "ignore_eos": True, "seed": body["seed"], "stream": True}
+    rest = texts(await post_stream(s, fast.url, "/v1/completions", cont))
+    assert got[k:] == rest
+
+
+async def drained(s: aiohttp.ClientSession, lb: Daemon) -> bool:
+    """The balancer settled every attempt: nothing in flight, nothing queued."""
+    st = await status(s, lb)
+    return st["queued"] == 0 and all(r["in_flight"] == 0 for r in st["replicas"].values())
 
 
 async def _route(s: aiohttp.ClientSession, lb: Daemon, replicas: dict[str, str],
@@ -363,5 +370,83 @@ async def test_a_late_non_streamed_request_is_not_migrated(
         assert await _route(session, lb, names, {"X-SkyMesh-Deadline-Ms": "200"},
                             max_tokens=60) == "l4"
         assert (await status(session, lb))["migrations"]["total"] == 0
+    finally:
+        lb.stop()
+
+
+@pytest.fixture
+async def refusing_proxy(fleet: tuple[Daemon, Daemon]) -> AsyncIterator[tuple[str, list[str]]]:
+    """A replica whose continuations fail: a proxy to the H100 that answers everything as
+    the H100 does except a ``/v1/completions`` whose prompt is token ids (a migrated
+    request's continuation), which gets a 500. Yields its URL and the refused prompts."""
+    fast = fleet[1]
+    refused: list[str] = []
+    async with aiohttp.ClientSession() as client:
+        async def forward(request: web.Request) -> web.Response:
+            raw = await request.read()
+            if request.path == "/v1/completions" and isinstance(
+                    json.loads(raw).get("prompt"), list):
+                refused.append(request.path)
+                return web.json_response({"error": {"message": "engine fault",
+                                                    "type": "server_error"}}, status=500)
+            async with client.request(request.method, fast.url + request.path_qs,
+                                      data=raw or None, headers={
+                                          "Content-Type": request.content_type}) as r:
+                return web.Response(body=await r.read(), status=r.status,
+                                    headers={"Content-Type": r.headers["Content-Type"]})
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", forward)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            yield f"http://127.0.0.1:{port}", refused
+        finally:
+            await runner.cleanup()
+
+
+async def test_a_failed_cut_over_is_retried_on_another_replica(
+        fleet: tuple[Daemon, Daemon], refusing_proxy: tuple[str, list[str]], tmp_path: Path,
+        session: aiohttp.ClientSession) -> None:
+    """GoodServe moves a late stream to the slowest replica that still makes its deadline:
+    the proxy, believed 1.5x slower than the H100. Its continuation fails before a byte, so
+    the balancer re-offers it, never to the proxy or the source again, and the H100
+    continues. The client sees one correct stream and no error."""
+    slow, fast = fleet
+    proxy, refused = refusing_proxy
+    lb = start_lb(tmp_path, slow, fast, l4_prior=L4_DECODE_S / 4,
+                  replicas=[{"url": slow.url}, {"url": proxy}, {"url": fast.url}],
+                  policy={"name": "goodserve", "params": {
+                      "decode_priors": {slow.url: L4_DECODE_S / 4, proxy: 1.5 * H100_DECODE_S,
+                                        fast.url: H100_DECODE_S},
+                      "length_margin": 1.0, "migration_interval_s": 0.02}})
+    try:
+        await ready(session, lb, replicas=3)
+        body = {"model": MODEL, "max_tokens": N, "ignore_eos": True, "seed": 11,
+                "stream": True, "stream_options": {"include_usage": True},
+                "prompt": "The river in spring is"}
+        events = await post_stream(session, lb.url, "/v1/completions", body,
+                                   {"X-SkyMesh-Deadline-Ms": str(DEADLINE_MS)})
+        assert refused == ["/v1/completions"]
+        st = await status(session, lb)
+        assert st["migrations"]["total"] == 1
+        move = st["migrations"]["recent"][0]
+        assert (move["source"], move["target"]) == (slow.url, proxy)
+        m = await get_metrics(session, lb.url)
+        assert m[f'skymesh_retries_total{{target="{proxy}"}}'] == 1
+        assert m[f'skymesh_requests_total{{model="{MODEL}",outcome="ok"}}'] == 1
+
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        assert not any(isinstance(e, dict) and "error" in e for e in events)
+        got = texts(events)
+        assert len(got) == N
+        prompt_ids = await tokenize(session, fast.url, {"model": MODEL,
+                                                        "prompt": body["prompt"]})
+        await check_continued(session, fast, "/v1/completions", body, prompt_ids, got,
+                              move["tokens_streamed"])
+        await until(lambda: drained(session, lb), "in-flight counts back to zero")
     finally:
         lb.stop()
