@@ -13,7 +13,9 @@ request's deadline ``D_r``; when none is, to the one with the smallest ``T(r, g)
 Black-box estimates (sec. 3.3), EMA-smoothed with weight ``alpha`` per observation, from
 the timings the driver reports through ``on_timing`` (dispatch, first token, end):
 
-- ``d_g``: time per output token after the first, of each finished request;
+- ``d_g``: time per output token after the first, of each finished request; for a
+  non-streamed one (no first-token time), what ``q_g + p_g x new tokens`` leaves of its
+  end-to-end time, spread over its tokens after the first;
 - ``p_g``: time to first token per prefilled token, from requests dispatched to an idle
   replica (nothing else outstanding: no queueing in that TTFT);
 - ``q_g``: the rest of a TTFT, ``max(0, TTFT - p_g * new tokens)``, from the others. At
@@ -247,10 +249,19 @@ class GoodServe(Policy, name="goodserve"):
             else:
                 s.q = ema(s.q, max(0.0, ttft - s.p * new), a)
             s.observed += 1
-        if timing.finished and timing.first_token_at is not None and timing.output_tokens > 1:
-            tpot = (timing.now - timing.first_token_at) / (timing.output_tokens - 1)
-            s.d = ema(s.d, tpot, a)
-            s.observed += 1
+        if timing.finished and timing.output_tokens > 1:
+            if timing.first_token_at is not None:
+                decode = timing.now - timing.first_token_at
+            else:
+                # A non-streamed reply shows its end only: its decode time is what the
+                # current q and p estimates leave of its end-to-end time.
+                new, _ = self._dispatched.get(rid, (max(1, request.prompt_len), False))
+                if timing.hit_tokens is not None:
+                    new = max(1, timing.prompt_tokens - timing.hit_tokens)
+                decode = timing.now - timing.dispatched_at - s.q - s.p * new
+            if decode > 0:
+                s.d = ema(s.d, decode / (timing.output_tokens - 1), a)
+                s.observed += 1
 
     def on_complete(self, request: RouteRequest, target: str, ok: bool) -> None:
         self._dispatched.pop(request.request_id, None)

@@ -202,6 +202,28 @@ def test_goodserve_learns_speeds_and_routes_just_enough() -> None:
     assert pol.select(tight, ["slow", "fast"], view) == "fast"
 
 
+def test_goodserve_learns_decode_speed_from_non_streamed_replies() -> None:
+    pol = GoodServe(alpha=1.0)
+    view = View()
+    _observe(pol, "a", view, "s", ttft=0.1, tpot=0.02)  # p = 0.001 s per token, q = 0
+    r = RouteRequest("plain", prompt_len=100)
+    view.load("a").outstanding = 1
+    pol.on_dispatch(r, "a", view)
+    # 2.1 s end to end, 101 tokens: 0.1 s of it is prefill by the estimates, 2.0 s decode.
+    pol.on_timing(r, "a", RequestTiming(2.1, 0.0, None, 101, True, 100))
+    assert pol.speed("a").d == pytest.approx(0.02)
+    pol.on_timing(r, "a", RequestTiming(4.1, 0.0, None, 101, True, 100))
+    assert pol.speed("a").d == pytest.approx(0.04)  # slower now: the estimate follows
+    # Half the prompt was cached: less prefill, so more of the time was decoding.
+    pol.on_timing(r, "a", RequestTiming(2.1, 0.0, None, 101, True, 100, 50))
+    assert pol.speed("a").d == pytest.approx((2.1 - 0.05) / 100)
+    # Shorter than the estimated prefill alone, or a single token: nothing to learn.
+    before = pol.speed("a").d
+    pol.on_timing(r, "a", RequestTiming(0.05, 0.0, None, 101, True, 100))
+    pol.on_timing(r, "a", RequestTiming(9.0, 0.0, None, 1, True, 100))
+    assert pol.speed("a").d == before
+
+
 def test_goodserve_routes_on_a_conservative_length() -> None:
     # Predicted 50 tokens: the slow replica needs ~3.5 s for 50 but ~6.5 s for 100.
     req = RouteRequest("a", prompt_len=100, predicted_output_tokens=50, deadline_s=5.0)
