@@ -30,6 +30,9 @@ class ApplyReport:
     changed: list[Change] = field(default_factory=list)
     unchanged: list[Key] = field(default_factory=list)
     errors: dict[Key, str] = field(default_factory=dict)
+    # Capacity held for the plan (AWS: On-Demand Capacity Reservations), when the
+    # actuator reserves: before None = created, after 0 = released.
+    reserved: list[Change] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -7,6 +7,15 @@ operator prepares one per model and GPU type, with the replica's boot script), s
 first plan brings a region up. Nothing is written when a group already has the desired
 capacity, so applying a plan twice is a no-op.
 
+With ``reserve=True`` each group's count is also *reserved* (SageServe's "reserve"): an
+EC2 On-Demand Capacity Reservation for the group's instance type in its availability zone,
+open match criteria (the group's instances there use it with no launch-template change),
+no end date, tagged ``skymesh:group``, held at the plan's count: created, resized or
+cancelled (count 0) to follow it. Scaling out into reserved capacity cannot fail for lack
+of GPUs in the zone; the reservation is billed whether instances run or not, which is
+what a plan made ahead of a peak wants. moto does not implement capacity reservations, so
+these calls are checked against botocore's EC2 model (``botocore.stub.Stubber``).
+
 Region names map to AWS regions (``us`` -> ``us-east-1`` ...) and GPU types to instance
 types (L4 -> g6.xlarge, A100-80GB -> p4d.24xlarge, H100-80GB -> p5.48xlarge); both maps can
 be replaced. Clients are built per AWS region through an injectable factory, so tests
@@ -52,6 +61,7 @@ class AwsActuator:
     launch_template: Callable[[str, str], str] = lambda model, gpu: (
         f"skymesh-{_slug(model)}-{_slug(gpu)}")
     subnets: Mapping[str, str] = field(default_factory=dict)  # AWS region -> subnet ids
+    reserve: bool = False
     _clients: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
 
     def _client(self, service: str, aws_region: str) -> Any:
@@ -76,6 +86,8 @@ class AwsActuator:
                 continue
             try:
                 change = self._apply_one(model, region, gpu, aws_region, count)
+                held = self._reserve(model, region, gpu, aws_region, count) \
+                    if self.reserve else None
             except (ClientError, BotoCoreError) as exc:
                 report.errors[key] = str(exc)
                 continue
@@ -83,6 +95,8 @@ class AwsActuator:
                 report.unchanged.append(key)
             else:
                 report.changed.append(change)
+            if held is not None:
+                report.reserved.append(held)
         return report
 
     def _apply_one(self, model: str, region: str, gpu: str, aws_region: str,
@@ -137,9 +151,55 @@ class AwsActuator:
         if subnet:
             kwargs["VPCZoneIdentifier"] = subnet
         else:
-            zones = ec2.describe_availability_zones()["AvailabilityZones"]
-            kwargs["AvailabilityZones"] = [z["ZoneName"] for z in zones[:1]]
+            kwargs["AvailabilityZones"] = [self._zone(aws_region)]
         asg.create_auto_scaling_group(**kwargs)
+
+    def _zone(self, aws_region: str) -> str:
+        """The zone a group runs in (its first subnet's, else the region's first zone)."""
+        ec2 = self._client("ec2", aws_region)
+        subnet = self.subnets.get(aws_region)
+        if subnet:
+            first = subnet.split(",")[0].strip()
+            return str(ec2.describe_subnets(SubnetIds=[first])["Subnets"][0]
+                       ["AvailabilityZone"])
+        return str(ec2.describe_availability_zones()["AvailabilityZones"][0]["ZoneName"])
+
+    def _reserve(self, model: str, region: str, gpu: str, aws_region: str,
+                 count: int) -> Change | None:
+        """Hold ``count`` instances of the group's type in its zone; None: already held."""
+        ec2 = self._client("ec2", aws_region)
+        name = group_name(model, region, gpu)
+        found = ec2.describe_capacity_reservations(Filters=[
+            {"Name": "tag:skymesh:group", "Values": [name]},
+            {"Name": "state", "Values": ["active", "pending"]}])["CapacityReservations"]
+        if not found:
+            if count == 0:
+                return None
+            instance_type = self.instance_types.get(gpu)
+            if instance_type is None:
+                raise ClientError({"Error": {"Code": "UnknownGpu",
+                                             "Message": f"no instance type for {gpu!r}"}},
+                                  "CreateCapacityReservation")
+            ec2.create_capacity_reservation(
+                InstanceType=instance_type, InstancePlatform="Linux/UNIX",
+                AvailabilityZone=self._zone(aws_region), InstanceCount=count,
+                InstanceMatchCriteria="open", EndDateType="unlimited",
+                TagSpecifications=[{"ResourceType": "capacity-reservation", "Tags": [
+                    {"Key": "skymesh:group", "Value": name},
+                    {"Key": "skymesh:model", "Value": model},
+                    {"Key": "skymesh:gpu", "Value": gpu}]}])
+            return Change(model, region, gpu, None, count)
+        held = found[0]
+        before = int(held["TotalInstanceCount"])
+        if before == count:
+            return None
+        if count == 0:
+            ec2.cancel_capacity_reservation(
+                CapacityReservationId=held["CapacityReservationId"])
+        else:
+            ec2.modify_capacity_reservation(
+                CapacityReservationId=held["CapacityReservationId"], InstanceCount=count)
+        return Change(model, region, gpu, before, count)
 
     def desired(self, model: str, region: str, gpu: str) -> int | None:
         """The group's current desired capacity (None when it does not exist)."""

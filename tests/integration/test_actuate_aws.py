@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -61,3 +66,59 @@ def test_applies_a_solved_plan_and_reports_unmapped_regions(actuator: AwsActuato
     assert actuator.desired("m", "us", "L4") == 3
     assert ("m", "mars", "L4") in report.errors
     assert "no AWS region mapped" in report.errors[("m", "mars", "L4")]
+
+
+def _cli(args: list[str], moto_url: str) -> subprocess.CompletedProcess[str]:
+    """``skymesh plan ARGS`` as a process; ``apply`` is pointed at moto."""
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+    aws = ["--endpoint-url", moto_url] if args[0] == "apply" else []
+    return subprocess.run([sys.executable, "-m", "skymesh.cli", "plan", *args, *aws],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_plan_apply_takes_a_solved_plan_to_the_groups(actuator: AwsActuator, moto_url: str,
+                                                      tmp_path: Path) -> None:
+    """``skymesh plan solve`` then ``skymesh plan apply``, real processes against moto:
+    the groups get the plan's counts; a second apply changes nothing; a later plan that
+    scales a group away sets it to 0 (its key is in the plan's changes, not its counts)."""
+    inp = tmp_path / "in.json"
+    inp.write_text(json.dumps({
+        "current": {"m": {"us": {"L4": 0}, "eu": {"L4": 0}}},
+        "demand": {"m": {"us": [250.0], "eu": [120.0]}}, "capacity": {"m": {"L4": 100.0}},
+        "gpus_available": {"us": {"L4": 10}, "eu": {"L4": 10}}, "epsilon": 1.0}))
+    solved = tmp_path / "solved.json"
+    assert _cli(["solve", "--input", str(inp), "--json", str(solved)], moto_url).returncode == 0
+    out = tmp_path / "applied.json"
+    proc = _cli(["apply", "--plan", str(solved), "--json", str(out)], moto_url)
+    assert proc.returncode == 0, proc.stderr
+    applied = json.loads(out.read_text())
+    assert {(c["region"], c["after"]) for c in applied["changed"]} == {("us", 3), ("eu", 2)}
+    assert applied["errors"] == [] and applied["reserved"] == []
+    assert actuator.desired("m", "us", "L4") == 3 and actuator.desired("m", "eu", "L4") == 2
+
+    again = _cli(["apply", "--plan", str(solved), "--json", str(out)], moto_url)
+    assert again.returncode == 0 and "0 groups changed, 2 unchanged" in again.stdout
+
+    plan = json.loads(solved.read_text())
+    plan["counts"] = [c for c in plan["counts"] if c["region"] == "us"]  # eu scaled away
+    shrunk = tmp_path / "shrunk.json"
+    shrunk.write_text(json.dumps(plan))
+    proc = _cli(["apply", "--plan", str(shrunk)], moto_url)
+    assert proc.returncode == 0, proc.stderr
+    assert actuator.desired("m", "eu", "L4") == 0 and actuator.desired("m", "us", "L4") == 3
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "Expecting property name"),
+    ('{"status": "optimal"}', "not a plan"),
+    ('{"counts": [{"model": "m", "region": "us", "gpu": "L4", "count": -1}]}',
+     "count must be an integer >= 0"),
+    ('{"counts": [{"model": "m", "gpu": "L4", "count": 1}]}', "needs string model"),
+])
+def test_plan_apply_refuses_a_bad_plan_before_calling_aws(moto_url: str, tmp_path: Path,
+                                                          content: str, message: str) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    proc = _cli(["apply", "--plan", str(bad)], moto_url)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
