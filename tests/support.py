@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +139,28 @@ async def serving(app: web.Application) -> AsyncIterator[int]:
         yield runner.addresses[0][1]
     finally:
         await runner.cleanup()
+
+
+@cache
+def length_samples() -> tuple[list[Any], list[Any]]:
+    """Slices of the default length-prediction split (seed 0): 2,000 training samples and
+    600 test samples, for the predictor tests."""
+    from skymesh.predict.data import limit, load_samples, split
+
+    train, test = split(load_samples(), seed=0)
+    return limit(train, 2000), limit(test, 600)
+
+
+def mae_against_constant(pred: Any, train: list[Any], test: list[Any],
+                         constant: Callable[[list[int]], float]) -> tuple[float, float]:
+    """(MAE of ``pred`` on ``test``, MAE of ``constant`` of the training lengths), after
+    checking there is one prediction per test sample and none below one token."""
+    import numpy as np
+
+    from skymesh.predict.metrics import accuracy
+
+    actual = np.array([s.output_tokens for s in test])
+    assert pred.shape == actual.shape and pred.min() >= 1
+    c = float(constant([s.output_tokens for s in train]))
+    return (accuracy(pred, actual)["mae_tokens"],
+            accuracy(np.full(len(test), c), actual)["mae_tokens"])

@@ -129,11 +129,7 @@ class AwsActuator:
         existing = ec2.describe_launch_templates(
             Filters=[{"Name": "launch-template-name", "Values": [template]}])
         if not existing.get("LaunchTemplates"):
-            instance_type = self.instance_types.get(gpu)
-            if instance_type is None:
-                raise ClientError({"Error": {"Code": "UnknownGpu",
-                                             "Message": f"no instance type for {gpu!r}"}},
-                                  "CreateLaunchTemplate")
+            instance_type = self._instance_type(gpu, "CreateLaunchTemplate")
             ec2.create_launch_template(
                 LaunchTemplateName=template,
                 LaunchTemplateData={"InstanceType": instance_type,
@@ -153,6 +149,14 @@ class AwsActuator:
         else:
             kwargs["AvailabilityZones"] = [self._zone(aws_region)]
         asg.create_auto_scaling_group(**kwargs)
+
+    def _instance_type(self, gpu: str, operation: str) -> str:
+        instance_type = self.instance_types.get(gpu)
+        if instance_type is None:  # reported like AWS's own refusals, per key
+            raise ClientError({"Error": {"Code": "UnknownGpu",
+                                         "Message": f"no instance type for {gpu!r}"}},
+                              operation)
+        return instance_type
 
     def _zone(self, aws_region: str) -> str:
         """The zone a group runs in (its first subnet's, else the region's first zone)."""
@@ -175,13 +179,8 @@ class AwsActuator:
         if not found:
             if count == 0:
                 return None
-            instance_type = self.instance_types.get(gpu)
-            if instance_type is None:
-                raise ClientError({"Error": {"Code": "UnknownGpu",
-                                             "Message": f"no instance type for {gpu!r}"}},
-                                  "CreateCapacityReservation")
             ec2.create_capacity_reservation(
-                InstanceType=instance_type, InstancePlatform="Linux/UNIX",
+                InstanceType=self._instance_type(gpu, "CreateCapacityReservation"), InstancePlatform="Linux/UNIX",
                 AvailabilityZone=self._zone(aws_region), InstanceCount=count,
                 InstanceMatchCriteria="open", EndDateType="unlimited",
                 TagSpecifications=[{"ResourceType": "capacity-reservation", "Tags": [

@@ -10,20 +10,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import length_samples, mae_against_constant
 
-from skymesh.predict.data import Sample, limit, load_samples, split
+from skymesh.predict.data import load_samples, split
 from skymesh.predict.history import HistoryPredictor
 from skymesh.predict.metrics import accuracy
 from skymesh.predict.moe import MoEConfig, MoEPredictor, train_moe
 
+data = length_samples
 SMALL = MoEConfig(max_features=1024, expert_hidden=(32, 16, 8), gate_hidden=16,
                   expert_epochs=6, gate_epochs=6, batch_size=64)
-
-
-@cache
-def data() -> tuple[list[Sample], list[Sample]]:
-    train, test = split(load_samples(), seed=0)
-    return limit(train, 2000), limit(test, 600)
 
 
 @cache
@@ -50,12 +46,7 @@ def test_split_is_deterministic_and_keeps_conversations_whole() -> None:
 
 def test_moe_beats_a_constant_mean_on_held_out_prompts() -> None:
     train, test = data()
-    actual = np.array([s.output_tokens for s in test])
-    mean = float(np.mean([s.output_tokens for s in train]))
-    pred = model().predict(test)
-    assert pred.shape == actual.shape and pred.min() >= 1
-    moe_mae = accuracy(pred, actual)["mae_tokens"]
-    const_mae = accuracy(np.full(len(test), mean), actual)["mae_tokens"]
+    moe_mae, const_mae = mae_against_constant(model().predict(test), train, test, np.mean)
     assert moe_mae < 0.97 * const_mae
 
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support import length_samples, mae_against_constant
 
 from skymesh.predict import wordvec
-from skymesh.predict.data import Sample, limit, load_samples, split
-from skymesh.predict.metrics import accuracy
+from skymesh.predict.data import Sample
 from skymesh.predict.wordvec import (
     MAX_PIECES,
     WordVecConfig,
@@ -23,18 +23,13 @@ from skymesh.predict.wordvec import (
     train_wordvec,
 )
 
+data = length_samples
 SMALL = WordVecConfig(hidden=(64,), epochs=8, batch_size=64)
 
 
 @cache
 def vectors() -> WordVectors:
     return WordVectors.from_package()
-
-
-@cache
-def data() -> tuple[list[Sample], list[Sample]]:
-    train, test = split(load_samples(), seed=0)
-    return limit(train, 2000), limit(test, 600)
 
 
 @cache
@@ -91,12 +86,8 @@ def test_learns_what_the_words_say() -> None:
 
 def test_beats_a_constant_median_on_held_out_prompts() -> None:
     train, test = data()
-    actual = np.array([s.output_tokens for s in test])
-    median = float(np.median([s.output_tokens for s in train]))
-    pred = model().predict(test)
-    assert pred.shape == actual.shape and pred.min() >= 1
-    assert accuracy(pred, actual)["mae_tokens"] < 0.97 * accuracy(
-        np.full(len(test), median), actual)["mae_tokens"]
+    mae, const_mae = mae_against_constant(model().predict(test), train, test, np.median)
+    assert mae < 0.97 * const_mae
 
 
 def test_single_request_path_and_file_round_trip(tmp_path: Path) -> None:
