@@ -104,7 +104,14 @@ class ProbeConfig(_Strict):
 
 
 class RetryConfig(_Strict):
+    """``max_attempts``: attempts per request in all, first included (and per cut-over of
+    a moved or resumed stream). ``resume_streams``: a stream whose replica fails after its
+    first byte continues on another replica (prompt + tokens streamed so far, as GoodServe's
+    migration), instead of ending with an error event. It relays every stream it may
+    resume event by event (a few microseconds per event), so it is opt-in."""
+
     max_attempts: int = Field(3, ge=1, le=10)
+    resume_streams: bool = False
 
 
 class BreakerConfig(_Strict):

@@ -122,8 +122,8 @@ def given_prompt_ids(body: dict[str, Any]) -> list[int]:
 
 def migrated_route(route: RouteRequest, generated: int, elapsed: float) -> RouteRequest:
     """The request as it is re-offered: prompt + generated tokens to prefill, what is
-    left of its predicted output, output cap and deadline (as the simulator's
-    ``SimBalancer._migrate``)."""
+    left of its predicted output, output cap and deadline, kept in this region (as the
+    simulator's ``SimBalancer._migrate``)."""
     predicted = route.predicted_output_tokens
     hint = route.output_len_hint
     return replace(
@@ -134,6 +134,9 @@ def migrated_route(route: RouteRequest, generated: int, elapsed: float) -> Route
             else max(1, math.ceil(0.2 * predicted))),
         output_len_hint=None if hint is None else max(1, hint - generated),
         deadline_s=None if route.deadline_s is None else route.deadline_s - elapsed,
+        # The continuation needs a replica's /tokenize and splices into a stream relayed
+        # here: it is served by this region's replicas, never forwarded to a peer.
+        forwarded=True,
     )
 
 
@@ -167,6 +170,11 @@ def _payload(event: bytes) -> bytes | None:
     return None
 
 
+# ``LiveStream.moving_to`` of a stream resumed after its replica broke: the policy picks
+# the replica when the continuation's ticket is dispatched.
+RESUME_ANYWHERE = "*"
+
+
 @dataclass(eq=False, slots=True)
 class LiveStream:
     """One migratable streaming request as the balancer relays it."""
@@ -190,6 +198,7 @@ class LiveStream:
     generated_ids: int = 0  # tokens carried into the current continuation
     usage: dict[str, Any] | None = None
     migrations: int = 0
+    resumes: int = 0  # continuations after the replica broke mid-stream
 
     def timing(self, now: float, finished: bool = False) -> RequestTiming:
         return RequestTiming(now=now, dispatched_at=self.dispatched_at,

@@ -69,6 +69,7 @@ from skymesh.balancer.intake import (
 from skymesh.balancer.mesh_link import FORWARDED_HEADER, MeshLink
 from skymesh.balancer.metrics import BalancerMetrics
 from skymesh.balancer.migration import (
+    RESUME_ANYWHERE,
     LiveStream,
     SSEFramer,
     continuation_body,
@@ -172,7 +173,9 @@ class Balancer:
         self._shutdown_task: asyncio.Task[None] | None = None
         self._recheck_task: asyncio.Task[None] | None = None
         self.migrations = 0
+        self.resumed_streams = 0  # continued elsewhere after their replica broke
         self.recent_migrations: deque[dict[str, Any]] = deque(maxlen=32)
+        self.recent_resumes: deque[dict[str, Any]] = deque(maxlen=32)
         self._policy_flags(policy)
         self._ids = itertools.count(1)
         self._id_prefix = f"req-{uuid.uuid4().hex[:8]}-"
@@ -293,6 +296,9 @@ class Balancer:
                           and self.cfg.prediction.predictor != "none")
         self._timed = type(policy).on_timing is not Policy.on_timing
         self._migrates = policy.wants_migration
+        # Streams relayed event by event (LiveStream): ones the policy may move, or all
+        # when a stream whose replica breaks is to be resumed elsewhere.
+        self._relays_live = self._migrates or self.cfg.retry.resume_streams
         self._keys = policy.uses_prefix_keys
         # Policies that record what a replica caches after a request get its output too
         # (the reply is kept while relayed, and keyed after the client has it).
@@ -633,7 +639,7 @@ class Balancer:
                                        reply_text(reply, intake.kind))
                 resp = web.Response(status=up.status, body=body, headers=_copy_headers(up))
                 return resp, "ok" if ok else f"upstream_{up.status}"
-            if self._migrates and migratable(intake.body):
+            if self._relays_live and migratable(intake.body):
                 return await self._stream_live(request, ticket, up, t0, sent, intake)
             return await self._stream(request, ticket, up, t0, sent, intake)
         finally:
@@ -814,7 +820,7 @@ class Balancer:
         self.dispatcher.policy.on_timing(ticket.route, ticket.target or "", st.timing(now))
         key = ticket.key
         self._streams[key] = st
-        if self._recheck_task is None or self._recheck_task.done():
+        if self._migrates and (self._recheck_task is None or self._recheck_task.done()):
             self._recheck_task = asyncio.get_running_loop().create_task(
                 self._recheck_loop(), name="skymesh-migration-recheck")
         framer = SSEFramer()
@@ -822,7 +828,12 @@ class Balancer:
         ok = True
         try:
             while True:
-                await self._relay(resp, st, chunks, framer, pending)
+                try:
+                    await self._relay(resp, st, chunks, framer, pending)
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
+                        TimeoutError) as exc:
+                    if not self._resume(st, exc):
+                        raise
                 if st.moving_to is None:
                     break
                 nxt = await self._cut_over(request, resp, st)
@@ -1021,15 +1032,41 @@ class Balancer:
             self._pump()  # dispatches the re-offered tickets (the policy picks ``dest``)
         return moved
 
-    def _begin_move(self, st: LiveStream, source: str, dest: str, now: float) -> None:
+    def _resume(self, st: LiveStream, exc: BaseException) -> bool:
+        """``retry.resume_streams``: the replica broke mid-stream; start continuing the
+        request elsewhere (False: the stream ends with an error event instead)."""
+        source = st.ticket.target
+        if (not self.cfg.retry.resume_streams or self.closing or source is None
+                or st.ticket.to_peer or st.finished or st.moving_to is not None
+                or st.resumes + 1 >= self.cfg.retry.max_attempts):
+            return False
+        excluded = st.ticket.excluded | {source}
+        if not any(st.ticket.route.model in t.models and tid not in excluded
+                   for tid, t in self.dispatcher.targets.items()):
+            return False
+        log.warning("upstream %s broke mid-stream after %d tokens (%s): resuming %s on "
+                    "another replica", source, st.tokens, str(exc) or type(exc).__name__,
+                    st.ticket.route.request_id)
+        st.resumes += 1
+        self.resumed_streams += 1
+        self.recent_resumes.append({"request_id": st.ticket.route.request_id,
+                                    "source": source, "tokens_streamed": st.tokens})
+        self.metrics.retries.labels(source).inc()
+        self._begin_move(st, source, RESUME_ANYWHERE, self.now(), fault=True)
+        self._pump()
+        return True
+
+    def _begin_move(self, st: LiveStream, source: str, dest: str, now: float, *,
+                    fault: bool = False) -> None:
         """The dispatcher's side of a move, all before the next await: the old attempt
         ends (its slot is free at once), a ticket for the rest of the request goes to the
         head of the queue (never back to ``source``), and the old upstream is closed,
-        which aborts it on the replica and wakes the relay."""
+        which aborts it on the replica and wakes the relay. ``fault``: ``source`` broke
+        (a resumed stream, not a migration): it counts against its breaker."""
         d = self.dispatcher
         old = st.ticket
         route = migrated_route(old.route, st.attempt_tokens, now - st.dispatched_at)
-        d.complete(old, now, ok=False)
+        d.complete(old, now, ok=False, replica_fault=fault)
         new = Ticket(route, now)
         new.excluded = set(old.excluded) | {source}
         new.payload = asyncio.get_running_loop().create_future()
@@ -1037,6 +1074,10 @@ class Balancer:
         st.ticket = new
         st.moving_to = dest
         st.moved_from = source
+        if st.upstream is not None:
+            st.upstream.close()
+        if fault:
+            return
         st.migrations += 1
         self.migrations += 1
         self.metrics.migrations.labels(source, dest).inc()
@@ -1045,8 +1086,6 @@ class Balancer:
             "tokens_streamed": st.tokens, "after_s": round(now - st.dispatched_at, 4)})
         log.info("migrating %s from %s to %s after %d tokens", route.request_id, source,
                  dest, st.tokens)
-        if st.upstream is not None:
-            st.upstream.close()
 
     def _broken_stream(self, target: str | None, exc: BaseException) -> bytes:
         if self.closing:
@@ -1119,7 +1158,9 @@ class Balancer:
             "queued": d.queue_length(),
             "prediction": {**self.predictor.status(), "in_use": self._predicts},
             "migrations": {"total": self.migrations, "open_streams": len(self._streams),
-                           "recent": list(self.recent_migrations)},
+                           "recent": list(self.recent_migrations),
+                           "resumed": self.resumed_streams,
+                           "recent_resumes": list(self.recent_resumes)},
             "replicas": {
                 tid: {"healthy": t.healthy, "models": sorted(t.models),
                       "waiting": t.load.waiting, "running": t.load.running,

@@ -180,7 +180,8 @@ class AwsActuator:
             if count == 0:
                 return None
             ec2.create_capacity_reservation(
-                InstanceType=self._instance_type(gpu, "CreateCapacityReservation"), InstancePlatform="Linux/UNIX",
+                InstanceType=self._instance_type(gpu, "CreateCapacityReservation"),
+                InstancePlatform="Linux/UNIX",
                 AvailabilityZone=self._zone(aws_region), InstanceCount=count,
                 InstanceMatchCriteria="open", EndDateType="unlimited",
                 TagSpecifications=[{"ResourceType": "capacity-reservation", "Tags": [

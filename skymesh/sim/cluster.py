@@ -344,6 +344,7 @@ class SimBalancer:
                 else max(1, math.ceil(0.2 * predicted))),
             output_len_hint=None,
             deadline_s=None if deadline is None else deadline - (now - sent_at),
+            forwarded=True,  # the stream continues on this region's replicas
         )
         rec.generated_before += generated
         rec.migrations += 1

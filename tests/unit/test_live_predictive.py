@@ -221,6 +221,9 @@ def test_migrated_route_carries_what_is_left() -> None:
         (130, 20, 50, 1.5)
     # Past its prediction: a 20% extension, as GoodServe's re-check assumes.
     assert migrated_route(r, 60, 0.5).predicted_output_tokens == 10
+    # The continuation stays on this region's replicas (the dispatcher never forwards a
+    # forwarded route to a peer).
+    assert m.forwarded and not r.forwarded
 
 
 def test_goodserve_decode_priors_set_per_target_estimates() -> None:
