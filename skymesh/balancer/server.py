@@ -101,6 +101,9 @@ from skymesh.policies.peers import DEFAULT_FORWARDING_RULE
 from skymesh.prefix.keys import text_prefix_keys
 
 log = logging.getLogger("skymesh.lb")
+# retry.resume_streams: the most bytes of one stream kept to resume it (a 4,096-token
+# vLLM stream is about 1 MB).
+RESUME_BYTES = 2 << 20
 
 _FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
@@ -296,9 +299,7 @@ class Balancer:
                           and self.cfg.prediction.predictor != "none")
         self._timed = type(policy).on_timing is not Policy.on_timing
         self._migrates = policy.wants_migration
-        # Streams relayed event by event (LiveStream): ones the policy may move, or all
-        # when a stream whose replica breaks is to be resumed elsewhere.
-        self._relays_live = self._migrates or self.cfg.retry.resume_streams
+        self._resumes = self.cfg.retry.resume_streams
         self._keys = policy.uses_prefix_keys
         # Policies that record what a replica caches after a request get its output too
         # (the reply is kept while relayed, and keyed after the client has it).
@@ -639,7 +640,7 @@ class Balancer:
                                        reply_text(reply, intake.kind))
                 resp = web.Response(status=up.status, body=body, headers=_copy_headers(up))
                 return resp, "ok" if ok else f"upstream_{up.status}"
-            if self._relays_live and migratable(intake.body):
+            if self._migrates and migratable(intake.body):
                 return await self._stream_live(request, ticket, up, t0, sent, intake)
             return await self._stream(request, ticket, up, t0, sent, intake)
         finally:
@@ -762,6 +763,10 @@ class Balancer:
                if self._records else None)
         if cap is not None:
             cap.add(first)
+        # retry.resume_streams: what the client has, to rebuild the stream if the replica
+        # breaks (up to RESUME_BYTES; a longer stream is not resumed). Nothing is parsed
+        # unless that happens.
+        relayed = bytearray(first) if self._resumes and migratable(intake.body) else None
         self._open_streams.add(up)
         try:
             async for chunk in chunks:
@@ -769,7 +774,16 @@ class Balancer:
                 await resp.write(chunk)
                 if cap is not None:
                     cap.add(chunk)
+                if relayed is not None:
+                    relayed += chunk
+                    if len(relayed) > RESUME_BYTES:
+                        relayed = None
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+            st = None if relayed is None else self._resumable(
+                ticket, intake, sent, first_at, up, bytes(relayed), exc)
+            if st is not None:
+                self._open_streams.discard(up)
+                return await self._live_loop(request, resp, st, up, chunks, SSEFramer(), [])
             ok = False
             await resp.write(self._broken_stream(ticket.target, exc))
         finally:
@@ -818,24 +832,33 @@ class Balancer:
         self._started(ticket, now, t0)
         st = LiveStream(ticket, intake.kind, intake.body, sent, first_at=now, upstream=up)
         self.dispatcher.policy.on_timing(ticket.route, ticket.target or "", st.timing(now))
-        key = ticket.key
-        self._streams[key] = st
-        if self._migrates and (self._recheck_task is None or self._recheck_task.done()):
+        if self._recheck_task is None or self._recheck_task.done():
             self._recheck_task = asyncio.get_running_loop().create_task(
                 self._recheck_loop(), name="skymesh-migration-recheck")
         framer = SSEFramer()
-        pending = framer.feed(first)
+        return await self._live_loop(request, resp, st, up, chunks, framer, framer.feed(first))
+
+    async def _live_loop(self, request: web.Request, resp: web.StreamResponse,
+                         st: LiveStream, up: Reply, chunks: AsyncIterator[bytes],
+                         framer: SSEFramer, pending: list[bytes]
+                         ) -> tuple[web.StreamResponse, str]:
+        """Relay ``st`` event by event, cutting over whenever a move (the re-check's) or a
+        resume (its replica broke) begins, until it ends; then settle it. A stream that
+        arrives with a resume begun (``_stream``'s) starts at the cut-over."""
+        key = st.ticket.key
+        self._streams[key] = st
         ok = True
         try:
             while True:
-                try:
-                    await self._relay(resp, st, chunks, framer, pending)
-                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
-                        TimeoutError) as exc:
-                    if not self._resume(st, exc):
-                        raise
                 if st.moving_to is None:
-                    break
+                    try:
+                        await self._relay(resp, st, chunks, framer, pending)
+                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
+                            TimeoutError) as exc:
+                        if not self._resume(st, exc):
+                            raise
+                    if st.moving_to is None:
+                        break
                 nxt = await self._cut_over(request, resp, st)
                 if not isinstance(nxt, tuple):
                     ok = nxt
@@ -864,6 +887,20 @@ class Balancer:
         self.dispatcher.complete(cur, self.now(), ok=ok, replica_fault=not ok and not self.closing)
         await resp.write_eof()
         return resp, "ok" if ok else "upstream_broken"
+
+    def _resumable(self, ticket: Ticket, intake: Intake, sent: float, first_at: float,
+                   up: Reply, relayed: bytes, exc: BaseException) -> LiveStream | None:
+        """A stream ``_stream`` relayed as it came, its replica now broken: rebuilt from
+        the bytes the client has, with its resume begun. None when it cannot resume: the
+        client holds part of an event (nothing can complete it), or resuming is refused
+        (it had finished, no attempt or replica left...)."""
+        if not relayed.endswith(b"\n\n"):
+            return None
+        st = LiveStream(ticket, intake.kind, intake.body, sent, first_at=first_at,
+                        upstream=up)
+        for event in SSEFramer().feed(relayed):
+            st.accept(event)
+        return st if self._resume(st, exc) else None
 
     @staticmethod
     async def _relay(resp: web.StreamResponse, st: LiveStream, chunks: AsyncIterator[bytes],
