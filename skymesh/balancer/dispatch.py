@@ -278,6 +278,12 @@ class Dispatcher:
         self.queued -= 1
         return True
 
+    def serves_beyond(self, model: str, excluded: set[str]) -> bool:
+        """Whether some target outside ``excluded`` serves ``model`` (a retry has
+        somewhere to go)."""
+        return any(model in t.models and tid not in excluded
+                   for tid, t in self.targets.items())
+
     def queue_length(self, model: str | None = None) -> int:
         if model is None:
             return self.queued

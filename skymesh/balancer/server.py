@@ -589,9 +589,8 @@ class Balancer:
                 self.dispatcher.complete(ticket, self.now(), ok=False, replica_fault=True)
                 self.metrics.retries.labels(target).inc()
                 ticket.excluded.add(target)
-                serving = {tid for tid, t in self.dispatcher.targets.items()
-                           if model in t.models}
-                if ticket.attempts >= max_attempts or serving <= ticket.excluded:
+                if (ticket.attempts >= max_attempts
+                        or not self.dispatcher.serves_beyond(model, ticket.excluded)):
                     raise UpstreamFailed(
                         f"the request failed on {ticket.attempts} replica(s) before any "
                         f"response: {exc}"
@@ -1008,9 +1007,8 @@ class Balancer:
         when no attempt or replica is left (or the balancer is closing)."""
         old = st.ticket
         excluded = old.excluded | {failed}
-        serving = {tid for tid, t in self.dispatcher.targets.items()
-                   if old.route.model in t.models}
-        if self.closing or attempts >= self.cfg.retry.max_attempts or serving <= excluded:
+        if (self.closing or attempts >= self.cfg.retry.max_attempts
+                or not self.dispatcher.serves_beyond(old.route.model, excluded)):
             return False
         now = self.now()
         new = Ticket(old.route_at(now), now)
@@ -1077,9 +1075,8 @@ class Balancer:
                 or st.ticket.to_peer or st.finished or st.moving_to is not None
                 or st.resumes + 1 >= self.cfg.retry.max_attempts):
             return False
-        excluded = st.ticket.excluded | {source}
-        if not any(st.ticket.route.model in t.models and tid not in excluded
-                   for tid, t in self.dispatcher.targets.items()):
+        if not self.dispatcher.serves_beyond(st.ticket.route.model,
+                                             st.ticket.excluded | {source}):
             return False
         log.warning("upstream %s broke mid-stream after %d tokens (%s): resuming %s on "
                     "another replica", source, st.tokens, str(exc) or type(exc).__name__,
