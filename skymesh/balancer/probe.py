@@ -30,6 +30,10 @@ class ProbeParseError(ValueError):
     pass
 
 
+class ProbeStatusError(Exception):
+    """A probe answered with a status other than 2xx."""
+
+
 _WAITING = "vllm:num_requests_waiting"
 _RUNNING = "vllm:num_requests_running"
 _USAGE = ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc")

@@ -91,6 +91,7 @@ from skymesh.balancer.prediction import LivePredictor
 from skymesh.balancer.probe import (
     ProbeParseError,
     ProbeResult,
+    ProbeStatusError,
     parse_sglang_load,
     parse_vllm_metrics,
 )
@@ -336,24 +337,19 @@ class Balancer:
     async def _probe(self, h: ReplicaHealth) -> None:
         url = h.cfg.url
         sent = self.now()  # the probe shows state as of about now: pushes after it count
-        timeout = aiohttp.ClientTimeout(total=self.cfg.probe.timeout_s)
         try:
             if h.cfg.kind == "sglang":
-                async with self.session.get(url + "/get_load", timeout=timeout) as r:
-                    r.raise_for_status()
-                    res: ProbeResult = parse_sglang_load(await r.json(content_type=None))
+                res: ProbeResult = parse_sglang_load(json.loads(await self._fetch(url,
+                                                                                  "/get_load")))
             else:
-                async with self.session.get(url + "/metrics", timeout=timeout) as r:
-                    r.raise_for_status()
-                    res = parse_vllm_metrics(await r.text())
+                res = parse_vllm_metrics((await self._fetch(url, "/metrics")).decode())
             if h.cfg.models is None and sent - h.models_at >= self.cfg.probe.models_interval_s:
-                async with self.session.get(url + "/v1/models", timeout=timeout) as r:
-                    r.raise_for_status()
-                    data = await r.json(content_type=None)
-                    h.models = {m["id"] for m in data.get("data", []) if "id" in m}
-                    h.models_at = sent
-                    self.dispatcher.set_models(url, h.models)
-        except (aiohttp.ClientError, TimeoutError, ProbeParseError, ValueError, KeyError) as exc:
+                data = json.loads(await self._fetch(url, "/v1/models"))
+                h.models = {m["id"] for m in data.get("data", []) if "id" in m}
+                h.models_at = sent
+                self.dispatcher.set_models(url, h.models)
+        except (aiohttp.ClientError, TimeoutError, ProbeParseError, ProbeStatusError,
+                ValueError, KeyError, AttributeError) as exc:
             h.successes = 0
             h.failures += 1
             if h.healthy and h.failures >= self.cfg.probe.failure_threshold:
@@ -377,6 +373,19 @@ class Balancer:
         m.replica_waiting.labels(url).set(res.waiting)
         m.replica_running.labels(url).set(res.running)
         m.replica_healthy.labels(url).set(1 if h.healthy else 0)
+
+    async def _fetch(self, url: str, path: str) -> bytes:
+        """A probe's GET, whole, within the probe timeout, on the request path's own lean
+        keep-alive pool (aiohttp's client costs several times its CPU per exchange)."""
+        assert self._upstream is not None, "balancer not started"
+        async with asyncio.timeout(self.cfg.probe.timeout_s):
+            reply = await self._upstream.get(url, path, self._upstream_auth)
+            try:
+                if not 200 <= reply.status < 300:
+                    raise ProbeStatusError(f"{path} answered HTTP {reply.status}")
+                return await reply.read()
+            finally:
+                reply.release()
 
     # -- dispatch ------------------------------------------------------------------------
     def _pump(self) -> None:

@@ -287,7 +287,7 @@ class UpstreamReply:
 
 
 class Upstream:
-    """Keep-alive connections to the replicas, and ``post`` over them."""
+    """Keep-alive connections to the replicas, and ``post`` and ``get`` over them."""
 
     def __init__(self, *, connect_timeout_s: float, read_timeout_s: float) -> None:
         self.connect_timeout_s = connect_timeout_s
@@ -360,16 +360,29 @@ class Upstream:
         """POST ``body`` to ``target`` + ``path``; returns once the reply's status and
         headers are in. A kept-alive connection the replica closed before answering is
         retried once on a fresh one (nothing reached the engine)."""
+        return await self._request("POST", target, path, body, headers)
+
+    async def get(self, target: str, path: str, headers: Mapping[str, str]) -> UpstreamReply:
+        """GET ``target`` + ``path`` (the load probes: ten a second per replica, where
+        aiohttp's client costs several times this one's CPU)."""
+        return await self._request("GET", target, path, None, headers)
+
+    async def _request(self, method: str, target: str, path: str, body: bytes | None,
+                       headers: Mapping[str, str]) -> UpstreamReply:
         if self.closed:
             raise UpstreamConnectionError("the balancer is shutting down")
         key, host_line, prefix = self._target(target)
-        head = [f"POST {prefix}{path} HTTP/1.1\r\n".encode("latin-1"), host_line]
+        head = [f"{method} {prefix}{path} HTTP/1.1\r\n".encode("latin-1"), host_line]
         for name, value in headers.items():
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
                 raise ValueError(f"header {name!r} has a line break")
             head.append(f"{name}: {value}\r\n".encode("latin-1"))
-        head.append(b"Content-Length: %d\r\n\r\n" % len(body))
-        message = b"".join(head) + body
+        if body is None:
+            head.append(b"\r\n")
+            message = b"".join(head)
+        else:
+            head.append(b"Content-Length: %d\r\n\r\n" % len(body))
+            message = b"".join(head) + body
         conn = self._get(key)
         if conn is not None:
             reply = await self._exchange(conn, message)

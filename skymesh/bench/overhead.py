@@ -367,6 +367,52 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if values else None
 
 
+def round_bootstrap(a: Sequence[np.ndarray], b: Sequence[np.ndarray], q: float, *,
+                    n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Percentile ``q`` of path a minus that of path b, with a 95% confidence interval.
+
+    ``a[i]`` and ``b[i]`` are the latencies of round ``i``, in which both paths ran one
+    segment minutes apart at most; resampling whole rounds (a block bootstrap) keeps each
+    round's pairing, so drift in the machine over the run widens the interval instead of
+    biasing the difference. Returns (difference, low, high).
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError("need the same, non-zero number of rounds on both paths")
+    est = float(np.percentile(np.concatenate(a), q) - np.percentile(np.concatenate(b), q))
+    rng = np.random.default_rng(seed)
+    diffs = np.empty(n_boot)
+    for k in range(n_boot):
+        pick = rng.integers(0, len(a), len(a))
+        diffs[k] = (np.percentile(np.concatenate([a[i] for i in pick]), q)
+                    - np.percentile(np.concatenate([b[i] for i in pick]), q))
+    lo, hi = np.percentile(diffs, [2.5, 97.5])
+    return est, float(lo), float(hi)
+
+
+def _latencies(rounds: Sequence[Sequence[Sample]], what: str) -> list[np.ndarray]:
+    """Per round, send to first content chunk (``ttft``) or to the stream's end (``e2e``)."""
+    end = "first" if what == "ttft" else "done"
+    return [np.array([getattr(s, end) - s.sent for s in got if s.ok], dtype=float)
+            for got in rounds]
+
+
+def against_sglang(per_round: dict[str, list[list[Sample]]], seed: int
+                   ) -> dict[str, dict[str, list[float]]]:
+    """Each skymesh path's p50s minus sglang-router's, [difference, 95% low, high]."""
+    if SGLR not in per_round:
+        return {}
+    out: dict[str, dict[str, list[float]]] = {}
+    for name in (LB_BP, LB_DEFAULT):
+        if name not in per_round:
+            continue
+        out[name] = {
+            f"{what}_p50_s": list(round_bootstrap(_latencies(per_round[name], what),
+                                                  _latencies(per_round[SGLR], what), 50,
+                                                  seed=seed))
+            for what in ("ttft", "e2e")}
+    return out
+
+
 def summarize(samples: Sequence[Sample], cpu: dict[str, float], wall_s: float,
               proxy_key: str | None) -> dict[str, Any]:
     ok = [s for s in samples if s.ok]
@@ -411,6 +457,38 @@ def added(results: dict[str, dict[str, Any]], path: str) -> dict[str, float | No
     return out
 
 
+# -- CPU placement ---------------------------------------------------------------------
+def pin_pid(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` and of its children onto ``cpus`` (sched_setaffinity on a
+    pid moves one thread; a launcher's workers are its children)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
+        with contextlib.suppress(OSError):
+            for child in Path(f"/proc/{pid}/task/{tid}/children").read_text().split():
+                pin_pid(int(child), cpus)
+
+
+def pin_stack(stack: Stack) -> tuple[set[int], set[int]]:
+    """Proxies on the last core, the client and the replicas on the others.
+
+    A balancer in production has its cores to itself; here it shares two with the replicas
+    and the client, whose work evicts its caches between requests. Pinning keeps only the
+    proxies on one core, so a proxy's added latency is measured without that eviction; each
+    proxy gets the same core, so the comparison between them stays fair.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise RuntimeError("--pin needs at least two cores")
+    proxy_cpus, rest = {cpus[-1]}, set(cpus[:-1])
+    for d in stack.proxies.values():
+        pin_pid(d.proc.pid, proxy_cpus)
+    for d in stack.replicas:
+        pin_pid(d.proc.pid, rest)
+    pin_pid(os.getpid(), rest)
+    return proxy_cpus, rest
+
+
 # -- the run ---------------------------------------------------------------------------
 @dataclass
 class Options:
@@ -426,6 +504,7 @@ class Options:
     skip_sglang: bool = False
     sglang_venv: Path = SGLANG_VENV
     seed: int = 0
+    pin: bool = False
 
 
 def decode_step_s(profile: str, time_scale: float) -> float:
@@ -463,6 +542,7 @@ async def _open_loop(session: aiohttp.ClientSession, stack: Stack, opts: Options
     seg_s = opts.duration / rounds
     for rate in opts.rates:
         samples: dict[str, list[Sample]] = {n: [] for n in names}
+        per_round: dict[str, list[list[Sample]]] = {n: [] for n in names}
         cpu: dict[str, dict[str, float]] = {n: {} for n in names}
         walls = dict.fromkeys(names, 0.0)
         for _ in range(rounds):
@@ -478,6 +558,7 @@ async def _open_loop(session: aiohttp.ClientSession, stack: Stack, opts: Options
                 _merge_cpu(cpu[name], meter.stop(), wall)
                 walls[name] += wall
                 samples[name].extend(got)
+                per_round[name].append(got)
                 await asyncio.sleep(SETTLE_S)
         per_path = {}
         for name in names:
@@ -489,7 +570,10 @@ async def _open_loop(session: aiohttp.ClientSession, stack: Stack, opts: Options
         key = f"{rate:g}"
         out["open_loop"][key] = per_path
         out["added"][key] = {n: added(per_path, n) for n in names if n != DIRECT}
+        out["vs_sglang"][key] = against_sglang(per_round, opts.seed)
         print(format_rate(rate, per_path, out["added"][key]), flush=True)
+        for line in format_vs_sglang(out["vs_sglang"][key]):
+            print(line, flush=True)
 
 
 async def _closed_loop(session: aiohttp.ClientSession, stack: Stack, opts: Options,
@@ -518,6 +602,8 @@ async def _phase(opts: Options, time_scale: float, body: bytes, sglang_py: Path 
                                          connector=aiohttp.TCPConnector(limit=0)) as session:
             stack = await start_stack(exits, session, opts.replicas, opts.profile, time_scale,
                                       body, sglang_py, sglang_note)
+            if opts.pin:
+                pin_stack(stack)
             for urls in stack.paths.values():
                 await _warm(session, urls, body)
             if open_loop:
@@ -545,7 +631,7 @@ async def run(opts: Options) -> dict[str, Any]:
                    "cores": os.cpu_count()},
         "sglang": sglang_note,
         "targets": {"added_p50_s": TARGET_P50_S, "added_p99_s": TARGET_P99_S},
-        "open_loop": {}, "added": {}, "closed_loop": {},
+        "open_loop": {}, "added": {}, "vs_sglang": {}, "closed_loop": {},
     }
     rng = random.Random(opts.seed)
     closed = opts.closed_duration > 0
@@ -591,6 +677,16 @@ def format_rate(rate: float, per_path: dict[str, dict[str, Any]],
         if r["errors"]:
             rows.append(f"   errors: {r['error_examples']}")
     return "\n".join(rows)
+
+
+def format_vs_sglang(vs: dict[str, dict[str, list[float]]]) -> list[str]:
+    rows = []
+    for name, figs in vs.items():
+        parts = [f"{what.removesuffix('_p50_s').upper()} p50 {_ms(d, 0, sign=True).strip()} ms "
+                 f"[{_ms(lo, 0, sign=True).strip()}, {_ms(hi, 0, sign=True).strip()}]"
+                 for what, (d, lo, hi) in figs.items()]
+        rows.append(f"{name} - sglang-router, 95% CI over rounds: {'; '.join(parts)}")
+    return rows
 
 
 def format_closed(res: dict[str, dict[str, Any]], opts: Options) -> str:
@@ -664,6 +760,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sglang-venv", type=Path, default=SGLANG_VENV,
                     help="venv for sglang-router, created if missing (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pin", action="store_true",
+                    help="proxies on the last core, client and replicas on the others")
     ap.add_argument("--json", type=Path, help="write every figure here")
     return ap
 
@@ -686,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
                    closed_duration=args.closed_duration, profile=args.profile,
                    time_scale=args.time_scale, closed_time_scale=args.closed_time_scale,
                    skip_sglang=args.skip_sglang,
-                   sglang_venv=args.sglang_venv, seed=args.seed)
+                   sglang_venv=args.sglang_venv, seed=args.seed, pin=args.pin)
     step_ms = decode_step_s(args.profile, args.time_scale) * 1e3
     print(f"overhead: {args.replicas} x {args.profile} replicas at time scale "
           f"{args.time_scale:g} (decode step {step_ms:.2f} ms wall), {OUTPUT_TOKENS} output "

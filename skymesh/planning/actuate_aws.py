@@ -63,6 +63,7 @@ class AwsActuator:
     subnets: Mapping[str, str] = field(default_factory=dict)  # AWS region -> subnet ids
     reserve: bool = False
     _clients: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
+    _zones: dict[str, str] = field(default_factory=dict, repr=False)
 
     def _client(self, service: str, aws_region: str) -> Any:
         key = (service, aws_region)
@@ -159,14 +160,22 @@ class AwsActuator:
         return instance_type
 
     def _zone(self, aws_region: str) -> str:
-        """The zone a group runs in (its first subnet's, else the region's first zone)."""
+        """The zone a group runs in (its first subnet's, else the region's first zone).
+
+        Asked once per region: creating a group and reserving for it both need it.
+        """
+        if aws_region in self._zones:
+            return self._zones[aws_region]
         ec2 = self._client("ec2", aws_region)
         subnet = self.subnets.get(aws_region)
         if subnet:
             first = subnet.split(",")[0].strip()
-            return str(ec2.describe_subnets(SubnetIds=[first])["Subnets"][0]
+            zone = str(ec2.describe_subnets(SubnetIds=[first])["Subnets"][0]
                        ["AvailabilityZone"])
-        return str(ec2.describe_availability_zones()["AvailabilityZones"][0]["ZoneName"])
+        else:
+            zone = str(ec2.describe_availability_zones()["AvailabilityZones"][0]["ZoneName"])
+        self._zones[aws_region] = zone
+        return zone
 
     def _reserve(self, model: str, region: str, gpu: str, aws_region: str,
                  count: int) -> Change | None:

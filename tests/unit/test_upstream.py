@@ -99,6 +99,34 @@ async def test_chunked_and_sized_replies_on_one_kept_alive_connection() -> None:
     assert body == b'{"x": 0}'
 
 
+async def test_a_get_has_no_body_and_shares_the_kept_alive_connection() -> None:
+    heads: list[bytes] = []
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            head, body = await read_request(r)
+            heads.append(head + body)
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\nvllm:x 1.0\n\n")
+            await w.drain()
+
+    async with server(handler) as (url, conns):
+        up = Upstream(connect_timeout_s=2, read_timeout_s=5)
+        for _ in range(3):  # probes, then a generate request on the same connection
+            reply = await up.get(url, "/metrics", {"Authorization": "Bearer k"})
+            assert (reply.status, await reply.read()) == (200, b"vllm:x 1.0\n\n")
+            reply.release()
+        reply = await up.post(url, "/v1/completions", b"{}", {})
+        assert await reply.read() == b"vllm:x 1.0\n\n"
+        reply.release()
+        await up.close()
+    assert len(conns) == 1
+    assert heads[0].startswith(b"GET /metrics HTTP/1.1\r\n")
+    assert heads[0].endswith(b"\r\n\r\n") and b"content-length" not in heads[0].lower()
+    assert b"\r\nAuthorization: Bearer k\r\n" in heads[0]
+    assert heads[3].startswith(b"POST /v1/completions HTTP/1.1\r\n") and \
+        heads[3].endswith(b"\r\n\r\n{}")
+
+
 def answer_once(reply: bytes, hold: bool = False) -> Handler:
     """A connection handler that answers one request with ``reply`` (may be partial or
     empty), then closes the connection, or with ``hold`` waits for the client to."""
