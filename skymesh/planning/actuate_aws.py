@@ -52,6 +52,12 @@ def default_client_factory(service: str, aws_region: str) -> Any:
     return boto3.client(service, region_name=aws_region)
 
 
+def split_over(count: int, zones: list[str]) -> dict[str, int]:
+    """``count`` instances spread as Auto Scaling balances a group over ``zones``."""
+    base, extra = divmod(count, len(zones))
+    return {z: base + (i < extra) for i, z in enumerate(zones) if base + (i < extra)}
+
+
 @dataclass
 class AwsActuator:
     client_factory: Callable[[str, str], Any] = default_client_factory
@@ -63,7 +69,7 @@ class AwsActuator:
     subnets: Mapping[str, str] = field(default_factory=dict)  # AWS region -> subnet ids
     reserve: bool = False
     _clients: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
-    _zones: dict[str, str] = field(default_factory=dict, repr=False)
+    _zones_by_region: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     def _client(self, service: str, aws_region: str) -> Any:
         key = (service, aws_region)
@@ -159,55 +165,68 @@ class AwsActuator:
                               operation)
         return instance_type
 
-    def _zone(self, aws_region: str) -> str:
-        """The zone a group runs in (its first subnet's, else the region's first zone).
-
-        Asked once per region: creating a group and reserving for it both need it.
-        """
-        if aws_region in self._zones:
-            return self._zones[aws_region]
+    def _zones(self, aws_region: str) -> list[str]:
+        """The zones a group runs in: its subnets' (in the order given), else the region's
+        first zone, where a group without subnets is created. Asked once per region."""
+        if aws_region in self._zones_by_region:
+            return self._zones_by_region[aws_region]
         ec2 = self._client("ec2", aws_region)
         subnet = self.subnets.get(aws_region)
         if subnet:
-            first = subnet.split(",")[0].strip()
-            zone = str(ec2.describe_subnets(SubnetIds=[first])["Subnets"][0]
-                       ["AvailabilityZone"])
+            ids = [s.strip() for s in subnet.split(",") if s.strip()]
+            by_id = {s["SubnetId"]: str(s["AvailabilityZone"])
+                     for s in ec2.describe_subnets(SubnetIds=ids)["Subnets"]}
+            zones = list(dict.fromkeys(by_id[i] for i in ids if i in by_id))
         else:
-            zone = str(ec2.describe_availability_zones()["AvailabilityZones"][0]["ZoneName"])
-        self._zones[aws_region] = zone
-        return zone
+            zones = [str(ec2.describe_availability_zones()["AvailabilityZones"][0]
+                         ["ZoneName"])]
+        self._zones_by_region[aws_region] = zones
+        return zones
+
+    def _zone(self, aws_region: str) -> str:
+        return self._zones(aws_region)[0]
 
     def _reserve(self, model: str, region: str, gpu: str, aws_region: str,
                  count: int) -> Change | None:
-        """Hold ``count`` instances of the group's type in its zone; None: already held."""
+        """Hold ``count`` instances of the group's type in its zones; None: already held.
+
+        A capacity reservation is for one zone, and Auto Scaling spreads a group evenly
+        over its subnets' zones, so each zone holds its share (the first zones take the
+        remainder; should AWS place that instance elsewhere, one reserved slot idles).
+        """
         ec2 = self._client("ec2", aws_region)
         name = group_name(model, region, gpu)
         found = ec2.describe_capacity_reservations(Filters=[
             {"Name": "tag:skymesh:group", "Values": [name]},
             {"Name": "state", "Values": ["active", "pending"]}])["CapacityReservations"]
-        if not found:
-            if count == 0:
-                return None
-            ec2.create_capacity_reservation(
-                InstanceType=self._instance_type(gpu, "CreateCapacityReservation"),
-                InstancePlatform="Linux/UNIX",
-                AvailabilityZone=self._zone(aws_region), InstanceCount=count,
-                InstanceMatchCriteria="open", EndDateType="unlimited",
-                TagSpecifications=[{"ResourceType": "capacity-reservation", "Tags": [
-                    {"Key": "skymesh:group", "Value": name},
-                    {"Key": "skymesh:model", "Value": model},
-                    {"Key": "skymesh:gpu", "Value": gpu}]}])
-            return Change(model, region, gpu, None, count)
-        held = found[0]
-        before = int(held["TotalInstanceCount"])
-        if before == count:
+        held = {str(r["AvailabilityZone"]): r for r in found}
+        shares = split_over(count, self._zones(aws_region)) if count else {}
+        changed = False
+        for zone in dict.fromkeys([*shares, *held]):
+            want, r = shares.get(zone, 0), held.get(zone)
+            have = int(r["TotalInstanceCount"]) if r is not None else 0
+            if want == have:
+                continue
+            changed = True
+            if r is None:
+                ec2.create_capacity_reservation(
+                    InstanceType=self._instance_type(gpu, "CreateCapacityReservation"),
+                    InstancePlatform="Linux/UNIX", AvailabilityZone=zone,
+                    InstanceCount=want, InstanceMatchCriteria="open",
+                    EndDateType="unlimited",
+                    TagSpecifications=[{"ResourceType": "capacity-reservation", "Tags": [
+                        {"Key": "skymesh:group", "Value": name},
+                        {"Key": "skymesh:model", "Value": model},
+                        {"Key": "skymesh:gpu", "Value": gpu}]}])
+            elif want == 0:
+                ec2.cancel_capacity_reservation(
+                    CapacityReservationId=r["CapacityReservationId"])
+            else:
+                ec2.modify_capacity_reservation(
+                    CapacityReservationId=r["CapacityReservationId"], InstanceCount=want)
+        if not changed:
             return None
-        if count == 0:
-            ec2.cancel_capacity_reservation(
-                CapacityReservationId=held["CapacityReservationId"])
-        else:
-            ec2.modify_capacity_reservation(
-                CapacityReservationId=held["CapacityReservationId"], InstanceCount=count)
+        before = sum(int(r["TotalInstanceCount"]) for r in found) if found else None
         return Change(model, region, gpu, before, count)
 
     def desired(self, model: str, region: str, gpu: str) -> int | None:

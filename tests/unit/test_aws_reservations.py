@@ -16,8 +16,10 @@ from typing import Any
 import boto3
 import pytest
 from botocore.stub import ANY, Stubber
+from hypothesis import given
+from hypothesis import strategies as st
 
-from skymesh.planning.actuate_aws import AwsActuator, group_name
+from skymesh.planning.actuate_aws import AwsActuator, group_name, split_over
 
 KEY = ("llama-8b", "us", "L4")
 NAME = group_name(*KEY)
@@ -46,11 +48,19 @@ class Aws:
                         "AvailabilityZones": [ZONE], "HealthCheckType": "EC2",
                         "CreatedTime": dt.datetime(2026, 11, 1)}]})
 
-    def reservation(self, held: int | None) -> None:
+    def reservation(self, held: int | None, *more: tuple[str, str, int]) -> None:
+        """The group's reservations: ``held`` in ZONE as cr-0abc, then (id, zone, count)."""
         found = [] if held is None else [{"CapacityReservationId": "cr-0abc",
+                                          "AvailabilityZone": ZONE,
                                           "TotalInstanceCount": held, "State": "active"}]
+        found += [{"CapacityReservationId": cr, "AvailabilityZone": zone,
+                   "TotalInstanceCount": n, "State": "active"} for cr, zone, n in more]
         self.expect("ec2", "describe_capacity_reservations", {"Filters": CR_FILTERS},
                     {"CapacityReservations": found})
+
+    def zones(self) -> None:
+        self.expect("ec2", "describe_availability_zones", {},
+                    {"AvailabilityZones": [{"ZoneName": ZONE}, {"ZoneName": "us-east-1b"}]})
 
 
 @pytest.fixture
@@ -102,6 +112,7 @@ def test_the_reservation_follows_the_plan_and_is_released_at_zero(aws: Aws) -> N
     aws.expect("autoscaling", "update_auto_scaling_group",
                {"AutoScalingGroupName": NAME, "DesiredCapacity": 5, "MaxSize": 5})
     aws.reservation(3)
+    aws.zones()
     aws.expect("ec2", "modify_capacity_reservation",
                {"CapacityReservationId": "cr-0abc", "InstanceCount": 5}, {"Return": True})
     up = act.apply_counts({KEY: 5})
@@ -120,6 +131,7 @@ def test_the_reservation_follows_the_plan_and_is_released_at_zero(aws: Aws) -> N
 def test_a_plan_already_held_writes_nothing(aws: Aws) -> None:
     aws.group(4)
     aws.reservation(4)
+    aws.zones()
     report = actuator(aws).apply_counts({KEY: 4})
     assert report.ok and report.changed == [] and report.reserved == []
     assert report.unchanged == [KEY]
@@ -142,3 +154,47 @@ def test_a_refused_reservation_is_reported_for_its_key(aws: Aws) -> None:
     report = actuator(aws).apply_counts({KEY: 2})
     assert "InsufficientInstanceCapacity" in report.errors[KEY]
     assert report.reserved == []
+
+
+def test_a_group_over_two_zones_holds_its_share_in_each(aws: Aws) -> None:
+    act = AwsActuator(client_factory=lambda service, region: aws.clients[service],
+                      reserve=True, subnets={"us-east-1": "subnet-a, subnet-b"})
+    aws.group(0)
+    aws.expect("autoscaling", "update_auto_scaling_group",
+               {"AutoScalingGroupName": NAME, "DesiredCapacity": 5, "MaxSize": 5})
+    aws.reservation(None)
+    aws.expect("ec2", "describe_subnets", {"SubnetIds": ["subnet-a", "subnet-b"]},
+               {"Subnets": [{"SubnetId": "subnet-b", "AvailabilityZone": "us-east-1b"},
+                            {"SubnetId": "subnet-a", "AvailabilityZone": ZONE}]})
+    for zone, n, cr in ((ZONE, 3, "cr-0abc"), ("us-east-1b", 2, "cr-0def")):
+        aws.expect("ec2", "create_capacity_reservation", {
+            "InstanceType": "g6.xlarge", "InstancePlatform": "Linux/UNIX",
+            "AvailabilityZone": zone, "InstanceCount": n, "InstanceMatchCriteria": "open",
+            "EndDateType": "unlimited", "TagSpecifications": ANY},
+            {"CapacityReservation": {"CapacityReservationId": cr}})
+    up = act.apply_counts({KEY: 5})
+    assert up.ok, up.errors
+    assert [(c.before, c.after) for c in up.reserved] == [(None, 5)]
+
+    # Down to one instance: the second zone's reservation goes, the first shrinks to 1.
+    aws.group(5)
+    aws.expect("autoscaling", "update_auto_scaling_group",
+               {"AutoScalingGroupName": NAME, "DesiredCapacity": 1})
+    aws.reservation(3, ("cr-0def", "us-east-1b", 2))
+    aws.expect("ec2", "modify_capacity_reservation",
+               {"CapacityReservationId": "cr-0abc", "InstanceCount": 1}, {"Return": True})
+    aws.expect("ec2", "cancel_capacity_reservation", {"CapacityReservationId": "cr-0def"},
+               {"Return": True})
+    down = act.apply_counts({KEY: 1})
+    assert [(c.before, c.after) for c in down.reserved] == [(5, 1)]
+
+
+@given(count=st.integers(0, 200), k=st.integers(1, 6))
+def test_shares_sum_to_the_count_and_differ_by_at_most_one(count: int, k: int) -> None:
+    zones = [f"z{i}" for i in range(k)]
+    shares = split_over(count, zones)
+    assert sum(shares.values()) == count
+    assert all(n > 0 for n in shares.values())
+    if count >= k:
+        assert max(shares.values()) - min(shares.values()) <= 1
+    assert list(shares) == zones[:len(shares)]  # the first zones take the remainder
