@@ -219,6 +219,7 @@ class Topology:
         self.dir = workdir
         self.urls: dict[str, str] = {}
         self.replica_urls: list[str] = []  # direct, for metrics
+        self.replica_regions: list[str] = []  # the region of each of replica_urls
         self.daemons: list[Daemon] = []
         self.proxies: list[DelayProxy] = []
         self.mesh: Mesh | None = None
@@ -242,6 +243,7 @@ class Topology:
         await mesh.start()
         self.urls = {r: mesh.lbs[r].url for r in REGIONS}
         self.replica_urls = [d.url for r in REGIONS for d in mesh.replicas[r]]
+        self.replica_regions = [r for r in REGIONS for _ in mesh.replicas[r]]
 
     async def start_single(self, replicas: dict[str, int], system: str,
                            router_py: Path | None = None) -> None:
@@ -253,6 +255,7 @@ class Topology:
             self.daemons.extend(reps)
             for d in reps:
                 self.replica_urls.append(d.url)
+                self.replica_regions.append(r)
                 worker_urls.append(d.url if r == "us"
                                    else await self._proxy(d.url, NET.one_way("us", r)))
         if router_py is not None:
@@ -292,14 +295,35 @@ class Topology:
 
 
 # ---------------------------------------------------------------------------- one run
-async def _hit_counts(s: aiohttp.ClientSession, urls: Sequence[str]) -> tuple[float, float]:
-    hits = queries = 0.0
+@dataclass
+class Counters:
+    """The replicas' cumulative counters at one moment."""
+
+    hits: float = 0.0
+    queries: float = 0.0
+    finished: list[float] = field(default_factory=list)  # per replica, as replica_urls
+
+
+async def _counters(s: aiohttp.ClientSession, urls: Sequence[str]) -> Counters:
+    c = Counters()
     for u in urls:
         m = await metrics(s, u)
-        hits += m.get("vllm:prefix_cache_hits_total", m.get("vllm:prefix_cache_hits", 0.0))
-        queries += m.get("vllm:prefix_cache_queries_total",
-                         m.get("vllm:prefix_cache_queries", 0.0))
-    return hits, queries
+        c.hits += m.get("vllm:prefix_cache_hits_total", m.get("vllm:prefix_cache_hits", 0.0))
+        c.queries += m.get("vllm:prefix_cache_queries_total",
+                           m.get("vllm:prefix_cache_queries", 0.0))
+        c.finished.append(m.get("vllm:request_success_total", 0.0))
+    return c
+
+
+def served_share(before: Counters, after: Counters, regions: Sequence[str]
+                 ) -> dict[str, float]:
+    """Share of the requests finished in the window by each region's replicas: where a
+    router put them (a single US balancer pays a round trip for every one placed away)."""
+    done: dict[str, float] = dict.fromkeys(REGIONS, 0.0)
+    for region, b, a in zip(regions, before.finished, after.finished, strict=True):
+        done[region] += a - b
+    total = sum(done.values())
+    return {r: n / total for r, n in done.items()} if total > 0 else {}
 
 
 async def _sample_loads(s: aiohttp.ClientSession, urls: Sequence[str], stop_at: float,
@@ -331,7 +355,7 @@ async def run_one(workload: str, system: str, duration: float, seed: int,
             conn = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=conn) as s:
                 await topo.ready(s)
-                h0, q0 = await _hit_counts(s, topo.replica_urls)
+                c0 = await _counters(s, topo.replica_urls)
                 samples: list[Sample] = []
                 loads: list[list[int]] = []
                 rng = random.Random(seed)
@@ -355,7 +379,7 @@ async def run_one(workload: str, system: str, duration: float, seed: int,
                 for t in pending:
                     t.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
-                h1, q1 = await _hit_counts(s, topo.replica_urls)
+                c1 = await _counters(s, topo.replica_urls)
         finally:
             await topo.stop()
     w0 = t0 + WARMUP_FRACTION * duration
@@ -365,7 +389,9 @@ async def run_one(workload: str, system: str, duration: float, seed: int,
                            / (stop_at - w0)}
     row.update(_pcts([x.ttft for x in inwin], "ttft"))
     row.update(_pcts([x.e2e for x in inwin], "e2e"))
-    row["prefix_hit_rate"] = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
+    row["prefix_hit_rate"] = ((c1.hits - c0.hits) / (c1.queries - c0.queries)
+                              if c1.queries > c0.queries else 0.0)
+    row["served_share_by_region"] = served_share(c0, c1, topo.replica_regions)
     row.update(spread_stats(loads))
     row["requests"] = len(inwin)
     return row
@@ -375,8 +401,8 @@ async def run_one(workload: str, system: str, duration: float, seed: int,
 def peers_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = ["### PyPI routers in the single-US configuration (live, 2 shared cores)", "",
              "| workload | router | req/s | TTFT p50 | TTFT p90 | TTFT p50 added over"
-             " skymesh-lb (single-sgl) | hit rate |", "| --- | --- | ---: | ---: | ---: | ---: |"
-             " ---: |"]
+             " skymesh-lb (single-sgl) | hit rate | served in us / eu / asia |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for w in dict.fromkeys(r["workload"] for r in rows):
         by = {r["system"]: r for r in rows if r["workload"] == w}
         base = by.get("single-sgl")
@@ -386,9 +412,11 @@ def peers_table(rows: Sequence[dict[str, Any]]) -> str:
                 continue
             added = (f"{1000 * (r['ttft_p50_s'] - base['ttft_p50_s']):+.0f} ms"
                      if base is not None and name != "single-sgl" else "-")
+            share = r.get("served_share_by_region") or {}
+            where = " / ".join(f"{100 * share[g]:.0f}%" for g in REGIONS) if share else "-"
             lines.append(f"| {w} | {name} | {r['throughput_rps']:.2f} |"
                          f" {1000 * r['ttft_p50_s']:.0f} ms | {1000 * r['ttft_p90_s']:.0f} ms |"
-                         f" {added} | {100 * r['prefix_hit_rate']:.1f}% |")
+                         f" {added} | {100 * r['prefix_hit_rate']:.1f}% | {where} |")
     return "\n".join(lines)
 
 

@@ -207,7 +207,15 @@ class SimBalancer:
     # -- periodic signals ------------------------------------------------------------------
     def _probe(self) -> None:
         now = self.loop.now
+        local = self.net.local_one_way_s
         for rid, rep in self.replicas.items():
+            d = self.net.one_way(self.region, rep.region)
+            if d > local:
+                # A replica in another region (a single balancer's fleet) answers as of
+                # half a round trip after the probe left, and the answer lands a round
+                # trip after it: what the live balancer's probe through the WAN sees.
+                self.loop.after(d, self._probe_remote, rep, now, d)
+                continue
             e = rep.engine
             self.dispatcher.on_probe(rid, now, e.num_waiting, e.num_running, e.kv_usage,
                                      rep.profile.kv_capacity_tokens)
@@ -216,6 +224,20 @@ class SimBalancer:
             self.loop.after(self.probe_interval, self._probe)
         else:
             self._probing = False
+
+    def _probe_remote(self, rep: SimReplica, sent: float, one_way: float) -> None:
+        e = rep.engine
+        self.loop.after(one_way, self._probe_answer, rep, sent,
+                        (e.num_waiting, e.num_running, e.kv_usage))
+
+    def _probe_answer(self, rep: SimReplica, sent: float,
+                      state: tuple[int, int, float]) -> None:
+        if self.replicas.get(rep.id) is not rep:
+            return  # the replica left while the answer was on its way
+        waiting, running, kv_usage = state
+        self.dispatcher.on_probe(rep.id, sent, waiting, running, kv_usage,
+                                 rep.profile.kv_capacity_tokens)
+        self._pump()
 
     def _heartbeat(self) -> None:
         self._hb_seq += 1

@@ -25,6 +25,7 @@ def test_capacity_week_short_form_writes_the_contract(tmp_path: Path) -> None:
         s = res["strategies"][name]
         assert s["gpu_hours"] > 0
         assert 0 <= s["slo_attainment"] <= 1
+        assert 0 <= s["p95_windows_met"] <= 1  # 3-hour (region, window) cells, SageServe
         assert isinstance(s["scaling_events"], int)
     assert "Infinity" not in out.read_text()  # strict JSON only
     # The plan-driven strategies solved one ILP per simulated hour (6 h).
