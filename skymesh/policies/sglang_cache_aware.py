@@ -36,6 +36,11 @@ in ``sgl-router/src/policies/mod.rs`` has the older 0.5 / 32 / 1.1):
 - ``balance_rel_threshold`` = 1.5: load ratio that, together with the gap, means imbalance
 - ``max_nodes`` = 100_000: trie node cap (sglang: ``max_tree_size`` = 2**26 characters
   per tenant, evicted every ``eviction_interval_secs`` = 120)
+- ``tie_break`` = ``"least-loaded"``: among targets at the deepest match, the least loaded;
+  among the smallest trees, the RNG. ``"first"`` takes the first as sglang does: the
+  target recorded first at the deepest match, the first candidate (configuration order)
+  among the smallest trees. An experiment: live, sglang-router keeps far more requests on
+  the replicas listed first than this port does (README, Results).
 """
 
 from __future__ import annotations
@@ -57,9 +62,13 @@ class SglangCacheAware(Policy, name="sglang-cache-aware"):
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
         max_nodes: int = DEFAULT_MAX_NODES,
+        tie_break: str = "least-loaded",
         rng: random.Random | None = None,
     ) -> None:
         super().__init__(rng=rng)
+        if tie_break not in ("least-loaded", "first"):
+            raise ValueError(f"tie_break must be 'least-loaded' or 'first', got {tie_break!r}")
+        self.first = tie_break == "first"
         if not 0.0 <= cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
         if balance_abs_threshold < 0 or balance_rel_threshold < 0:
@@ -82,8 +91,11 @@ class SglangCacheAware(Policy, name="sglang-cache-aware"):
         if keys:
             depth, matched = self.trie.match(keys, candidates)
             if matched and depth / len(keys) > self.cache_threshold:
-                return self._least_loaded(matched, view)
-        return self._argmin(candidates, self.trie.sizes_of(candidates))
+                return matched[0] if self.first else self._least_loaded(matched, view)
+        sizes = self.trie.sizes_of(candidates)
+        if self.first:
+            return candidates[sizes.index(min(sizes))]
+        return self._argmin(candidates, sizes)
 
     def on_dispatch(self, request: RouteRequest, target: str, view: LoadView) -> None:
         self.trie.insert(request.prefix_keys, target)

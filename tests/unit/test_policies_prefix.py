@@ -286,6 +286,25 @@ def test_sglang_cache_aware_low_match_rate_goes_to_smallest_tree() -> None:
     assert got == "b"
 
 
+@pytest.mark.parametrize("tie_break", ["least-loaded", "first"])
+def test_sglang_cache_aware_ties(tie_break: str) -> None:
+    p = build_policy("sglang-cache-aware", {"tie_break": tie_break})
+    view = View()
+    # c, then a, record the same prompt: both sit at the deepest match, c first.
+    p.on_dispatch(req("s0", chain([1, 2, 3])), "c", view)
+    p.on_dispatch(req("s1", chain([1, 2, 3])), "a", view)
+    view.set(a=1, b=1, c=5, d=1)
+    matched = p.select(req("x", chain([1, 2, 3, 4])), ALL, view)
+    # No match: b and d tie on the smallest (empty) tree.
+    fresh = p.select(req("y", chain([9])), ALL, view)
+    if tie_break == "first":
+        assert (matched, fresh) == ("c", "b")  # sglang: the first tenant, busy or not
+    else:
+        assert matched == "a" and fresh in ("b", "d")  # the less loaded of a and c
+    with pytest.raises(ValueError, match="tie_break"):
+        build_policy("sglang-cache-aware", {"tie_break": "random"})
+
+
 # -- LMETRIC -----------------------------------------------------------------------------------
 def test_lmetric_multiplies_uncached_prefill_by_batch_size() -> None:
     p = build_policy("lmetric", {"hotspot_detector": False})
