@@ -401,15 +401,16 @@ def against_sglang(per_round: dict[str, list[list[Sample]]], seed: int
     """Each skymesh path's p50s minus sglang-router's, [difference, 95% low, high]."""
     if SGLR not in per_round:
         return {}
+    whats = ("ttft", "e2e")
+    theirs = {what: _latencies(per_round[SGLR], what) for what in whats}
     out: dict[str, dict[str, list[float]]] = {}
     for name in (LB_BP, LB_DEFAULT):
         if name not in per_round:
             continue
         out[name] = {
             f"{what}_p50_s": list(round_bootstrap(_latencies(per_round[name], what),
-                                                  _latencies(per_round[SGLR], what), 50,
-                                                  seed=seed))
-            for what in ("ttft", "e2e")}
+                                                  theirs[what], 50, seed=seed))
+            for what in whats}
     return out
 
 

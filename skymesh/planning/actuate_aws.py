@@ -154,7 +154,7 @@ class AwsActuator:
         if subnet:
             kwargs["VPCZoneIdentifier"] = subnet
         else:
-            kwargs["AvailabilityZones"] = [self._zone(aws_region)]
+            kwargs["AvailabilityZones"] = [self._zones(aws_region)[0]]
         asg.create_auto_scaling_group(**kwargs)
 
     def _instance_type(self, gpu: str, operation: str) -> str:
@@ -182,9 +182,6 @@ class AwsActuator:
                          ["ZoneName"])]
         self._zones_by_region[aws_region] = zones
         return zones
-
-    def _zone(self, aws_region: str) -> str:
-        return self._zones(aws_region)[0]
 
     def _reserve(self, model: str, region: str, gpu: str, aws_region: str,
                  count: int) -> Change | None:

@@ -150,6 +150,11 @@ class SimBalancer:
         self.replicas = {r.id: r for r in replicas}
         self.loop = loop
         self.net = net
+        # One-way delay to each replica in another region (probes cross the WAN); the
+        # fleet is fixed, so it is worked out once, not on every probe round.
+        self._remote_one_way = {
+            r.id: d for r in replicas
+            if (d := net.one_way(region, r.region)) > net.local_one_way_s}
         self.probe_interval = probe_interval
         self.heartbeat_interval = heartbeat_interval
         # The simulator never refuses for a full queue: experiments measure queueing.
@@ -207,10 +212,10 @@ class SimBalancer:
     # -- periodic signals ------------------------------------------------------------------
     def _probe(self) -> None:
         now = self.loop.now
-        local = self.net.local_one_way_s
+        remote = self._remote_one_way
         for rid, rep in self.replicas.items():
-            d = self.net.one_way(self.region, rep.region)
-            if d > local:
+            d = remote.get(rid)
+            if d is not None:
                 # A replica in another region (a single balancer's fleet) answers as of
                 # half a round trip after the probe left, and the answer lands a round
                 # trip after it: what the live balancer's probe through the WAN sees.
