@@ -129,6 +129,9 @@ BENCH_EXPERIMENTS: dict[str, str] = {
     "preserve-router": "skymesh.bench.preserve_router",
     "skylb-macro": "skymesh.bench.skylb_macro",
     "mooncake": "skymesh.bench.mooncake",
+    # [planning]'s experiments, reachable from the same command as the rest.
+    "capacity-week": "skymesh.planning.capacity_week",
+    "plan-ilp": "skymesh.bench.plan_ilp",
 }
 
 # Modules adding their own subcommands through ``register(subparsers)``.

@@ -3,7 +3,8 @@
 Long-running and machine-dependent, so never part of ``make test``. Run one on its own with
 ``python -m skymesh.bench.<name>`` (``foundation``, ``decision``, ``overhead``,
 ``critical_path``, ``heartbeat``, ``forwarding``), ``skymesh bench EXPERIMENT --mode sim``
-(every experiment of ``skymesh bench``, JSON under ``out/bench/``) or ``skymesh plan bench``.
+(every experiment of ``skymesh bench``, JSON under ``out/bench/``, [planning]'s
+``capacity-week`` and ``plan-ilp`` among them).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ def main() -> int:
         print(f"({time.perf_counter() - t0:.0f} s)")
     commands = [["bench", name, "--mode", "sim", "--json", f"out/bench/{name}.json"]
                 for name in sorted(BENCH_EXPERIMENTS)]
-    commands.append(["plan", "bench", "--json", "out/bench/plan.json"])
     for argv in commands:
         print(f"\n######## skymesh {' '.join(argv)} ########", flush=True)
         t0 = time.perf_counter()

@@ -120,3 +120,28 @@ def run(regions: int = 10, models: int = 8, gpu_types: int = 4, seed: int = 0,
             out["scipy_milp_objective"] = cost(sp.x)
         out["speedup_vs_scipy"] = sp.seconds / out["solve_seconds"]
     return out
+
+
+def print_result(res: dict[str, Any]) -> None:
+    """The solve times, as ``skymesh plan bench`` and ``skymesh bench plan-ilp`` print them."""
+    print(f"capacity ILP {res['regions']} regions x {res['models']} models x "
+          f"{res['gpu_types']} GPU types: {res['variables']} integer variables, "
+          f"{res['constraints']} constraints")
+    print(f"  highspy       {res['solve_seconds'] * 1000:8.1f} ms  ({res['status']}, "
+          f"objective {res['objective']:.2f})")
+    if "old_solve_seconds" in res:
+        old_obj = res["old_objective"]
+        print(f"  old (one MIP) {res['old_solve_seconds'] * 1000:8.1f} ms  (objective "
+              f"{'-' if old_obj is None else f'{old_obj:.2f}'}; new "
+              f"{res['speedup_vs_old']:.2f}x faster)")
+    if "scipy_milp_seconds" in res:
+        print(f"  scipy milp    {res['scipy_milp_seconds'] * 1000:8.1f} ms  "
+              f"({res['scipy_milp_status']}; highspy {res['speedup_vs_scipy']:.2f}x faster)")
+
+
+
+def run_experiment(args: Any) -> dict[str, Any]:
+    """``skymesh bench plan-ilp``: the issue's 10 regions x 8 models x 4 GPU types."""
+    res = run(seed=args.seed)
+    print_result(res)
+    return res

@@ -921,22 +921,33 @@ def parse_week_params(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
+def _config(args: Any) -> WeekConfig:
+    days = args.days if getattr(args, "days", None) is not None else (
+        args.duration / DAY_S if getattr(args, "duration", None) else 7.0)
+    return WeekConfig(days=days, seed=args.seed,
+                      forecaster=getattr(args, "forecaster", None) or "seasonal-naive",
+                      **parse_week_params(getattr(args, "week_param", None)))
+
+
 def run_cli(args: Any) -> int:
     """``skymesh sim --experiment capacity-week``: exit 2 with a message on bad input."""
     import sys
 
     from skymesh.cli import write_json
 
-    days = args.days if getattr(args, "days", None) is not None else (
-        args.duration / DAY_S if getattr(args, "duration", None) else 7.0)
     try:
-        cfg = WeekConfig(days=days, seed=args.seed,
-                         forecaster=getattr(args, "forecaster", None) or "seasonal-naive",
-                         **parse_week_params(getattr(args, "week_param", None)))
-        res = run(cfg)
+        res = run(_config(args))
     except (ValueError, FileNotFoundError) as exc:
         print(f"skymesh sim --experiment capacity-week: {exc}", file=sys.stderr)
         return 2
     print_summary(res)
     write_json(args.json, res)
     return 0
+
+
+def run_experiment(args: Any) -> dict[str, Any]:
+    """``skymesh bench capacity-week``: the same week with its defaults (``--duration`` in
+    simulated seconds and ``--seed`` apply)."""
+    res = run(_config(args))
+    print_summary(res)
+    return res

@@ -181,7 +181,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from skymesh.bench.plan_ilp import run
+    from skymesh.bench.plan_ilp import print_result, run
 
     for name in ("regions", "models", "gpu_types"):
         if getattr(args, name) < 1:
@@ -193,19 +193,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
     res = run(args.regions, args.models, args.gpu_types, seed=args.seed,
               baseline=not args.no_baseline)
-    print(f"capacity ILP {res['regions']} regions x {res['models']} models x "
-          f"{res['gpu_types']} GPU types: {res['variables']} integer variables, "
-          f"{res['constraints']} constraints")
-    print(f"  highspy       {res['solve_seconds'] * 1000:8.1f} ms  ({res['status']}, "
-          f"objective {res['objective']:.2f})")
-    if "old_solve_seconds" in res:
-        old_obj = res["old_objective"]
-        print(f"  old (one MIP) {res['old_solve_seconds'] * 1000:8.1f} ms  (objective "
-              f"{'-' if old_obj is None else f'{old_obj:.2f}'}; new "
-              f"{res['speedup_vs_old']:.2f}x faster)")
-    if "scipy_milp_seconds" in res:
-        print(f"  scipy milp    {res['scipy_milp_seconds'] * 1000:8.1f} ms  "
-              f"({res['scipy_milp_status']}; highspy {res['speedup_vs_scipy']:.2f}x faster)")
+    print_result(res)
     _write_json(args.json, res)
     return 0
 

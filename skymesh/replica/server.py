@@ -3,7 +3,9 @@
 OpenAI endpoints (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``) with JSON
 and SSE streaming; the load and cache signals routers scrape (vLLM's and SGLang's
 ``/metrics``, SGLang's ``/get_load``); and the small endpoints routers probe at start-up
-(``/health``, ``/get_model_info``, ``/get_server_info``, ``/version``, ``/tokenize``).
+(``/health``, ``/get_model_info``, ``/get_server_info``, ``/version``, ``/tokenize``, and
+vLLM's ``/v1/completions/render`` and ``/v1/chat/completions/render``, which vllm-router's
+prefix-aware policies call to tokenise a request without running it).
 
 Every request error is an OpenAI error body ``{"error": {message, type, param, code}}``.
 A client that goes away mid-request (streaming or not) has its request aborted inside the
@@ -400,6 +402,61 @@ async def tokenize(request: web.Request) -> web.Response:
                               "tokens": ids, "token_strs": None})
 
 
+# What vLLM's /render endpoints echo back as sampling parameters (the request's own keys).
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                  "presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "seed",
+                  "ignore_eos", "min_tokens", "logprobs", "n")
+
+
+def _render_request(r: Replica, body: dict[str, Any], rid: str, ids: list[int],
+                    p: GenParams) -> dict[str, Any]:
+    """vLLM's GenerateRequest: the token-in request the router would send on."""
+    params = {k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}
+    params["max_tokens"] = p.max_tokens
+    return {"request_id": rid, "token_ids": ids, "sampling_params": params,
+            "model": r.model, "stream": p.stream, "stream_options": body.get("stream_options"),
+            "token_offsets": None}
+
+
+async def render_completions(request: web.Request) -> web.Response:
+    """vLLM's ``/v1/completions/render``: the prompt(s) tokenised, nothing generated.
+
+    A list of GenerateRequest objects, one per prompt (a batch of strings is allowed here,
+    as in vLLM, although generation takes one prompt).
+    """
+    r = request.app[REPLICA]
+    body = await _read_json(request, r.config.max_body_bytes)
+    _check_model(r, body)
+    if "prompt" not in body:
+        raise ApiError(400, "prompt is required", param="prompt")
+    raw = body["prompt"]
+    prompts = raw if isinstance(raw, list) and raw and all(
+        isinstance(x, str | list) for x in raw) else [raw]
+    p = _gen_params(body, chat=False)
+    try:
+        ids = [completion_prompt(x, r.tokenizer.vocab_size).ids(r.tokenizer) for x in prompts]
+    except PromptError as exc:
+        raise ApiError(400, exc.message, param=exc.param) from None
+    return web.json_response([_render_request(r, body, f"cmpl-{uuid.uuid4().hex}", x, p)
+                              for x in ids])
+
+
+async def render_chat_completions(request: web.Request) -> web.Response:
+    """vLLM's ``/v1/chat/completions/render``: one GenerateRequest for the conversation."""
+    r = request.app[REPLICA]
+    body = await _read_json(request, r.config.max_body_bytes)
+    _check_model(r, body)
+    if "messages" not in body:
+        raise ApiError(400, "messages is required", param="messages")
+    try:
+        text = render_chat(body["messages"])
+    except PromptError as exc:
+        raise ApiError(400, exc.message, param=exc.param) from None
+    out = _render_request(r, body, f"chatcmpl-{uuid.uuid4().hex}", r.tokenizer.encode(text),
+                          _gen_params(body, chat=True))
+    return web.json_response({**out, "assistant_tokens_mask": None})
+
+
 async def detokenize(request: web.Request) -> web.Response:
     r = request.app[REPLICA]
     body = await _read_json(request, r.config.max_body_bytes)
@@ -513,6 +570,8 @@ def create_app(config: ReplicaConfig) -> web.Application:
     r.add_get("/metrics", metrics)
     r.add_get("/get_load", get_load)
     r.add_post("/tokenize", tokenize)
+    r.add_post("/v1/completions/render", render_completions)
+    r.add_post("/v1/chat/completions/render", render_chat_completions)
     r.add_post("/detokenize", detokenize)
     for path in ("/model_info", "/get_model_info"):
         r.add_get(path, model_info)

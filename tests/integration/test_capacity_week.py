@@ -34,6 +34,25 @@ def test_capacity_week_short_form_writes_the_contract(tmp_path: Path) -> None:
     assert "lt-ua" in proc.stdout
 
 
+def test_bench_runs_the_planning_experiments(tmp_path: Path) -> None:
+    """[bench] reaches [planning]'s experiments: the same week as ``skymesh sim``."""
+    via_sim, via_bench = tmp_path / "sim.json", tmp_path / "bench.json"
+    assert run("sim", "--experiment", "capacity-week", "--days", "0.25", "--seed", "3",
+               "--json", str(via_sim)).returncode == 0
+    proc = run("bench", "capacity-week", "--duration", "21600", "--seed", "3",
+               "--json", str(via_bench))
+    assert proc.returncode == 0, proc.stderr
+    a, b = (json.loads(f.read_text())["strategies"] for f in (via_sim, via_bench))
+    assert {k: (v["gpu_hours"], v["slo_attainment"]) for k, v in a.items()} == \
+        {k: (v["gpu_hours"], v["slo_attainment"]) for k, v in b.items()}
+    ilp = tmp_path / "ilp.json"
+    proc = run("bench", "plan-ilp", "--json", str(ilp))
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(ilp.read_text())
+    assert (res["regions"], res["models"], res["gpu_types"]) == (10, 8, 4)
+    assert res["status"] == "optimal" and "highspy" in proc.stdout
+
+
 def test_sim_needs_exactly_one_of_workload_and_experiment() -> None:
     both = run("sim", "--workload", "poisson", "--experiment", "capacity-week")
     neither = run("sim")

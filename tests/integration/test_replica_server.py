@@ -313,6 +313,10 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
     ("/tokenize", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions/render", {"model": "nope", "prompt": "x"}, 404, "model"),
+    ("/v1/completions/render", {"model": MODEL, "prompt": ["a", ""]}, 400, "prompt"),
+    ("/v1/chat/completions/render", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions/render", chat("x") | {"model": "nope"}, 404, "model"),
 ]
 
 
@@ -391,6 +395,28 @@ async def test_tokenize(http: aiohttp.ClientSession) -> None:
     assert body["count"] == len(body["tokens"])
     _, back = await post(http, "/detokenize", {"tokens": body["tokens"]})
     assert back["prompt"] == render_chat(msgs)
+
+
+async def test_render_tokenises_as_generation_does_without_running(
+    http: aiohttp.ClientSession,
+) -> None:
+    """vLLM's /render endpoints (vllm-router's prefix-aware policies call them per request)."""
+    tok = get_tokenizer()
+    before = (await metrics(http))["vllm:prompt_tokens_total"]
+    _, batch = await post(http, "/v1/completions/render", {
+        "model": MODEL, "prompt": ["hello world", "goodbye"], "temperature": 0.5})
+    assert [b["token_ids"] for b in batch] == [tok.encode("hello world"), tok.encode("goodbye")]
+    assert all(b["request_id"].startswith("cmpl-") and b["model"] == MODEL for b in batch)
+    assert batch[0]["sampling_params"] == {"temperature": 0.5, "max_tokens": 16}
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "more"}]
+    _, one = await post(http, "/v1/chat/completions/render", {
+        "model": MODEL, "messages": msgs, "stream": True, "max_tokens": 7})
+    assert one["token_ids"] == tok.encode(render_chat(msgs))
+    assert one["request_id"].startswith("chatcmpl-") and one["stream"] is True
+    assert one["sampling_params"] == {"max_tokens": 7}
+    # Nothing ran: the engine prefilled no token.
+    assert (await metrics(http))["vllm:prompt_tokens_total"] == before
 
 
 async def test_sigterm_mid_stream_exits_cleanly(tmp_path: Path) -> None:
