@@ -846,6 +846,7 @@ def run(cfg: WeekConfig, progress: Callable[[str], None] | None = None) -> dict[
                                            if base["scaling_gpu_hours"] else None),
                 "slo_attainment_delta": s["slo_attainment"] - base["slo_attainment"],
             } for name, s in strategies.items()}
+        out["clairvoyant_parity"] = _parity(cfg, demand, base)
     out["setup"] = {
         "days": cfg.days, "step_s": cfg.step_s, "seed": cfg.seed,
         "forecaster": cfg.forecaster, "regions": {r: {"utc_offset_h": o, "share": s}
@@ -866,6 +867,20 @@ def run(cfg: WeekConfig, progress: Callable[[str], None] | None = None) -> dict[
     return out
 
 
+def _parity(cfg: WeekConfig, demand: Demand, reactive: dict[str, Any]) -> dict[str, Any] | None:
+    """How few GPU-hours a clairvoyant needs to match reactive model by model (a floor
+    for the 'equal SLO' comparison; ``week_diagnose.parity_budget``)."""
+    from skymesh.planning.week_diagnose import parity_budget
+
+    targets = {m: v["slo_attainment"] for m, v in reactive["per_model"].items()}
+    try:
+        bound = parity_budget(cfg, demand, targets)
+    except ValueError:  # a target no capacity reaches in the fluid model (e.g. 100%)
+        return None
+    return {"gpu_hours": bound["gpu_hours"], "rho": bound["rho"],
+            "vs_reactive": bound["gpu_hours"] / reactive["gpu_hours"], "targets": targets}
+
+
 def print_summary(res: dict[str, Any]) -> None:
     print(f"capacity-week: {res['setup']['days']:g} days, step {res['setup']['step_s']:g} s, "
           f"forecaster {res['setup']['forecaster']}")
@@ -883,6 +898,10 @@ def print_summary(res: dict[str, Any]) -> None:
         print(f"  {name:<9} {s['gpu_hours']:9.1f} {ratio:>11} "
               f"{s['slo_attainment'] * 100:7.2f}% {p95_ok} {s['scaling_events']:7d} "
               f"{s['scaling_gpu_hours']:13.1f} {s['spot_donated_instance_hours']:11.1f}{batch}")
+    par = res.get("clairvoyant_parity")
+    if par:
+        print(f"  a clairvoyant allocator matching reactive model by model needs "
+              f"{par['vs_reactive']:.3f}x its GPU-hours")
 
 
 # WeekConfig fields ``--week-param KEY=VALUE`` may set, with how to read the value.

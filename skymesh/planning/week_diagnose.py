@@ -19,6 +19,7 @@ import itertools
 import json
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -141,6 +142,35 @@ def diagnose(trace: WeekTrace, slo_s: dict[str, float], t0_s: dict[str, float],
     }
 
 
+@dataclass(frozen=True)
+class _Fluid:
+    """The clairvoyant fluid model of the week (see :func:`fluid_bound`)."""
+
+    unit: dict[str, float]  # GPU-hours per (tokens/s of load at rho = 1), per model
+    batch_gpu_hours: float  # batch work run full on capacity of its own
+    weight: dict[str, float]  # interactive requests, up to one factor
+    t0: dict[str, float]
+    slo: dict[str, float]
+
+    def att(self, m: str, rho: float) -> float:
+        return float(attainment(self.slo[m], np.zeros(1),
+                                np.array([self.t0[m] / (1 - rho)]))[0])
+
+
+def _fluid(cfg: WeekConfig, demand: Demand) -> _Fluid:
+    dt = demand.step_s
+    load = {m: np.concatenate([demand.tps[(m, r)] for r in REGIONS]) for m in MODELS}
+    gpus = {m: get_profile(MODELS[m][0]).num_gpus for m in MODELS}
+    unit = {m: float(load[m].sum()) * dt / 3600 * gpus[m] / demand.caps[m].mu_t
+            for m in MODELS}
+    batch = sum(cfg.batch_share * float(np.mean(np.sum([demand.tps[(m, r)] for r in REGIONS],
+                                                       axis=0)))
+                * cfg.days * 24 * gpus[m] / demand.caps[m].mu_t for m in MODELS)
+    t0 = {m: demand.caps[m].prompt_len / demand.caps[m].mu_p for m in MODELS}
+    return _Fluid(unit, batch, {m: float(load[m].sum()) for m in MODELS}, t0,
+                  {m: cfg.slo_factor * t0[m] for m in MODELS})
+
+
 def fluid_bound(cfg: WeekConfig, demand: Demand, budget_gpu_hours: float,
                 per_model: bool = True) -> dict[str, Any]:
     """The best interactive SLO attainment any strategy can reach in this latency model
@@ -153,29 +183,15 @@ def fluid_bound(cfg: WeekConfig, demand: Demand, budget_gpu_hours: float,
     attainment, as reactive's models do) and the bound is lower."""
     from scipy.optimize import brentq
 
-    dt = demand.step_s
+    f = _fluid(cfg, demand)
     models = list(MODELS)
-    load = {m: np.concatenate([demand.tps[(m, r)] for r in REGIONS]) for m in models}
-    gpus = {m: get_profile(MODELS[m][0]).num_gpus for m in models}
-    # GPU-hours per (tokens/s of load at rho = 1): the cost of one model's capacity.
-    unit = {m: float(load[m].sum()) * dt / 3600 * gpus[m] / demand.caps[m].mu_t
-            for m in models}
-    batch = sum(cfg.batch_share * float(np.mean(np.sum([demand.tps[(m, r)] for r in REGIONS],
-                                                       axis=0)))
-                * cfg.days * 24 * gpus[m] / demand.caps[m].mu_t for m in models)
-    interactive_budget = budget_gpu_hours - batch
-    t0 = {m: demand.caps[m].prompt_len / demand.caps[m].mu_p for m in models}
-    slo = {m: cfg.slo_factor * t0[m] for m in models}
-
-    def att(m: str, rho: float) -> float:
-        return float(attainment(slo[m], np.zeros(1), np.array([t0[m] / (1 - rho)]))[0])
-
-    weight = {m: float(load[m].sum()) for m in models}  # requests, up to one factor
+    interactive_budget = budget_gpu_hours - f.batch_gpu_hours
 
     def gain(m: str, rho: float, h: float = 1e-5) -> float:
         # Requests that meet the SLO per extra GPU-hour: capacity = unit / rho, so
         # d(weight * a(rho)) / d(unit / rho) = weight * rho^2 |a'(rho)| / unit.
-        return weight[m] * rho * rho * (att(m, rho - h) - att(m, rho + h)) / (2 * h) / unit[m]
+        return (f.weight[m] * rho * rho * (f.att(m, rho - h) - f.att(m, rho + h)) / (2 * h)
+                / f.unit[m])
 
     def rhos_for(lam: float) -> dict[str, float]:
         out = {}
@@ -190,9 +206,9 @@ def fluid_bound(cfg: WeekConfig, demand: Demand, budget_gpu_hours: float,
         return out
 
     def spend(lam: float) -> float:
-        return sum(unit[m] / rho for m, rho in rhos_for(lam).items())
+        return sum(f.unit[m] / rho for m, rho in rhos_for(lam).items())
 
-    if interactive_budget <= sum(unit.values()):
+    if interactive_budget <= sum(f.unit.values()):
         raise ValueError("budget below what the load needs at 100% utilisation")
     if per_model:
         lo_l, hi_l = 1e-15, 1.0
@@ -201,12 +217,33 @@ def fluid_bound(cfg: WeekConfig, demand: Demand, budget_gpu_hours: float,
         lam = brentq(lambda x: spend(x) - interactive_budget, lo_l, hi_l, xtol=1e-14)
         rhos = rhos_for(lam)
     else:
-        one = sum(unit.values()) / interactive_budget
+        one = sum(f.unit.values()) / interactive_budget
         rhos = dict.fromkeys(models, one)
-    total = sum(weight.values())
-    return {"budget_gpu_hours": budget_gpu_hours, "batch_gpu_hours": batch,
+    total = sum(f.weight.values())
+    return {"budget_gpu_hours": budget_gpu_hours, "batch_gpu_hours": f.batch_gpu_hours,
             "rho": rhos,
-            "slo_attainment": sum(weight[m] * att(m, rhos[m]) for m in models) / total}
+            "slo_attainment": sum(f.weight[m] * f.att(m, rhos[m]) for m in models) / total}
+
+
+def parity_budget(cfg: WeekConfig, demand: Demand,
+                  targets: dict[str, float]) -> dict[str, Any]:
+    """The fewest GPU-hours on which the clairvoyant of :func:`fluid_bound` gives every
+    model at least its target attainment (reactive's own, model by model): each model
+    runs at the highest ``rho`` that still meets its target. No strategy in this latency
+    model matches reactive model by model on less."""
+    from scipy.optimize import brentq
+
+    f = _fluid(cfg, demand)
+    rhos = {}
+    for m, target in targets.items():
+        if not 0 < target < 1:
+            raise ValueError(f"target attainment for {m} must be in (0, 1), got {target}")
+        lo, hi = 1e-4, 1 - 1e-9
+        if f.att(m, lo) < target:
+            raise ValueError(f"{m}: even an idle pool misses the target {target}")
+        rhos[m] = brentq(lambda r, m=m, t=target: f.att(m, r) - t, lo, hi, xtol=1e-12)
+    return {"rho": rhos,
+            "gpu_hours": f.batch_gpu_hours + sum(f.unit[m] / rhos[m] for m in rhos)}
 
 
 def oracle_forecast(demand: Demand) -> None:

@@ -31,6 +31,10 @@ def test_capacity_week_short_form_writes_the_contract(tmp_path: Path) -> None:
     # The plan-driven strategies solved one ILP per simulated hour (6 h).
     assert res["strategies"]["lt-u"]["ilp_solves"] == 6
     assert res["strategies"]["reactive"]["ilp_solves"] == 0
+    # A clairvoyant matches reactive model by model on fewer GPU-hours (a floor for
+    # the "equal SLO" comparison), and says so in the printed summary.
+    assert 0 < res["clairvoyant_parity"]["vs_reactive"] < 1
+    assert "clairvoyant allocator" in proc.stdout
     assert "lt-ua" in proc.stdout
 
 

@@ -15,7 +15,7 @@ from skymesh.planning.capacity_week import (
     parse_week_params,
     run_strategy,
 )
-from skymesh.planning.week_diagnose import STATES, classify, fluid_bound
+from skymesh.planning.week_diagnose import STATES, _fluid, classify, fluid_bound, parity_budget
 
 SHORT = dict(days=0.25, step_s=30.0)
 KEY = ("m-mid", "us")
@@ -139,3 +139,21 @@ def test_fluid_bound_grows_with_the_budget_and_runs_dear_models_fuller() -> None
     assert one["slo_attainment"] < lo["slo_attainment"]
     with pytest.raises(ValueError, match="budget"):
         fluid_bound(cfg, demand, 1.0)
+
+
+def test_parity_budget_inverts_the_fluid_bound() -> None:
+    """The fewest GPU-hours that give each model the attainment the bound's optimum gives
+    it are the bound's own budget; a stricter target costs more; 100% is unreachable."""
+    cfg = WeekConfig(**SHORT, batch_share=0.0)
+    demand = build_demand(cfg)
+    best = fluid_bound(cfg, demand, 700.0)
+    f = _fluid(cfg, demand)
+    targets = {m: f.att(m, rho) for m, rho in best["rho"].items()}
+    par = parity_budget(cfg, demand, targets)
+    assert par["gpu_hours"] == pytest.approx(700.0, rel=1e-6)
+    assert par["rho"] == pytest.approx(best["rho"], rel=1e-6)
+    stricter = parity_budget(cfg, demand, {**targets, "m-mid": targets["m-mid"] + 0.001})
+    assert stricter["gpu_hours"] > par["gpu_hours"]
+    assert stricter["rho"]["m-large"] == pytest.approx(par["rho"]["m-large"])
+    with pytest.raises(ValueError, match="m-small"):
+        parity_budget(cfg, demand, {**targets, "m-small": 1.0})
