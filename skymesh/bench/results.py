@@ -97,6 +97,9 @@ def render(paths: list[Path]) -> str:
         tt = targets_table(res)
         if tt:
             out += ["", "Targets (mesh = skymesh-prefix):", "", tt]
+        ceilings = skylb_macro.format_ceilings(res.get("comparisons", {}))
+        if ceilings:
+            out += ["", ceilings]
         if res.get("peers_table"):
             out += ["", res["peers_table"]]
         if res.get("plots"):

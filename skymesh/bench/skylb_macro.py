@@ -345,6 +345,49 @@ def run_sim(spec: WorkloadSpec, system: str, duration_s: float, seed: int) -> di
     return row
 
 
+# The ceiling's fleet, per region, as a multiple of the workload's: enough that no request
+# queues and every batch stays small (4x and 16x differ by under 4% in throughput).
+CEILING_REPLICAS_X = 16
+
+
+def throughput_ceiling(spec: WorkloadSpec, duration_s: float, seed: int) -> dict[str, Any]:
+    """What any placement could serve this client population at most: the oracle (every
+    prefix found, no WAN) in front of ``CEILING_REPLICAS_X`` times the replicas, so no
+    request waits and decode runs at its small-batch speed. Closed-loop clients send their
+    next request only after the reply, so no router on the real fleet does more."""
+    big = replace(spec, replicas={r: CEILING_REPLICAS_X * n for r, n in spec.replicas.items()})
+    row = run_sim(big, "oracle", duration_s, seed)
+    return {"throughput_rps": row["throughput_rps"], "ttft_p90_s": row["ttft_p90_s"],
+            "e2e_p50_s": row["e2e_p50_s"], "replicas_x": CEILING_REPLICAS_X}
+
+
+def add_ceilings(comp: dict[str, dict[str, Any]], rows: Sequence[dict[str, Any]],
+                 ceilings: Mapping[str, dict[str, Any]]) -> None:
+    """Each workload's ceiling against its best single balancer, beside the mesh's ratio."""
+    for w, ceil in ceilings.items():
+        c = comp.get(w)
+        if c is None or "best_single" not in c:
+            continue
+        best = _by(rows, w)[c["best_single"]]["throughput_rps"]
+        c["ceiling_throughput_x_vs_best_single"] = ceil["throughput_rps"] / max(best, 1e-9)
+
+
+def format_ceilings(comp: Mapping[str, dict[str, Any]]) -> str:
+    rows = [(w, c) for w, c in comp.items() if "ceiling_throughput_x_vs_best_single" in c]
+    if not rows:
+        return ""
+    lines = ["### Throughput ceiling (any placement, this client population)", "",
+             f"The oracle with {CEILING_REPLICAS_X}x the replicas and no WAN: what no router "
+             "on the real fleet can beat.", "",
+             "| workload | best single | mesh vs it | ceiling vs it | target |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    for w, c in rows:
+        lines.append(f"| {w} | {c['best_single']} | {c['throughput_x_vs_best_single']:.3f}x |"
+                     f" {c['ceiling_throughput_x_vs_best_single']:.3f}x |"
+                     f" {TARGETS['throughput_x_vs_best_single']:g}x |")
+    return "\n".join(lines)
+
+
 def sweep(opts: Options, runner: Callable[[WorkloadSpec, str], dict[str, Any]],
           specs: Mapping[str, WorkloadSpec] | None = None) -> list[dict[str, Any]]:
     from tqdm import tqdm
@@ -528,9 +571,16 @@ def run_sim_sweep(opts: Options, specs: Mapping[str, WorkloadSpec] | None = None
 
     t0 = time.perf_counter()
     rows = sweep(opts, one, specs)
+    comp = comparisons(rows)
+    ceilings: dict[str, dict[str, Any]] = {}
+    if "oracle" in opts.systems:
+        ceilings = {w: throughput_ceiling(specs[w], opts.duration_s, opts.seed)
+                    for w in opts.workloads}
+        add_ceilings(comp, rows, ceilings)
     return {
         "runs": rows,
-        "comparisons": comparisons(rows),
+        "comparisons": comp,
+        "ceiling": ceilings,
         "paper": PAPER,
         "targets": TARGETS,
         "setup": {"mode": "sim", "regions": REGIONS,
@@ -557,6 +607,9 @@ def run(opts: Options, specs: Mapping[str, WorkloadSpec] | None = None) -> dict[
         label = "(simulator" + (", clients x " + ", ".join(
             f"{x:g} on {w}" for w, x in scaled.items()) if scaled else "") + ")"
     print(format_tables(res["runs"], label, specs))
+    ceilings = format_ceilings(res.get("comparisons", {}))
+    if ceilings:
+        print("\n" + ceilings)
     extra = res.get("peers_table")
     if extra:
         print("\n" + extra)

@@ -62,6 +62,19 @@ def test_oracle_hit_rate_bounds_every_system(quick: tuple[dict[str, Any], Path])
         assert oracle >= by[worst] - 0.01, (workload, worst, by[worst], oracle)
 
 
+def test_throughput_ceiling_is_above_every_system(quick: tuple[dict[str, Any], Path]) -> None:
+    """The ceiling (oracle, 16x replicas, no WAN) serves the same clients faster than any
+    system on the real fleet; its ratio to the best single balancer is reported."""
+    res, _ = quick
+    for workload in skylb_macro.QUICK_WORKLOADS:
+        ceiling = res["ceiling"][workload]["throughput_rps"]
+        runs = [r for r in res["runs"] if r["workload"] == workload]
+        assert all(ceiling > r["throughput_rps"] for r in runs), workload
+        c = res["comparisons"][workload]
+        assert c["ceiling_throughput_x_vs_best_single"] > max(
+            1.0, c["throughput_x_vs_best_single"])
+
+
 def test_single_balancer_pays_the_rtt() -> None:
     """A single US balancer: eu and asia clients' TTFT includes their RTT to it; the same
     balancer with the RTTs scaled to zero does not."""
@@ -112,7 +125,7 @@ def test_results_generator_prints_commands(quick: tuple[dict[str, Any], Path],
     text = results.render([path])
     assert f"--json {path}" in text
     assert "--workloads chat-wildchat,mixed-tree" in text
-    assert "| oracle |" in text and "Targets" in text
+    assert "| oracle |" in text and "Targets" in text and "Throughput ceiling" in text
 
 
 def test_live_smoke(tmp_path: Path) -> None:
