@@ -73,6 +73,9 @@ def test_throughput_ceiling_is_above_every_system(quick: tuple[dict[str, Any], P
         c = res["comparisons"][workload]
         assert c["ceiling_throughput_x_vs_best_single"] > max(
             1.0, c["throughput_x_vs_best_single"])
+        # No queue and no WAN: the lowest P90 TTFT any router could give these clients.
+        assert c["ceiling_ttft_p90_frac_of_best_single"] < min(
+            1.0, c["ttft_p90_frac_of_best_single"])
 
 
 def test_single_balancer_pays_the_rtt() -> None:
