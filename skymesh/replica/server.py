@@ -291,16 +291,21 @@ async def _generate(
             replica.driver.abort(handle.request_id)
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
+async def _chat_input(request: web.Request) -> tuple[Replica, dict[str, Any], str]:
+    """A chat request's body, checked, and its messages rendered to the prompt text."""
     replica = request.app[REPLICA]
     body = await _read_json(request, replica.config.max_body_bytes)
     _check_model(replica, body)
     if "messages" not in body:
         raise ApiError(400, "messages is required", param="messages")
     try:
-        text = render_chat(body["messages"])
+        return replica, body, render_chat(body["messages"])
     except PromptError as exc:
         raise ApiError(400, exc.message, param=exc.param) from None
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    replica, body, text = await _chat_input(request)
     p = _gen_params(body, chat=True)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     handle = _submit(replica, rid, replica.tokenizer.encode(text), p, "messages")
@@ -443,15 +448,7 @@ async def render_completions(request: web.Request) -> web.Response:
 
 async def render_chat_completions(request: web.Request) -> web.Response:
     """vLLM's ``/v1/chat/completions/render``: one GenerateRequest for the conversation."""
-    r = request.app[REPLICA]
-    body = await _read_json(request, r.config.max_body_bytes)
-    _check_model(r, body)
-    if "messages" not in body:
-        raise ApiError(400, "messages is required", param="messages")
-    try:
-        text = render_chat(body["messages"])
-    except PromptError as exc:
-        raise ApiError(400, exc.message, param=exc.param) from None
+    r, body, text = await _chat_input(request)
     out = _render_request(r, body, f"chatcmpl-{uuid.uuid4().hex}", r.tokenizer.encode(text),
                           _gen_params(body, chat=True))
     return web.json_response({**out, "assistant_tokens_mask": None})
