@@ -139,7 +139,6 @@ def print_result(res: dict[str, Any]) -> None:
               f"({res['scipy_milp_status']}; highspy {res['speedup_vs_scipy']:.2f}x faster)")
 
 
-
 def run_experiment(args: Any) -> dict[str, Any]:
     """``skymesh bench plan-ilp``: the issue's 10 regions x 8 models x 4 GPU types."""
     res = run(seed=args.seed)

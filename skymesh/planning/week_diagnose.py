@@ -143,7 +143,7 @@ def diagnose(trace: WeekTrace, slo_s: dict[str, float], t0_s: dict[str, float],
 
 
 @dataclass(frozen=True)
-class _Fluid:
+class FluidModel:
     """The clairvoyant fluid model of the week (see :func:`fluid_bound`)."""
 
     unit: dict[str, float]  # GPU-hours per (tokens/s of load at rho = 1), per model
@@ -157,7 +157,7 @@ class _Fluid:
                                 np.array([self.t0[m] / (1 - rho)]))[0])
 
 
-def _fluid(cfg: WeekConfig, demand: Demand) -> _Fluid:
+def fluid_model(cfg: WeekConfig, demand: Demand) -> FluidModel:
     dt = demand.step_s
     load = {m: np.concatenate([demand.tps[(m, r)] for r in REGIONS]) for m in MODELS}
     gpus = {m: get_profile(MODELS[m][0]).num_gpus for m in MODELS}
@@ -167,7 +167,7 @@ def _fluid(cfg: WeekConfig, demand: Demand) -> _Fluid:
                                                        axis=0)))
                 * cfg.days * 24 * gpus[m] / demand.caps[m].mu_t for m in MODELS)
     t0 = {m: demand.caps[m].prompt_len / demand.caps[m].mu_p for m in MODELS}
-    return _Fluid(unit, batch, {m: float(load[m].sum()) for m in MODELS}, t0,
+    return FluidModel(unit, batch, {m: float(load[m].sum()) for m in MODELS}, t0,
                   {m: cfg.slo_factor * t0[m] for m in MODELS})
 
 
@@ -183,7 +183,7 @@ def fluid_bound(cfg: WeekConfig, demand: Demand, budget_gpu_hours: float,
     attainment, as reactive's models do) and the bound is lower."""
     from scipy.optimize import brentq
 
-    f = _fluid(cfg, demand)
+    f = fluid_model(cfg, demand)
     models = list(MODELS)
     interactive_budget = budget_gpu_hours - f.batch_gpu_hours
 
@@ -233,7 +233,7 @@ def parity_budget(cfg: WeekConfig, demand: Demand,
     model matches reactive model by model on less."""
     from scipy.optimize import brentq
 
-    f = _fluid(cfg, demand)
+    f = fluid_model(cfg, demand)
     rhos = {}
     for m, target in targets.items():
         if not 0 < target < 1:

@@ -15,7 +15,7 @@ from skymesh.planning.capacity_week import (
     parse_week_params,
     run_strategy,
 )
-from skymesh.planning.week_diagnose import STATES, _fluid, classify, fluid_bound, parity_budget
+from skymesh.planning.week_diagnose import STATES, classify, fluid_bound, fluid_model, parity_budget
 
 SHORT = dict(days=0.25, step_s=30.0)
 KEY = ("m-mid", "us")
@@ -147,7 +147,7 @@ def test_parity_budget_inverts_the_fluid_bound() -> None:
     cfg = WeekConfig(**SHORT, batch_share=0.0)
     demand = build_demand(cfg)
     best = fluid_bound(cfg, demand, 700.0)
-    f = _fluid(cfg, demand)
+    f = fluid_model(cfg, demand)
     targets = {m: f.att(m, rho) for m, rho in best["rho"].items()}
     par = parity_budget(cfg, demand, targets)
     assert par["gpu_hours"] == pytest.approx(700.0, rel=1e-6)
