@@ -948,17 +948,22 @@ def _config(args: Any) -> WeekConfig:
                       **parse_week_params(getattr(args, "week_param", None)))
 
 
-def run_cli(args: Any) -> int:
-    """``skymesh sim --experiment capacity-week``: exit 2 with a message on bad input."""
+def _run_args(args: Any, command: str) -> dict[str, Any]:
+    """The week for a command line's ``args``; bad input exits 2 with a one-line message."""
     import sys
 
+    try:
+        return run(_config(args))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def run_cli(args: Any) -> int:
+    """``skymesh sim --experiment capacity-week``."""
     from skymesh.cli import write_json
 
-    try:
-        res = run(_config(args))
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"skymesh sim --experiment capacity-week: {exc}", file=sys.stderr)
-        return 2
+    res = _run_args(args, "skymesh sim --experiment capacity-week")
     print_summary(res)
     write_json(args.json, res)
     return 0
@@ -967,6 +972,6 @@ def run_cli(args: Any) -> int:
 def run_experiment(args: Any) -> dict[str, Any]:
     """``skymesh bench capacity-week``: the same week with its defaults (``--duration`` in
     simulated seconds and ``--seed`` apply)."""
-    res = run(_config(args))
+    res = _run_args(args, "skymesh bench capacity-week")
     print_summary(res)
     return res

@@ -66,6 +66,9 @@ def test_sim_needs_exactly_one_of_workload_and_experiment() -> None:
     bad = run("sim", "--experiment", "capacity-week", "--days", "9")
     assert bad.returncode == 2 and "days must be in" in bad.stderr
     assert "Traceback" not in bad.stderr
+    bad = run("bench", "capacity-week", "--duration", str(9 * 86400))
+    assert bad.returncode == 2 and "skymesh bench capacity-week: days must be in" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_plan_bench_writes_the_contract(tmp_path: Path) -> None:
