@@ -158,13 +158,16 @@ async def send(s: aiohttp.ClientSession, base: str, body: dict[str, Any], tally:
 
 async def closed_loop(s: aiohttp.ClientSession, base: str | Any, tally: Tally, *,
                       stop_at: float, deadline_s: float, max_tokens: int, stream: bool,
-                      tag: str, retry_refused: bool = False, prompt_words: int = 0) -> None:
-    """One client sending back to back until ``stop_at``. ``base`` may be a callable
+                      tag: str, retry_refused: bool = False, prompt_words: int = 0,
+                      stop: asyncio.Event | None = None) -> None:
+    """One client sending back to back until ``stop_at`` or until ``stop`` is set (a
+    scenario whose phases wait on conditions ends its load when they are done, with
+    ``stop_at`` as the bound). ``base`` may be a callable
     returning the current URL (DNS following a restarted daemon). With
     ``retry_refused`` a refused connection is retried until ``deadline_s`` has passed,
     as a client library would against a name whose target is restarting."""
     i = 0
-    while time.monotonic() < stop_at:
+    while time.monotonic() < stop_at and not (stop is not None and stop.is_set()):
         i += 1
         body = chat_body(f"{tag} request {i}: tell me something", max_tokens, stream,
                          prompt_words)

@@ -229,10 +229,14 @@ async def peer_partition(workdir: Path, short: bool) -> Result:
                 return next(str(p["liveness"]) for p in st["mesh"]["peers"]
                             if p["id"] == "lb-eu")
 
-            stop_at = time.monotonic() + 3 * phase_s
+            # The load lasts until the healed phase is over, however long the waits on
+            # the mesh take on a slow machine; the bound only stops a scenario gone wrong.
+            stop = asyncio.Event()
+            stop_at = time.monotonic() + 3 * phase_s + 3 * SETTLE_S
             load = [asyncio.create_task(fc.closed_loop(
                 s, us, res.tally, stop_at=stop_at, deadline_s=DEADLINE_S, max_tokens=300,
-                stream=True, tag=f"u{i}", prompt_words=1500)) for i in range(clients)]
+                stream=True, tag=f"u{i}", prompt_words=1500, stop=stop))
+                for i in range(clients)]
             await asyncio.sleep(phase_s)
             out_before = (await status(s, us))["mesh"]["forwarded_out"]
 
@@ -240,8 +244,13 @@ async def peer_partition(workdir: Path, short: bool) -> Result:
                 st = await status(s, mesh.lbs["eu"].url)
                 return any(r["in_flight"] for r in st["replicas"].values())
             # Cut the link while a forwarded stream is on it: the hard case.
-            await wait_for(eu_serving_forwarded, "a request forwarded to eu in flight",
-                           SETTLE_S)
+            try:
+                await wait_for(eu_serving_forwarded, "a request forwarded to eu in flight",
+                               SETTLE_S)
+            except TimeoutError as e:
+                st = await status(s, us)
+                raise TimeoutError(f"{e}; lb-us forwarded {st['mesh']['forwarded_out']}, "
+                                   f"its peers: {st['mesh']['peers']}") from e
             mesh.partition("us", "eu")
             t_part = time.monotonic()
 
@@ -265,6 +274,8 @@ async def peer_partition(workdir: Path, short: bool) -> Result:
                 res.info["alive_after_heal_s"] = round(time.monotonic() - t_heal, 2)
             except TimeoutError:
                 res.checks["healed_peer_alive_again"] = False
+            await asyncio.sleep(max(0.0, phase_s - (time.monotonic() - t_heal)))
+            stop.set()
             await asyncio.gather(*load)
             st = await status(s, us)
             res.info["forwarded_out"] = st["mesh"]["forwarded_out"]
