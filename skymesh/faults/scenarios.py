@@ -182,10 +182,13 @@ async def balancer_restart(workdir: Path, short: bool) -> Result:
     try:
         async with fc.session() as s:
             await _ready(s, lb, 2)
-            stop_at = time.monotonic() + 2 * phase_s
+            # The load runs a phase past the restart, however long the restart takes.
+            stop = asyncio.Event()
+            stop_at = time.monotonic() + 2 * phase_s + SETTLE_S
             load = [asyncio.create_task(fc.closed_loop(
                 s, url, res.tally, stop_at=stop_at, deadline_s=DEADLINE_S, max_tokens=150,
-                stream=True, tag=f"c{i}", retry_refused=True)) for i in range(clients)]
+                stream=True, tag=f"c{i}", retry_refused=True, stop=stop))
+                for i in range(clients)]
             await asyncio.sleep(phase_s)
             retried_old = await _retries(s, [url])
             before = res.tally.completed
@@ -195,6 +198,8 @@ async def balancer_restart(workdir: Path, short: bool) -> Result:
             res.info["stop_seconds"] = round(time.monotonic() - t_stop, 2)
             new = await start_lb(workdir, reps, port=port, name="lb-2")
             res.info["down_seconds"] = round(time.monotonic() - t_stop, 2)
+            await asyncio.sleep(phase_s)
+            stop.set()
             await asyncio.gather(*load)
             res.checks["restarted_on_same_address"] = new.url == url
             res.checks["restarted_balancer_served"] = res.tally.completed > before
@@ -323,10 +328,12 @@ async def controller_restart(workdir: Path, short: bool) -> Result:
                 return bool(c["registered"]) and c["error"] is None and c["revision"] >= 0
             await wait_for(synced, "the balancer registered with the controller", SETTLE_S)
             await _ready(s, lb, 2)
-            stop_at = time.monotonic() + 3 * phase_s
+            # The load runs until the balancer has re-synced, however long that takes.
+            stop = asyncio.Event()
+            stop_at = time.monotonic() + 3 * phase_s + 3 * SETTLE_S
             load = [asyncio.create_task(fc.closed_loop(
                 s, lb_url, res.tally, stop_at=stop_at, deadline_s=DEADLINE_S, max_tokens=32,
-                stream=True, tag=f"c{i}")) for i in range(clients)]
+                stream=True, tag=f"c{i}", stop=stop)) for i in range(clients)]
             await asyncio.sleep(phase_s)
             await asyncio.to_thread(ctl.stop)
             during = res.tally.completed
@@ -344,6 +351,7 @@ async def controller_restart(workdir: Path, short: bool) -> Result:
                 res.checks["balancer_resynced"] = True
             except TimeoutError:
                 res.checks["balancer_resynced"] = False
+            stop.set()
             await asyncio.gather(*load)
             res.checks["every_request_completed"] = res.tally.completed == res.tally.sent > 0
             res.tally.retried = await _retries(s, [lb_url])
