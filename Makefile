@@ -4,14 +4,21 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-test
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# pipefail: a failed pip install must fail the target even though its output is filtered.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
 
-.PHONY: install demo test lint typecheck bench system-deps clean protos
+.PHONY: install demo test lint typecheck bench system-deps clean protos lock
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test,forecast,predict]' 2>&1 | grep -v "is ignored" || true
+LOCK   := requirements/lock.txt
+EXTRAS := test,forecast,predict
+
+# Every install resolves from the checked-in lock, so a fresh machine gets what CI got.
+$(STAMP): pyproject.toml $(LOCK) | $(BIN)/python
+	$(BIN)/pip install -q -c $(LOCK) -e '.[$(EXTRAS)]' 2>&1 | { grep -v "is ignored" || true; }
 	$(BIN)/python -m skymesh.mesh.codegen
 	$(BIN)/python -c "import skymesh, aiohttp, pytest" 
 	touch $@
@@ -50,6 +57,15 @@ typecheck: lint
 bench: install
 	$(BIN)/python -m skymesh.bench
 
+# Refresh the lock: resolve pyproject.toml's ranges afresh in a scratch venv and freeze.
+# torch stays at the contract's exact pin (2.13.0, the CPU build on this machine's disk).
+lock:
+	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/pip install -q -e '.[$(EXTRAS)]' 2>&1 | { grep -v "is ignored" || true; }
+	{ head -3 $(LOCK); .lock-venv/bin/pip freeze --exclude-editable \
+	  | grep -iv '^skymesh' | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/'; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK) && rm -rf .lock-venv
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache out
 
@@ -62,3 +78,14 @@ soak: install
 	$(BIN)/python -m skymesh.faults.soak --json out/soak.json
 
 .PHONY: faults soak
+
+# The real-engine lane (docs/engines.md): builds once, cached outside the repository
+# (SKYMESH_E2E_CACHE, default ~/.cache/skymesh-e2e), a venv with vLLM's CPU build
+# (tools/e2e/requirements-vllm.lock) and a tiny model made offline, then runs tests/e2e
+# against two real vLLM servers behind skymesh-lb. Not in `make test` (see the doc).
+e2e: install
+	$(PYTHON) tools/e2e/build_env.py
+	SKYMESH_E2E_ENV="$$($(PYTHON) tools/e2e/build_env.py --where)" \
+	  $(BIN)/pytest -q -p no:cacheprovider -rxXs tests/e2e
+
+.PHONY: e2e
