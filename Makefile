@@ -14,7 +14,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 LOCK   := requirements/lock.txt
-EXTRAS := test,forecast,predict
+EXTRAS := lab,test,forecast,predict
 
 # Every install resolves from the checked-in lock, so a fresh machine gets what CI got.
 $(STAMP): pyproject.toml $(LOCK) | $(BIN)/python
@@ -30,9 +30,10 @@ install: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python -m skymesh.mesh.codegen --force
 
-# System pieces the tests need: redis-server (controller state store tests) and Chromium
-# (the dashboard's browser test), from Debian.
-SYSTEM_PKGS := redis-server:redis-server chromium:chromium
+# System pieces the tests need: redis-server (controller state store tests), Chromium
+# (the dashboard's browser test) and promtool (the alert-rule tests; Debian ships it in
+# the prometheus package, whose server the tests do not use), from Debian.
+SYSTEM_PKGS := redis-server:redis-server chromium:chromium promtool:prometheus
 system-deps:
 	@missing=""; for pair in $(SYSTEM_PKGS); do \
 	  command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair##*:}"; done; \
@@ -44,9 +45,18 @@ system-deps:
 demo: install
 	$(BIN)/python -m skymesh.demo
 
-test: install system-deps
+# checkov, for the Kubernetes manifest test, lives in its own venv outside the repository
+# (about 100 packages the project does not otherwise need), from its own lock.
+CHECKOV_VENV := $(HOME)/.cache/skymesh/checkov-venv
+CHECKOV      := $(CHECKOV_VENV)/bin/checkov
+$(CHECKOV): requirements/checkov.lock
+	rm -rf $(CHECKOV_VENV) && $(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install -q -r requirements/checkov.lock 2>&1 | { grep -v "is ignored" || true; }
+	touch $@
+
+test: install system-deps $(CHECKOV)
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -p no:cacheprovider
+	CHECKOV=$(CHECKOV) $(BIN)/pytest -q -p no:cacheprovider
 
 lint: install
 	$(BIN)/ruff check .
@@ -62,8 +72,8 @@ bench: install
 lock:
 	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
 	.lock-venv/bin/pip install -q -e '.[$(EXTRAS)]' 2>&1 | { grep -v "is ignored" || true; }
-	{ head -3 $(LOCK); .lock-venv/bin/pip freeze --exclude-editable \
-	  | grep -iv '^skymesh' | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/'; } > $(LOCK).new
+	{ head -3 $(LOCK); .lock-venv/bin/pip freeze --all --exclude-editable \
+	  | grep -iv "^skymesh\|^pip==" | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/'; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK) && rm -rf .lock-venv
 
 clean:

@@ -1,7 +1,11 @@
 """The admin API (FastAPI): resources under ``/v1/``, ``/health`` open, the rest by token.
 
 Errors use one shape, ``{"error": {"type", "message"}}``; validation errors (422) also list
-each offending field under ``error.fields`` and name it in the message.
+each offending field under ``error.fields`` and name it in the message. Balancers and
+replicas carry an ``owner`` (the token's name): an ``agent`` token changes only what it
+owns (POST of another's id is 409, PUT/PATCH of it 403), an ``admin`` token anything.
+``/openapi.json``, ``/docs`` and ``/redoc`` are off unless ``api_docs: true``, and then
+need a read token like the rest.
 """
 
 
@@ -13,47 +17,96 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from controller.auth import Principal, TokenBook, allowed
 from controller.config import ControllerConfig, Role
 from controller.dashboard import mount_dashboard
 from controller.forecasting import walk_forward
+from controller.metrics import install_metrics
 from controller.models import (
     BalancerIn,
+    BalancerPatch,
+    BalancerUpdate,
     DnsSyncIn,
+    ErrorOut,
     ModelIn,
     PolicyIn,
     RegionIn,
     ReplicaIn,
+    ReplicaPatch,
+    ReplicaUpdate,
     TelemetryIn,
 )
 from controller.series import telemetry_series as telemetry_series_of
 from controller.series import to_csv as series_csv
 from controller.service import ApiError, Controller, DnsHook
 from controller.store import Obj, Store, StoreError, open_store
+from skymesh.urlpolicy import Resolver, system_resolver
 
 MAX_FORECAST_SERIES = 24
 
 ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"description": "missing or unknown token"},
-    403: {"description": "the token's role may not do this"},
-    422: {"description": "invalid body or parameter; the message names the field"},
-}
+    status: {"model": ErrorOut, "description": why} for status, why in (
+        (400, "the body is not JSON"),
+        (401, "missing or unknown token"),
+        (403, "the token's role may not do this, or the record belongs to another token"),
+        (404, "no such record"),
+        (409, "conflicts with the current state (an id owned by another token, a URL "
+              "registered twice, a region still in use...)"),
+        (413, "body over max_body_bytes"),
+        (422, "invalid body or parameter (including a URL the url_policy refuses); the "
+              "message names the field"),
+        (503, "the state store is unreachable"),
+    )}
 
 
-def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None,
+           **extra: Any) -> JSONResponse:
+    if status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return JSONResponse({"error": {"type": kind, "message": message, **extra}},
                         status_code=status, headers=headers)
 
 
+def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        route_methods = getattr(route, "methods", None)
+        if match != Match.NONE and route_methods:
+            methods |= set(route_methods)
+    return sorted(methods)
+
+
+async def _no_unknown_query(request: Request) -> None:
+    """A query parameter the operation does not declare is a 422, not silently ignored
+    (a typo such as ``?regoin=us`` would otherwise return everything)."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None or not request.query_params:
+        return
+    known: set[str] = set()
+    todo = [dependant]
+    while todo:  # the operation's own parameters and those of its dependencies
+        d = todo.pop()
+        known |= {p.alias for p in d.query_params}
+        todo += d.dependencies
+    unknown = sorted(k for k in request.query_params if k not in known)
+    if unknown:
+        raise ApiError(422, "invalid_request", f"{unknown[0]}: unknown query parameter",
+                       [{"field": k, "message": "unknown query parameter"} for k in unknown])
+
+
 def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | None = None,
-              probe: bool = True) -> FastAPI:
+              probe: bool = True, resolver: Resolver = system_resolver) -> FastAPI:
     tokens = TokenBook(list(cfg.tokens), os.environ.get("SKYMESH_ADMIN_TOKEN"))
-    ctl = Controller(cfg, store if store is not None else open_store(cfg.store), dns)
+    ctl = Controller(cfg, store if store is not None else open_store(cfg.store), dns,
+                     resolver=resolver)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -64,6 +117,8 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
             await ctl.stop()
 
     app = FastAPI(title="SkyMesh controller", version="1.0", lifespan=lifespan,
+                  openapi_url=None, docs_url=None, redoc_url=None,
+                  dependencies=[Depends(_no_unknown_query)],
                   description="Admin API of the SkyMesh mesh: regions, balancers, replicas, "
                               "models, policies, telemetry and status.")
     app.state.controller = ctl
@@ -94,7 +149,8 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.kind, exc.message)
+        extra = {"fields": exc.fields} if exc.fields is not None else {}
+        return _error(exc.status, exc.kind, exc.message, **extra)
 
     @app.exception_handler(StoreError)
     async def store_error(request: Request, exc: StoreError) -> JSONResponse:
@@ -102,7 +158,12 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, "http_error", str(exc.detail))
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # The router names only the first matching route's methods; a path has one
+            # route per method here, so collect them all.
+            headers["Allow"] = ", ".join(_allowed_methods(app, request))
+        return _error(exc.status_code, "http_error", str(exc.detail), headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -117,6 +178,21 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
     @app.get("/health", tags=["health"])
     async def health() -> dict[str, Any]:
         return {"status": "ok"}
+
+    if cfg.api_docs:
+        @app.get("/openapi.json", include_in_schema=False, dependencies=[read])
+        async def openapi() -> JSONResponse:
+            return JSONResponse(app.openapi())
+
+        # Browsers send no bearer token by themselves: these pages work behind a proxy or
+        # an extension that adds the header (docs/security.md).
+        @app.get("/docs", include_in_schema=False, dependencies=[read])
+        async def docs() -> HTMLResponse:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
+
+        @app.get("/redoc", include_in_schema=False, dependencies=[read])
+        async def redoc() -> HTMLResponse:
+            return get_redoc_html(openapi_url="/openapi.json", title=app.title)
 
     # -- regions ---------------------------------------------------------------------------
     @app.get("/v1/regions", tags=["regions"], responses=ERRORS, dependencies=[read])
@@ -142,10 +218,18 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
     async def list_balancers() -> list[Obj]:
         return await ctl.list_kind("balancers")
 
-    @app.post("/v1/balancers", tags=["balancers"], status_code=201, responses=ERRORS,
-              dependencies=[agent])
-    async def register_balancer(body: BalancerIn) -> Obj:
-        return await ctl.register_balancer(body)
+    @app.post("/v1/balancers", tags=["balancers"], status_code=201, responses=ERRORS)
+    async def register_balancer(body: BalancerIn, who: Principal = agent) -> Obj:
+        """Register a balancer, or re-register one the token owns (a restart)."""
+        return await ctl.register_balancer(body, who)
+
+    @app.put("/v1/balancers/{bid}", tags=["balancers"], responses=ERRORS)
+    async def replace_balancer(bid: str, body: BalancerUpdate, who: Principal = agent) -> Obj:
+        return await ctl.update_balancer(bid, body.model_dump(), who)
+
+    @app.patch("/v1/balancers/{bid}", tags=["balancers"], responses=ERRORS)
+    async def patch_balancer(bid: str, body: BalancerPatch, who: Principal = agent) -> Obj:
+        return await ctl.update_balancer(bid, body.model_dump(exclude_unset=True), who)
 
     @app.get("/v1/balancers/{bid}", tags=["balancers"], responses=ERRORS, dependencies=[read])
     async def get_balancer(bid: str) -> Obj:
@@ -175,19 +259,27 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
         return await ctl.membership(bid)
 
     @app.post("/v1/balancers/{bid}/telemetry", tags=["balancers"], status_code=204,
-              responses=ERRORS, dependencies=[agent])
-    async def telemetry_in(bid: str, body: TelemetryIn) -> None:
-        await ctl.report(bid, body)
+              responses=ERRORS)
+    async def telemetry_in(bid: str, body: TelemetryIn, who: Principal = agent) -> None:
+        await ctl.report(bid, body, who)
 
     # -- replicas --------------------------------------------------------------------------
     @app.get("/v1/replicas", tags=["replicas"], responses=ERRORS, dependencies=[read])
     async def list_replicas() -> list[Obj]:
         return await ctl.list_kind("replicas")
 
-    @app.post("/v1/replicas", tags=["replicas"], status_code=201, responses=ERRORS,
-              dependencies=[agent])
-    async def add_replica(body: ReplicaIn) -> Obj:
-        return await ctl.add_replica(body)
+    @app.post("/v1/replicas", tags=["replicas"], status_code=201, responses=ERRORS)
+    async def add_replica(body: ReplicaIn, who: Principal = agent) -> Obj:
+        """Register a replica, or re-register one the token may change."""
+        return await ctl.add_replica(body, who)
+
+    @app.put("/v1/replicas/{rid}", tags=["replicas"], responses=ERRORS)
+    async def replace_replica(rid: str, body: ReplicaUpdate, who: Principal = agent) -> Obj:
+        return await ctl.update_replica(rid, body.model_dump(), who)
+
+    @app.patch("/v1/replicas/{rid}", tags=["replicas"], responses=ERRORS)
+    async def patch_replica(rid: str, body: ReplicaPatch, who: Principal = agent) -> Obj:
+        return await ctl.update_replica(rid, body.model_dump(exclude_unset=True), who)
 
     @app.get("/v1/replicas/{rid}", tags=["replicas"], responses=ERRORS, dependencies=[read])
     async def get_replica(rid: str) -> Obj:
@@ -235,8 +327,9 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
     ) -> list[Obj]:
         return await ctl.telemetry(balancer, region, limit)
 
-    @app.get("/v1/telemetry/series", tags=["status"], responses=ERRORS,
-             dependencies=[read])
+    @app.get("/v1/telemetry/series", tags=["status"], dependencies=[read], responses={
+        **ERRORS, 200: {"content": {"text/csv": {"schema": {"type": "string"}}},
+                        "description": "JSON, or CSV with format=csv"}})
     async def telemetry_series(
         model: str | None = None, region: str | None = None,
         window: Annotated[int, Query(ge=1, le=86_400, description="seconds")] = 600,
@@ -285,5 +378,6 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
     async def dns_sync(body: Annotated[DnsSyncIn | None, Body()] = None) -> Obj:
         return await ctl.dns_sync(body.dry_run if body is not None else False)
 
+    install_metrics(app)
     mount_dashboard(app)
     return app

@@ -3,7 +3,9 @@
     skymesh-controller --config FILE
     skymesh-controller --port P [--store memory|redis://HOST:PORT/DB]
 
-The admin token comes from the config (hashed) or ``SKYMESH_ADMIN_TOKEN``.
+The admin token comes from the config (hashed) or ``SKYMESH_ADMIN_TOKEN``. A quick start
+(``--port`` without ``--config``) is a local run: it allows loopback replica and balancer
+URLs (``url_policy.allow_loopback``), which a config file denies unless it says otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from controller.config import ConfigError, load_config, parse_config
 from skymesh.balancer.config import cli_base
+from skymesh.version import add_version_flag
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--probe-interval", type=float, metavar="SECONDS")
     ap.add_argument("--log-level", default="warning",
                     choices=["debug", "info", "warning", "error"])
+    add_version_flag(ap)
     return ap
 
 
@@ -35,6 +39,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
     if not args.config and args.port is None:
         raise ConfigError("give --config FILE, or --port P")
     base = cli_base(load_config(args.config) if args.config else None, args.port, args.host)
+    if not args.config:  # a quick start is a local mesh: its replicas are on loopback
+        base.setdefault("url_policy", {})["allow_loopback"] = True
     if args.store:
         base["store"] = args.store
     if args.probe_interval is not None:
@@ -55,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         print("skymesh-controller: no admin token: set SKYMESH_ADMIN_TOKEN or list tokens "
               "in the config (every endpoint but /health needs one)", file=sys.stderr)
         return 2
+    from skymesh.util.extras import require
+
+    require("controller", "skymesh-controller")
     from controller.serve import serve
 
     return serve(cfg)

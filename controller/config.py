@@ -10,8 +10,12 @@ Example::
       - {name: balancers, sha256: "<hex>", role: agent}
     probe: {interval_s: 1.0, timeout_s: 0.8, failure_threshold: 2, success_threshold: 1}
     dns: {zone: example.com., record: api.example.com, ttl: 60}
+    url_policy: {allow_private: true, allow_loopback: false, allow_networks: [], allow_hosts: []}
+    api_docs: false                         # true: /openapi.json, /docs, /redoc (read token)
 
 ``SKYMESH_ADMIN_TOKEN`` adds an admin token when set (quick starts, tests).
+``url_policy`` decides which replica and balancer URLs may be registered and probed
+(skymesh/urlpolicy.py, docs/security.md).
 """
 
 from __future__ import annotations
@@ -23,11 +27,10 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from skymesh.balancer.config import ConfigError as ConfigError  # re-exported
-from skymesh.balancer.config import _Strict, load_yaml, parse_model
+from skymesh.balancer.config import ConnectionLimitsConfig, _Strict, load_yaml, parse_model
+from skymesh.urlpolicy import UrlPolicyConfig
 
 Role = Literal["admin", "read", "agent"]
-
-
 
 
 class ListenConfig(_Strict):
@@ -76,7 +79,10 @@ class ControllerConfig(_Strict):
     max_body_bytes: int = Field(1024 * 1024, ge=1024)
     long_poll_max_s: float = Field(60.0, gt=0)
     telemetry_keep: int = Field(10_000, ge=10)
+    limits: ConnectionLimitsConfig = ConnectionLimitsConfig()  # skymesh.netlimits
     dns: DnsConfig | None = None
+    url_policy: UrlPolicyConfig = UrlPolicyConfig()
+    api_docs: bool = False
 
     @field_validator("store")
     @classmethod

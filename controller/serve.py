@@ -11,8 +11,10 @@ import signal
 import socket
 import sys
 from types import FrameType
+from typing import Any
 
 from controller.config import ControllerConfig
+from skymesh.netlimits import ConnectionGuard, ConnLimits, fit_file_limit
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -38,8 +40,8 @@ def serve(cfg: ControllerConfig) -> int:
               f"{exc.strerror}", file=sys.stderr)
         return 1
     app = build_app(cfg, dns=dns_hook(cfg))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           lifespan="on", timeout_graceful_shutdown=5))
+    limits = fit_file_limit(cfg.limits.connections(), "skymesh-controller")
+    server = uvicorn.Server(uvicorn_config(app, limits))
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"skymesh-controller listening on http://{shown}:{port} (store {_safe(cfg.store)})",
@@ -50,6 +52,29 @@ def serve(cfg: ControllerConfig) -> int:
         signal.signal(sig, _exit_cleanly)
     asyncio.run(server.serve(sockets=[sock]))
     return 0
+
+
+def uvicorn_config(app: Any, limits: ConnLimits) -> Any:
+    """uvicorn settings with the connection limits of skymesh.netlimits.
+
+    uvicorn has an idle timeout between requests (``timeout_keep_alive``), a header size
+    cap for h11 only, and no header or body timeout and no per-client cap: the guard adds
+    those around uvicorn's own protocol. ``limit_concurrency`` stays unset: the guard caps
+    connections already (with a log line and a count), and uvicorn's cap answers 503 to
+    every request once the number of open connections reaches it, even on a connection
+    that is already open.
+    """
+    import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    guard = ConnectionGuard(limits, "skymesh-controller")
+    app.state.connection_guard = guard  # for a /metrics endpoint: registry.register(guard)
+    return uvicorn.Config(guard.asgi(app), log_level="warning", access_log=False,
+                          lifespan="on", timeout_graceful_shutdown=5,
+                          http=guard.protocol_factory(  # type: ignore[arg-type]
+                              AutoHTTPProtocol, tasks_on_data=True),
+                          timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]
+                          h11_max_incomplete_event_size=64 * 1024)
 
 
 def _exit_cleanly(signum: int, frame: FrameType | None) -> None:

@@ -17,9 +17,14 @@ from typing import Any
 import aiohttp
 
 from controller import placement
+from controller.auth import Principal
 from controller.config import ControllerConfig
 from controller.models import BalancerIn, ModelIn, PolicyIn, RegionIn, ReplicaIn, TelemetryIn
 from controller.store import Obj, Put, Store
+from skymesh import urlpolicy
+from skymesh.urlpolicy import PolicyResolver, Resolver, UrlRejected
+
+ADMIN = Principal("controller", "admin")  # callers inside the process (tests, actuators)
 
 log = logging.getLogger("skymesh.controller")
 
@@ -27,9 +32,10 @@ DnsHook = Callable[[list[Obj], list[Obj], bool], Awaitable[dict[str, Any]]]
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, kind: str, message: str) -> None:
+    def __init__(self, status: int, kind: str, message: str,
+                 fields: list[dict[str, str]] | None = None) -> None:
         super().__init__(message)
-        self.status, self.kind, self.message = status, kind, message
+        self.status, self.kind, self.message, self.fields = status, kind, message, fields
 
 
 def not_found(what: str, key: str) -> ApiError:
@@ -40,6 +46,25 @@ def conflict(message: str) -> ApiError:
     return ApiError(409, "conflict", message)
 
 
+def invalid_field(field: str, kind: str, why: str) -> ApiError:
+    return ApiError(422, kind, f"{field}: {why}", [{"field": field, "message": why}])
+
+
+def may_modify(obj: Obj, who: Principal, balancers: dict[str, Obj] | None = None) -> bool:
+    """Admin may change anything; an agent what it owns, or a replica its balancer owns.
+    A record without an owner (written before owners existed) goes to the first agent
+    that writes it."""
+    if who.role == "admin" or obj.get("owner") in (None, who.name):
+        return True
+    home = (balancers or {}).get(obj.get("balancer") or "")
+    return home is not None and home.get("owner") == who.name
+
+
+def not_owner(what: str, key: str, obj: Obj) -> ApiError:
+    return ApiError(403, "not_owner", f"{what} {key!r} belongs to {obj.get('owner')!r}; "
+                                      "only its owner or an admin token may change it")
+
+
 def replica_id_for(url: str) -> str:
     import hashlib
 
@@ -47,14 +72,19 @@ def replica_id_for(url: str) -> str:
 
 
 class Controller:
-    def __init__(self, cfg: ControllerConfig, store: Store, dns: DnsHook | None = None) -> None:
+    def __init__(self, cfg: ControllerConfig, store: Store, dns: DnsHook | None = None,
+                 resolver: Resolver = urlpolicy.system_resolver) -> None:
         self.cfg = cfg
         self.store = store
         self.dns = dns
+        self.url_policy = cfg.url_policy.policy()
+        self.resolver = resolver
+        self._refused: set[str] = set()  # URLs whose probe refusal was logged already
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._fails: dict[tuple[str, str], int] = {}
         self._oks: dict[tuple[str, str], int] = {}
+        self.probe_counts: dict[tuple[str, bool], int] = {}  # (kind, ok): for /metrics
         self.latest: dict[str, Obj] = {}
         self.started = time.time()
         self._session: aiohttp.ClientSession | None = None
@@ -65,7 +95,11 @@ class Controller:
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self, probe: bool = True) -> None:
         await self.store.ping()
+        # The connector checks every address DNS gives it: a name that passed at
+        # registration and resolves to a denied address now is refused at connect time.
         self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                resolver=PolicyResolver(self.url_policy, self.resolver)),
             timeout=aiohttp.ClientTimeout(total=self.cfg.probe.timeout_s))
         if probe:
             self._prober = asyncio.create_task(self._probe_loop(), name="controller-probe")
@@ -129,25 +163,71 @@ class Controller:
             await self._commit([], [("regions", name)])
 
     # -- balancers -------------------------------------------------------------------------
-    async def register_balancer(self, body: BalancerIn) -> Obj:
+    async def check_url(self, field: str, url: str) -> None:
+        """The outbound URL policy, with DNS: a 422 naming ``field`` when refused."""
+        try:
+            await urlpolicy.check(url, self.url_policy, self.resolver)
+        except UrlRejected as exc:
+            raise invalid_field(field, "url_not_allowed", str(exc)) from None
+
+    async def _check_balancer_fields(self, fields: Obj) -> None:
         from skymesh.policies import PolicyConfigError, build_policy
 
-        if body.policy is not None:
+        if fields.get("policy") is not None:
             try:
-                build_policy(body.policy, body.policy_params)
+                build_policy(fields["policy"], fields.get("policy_params") or {})
             except PolicyConfigError as exc:
                 raise ApiError(422, "invalid_policy", f"policy: {exc}") from None
+        if "url" in fields:
+            await self.check_url("url", fields["url"])
+        if fields.get("peer_address"):
+            await self.check_url("peer_address", f"http://{fields['peer_address']}")
+
+    async def register_balancer(self, body: BalancerIn, who: Principal = ADMIN) -> Obj:
+        """POST: create, or re-register (a balancer restarting) when the caller owns it."""
+        fields = body.model_dump()
+        await self._check_balancer_fields(fields)
         async with self._lock:
-            if await self.store.get("regions", body.region) is None:
-                raise ApiError(422, "unknown_region", f"region: no region named {body.region!r}")
-            old = await self.store.get("balancers", body.id) or {}
-            obj = body.model_dump()
-            obj["state"] = old.get("state", "unknown")
-            obj["registered_at"] = old.get("registered_at", time.time())
-            if body.policy is None and "policy" in old:  # re-registration keeps a set policy
-                obj["policy"], obj["policy_params"] = old["policy"], old.get("policy_params", {})
-            await self._apply_balancers({body.id: obj})
+            old = await self.store.get("balancers", body.id)
+            if old is not None and not may_modify(old, who):
+                raise conflict(f"balancer {body.id!r} exists and belongs to "
+                               f"{old.get('owner')!r}: pick another id")
+            return await self._write_balancer(body.id, old, fields, who, keep_policy=True)
+
+    async def update_balancer(self, bid: str, fields: Obj, who: Principal) -> Obj:
+        """PUT (every field) or PATCH (the fields given) of an existing balancer."""
+        await self._check_balancer_fields(fields)
+        async with self._lock:
+            old = await self.get("balancers", bid, "balancer")
+            if not may_modify(old, who):
+                raise not_owner("balancer", bid, old)
+            return await self._write_balancer(bid, old, {**old, **fields}, who,
+                                              keep_policy=False)
+
+    async def _write_balancer(self, bid: str, old: Obj | None, fields: Obj, who: Principal,
+                              keep_policy: bool) -> Obj:
+        old = old or {}
+        if await self.store.get("regions", fields["region"]) is None:
+            raise invalid_field("region", "unknown_region",
+                                f"no region named {fields['region']!r}")
+        obj = {k: fields.get(k) for k in ("region", "url", "peer_address", "policy")}
+        obj.update(id=bid, policy_params=fields.get("policy_params") or {},
+                   owner=self._owner(old, fields, who),
+                   state=old.get("state", "unknown"),
+                   registered_at=old.get("registered_at", time.time()))
+        if keep_policy and fields.get("policy") is None and "policy" in old:
+            # re-registration keeps a policy the operator set
+            obj["policy"], obj["policy_params"] = old["policy"], old.get("policy_params", {})
+        await self._apply_balancers({bid: obj})
         return obj
+
+    def _owner(self, old: Obj, fields: Obj, who: Principal) -> str:
+        """Who owns the record after this write; only an admin hands it to someone else."""
+        current = old.get("owner") or who.name
+        wanted = fields.get("owner") or current
+        if wanted != current and who.role != "admin":
+            raise ApiError(403, "not_owner", "owner: only an admin token may change it")
+        return str(wanted)
 
     async def delete_balancer(self, bid: str) -> None:
         async with self._lock:
@@ -198,29 +278,59 @@ class Controller:
         return puts
 
     # -- replicas --------------------------------------------------------------------------
-    async def add_replica(self, body: ReplicaIn) -> Obj:
+    async def add_replica(self, body: ReplicaIn, who: Principal = ADMIN) -> Obj:
+        """POST: create, or re-register when the caller may change the existing record."""
+        await self.check_url("url", body.url)
+        rid = body.id or replica_id_for(body.url)
         async with self._lock:
-            if await self.store.get("regions", body.region) is None:
-                raise ApiError(422, "unknown_region", f"region: no region named {body.region!r}")
-            balancers = await self.store.all("balancers")
-            home = body.balancer or placement.home_for(body.region, balancers)
-            if body.balancer is not None and body.balancer not in balancers:
-                raise ApiError(422, "unknown_balancer",
-                               f"balancer: no balancer named {body.balancer!r}")
-            rid = body.id or replica_id_for(body.url)
-            replicas = await self.store.all("replicas")
-            for other in replicas.values():
-                if other["url"] == body.url and other["id"] != rid:
-                    raise conflict(f"url {body.url} is already replica {other['id']!r}")
-            old = replicas.get(rid, {})
-            obj = body.model_dump()
-            obj.update(id=rid, balancer=home, state=old.get("state", "unknown"),
-                       assigned=old.get("assigned"))
-            replicas[rid] = obj
-            puts = await self._moves(balancers, replicas)
-            if all(p[1] != rid for p in puts):
-                puts.append(("replicas", rid, obj))
-            await self._commit(puts)
+            old = await self.store.get("replicas", rid)
+            if old is not None and not may_modify(old, who, await self.store.all("balancers")):
+                raise conflict(f"replica {rid!r} exists and belongs to {old.get('owner')!r}")
+            return await self._write_replica(rid, old, body.model_dump(), who)
+
+    async def update_replica(self, rid: str, fields: Obj, who: Principal) -> Obj:
+        """PUT (every field) or PATCH (the fields given) of an existing replica."""
+        if "url" in fields:
+            await self.check_url("url", fields["url"])
+        async with self._lock:
+            old = await self.get("replicas", rid, "replica")
+            if not may_modify(old, who, await self.store.all("balancers")):
+                raise not_owner("replica", rid, old)
+            merged = {**old, **fields}
+            if "balancer" not in fields and merged.get("region") != old.get("region"):
+                merged["balancer"] = None  # a new region: a home there, not the old one
+            return await self._write_replica(rid, old, merged, who)
+
+    async def _write_replica(self, rid: str, old: Obj | None, fields: Obj, who: Principal
+                             ) -> Obj:
+        old = old or {}
+        if await self.store.get("regions", fields["region"]) is None:
+            raise invalid_field("region", "unknown_region",
+                                f"no region named {fields['region']!r}")
+        balancers = await self.store.all("balancers")
+        if fields.get("balancer") is not None and fields["balancer"] not in balancers:
+            raise invalid_field("balancer", "unknown_balancer",
+                                f"no balancer named {fields['balancer']!r}")
+        home = fields.get("balancer") or placement.home_for(fields["region"], balancers)
+        if (who.role != "admin" and home is not None and home != old.get("balancer")
+                and balancers[home].get("owner") not in (None, who.name)):
+            # Homing a replica at someone else's balancer would put it in their membership
+            # and send their region's prompts to it.
+            raise ApiError(403, "not_owner", f"balancer: {home!r} belongs to "
+                           f"{balancers[home].get('owner')!r}; an agent token may home "
+                           "replicas only at its own balancers")
+        replicas = await self.store.all("replicas")
+        for other in replicas.values():
+            if other["url"] == fields["url"] and other["id"] != rid:
+                raise conflict(f"url {fields['url']} is already replica {other['id']!r}")
+        obj = {k: fields.get(k) for k in ("url", "model", "region", "gpu", "kind")}
+        obj.update(id=rid, balancer=home, owner=self._owner(old, fields, who),
+                   state=old.get("state", "unknown"), assigned=old.get("assigned"))
+        replicas[rid] = obj
+        puts = await self._moves(balancers, replicas)
+        if all(p[1] != rid for p in puts):
+            puts.append(("replicas", rid, obj))
+        await self._commit(puts)
         return obj
 
     async def remove_replica(self, rid: str) -> None:
@@ -286,8 +396,10 @@ class Controller:
                 "policy": me.get("policy"), "policy_params": me.get("policy_params", {}),
                 "replicas": mine, "peers": peers}
 
-    async def report(self, bid: str, body: TelemetryIn) -> None:
+    async def report(self, bid: str, body: TelemetryIn, who: Principal = ADMIN) -> None:
         me = await self.get("balancers", bid, "balancer")
+        if not may_modify(me, who):
+            raise not_owner("balancer", bid, me)
         sample = body.model_dump()
         sample.update(ts=time.time(), balancer=bid, region=me["region"])
         await self.store.append(f"balancer:{bid}", sample, self.cfg.telemetry_keep)
@@ -356,9 +468,23 @@ class Controller:
     async def _healthy(self, url: str) -> bool:
         assert self._session is not None
         try:
-            async with self._session.get(url + "/health") as r:
+            # Checked again at every probe: the policy may have changed since registration,
+            # and IP literals never reach the connector's checking resolver.
+            urlpolicy.check_static(url, self.url_policy)
+            target = urlpolicy.join(url, "/health")
+        except UrlRejected as exc:
+            if url not in self._refused:
+                self._refused.add(url)
+                log.warning("not probing %s: %s", url, exc)
+            return False
+        try:
+            # No redirects: a 3xx to another host would bypass the check above.
+            async with self._session.get(target, allow_redirects=False) as r:
                 return r.status == 200
-        except (aiohttp.ClientError, TimeoutError, OSError):
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            if "URL policy" in str(exc) and url not in self._refused:
+                self._refused.add(url)
+                log.warning("not probing %s: %s", url, exc)
             return False
 
     def _judge(self, key: tuple[str, str], ok: bool, current: str, up: str, down: str) -> str:
@@ -378,6 +504,9 @@ class Controller:
         b_ok, r_ok = await asyncio.gather(
             asyncio.gather(*(self._healthy(b["url"]) for b in balancers.values())),
             asyncio.gather(*(self._healthy(r["url"]) for r in replicas.values())))
+        for kind, oks in (("balancer", b_ok), ("replica", r_ok)):
+            for ok in oks:
+                self.probe_counts[kind, ok] = self.probe_counts.get((kind, ok), 0) + 1
         async with self._lock:
             # Re-read under the lock: an API write may have landed while we probed.
             cur_b = await self.store.all("balancers")

@@ -105,11 +105,20 @@ class RedisStore(Store):
 
     def __init__(self, url: str, prefix: str = "skymesh") -> None:
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
 
         # redis-py's default pool raises past max_connections; the blocking pool waits.
+        # After a Redis restart every pooled connection is dead: the retry policy
+        # reconnects and runs the command again (up to 3 times, 50 ms doubling to 1 s)
+        # instead of answering the first caller with a 503.
         self._pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=32, timeout=5, decode_responses=True,
-            socket_connect_timeout=2, socket_timeout=5, health_check_interval=10)
+            socket_connect_timeout=2, socket_timeout=5, health_check_interval=10,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self._r = aioredis.Redis(connection_pool=self._pool)
         self._p = prefix
 

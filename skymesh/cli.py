@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from skymesh.engine.profiles import DEFAULT_PROFILE, PROFILES
+from skymesh.util.jsonio import write_json
+from skymesh.version import add_version_flag
 
 
 def _kv_params(pairs: list[str] | None, flag: str) -> dict[str, Any]:
@@ -23,17 +24,6 @@ def _kv_params(pairs: list[str] | None, flag: str) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key] = raw
     return out
-
-
-def write_json(path: str | None, obj: dict[str, Any]) -> None:
-    if not path:
-        return
-    p = Path(path)
-    if p.parent and not p.parent.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-    tmp.replace(p)
 
 
 def _print_sim(res: dict[str, Any]) -> None:
@@ -177,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     from skymesh.policies.peers import DEFAULT_FORWARDING_RULE, ForwardingRule
 
     ap = argparse.ArgumentParser(prog="skymesh", description=__doc__)
+    add_version_flag(ap)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     sp = sub.add_parser("sim", help="run a workload through the discrete-event simulator")
@@ -281,9 +272,27 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# The extra each subcommand needs beyond the core install (pyproject.toml); the others
+# (certs, ctl, dns) run on the core.
+COMMAND_EXTRAS: dict[str, str] = {
+    "sim": "lab", "bench": "lab", "demo": "lab", "faults": "lab", "predict": "lab",
+    "forecast": "planning", "plan": "planning",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    from skymesh.util.extras import hint_for, require
+
     args = build_parser().parse_args(argv)
-    return int(args.fn(args))
+    require(COMMAND_EXTRAS.get(args.cmd), f"skymesh {args.cmd}")
+    try:
+        return int(args.fn(args))
+    except ModuleNotFoundError as exc:  # a lazy import of an extra not installed
+        hint = hint_for(exc)
+        if hint is None:
+            raise
+        print(f"skymesh {args.cmd}: {hint}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -218,6 +218,16 @@ def run(args: argparse.Namespace, c: Client) -> None:
         if args.balancer:
             body["balancer"] = args.balancer
         _emit(args, c.call("POST", "/v1/replicas", body), _replica_line("added"))
+    elif what in (("replicas", "update"), ("balancers", "update")):
+        # PATCH: only the fields given change (an agent token may update what it owns).
+        body = {k: v for k in UPDATABLE[args.ctl_cmd]
+                if (v := getattr(args, k, None)) is not None}
+        if not body:
+            raise CtlError("nothing to update: give at least one --field")
+        kind = args.ctl_cmd
+        _emit(args, c.call("PATCH", f"/v1/{kind}/{_seg(args.id)}", body),
+              lambda r: f"{kind[:-1]} {r['id']} updated: " + ", ".join(
+                  f"{k} {_cell(r.get(k))}" for k in sorted(body)))
     elif what == ("replicas", "remove"):
         c.call("DELETE", f"/v1/replicas/{_seg(args.id)}")
         _emit(args, {"id": args.id, "removed": True}, lambda r: f"replica {r['id']} removed")
@@ -242,6 +252,10 @@ def run(args: argparse.Namespace, c: Client) -> None:
                         f"{_cell(m['max_replicas'])}, TTFT SLO {_cell(m['ttft_slo_s'])})")
     else:  # argparse requires a subcommand, so only a new one missing here lands here
         raise CtlError(f"unhandled command {what}")
+
+
+UPDATABLE = {"replicas": ("url", "model", "region", "gpu", "balancer", "owner"),
+             "balancers": ("url", "region", "peer_address", "owner")}
 
 
 def _seg(s: str) -> str:
@@ -322,6 +336,10 @@ def register(subparsers: Any) -> None:
     balancers.add_parser("list", parents=leaf)
     balancers.add_parser("remove", parents=leaf,
                          help="forget a balancer that is home to no replica").add_argument("id")
+    bu = balancers.add_parser("update", parents=leaf, help="change fields of a balancer")
+    bu.add_argument("id")
+    for name in UPDATABLE["balancers"]:
+        bu.add_argument(f"--{name.replace('_', '-')}", dest=name)
 
     replicas = group("replicas", "list, add, remove, drain or undrain replicas")
     replicas.add_parser("list", parents=leaf)
@@ -331,6 +349,10 @@ def register(subparsers: Any) -> None:
     rp.add_argument("--region", required=True)
     rp.add_argument("--gpu", required=True, help="e.g. L4, A100, H100")
     rp.add_argument("--balancer", help="home balancer (default: one in the region)")
+    ru = replicas.add_parser("update", parents=leaf, help="change fields of a replica")
+    ru.add_argument("id")
+    for name in UPDATABLE["replicas"]:
+        ru.add_argument(f"--{name}", dest=name)
     for action, help in (("remove", "unregister"), ("drain", "take out of service"),
                          ("undrain", "put back in service")):
         replicas.add_parser(action, parents=leaf, help=help).add_argument("id")

@@ -38,6 +38,7 @@ def start_controller(tmp: Path, *, probe_s: float, timeout_s: float) -> Daemon:
     path = tmp / "controller.yaml"
     path.write_text(yaml.safe_dump({
         "listen": {"host": "127.0.0.1", "port": 0}, "tokens": token_config(),
+        "url_policy": {"allow_loopback": True},
         "probe": {"interval_s": probe_s, "timeout_s": timeout_s, "failure_threshold": 2}}))
     return start_daemon("skymesh-controller", ["--config", str(path)],
                         log_path=tmp / "controller.log")

@@ -11,6 +11,9 @@
 #   SKYMESH_ROOT       filesystem root for /etc (a temp dir in tests)        (empty: /)
 #   SKYMESH_STAGE      dir holding systemd/*.service and config/* to install (this checkout's deploy/)
 #   SKYMESH_PYTHON     interpreter to build the venv with                    (python3)
+#   SKYMESH_WHEEL_URL  the operator's wheel: s3://BUCKET/KEY.whl, https://...whl or a
+#                      local path; fetched, checked, installed (replaces SKYMESH_PIP_SPEC)
+#   SKYMESH_WHEEL_SHA256  hex SHA-256 the fetched wheel must have             (no check)
 #   SKYMESH_PIP_SPEC   what to pip-install, words split (e.g. "-e /src/skymesh") (skymesh)
 #   SKYMESH_PIP_ARGS   extra pip flags, words split                          (none)
 #   SKYMESH_USER       the service account                                   (skymesh)
@@ -55,7 +58,40 @@ if as_root && [[ -z "$ROOT" ]] && ! id "$SVC_USER" >/dev/null 2>&1; then
   log "created user $SVC_USER"
 fi
 
-# 2. The venv. Re-running upgrades in place.
+# 2. The operator's wheel, when given: fetched with the system interpreter (boto3 from
+# python3-boto3 for s3://), so nothing but its dependencies comes from a package index.
+if [[ -n "${SKYMESH_WHEEL_URL:-}" ]]; then
+  wheel_dir="$(mktemp -d)"
+  wheel="$wheel_dir/${SKYMESH_WHEEL_URL##*/}"
+  [[ "$wheel" == *.whl ]] || die "SKYMESH_WHEEL_URL must name a .whl file: $SKYMESH_WHEEL_URL"
+  case "$SKYMESH_WHEEL_URL" in
+    s3://*)
+      "$PYTHON" - "$SKYMESH_WHEEL_URL" "$wheel" <<'PY' || die "cannot fetch $SKYMESH_WHEEL_URL"
+import sys
+import boto3
+bucket, _, key = sys.argv[1].removeprefix("s3://").partition("/")
+boto3.client("s3").download_file(bucket, key, sys.argv[2])
+PY
+      ;;
+    https://* | http://*)
+      "$PYTHON" - "$SKYMESH_WHEEL_URL" "$wheel" <<'PY' || die "cannot fetch $SKYMESH_WHEEL_URL"
+import shutil, sys, urllib.request
+with urllib.request.urlopen(sys.argv[1], timeout=60) as r, open(sys.argv[2], "wb") as f:
+    shutil.copyfileobj(r, f)
+PY
+      ;;
+    *://*) die "SKYMESH_WHEEL_URL: only s3://, https:// or a local path, not $SKYMESH_WHEEL_URL" ;;
+    *) cp -- "$SKYMESH_WHEEL_URL" "$wheel" || die "cannot read $SKYMESH_WHEEL_URL" ;;
+  esac
+  if [[ -n "${SKYMESH_WHEEL_SHA256:-}" ]]; then
+    echo "$SKYMESH_WHEEL_SHA256  $wheel" | sha256sum --check --quiet - >/dev/null 2>&1 ||
+      die "$SKYMESH_WHEEL_URL does not have SHA-256 $SKYMESH_WHEEL_SHA256; not installing it"
+  fi
+  PIP_SPEC=("$wheel")
+  log "fetched $SKYMESH_WHEEL_URL"
+fi
+
+# 3. The venv. Re-running upgrades in place.
 if [[ ! -x "$PREFIX/venv/bin/python" ]]; then
   mkdir -p "$PREFIX"
   "$PYTHON" -m venv "$PREFIX/venv"
@@ -67,7 +103,7 @@ for role in "${roles[@]}"; do
 done
 log "installed $("$PREFIX/venv/bin/python" -m pip show skymesh 2>/dev/null | sed -n 's/^Version: /skymesh /p')"
 
-# 3. Configuration: readable by the service account, by nobody else.
+# 4. Configuration: readable by the service account, by nobody else.
 mkdir -p "$ETC_DIR"
 for role in "${roles[@]}"; do
   install -m 0640 "$STAGE/config/${CONFIG_OF[$role]}" "$ETC_DIR/${CONFIG_OF[$role]}"
@@ -88,7 +124,7 @@ if [[ -d "$STAGE/pki" ]]; then
   install -m 0640 "$STAGE"/pki/* "$ETC_DIR/pki/"
 fi
 
-# 4. On EC2: the balancer's stable address and its mesh certificates.
+# 5. On EC2: the balancer's stable address and its mesh certificates.
 if [[ -n "${SKYMESH_EIP_ALLOCATION_ID:-}" ]]; then
   "$PREFIX/venv/bin/python" - "$SKYMESH_EIP_ALLOCATION_ID" <<'PY'
 import sys, urllib.request
@@ -148,7 +184,7 @@ if as_root && [[ -z "$ROOT" ]]; then
   chown -R "root:$SVC_USER" "$ETC_DIR"
 fi
 
-# 5. Units, pointed at this prefix and this /etc.
+# 6. Units, pointed at this prefix and this /etc.
 mkdir -p "$UNIT_DIR"
 for role in "${roles[@]}"; do
   sed -e "s#/opt/skymesh/#$PREFIX/#g" -e "s#/etc/skymesh/#$ETC_DIR/#g" \
@@ -156,7 +192,7 @@ for role in "${roles[@]}"; do
   chmod 0644 "$UNIT_DIR/skymesh-$role.service"
 done
 
-# 6. Start them, when there is a systemd to start them with.
+# 7. Start them, when there is a systemd to start them with.
 if [[ -z "$ROOT" && -d /run/systemd/system ]]; then
   systemctl daemon-reload
   for role in "${roles[@]}"; do

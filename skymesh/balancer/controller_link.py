@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from skymesh import urlpolicy
 from skymesh.balancer.config import ControllerLinkConfig, ReplicaConfig
+from skymesh.urlpolicy import UrlRejected
 
 if TYPE_CHECKING:
     from skymesh.balancer.server import Balancer
@@ -72,6 +74,8 @@ class ControllerLink:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._url = ""
+        self.policy = cfg.url_policy.policy()
+        self.resolver: urlpolicy.Resolver = urlpolicy.system_resolver
 
     async def start(self, local_url: str) -> None:
         self._url = self.cfg.advertise_url or local_url
@@ -125,16 +129,27 @@ class ControllerLink:
         self.registered = True
         log.info("registered with the controller as %s", self.balancer_id)
 
+    async def _allowed(self, what: str, url: str) -> bool:
+        """The URL policy again on this side: the controller's store may hold a record
+        written before the policy, or DNS may have changed since registration."""
+        try:
+            await urlpolicy.check(url, self.policy, self.resolver)
+            return True
+        except UrlRejected as exc:
+            log.warning("ignoring %s %s from the controller: %s", what, url, exc)
+            return False
+
     async def apply(self, m: dict[str, Any]) -> None:
         """Membership from the controller: replicas, policy and peers."""
         self.revision = int(m["revision"])
         self.lb.set_replicas([ReplicaConfig(url=r["url"], kind=r.get("kind", "vllm"),
                                             models=[r["model"]], gpu=r.get("gpu", "unknown"))
-                              for r in m["replicas"]])
+                              for r in m["replicas"] if await self._allowed("replica", r["url"])])
         if m.get("policy"):
             self.lb.set_policy(m["policy"], m.get("policy_params") or {})
         if self.lb.mesh is not None and self.cfg.follow_peers:
-            peers = {p["id"]: p["peer_address"] for p in m["peers"] if p.get("peer_address")}
+            peers = {p["id"]: p["peer_address"] for p in m["peers"] if p.get("peer_address")
+                     and await self._allowed("peer", f"http://{p['peer_address']}")}
             await self.lb.mesh.set_peers(peers)
 
     async def _follow(self) -> None:

@@ -476,7 +476,11 @@ class Dispatcher:
             self.peer_policy.on_cached(route, target, keys)
 
     def on_probe(self, target: str, now: float, waiting: int, running: int,
-                 kv_usage: float, kv_capacity_tokens: int | None = None) -> None:
+                 kv_usage: float, kv_capacity_tokens: int | None = None, *,
+                 max_num_seqs: int | None = None, metrics_lag_s: float | None = None
+                 ) -> None:
+        """A probe of ``target`` published at ``now`` (see ``ReplicaLoad.on_probe``)."""
         t = self.targets.get(target)
         if t is not None:
-            t.load.on_probe(now, waiting, running, kv_usage, kv_capacity_tokens)
+            t.load.on_probe(now, waiting, running, kv_usage, kv_capacity_tokens,
+                            max_num_seqs, metrics_lag_s)

@@ -4,16 +4,24 @@ OpenAI error body (``{"error": {"message", "type", "param", "code"}}``).
     SkyMeshError
     ├── BadRequest            400 invalid_request_error
     ├── Unauthorized          401 invalid_api_key (with WWW-Authenticate)
+    ├── NotFound              404 not_found: no such route here
     ├── ModelNotFound         404 model_not_found
+    ├── MethodNotAllowed      405 method_not_allowed (with Allow)
     ├── PayloadTooLarge       413 payload_too_large
     ├── Overloaded            429 rate_limit_exceeded (with Retry-After)
     │   └── KeyAtCap          429 the same, for one API key at its in-flight cap
-    ├── NoCapacity            503 queue timeout / no healthy replica
+    ├── NoCapacity            503 no_capacity: queue timeout (with Retry-After)
+    │   └── NoHealthyReplica  503 no_healthy_replica: nothing up serves the model
     └── UpstreamFailed        502 every attempt failed before the first byte
+
+A ``Retry-After`` goes out twice: whole seconds, rounded up (RFC 9110), and
+``retry-after-ms``, which the official OpenAI SDKs read first: the jitter of
+``skymesh.balancer.overload`` survives there below one second.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -50,6 +58,30 @@ class Unauthorized(SkyMeshError):
         return {"WWW-Authenticate": 'Bearer realm="skymesh"'}
 
 
+class NotFound(SkyMeshError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(SkyMeshError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+    def __init__(self, message: str, *, allow: list[str]) -> None:
+        super().__init__(message)
+        self.allow = allow
+
+    def headers(self) -> dict[str, str]:
+        return {"Allow": ", ".join(self.allow)}
+
+
+def retry_headers(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(seconds))),
+            "retry-after-ms": str(max(1, round(seconds * 1000)))}
+
+
 class ModelNotFound(SkyMeshError):
     status = 404
     type = "invalid_request_error"
@@ -72,7 +104,7 @@ class Overloaded(SkyMeshError):
         self.retry_after_s = retry_after_s
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+        return retry_headers(self.retry_after_s)
 
 
 class KeyAtCap(Overloaded):
@@ -85,8 +117,19 @@ class NoCapacity(SkyMeshError):
     type = "server_error"
     code = "no_capacity"
 
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": "1"}
+        return retry_headers(self.retry_after_s)
+
+
+class NoHealthyReplica(NoCapacity):
+    """Nothing that is up serves the model (or no replica has answered yet): answered at
+    once rather than after the queue timeout; 503, so clients retry it."""
+
+    code = "no_healthy_replica"
 
 
 class UpstreamFailed(SkyMeshError):

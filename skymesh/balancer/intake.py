@@ -14,12 +14,12 @@ may wait in the balancer's queue and reaches the policy as ``RouteRequest.deadli
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from skymesh.balancer.errors import BadRequest
+from skymesh.jsonbody import JsonBodyError, loads_body
 from skymesh.policies.base import RouteRequest
 from skymesh.prompt import PromptError, completion_prompt, render_chat
 
@@ -42,11 +42,9 @@ class Intake:
 def parse_request(kind: str, raw: bytes, headers: Mapping[str, str]) -> Intake:
     """``kind`` is "chat" or "completion". Raises BadRequest naming the bad field."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    except RecursionError:  # json.loads recurses once per nesting level
-        raise BadRequest("request body is nested too deeply") from None
+        body = loads_body(raw)
+    except JsonBodyError as exc:
+        raise BadRequest(str(exc)) from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     model = body.get("model")

@@ -1,8 +1,17 @@
-"""The balancer's Prometheus metrics, on a private registry (one per balancer instance)."""
+"""The balancer's Prometheus metrics, on a private registry (one per balancer instance).
+
+Monotone series are typed as counters (names end in ``_total``), so ``rate()`` is right
+for them; the mesh's counts are read from their one owner (the mesh link) at scrape time
+by a custom collector rather than copied into a second set of counters.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any, Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -51,13 +60,48 @@ class BalancerMetrics:
         self.peer_rtt = Gauge("skymesh_peer_rtt_seconds",
                               "Round-trip time to the peer, from heartbeats", ["peer"],
                               registry=r)
-        self.peer_heartbeat_bytes = Gauge(
-            "skymesh_peer_heartbeat_bytes", "Heartbeat payload bytes on the pair's current "
-            "stream (rate() of it is bytes per second)", ["peer", "direction"], registry=r)
-        self.forwarded_out = Gauge("skymesh_forwarded_out_total",
-                                   "Requests this balancer forwarded to a peer", registry=r)
-        self.forwarded_in = Gauge("skymesh_forwarded_in_total",
-                                  "Requests peers forwarded to this balancer", registry=r)
+        # Registered without a mesh too: a region-local balancer forwards nothing (0).
+        self._mesh = _MeshCollector()
+        r.register(self._mesh)
+
+    def watch_mesh(self, mesh: MeshCounts) -> None:
+        """Export the mesh link's forwarding and heartbeat counters."""
+        self._mesh.mesh = mesh
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class MeshCounts(Protocol):
+    """What the collector reads from the balancer's mesh link."""
+
+    forwarded_out: int
+    forwarded_in: int
+
+    def peer_views(self) -> list[dict[str, Any]]: ...
+
+
+class _MeshCollector:
+    def __init__(self) -> None:
+        self.mesh: MeshCounts | None = None
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing to check at registration; names are fixed below
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.mesh
+        yield CounterMetricFamily("skymesh_forwarded_out",
+                                  "Requests this balancer forwarded to a peer",
+                                  value=m.forwarded_out if m is not None else 0)
+        yield CounterMetricFamily("skymesh_forwarded_in",
+                                  "Requests peers forwarded to this balancer",
+                                  value=m.forwarded_in if m is not None else 0)
+        # Per heartbeat stream: it restarts from 0 when the pair's stream is re-opened,
+        # which rate() reads as a counter reset.
+        hb = CounterMetricFamily("skymesh_peer_heartbeat_bytes",
+                                 "Heartbeat payload bytes exchanged with the peer",
+                                 labels=["peer", "direction"])
+        for v in m.peer_views() if m is not None else []:
+            hb.add_metric([v["id"], "sent"], v["heartbeat_bytes_sent"])
+            hb.add_metric([v["id"], "received"], v["heartbeat_bytes_received"])
+        yield hb

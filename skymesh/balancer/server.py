@@ -6,14 +6,20 @@ FastAPI + aiohttp client 1,710, FastAPI + httpx 253 (httpx's pool bookkeeping), 
 stays off the streaming path.
 
 A request's path: read the body under the size limit (413), parse it (400), check the
-model (404), offer it to the :class:`~skymesh.balancer.dispatch.Dispatcher` (429 when the
-queue is full), wait for a dispatch (503 after the queue timeout), forward the original
+model (404; a 503 at once when nothing up serves it, ``skymesh.balancer.overload``), offer
+it to the :class:`~skymesh.balancer.dispatch.Dispatcher` (429 when the queue is full),
+wait for a dispatch (503 after the queue timeout, or as soon as the model's last replica
+goes down; Retry-After from the queue's drain rate), forward the original
 bytes to the chosen replica and pass the response through chunk by chunk. A connect
 error, timeout or 5xx before the first byte is retried on another replica (at most
 ``retry.max_attempts`` attempts in all); after the first byte the client gets an SSE error
 event and a clean end. One ``finally`` settles the dispatcher's counters whatever happens,
 including a client that goes away (aiohttp cancels the handler; closing the upstream
 response aborts the request on the replica).
+
+The other routes: ``/v1/models`` (``skymesh.balancer.catalog``), everything the engines
+serve that the balancer does not own (``skymesh.balancer.passthrough``); request ids and
+the OpenAI-shaped 404/405 are ``skymesh.balancer.edge``'s.
 
 The request's deadline (``X-SkyMesh-Deadline-Ms`` or its SLO class, ``slo`` in the
 config) reaches every policy as ``RouteRequest.deadline_s``. The rest is for predictive
@@ -31,12 +37,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import itertools
 import json
 import logging
 import random
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -46,14 +50,16 @@ import aiohttp
 from aiohttp import web
 
 from skymesh.balancer.auth import EdgeFiles, upstream_key
+from skymesh.balancer.catalog import ModelCatalog
 from skymesh.balancer.config import BalancerConfig, ReplicaConfig
 from skymesh.balancer.controller_link import ControllerLink, Tally
 from skymesh.balancer.dispatch import Dispatcher, Ticket
+from skymesh.balancer.edge import OwnedRoutes, error_response, request_id, stamp_request_id
 from skymesh.balancer.errors import (
     BadRequest,
     KeyAtCap,
-    ModelNotFound,
     NoCapacity,
+    Overloaded,
     PayloadTooLarge,
     SkyMeshError,
     Unauthorized,
@@ -87,17 +93,27 @@ from skymesh.balancer.output_text import (
     reply_text,
     sse_output_text,
 )
+from skymesh.balancer.overload import (
+    DrainMeter,
+    can_serve,
+    check_servable,
+    outage,
+    retry_after_s,
+    stranded,
+)
+from skymesh.balancer.passthrough import Passthrough
 from skymesh.balancer.prediction import LivePredictor
 from skymesh.balancer.probe import (
     ProbeParseError,
     ProbeResult,
     ProbeStatusError,
+    parse_metrics,
     parse_sglang_load,
-    parse_vllm_metrics,
 )
 from skymesh.balancer.upstream import Reply, Upstream
 from skymesh.policies import build_policy
 from skymesh.policies.base import Policy, RequestTiming, RouteRequest
+from skymesh.policies.load import ReplicaLoad
 from skymesh.policies.peers import DEFAULT_FORWARDING_RULE
 from skymesh.prefix.keys import text_prefix_keys
 
@@ -123,7 +139,8 @@ class _ReplicaFault(Exception):
 
 
 class ReplicaHealth:
-    """Consecutive probe failure/success counting for one replica."""
+    """Consecutive probe failure/success counting for one replica, and what its last
+    probe read (None once a probe failed: /status shows no stale figures)."""
 
     def __init__(self, cfg: ReplicaConfig) -> None:
         self.cfg = cfg
@@ -132,6 +149,9 @@ class ReplicaHealth:
         self.healthy = False
         self.models: set[str] = set(cfg.models or ())
         self.models_at = -1e18
+        self.last: ProbeResult | None = None
+        self.last_ok_at: float | None = None  # when the last good probe was sent
+        self.error: str | None = None  # why the last probe failed
 
 
 class Balancer:
@@ -181,14 +201,17 @@ class Balancer:
         self.recent_migrations: deque[dict[str, Any]] = deque(maxlen=32)
         self.recent_resumes: deque[dict[str, Any]] = deque(maxlen=32)
         self._policy_flags(policy)
-        self._ids = itertools.count(1)
-        self._id_prefix = f"req-{uuid.uuid4().hex[:8]}-"
+        self.drain = DrainMeter(self.now())  # completions per model: Retry-After
+        self._rng = random.Random()
+        self._failfast: dict[str, Ticket] = {}  # queued in _wait_dispatch, by ticket key
         self._session: aiohttp.ClientSession | None = None
         self._upstream: Upstream | None = None
         self._prober: asyncio.Task[None] | None = None
         self._reloader: asyncio.Task[None] | None = None
         self.mesh: MeshLink | None = (MeshLink(cfg, self.dispatcher, self._pump)
                                       if cfg.mesh is not None else None)
+        if self.mesh is not None:
+            self.metrics.watch_mesh(self.mesh)
         self.tally = Tally()
         self.controller: ControllerLink | None = (ControllerLink(cfg.controller, self)
                                                   if cfg.controller is not None else None)
@@ -342,7 +365,9 @@ class Balancer:
                 res: ProbeResult = parse_sglang_load(json.loads(await self._fetch(url,
                                                                                   "/get_load")))
             else:
-                res = parse_vllm_metrics((await self._fetch(url, "/metrics")).decode())
+                # Never logged: 55 KB per probe from vLLM.
+                res = parse_metrics((await self._fetch(url, "/metrics")).decode(
+                    errors="replace"))
             if h.cfg.models is None and sent - h.models_at >= self.cfg.probe.models_interval_s:
                 data = json.loads(await self._fetch(url, "/v1/models"))
                 h.models = {m["id"] for m in data.get("data", []) if "id" in m}
@@ -352,6 +377,11 @@ class Balancer:
                 ValueError, KeyError, AttributeError) as exc:
             h.successes = 0
             h.failures += 1
+            h.last = None
+            h.error = str(exc) or type(exc).__name__
+            for gauge in (self.metrics.replica_waiting, self.metrics.replica_running):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(url)
             if h.healthy and h.failures >= self.cfg.probe.failure_threshold:
                 h.healthy = False
                 log.warning("replica %s unhealthy: %s", url, exc or type(exc).__name__)
@@ -360,6 +390,7 @@ class Balancer:
             return
         h.failures = 0
         h.successes += 1
+        h.last, h.last_ok_at, h.error = res, sent, None
         if not h.healthy and (h.successes >= self.cfg.probe.success_threshold
                               or h.models_at == sent):
             # First contact (models just listed) counts as healthy at once: start-up must
@@ -367,12 +398,29 @@ class Balancer:
             h.healthy = True
             log.info("replica %s healthy", url)
             self.dispatcher.set_healthy(url, True)
+        seqs, lag = h.cfg.pushing_limits(self.cfg.pushing, res.max_num_seqs)
         self.dispatcher.on_probe(url, sent, res.waiting, res.running, res.kv_usage,
-                                 res.kv_capacity_tokens)
+                                 res.kv_capacity_tokens, max_num_seqs=seqs, metrics_lag_s=lag)
         m = self.metrics
         m.replica_waiting.labels(url).set(res.waiting)
         m.replica_running.labels(url).set(res.running)
         m.replica_healthy.labels(url).set(1 if h.healthy else 0)
+
+    def _probe_status(self, url: str, load: ReplicaLoad) -> dict[str, Any]:
+        """/status's probe figures for one replica: null figures after a failed probe, with
+        the age of the last good one and the error."""
+        h = self.replicas.get(url)
+        res = h.last if h is not None else None
+        ok_at = h.last_ok_at if h is not None else None
+        return {
+            "waiting": res.waiting if res is not None else None,
+            "running": res.running if res is not None else None,
+            "kv_usage": res.kv_usage if res is not None else None,
+            "probe_age_s": None if ok_at is None else round(self.now() - ok_at, 3),
+            "probe_error": h.error if h is not None else None,
+            "unadmitted": load.unadmitted, "max_num_seqs": load.max_num_seqs,
+            "metrics_lag_s": load.metrics_lag_s,
+        }
 
     async def _fetch(self, url: str, path: str) -> bytes:
         """A probe's GET, whole, within the probe timeout, on the request path's own lean
@@ -400,6 +448,25 @@ class Balancer:
             # Counted once the loop comes round, after the request is on its way to the
             # replica: at low rates every step before that write is TTFT.
             loop.call_soon(self._count_decision, ticket.target or "")
+        if d.queued and self._failfast:
+            self._fail_stranded()
+
+    def _fail_stranded(self) -> None:
+        """Queued requests that nothing up can serve any more (the last replica of their
+        model went down) get their 503 now, not at the queue timeout."""
+        d = self.dispatcher
+        for ticket in list(stranded(d, self._failfast)):
+            d.cancel(ticket)
+            fut: asyncio.Future[None] = ticket.payload
+            if not fut.done():
+                fut.set_exception(outage(d, ticket.route.model, self._rng.random()))
+
+    def _drain_retry_s(self, model: str) -> float:
+        """Retry-After for a request turned away from ``model``'s queue: how long the
+        queue takes to drain at its measured rate, jittered."""
+        now = self.now()
+        return retry_after_s(self.dispatcher.queue_length(model), self.drain.rate(model, now),
+                             self._rng.random())
 
     def _observe_wait(self, model: str, seconds: float) -> None:
         self.metrics.queue_wait.labels(model).observe(seconds)
@@ -425,24 +492,25 @@ class Balancer:
                 m.peer_state.labels(v["id"]).set(states.get(v["liveness"], 2))
                 if v["rtt_s"] is not None:
                     m.peer_rtt.labels(v["id"]).set(v["rtt_s"])
-                m.peer_heartbeat_bytes.labels(v["id"], "sent").set(v["heartbeat_bytes_sent"])
-                m.peer_heartbeat_bytes.labels(v["id"], "received").set(
-                    v["heartbeat_bytes_received"])
-            m.forwarded_out.set(self.mesh.forwarded_out)
-            m.forwarded_in.set(self.mesh.forwarded_in)
 
     async def _wait_dispatch(self, ticket: Ticket, timeout: float) -> str:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket.payload = fut
         self._pump()
         if not fut.done():
+            self._failfast[ticket.key] = ticket
             try:
                 await asyncio.wait_for(asyncio.shield(fut), timeout)
             except TimeoutError:
                 if self.dispatcher.cancel(ticket):
                     raise NoCapacity(
-                        f"no replica could take the request within {timeout:.1f} s"
+                        f"no replica could take the request within {timeout:.1f} s",
+                        retry_after_s=self._drain_retry_s(ticket.route.model),
                     ) from None
+            finally:
+                self._failfast.pop(ticket.key, None)
+        if fut.done():
+            fut.result()  # raises the NoHealthyReplica of _fail_stranded
         assert ticket.target is not None
         return ticket.target
 
@@ -460,13 +528,12 @@ class Balancer:
             holder = self._hold_key_slot(request, forwarded)
             raw = await self._read_body(request)
             intake = parse_request(kind, raw, request.headers)
-            if not self.dispatcher.reachable(intake.model):
-                raise ModelNotFound(f"model {intake.model!r} is not served here; see "
-                                    "/v1/models", param="model")
+            check_servable(self.dispatcher, intake.model, self._rng.random(),
+                           forwarded=forwarded)
             # Only now a metric label: a name a client made up would be a new time
             # series per request (unbounded /metrics and memory).
             model = intake.model
-            rid = request.headers.get("X-Request-Id") or f"{self._id_prefix}{next(self._ids)}"
+            rid = request_id(request)
             slo = self.cfg.slo
             deadline_s = request_deadline(intake, request.headers, slo.header, slo.classes,
                                           slo.default)
@@ -481,12 +548,15 @@ class Balancer:
             if forwarded:
                 route = replace(route, forwarded=True)
             ticket = Ticket(route, t0)
-            self.dispatcher.offer(ticket, t0)
+            try:
+                self.dispatcher.offer(ticket, t0)
+            except Overloaded as exc:  # the queue is full: back when it has drained
+                raise Overloaded(str(exc), retry_after_s=self._drain_retry_s(model)) from None
             resp, outcome = await self._serve(request, ticket, raw, intake, t0, timeout)
             return resp
         except SkyMeshError as exc:
             outcome = type(exc).__name__
-            return _error_response(exc)
+            return error_response(exc)
         finally:
             if holder is not None:
                 left = self._in_flight_by_key[holder] - 1
@@ -500,6 +570,8 @@ class Balancer:
                     outcome = "cancelled"
                 if cur.target is not None:  # still attributed: client went away
                     self.dispatcher.complete(cur, self.now(), ok=False)
+                if cur.attempts:  # it left the queue: the drain rate counts it
+                    self.drain.record(model, self.now())
                 self._pump()
             self.metrics.requests.labels(model, outcome).inc()
             self.metrics.e2e.labels(model).observe(self.now() - t0)
@@ -530,7 +602,7 @@ class Balancer:
         try:
             self._authorize(request, self._forwarded_by_peer(request))
         except Unauthorized as exc:
-            return _error_response(exc)
+            return error_response(exc)
         return None
 
     def _hold_key_slot(self, request: web.Request, forwarded: bool) -> bytes | None:
@@ -554,6 +626,7 @@ class Balancer:
     def _upstream_headers(self, request: web.Request) -> dict[str, str]:
         """What a request to a replica carries from the client's, plus our own key."""
         headers = {k: v for k in self._forward_headers if (v := request.headers.get(k))}
+        headers["X-Request-Id"] = request_id(request)
         headers.update(self._upstream_auth)
         return headers
 
@@ -599,7 +672,8 @@ class Balancer:
                 self.metrics.retries.labels(target).inc()
                 ticket.excluded.add(target)
                 if (ticket.attempts >= max_attempts
-                        or not self.dispatcher.serves_beyond(model, ticket.excluded)):
+                        or not can_serve(self.dispatcher, model, ticket.excluded,
+                                         forwarded=ticket.route.forwarded)):
                     raise UpstreamFailed(
                         f"the request failed on {ticket.attempts} replica(s) before any "
                         f"response: {exc}"
@@ -1154,15 +1228,6 @@ class Balancer:
         self._shutdown_task = asyncio.get_running_loop().create_task(cut())
 
     # -- the rest of the API ---------------------------------------------------------------
-    async def handle_models(self, request: web.Request) -> web.Response:
-        if (refused := self._refused(request)) is not None:
-            return refused
-        models = sorted(self.dispatcher.models())
-        now = int(time.time())
-        return web.json_response({"object": "list", "data": [
-            {"id": m, "object": "model", "created": now, "owned_by": "skymesh"}
-            for m in models]})
-
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "region": self.cfg.region})
 
@@ -1206,7 +1271,7 @@ class Balancer:
                            "recent_resumes": list(self.recent_resumes)},
             "replicas": {
                 tid: {"healthy": t.healthy, "models": sorted(t.models),
-                      "waiting": t.load.waiting, "running": t.load.running,
+                      **self._probe_status(tid, t.load),
                       "in_flight": t.load.in_flight, "breaker": t.breaker.state.name.lower()}
                 for tid, t in d.targets.items()},
         })
@@ -1251,14 +1316,6 @@ def _copy_headers(up: Reply) -> dict[str, str]:
     return {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS}
 
 
-def _error_response(exc: SkyMeshError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status, headers=exc.headers())
-
-
-async def _not_found(request: web.Request) -> web.Response:
-    return _error_response(BadRequest(f"no route for {request.method} {request.path}"))
-
-
 def build_app(cfg: BalancerConfig) -> web.Application:
     # The body limit is enforced by _read_body (a clean 413 in the OpenAI shape); the
     # server's own cap only stops abuse of the other endpoints.
@@ -1266,13 +1323,23 @@ def build_app(cfg: BalancerConfig) -> web.Application:
                           handler_args={"max_field_size": 16384})
     lb = Balancer(cfg)
     app["balancer"] = lb
+    catalog = ModelCatalog(lb.dispatcher, lambda: lb.session, cfg.probe.timeout_s, lb._refused)
     app.router.add_post("/v1/chat/completions", lb.handle_generate)
     app.router.add_post("/v1/completions", lb.handle_generate)
-    app.router.add_get("/v1/models", lb.handle_models)
+    app.router.add_get("/v1/models", catalog.handle_list)
+    app.router.add_get("/v1/models/{model:.+}", catalog.handle_one)
     app.router.add_get("/health", lb.handle_health)
     app.router.add_get("/ready", lb.handle_ready)
     app.router.add_get("/metrics", lb.handle_metrics)
     app.router.add_get("/status", lb.handle_status)
+    # Last: everything else (skymesh.balancer.passthrough); the owned paths answer 405.
+    proxy = Passthrough(lb.dispatcher, lambda: lb.session,
+                        max_body_bytes=cfg.limits.max_body_bytes,
+                        forward_client_auth="Authorization" in lb._forward_headers,
+                        refused=lb._refused, owned=OwnedRoutes(app),
+                        hidden_headers=frozenset({FORWARDED_HEADER}))
+    app.router.add_route("*", "/{tail:.*}", proxy.handle)
+    app.on_response_prepare.append(stamp_request_id)
 
     async def on_startup(app: web.Application) -> None:
         await lb.start()

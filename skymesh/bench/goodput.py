@@ -221,7 +221,7 @@ def cli(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"python -m skymesh.bench.goodput: {exc}", file=sys.stderr)
         return 2
-    from skymesh.cli import write_json
+    from skymesh.util.jsonio import write_json
 
     write_json(args.json, res)
     return 0

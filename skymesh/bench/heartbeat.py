@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                             max_keys=args.max_keys))
     report(r)
     if args.json:
-        from skymesh.cli import write_json
+        from skymesh.util.jsonio import write_json
 
         write_json(args.json, r)
     return 0 if r["meets_target"] else 1

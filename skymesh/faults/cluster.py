@@ -262,7 +262,8 @@ class Mesh:
                 # Peers stay as configured: each link runs through its own delay proxy.
                 overrides["controller"] = {
                     "url": self.controller.url, "balancer_id": f"lb-{r}",
-                    "follow_peers": False, "retry_s": 0.2, "telemetry_interval_s": 1.0}
+                    "follow_peers": False, "retry_s": 0.2, "telemetry_interval_s": 1.0,
+                    "url_policy": {"allow_loopback": True}}  # a local mesh
             _merge(overrides, self.lb_overrides)
             lb = await start_lb(self.dir, reps, name=f"lb-{r}", overrides=overrides,
                                 log_level=self.log_level,

@@ -36,6 +36,7 @@ from skymesh.mesh.tls import CA_CERT, CA_KEY, TlsFiles
 DEFAULT_CA_NAME = "skymesh-ca"
 DEFAULT_CA_DAYS = 3650
 DEFAULT_CERT_DAYS = 825
+MAX_DAYS = 825  # what --days accepts (the CA's own default, 3650, is not user-set)
 DEFAULT_IPS = ("127.0.0.1",)
 # A balancer id is a file name and a DNS SAN: keep it to DNS-safe characters.
 _NAME_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,61}[A-Za-z0-9])?$")
@@ -86,7 +87,7 @@ def create_ca(out: str | Path, *, name: str = DEFAULT_CA_NAME, days: int = DEFAU
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - _SKEW)
-        .not_valid_after(now + dt.timedelta(days=days))
+        .not_valid_after(now - _SKEW + dt.timedelta(days=days))  # exactly `days` long
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(x509.KeyUsage(
             digital_signature=True, key_cert_sign=True, crl_sign=True,
@@ -131,7 +132,7 @@ def issue_cert(out: str | Path, name: str, *, ips: Sequence[str] = DEFAULT_IPS,
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - _SKEW)
-        .not_valid_after(now + dt.timedelta(days=days))
+        .not_valid_after(now - _SKEW + dt.timedelta(days=days))  # exactly `days` long
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.KeyUsage(
             digital_signature=True, key_encipherment=False, key_agreement=True,
@@ -157,13 +158,21 @@ def run(args: argparse.Namespace) -> int:
     if not args.ca and not args.name:
         print("skymesh certs: nothing to do: give --ca and/or --name", file=sys.stderr)
         return 2
+    if args.days is not None and not 1 <= args.days <= MAX_DAYS:
+        # 825 days is the longest validity clients accept for a leaf certificate (CA/B
+        # Forum, Apple); 0 used to mean "the default" and a negative number crashed.
+        print(f"skymesh certs: --days must be between 1 and {MAX_DAYS}, not {args.days}",
+              file=sys.stderr)
+        return 2
     try:
         if args.ca:
-            crt, key = create_ca(args.out, days=args.days or DEFAULT_CA_DAYS, force=args.force)
+            crt, key = create_ca(args.out, days=args.days if args.days is not None
+                                 else DEFAULT_CA_DAYS, force=args.force)
             print(f"CA: {crt} (key {key})")
         for name in args.name:
             files = issue_cert(args.out, name, ips=args.ip or DEFAULT_IPS, dns=args.dns,
-                               days=args.days or DEFAULT_CERT_DAYS)
+                               days=args.days if args.days is not None
+                               else DEFAULT_CERT_DAYS)
             print(f"{name}: {files.cert} (key {files.key})")
     except CertError as exc:
         print(f"skymesh certs: {exc}", file=sys.stderr)

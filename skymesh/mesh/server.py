@@ -62,6 +62,14 @@ def _origin_form(path: str) -> bool:
         all(33 <= ord(c) < 127 for c in path)
 
 
+def _control_char(value: str) -> str | None:
+    """The first control character in ``value`` (as U+XXXX), or None."""
+    for c in value:
+        if ord(c) < 32 or 127 <= ord(c) < 160 or c in "\u2028\u2029":
+            return f"U+{ord(c):04X}"
+    return None
+
+
 def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -187,6 +195,13 @@ class _Servicer(pb_grpc.PeeringServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"request {request.request_id} was already forwarded "
                                 f"{request.forwarded_hops} times")
+        for name in ("request_id", "affinity_key"):
+            bad = _control_char(getattr(request, name))
+            if bad is not None:
+                # These end up in HTTP headers and log lines: CR/LF would split them.
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{name} holds a control character ({bad}): only "
+                                    "printable characters are allowed")
         if not _origin_form(request.path):
             # The receiving balancer appends the path to its own base URL: "@host/..."
             # would make it an authority and send the request to another host.

@@ -961,7 +961,7 @@ def _run_args(args: Any, command: str) -> dict[str, Any]:
 
 def run_cli(args: Any) -> int:
     """``skymesh sim --experiment capacity-week``."""
-    from skymesh.cli import write_json
+    from skymesh.util.jsonio import write_json
 
     res = _run_args(args, "skymesh sim --experiment capacity-week")
     print_summary(res)

@@ -46,7 +46,6 @@ def _describe(s: Series) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from skymesh.cli import write_json
     from skymesh.planning.forecast import forecaster_params
     from skymesh.planning.forecast_eval import (
         evaluate,
@@ -54,6 +53,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         parse_forecasters,
         split_point,
     )
+    from skymesh.util.jsonio import write_json
 
     try:
         names = parse_forecasters(args.forecasters)

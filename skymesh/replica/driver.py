@@ -229,6 +229,9 @@ class RealtimeDriver:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self.finish_listeners: list[FinishListener] = []
+        # Called whenever the engine's waiting/running/KV figures may have changed (a
+        # request added or aborted, a step scheduled or completed): lagged gauges sample.
+        self.state_listeners: list[Callable[[], None]] = []
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -301,7 +304,12 @@ class RealtimeDriver:
         seq.payload = handle
         self._handles[rid] = handle
         self._wake.set()
+        self._state_changed()
         return handle
+
+    def _state_changed(self) -> None:
+        for listener in self.state_listeners:
+            listener()
 
     def abort(self, request_id: str) -> bool:
         """Drop a request from the engine and end its stream; False if already over."""
@@ -310,6 +318,7 @@ class RealtimeDriver:
             return False
         self.engine.abort(request_id)
         handle._end("abort", asyncio.get_running_loop().time())
+        self._state_changed()
         log.info("request %s aborted after %d tokens", request_id, handle.num_delivered)
         return True
 
@@ -325,6 +334,7 @@ class RealtimeDriver:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            self._state_changed()  # admitted: waiting -> running
             now = loop.time()
             start = now if next_start is None or now - next_start > self.max_lag else next_start
             deadline = start + batch.duration * self.time_scale
@@ -332,6 +342,7 @@ class RealtimeDriver:
             await asyncio.sleep(max(0.0, deadline - loop.time()))
             next_start = deadline
             self._deliver(engine.complete(batch), loop.time())
+            self._state_changed()
 
     def _deliver(self, events: list[StepEvent], now: float) -> None:
         for ev in events:

@@ -16,6 +16,7 @@ for the non-streaming case.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import importlib.metadata
 import json
@@ -30,9 +31,11 @@ from aiohttp import web
 
 from skymesh.engine.core import Engine
 from skymesh.engine.profiles import DEFAULT_PROFILE, Profile, get_profile
+from skymesh.jsonbody import JsonBodyError, loads_body
 from skymesh.prompt import PromptError, Tokenizer, completion_prompt, get_tokenizer, render_chat
 from skymesh.replica.driver import ContextLengthError, RealtimeDriver, RequestHandle
 from skymesh.replica.metrics import CONTENT_TYPE, ReplicaMetrics
+from skymesh.serving import METRICS_REGISTRY
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,10 @@ class ReplicaConfig:
     # vLLM's --api-key: the /v1 routes want "Authorization: Bearer KEY"; the others
     # (health, metrics, load, tokenize) stay open, as in vLLM.
     api_key: str | None = None
+    # vLLM's --max-num-seqs, over the profile's; and the load gauges' lag over the
+    # profile's metrics_lag_s (skymesh.replica.metrics).
+    max_num_seqs: int | None = None
+    metrics_lag_s: float | None = None
 
     @property
     def served_model(self) -> str:
@@ -125,11 +132,9 @@ async def _read_json(request: web.Request, limit: int) -> dict[str, Any]:
     except web.HTTPRequestEntityTooLarge:
         raise _too_large(None, limit) from None
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"Request body is not valid JSON: {exc}") from None
-    except RecursionError:  # json.loads recurses per nesting level: a deep body is bad input
-        raise ApiError(400, "Request body is nested too deeply") from None
+        body = loads_body(raw)
+    except JsonBodyError as exc:  # NaN, huge integers, deep nesting, bad UTF-8 included
+        raise ApiError(400, str(exc)) from None
     if not isinstance(body, dict):
         raise ApiError(400, "Request body must be a JSON object")
     return body
@@ -532,13 +537,17 @@ async def _errors(
 
 def build_replica(config: ReplicaConfig) -> Replica:
     profile = get_profile(config.profile)
+    if config.max_num_seqs is not None:
+        profile = dataclasses.replace(profile, max_num_seqs=config.max_num_seqs)
+    if config.metrics_lag_s is not None:
+        profile = dataclasses.replace(profile, metrics_lag_s=config.metrics_lag_s)
     tokenizer = get_tokenizer()
     engine = Engine(profile)
     driver = RealtimeDriver(engine, tokenizer=tokenizer, seed=config.seed,
                             time_scale=config.time_scale)
     model = config.served_model
     return Replica(config, profile, model, tokenizer, engine, driver,
-                   ReplicaMetrics(driver, model), int(time.time()))
+                   ReplicaMetrics(driver, model, profile.metrics_lag_s), int(time.time()))
 
 
 def create_app(config: ReplicaConfig) -> web.Application:
@@ -547,6 +556,7 @@ def create_app(config: ReplicaConfig) -> web.Application:
     # aiohttp's own limit backs up the Content-Length check for chunked uploads.
     app = web.Application(middlewares=[_errors], client_max_size=config.max_body_bytes)
     app[REPLICA] = replica
+    app[METRICS_REGISTRY] = replica.metrics.registry  # serving adds the connection metrics
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         replica.driver.start()

@@ -20,7 +20,8 @@ ASIA = {"name": "ap-northeast", "latitude": 35.7, "longitude": 139.7}
 
 @contextmanager
 def client(store: str) -> Iterator[TestClient]:
-    cfg = parse_config({"store": store, "tokens": token_config()})
+    cfg = parse_config({"store": store, "tokens": token_config(),
+                        "url_policy": {"allow_loopback": True}})
     with TestClient(build_app(cfg, probe=False)) as c:
         yield c
 
@@ -210,6 +211,18 @@ def test_state_survives_a_redis_crash_through_the_aof(redis_server: RedisServer)
     with client(redis_server.url) as c:
         assert c.get(f"/v1/replicas/{rep['id']}", headers=auth()).status_code == 200
         assert c.get("/v1/status", headers=auth()).json()["revision"] == rev
+
+
+def test_redis_restart_costs_no_request(redis_server: RedisServer) -> None:
+    # Regression: the first request after a clean Redis restart used the pool's dead
+    # connection and got a 503; redis-py's retry policy now reconnects and retries.
+    with client(redis_server.url) as c:
+        seed(c)
+        for _ in range(2):
+            redis_server.restart()
+            r = c.get("/v1/regions", headers=auth())
+            assert r.status_code == 200, r.text
+            assert c.post("/v1/models", headers=auth(), json={"name": "m"}).status_code == 201
 
 
 def test_redis_outage_gives_503_not_a_crash(redis_server: RedisServer) -> None:

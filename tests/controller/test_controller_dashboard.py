@@ -62,7 +62,9 @@ def _telemetry(requests: int, queue: int) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory: pytest.TempPathFactory, healthy_url: str) -> Iterator[Daemon]:
     cfg = tmp_path_factory.mktemp("dash") / "controller.yaml"
-    cfg.write_text(yaml.safe_dump({"tokens": token_config()}))
+    cfg.write_text(yaml.safe_dump({"tokens": token_config(),
+                                   "url_policy": {"allow_loopback": True},
+                                   "api_docs": True}))
     d = start_daemon("skymesh-controller",
                      ["--config", str(cfg), "--port", "0", "--probe-interval", "0.2"],
                      env={**os.environ, "SKYMESH_ADMIN_TOKEN": ADMIN})
@@ -120,7 +122,8 @@ def test_controller_dashboard_page_is_public_and_holds_no_data(controller: Daemo
     js = httpx.get(controller.url + "/dashboard/static/dashboard.js")
     assert js.status_code == 200 and "/v1/telemetry" in js.text
     # The page is not an API operation: it stays out of the OpenAPI document.
-    paths = httpx.get(controller.url + "/openapi.json").json()["paths"]
+    paths = httpx.get(controller.url + "/openapi.json",
+                      headers={"Authorization": f"Bearer {READER}"}).json()["paths"]
     assert not any(p.startswith("/dashboard") for p in paths)
 
 

@@ -17,8 +17,8 @@ async def test_probes_mark_states_and_membership_follows(tmp_path: Path) -> None
     rep = start_daemon("skymesh-replica", ["--port", "0"], log_path=tmp_path / "r.log")
     # Any server answering /health stands in for lb-eu here: the probe asks nothing more.
     eu = start_daemon("skymesh-replica", ["--port", "0"], log_path=tmp_path / "eu.log")
-    ctl = Controller(parse_config({"probe": {"failure_threshold": 2, "timeout_s": 0.5}}),
-                     MemoryStore())
+    ctl = Controller(parse_config({"probe": {"failure_threshold": 2, "timeout_s": 0.5},
+                                   "url_policy": {"allow_loopback": True}}), MemoryStore())
     await ctl.start(probe=False)  # rounds driven by the test, one at a time
     try:
         await ctl.put_region(RegionIn(name="us", latitude=38.9, longitude=-77.0))

@@ -117,6 +117,13 @@ def test_ctl_replica_lifecycle(controller: Daemon) -> None:
     assert row[:4] == [rid, "llama-3-8b", "eu-west", "L4"]
     assert row[5] == "lb-eu-west" and row[-1] == rep_url
 
+    out = ok(url, "replicas", "update", rid, "--gpu", "H100")  # PATCH: the rest stays
+    assert "gpu H100" in out and get(url, f"/v1/replicas/{rid}")["gpu"] == "H100"
+    assert get(url, f"/v1/replicas/{rid}")["url"] == rep_url
+    p = ctl(url, "replicas", "update", rid, "--url", "http://169.254.169.254")
+    assert p.returncode == 2 and "metadata" in p.stderr
+    assert ctl(url, "replicas", "update", rid).returncode == 2  # nothing to update
+
     ok(url, "replicas", "drain", rid)
     assert get(url, f"/v1/replicas/{rid}")["state"] == "draining"
     assert rows(ok(url, "replicas", "list"))[rid][4] == "draining"

@@ -11,7 +11,6 @@ import shlex
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -20,7 +19,6 @@ from support import until
 
 from controller.config import parse_config as parse_controller_config
 from skymesh.balancer.config import load_config as load_lb_config
-from skymesh.balancer.config import parse_config as parse_lb_config
 from skymesh.procs import Daemon, start_daemon
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,58 +120,7 @@ def test_dockerfile_installs_the_checkout_as_a_non_root_user() -> None:
     assert users and users[-1].split(":")[0] not in ("0", "root")
 
 
-def k8s_docs() -> list[dict[str, Any]]:
-    docs: list[dict[str, Any]] = []
-    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
-        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
-    return docs
-
-
-def test_kubernetes_workloads_run_real_flags_and_probe_the_right_paths() -> None:
-    docs = k8s_docs()
-    by_kind: dict[tuple[str, str], dict[str, Any]] = {
-        (d["kind"], d["metadata"]["name"]): d for d in docs}
-    workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
-    assert {w["metadata"]["name"] for w in workloads} == {
-        "skymesh-lb", "skymesh-replica", "skymesh-controller"}
-    for w in workloads:
-        name = w["metadata"]["name"]
-        pod = w["spec"]["template"]
-        assert w["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
-        service = by_kind[("Service", name)]
-        assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
-        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
-        (c,) = pod["spec"]["containers"]
-        assert c["securityContext"]["allowPrivilegeEscalation"] is False
-        cm = by_kind.get(("ConfigMap", name))
-        assert cm is not None, f"{name} has no ConfigMap"
-        env = {k: str(v) for k, v in cm["data"].items()}
-        args = [re.sub(r"\$\((\w+)\)", lambda m, env=env: env[m.group(1)], a)  # type: ignore[misc]
-                for a in c["args"]]
-        parsed = parse_flags(c["command"][0], args)
-        ports = {p["name"] for p in c["ports"]}
-        ready = c["readinessProbe"]["httpGet"]
-        assert ready["port"] in ports
-        assert ready["path"] == ("/ready" if name == "skymesh-lb" else "/health")
-        assert c["livenessProbe"]["httpGet"]["path"] == "/health"
-        for vol in pod["spec"].get("volumes", []):
-            if "configMap" in vol:
-                assert ("ConfigMap", vol["configMap"]["name"]) in by_kind
-        if name == "skymesh-lb":
-            cfg = parse_lb_config(yaml.safe_load(env[Path(parsed.config).name]))
-            assert cfg.listen.port == next(p["containerPort"] for p in c["ports"]
-                                           if p["name"] == "http")
-            assert cfg.mesh is not None and cfg.mesh.listen_port == next(
-                p["containerPort"] for p in c["ports"] if p["name"] == "peering")
-            # The client keys file sits in a mounted Secret (a public address needs keys).
-            keys_file = cfg.auth.api_keys_file
-            assert keys_file is not None and not cfg.auth.allow_anonymous
-            mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-            assert keys_file.startswith(mounts["api-keys"] + "/")
-            assert any(v["name"] == "api-keys" and "secret" in v
-                       for v in pod["spec"]["volumes"])
-        if name == "skymesh-controller":
-            parse_controller_config(yaml.safe_load(env[Path(parsed.config).name]))
+# The Kubernetes manifests: tests/deploy/test_k8s_manifests.py (rendered by kustomize).
 
 
 def test_prometheus_scrapes_metrics_endpoints() -> None:

@@ -27,7 +27,9 @@ def test_sync_endpoint_and_automatic_withdrawal(
     cfg = parse_config({
         "tokens": token_config(),
         "probe": {"interval_s": 0.1, "timeout_s": 0.2, "failure_threshold": 1},
-        "dns": {"zone": name, "record": f"api.{name}", "endpoint_url": moto_url}})
+        "dns": {"zone": name, "record": f"api.{name}", "endpoint_url": moto_url},
+        # The balancers below sit on documentation addresses (TEST-NET-2).
+        "url_policy": {"allow_networks": ["198.51.100.0/24"]}})
     from controller.dns_hook import dns_hook
 
     app = build_app(cfg, dns=dns_hook(cfg), probe=False)

@@ -1,16 +1,29 @@
-"""terraform/ validated offline (the AWS provider cannot be downloaded here): every file
-parses with python-hcl2, every reference resolves, modules are called with the variables
-they declare, and the root example holds the latency records and health checks."""
+"""terraform/ validated offline: every file parses with python-hcl2, every reference
+resolves, modules are called with the variables they declare, the root example holds the
+latency records and health checks; and Terraform itself runs ``init -backend=false`` +
+``validate`` on every module and example against the local provider mirror (no network),
+and ``fmt -check``. What the region module deploys is checked too: the operator's wheel,
+a watchdog that gets a dead balancer replaced, replicas with a way out."""
 
 from __future__ import annotations
 
+import http.server
+import json
+import os
 import re
-from collections.abc import Iterator
+import shutil
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+import boto3
 import hcl2
 import pytest
 
@@ -216,3 +229,270 @@ def test_rendered_balancer_config_uses_only_real_keys() -> None:
     keys = set(re.findall(r"[{,\s](\w+)\s*=\s", text))
     assert {"region", "listen", "replicas", "mesh", "peers"} <= keys
     assert keys <= model_fields(BalancerConfig), keys - model_fields(BalancerConfig)
+
+
+# -- terraform itself, offline, against the local provider mirror ---------------------------
+
+def _provider_mirror() -> Path | None:
+    """The filesystem mirror these machines carry (``/<dir>/tf-plugins``) with the AWS
+    provider in it."""
+    for mirror in sorted(Path("/").glob("*/tf-plugins")):
+        if (mirror / "registry.terraform.io" / "hashicorp" / "aws").is_dir():
+            return mirror
+    return None
+
+
+@pytest.fixture(scope="module")
+def tf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run terraform on a copy of the tree (init writes a lock file and .terraform/),
+    offline: providers from the mirror only, CLI config and data dirs in a temp dir."""
+    exe = shutil.which("terraform")
+    mirror = _provider_mirror()
+    if exe is None:
+        pytest.skip("terraform is not on the PATH (Terraform >= 1.5 is needed)")
+    if mirror is None:
+        pytest.skip("no provider mirror: no /*/tf-plugins holding "
+                    "registry.terraform.io/hashicorp/aws")
+    tmp = tmp_path_factory.mktemp("tf")
+    # The region module reads deploy/ files by relative path: copy both, same layout.
+    for part in ("terraform", "deploy"):
+        shutil.copytree(REPO / part, tmp / "repo" / part,
+                        ignore=shutil.ignore_patterns(".terraform*", "*.tfstate*"))
+    cli = tmp / "cli.tfrc"
+    cli.write_text('provider_installation {\n  filesystem_mirror {\n'
+                   f'    path    = "{mirror}"\n'
+                   '    include = ["registry.terraform.io/hashicorp/*"]\n  }\n}\n')
+
+    def run(rel: str, *args: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "TF_CLI_CONFIG_FILE": str(cli), "TF_IN_AUTOMATION": "1",
+               "CHECKPOINT_DISABLE": "1",
+               "TF_DATA_DIR": str(tmp / "data" / rel.replace("/", "_"))}
+        env.pop("TF_PLUGIN_CACHE_DIR", None)
+        return subprocess.run([exe, *args, "-no-color"], cwd=tmp / "repo" / "terraform" / rel,
+                              env=env, capture_output=True, text=True, timeout=300)
+    return run
+
+
+@pytest.fixture(scope="module")
+def validated(tf: Callable[..., subprocess.CompletedProcess[str]]) -> dict[str, str]:
+    """``init`` + ``validate`` of every module and example, the directories side by side
+    (each validate spends most of its time loading the AWS provider's schema): a failure
+    report per directory, empty when it validates."""
+
+    def one(rel: str) -> str:
+        init = tf(rel, "init", "-backend=false", "-input=false")
+        if init.returncode != 0:
+            return f"terraform init in {rel}:\n{init.stdout}\n{init.stderr}"
+        check = tf(rel, "validate")
+        if check.returncode != 0 or "The configuration is valid" not in check.stdout:
+            return f"terraform validate in {rel}:\n{check.stdout}\n{check.stderr}"
+        return ""
+
+    rels = [p.relative_to(TF).as_posix() for p in module_dirs()]
+    with ThreadPoolExecutor(len(rels)) as pool:
+        return dict(zip(rels, pool.map(one, rels), strict=True))
+
+
+@pytest.mark.parametrize("path", module_dirs(), ids=lambda p: str(p.relative_to(TF)))
+def test_terraform_init_and_validate_offline(validated: dict[str, str], path: Path) -> None:
+    failure = validated[path.relative_to(TF).as_posix()]
+    assert not failure, failure
+
+
+def test_terraform_fmt_is_clean() -> None:
+    exe = shutil.which("terraform")
+    if exe is None:
+        pytest.skip("terraform is not on the PATH")
+    # fmt reads no provider; -check writes nothing.
+    out = subprocess.run([exe, "fmt", "-check", "-recursive", "-no-color", str(TF)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"terraform fmt would change: {out.stdout}{out.stderr}"
+
+
+# -- what the region module deploys ----------------------------------------------------------
+
+def region_resource(rtype: str, name: str) -> dict[str, Any]:
+    return load_module(TF / "modules" / "region").resources[(rtype, name)]
+
+
+def test_software_comes_from_the_operators_wheel_not_a_pypi_name() -> None:
+    region = load_module(TF / "modules" / "region")
+    text = "\n".join(p.read_text() for p in TF.rglob("*.tf*"))
+    assert "pip_spec" not in text and "skymesh==" not in text
+    wheel = region.variables["skymesh_wheel_url"]
+    assert "default" not in wheel, "the wheel must be the operator's choice"
+    condition = str(wheel["validation"][0]["condition"])
+    pattern = re.search(r'regex\("(.+?)",', condition)
+    assert pattern is not None
+    regex = re.compile(pattern.group(1).replace("\\\\", "\\"))
+    assert regex.search("s3://releases/skymesh/skymesh-0.2.0-py3-none-any.whl")
+    assert regex.search("https://example.com/r/skymesh-0.2.0-py3-none-any.whl")
+    assert not regex.search("skymesh==0.1.0")
+    assert not regex.search("http://example.com/skymesh-0.2.0-py3-none-any.whl")
+    template = (TF / "modules" / "region" / "user_data.sh.tftpl").read_text()
+    assert "SKYMESH_WHEEL_URL='${wheel_url}'" in template
+    assert "SKYMESH_PIP_SPEC" not in template
+
+
+def test_a_dead_balancer_is_replaced_and_a_refresh_keeps_it_serving() -> None:
+    asg = region_resource("aws_autoscaling_group", "lb")
+    prefs = asg["instance_refresh"][0]["preferences"][0]
+    assert prefs["min_healthy_percentage"] >= 50
+    assert asg["max_size"] >= 2 and asg["desired_capacity"] == 1
+    assert "health_check_grace_period" in asg
+    # No load balancer to take health from: the instance's watchdog reports to the group.
+    template = (TF / "modules" / "region" / "user_data.sh.tftpl").read_text()
+    assert "set_instance_health" in template and 'HealthStatus="Unhealthy"' in template
+    assert "${watchdog_url}" in template and "/health" in str(
+        region_resource("aws_launch_template", "lb")["user_data"])
+    policy = str(region_resource("aws_iam_role_policy", "lb")["policy"])
+    assert "autoscaling:SetInstanceHealth" in policy
+
+
+def test_replicas_reach_apt_and_the_index_through_a_nat_gateway() -> None:
+    route = region_resource("aws_route_table", "private")["route"][0]
+    assert "aws_nat_gateway.this" in str(route["nat_gateway_id"])
+    assert "aws_subnet.public" in str(region_resource("aws_nat_gateway", "this")["subnet_id"])
+    replica = region_resource("aws_instance", "replica")
+    assert "replica_subnet_id" in str(replica["subnet_id"])
+    assert "aws_route_table_association.private" in str(replica["depends_on"])
+    endpoint = region_resource("aws_vpc_endpoint", "s3")
+    assert unq(endpoint["vpc_endpoint_type"]) == "Gateway"
+
+
+def test_no_account_or_ami_owner_is_hard_coded() -> None:
+    region = load_module(TF / "modules" / "region")
+    ami = region.data[("aws_ami", "debian")]
+    assert ami["owners"] == ["${var.ami_owner}"]
+    code = "\n".join(p.read_text() for p in TF.rglob("*.tf") if p.name != "variables.tf")
+    assert not re.findall(r"\b\d{12}\b", code), "a 12-digit account id outside a variable"
+
+
+# -- the balancer's watchdog, rendered by terraform and run against moto ---------------------
+
+class _Fake(http.server.BaseHTTPRequestHandler):
+    """A balancer's /health (status set by the test) and the instance metadata service."""
+
+    health = 200
+    instance = ""
+
+    def _answer(self, status: int, body: str) -> None:
+        self.send_response(status)
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def do_PUT(self) -> None:
+        self._answer(200, "token")
+
+    def do_GET(self) -> None:
+        meta = {"/latest/meta-data/instance-id": _Fake.instance,
+                "/latest/meta-data/placement/region": "us-east-1"}
+        if self.path == "/health":
+            self._answer(_Fake.health, "")
+        elif self.path in meta and self.headers.get("X-aws-ec2-metadata-token") == "token":
+            self._answer(200, meta[self.path])
+        else:
+            self._answer(404, "")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def render_user_data(tmp: Path, **overrides: str) -> str:
+    """templatefile() of the region module's user data, by terraform itself (a root
+    module with no provider: nothing to download)."""
+    exe = shutil.which("terraform")
+    if exe is None:
+        pytest.skip("terraform is not on the PATH")
+    args = {"roles": "lb", "wheel_url": "https://example.com/skymesh-0.1.0-py3-none-any.whl",
+            "wheel_sha256": "", "pip_args": "", "watchdog_url": "", "asg_name": "",
+            "install_script": "echo install", "eip_allocation": "", "certs_prefix": "",
+            "mesh_id": "", "api_keys_param": "", "tls_prefix": "", **overrides}
+    tpl = TF / "modules" / "region" / "user_data.sh.tftpl"
+    (tmp / "main.tf").write_text(
+        f'output "user_data" {{\n  value = templatefile("{tpl}", {{\n'
+        + "".join(f"    {k} = {json.dumps(v)}\n" for k, v in args.items())
+        + '    units = { "skymesh-lb.service" = "[Unit]" }\n'
+        + '    configs = { "lb.yaml" = "region: us-east" }\n  })\n}\n')
+    env = {**os.environ, "TF_DATA_DIR": str(tmp / ".tf"), "CHECKPOINT_DISABLE": "1",
+           "TF_IN_AUTOMATION": "1"}
+    for cmd in (["init", "-input=false"], ["apply", "-auto-approve", "-input=false"]):
+        out = subprocess.run([exe, *cmd, "-no-color"], cwd=tmp, env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+    out = subprocess.run([exe, "output", "-raw", "user_data"], cwd=tmp, env=env,
+                         capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout
+
+
+def test_rendered_user_data_is_valid_bash_for_both_roles(tmp_path: Path) -> None:
+    for role, watchdog in (("lb", "http://127.0.0.1:8080/health"), ("replica", "")):
+        work = tmp_path / role
+        work.mkdir()
+        text = render_user_data(work, roles=role, watchdog_url=watchdog, asg_name="lb-x-0")
+        check = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+        assert ("skymesh-lb-watchdog.timer" in text) == (role == "lb")
+        assert "SKYMESH_WHEEL_URL='https://example.com/skymesh-0.1.0-py3-none-any.whl'" in text
+
+
+def test_the_watchdog_marks_a_balancer_that_fails_health_unhealthy(
+        tmp_path: Path, moto_url: str) -> None:
+    aws = {"endpoint_url": moto_url, "region_name": "us-east-1",
+           "aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+    ec2, asg = boto3.client("ec2", **aws), boto3.client("autoscaling", **aws)
+    name = f"lb-us-east-{uuid.uuid4().hex[:6]}"
+    # One of moto's built-in AMIs (listing them all is slow).
+    ec2.create_launch_template(LaunchTemplateName=name, LaunchTemplateData={
+        "ImageId": "ami-12c6146b", "InstanceType": "c7i.large"})
+    asg.create_auto_scaling_group(AutoScalingGroupName=name, MinSize=1, MaxSize=2,
+                                  DesiredCapacity=1, AvailabilityZones=["us-east-1a"],
+                                  LaunchTemplate={"LaunchTemplateName": name})
+
+    def health() -> str:
+        group = asg.describe_auto_scaling_groups(AutoScalingGroupNames=[name])
+        (instance,) = group["AutoScalingGroups"][0]["Instances"]
+        _Fake.instance = instance["InstanceId"]
+        return str(instance["HealthStatus"])
+
+    assert health() == "Healthy"
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        text = render_user_data(tmp_path, watchdog_url=f"{base}/health", asg_name=name)
+        script = text.split("cat > /usr/local/sbin/skymesh-lb-watchdog <<'SKYMESH_EOF'\n")[1]
+        watchdog = tmp_path / "watchdog"
+        watchdog.write_text(script.split("\nSKYMESH_EOF\n")[0] + "\n")
+        bin_dir = tmp_path / "bin"  # python3 = this venv's (boto3), as python3-boto3 on EC2
+        bin_dir.mkdir()
+        (bin_dir / "python3").symlink_to(sys.executable)
+        env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "AWS_ENDPOINT_URL": moto_url,
+               "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "SKYMESH_WATCHDOG_STATE": str(tmp_path / "fails"),
+               "SKYMESH_WATCHDOG_IMDS": base}
+
+        def tick() -> subprocess.CompletedProcess[str]:
+            out = subprocess.run(["bash", str(watchdog)], env=env, capture_output=True,
+                                 text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            return out
+
+        _Fake.health = 200
+        tick()
+        _Fake.health = 500
+        tick()
+        tick()
+        assert health() == "Healthy"  # two failures are not enough
+        _Fake.health = 200
+        tick()  # a success resets the count
+        _Fake.health = 500
+        tick()
+        tick()
+        assert health() == "Healthy"
+        out = tick()  # the third failure in a row
+        assert f"Unhealthy in {name}" in out.stdout
+        assert health() == "Unhealthy"
+    finally:
+        server.shutdown()
+        server.server_close()

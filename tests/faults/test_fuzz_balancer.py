@@ -1,10 +1,12 @@
 """Hypothesis-generated OpenAI request bodies and headers against a live ``skymesh-lb``.
 
 Bad input must get a 4xx with an OpenAI error body (never a 5xx, never a dropped
-connection) and the daemon must stay up. Three strategies: arbitrary JSON documents,
-OpenAI-shaped bodies with every field mutated (types, ranges, nesting, unicode), and raw
-bytes (invalid UTF-8, truncated JSON); each with generated headers (deadline, session,
-content type, authorization). Examples are bounded so the module runs in about 20 s.
+connection) and the daemon must stay up. Four strategies: arbitrary JSON documents,
+OpenAI-shaped bodies with every field mutated (types, ranges, nesting, unicode), raw
+bytes (invalid UTF-8, truncated JSON), each with generated headers (deadline, session,
+content type, authorization); and a valid chat body mutated as text (numbers past the
+digit limit, NaN and the infinities, broken strings and escapes, deep nesting), sent to
+the balancer and to a replica. Examples are bounded so the module runs in about 30 s.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from skymesh.faults.cluster import MODEL
@@ -71,7 +73,7 @@ def post(lb: Daemon, path: str, body: bytes, headers: dict[str, str]) -> tuple[i
         conn.close()
 
 
-def check(lb: Daemon, path: str, body: bytes, headers: dict[str, str]) -> None:
+def check(lb: Daemon, path: str, body: bytes, headers: dict[str, str]) -> int:
     status, raw = post(lb, path, body, headers)
     SEEN[f"{status // 100}xx"] += 1
     assert status < 500, (status, raw[:300], body[:300], headers)
@@ -80,6 +82,7 @@ def check(lb: Daemon, path: str, body: bytes, headers: dict[str, str]) -> None:
         assert isinstance(err["message"], str) and err["message"]
         assert err["type"] and err["code"]
     assert lb.alive()
+    return status
 
 
 # -- strategies ------------------------------------------------------------------------------
@@ -151,6 +154,85 @@ def test_raw_bytes_get_4xx_not_5xx(lb: Daemon, raw: bytes, hdrs: dict[str, str],
     check(lb, path, raw, hdrs)
 
 
+# -- textual mutations of a valid chat body: numbers, strings, nesting --------------------
+# json.dumps cannot write what these are after (NaN and the infinities as bare words, an
+# integer past Python's 4,300-digit parse limit, invalid UTF-8, a lone surrogate escape,
+# nesting past the parser's recursion limit), so the body is assembled as text.
+BAD_CONSTANTS = ("NaN", "Infinity", "-Infinity")
+number_token = st.one_of(
+    st.sampled_from([*BAD_CONSTANTS, "1e999", "-1e999", "1E400", "4e-400", "-0", "0.0",
+                     "00", "01", "1.", ".5", "+1", "0x10", "1e", "--1", "2" * 4300]),
+    st.integers(4301, 6000).map(lambda n: "9" * n),  # past the digit limit: a ValueError
+    st.integers(-(2**70), 2**70).map(str),
+    st.floats(allow_nan=False, allow_infinity=False).map(repr))
+string_token = st.one_of(
+    st.text(max_size=40).map(lambda t: json.dumps(t, ensure_ascii=False).encode()),
+    st.sampled_from([b'"\\ud800"', b'"a\\udc00b"', b'"\\ud83d\\ude00"', b'"\\u00"',
+                     b'"\\x41"', b'"a\x00b"', b'"\xff\xfe"', b'"\xed\xa0\x80"',
+                     b'"\xc3"', b'"\\"', b'"\xf0\x9f\x98\x80"']),
+    st.binary(max_size=12).map(lambda b: b'"' + b.replace(b'"', b"") + b'"'))
+NUMBER_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "n", "presence_penalty")
+NEST_FIELDS = ("content", "messages", "max_tokens", "stop")
+
+
+@st.composite
+def mutated_chat(draw: st.DrawFn) -> tuple[bytes, bool]:
+    """A chat body with one number, one string and one nesting depth mutated; and whether
+    it must be refused as a 400 (a non-standard constant or an over-long integer)."""
+    number = draw(number_token)
+    number_field = draw(st.sampled_from(NUMBER_FIELDS))
+    content = draw(string_token)
+    depth = draw(st.one_of(st.just(0), st.integers(1, 40), st.integers(900, 3000)))
+    nest_field = draw(st.sampled_from(NEST_FIELDS))
+
+    def nest(field: str, value: bytes) -> bytes:
+        return b"[" * depth + value + b"]" * depth if field == nest_field else value
+
+    message = b'{"role": "user", "content": ' + nest("content", content) + b"}"
+    body = (b'{"model": ' + json.dumps(MODEL).encode()
+            + b', "messages": ' + nest("messages", b"[" + message + b"]")
+            + b', "max_tokens": ' + nest("max_tokens", b"2")
+            + b', "stop": ' + nest("stop", b"null")
+            # A second "max_tokens" is a duplicate key: JSON parsers keep the last one.
+            + b', "' + number_field.encode() + b'": ' + number.encode() + b"}")
+    digits = number.lstrip("-")
+    must_400 = number in BAD_CONSTANTS or (digits.isdigit() and len(digits) > 4300)
+    return body, must_400
+
+
+def _chat(extra: bytes) -> bytes:
+    return (b'{"model": ' + json.dumps(MODEL).encode()
+            + b', "messages": [{"role": "user", "content": "hi"}], ' + extra + b"}")
+
+
+# The regressions of issue #23, whatever hypothesis draws besides.
+REGRESSIONS = [((_chat(b'"max_tokens": ' + b"9" * 4301), True), "lb"),
+               ((_chat(b'"max_tokens": ' + b"9" * 4301), True), "replica"),
+               ((_chat(b'"temperature": NaN'), True), "lb"),
+               ((_chat(b'"temperature": NaN'), True), "replica"),
+               ((_chat(b'"top_p": -Infinity'), True), "lb"),
+               ((_chat(b'"stop": ' + b"[" * 3000 + b"]" * 3000), False), "lb"),
+               ((_chat(b'"user": "\xff"'), False), "replica")]
+
+
+def with_regressions(test: Any) -> Any:
+    for case, target in REGRESSIONS:
+        test = example(case=case, target=target)(test)
+    return test
+
+
+@SETTINGS
+@with_regressions
+@given(case=mutated_chat(), target=st.sampled_from(["lb", "replica"]))
+def test_mutated_numbers_strings_and_nesting_get_4xx_not_5xx(
+        lb: Daemon, replica: Daemon, case: tuple[bytes, bool], target: str) -> None:
+    body, must_400 = case
+    daemon = lb if target == "lb" else replica
+    status = check(daemon, "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    if must_400:
+        assert status == 400, (target, status, body[:200])
+
+
 def test_oversized_and_deep_bodies_are_refused_cleanly(lb: Daemon) -> None:
     big = json.dumps({"model": MODEL, "messages": [
         {"role": "user", "content": "x" * 70_000}]}).encode()
@@ -165,8 +247,8 @@ def test_oversized_and_deep_bodies_are_refused_cleanly(lb: Daemon) -> None:
 
 def test_a_deeply_nested_body_is_a_400_at_the_replica(replica: Daemon) -> None:
     # json.loads recurses once per nesting level and raises RecursionError past about
-    # a thousand: bad input, not a server error. (The balancer's intake has the same
-    # gap: see docs/notes/hardening.md.)
+    # a thousand: bad input, not a server error (skymesh.jsonbody, shared with the
+    # balancer's intake).
     nested = '{"content":' * 2000 + '"x"' + "}" * 2000  # too deep for json.dumps to build
     body = f'{{"model": "{MODEL}", "messages": [{nested}]}}'.encode()
     status, raw = post(replica, "/v1/chat/completions", body, {})

@@ -110,3 +110,81 @@ def test_unreachable_when_bound_elsewhere_is_explicit(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="did not start"):
         start_daemon("skymesh-replica", ["--port", "0", "--host", "203.0.113.7"],
                      log_path=tmp_path / "bad.log", timeout=10)
+
+
+# -- issue #23, item 5 ----------------------------------------------------------------------
+@pytest.mark.parametrize("field", ["request_id", "affinity_key"])
+@pytest.mark.parametrize("value", ["id\r\nX-Injected: 1", "id\n", "id\x00", "id\x1b[31m"])
+async def test_forward_with_control_characters_is_invalid_argument(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, field: str, value: str) -> None:
+    import grpc
+
+    from skymesh.mesh import certs
+    from skymesh.mesh.client import channel_options
+    from skymesh.mesh.node import MeshNode
+    from skymesh.mesh.proto import pb, pb_grpc
+    from skymesh.mesh.state import new_identity
+    from skymesh.mesh.tls import TlsFiles
+
+    certs.create_ca(tmp_path)
+    for name in ("lb-a", "lb-b"):
+        certs.issue_cert(tmp_path, name)
+    handled: list[pb.ForwardRequest] = []
+
+    async def handle(req: pb.ForwardRequest, ctx: object) -> object:
+        handled.append(req)
+        yield pb.ForwardChunk(data=b"x")
+
+    node = MeshNode(new_identity("eu", "lb-b"), TlsFiles.in_dir(tmp_path, "lb-b"),
+                    local_summary=lambda include_prefix: pb.HeartbeatMsg(),
+                    forward_handler=handle, on_heartbeat=lambda msg: None)
+    await node.start()
+    await node.add_peer("lb-a", "127.0.0.1:9")  # allowed to call; never dialled here
+    try:
+        ca, cert, key = TlsFiles.in_dir(tmp_path, "lb-a").read()
+        creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                             certificate_chain=cert)
+        req = pb.ForwardRequest(request_id="req-1", model="m", path="/v1/completions",
+                                body=b"{}")
+        setattr(req, field, value)
+        async with grpc.aio.secure_channel(node.address, creds,
+                                           options=channel_options("lb-b")) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in pb_grpc.PeeringStub(ch).Forward(req, timeout=5):
+                    pass
+    finally:
+        await node.stop(grace=0)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (info.value.details() or "") and "control character" in (
+        info.value.details() or "")
+    assert handled == []
+    # (asyncio may log gRPC's poller finding an earlier test's loop closed: not ours)
+    assert not [r for r in caplog.records
+                if r.levelname in ("ERROR", "CRITICAL") and r.name != "asyncio"]
+
+
+@pytest.mark.parametrize("days", ["-1", "0", "826", "100000"])
+def test_certs_days_out_of_range_is_refused(tmp_path: Path, days: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from skymesh.cli import main
+
+    assert main(["certs", "--out", str(tmp_path), "--ca", "--name", "lb-a",
+                 "--days", days]) == 2
+    assert "--days must be between 1 and 825" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing issued
+
+
+@pytest.mark.parametrize("days", [1, 30, 825])
+def test_certs_days_issues_exactly_that_many_days(tmp_path: Path, days: int) -> None:
+    import datetime as dt
+
+    from cryptography import x509
+
+    from skymesh.cli import main
+
+    assert main(["certs", "--out", str(tmp_path), "--ca", "--name", "lb-a",
+                 "--days", str(days)]) == 0
+    for pem in ("ca.crt", "lb-a.crt"):
+        cert = x509.load_pem_x509_certificate((tmp_path / pem).read_bytes())
+        assert (cert.not_valid_after_utc - cert.not_valid_before_utc
+                == dt.timedelta(days=days)), pem

@@ -28,7 +28,8 @@ def start_lb(tmp: Path, name: str, region: str, controller: str, replicas: list[
         "policy": {"name": "least-load"}, "probe": {"interval_s": 0.05},
         "replicas": [{"url": r.url, "models": [MODEL], "gpu": "L4"} for r in replicas],
         "controller": {"url": controller, "balancer_id": name, "poll_wait_s": 10,
-                       "retry_s": 0.2, "telemetry_interval_s": 0.5}}))
+                       "retry_s": 0.2, "telemetry_interval_s": 0.5,
+                       "url_policy": {"allow_loopback": True}}}))
     env = {**os.environ, "SKYMESH_AGENT_TOKEN": AGENT}
     return start_daemon("skymesh-lb", ["--config", str(path), "--log-level", "info"],
                         log_path=tmp / f"{name}.log", env=env)

@@ -112,7 +112,8 @@ async def test_a_saturated_region_forwards_and_streams_arrive_intact(tmp_path: P
             assert 'skymesh_peer_state{peer="lb-eu"} 0.0' in text
             assert "skymesh_peer_rtt_seconds" in text and "skymesh_forwarded_out_total" in text
             sent = [line for line in text.splitlines()
-                    if line.startswith('skymesh_peer_heartbeat_bytes{direction="sent"')]
+                    if line.startswith("skymesh_peer_heartbeat_bytes_total{")
+                    and 'direction="sent"' in line]
             assert sent and float(sent[0].rsplit(" ", 1)[1]) > 0
             # A killed peer is DOWN within three heartbeat intervals (plus probe slack),
             # and nothing more is forwarded to it.

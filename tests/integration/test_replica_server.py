@@ -20,8 +20,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from support import read_sse, until
 
+from skymesh.balancer.probe import parse_metrics
 from skymesh.engine.core import Engine
 from skymesh.engine.profiles import DEFAULT_PROFILE, get_profile
 from skymesh.procs import Daemon, executable, start_daemon
@@ -44,8 +46,9 @@ def _start(tmp: Path, *args: str) -> Daemon:
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("replica")
-    d = _start(tmp, "--time-scale", str(TIME_SCALE), "--seed", "7",
-                                 "--max-body-bytes", str(MAX_BODY), "--log-level", "info")
+    # No metrics lag here: these tests read the gauges against the requests they made.
+    d = _start(tmp, "--time-scale", str(TIME_SCALE), "--seed", "7", "--metrics-lag-s", "0",
+               "--max-body-bytes", str(MAX_BODY), "--log-level", "info")
     try:
         yield d.url
     finally:
@@ -69,16 +72,15 @@ async def _healthy(session: aiohttp.ClientSession) -> bool:
 
 
 async def metrics(session: aiohttp.ClientSession) -> dict[str, float]:
+    """Each sample name's value summed over its series (the real Prometheus parser)."""
     async with session.get("/metrics") as r:
         assert r.status == 200
         text = await r.text()
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            series, value = line.rsplit(" ", 1)
-            name = series.split("{", 1)[0]
-            if "{" in series and "_bucket" not in name and "finished_reason" not in series:
-                out[name] = float(value)
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not s.name.endswith("_bucket"):
+                out[s.name] = out.get(s.name, 0.0) + s.value
     return out
 
 
@@ -198,7 +200,7 @@ async def test_waiting_rises_under_load(http: aiohttp.ClientSession) -> None:
     async def saw_waiting() -> bool:
         m = await metrics(http)
         peak["waiting"] = max(peak["waiting"], m["vllm:num_requests_waiting"])
-        peak["usage"] = max(peak["usage"], m["vllm:gpu_cache_usage_perc"])
+        peak["usage"] = max(peak["usage"], m["vllm:kv_cache_usage_perc"])
         async with http.get("/get_load") as r:
             load = (await r.json())[0]
         return m["vllm:num_requests_waiting"] > 0 and load["num_waiting_reqs"] > 0
@@ -244,6 +246,32 @@ async def test_next_turn_hits_previous_answer(http: aiohttp.ClientSession) -> No
     # The answer's own blocks were cached: everything computed in turn 1 is reused.
     computed = a["usage"]["prompt_tokens"] + a["usage"]["completion_tokens"] - 1
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= computed // 16 * 16
+
+
+async def test_max_num_seqs_and_lagging_gauges(tmp_path: Path) -> None:
+    # A lag far beyond this test's run: the gauges must still show the idle engine while
+    # the live /get_load shows the limit at work (2 running, the third waiting).
+    d = _start(tmp_path, "--time-scale", str(TIME_SCALE), "--max-num-seqs", "2",
+               "--metrics-lag-s", "30")
+    try:
+        async with aiohttp.ClientSession(base_url=d.url) as http:
+            await until(lambda: _healthy(http), "replica healthy")
+            body = chat("Long answer.", max_tokens=4000, ignore_eos=True, stream=True)
+            streams = [await http.post("/v1/chat/completions", json=body) for _ in range(3)]
+
+            async def limited() -> bool:
+                async with http.get("/get_load") as r:
+                    load = (await r.json())[0]
+                return (load["num_reqs"], load["num_waiting_reqs"]) == (3, 1)
+            await until(limited, "2 running and 1 waiting")
+            m = await metrics(http)
+            assert m["skymesh:max_num_seqs"] == 2
+            assert (m["vllm:num_requests_waiting"], m["vllm:num_requests_running"]) == (0, 0)
+            assert m["vllm:num_requests_waiting_by_reason"] == 0
+            for r in streams:
+                r.close()
+    finally:
+        assert d.stop() == 0, d.log()
 
 
 # -- disconnects ---------------------------------------------------------------------------
@@ -374,14 +402,26 @@ async def test_info_endpoints(http: aiohttp.ClientSession) -> None:
     async with http.get("/version") as r:
         assert "version" in await r.json()
     text = (await (await http.get("/metrics")).text())
+    # vLLM 0.32's names and labels (tests/fixtures/vllm_metrics), SGLang's.
     for name in ("vllm:num_requests_waiting", "vllm:num_requests_running",
-                 "vllm:gpu_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:num_preemptions_total",
-                 "sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage",
+                 "skymesh:max_num_seqs"):
+        assert re.search(rf'^{re.escape(name)}{{engine="0",model_name="{re.escape(MODEL)}"}} ',
+                         text, re.M), name
+    for reason in ("capacity", "deferred"):
+        assert re.search(rf'^vllm:num_requests_waiting_by_reason{{engine="0",model_name='
+                         rf'"{re.escape(MODEL)}",reason="{reason}"}} ', text, re.M), reason
+    assert "vllm:gpu_cache_usage_perc" not in text  # gone in vLLM 0.32
+    for name in ("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage",
                  "sglang:cache_hit_rate"):
         assert re.search(rf'^{re.escape(name)}{{model_name="{re.escape(MODEL)}"}} ', text,
                          re.M), name
+    p = get_profile(DEFAULT_PROFILE)
+    res = parse_metrics(text)  # what the balancer reads from it
+    assert res.kv_capacity_tokens == p.kv_capacity_tokens
+    assert res.max_num_seqs == p.max_num_seqs
 
 
 async def test_tokenize(http: aiohttp.ClientSession) -> None:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
+
 from skymesh.bench.results import command_for
+from skymesh.bench.results import main as results_main
+from skymesh.bench.results_pages import BY_NAME, SOURCES, render_pages
+from skymesh.bench.results_tables import num, pct, sp_microbench
 from skymesh.bench.skylb_macro import CALIBRATED_LOAD_SCALE, WORKLOADS, parse_load_scale
 
 
@@ -25,3 +31,65 @@ def test_the_reproducing_command_carries_the_load_scale() -> None:
     assert parse_load_scale(flag)["chat-arena"] == 2.0  # the flag parses back
     assert "--load-scale" not in command_for(_setup(dict.fromkeys(every, 1.0), every),
                                              Path("c.json"))
+
+
+# The results pages: generated from the committed JSON, never edited by hand.
+
+REPO = Path(__file__).resolve().parents[2]
+DATA, PAGES = REPO / "docs" / "results" / "data", REPO / "docs" / "results"
+
+
+def test_the_committed_results_pages_are_what_the_committed_json_gives() -> None:
+    pages = render_pages(DATA, PAGES)
+    assert len(pages) > 1, "no result JSON in docs/results/data"
+    stale = [str(p.relative_to(REPO)) for p, text in pages.items()
+             if not p.exists() or p.read_text() != text]
+    assert not stale, (f"{stale} differ from what docs/results/data gives: run "
+                       "python -m skymesh.bench.results docs/results/data docs/results")
+    committed = {p.name for p in PAGES.glob("*.md")}
+    assert committed == {p.name for p in pages}, "a results page has no JSON behind it"
+
+
+def test_every_page_shows_the_command_that_reproduces_it() -> None:
+    for source in SOURCES:
+        if (DATA / f"{source.name}.json").exists():
+            text = (PAGES / f"{source.name}.md").read_text()
+            assert source.command(f"docs/results/data/{source.name}.json") in text
+
+
+def test_a_changed_figure_changes_the_page_and_check_reports_it(tmp_path: Path) -> None:
+    data, out = tmp_path / "data", tmp_path / "pages"
+    data.mkdir()
+    plan = {"regions": 10, "models": 8, "gpu_types": 4, "solve_seconds": 0.25,
+            "status": "optimal", "objective": 3311.5, "seed": 0}
+    (data / "plan-ilp.json").write_text(json.dumps(plan))
+    assert results_main([str(data), str(out)]) == 0
+    page = (out / "plan-ilp.md").read_text()
+    assert "250 ms" in page and "3,311.50" in page
+    assert "skymesh plan bench --json docs/results/data/plan-ilp.json" in page
+    assert results_main([str(data), str(out), "--check"]) == 0
+    (data / "plan-ilp.json").write_text(json.dumps(plan | {"solve_seconds": 0.5}))
+    assert results_main([str(data), str(out), "--check"]) == 1
+    assert "(plan-ilp.md)" in (out / "README.md").read_text()
+
+
+def test_missing_figures_print_as_a_dash_not_zero() -> None:
+    assert num(None, ".2f") == "-" and pct(None) == "-"
+    text = sp_microbench({"by_clients": {"30": {"systems": {"bp": {"throughput_rps": 1.5}},
+                                                "ratios": {}}}})
+    assert "| bp | 1.50 | - |" in text
+
+
+def test_run_refuses_an_unknown_benchmark_by_name(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert results_main([str(tmp_path), str(tmp_path / "p"), "--run", "nope"]) == 2
+    assert "unknown result nope" in capsys.readouterr().err
+
+
+def test_the_vllm_burst_page_has_a_row_per_mode_and_server() -> None:
+    server = {"waiting_mean": 1.25, "waiting_max": 6, "running_mean": 3.5}
+    mode = {"servers": {"a": server, "b": server}, "lb_queue_mean": 20.0, "lb_queue_max": 40,
+            "ttft_p50_s": 1.5, "ttft_p90_s": None, "completion_s": 30.0, "failed": 0}
+    text = BY_NAME["vllm_burst"].render({"setup": {"servers": 2}, "modes": {"sp-p": mode}})
+    assert "| sp-p | a | 1.25 | 6 | 3.50 | 20.00 | 40 | 1.50 s | - | 30.0 s | 0 |" in text
+    assert "| sp-p | b |" in text

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from skymesh.balancer.breaker import Breaker, BreakerState
+from skymesh.balancer.config import ConfigError, parse_config
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.errors import Overloaded
 from skymesh.policies import RouteRequest, build_policy
@@ -233,3 +235,112 @@ def test_policies_see_the_deadline_left_after_queueing_and_failed_attempts() -> 
     d.offer(no_deadline, 6.0)
     d.pump(9.0)
     assert rec.seen[-1] is None and no_deadline.route.deadline_s is None
+
+
+# -- sp-p against an engine whose gauges lag (fake clock) ---------------------------------
+@dataclass
+class _Engine:
+    """A replica as vLLM behaves: at most ``max_num_seqs`` running, the rest waiting; a
+    request reaches the scheduler ``admit_delay`` after dispatch (the API server's own
+    work), and /metrics shows the state of ``gauge_lag`` ago."""
+
+    max_num_seqs: int
+    admit_delay: float
+    gauge_lag: float
+    arriving: list[tuple[float, Ticket]] = field(default_factory=list)
+    waiting: list[Ticket] = field(default_factory=list)
+    running: dict[str, tuple[Ticket, float]] = field(default_factory=dict)  # key -> start
+    history: list[tuple[float, int, int]] = field(default_factory=lambda: [(-1.0, 0, 0)])
+
+    def published(self, now: float) -> tuple[int, int]:
+        shown = now - self.gauge_lag
+        _, w, r = next(h for h in reversed(self.history) if h[0] <= shown)
+        return w, r
+
+
+def _burst(n: int, *, max_num_seqs: int | None, gauge_lag: float, admit_delay: float,
+           lag_s: float, probe_every: float = 0.1, ttft: float = 0.05, duration: float = 2.0
+           ) -> tuple[int, int, int]:
+    """``n`` streams at once onto two replicas of limit 4 under sp-p, on a 10 ms fake
+    clock; returns (most waiting inside one engine, most queued at the balancer,
+    completed)."""
+    d = Dispatcher(build_policy("least-load"), PushMode.SP_P, hold_s=0)
+    engines = {t: _Engine(4, admit_delay, gauge_lag) for t in ("a", "b")}
+    d.set_targets({t: ["m"] for t in engines})
+    for i in range(n):
+        d.offer(ticket(i), 0.0)
+    max_waiting = max_queue = done = 0
+    next_probe = 0.0
+    for step in range(6000):
+        now = step * 0.01
+        for tid, e in engines.items():
+            for at, t in [a for a in e.arriving if a[0] <= now]:
+                e.arriving.remove((at, t))
+                e.waiting.append(t)
+            for key, (t, start) in list(e.running.items()):
+                if now >= start + duration:
+                    del e.running[key]
+                    d.complete(t, now, ok=True)
+                    done += 1
+            while e.waiting and len(e.running) < e.max_num_seqs:
+                t = e.waiting.pop(0)
+                e.running[t.key] = (t, now)
+            for t, start in e.running.values():
+                if start + ttft <= now < start + ttft + 0.01:
+                    d.first_byte(t)
+            e.history.append((now, len(e.waiting), len(e.running)))
+            max_waiting = max(max_waiting, len(e.waiting))
+            if now >= next_probe:
+                w, r = e.published(now)
+                d.on_probe(tid, now, w, r, 0.01, 1 << 20, max_num_seqs=max_num_seqs,
+                           metrics_lag_s=lag_s)
+        if now >= next_probe:
+            next_probe += probe_every
+        for t in d.pump(now):
+            engines[t.target or ""].arriving.append((now + admit_delay, t))
+        max_queue = max(max_queue, d.queue_length())
+        if done == n:
+            break
+    return max_waiting, max_queue, done
+
+
+@pytest.mark.parametrize(("gauge_lag", "admit_delay", "lag_s"), [
+    (0.0, 0.0, 0.0),  # the simulator's engine: probes read the state itself
+    (0.9, 0.0, 1.0),  # gauges published late (the emulator's model)
+    (0.0, 0.9, 1.0),  # requests reach the scheduler late (vLLM's API server under load)
+    (0.9, 0.9, 1.0),
+    (0.9, 0.9, 0.0),  # a lag not configured: our own in-flight count still holds the line
+])
+def test_sp_p_burst_queues_at_the_balancer_not_in_the_engine(
+        gauge_lag: float, admit_delay: float, lag_s: float) -> None:
+    waiting, queued, done = _burst(48, max_num_seqs=4, gauge_lag=gauge_lag,
+                                   admit_delay=admit_delay, lag_s=lag_s)
+    assert done == 48
+    assert waiting == 0  # never more than max_num_seqs pushed to one replica
+    assert queued >= 48 - 2 * 4  # the rest waited here
+
+
+def test_sp_p_burst_without_max_num_seqs_piles_into_the_engine() -> None:
+    # What issue 20 saw on real vLLM: a published KV capacity lets short prompts through
+    # by the step budget, so a burst lands inside the engines.
+    waiting, _, done = _burst(48, max_num_seqs=None, gauge_lag=0.9, admit_delay=0.9,
+                              lag_s=1.0)
+    assert done == 48 and waiting > 4
+
+
+def test_pushing_limits_come_from_the_replica_then_the_engine_then_pushing() -> None:
+    cfg = parse_config({
+        "pushing": {"max_num_seqs": 8},
+        "replicas": [{"url": "http://127.0.0.1:1"},
+                     {"url": "http://127.0.0.1:2", "kind": "sglang"},
+                     {"url": "http://127.0.0.1:3", "max_num_seqs": 2, "metrics_lag_s": 0.25}],
+    })
+    vllm, sglang, own = cfg.replicas
+    assert vllm.pushing_limits(cfg.pushing, None) == (8, 1.0)
+    assert vllm.pushing_limits(cfg.pushing, 4) == (4, 1.0)  # what the engine publishes
+    assert sglang.pushing_limits(cfg.pushing, None) == (8, 0.0)
+    assert own.pushing_limits(cfg.pushing, 4) == (2, 0.25)
+    with pytest.raises(ConfigError, match=r"pushing\.metrics_lag_s"):
+        parse_config({"pushing": {"metrics_lag_s": -1}})
+    with pytest.raises(ConfigError, match=r"replicas\.0\.max_num_seqs"):
+        parse_config({"replicas": [{"url": "http://127.0.0.1:1", "max_num_seqs": 0}]})

@@ -219,6 +219,37 @@ def test_warm_started_solve_finds_the_plain_mips_optimum(inp: PlanInput) -> None
     assert full_objective(inp, new) == pytest.approx(full_objective(inp, old), abs=1e-6)
 
 
+def test_warm_start_finds_the_optimum_the_neighbourhood_cannot_reach() -> None:
+    # Found by the property above on highspy 1.16.0 (warm-started 2.753 vs the plain
+    # MIP's 2.503; issue 21 saw 3.503 vs 3.004). The LP spreads m0's 269 tok/s over the
+    # L4s (cheapest per token), so the +-1 neighbourhood allows at most one H100 and its
+    # best plan (1 H100 + 2 L4) is 37% above the LP bound; the full MIP must then find
+    # 2 H100 + 1 L4. Handed the neighbourhood's plan as a start, HiGHS 1.16.0 returned
+    # that start as "optimal".
+    models, regions = ("m0", "m1", "m2"), ("r0", "r1", "r2")
+    inp = PlanInput(
+        current={m: {r: {"L4": 0, "H100": 0} for r in regions} for m in models},
+        demand={m: {r: [0.0, 0.0, 0.0, 269.0 if (m, r) == ("m0", "r1") else 0.0]
+                    for r in regions} for m in models},
+        capacity={m: {"L4": 134.0 if m == "m0" else 100.0, "H100": 100.0} for m in models},
+        gpus_available={r: {"L4": 6, "H100": 2 if r == "r1" else 0} for r in regions},
+        epsilon=0.3,
+        min_instances={m: 0 for m in models},
+        max_instances={m: 10_000 for m in models},
+        vm_cost={"L4": 0.0, "H100": 0.75},
+        deploy_cost={m: {"L4": 1.0 if m == "m0" else 0.0, "H100": 0.0} for m in models},
+        gpus_per_instance={m: {"L4": 1, "H100": 1} for m in models},
+    )
+    with mock.patch.object(ilp, "WARM_START_MIN_COLUMNS", 0):
+        plan = solve(inp, mip_rel_gap=0.0)
+    check_constraints(inp, plan)
+    assert plan.counts[("m0", "r1", "H100")] == 2
+    assert sum(plan.counts[("m0", r, "L4")] for r in regions) == 1
+    assert full_objective(inp, plan) == pytest.approx(2 * 0.751 + 1.001)
+    assert full_objective(inp, plan) == pytest.approx(
+        full_objective(inp, solve(inp, mip_rel_gap=0.0, warm_start=False)))
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_warm_start_stays_within_the_gap_on_benchmark_shaped_instances(seed: int) -> None:
     from skymesh.bench.plan_ilp import random_instance

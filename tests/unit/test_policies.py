@@ -79,3 +79,42 @@ def test_pushing_modes() -> None:
     ld.on_complete("q1")
     ld.on_complete("q2")
     assert ld.in_flight == 0 and ld.unadmitted == 0
+
+
+def test_pushed_requests_stay_unadmitted_until_a_probe_past_the_metrics_lag() -> None:
+    ld = ReplicaLoad("r", metrics_lag_s=1.0)
+    ld.on_probe(0.0, waiting=0, running=0, kv_usage=0.0)
+    ld.on_dispatch("q1", 0.5, tokens=100)
+    ld.on_dispatch("q2", 0.6, tokens=50)
+    ld.on_probe(1.0, waiting=0, running=0, kv_usage=0.0)  # shows the state of 0.0
+    assert (ld.unadmitted, ld.unadmitted_tokens) == (2, 150)
+    ld.on_probe(1.55, waiting=0, running=1, kv_usage=0.0)  # shows 0.55: q1 is in it
+    assert (ld.unadmitted, ld.unadmitted_tokens) == (1, 50)
+    ld.on_first_byte("q2")  # started: no longer unadmitted, still ours on the replica
+    assert ld.unadmitted == 0 and ld.in_flight == 2 and ld.outstanding == 2
+    ld.on_probe(0.2, waiting=0, running=0, kv_usage=0.0)  # a late answer: not backwards
+    ld.on_dispatch("q3", 1.56)
+    assert ld.unadmitted == 1
+    ld.on_complete("q1")
+    ld.on_complete("q2")
+    ld.on_complete("q3")
+    assert (ld.in_flight, ld.unadmitted, ld.unadmitted_tokens) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(("running", "in_flight", "waiting", "available"), [
+    (3, 0, 0, True),
+    (4, 0, 0, False),  # the engine's limit reached, as its probe shows
+    (0, 4, 0, False),  # ours, started but not in the (lagging) probe yet
+    (2, 3, 0, True),
+    (0, 0, 1, False),  # waiting inside: never push more
+])
+def test_sp_p_keeps_a_replica_under_its_max_num_seqs(
+        running: int, in_flight: int, waiting: int, available: bool) -> None:
+    ld = ReplicaLoad("r", max_num_seqs=4, kv_capacity_tokens=1 << 20)
+    ld.on_probe(1.0, waiting=waiting, running=running, kv_usage=0.0)
+    for i in range(in_flight):
+        ld.on_dispatch(f"q{i}", 0.5)  # before the probe, which (lag 0) shows them
+        ld.on_first_byte(f"q{i}")
+    assert is_available(ld, PushMode.SP_P) is available
+    ld.max_num_seqs = None  # unknown: only waiting and the KV rule hold it back
+    assert is_available(ld, PushMode.SP_P) is (waiting == 0)

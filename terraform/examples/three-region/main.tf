@@ -21,54 +21,60 @@ module "us_east" {
   source    = "../../modules/region"
   providers = { aws = aws.us_east_1 }
 
-  name               = "us-east"
-  vpc_cidr           = "10.20.0.0/16"
-  client_cidrs       = var.client_cidrs
-  peer_cidrs         = local.peer_cidrs_of["us-east"]
-  mesh_peers         = local.peers_of["us-east"]
-  certs_ssm_prefix   = var.certs_ssm_prefix
-  api_keys_ssm_param = var.api_keys_ssm_param
-  tls_ssm_prefix     = var.tls_ssm_prefix
-  replica_urls       = lookup(var.replica_urls, "us-east", [])
-  replica_count      = var.emulated_replicas
-  pip_spec           = var.pip_spec
-  tags               = local.tags
+  name                 = "us-east"
+  vpc_cidr             = "10.20.0.0/16"
+  client_cidrs         = var.client_cidrs
+  peer_cidrs           = local.peer_cidrs_of["us-east"]
+  mesh_peers           = local.peers_of["us-east"]
+  certs_ssm_prefix     = var.certs_ssm_prefix
+  api_keys_ssm_param   = var.api_keys_ssm_param
+  tls_ssm_prefix       = var.tls_ssm_prefix
+  replica_urls         = lookup(var.replica_urls, "us-east", [])
+  replica_count        = var.emulated_replicas
+  skymesh_wheel_url    = var.skymesh_wheel_url
+  skymesh_wheel_sha256 = var.skymesh_wheel_sha256
+  pip_index_url        = var.pip_index_url
+  tags                 = local.tags
 }
 
 module "eu_west" {
   source    = "../../modules/region"
   providers = { aws = aws.eu_west_1 }
 
-  name               = "eu-west"
-  vpc_cidr           = "10.21.0.0/16"
-  client_cidrs       = var.client_cidrs
-  peer_cidrs         = local.peer_cidrs_of["eu-west"]
-  mesh_peers         = local.peers_of["eu-west"]
-  certs_ssm_prefix   = var.certs_ssm_prefix
-  api_keys_ssm_param = var.api_keys_ssm_param
-  tls_ssm_prefix     = var.tls_ssm_prefix
-  replica_urls       = lookup(var.replica_urls, "eu-west", [])
-  replica_count      = var.emulated_replicas
-  pip_spec           = var.pip_spec
-  tags               = local.tags
+  name                 = "eu-west"
+  vpc_cidr             = "10.21.0.0/16"
+  client_cidrs         = var.client_cidrs
+  peer_cidrs           = local.peer_cidrs_of["eu-west"]
+  mesh_peers           = local.peers_of["eu-west"]
+  certs_ssm_prefix     = var.certs_ssm_prefix
+  api_keys_ssm_param   = var.api_keys_ssm_param
+  tls_ssm_prefix       = var.tls_ssm_prefix
+  replica_urls         = lookup(var.replica_urls, "eu-west", [])
+  replica_count        = var.emulated_replicas
+  skymesh_wheel_url    = var.skymesh_wheel_url
+  skymesh_wheel_sha256 = var.skymesh_wheel_sha256
+  pip_index_url        = var.pip_index_url
+  tags                 = local.tags
 }
 
 module "ap_northeast" {
   source    = "../../modules/region"
   providers = { aws = aws.ap_northeast_1 }
 
-  name               = "ap-northeast"
-  vpc_cidr           = "10.22.0.0/16"
-  client_cidrs       = var.client_cidrs
-  peer_cidrs         = local.peer_cidrs_of["ap-northeast"]
-  mesh_peers         = local.peers_of["ap-northeast"]
-  certs_ssm_prefix   = var.certs_ssm_prefix
-  api_keys_ssm_param = var.api_keys_ssm_param
-  tls_ssm_prefix     = var.tls_ssm_prefix
-  replica_urls       = lookup(var.replica_urls, "ap-northeast", [])
-  replica_count      = var.emulated_replicas
-  pip_spec           = var.pip_spec
-  tags               = local.tags
+  name                 = "ap-northeast"
+  vpc_cidr             = "10.22.0.0/16"
+  client_cidrs         = var.client_cidrs
+  peer_cidrs           = local.peer_cidrs_of["ap-northeast"]
+  mesh_peers           = local.peers_of["ap-northeast"]
+  certs_ssm_prefix     = var.certs_ssm_prefix
+  api_keys_ssm_param   = var.api_keys_ssm_param
+  tls_ssm_prefix       = var.tls_ssm_prefix
+  replica_urls         = lookup(var.replica_urls, "ap-northeast", [])
+  replica_count        = var.emulated_replicas
+  skymesh_wheel_url    = var.skymesh_wheel_url
+  skymesh_wheel_sha256 = var.skymesh_wheel_sha256
+  pip_index_url        = var.pip_index_url
+  tags                 = local.tags
 }
 
 # Route53 is global; its API lives in us-east-1.

@@ -8,6 +8,15 @@ output "balancers" {
   value       = local.balancers
 }
 
+output "asg_names" {
+  description = "The balancers' Auto Scaling groups, per region."
+  value = {
+    us-east      = module.us_east.asg_names
+    eu-west      = module.eu_west.asg_names
+    ap-northeast = module.ap_northeast.asg_names
+  }
+}
+
 output "health_check_ids" {
   description = "Route53 health check per balancer id."
   value       = module.dns.health_check_ids

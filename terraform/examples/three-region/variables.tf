@@ -44,8 +44,19 @@ variable "emulated_replicas" {
   default     = 2
 }
 
-variable "pip_spec" {
-  description = "What the instances pip-install (version, wheel URL or git URL)."
+variable "skymesh_wheel_url" {
+  description = "The SkyMesh wheel every instance installs (s3://bucket/key.whl or https://...whl), from your own release bucket."
   type        = string
-  default     = "skymesh==0.1.0"
+}
+
+variable "skymesh_wheel_sha256" {
+  description = "SHA-256 of that wheel; instances refuse a different file (null: no check)."
+  type        = string
+  default     = null
+}
+
+variable "pip_index_url" {
+  description = "Package index for the wheel's dependencies (your mirror); null: PyPI through each region's NAT gateway."
+  type        = string
+  default     = null
 }

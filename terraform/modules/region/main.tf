@@ -1,6 +1,11 @@
 # One SkyMesh region: network, balancers (each an Auto Scaling group of one holding an
 # Elastic IP, so Route53 and peers have a stable address while the group replaces a dead
 # instance), and optionally emulated replicas on fixed private addresses.
+#
+# Every instance installs SkyMesh from the operator's wheel (var.skymesh_wheel_url, S3 or
+# HTTPS), never from a package name on PyPI. Replicas live in a private subnet whose only
+# way out is a NAT gateway (apt and the wheel's dependencies), plus a free S3 gateway
+# endpoint so the wheel itself does not cross the NAT.
 
 data "aws_region" "current" {}
 
@@ -13,7 +18,7 @@ data "aws_caller_identity" "current" {}
 
 data "aws_ami" "debian" {
   most_recent = true
-  owners      = ["136693071363"] # Debian
+  owners      = [var.ami_owner]
   filter {
     name   = "name"
     values = ["debian-12-amd64-*"]
@@ -21,18 +26,26 @@ data "aws_ami" "debian" {
 }
 
 locals {
-  create_vpc  = var.vpc_id == null
-  vpc_id      = local.create_vpc ? aws_vpc.this[0].id : var.vpc_id
-  subnet_ids  = local.create_vpc ? aws_subnet.public[*].id : var.subnet_ids
-  ami_id      = coalesce(var.ami_id, data.aws_ami.debian.id)
-  mesh        = var.certs_ssm_prefix != null
-  tls         = var.tls_ssm_prefix != null
-  balancer_id = [for i in range(var.balancer_count) : "lb-${var.name}-${i}"]
-  tags        = merge(var.tags, { "skymesh:region" = var.name })
+  create_vpc   = var.vpc_id == null
+  vpc_id       = local.create_vpc ? aws_vpc.this[0].id : var.vpc_id
+  subnet_ids   = local.create_vpc ? aws_subnet.public[*].id : var.subnet_ids
+  ami_id       = coalesce(var.ami_id, data.aws_ami.debian.id)
+  mesh         = var.certs_ssm_prefix != null
+  tls          = var.tls_ssm_prefix != null
+  balancer_id  = [for i in range(var.balancer_count) : "lb-${var.name}-${i}"]
+  tags         = merge(var.tags, { "skymesh:region" = var.name })
+  wheel_in_s3  = startswith(var.skymesh_wheel_url, "s3://")
+  wheel_sha256 = var.skymesh_wheel_sha256 != null ? var.skymesh_wheel_sha256 : ""
+  pip_args     = var.pip_index_url != null ? "--index-url ${var.pip_index_url}" : ""
+  # arn:aws:s3:::bucket/key from s3://bucket/key (only read when the wheel is in S3).
+  wheel_s3_arn = "arn:aws:s3:::${trimprefix(var.skymesh_wheel_url, "s3://")}"
 
-  # Emulated replicas sit on fixed addresses of the first subnet, so the balancers'
+  # Emulated replicas sit on fixed addresses of their (private) subnet, so the balancers'
   # configuration can list them.
-  replica_ips = [for i in range(var.replica_count) : cidrhost(data.aws_subnet.first.cidr_block, 20 + i)]
+  private_replicas  = local.create_vpc && var.replica_count > 0
+  replica_subnet_id = local.private_replicas ? aws_subnet.private[0].id : coalesce(var.replica_subnet_id, local.subnet_ids[0])
+  replica_cidr      = local.private_replicas ? cidrsubnet(var.vpc_cidr, 8, 100) : one(data.aws_subnet.replica[*].cidr_block)
+  replica_ips       = [for i in range(var.replica_count) : cidrhost(local.replica_cidr, 20 + i)]
   replicas = concat(
     [for u in var.replica_urls : { url = u, kind = var.replica_kind }],
     [for ip in local.replica_ips : { url = "http://${ip}:8001", kind = "skymesh" }],
@@ -168,8 +181,62 @@ resource "aws_route_table_association" "public" {
   route_table_id = aws_route_table.public[0].id
 }
 
-data "aws_subnet" "first" {
-  id = local.subnet_ids[0]
+# Replicas: a private subnet whose default route is a NAT gateway in the first public
+# subnet (one gateway per region: emulated replicas are for trying the mesh, not for
+# zone-level availability), and an S3 gateway endpoint for the wheel.
+resource "aws_subnet" "private" {
+  count             = local.private_replicas ? 1 : 0
+  vpc_id            = aws_vpc.this[0].id
+  cidr_block        = cidrsubnet(var.vpc_cidr, 8, 100)
+  availability_zone = data.aws_availability_zones.available.names[0]
+  tags              = merge(local.tags, { Name = "skymesh-${var.name}-replicas" })
+}
+
+resource "aws_eip" "nat" {
+  #checkov:skip=CKV2_AWS_19:The NAT gateway holds this address
+  count  = local.private_replicas ? 1 : 0
+  domain = "vpc"
+  tags   = merge(local.tags, { Name = "skymesh-${var.name}-nat" })
+}
+
+resource "aws_nat_gateway" "this" {
+  count         = local.private_replicas ? 1 : 0
+  allocation_id = aws_eip.nat[0].id
+  subnet_id     = aws_subnet.public[0].id
+  tags          = merge(local.tags, { Name = "skymesh-${var.name}" })
+  depends_on    = [aws_internet_gateway.this]
+}
+
+resource "aws_route_table" "private" {
+  count  = local.private_replicas ? 1 : 0
+  vpc_id = aws_vpc.this[0].id
+  route {
+    cidr_block     = "0.0.0.0/0"
+    nat_gateway_id = aws_nat_gateway.this[0].id
+  }
+  tags = local.tags
+}
+
+resource "aws_route_table_association" "private" {
+  count          = local.private_replicas ? 1 : 0
+  subnet_id      = aws_subnet.private[0].id
+  route_table_id = aws_route_table.private[0].id
+}
+
+resource "aws_vpc_endpoint" "s3" {
+  count             = local.create_vpc ? 1 : 0
+  vpc_id            = aws_vpc.this[0].id
+  service_name      = "com.amazonaws.${data.aws_region.current.name}.s3"
+  vpc_endpoint_type = "Gateway"
+  route_table_ids   = concat(aws_route_table.public[*].id, aws_route_table.private[*].id)
+  tags              = local.tags
+}
+
+# An existing VPC: the operator's subnet (var.replica_subnet_id) must already reach apt
+# and the package index.
+data "aws_subnet" "replica" {
+  count = local.private_replicas || var.replica_count == 0 ? 0 : 1
+  id    = local.replica_subnet_id
 }
 
 # -- security ----------------------------------------------------------------------------
@@ -221,15 +288,24 @@ resource "aws_security_group" "replica" {
   }
 
   egress {
-    description = "Package index at boot"
+    description = "apt, the wheel and its dependencies at boot (HTTPS, through the NAT gateway)"
     from_port   = 443
     to_port     = 443
     protocol    = "tcp"
     cidr_blocks = ["0.0.0.0/0"]
   }
+
+  egress {
+    description = "apt mirrors that serve plain HTTP (packages are signed)"
+    from_port   = 80
+    to_port     = 80
+    protocol    = "tcp"
+    cidr_blocks = ["0.0.0.0/0"]
+  }
 }
 
-# The balancer's instance role: claim its Elastic IP, read its mesh certificates.
+# The balancer's instance role: claim its Elastic IP, read its mesh certificates and the
+# wheel, mark itself unhealthy (the watchdog in user_data.sh.tftpl).
 resource "aws_iam_role" "lb" {
   name = "skymesh-lb-${var.name}-${data.aws_region.current.name}"
   assume_role_policy = jsonencode({
@@ -271,6 +347,16 @@ resource "aws_iam_role_policy" "lb" {
         Effect   = "Allow"
         Action   = ["ssm:GetParameter"]
         Resource = "arn:aws:ssm:${data.aws_region.current.name}:${data.aws_caller_identity.current.account_id}:parameter${var.tls_ssm_prefix}/*"
+      }] : [],
+      [{
+        Effect   = "Allow"
+        Action   = ["autoscaling:SetInstanceHealth"]
+        Resource = [for id in local.balancer_id : "arn:aws:autoscaling:${data.aws_region.current.name}:${data.aws_caller_identity.current.account_id}:autoScalingGroup:*:autoScalingGroupName/${id}"]
+      }],
+      local.wheel_in_s3 ? [{
+        Effect   = "Allow"
+        Action   = ["s3:GetObject"]
+        Resource = local.wheel_s3_arn
       }] : [],
     )
   })
@@ -327,7 +413,11 @@ resource "aws_launch_template" "lb" {
 
   user_data = base64encode(templatefile("${path.module}/user_data.sh.tftpl", {
     roles          = "lb"
-    pip_spec       = var.pip_spec
+    wheel_url      = var.skymesh_wheel_url
+    wheel_sha256   = local.wheel_sha256
+    pip_args       = local.pip_args
+    watchdog_url   = "${local.tls ? "https" : "http"}://127.0.0.1:${var.lb_port}/health"
+    asg_name       = local.balancer_id[count.index]
     install_script = local.install_script
     units          = { "skymesh-lb.service" = local.units["skymesh-lb.service"] }
     configs        = { "lb.yaml" = yamlencode(local.lb_config[count.index]) }
@@ -345,13 +435,22 @@ resource "aws_launch_template" "lb" {
 }
 
 resource "aws_autoscaling_group" "lb" {
-  count               = var.balancer_count
-  name                = local.balancer_id[count.index]
-  min_size            = 1
-  max_size            = 1
-  desired_capacity    = 1
+  count            = var.balancer_count
+  name             = local.balancer_id[count.index]
+  min_size         = 1
+  desired_capacity = 1
+  # One instance per group; max 2 lets an instance refresh start the new one before it
+  # stops the old (the new one takes over the Elastic IP at boot).
+  max_size            = 2
   vpc_zone_identifier = local.subnet_ids
-  health_check_type   = "EC2"
+  # The balancers sit behind Route53 and their own Elastic IPs, not a load balancer, so
+  # there is no target group to take health from. Instead the instance's watchdog
+  # (user_data.sh.tftpl) polls skymesh-lb's /health and, after 3 failures in a row, calls
+  # SetInstanceHealth(Unhealthy): the group then replaces the instance. systemd restarts
+  # a crashed daemon first (Restart=on-failure); the watchdog catches a hung one or a
+  # crash loop. The grace period covers the first boot's install.
+  health_check_type         = "EC2"
+  health_check_grace_period = var.health_check_grace_period
 
   launch_template {
     id      = aws_launch_template.lb[count.index].id
@@ -361,7 +460,10 @@ resource "aws_autoscaling_group" "lb" {
   instance_refresh {
     strategy = "Rolling"
     preferences {
-      min_healthy_percentage = 0
+      # Launch the replacement first, stop the old one once it is healthy.
+      min_healthy_percentage = 100
+      max_healthy_percentage = 200
+      instance_warmup        = var.health_check_grace_period
     }
   }
 
@@ -377,12 +479,43 @@ resource "aws_autoscaling_group" "lb" {
 
 # -- optional emulated replicas ------------------------------------------------------------
 
+resource "aws_iam_role" "replica" {
+  count = var.replica_count > 0 ? 1 : 0
+  name  = "skymesh-replica-${var.name}-${data.aws_region.current.name}"
+  assume_role_policy = jsonencode({
+    Version = "2012-10-17"
+    Statement = [{
+      Effect    = "Allow"
+      Principal = { Service = "ec2.amazonaws.com" }
+      Action    = "sts:AssumeRole"
+    }]
+  })
+  tags = local.tags
+}
+
+# Emulated replicas call no AWS API but S3, for the wheel.
+resource "aws_iam_role_policy" "replica" {
+  count = var.replica_count > 0 && local.wheel_in_s3 ? 1 : 0
+  name  = "read-wheel"
+  role  = aws_iam_role.replica[0].id
+  policy = jsonencode({
+    Version   = "2012-10-17"
+    Statement = [{ Effect = "Allow", Action = ["s3:GetObject"], Resource = local.wheel_s3_arn }]
+  })
+}
+
+resource "aws_iam_instance_profile" "replica" {
+  count = var.replica_count > 0 ? 1 : 0
+  name  = "skymesh-replica-${var.name}-${data.aws_region.current.name}"
+  role  = aws_iam_role.replica[0].name
+}
+
 resource "aws_instance" "replica" {
-  #checkov:skip=CKV2_AWS_41:Emulated replicas call no AWS API; an empty role would add nothing
   count                  = var.replica_count
   ami                    = local.ami_id
   instance_type          = var.replica_instance_type
-  subnet_id              = local.subnet_ids[0]
+  iam_instance_profile   = aws_iam_instance_profile.replica[0].name
+  subnet_id              = local.replica_subnet_id
   private_ip             = local.replica_ips[count.index]
   vpc_security_group_ids = [aws_security_group.replica[0].id]
   monitoring             = true
@@ -398,9 +531,17 @@ resource "aws_instance" "replica" {
     encrypted   = true
   }
 
+  # Boot-time installs need the NAT route (apt, the wheel's dependencies) and the S3
+  # endpoint (the wheel) in place.
+  depends_on = [aws_route_table_association.private, aws_vpc_endpoint.s3]
+
   user_data = templatefile("${path.module}/user_data.sh.tftpl", {
     roles          = "replica"
-    pip_spec       = var.pip_spec
+    wheel_url      = var.skymesh_wheel_url
+    wheel_sha256   = local.wheel_sha256
+    pip_args       = local.pip_args
+    watchdog_url   = ""
+    asg_name       = ""
     install_script = local.install_script
     units          = { "skymesh-replica.service" = local.units["skymesh-replica.service"] }
     configs        = { "replica.env" = "SKYMESH_REPLICA_ARGS=--host 0.0.0.0 --port 8001 --profile ${var.replica_profile}\n" }

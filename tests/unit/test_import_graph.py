@@ -1,0 +1,315 @@
+"""The import graph of what the wheel ships (``skymesh``, ``controller``), read with ``ast``.
+
+Module-level imports run when a module is imported; imports inside functions (lazy ones)
+run when the function does; imports under ``if TYPE_CHECKING:`` never run. Three rules:
+
+1. No import cycle through module-level imports.
+2. No import cycle through lazy imports either, except over the back edges listed in
+   ``LAZY_BACK_EDGES``, each with its reason. An entry that no longer matches an import
+   fails too, so the list only shrinks.
+3. The product never imports the lab at module level, directly or through other modules
+   (a package's ``__init__`` counts: importing ``a.b`` runs ``a/__init__.py``). This is
+   what keeps ``pip install skymesh`` (no lab extras) able to run the product.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ROOTS = ("skymesh", "controller")
+GENERATED = ("skymesh/mesh/gen",)  # protoc output, not ours
+
+# The product: what a balancer, controller or operator host runs.
+PRODUCT = (
+    "skymesh.balancer", "skymesh.mesh", "skymesh.policies", "skymesh.prefix",
+    "controller", "skymesh.ctl", "skymesh.dns_cli", "skymesh.version", "skymesh.serving",
+    "skymesh.netlimits", "skymesh.urlpolicy", "skymesh.jsonbody", "skymesh.prompt",
+    "skymesh.util", "skymesh.predict.history",
+    # planning's forecast + ILP + actuation
+    "skymesh.planning.forecast", "skymesh.planning.ilp", "skymesh.planning.actuate",
+    "skymesh.planning.actuate_aws",
+    "skymesh.planning.plan_cli", "skymesh.planning.forecast_cli", "skymesh.planning.series",
+)
+# The lab: simulator, emulated engine and replica, benchmarks, experiments, training of the
+# length predictors, the fault harness and the demos.
+LAB = (
+    "skymesh.sim", "skymesh.bench", "skymesh.faults", "skymesh.replica", "skymesh.engine",
+    "skymesh.predict.cli", "skymesh.predict.data", "skymesh.predict.metrics",
+    "skymesh.demo", "skymesh.meshdemo", "skymesh.netproxy", "skymesh.procs",
+    "skymesh.planning.capacity_week", "skymesh.planning.week_diagnose",
+    "skymesh.planning.forecast_eval", "skymesh.planning.strategies",
+    "skymesh.planning.batch_queue",
+    "skymesh.planning.actuate_local",  # runs emulated replicas (skymesh-replica)
+)
+
+# Lazy imports that close a cycle, (importer, imported; fnmatch pattern) -> why. Rule 2
+# removes these edges and then finds no cycle.
+LAZY_BACK_EDGES: dict[tuple[str, str], str] = {
+    ("skymesh.policies.base", "skymesh.policies.*"):
+        "the registry imports the built-in policies on first use; they import base to "
+        "subclass Policy (by design: one registry, no second table)",
+    ("skymesh.bench.skylb_macro", "skymesh.bench.skylb_live"):
+        "--mode live hands over to the live runner, which reuses the macro's SYSTEMS and "
+        "Options; untangling moves those into a module of their own",
+    ("skymesh.planning.capacity_week", "skymesh.planning.week_diagnose"):
+        "LT-UA's parity budget is computed by week_diagnose, which builds on capacity_week's "
+        "fluid model; untangling moves parity_budget (and what it needs) into capacity_week",
+}
+
+
+# -- the graph ----------------------------------------------------------------------------
+def discover(repo: Path, roots: Iterable[str]) -> dict[str, Path]:
+    """Dotted module name -> file, for every module under ``roots``."""
+    out: dict[str, Path] = {}
+    for root in roots:
+        for path in sorted((repo / root).rglob("*.py")):
+            rel = path.relative_to(repo)
+            if any(rel.as_posix().startswith(g + "/") for g in GENERATED):
+                continue
+            parts = list(rel.with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return ast.unparse(test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
+def _import_nodes(body: list[ast.stmt], lazy: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Imports that can run: with ``lazy`` False only those that run when the module runs
+    (not in function bodies); never type-only ones."""
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if lazy:
+                yield from _import_nodes(node.body, lazy)
+        elif isinstance(node, ast.If):
+            if not _is_type_checking(node.test):
+                yield from _import_nodes(node.body, lazy)
+            yield from _import_nodes(node.orelse, lazy)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody,
+                          *(h.body for h in node.handlers)):
+                yield from _import_nodes(block, lazy)
+        elif isinstance(node, (ast.With, ast.AsyncWith, ast.ClassDef, ast.For, ast.While)):
+            yield from _import_nodes(node.body, lazy)
+
+
+def _calls_import_module(tree: ast.Module) -> bool:
+    return any(isinstance(n, ast.Call) and ast.unparse(n.func).endswith("import_module")
+               for n in ast.walk(tree))
+
+
+def imports_of(name: str, path: Path, known: set[str], lazy: bool = False) -> set[str]:
+    """The modules of ``known`` that ``name`` imports (at module level unless ``lazy``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    out: set[str] = set()
+    if lazy and _calls_import_module(tree):
+        # importlib.import_module(NAME) with names from a table: every string in the module
+        # that names one of ours counts (a string run as ``python -m`` elsewhere does not).
+        out |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                and isinstance(n.value, str) and n.value in known and n.value != name}
+    for node in _import_nodes(tree.body, lazy):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            # ``from pkg import sub`` imports the submodule; ``from mod import name`` mod.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]
+        for target in targets:
+            # ``import a.b.c`` where only ``a.b`` is ours still runs ``a.b``.
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def build_graph(repo: Path = REPO, roots: Iterable[str] = ROOTS, lazy: bool = False
+                ) -> dict[str, set[str]]:
+    modules = discover(repo, roots)
+    known = set(modules)
+    return {name: imports_of(name, path, known, lazy) for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components with more than one module (Tarjan's)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[frozenset[str]] = []
+
+    def visit(v: str) -> None:
+        # Recursion depth is bounded by the module count (a few hundred).
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(frozenset(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _parents(name: str) -> Iterator[str]:
+    while "." in name:
+        name = name.rpartition(".")[0]
+        yield name
+
+
+def import_chain(graph: dict[str, set[str]], start: str, bad: tuple[str, ...]
+                 ) -> list[str] | None:
+    """The shortest chain of module-level imports from ``start`` to a module under one of
+    ``bad``; importing a module also runs its parent packages' ``__init__``."""
+    prev: dict[str, str | None] = {start: None}
+    todo = [start]
+    while todo:
+        nxt: list[str] = []
+        for v in todo:
+            if _under(v, bad):
+                chain = [v]
+                while (p := prev[chain[-1]]) is not None:
+                    chain.append(p)
+                return chain[::-1]
+            for w in sorted(graph.get(v, set()) | {p for p in _parents(v) if p in graph}):
+                if w not in prev:
+                    prev[w] = v
+                    nxt.append(w)
+        todo = nxt
+    return None
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+# -- the analyser on a tree made for it ---------------------------------------------------
+def _tree(tmp_path: Path, files: dict[str, str]) -> dict[str, set[str]]:
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    return build_graph(tmp_path, ("pkg",))
+
+
+def test_the_analyser_counts_module_level_imports_only(tmp_path: Path) -> None:
+    graph = _tree(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from typing import TYPE_CHECKING\nfrom pkg import b\n"
+                    "if TYPE_CHECKING:\n    from pkg import c\n"
+                    "def f():\n    import pkg.d\n",
+        "pkg/b.py": "try:\n    from .c import thing\nexcept ImportError:\n    pass\n",
+        "pkg/c.py": "import pkg.d.e\n",
+        "pkg/d/__init__.py": "from ..a import x\n",
+        "pkg/d/e.py": "",
+    })
+    assert graph["pkg.a"] == {"pkg.b"}
+    assert graph["pkg.b"] == {"pkg.c"}
+    assert graph["pkg.c"] == {"pkg.d.e"}
+    assert graph["pkg.d"] == {"pkg.a"}
+    # c -> d.e runs d/__init__, which imports a: the chain goes through the parent.
+    assert import_chain(graph, "pkg.b", ("pkg.a",)) == ["pkg.b", "pkg.c", "pkg.d.e", "pkg.d",
+                                                        "pkg.a"]
+    assert cycles(graph) == []  # the parent edge runs first in Python: not a cycle
+
+
+def test_the_analyser_finds_a_cycle(tmp_path: Path) -> None:
+    graph = _tree(tmp_path, {
+        "pkg/__init__.py": "", "pkg/a.py": "from pkg.b import y\n",
+        "pkg/b.py": "from pkg import c\n", "pkg/c.py": "import pkg.a\n", "pkg/d.py": "",
+    })
+    assert cycles(graph) == [frozenset({"pkg.a", "pkg.b", "pkg.c"})]
+
+
+def test_lazy_imports_close_cycles_unless_allowed(tmp_path: Path) -> None:
+    _tree(tmp_path, {
+        "pkg/__init__.py": "", "pkg/a.py": "import pkg.b\n",
+        "pkg/b.py": "def f():\n    from pkg import a\n",
+        "pkg/c.py": "import importlib\nMODS = ['pkg.d']\nimportlib.import_module(MODS[0])\n",
+        "pkg/d.py": "import pkg.c\nRUN = 'pkg.a'  # e.g. python -m pkg.a: not an import\n",
+    })
+    assert cycles(build_graph(tmp_path, ("pkg",))) == []
+    lazy = build_graph(tmp_path, ("pkg",), lazy=True)
+    assert sorted(cycles(lazy), key=sorted) == [frozenset({"pkg.a", "pkg.b"}),
+                                                frozenset({"pkg.c", "pkg.d"})]
+    pruned, stale = without_back_edges(lazy, {("pkg.b", "pkg.*"), ("pkg.c", "pkg.d"),
+                                              ("pkg.a", "pkg.zzz")})
+    assert cycles(pruned) == [] and stale == {("pkg.a", "pkg.zzz")}
+
+
+# -- the rules on the real tree -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return build_graph()
+
+
+def test_the_lists_name_real_modules(graph: dict[str, set[str]]) -> None:
+    missing = [p for p in (*PRODUCT, *LAB) if not any(_under(m, (p,)) for m in graph)]
+    assert not missing, f"PRODUCT/LAB name modules that do not exist: {missing}"
+
+
+def test_no_import_cycle_at_module_level(graph: dict[str, set[str]]) -> None:
+    assert not [sorted(c) for c in cycles(graph)]
+
+
+def without_back_edges(graph: dict[str, set[str]], allowed: Iterable[tuple[str, str]]
+                       ) -> tuple[dict[str, set[str]], set[tuple[str, str]]]:
+    """``graph`` less the edges matching ``allowed``, and the entries that matched none."""
+    allowed = set(allowed)
+    used: set[tuple[str, str]] = set()
+    out: dict[str, set[str]] = {}
+    for v, targets in graph.items():
+        out[v] = set()
+        for w in targets:
+            hit = {(a, b) for a, b in allowed if a == v and fnmatch.fnmatchcase(w, b)}
+            used |= hit
+            if not hit:
+                out[v].add(w)
+    return out, allowed - used
+
+
+def test_no_import_cycle_through_lazy_imports_but_the_known_ones() -> None:
+    graph, stale = without_back_edges(build_graph(lazy=True), LAZY_BACK_EDGES)
+    found = [sorted(c) for c in cycles(graph)]
+    assert not found, f"import cycles through lazy imports: {found}"
+    assert not stale, f"LAZY_BACK_EDGES entries that match no import any more: {stale}"
+
+
+def test_the_product_does_not_import_the_lab(graph: dict[str, set[str]]) -> None:
+    product = sorted(m for m in graph if _under(m, PRODUCT) and not _under(m, LAB))
+    assert len(product) > 50  # the lists still match the tree
+    chains = [" -> ".join(chain) for m in product
+              if (chain := import_chain(graph, m, LAB)) is not None]
+    assert not chains, "product modules importing the lab at module level:\n" + "\n".join(
+        chains)
