@@ -99,3 +99,10 @@ e2e: install
 	  $(BIN)/pytest -q -p no:cacheprovider -rxXs tests/e2e
 
 .PHONY: e2e
+
+# The container image (docs/image.md): docker when a daemon answers, else buildah (vfs,
+# chroot, host network) on a local Debian base made first if missing. IMAGE=TAG to name it.
+image:
+	tools/image/build.sh $(IMAGE)
+
+.PHONY: image

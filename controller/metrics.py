@@ -181,6 +181,12 @@ def install_metrics(app: FastAPI) -> None:
     app.add_middleware(_MetricsMiddleware, http=http)
 
     async def metrics() -> Response:
+        # The connection guard (controller.serve) wraps the app after it is built, so its
+        # series join the registry at the first scrape that finds it.
+        guard = getattr(app.state, "connection_guard", None)
+        if guard is not None and not getattr(app.state, "connection_guard_registered", False):
+            registry.register(guard)
+            app.state.connection_guard_registered = True
         await state.refresh()
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 

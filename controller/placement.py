@@ -74,3 +74,14 @@ def home_for(region: str, balancers: Mapping[str, Obj]) -> str | None:
     """A default home for a new replica: a balancer in its region (live first, then by id)."""
     here = sorted((not live(b), bid) for bid, b in balancers.items() if b["region"] == region)
     return here[0][1] if here else None
+
+
+def shares(bid: str, assigned: str | None, balancers: Mapping[str, Obj]) -> bool:
+    """Whether balancer ``bid`` serves a replica assigned to ``assigned``: every balancer
+    of the assigned one's region with the same owner does (several balancers per region,
+    for availability, share its replicas; each sees the others' admitted requests in the
+    replica's load). The owner check keeps another agent from pulling a region's traffic
+    onto a replica it homes at its own balancer there."""
+    a, me = balancers.get(assigned or ""), balancers.get(bid)
+    return (a is not None and me is not None and a["region"] == me["region"]
+            and a.get("owner") == me.get("owner"))

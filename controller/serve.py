@@ -68,7 +68,7 @@ def uvicorn_config(app: Any, limits: ConnLimits) -> Any:
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     guard = ConnectionGuard(limits, "skymesh-controller")
-    app.state.connection_guard = guard  # for a /metrics endpoint: registry.register(guard)
+    app.state.connection_guard = guard  # controller.metrics serves its series
     return uvicorn.Config(guard.asgi(app), log_level="warning", access_log=False,
                           lifespan="on", timeout_graceful_shutdown=5,
                           http=guard.protocol_factory(  # type: ignore[arg-type]

@@ -387,7 +387,7 @@ class Controller:
         replicas = await self.store.all("replicas")
         mine = [{k: r[k] for k in ("id", "url", "model", "gpu", "kind", "region", "balancer")}
                 for r in sorted(replicas.values(), key=lambda r: r["id"])
-                if r.get("assigned") == bid and placement.serving(r)]
+                if placement.shares(bid, r.get("assigned"), balancers) and placement.serving(r)]
         peers = [{"id": b["id"], "region": b["region"], "url": b["url"],
                   "peer_address": b.get("peer_address")}
                  for b in sorted(balancers.values(), key=lambda b: b["id"])

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-DAEMONS = {"skymesh-lb", "skymesh-controller", "skymesh-replica"}
+DAEMONS = {"skymesh-lb", "skymesh-controller", "skymesh-replica"}  # what the entrypoint runs
 DEFAULT_PORT = {"skymesh-lb": 8080, "skymesh-controller": 8080}
 _ANY = {"", "0.0.0.0", "::", "[::]"}
 

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--replicas", help="comma-separated replica base URLs")
     ap.add_argument("--policy", choices=policy_names())
     ap.add_argument("--push-mode", choices=["sp-p", "sp-o", "bp"])
+    ap.add_argument("--max-num-seqs", type=int, metavar="N",
+                    help="each replica's admission limit (vLLM's --max-num-seqs): under sp-p "
+                         "no replica gets more; vLLM does not publish it, so give it here")
     ap.add_argument("--region")
     ap.add_argument("--log-level", default="warning",
                     choices=["debug", "info", "warning", "error"])
@@ -57,6 +60,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         base["policy"] = {"name": args.policy, "params": {}}
     if args.push_mode:
         base.setdefault("pushing", {})["mode"] = args.push_mode
+    if args.max_num_seqs is not None:
+        base.setdefault("pushing", {})["max_num_seqs"] = args.max_num_seqs
     if args.replicas:
         urls = [u.strip() for u in args.replicas.split(",") if u.strip()]
         base["replicas"] = [{"url": u} for u in urls]
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skymesh-lb: {exc}", file=sys.stderr)
         return 1
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

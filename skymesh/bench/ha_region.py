@@ -354,7 +354,12 @@ async def _after_kill(ha: HaRegion, s: aiohttp.ClientSession, victim: str, survi
     await _until(moved, "the controller to assign its replicas to the survivor", deadline)
     await _until(peer_dropped, "the eu peer to drop the victim", deadline)
     st = await status(s, ha.lbs[survivor].url)
-    return {"controller_balancers": {b["id"]: b["state"]
+    eu_view = {p["id"]: p for p in (await status(s, ha.lbs[EU_LB].url))["mesh"]["peers"]}
+    m = await ha.ctl(s, f"/v1/balancers/{EU_LB}/membership")
+    return {"eu_view": {bid: {k: eu_view[bid][k] for k in ("liveness", "forwardable")}
+                        for bid in (victim, survivor)},
+            "eu_membership_peers": sorted(p["id"] for p in m["peers"]),
+            "controller_balancers": {b["id"]: b["state"]
                                      for b in await ha.ctl(s, "/v1/balancers")},
             "replicas_assigned_to": sorted({r["assigned"] for r in await ha.ctl(
                 s, "/v1/replicas") if r["url"] in rep_urls}),
@@ -442,27 +447,54 @@ async def run_all(workdir: Path, repeats: int, streams: int) -> dict[str, Any]:
 
 def markdown(doc: dict[str, Any]) -> str:
     """The tables of ``docs/operations-ha.md`` from the JSON ``main`` writes."""
-    out = ["| pushing | balancers | replica waiting, mean | replica waiting, max "
-           "| balancer queue, max | completed / streams |",
-           "|---|---|---|---|---|---|"]
+    out = ["| pushing | balancers | runs | replica waiting, mean | replica waiting, max "
+           "| balancer queue, max | completed / streams | burst wall, mean s |",
+           "|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for r in doc["burst"]:
         groups.setdefault((r["mode"], r["balancers"]), []).append(r)
-    for (mode, n), rs in sorted(groups.items()):
-        out.append(f"| {mode} | {n} | {statistics.fmean(r['replica_waiting_mean'] for r in rs):.2f}"
-                   f" | {max(r['replica_waiting_max'] for r in rs)}"
-                   f" | {max(r['balancer_queue_max'] for r in rs)}"
-                   f" | {sum(r['completed'] for r in rs)} / {sum(r['streams'] for r in rs)} |")
+    for (mode, n), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] != "sp-p", kv[0])):
+        mean = statistics.fmean(r["replica_waiting_mean"] for r in rs)
+        out.append(f"| {mode} | {n} | {len(rs)} | {mean:.2f} "
+                   f"| {max(r['replica_waiting_max'] for r in rs)} "
+                   f"| {max(r['balancer_queue_max'] for r in rs)} "
+                   f"| {sum(r['completed'] for r in rs)} / {sum(r['streams'] for r in rs)} "
+                   f"| {statistics.fmean(r['wall_s'] for r in rs):.1f} |")
     k = doc["kill"]
-    first, retries = k["us"]["first_attempts"], k["us"]["retries"]
-    out += ["", "| kill (us clients) | count |", "|---|---|"]
-    out += [f"| first attempts: {key} | {v} |" for key, v in sorted(first.items())]
-    out += [f"| in flight on the killed balancer at the kill | {k['us']['in_flight_at_kill']} |"]
-    out += [f"| retries on the other address: {key} | {v} |" for key, v in sorted(retries.items())]
-    out += [f"| eu first attempts: {key} | {v} |"
-            for key, v in sorted(k["eu"]["first_attempts"].items())]
-    out += [f"| controller: balancers | {k['controller_balancers']} |",
-            f"| controller: us replicas assigned to | {', '.join(k['replicas_assigned_to'])} |"]
+    us, eu = k["us"], k["eu"]
+    first = us["first_attempts"]
+    victim, survivor = US_LBS
+
+    def count(key: str) -> int:
+        return int(first.get(key, 0))
+
+    lost = sum(v for key, v in first.items() if key.endswith(f" {LOST}"))
+    eu_failed = eu["first_attempts"].get(f"{EU_LB} {FAILED}", 0)
+    view = k["eu_view"][victim]
+    rows = [
+        ("us: completed on " + victim + " (before the kill)", count(f"{victim} {COMPLETED}")),
+        ("us: completed on " + survivor, count(f"{survivor} {COMPLETED}")),
+        (f"us: cut on {victim} by the kill (it had {us['in_flight_at_kill']} in flight)",
+         count(f"{victim} {CUT}")),
+        (f"us: refused by {victim} after the kill (no process saw them)",
+         count(f"{victim} {REFUSED}")),
+        ("us: error answers", count(f"{victim} {FAILED}") + count(f"{survivor} {FAILED}")),
+        ("us: lost", lost),
+        ("us: retries on the other address, completed / sent",
+         f"{us['retries'].get(COMPLETED, 0)} / {sum(us['retries'].values())}"),
+        ("eu: completed", eu["first_attempts"].get(f"{EU_LB} {COMPLETED}", 0)),
+        ("eu: SSE error event (a forward in flight on the killed balancer)", eu_failed),
+        ("eu: retries, completed / sent",
+         f"{eu['retries'].get(COMPLETED, 0)} / {sum(eu['retries'].values())}"),
+        ("controller: balancer states", ", ".join(
+            f"{b} {s}" for b, s in sorted(k["controller_balancers"].items()))),
+        (f"controller: {victim}'s replicas assigned to", ", ".join(k["replicas_assigned_to"])),
+        (f"{EU_LB}'s mesh view of {victim}",
+         f"{view['liveness']}, {'' if view['forwardable'] else 'not '}forwardable"),
+        (f"{EU_LB}'s peers in its controller membership", ", ".join(k["eu_membership_peers"])),
+    ]
+    out += ["", "| kill (SIGKILL of " + victim + ") | |", "|---|---|"]
+    out += [f"| {what} | {v} |" for what, v in rows]
     return "\n".join(out) + "\n"
 
 

@@ -113,7 +113,8 @@ SOURCES: tuple[Source, ...] = (
            "fired at once, once per push mode, sampling each server's waiting and running "
            "gauges and the balancer's queue during the burst. Needs the `make e2e` "
            "environment ([engines](../engines.md)).",
-           (".venv/bin/python", "tools/e2e/burst_bench.py", "--json", "{json}"),
+           (".venv/bin/python", "tools/e2e/burst_bench.py", "--sp-p-max-num-seqs",
+            "--json", "{json}"),
            tables.vllm_burst),
 )
 BY_NAME = {s.name: s for s in SOURCES}

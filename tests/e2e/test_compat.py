@@ -4,9 +4,8 @@ Each case records status, content type and body shape of both answers into
 ``out/e2e/compat.json`` (``tools/e2e/compat_table.py`` renders it as Markdown), then
 asserts what a transparent balancer owes: the same status and the same body shape.
 Routes the balancer answers itself (``/health``, ``/metrics``) only need the same status.
-Cases that wait on #20 item 4 (pass-through of unknown routes, OpenAI-shaped errors,
-``X-Request-Id`` echo, ``/v1/models`` fields) assert the right behaviour and are xfail
-until it lands.
+The pass-through of routes the balancer does not own, OpenAI-shaped errors, the
+``X-Request-Id`` echo and the merged ``/v1/models`` fields are asserted like the rest.
 """
 
 from __future__ import annotations
@@ -20,11 +19,6 @@ from typing import Any
 
 import pytest
 from vllm_cluster import MODEL_NAME, OUT_DIR, Cluster
-
-PASS_THROUGH = pytest.mark.xfail(strict=False, reason="#20 item 4: pass-through")
-OPENAI_ERRORS = pytest.mark.xfail(strict=False, reason="#20 item 4: OpenAI-shaped errors")
-REQUEST_ID = pytest.mark.xfail(strict=False, reason="#20 item 4: X-Request-Id echo")
-MODELS_MERGE = pytest.mark.xfail(strict=False, reason="#20 item 4: /v1/models keeps fields")
 
 CHAT = {"model": MODEL_NAME, "max_tokens": 4,
         "messages": [{"role": "user", "content": "How many clips?"}]}
@@ -128,26 +122,25 @@ ROUTES = [
     # vLLM 0.32 has no GET /v1/models/{id} (404); OpenAI's API does, so the balancer
     # answers it from the replicas' model objects.
     pytest.param(Route("GET", f"/v1/models/{MODEL_NAME}", owned=True, lb_status=200),
-                 id="model", marks=PASS_THROUGH),
+                 id="model"),
     pytest.param(Route("POST", "/v1/responses",
                        {"model": MODEL_NAME, "input": "How many clips?",
-                        "max_output_tokens": 4}), id="responses", marks=PASS_THROUGH),
+                        "max_output_tokens": 4}), id="responses"),
     pytest.param(Route("POST", "/v1/embeddings", {"model": MODEL_NAME, "input": "clips"}),
-                 id="embeddings", marks=PASS_THROUGH),
+                 id="embeddings"),
     pytest.param(Route("POST", "/tokenize", {"model": MODEL_NAME, "prompt": "clips"}),
-                 id="tokenize", marks=PASS_THROUGH),
+                 id="tokenize"),
     pytest.param(Route("POST", "/detokenize", {"model": MODEL_NAME, "tokens": [10, 11, 12]}),
-                 id="detokenize", marks=PASS_THROUGH),
-    pytest.param(Route("POST", "/v1/chat/completions/render", CHAT), id="chat-render",
-                 marks=PASS_THROUGH),
-    pytest.param(Route("GET", "/version"), id="version", marks=PASS_THROUGH),
+                 id="detokenize"),
+    pytest.param(Route("POST", "/v1/chat/completions/render", CHAT), id="chat-render"),
+    pytest.param(Route("GET", "/version"), id="version"),
     pytest.param(Route("GET", "/health", owned=True), id="health"),
     pytest.param(Route("GET", "/metrics", owned=True), id="metrics"),
     # Under /v1 an unknown path is the engine's to answer (vLLM's own 404 body).
-    pytest.param(Route("GET", "/v1/no-such-route"), id="unknown-v1-route", marks=PASS_THROUGH),
+    pytest.param(Route("GET", "/v1/no-such-route"), id="unknown-v1-route"),
     pytest.param(Route("GET", "/no-such-route", owned=True), id="unknown-route"),
     pytest.param(Route("GET", "/v1/chat/completions", owned=True, lb_status=405),
-                 id="chat-wrong-method", marks=OPENAI_ERRORS),
+                 id="chat-wrong-method"),
     # No replica serves the model: the balancer's own 404. vLLM's error body has an int
     # ``code`` (404) where OpenAI's has a string (``model_not_found``): status only.
     pytest.param(Route("POST", "/v1/chat/completions", {**CHAT, "model": "no-such-model"},
@@ -177,7 +170,6 @@ def test_errors_the_balancer_answers_are_openai_shaped(cluster: Cluster) -> None
     assert err["code"]
 
 
-@OPENAI_ERRORS
 @pytest.mark.parametrize(("method", "path", "status"), [
     ("GET", "/no-such-route", 404),  # not an engine route: not forwarded
     ("GET", "/v1/chat/completions", 405),  # the balancer's own path, wrong method
@@ -191,7 +183,6 @@ def test_the_balancers_own_404_and_405_are_openai_shaped(cluster: Cluster, metho
     assert err["message"] and err["code"]
 
 
-@MODELS_MERGE
 def test_models_keep_the_engines_fields(cluster: Cluster) -> None:
     direct = call(cluster.replica_urls[0], Route("GET", "/v1/models")).json()["data"][0]
     ours = [m for m in call(cluster.lb.url, Route("GET", "/v1/models")).json()["data"]
@@ -202,7 +193,6 @@ def test_models_keep_the_engines_fields(cluster: Cluster) -> None:
     assert ours[0]["max_model_len"] == direct["max_model_len"]
 
 
-@REQUEST_ID
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_request_id_is_echoed(cluster: Cluster, stream: bool) -> None:
     route = Route("POST", "/v1/chat/completions", {**CHAT, "stream": stream},

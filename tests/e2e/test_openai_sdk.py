@@ -95,7 +95,6 @@ def test_unknown_model_is_a_not_found_error(client: Any) -> None:
     assert err.value.status_code == 404
 
 
-@pytest.mark.xfail(strict=False, reason="#20 item 4: OpenAI-shaped errors")
 def test_sdk_sees_an_error_code_on_the_balancers_own_errors(client: Any) -> None:
     """The SDK reads ``code`` from an OpenAI-shaped JSON body; a text/plain one gives None.
     GET on the balancer's own generation path is its own 405."""

@@ -335,8 +335,11 @@ async def test_the_controller_applies_its_configured_limits(tmp_path: Path) -> N
         writer.write(request("/health"))
         status, _, body = await read_response(reader)
         assert status == 429 and json.loads(body)["error"]["code"] == "too_many_connections"
-        for _, w in held:
-            w.close()
+        for r, _ in held:  # they never sent a request: the header timeout ends them
+            assert await closed_by_peer(r)
+        # The controller's /metrics (no token) serves the guard's series too.
+        assert await scrape(port, "skymesh_connections_refused_total",
+                            reason="client_limit") == 1
         assert "refused a connection from 127.0.0.1" in ctl.log()
     finally:
         ctl.stop()

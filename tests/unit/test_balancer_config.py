@@ -137,3 +137,15 @@ def test_mesh_forwarding_rule_and_its_parameters() -> None:
         parse_config({"mesh": {**mesh, "forwarding_rule": "greedy"}})
     with pytest.raises(ConfigError, match=r"mesh\.locality_margin"):
         parse_config({"mesh": {**mesh, "locality_margin": -1}})
+
+
+def test_quick_start_max_num_seqs_reaches_pushing_and_bad_values_are_refused() -> None:
+    from skymesh.balancer.cli import build_parser, config_from_args
+
+    argv = ["--port", "0", "--replicas", "http://127.0.0.1:18001,http://127.0.0.1:18002",
+            "--push-mode", "sp-p"]
+    cfg = config_from_args(build_parser().parse_args([*argv, "--max-num-seqs", "4"]))
+    assert cfg.pushing.max_num_seqs == 4
+    assert config_from_args(build_parser().parse_args(argv)).pushing.max_num_seqs is None
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        config_from_args(build_parser().parse_args([*argv, "--max-num-seqs", "0"]))

@@ -93,3 +93,16 @@ def test_the_vllm_burst_page_has_a_row_per_mode_and_server() -> None:
     text = BY_NAME["vllm_burst"].render({"setup": {"servers": 2}, "modes": {"sp-p": mode}})
     assert "| sp-p | a | 1.25 | 6 | 3.50 | 20.00 | 40 | 1.50 s | - | 30.0 s | 0 |" in text
     assert "| sp-p | b |" in text
+
+
+def test_the_predictor_page_lists_overall_per_source_and_the_papers_row() -> None:
+    moe = {"mae_tokens": 117.8, "acc25": 0.2, "acc50": 0.34, "acc100": 0.55,
+           "ms_per_request": 0.3}
+    text = BY_NAME["predict-eval"].render({
+        "predictors": {"moe-mlp": moe}, "by_source": {"gsm8k": {"moe-mlp": moe}},
+        "paper_preserve_table2": {"mae_tokens": 90.0, "acc25": 0.3, "acc50": 0.4,
+                                  "acc100": 0.6},
+        "samples": {"train": 700, "test": 300}})
+    assert "| moe-mlp (all) | 117.80 | 20.00% | 34.00% | 55.00% | 0.30 ms |" in text
+    assert "| moe-mlp (gsm8k) |" in text
+    assert "| PreServe, Table 2 | 90.00 | 30.00% | 40.00% | 60.00% | - |" in text

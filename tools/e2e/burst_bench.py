@@ -192,8 +192,11 @@ def wait_idle(servers: list[VllmServer], deadline_s: float = 120.0) -> None:
 
 def run_mode(env_servers: list[VllmServer], mode: str, args: argparse.Namespace) -> Any:
     urls = [s.url for s in env_servers]
-    config = {"pushing": {"mode": mode, "max_outstanding": MAX_NUM_SEQS}} \
-        if mode == "sp-o" else None
+    # vLLM does not publish its --max-num-seqs: sp-o's cap and sp-p's admission limit
+    # come from a config file, as a user would write them.
+    config = ({"pushing": {"mode": mode, "max_outstanding": MAX_NUM_SEQS}} if mode == "sp-o"
+              else {"pushing": {"mode": mode, "max_num_seqs": MAX_NUM_SEQS}}
+              if mode == "sp-p" and args.sp_p_max_num_seqs else None)
     lb = start_lb(urls, OUT_DIR / f"burst-lb-{mode}.log", push_mode=mode, config=config)
     try:
         wait_lb_ready(lb, len(urls))
@@ -251,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--sample-s", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sp-p-max-num-seqs", action="store_true",
+                    help="tell sp-p the servers' max_num_seqs (pushing.max_num_seqs)")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--start-deadline-s", type=float, default=600.0)
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
@@ -279,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                      "servers": len(servers), "max_num_seqs": MAX_NUM_SEQS,
                      "policy": "least-load", "requests": args.requests,
                      "max_tokens": [args.min_tokens, args.max_tokens], "ignore_eos": True,
-                     "sample_s": args.sample_s, "server_start_s": round(start_s, 1)},
+                     "sample_s": args.sample_s, "server_start_s": round(start_s, 1),
+                     "sp_o_max_outstanding": MAX_NUM_SEQS,
+                     "sp_p_max_num_seqs": MAX_NUM_SEQS if args.sp_p_max_num_seqs else None},
            "modes": results}
     print_table(results)
     args.json.parent.mkdir(parents=True, exist_ok=True)
