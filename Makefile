@@ -93,9 +93,12 @@ soak: install
 # (SKYMESH_E2E_CACHE, default ~/.cache/skymesh-e2e), a venv with vLLM's CPU build
 # (tools/e2e/requirements-vllm.lock) and a tiny model made offline, then runs tests/e2e
 # against two real vLLM servers behind skymesh-lb. Not in `make test` (see the doc).
+# It also builds the container image with buildah and runs it (tests/e2e/test_image.py).
+E2E_SYSTEM_PKGS := buildah:buildah debootstrap:debootstrap
 e2e: install
+	$(MAKE) -s system-deps SYSTEM_PKGS="$(E2E_SYSTEM_PKGS)"
 	$(PYTHON) tools/e2e/build_env.py
-	SKYMESH_E2E_ENV="$$($(PYTHON) tools/e2e/build_env.py --where)" \
+	SKYMESH_E2E_ENV="$$($(PYTHON) tools/e2e/build_env.py --where)" SKYMESH_IMAGE_TEST=1 \
 	  $(BIN)/pytest -q -p no:cacheprovider -rxXs tests/e2e
 
 .PHONY: e2e

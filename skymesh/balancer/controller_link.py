@@ -13,13 +13,15 @@ import contextlib
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from skymesh import urlpolicy
-from skymesh.balancer.config import ControllerLinkConfig, ReplicaConfig
+from skymesh.balancer.config import BalancerConfig, ControllerLinkConfig, ReplicaConfig
 from skymesh.urlpolicy import UrlRejected
 
 if TYPE_CHECKING:
@@ -30,6 +32,26 @@ log = logging.getLogger("skymesh.balancer.controller")
 
 class ControllerRejected(RuntimeError):
     """The controller answered with a client error (bad token, unknown region...)."""
+
+
+def fetch_resolver(cfg: BalancerConfig,
+                   resolver: urlpolicy.Resolver = urlpolicy.system_resolver
+                   ) -> urlpolicy.PolicyResolver | None:
+    """The resolver for every aiohttp session of a balancer that follows a controller, or
+    None without one (the operator wrote every URL it fetches: nothing to re-check).
+
+    Replica URLs from the controller were checked when they arrived, but their names can
+    re-point to a denied address afterwards: resolving through the policy refuses that at
+    connect time. Hosts the operator wrote in this config (the controller, its own
+    replicas) are the operator's choice, so they skip the private/loopback test
+    (``allow_hosts``), never the link-local and metadata rows."""
+    if cfg.controller is None:
+        return None
+    urls = [cfg.controller.url, *(r.url for r in cfg.replicas)]
+    own = frozenset(h.removesuffix(".") for h in (urlsplit(u).hostname for u in urls) if h)
+    policy = cfg.controller.url_policy.policy()
+    return urlpolicy.PolicyResolver(replace(policy, allow_hosts=policy.allow_hosts | own),
+                                    resolver)
 
 
 def read_token(cfg: ControllerLinkConfig) -> str:
@@ -83,6 +105,8 @@ class ControllerLink:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._session = aiohttp.ClientSession(
             base_url=self.cfg.url + "/", headers=headers,
+            connector=aiohttp.TCPConnector(
+                resolver=fetch_resolver(self.lb.cfg, self.resolver)),
             timeout=aiohttp.ClientTimeout(total=self.cfg.poll_wait_s + 10, sock_connect=3))
         self._tasks = [asyncio.create_task(self._follow(), name="skymesh-controller-sync"),
                        asyncio.create_task(self._report_loop(), name="skymesh-telemetry")]

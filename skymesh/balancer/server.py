@@ -52,7 +52,7 @@ from aiohttp import web
 from skymesh.balancer.auth import EdgeFiles, upstream_key
 from skymesh.balancer.catalog import ModelCatalog
 from skymesh.balancer.config import BalancerConfig, ReplicaConfig
-from skymesh.balancer.controller_link import ControllerLink, Tally
+from skymesh.balancer.controller_link import ControllerLink, Tally, fetch_resolver
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.edge import OwnedRoutes, error_response, request_id, stamp_request_id
 from skymesh.balancer.errors import (
@@ -225,8 +225,12 @@ class Balancer:
 
     async def start(self) -> None:
         up = self.cfg.upstream
+        resolver = (None if self.controller is None
+                    else fetch_resolver(self.cfg, self.controller.resolver))
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            # With a controller, replica names are resolved through its URL policy
+            # (fetch_resolver); without one, aiohttp's default resolver as before.
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, resolver=resolver),
             # One session carries every client's requests: a cookie a replica sets for
             # one client must not ride along on the next client's request (and the jar's
             # per-request bookkeeping is on the hot path for nothing).
@@ -237,7 +241,7 @@ class Balancer:
             headers=self._upstream_auth,
         )
         self._upstream = Upstream(connect_timeout_s=up.connect_timeout_s,
-                                  read_timeout_s=up.read_timeout_s)
+                                  read_timeout_s=up.read_timeout_s, resolver=resolver)
         await self.probe_all()
         self._prober = asyncio.create_task(self._probe_loop(), name="skymesh-prober")
         if self.edge.watching:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -289,9 +290,14 @@ class UpstreamReply:
 class Upstream:
     """Keep-alive connections to the replicas, and ``post`` and ``get`` over them."""
 
-    def __init__(self, *, connect_timeout_s: float, read_timeout_s: float) -> None:
+    def __init__(self, *, connect_timeout_s: float, read_timeout_s: float,
+                 resolver: aiohttp.abc.AbstractResolver | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        # With a URL policy (skymesh.urlpolicy.PolicyResolver), a replica's host name is
+        # resolved and checked at every new connection: DNS can change after the name was
+        # accepted. IP literals were checked when the URL was accepted.
+        self.resolver = resolver
         self._idle: dict[tuple[str, int, bool], collections.deque[_Conn]] = {}
         self._targets: dict[str, tuple[tuple[str, int, bool], bytes, str]] = {}
         self._ssl: ssl.SSLContext | None = None
@@ -345,8 +351,10 @@ class Upstream:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
+                addr = await self._address(host, port)
                 _, conn = await loop.create_connection(
-                    lambda: _Conn(key), host, port, ssl=self._ssl if tls else None)
+                    lambda: _Conn(key), addr, port, ssl=self._ssl if tls else None,
+                    server_hostname=host if tls else None)
         except TimeoutError:
             raise UpstreamConnectionError(
                 f"connecting to {host}:{port} timed out after {self.connect_timeout_s:g} s"
@@ -354,6 +362,18 @@ class Upstream:
         except OSError as exc:
             raise UpstreamConnectionError(f"cannot connect to {host}:{port}: {exc}") from exc
         return conn
+
+    async def _address(self, host: str, port: int) -> str:
+        """Where to connect for ``host``: itself, or the address the policy resolver allows."""
+        if self.resolver is None:
+            return host
+        try:
+            ipaddress.ip_address(host)
+            return host
+        except ValueError:
+            pass
+        found = await self.resolver.resolve(host, port)
+        return str(found[0]["host"])
 
     async def post(self, target: str, path: str, body: bytes, headers: Mapping[str, str]
                    ) -> UpstreamReply:

@@ -116,6 +116,17 @@ SOURCES: tuple[Source, ...] = (
            (".venv/bin/python", "tools/e2e/burst_bench.py", "--sp-p-max-num-seqs",
             "--json", "{json}"),
            tables.vllm_burst),
+    Source("security", "Security: the adversarial pass, measured",
+           "Issue #23's adversarial pass, bounded, over loopback against real processes: "
+           "one `skymesh-replica` behind a `skymesh-lb` with small connection limits, and a "
+           "`skymesh-controller` with an admin and two agent tokens. Mutated bodies (numbers "
+           "past a double or 4,300 digits, NaN, bad UTF-8, deep nesting; wrong types for the "
+           "admin API) from a seeded RNG; never-allowed URLs in the spellings the pass "
+           "tried, registered with an agent token; another agent re-posting, updating and "
+           "re-homing the first one's records; one client opening keep-alive connections "
+           "and leaving them idle. See [the security page](../security.md).",
+           (".venv/bin/python", "-m", "skymesh.faults.security_figures", "--json", "{json}"),
+           tables.security),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 

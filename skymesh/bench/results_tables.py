@@ -232,3 +232,33 @@ def predict_eval(data: dict[str, Any]) -> str:
                       "samples.", "", table(["predictor", "MAE (tokens)", "Acc-25", "Acc-50",
                                              "Acc-100", "time per request"], rows,
                                             [False] + [True] * 5)])
+
+
+def security(data: dict[str, Any]) -> str:
+    """``skymesh.faults.security_figures``: the adversarial pass's counts and RSS."""
+    fuzz = data.get("fuzz", {})
+    rows = [[name, num(f.get("cases"), ",d"), num(f.get("2xx"), ",d"), num(f.get("4xx"), ",d"),
+             num(f.get("5xx"), ",d")] for name, f in fuzz.items()]
+    urls, takeover = data.get("urls", {}), data.get("takeover", {})
+    idle = data.get("idle", {})
+    rss = idle.get("rss_mb", {})
+    checks = [
+        ["adversarial URLs refused at registration (422)",
+         f"{num(urls.get('refused'), 'd')} of {num(urls.get('tried'), 'd')}"],
+        ["record takeovers by another agent refused (409/403)",
+         f"{num(takeover.get('refused'), 'd')} of {num(takeover.get('tried'), 'd')}"],
+        ["idle keep-alive connections opened by one client",
+         num(idle.get("connections"), ",d")],
+        [f"served / refused at the per-client cap ({num(idle.get('per_client_cap'), ',d')})",
+         f"{num(idle.get('served'), ',d')} / {num(idle.get('refused'), ',d')}"],
+        ["held by the balancer at the peak", num(idle.get("open_peak"), ",d")],
+        [f"still held after the idle timeout ({secs(idle.get('idle_timeout_s'), 1)})",
+         num(idle.get("held_after_idle_timeout"), ",d")],
+        ["balancer RSS before / holding / after release",
+         " / ".join(num(rss.get(k), ".1f", suffix=" MB")
+                    for k in ("before", "holding", "after_release"))],
+    ]
+    return "\n".join([
+        table(["target", "fuzz cases", "2xx", "4xx", "5xx"], rows,
+              [False, True, True, True, True]), "",
+        table(["check", "result"], checks, [False, True])])

@@ -320,7 +320,8 @@ async def controller_restart(workdir: Path, short: bool) -> Result:
             await _create_region(s, ctl.url, token, "local")
             lb = await start_lb(workdir, reps, env={"SKYMESH_AGENT_TOKEN": token}, overrides={
                 "controller": {"url": ctl.url, "balancer_id": "lb-local", "retry_s": 0.2,
-                               "poll_wait_s": 2, "telemetry_interval_s": 0.5}})
+                               "poll_wait_s": 2, "telemetry_interval_s": 0.5,
+                               "url_policy": {"allow_loopback": True}}})  # a local mesh
             lb_url = lb.url
 
             async def synced() -> bool:

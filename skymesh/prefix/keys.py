@@ -85,7 +85,9 @@ def text_prefix_keys(text: str, chunk_chars: int = CHUNK_CHARS, max_keys: int = 
         return []
     # UTF-32 gives one fixed-width code point per character, so chunks are array rows;
     # with an even chunk size two code points share a 64-bit word (half the products).
-    data = text[: n * chunk_chars].encode("utf-32-le")
+    # surrogatepass: JSON may carry a lone surrogate ("\ud800"), which strict UTF-32 refuses;
+    # it is still one code point, so the rows stay fixed-width.
+    data = text[: n * chunk_chars].encode("utf-32-le", "surrogatepass")
     if chunk_chars % 2 == 0:
         words = np.frombuffer(data, dtype="<u8").reshape(n, chunk_chars // 2)
     else:

@@ -106,18 +106,28 @@ def test_example_configs_validate_against_the_daemons_models() -> None:
 
 # -- image and Kubernetes ----------------------------------------------------------------------
 
-def test_dockerfile_installs_the_checkout_as_a_non_root_user() -> None:
+def test_dockerfile_is_multi_stage_locked_and_non_root() -> None:
+    """The image (built for real in tests/e2e/test_image.py): dependencies from the lock in
+    a layer before the source, the wheel built in a builder stage, only the venv copied
+    into a runtime stage that runs as uid 10001."""
     lines = [line.strip() for line in (DEPLOY / "docker" / "Dockerfile").read_text()
              .splitlines() if line.strip() and not line.lstrip().startswith("#")]
-    assert lines[0] == "FROM python:3.11-slim"
+    stages = [i for i, line in enumerate(lines) if line.startswith("FROM ")]
+    assert len(stages) == 2 and lines[stages[0]].endswith(" AS builder")
+    builder, runtime = lines[stages[0]:stages[1]], lines[stages[1]:]
     for line in lines:
         if line.startswith("COPY ") and "--from" not in line:
             for src in line.split()[1:-1]:
-                assert (REPO / src).exists(), f"Dockerfile copies missing {src}"
-    run = " ".join(line for line in lines if line.startswith(("RUN", "&&")))
-    assert 'pip install ".[fast]"' in run or "pip install ." in run
-    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+                assert src == "." or (REPO / src).exists(), f"Dockerfile copies missing {src}"
+    copies = [i for i, line in enumerate(builder) if line.startswith("COPY ")]
+    lock_install = next(i for i, line in enumerate(builder) if "-c /deps/lock.txt" in line)
+    source = next(i for i in copies if builder[i].split()[1] == ".")
+    assert lock_install < source, "dependencies must be installed before the source is copied"
+    assert any("--from=builder /opt/skymesh" in line for line in runtime)
+    assert not any(line.startswith("COPY . ") for line in runtime)
+    users = [line.split()[1] for line in runtime if line.startswith("USER ")]
     assert users and users[-1].split(":")[0] not in ("0", "root")
+    assert any(line.startswith("HEALTHCHECK ") for line in runtime)
 
 
 # The Kubernetes manifests: tests/deploy/test_k8s_manifests.py (rendered by kustomize).

@@ -334,3 +334,12 @@ def test_many_targets_on_one_prefix_come_back_in_first_recorded_order() -> None:
     assert trie.depth_groups(chain([1, 2, 3, 4]), names[:10]) == [
         (3, tuple(t for t in names[:10] if t not in gone))]
     check_structure(trie)
+
+
+def test_text_keys_take_a_lone_surrogate_as_one_character() -> None:
+    """A JSON body may carry "\\ud800"; the keys must not raise on it (it reached the
+    balancer's prefix policies from the fuzz suite) and it stays one character wide."""
+    plain = "a" * 64 + "b" * 64
+    odd = "a" * 63 + "\ud800" + "b" * 64
+    assert len(text_prefix_keys(odd, chunk_chars=64)) == 2
+    assert text_prefix_keys(odd, chunk_chars=64)[0] != text_prefix_keys(plain, chunk_chars=64)[0]
