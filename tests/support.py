@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 from aiohttp import web
 
 from skymesh.faults.cluster import parse_metrics
+from skymesh.procs import Daemon, start_daemon
 
 
 async def until(cond: Callable[[], Awaitable[bool]], what: str, timeout: float = 15.0,
@@ -164,3 +166,17 @@ def mae_against_constant(pred: Any, train: list[Any], test: list[Any],
     c = float(constant([s.output_tokens for s in train]))
     return (accuracy(pred, actual)["mae_tokens"],
             accuracy(np.full(len(test), c), actual)["mae_tokens"])
+
+
+def start_lb_with(tmp: Path, base: dict[str, Any], overrides: dict[str, Any]) -> Daemon:
+    """Start ``skymesh-lb`` on a config file made of ``base`` with each override merged in
+    (a dict updates that section, anything else replaces it)."""
+    cfg = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            cfg[key] = {**cfg.get(key, {}), **value}
+        else:
+            cfg[key] = value
+    path = tmp / "lb.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return start_daemon("skymesh-lb", ["--config", str(path)], log_path=tmp / "lb.log")

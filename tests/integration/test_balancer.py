@@ -10,8 +10,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
-from support import content_of, get_metrics, read_sse, until
+from support import content_of, get_metrics, read_sse, start_lb_with, until
 
 from skymesh.procs import Daemon, start_daemon
 
@@ -34,14 +33,7 @@ def start_lb(tmp: Path, replicas: list[Daemon], **overrides: Any) -> Daemon:
         "probe": {"interval_s": 0.05},
         "replicas": [{"url": r.url} for r in replicas],
     }
-    for key, value in overrides.items():
-        if isinstance(value, dict):
-            cfg.setdefault(key, {}).update(value)
-        else:
-            cfg[key] = value
-    path = tmp / "lb.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return start_daemon("skymesh-lb", ["--config", str(path)], log_path=tmp / "lb.log")
+    return start_lb_with(tmp, cfg, overrides)
 
 
 def stop_all(daemons: list[Daemon]) -> None:

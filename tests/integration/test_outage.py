@@ -15,8 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
-from support import until
+from support import start_lb_with, until
 
 from skymesh.procs import Daemon, free_port, start_daemon
 
@@ -39,14 +38,7 @@ def start_lb(tmp: Path, replicas: list[dict[str, Any]], **overrides: Any) -> Dae
         "queue": {"timeout_s": QUEUE_TIMEOUT_S},
         "replicas": replicas,
     }
-    for key, value in overrides.items():
-        if isinstance(value, dict):
-            cfg.setdefault(key, {}).update(value)
-        else:
-            cfg[key] = value
-    path = tmp / "lb.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return start_daemon("skymesh-lb", ["--config", str(path)], log_path=tmp / "lb.log")
+    return start_lb_with(tmp, cfg, overrides)
 
 
 def chat(content: str, **extra: Any) -> dict[str, Any]:
