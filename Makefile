@@ -14,7 +14,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 LOCK   := requirements/lock.txt
-EXTRAS := lab,test,forecast,predict
+EXTRAS := lab,test,forecast,predict,tracing
 
 # Every install resolves from the checked-in lock, so a fresh machine gets what CI got.
 $(STAMP): pyproject.toml $(LOCK) | $(BIN)/python
@@ -43,7 +43,7 @@ system-deps:
 	  || echo "warning: could not install$$missing; the tests that need them will fail"; fi
 
 demo: install
-	$(BIN)/python -m skymesh.demo
+	$(BIN)/python -m skymesh_lab.demos.demo
 
 # checkov, for the Kubernetes manifest test, lives in its own venv outside the repository
 # (about 100 packages the project does not otherwise need), from its own lock.
@@ -65,7 +65,7 @@ lint: install
 typecheck: lint
 
 bench: install
-	$(BIN)/python -m skymesh.bench
+	$(BIN)/python -m skymesh_lab.bench
 
 # Refresh the lock: resolve pyproject.toml's ranges afresh in a scratch venv and freeze.
 # torch stays at the contract's exact pin (2.13.0, the CPU build on this machine's disk).
@@ -85,7 +85,7 @@ faults: install system-deps
 
 # The three-region mesh under steady load; SKYMESH_SOAK_MINUTES (default 30). Not in CI.
 soak: install
-	$(BIN)/python -m skymesh.faults.soak --json out/soak.json
+	$(BIN)/python -m skymesh_lab.faults.soak --json out/soak.json
 
 .PHONY: faults soak
 

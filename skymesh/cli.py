@@ -7,7 +7,6 @@ import json
 import sys
 from typing import Any
 
-from skymesh.engine.profiles import DEFAULT_PROFILE, PROFILES
 from skymesh.util.jsonio import write_json
 from skymesh.version import add_version_flag
 
@@ -57,10 +56,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
         print("skymesh sim: give exactly one of --workload and --experiment", file=sys.stderr)
         return 2
     if args.experiment is not None:
-        from skymesh.planning.capacity_week import run_cli
+        from skymesh_lab.planning.capacity_week import run_cli
 
         return run_cli(args)
-    from skymesh.sim.runner import SimConfig, parse_profiles, parse_replicas, run
+    from skymesh_lab.sim.runner import SimConfig, parse_profiles, parse_replicas, run
 
     regions = [r.strip() for r in args.regions.split(",") if r.strip()]
     if not regions:
@@ -112,26 +111,26 @@ def cmd_sim(args: argparse.Namespace) -> int:
 # Experiments of ``skymesh bench``: name -> module whose ``run_experiment(args)`` returns
 # the JSON object. Each part of the project adds its own line here.
 BENCH_EXPERIMENTS: dict[str, str] = {
-    "sp-microbench": "skymesh.bench.sp_microbench",
-    "diurnal-cost": "skymesh.bench.diurnal",
-    "goodput": "skymesh.bench.goodput",
-    "lmetric-vs-vllm": "skymesh.bench.lmetric_vllm",
-    "preserve-router": "skymesh.bench.preserve_router",
-    "skylb-macro": "skymesh.bench.skylb_macro",
-    "mooncake": "skymesh.bench.mooncake",
+    "sp-microbench": "skymesh_lab.bench.sp_microbench",
+    "diurnal-cost": "skymesh_lab.bench.diurnal",
+    "goodput": "skymesh_lab.bench.goodput",
+    "lmetric-vs-vllm": "skymesh_lab.bench.lmetric_vllm",
+    "preserve-router": "skymesh_lab.bench.preserve_router",
+    "skylb-macro": "skymesh_lab.bench.skylb_macro",
+    "mooncake": "skymesh_lab.bench.mooncake",
     # [planning]'s experiments, reachable from the same command as the rest.
-    "capacity-week": "skymesh.planning.capacity_week",
-    "plan-ilp": "skymesh.bench.plan_ilp",
+    "capacity-week": "skymesh_lab.planning.capacity_week",
+    "plan-ilp": "skymesh_lab.bench.plan_ilp",
 }
 
 # Modules adding their own subcommands through ``register(subparsers)``.
 COMMAND_MODULES: tuple[str, ...] = (
-    "skymesh.predict.cli",
+    "skymesh_lab.predict.cli",
     "skymesh.planning.forecast_cli",
-    "skymesh.ctl",
-    "skymesh.dns_cli",
+    "skymesh.ops.ctl",
+    "skymesh.ops.dns_cli",
     "skymesh.planning.plan_cli",
-    "skymesh.faults.cli",
+    "skymesh_lab.faults.cli",
 )
 
 
@@ -156,15 +155,17 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from skymesh.meshdemo import run_demo
+    from skymesh_lab.demos.meshdemo import run_demo
 
     return run_demo(duration=args.duration, seed=args.seed, json_path=args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # The emulated engine's profiles are pure data in the lab package (always in the wheel).
     from skymesh.policies import policy_names
     from skymesh.policies.load import PushMode
     from skymesh.policies.peers import DEFAULT_FORWARDING_RULE, ForwardingRule
+    from skymesh_lab.engine.profiles import DEFAULT_PROFILE, PROFILES
 
     ap = argparse.ArgumentParser(prog="skymesh", description=__doc__)
     add_version_flag(ap)
@@ -238,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--load-scale", default=None, metavar="X",
                     help="skylb-macro sim: client multiplier (X, WORKLOAD=X,..., or "
                          "calibrated)")
-    from skymesh.predict.cli import BENCH_PREDICTORS, PredictorFlag
+    from skymesh_lab.predict.cli import BENCH_PREDICTORS, PredictorFlag
     bp.add_argument("--predictor", action=PredictorFlag, choices=BENCH_PREDICTORS,
                     default=None, help="length predictor of goodput and preserve-router "
                                        "(default moe; else $SKYMESH_LENGTH_PREDICTOR)")

@@ -23,7 +23,7 @@ def moto_url() -> Iterator[str]:
     account reset it through ``/moto-api/reset``)."""
     from moto.server import ThreadedMotoServer  # only the AWS tests pay for the import
 
-    from skymesh.procs import free_port
+    from skymesh.util.procs import free_port
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)

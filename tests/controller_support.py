@@ -6,8 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from skymesh.faults.cluster import RedisProcess
-from skymesh.procs import Daemon, free_port, start_daemon
+from skymesh.util.procs import Daemon, free_port, start_daemon
+from skymesh_lab.faults.cluster import RedisProcess
 
 ADMIN = "admin-token-for-tests"
 READER = "read-token-for-tests"
@@ -21,7 +21,7 @@ __all__ = ["ADMIN", "AGENT", "READER", "RedisServer", "auth", "free_port", "star
 
 
 def token_config() -> list[dict[str, str]]:
-    from controller.auth import digest
+    from skymesh.controller.auth import digest
 
     return [{"name": "ops", "sha256": digest(ADMIN), "role": "admin"},
             {"name": "dash", "sha256": digest(READER), "role": "read"},

@@ -16,8 +16,8 @@ import aiohttp
 import yaml
 from aiohttp import web
 
-from skymesh.faults.cluster import parse_metrics
-from skymesh.procs import Daemon, start_daemon
+from skymesh.util.procs import Daemon, start_daemon
+from skymesh_lab.faults.cluster import parse_metrics
 
 
 async def until(cond: Callable[[], Awaitable[bool]], what: str, timeout: float = 15.0,
@@ -147,7 +147,7 @@ async def serving(app: web.Application) -> AsyncIterator[int]:
 def length_samples() -> tuple[list[Any], list[Any]]:
     """Slices of the default length-prediction split (seed 0): 2,000 training samples and
     600 test samples, for the predictor tests."""
-    from skymesh.predict.data import limit, load_samples, split
+    from skymesh_lab.predict.data import limit, load_samples, split
 
     train, test = split(load_samples(), seed=0)
     return limit(train, 2000), limit(test, 600)
@@ -159,7 +159,7 @@ def mae_against_constant(pred: Any, train: list[Any], test: list[Any],
     checking there is one prediction per test sample and none below one token."""
     import numpy as np
 
-    from skymesh.predict.metrics import accuracy
+    from skymesh_lab.predict.metrics import accuracy
 
     actual = np.array([s.output_tokens for s in test])
     assert pred.shape == actual.shape and pred.min() >= 1

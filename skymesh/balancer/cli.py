@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from skymesh.balancer.config import ConfigError
     from skymesh.balancer.server import balancer_of, build_app
-    from skymesh.serving import METRICS_REGISTRY, run, serve_app
+    from skymesh.net.serving import METRICS_REGISTRY, run, serve_app
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -37,8 +37,9 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from skymesh.netlimits import DEFAULT_LIMITS as _CONN
-from skymesh.netlimits import ConnLimits
+from skymesh.net.limits import DEFAULT_LIMITS as _CONN
+from skymesh.net.limits import ConnLimits
+from skymesh.net.urlpolicy import UrlPolicy, UrlPolicyConfig, UrlRejected, check_static
 from skymesh.policies import PolicyConfigError, build_policy
 from skymesh.policies.load import PushMode
 from skymesh.policies.peers import (
@@ -49,7 +50,6 @@ from skymesh.policies.peers import (
     Balancing,
     ForwardingRule,
 )
-from skymesh.urlpolicy import UrlPolicy, UrlPolicyConfig, UrlRejected, check_static
 
 # How far each kind's load figures trail the engine (PushingConfig.metrics_lag_s).
 DEFAULT_METRICS_LAG_S = {"vllm": 1.0, "skymesh": 1.0, "sglang": 0.0}
@@ -110,7 +110,7 @@ class QueueConfig(_Strict):
 
 
 class ConnectionLimitsConfig(_Strict):
-    """Connection limits (skymesh.netlimits): caps on open connections per process and
+    """Connection limits (skymesh.net.limits): caps on open connections per process and
     per client address, and the header, body and idle timeouts. The controller's
     ``limits`` section too."""
 
@@ -309,7 +309,7 @@ class ControllerLinkConfig(_Strict):
     # goes through its own proxy, as in the local demo).
     follow_peers: bool = True
     # Replica URLs and peer addresses from the controller pass this policy before they are
-    # used (skymesh/urlpolicy.py): a forged record cannot point this balancer at metadata
+    # used (skymesh/net/urlpolicy.py): a forged record cannot point this balancer at metadata
     # or loopback services. A local mesh sets allow_loopback.
     url_policy: UrlPolicyConfig = UrlPolicyConfig()
 

@@ -20,9 +20,9 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from skymesh import urlpolicy
 from skymesh.balancer.config import BalancerConfig, ControllerLinkConfig, ReplicaConfig
-from skymesh.urlpolicy import UrlRejected
+from skymesh.net import urlpolicy
+from skymesh.net.urlpolicy import UrlRejected
 
 if TYPE_CHECKING:
     from skymesh.balancer.server import Balancer

@@ -1,6 +1,6 @@
 """Request intake: from an OpenAI request body to what the router needs.
 
-The prompt is rendered to one canonical string with :func:`skymesh.prompt.render_chat`
+The prompt is rendered to one canonical string with :func:`skymesh.prefix.prompt.render_chat`
 (the same rendering the replica uses) and cut into chained chunk keys for the prefix-aware
 policies. The balancer never tokenises on the hot path: the prompt length in tokens is
 estimated from characters (about 4 per token for English BPE vocabularies), which is all
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from skymesh.balancer.errors import BadRequest
-from skymesh.jsonbody import JsonBodyError, loads_body
+from skymesh.net.jsonbody import JsonBodyError, loads_body
 from skymesh.policies.base import RouteRequest
-from skymesh.prompt import PromptError, completion_prompt, render_chat
+from skymesh.prefix.prompt import PromptError, completion_prompt, render_chat
 
 CHARS_PER_TOKEN = 4
 SESSION_HEADER = "X-Session-ID"
@@ -108,7 +108,7 @@ def request_deadline(intake: Intake, headers: Mapping[str, str], header: str,
 def prediction_input(intake: Intake, prompt_len: int) -> tuple[str, int, int]:
     """(text, prompt tokens, history tokens) as the length predictor was trained on them:
     the last user turn's text, its length and the length of the conversation before it
-    (ShareGPT turns, skymesh.predict.data). Lengths are the balancer's estimates."""
+    (ShareGPT turns, skymesh_lab.predict.data). Lengths are the balancer's estimates."""
     text = intake.prompt_text
     if intake.kind == "chat":
         messages: list[Any] = intake.body.get("messages") or []

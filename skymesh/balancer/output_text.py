@@ -3,7 +3,7 @@
 Prefix policies record a finished request's prompt *and* output in their trie
 (``Policy.on_cached``), because the replica's KV cache holds both and the next turn of a
 conversation resends both: the next prompt starts with this prompt's text (its ChatML
-ends with the assistant header, see :func:`skymesh.prompt.render_chat`) followed by the
+ends with the assistant header, see :func:`skymesh.prefix.prompt.render_chat`) followed by the
 reply. So the balancer keeps the raw response bytes it relayed, up to a budget, and after
 the client has its last byte turns them into the reply's text.
 

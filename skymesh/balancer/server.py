@@ -128,7 +128,7 @@ _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive
 
 
 # Open streams get this long to finish at shutdown, inside the server's 5 s shutdown
-# timeout (skymesh.serving), so the rest still get their error event before handlers stop.
+# timeout (skymesh.net.serving), so the rest still get their error event before handlers stop.
 STREAM_GRACE_S = 3.5
 OUTPUT_TOKENS_KEY = "skymesh.output_tokens"  # per-request output count, for telemetry
 TICKET_KEY = "skymesh.ticket"  # the request's current ticket, once a migration replaced it

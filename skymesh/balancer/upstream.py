@@ -294,7 +294,7 @@ class Upstream:
                  resolver: aiohttp.abc.AbstractResolver | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
-        # With a URL policy (skymesh.urlpolicy.PolicyResolver), a replica's host name is
+        # With a URL policy (skymesh.net.urlpolicy.PolicyResolver), a replica's host name is
         # resolved and checked at every new connection: DNS can change after the name was
         # accepted. IP literals were checked when the URL was accepted.
         self.resolver = resolver

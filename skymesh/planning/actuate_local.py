@@ -29,9 +29,9 @@ from typing import Any
 
 from skymesh.planning.actuate import ApplyReport, Change
 from skymesh.planning.ilp import Key, Plan
-from skymesh.procs import Daemon, start_daemon
+from skymesh.util.procs import Daemon, start_daemon
 
-# Engine profile per GPU type (the profiles in skymesh/engine/profiles.py); a
+# Engine profile per GPU type (the profiles in skymesh_lab/engine/profiles.py); a
 # (model, gpu) entry in ``LocalActuator.profiles`` overrides it.
 DEFAULT_PROFILES: dict[str, str] = {
     "L4": "llama3.1-8b-l4", "A100": "llama3.1-8b-a100", "A100-80GB": "llama3.1-8b-a100",

@@ -47,13 +47,13 @@ def _describe(s: Series) -> str:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from skymesh.planning.forecast import forecaster_params
-    from skymesh.planning.forecast_eval import (
+    from skymesh.util.jsonio import write_json
+    from skymesh_lab.planning.forecast_eval import (
         evaluate,
         format_table,
         parse_forecasters,
         split_point,
     )
-    from skymesh.util.jsonio import write_json
 
     try:
         names = parse_forecasters(args.forecasters)

@@ -181,7 +181,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from skymesh.bench.plan_ilp import print_result, run
+    from skymesh_lab.bench.plan_ilp import print_result, run
 
     for name in ("regions", "models", "gpu_types"):
         if getattr(args, name) < 1:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from skymesh.predict.data import MAX_TOKENS, Sample
+from skymesh.predict.sample import MAX_TOKENS, Sample
 
 if TYPE_CHECKING:
     import scipy.sparse as sp

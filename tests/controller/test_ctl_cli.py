@@ -17,7 +17,7 @@ import httpx
 import pytest
 from controller_support import ADMIN, auth, free_port
 
-from skymesh.procs import Daemon, executable, start_daemon
+from skymesh.util.procs import Daemon, executable, start_daemon
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import yaml
 from controller_support import ADMIN, token_config
 
 from skymesh.mesh import certs
-from skymesh.procs import free_port, start_daemon
+from skymesh.util.procs import free_port, start_daemon
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

@@ -17,16 +17,16 @@ import pytest
 import yaml
 from support import until
 
-from controller.config import parse_config as parse_controller_config
 from skymesh.balancer.config import load_config as load_lb_config
-from skymesh.procs import Daemon, start_daemon
+from skymesh.controller.config import parse_config as parse_controller_config
+from skymesh.util.procs import Daemon, start_daemon
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 SCRIPTS: dict[str, str] = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
     "scripts"]
-PARSERS = {"skymesh-lb": "skymesh.balancer.cli", "skymesh-replica": "skymesh.replica.cli",
-           "skymesh-controller": "controller.cli"}
+PARSERS = {"skymesh-lb": "skymesh.balancer.cli", "skymesh-replica": "skymesh_lab.replica.cli",
+           "skymesh-controller": "skymesh.controller.cli"}
 HARDENING = {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "Restart": "on-failure",
              "User": "skymesh", "PrivateTmp": "yes", "ProtectHome": "yes"}
 

@@ -14,7 +14,7 @@ from aiohttp import web
 from support import serving
 
 from skymesh.cli import main
-from skymesh.procs import executable
+from skymesh.util.procs import executable
 
 TOKEN = "s3cret-token"
 REPORT = {"created": ["lb-us"], "updated": ["lb-eu"], "deleted": ["lb-ap"],

@@ -26,14 +26,14 @@ from typing import Any
 import pytest
 import yaml
 
-from controller.config import parse_config as parse_controller_config
 from skymesh.balancer.config import parse_config as parse_lb_config
+from skymesh.controller.config import parse_config as parse_controller_config
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-PARSERS = {"skymesh-lb": "skymesh.balancer.cli", "skymesh-replica": "skymesh.replica.cli",
-           "skymesh-controller": "controller.cli"}
+PARSERS = {"skymesh-lb": "skymesh.balancer.cli", "skymesh-replica": "skymesh_lab.replica.cli",
+           "skymesh-controller": "skymesh.controller.cli"}
 # What the operator puts in the production overlay's secrets/ (never in git).
 SECRET_FILES = {"api-keys": "sk-client-one\nsk-client-two\n", "admin-token": "adm-7f3e9c",
                 "redis-url": "rediss://:pw-41d2@redis.example.internal:6379/0"}

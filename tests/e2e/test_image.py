@@ -33,7 +33,7 @@ import pytest
 import yaml
 from support import until
 
-from skymesh.procs import free_port
+from skymesh.util.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TAG = "localhost/skymesh:image-test"

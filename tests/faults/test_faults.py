@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from skymesh.faults.runner import run_one
-from skymesh.faults.scenarios import SCENARIOS
+from skymesh_lab.faults.runner import run_one
+from skymesh_lab.faults.scenarios import SCENARIOS
 
 pytestmark = pytest.mark.timeout(120)
 

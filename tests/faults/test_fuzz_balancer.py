@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from skymesh.faults.cluster import MODEL
-from skymesh.procs import Daemon, start_daemon
+from skymesh.util.procs import Daemon, start_daemon
+from skymesh_lab.faults.cluster import MODEL
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -247,7 +247,7 @@ def test_oversized_and_deep_bodies_are_refused_cleanly(lb: Daemon) -> None:
 
 def test_a_deeply_nested_body_is_a_400_at_the_replica(replica: Daemon) -> None:
     # json.loads recurses once per nesting level and raises RecursionError past about
-    # a thousand: bad input, not a server error (skymesh.jsonbody, shared with the
+    # a thousand: bad input, not a server error (skymesh.net.jsonbody, shared with the
     # balancer's intake).
     nested = '{"content":' * 2000 + '"x"' + "}" * 2000  # too deep for json.dumps to build
     body = f'{{"model": "{MODEL}", "messages": [{nested}]}}'.encode()

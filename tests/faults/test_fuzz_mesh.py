@@ -23,10 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import make_pki
 
-from skymesh.faults.cluster import MODEL
 from skymesh.mesh.client import channel_options
 from skymesh.mesh.proto import pb
-from skymesh.procs import Daemon, free_port, start_daemon
+from skymesh.util.procs import Daemon, free_port, start_daemon
+from skymesh_lab.faults.cluster import MODEL
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from skymesh.faults import client as fc
-from skymesh.faults.cluster import Mesh, status
-from skymesh.procs import start_daemon
+from skymesh.util.procs import start_daemon
+from skymesh_lab.faults import client as fc
+from skymesh_lab.faults.cluster import Mesh, status
 
 pytestmark = pytest.mark.timeout(120)
 

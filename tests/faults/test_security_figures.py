@@ -1,4 +1,4 @@
-"""The security page's figures script (``skymesh.faults.security_figures``), short size,
+"""The security page's figures script (``skymesh_lab.faults.security_figures``), short size,
 against real local processes: the JSON has what the page renders, nothing answered 5xx,
 every adversarial URL and takeover was refused, and no idle connection outlived the
 balancer's idle timeout."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from skymesh.bench.results_tables import security
-from skymesh.faults.security_figures import BAD_URLS, main
+from skymesh_lab.bench.results_tables import security
+from skymesh_lab.faults.security_figures import BAD_URLS, main
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ from controller_support import ADMIN, auth, start_controller
 from support import until
 
 from skymesh.planning.actuate_local import LocalActuator
-from skymesh.procs import Daemon
+from skymesh.util.procs import Daemon
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 KEY = (MODEL, "us-east", "L4")

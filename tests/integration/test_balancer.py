@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from support import content_of, get_metrics, read_sse, start_lb_with, until
 
-from skymesh.procs import Daemon, start_daemon
+from skymesh.util.procs import Daemon, start_daemon
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 TIME_SCALE = 0.1

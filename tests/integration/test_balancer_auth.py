@@ -18,7 +18,7 @@ import yaml
 from support import content_of, read_sse, until
 
 from skymesh.mesh import certs
-from skymesh.procs import Daemon, executable, start_daemon
+from skymesh.util.procs import Daemon, executable, start_daemon
 
 CLIENT_KEY = "sk-client-3f9a"
 REPLICA_KEY = "sk-replica-77c1"

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from support import serving, until
 
-from skymesh.procs import start_daemon
+from skymesh.util.procs import start_daemon
 
 MODEL = "cookie-model"
 METRICS = ("vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n"

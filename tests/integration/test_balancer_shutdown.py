@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 from support import read_sse, until
 
-from skymesh.procs import start_daemon
+from skymesh.util.procs import start_daemon
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from skymesh.bench import results, skylb_macro
-from skymesh.sim.runner import Simulation
-from skymesh.sim.workloads import build_workload
+from skymesh_lab.bench import results, skylb_macro
+from skymesh_lab.sim.runner import Simulation
+from skymesh_lab.sim.workloads import build_workload
 
 CONTRACT_SYSTEMS = {"single-rr", "single-ll", "single-ch", "single-sgl", "region-local",
                     "skymesh-ch", "skymesh-prefix", "skymesh-lmetric", "oracle"}
@@ -23,7 +23,7 @@ CONTRACT_SYSTEMS = {"single-rr", "single-ll", "single-ch", "single-sgl", "region
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("macro") / "q.json"
     plots = out.parent / "plots"
-    r = subprocess.run([sys.executable, "-m", "skymesh.bench.skylb_macro", "--mode", "sim",
+    r = subprocess.run([sys.executable, "-m", "skymesh_lab.bench.skylb_macro", "--mode", "sim",
                         "--quick", "--no-progress", "--json", str(out), "--plots", str(plots)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -134,7 +134,7 @@ def test_results_generator_prints_commands(quick: tuple[dict[str, Any], Path],
 def test_live_smoke(tmp_path: Path) -> None:
     """Real processes: one workload, a single balancer and the mesh, a few seconds each."""
     out = tmp_path / "live.json"
-    r = subprocess.run([sys.executable, "-m", "skymesh.bench.skylb_macro", "--mode", "live",
+    r = subprocess.run([sys.executable, "-m", "skymesh_lab.bench.skylb_macro", "--mode", "live",
                         "--quick", "--duration", "4", "--no-progress", "--json", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -146,7 +146,7 @@ def test_live_smoke(tmp_path: Path) -> None:
 
 
 def skylb_live_quick_systems() -> tuple[str, ...]:
-    from skymesh.bench.skylb_live import QUICK_LIVE_SYSTEMS
+    from skymesh_lab.bench.skylb_live import QUICK_LIVE_SYSTEMS
 
     return QUICK_LIVE_SYSTEMS
 

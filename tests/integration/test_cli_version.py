@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from skymesh.procs import executable
+from skymesh.util.procs import executable
 
 COMMANDS = ("skymesh", "skymesh-lb", "skymesh-controller", "skymesh-replica")
 

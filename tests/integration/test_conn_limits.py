@@ -1,6 +1,6 @@
-"""Connection limits (skymesh.netlimits) over real loopback sockets: issue #23, item 3.
+"""Connection limits (skymesh.net.limits) over real loopback sockets: issue #23, item 3.
 
-In-process: an aiohttp app served the way the daemons serve theirs (skymesh.serving),
+In-process: an aiohttp app served the way the daemons serve theirs (skymesh.net.serving),
 with small limits. Then the wiring of each daemon: skymesh-lb (limits from its config,
 metrics on its /metrics), skymesh-replica (defaults, metrics) and the controller (uvicorn,
 limits from its config). Timeouts are small real ones; every wait is on a condition with
@@ -24,9 +24,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from skymesh.netlimits import ConnectionGuard, ConnLimits
-from skymesh.procs import Daemon, start_daemon
-from skymesh.serving import METRICS_REGISTRY, start_app
+from skymesh.net.limits import ConnectionGuard, ConnLimits
+from skymesh.net.serving import METRICS_REGISTRY, start_app
+from skymesh.util.procs import Daemon, start_daemon
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,7 @@ import yaml
 from controller_support import ADMIN, AGENT, auth, start_controller
 from support import get_metrics, until
 
-from skymesh.procs import Daemon, start_daemon
+from skymesh.util.procs import Daemon, start_daemon
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 PROBE_S = 0.3  # controller probe interval

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from skymesh.bench.critical_path import STAGES, TOTAL, main, stage_table
+from skymesh_lab.bench.critical_path import STAGES, TOTAL, main, stage_table
 
 
 def test_stage_table_splits_each_request() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from skymesh.procs import executable
+from skymesh.util.procs import executable
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Simulator vs. real replicas on the same workload (skymesh.bench.fidelity), small size.
+"""Simulator vs. real replicas on the same workload (skymesh_lab.bench.fidelity), small size.
 
 Two ``skymesh-replica`` processes at time scale 0.5 take 30 requests (about 15 s of wall
 time with start-up). The benchmark reports against the issue's 10% target; here the bound
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from skymesh.bench.fidelity import (
+from skymesh_lab.bench.fidelity import (
     FidelityRequest,
     build_requests,
     compare,
@@ -19,7 +19,7 @@ from skymesh.bench.fidelity import (
     run_live,
     run_sim,
 )
-from skymesh.engine.profiles import DEFAULT_PROFILE
+from skymesh_lab.engine.profiles import DEFAULT_PROFILE
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from skymesh.procs import executable
-from skymesh.sim.workloads.data import data_file
+from skymesh.util.procs import executable
+from skymesh_lab.sim.workloads.data import data_file
 
 
 def _eval(*args: str) -> subprocess.CompletedProcess[str]:

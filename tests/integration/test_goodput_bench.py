@@ -60,7 +60,7 @@ def test_policies_run_through_skymesh_sim(tmp_path: Path, policy: str) -> None:
 def run_module(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     full = {**os.environ, "SKYMESH_CACHE_DIR": str(tmp_path / "cache"),
             "SKYMESH_LENGTH_PREDICTOR": "noisy-oracle", **env}
-    return subprocess.run([sys.executable, "-m", "skymesh.bench.goodput", *args],
+    return subprocess.run([sys.executable, "-m", "skymesh_lab.bench.goodput", *args],
                           capture_output=True, text=True, env=full, timeout=240)
 
 

@@ -3,7 +3,7 @@
 Region ``us``: ``lb-us-a`` and ``lb-us-b`` sharing three ``skymesh-replica`` (max-num-seqs
 4, metrics lag at its default); region ``eu``: ``lb-eu`` and one replica, peered with
 both; one ``skymesh-controller``. The measurement script behind these tests,
-``skymesh/bench/ha_region.py``, also writes the figures in ``docs/operations-ha.md``.
+``skymesh_lab/bench/ha_region.py``, also writes the figures in ``docs/operations-ha.md``.
 Every wait is on a condition with a deadline; every assertion is on counts.
 """
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from skymesh.bench.ha_region import CUT, EU_LB, HaRegion, burst, kill_under_load
-from skymesh.faults.client import COMPLETED, FAILED, REFUSED, session
-from skymesh.faults.cluster import status, wait_for
+from skymesh_lab.bench.ha_region import CUT, EU_LB, HaRegion, burst, kill_under_load
+from skymesh_lab.faults.client import COMPLETED, FAILED, REFUSED, session
+from skymesh_lab.faults.cluster import status, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 PER_PHASE = 30

@@ -32,7 +32,7 @@ import aiohttp
 import pytest
 from test_wheel_peering import _clean_env, _copy_source, _run, _start
 
-from skymesh.procs import Daemon, start_daemon
+from skymesh.util.procs import Daemon, start_daemon
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -42,10 +42,8 @@ WHEEL_CACHE = Path.home() / ".cache" / "skymesh-test" / "core-wheels"
 MAX_PACKAGES = 40  # issue #21: the balancer and ctl in at most ~40 packages
 MAX_SITE_MB = 250  # the core is ~150 MB; scipy or torch alone would break this
 # Modules the balancer must never import: the lab's, and the lab extras' packages.
-LAB_MODULES = ("skymesh.sim", "skymesh.bench", "skymesh.faults", "skymesh.replica",
-               "skymesh.engine", "skymesh.demo", "skymesh.meshdemo", "skymesh.predict.cli",
-               "skymesh.predict.data", "pandas", "scipy", "sklearn", "matplotlib",
-               "statsmodels", "torch", "fastapi", "redis", "boto3")
+LAB_MODULES = ("skymesh_lab", "pandas", "scipy", "sklearn", "matplotlib", "statsmodels",
+               "torch", "fastapi", "redis", "boto3")
 _IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)\s*$", re.M)
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

@@ -13,7 +13,7 @@ import yaml
 from support import until
 
 from skymesh.mesh import certs
-from skymesh.procs import Daemon, free_port, start_daemon
+from skymesh.util.procs import Daemon, free_port, start_daemon
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -133,7 +133,7 @@ async def test_a_saturated_region_forwards_and_streams_arrive_intact(tmp_path: P
 
 
 async def test_a_partitioned_peer_goes_down_and_comes_back(tmp_path: Path) -> None:
-    from skymesh.netproxy import DelayProxy
+    from skymesh_lab.netproxy import DelayProxy
 
     pki = tmp_path / "pki"
     certs.create_ca(pki)

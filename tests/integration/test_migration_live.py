@@ -27,7 +27,7 @@ import yaml
 from aiohttp import web
 from support import get_metrics, read_sse, until
 
-from skymesh.procs import Daemon, start_daemon
+from skymesh.util.procs import Daemon, start_daemon
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 TIME_SCALE = 0.2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from skymesh.netproxy import DelayProxy
+from skymesh_lab.netproxy import DelayProxy
 
 
 async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from support import start_lb_with, until
 
-from skymesh.procs import Daemon, free_port, start_daemon
+from skymesh.util.procs import Daemon, free_port, start_daemon
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 QUEUE_TIMEOUT_S = 60  # the wait a fail-fast answer must not come near

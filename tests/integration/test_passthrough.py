@@ -22,7 +22,7 @@ from multidict import CIMultiDict
 from support import serving, until
 from yarl import URL
 
-from skymesh.procs import Daemon, start_daemon
+from skymesh.util.procs import Daemon, start_daemon
 
 METRICS = """# HELP vllm:num_requests_waiting Waiting.
 # TYPE vllm:num_requests_waiting gauge

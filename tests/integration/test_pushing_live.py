@@ -18,7 +18,7 @@ import pytest
 import yaml
 from support import until
 
-from skymesh.procs import Daemon, start_daemon
+from skymesh.util.procs import Daemon, start_daemon
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ import aiohttp
 import yaml
 from support import until
 
-from skymesh.procs import Daemon, start_daemon
+from skymesh.util.procs import Daemon, start_daemon
 from skymesh.version import package_version
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

@@ -24,11 +24,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import read_sse, until
 
 from skymesh.balancer.probe import parse_metrics
-from skymesh.engine.core import Engine
-from skymesh.engine.profiles import DEFAULT_PROFILE, get_profile
-from skymesh.procs import Daemon, executable, start_daemon
-from skymesh.prompt import FallbackTokenizer, Tokenizer, get_tokenizer, render_chat
-from skymesh.replica.driver import WORDS, ContextLengthError, RealtimeDriver
+from skymesh.prefix.prompt import FallbackTokenizer, Tokenizer, get_tokenizer, render_chat
+from skymesh.util.procs import Daemon, executable, start_daemon
+from skymesh_lab.engine.core import Engine
+from skymesh_lab.engine.profiles import DEFAULT_PROFILE, get_profile
+from skymesh_lab.replica.driver import WORDS, ContextLengthError, RealtimeDriver
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from support import get_metrics, read_sse, until
 
-from skymesh.procs import Daemon, start_daemon
+from skymesh.util.procs import Daemon, start_daemon
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 N = 200  # about 2.2 s on the L4 profile at time scale 0.2: time to kill it mid-stream

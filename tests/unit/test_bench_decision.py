@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from skymesh.bench import decision
+from skymesh_lab.bench import decision
 
 
 def test_small_decision_run_reports_each_policy_and_the_trie_footprint(tmp_path: Path) -> None:

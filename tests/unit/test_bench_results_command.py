@@ -1,4 +1,4 @@
-"""``skymesh.bench.results`` rebuilds the command that reproduces a run, load scale included."""
+"""``skymesh_lab.bench.results`` rebuilds the command that reproduces a run, load scale included."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from skymesh.bench.results import command_for
-from skymesh.bench.results import main as results_main
-from skymesh.bench.results_pages import BY_NAME, SOURCES, render_pages
-from skymesh.bench.results_tables import num, pct, sp_microbench
-from skymesh.bench.skylb_macro import CALIBRATED_LOAD_SCALE, WORKLOADS, parse_load_scale
+from skymesh_lab.bench.results import command_for
+from skymesh_lab.bench.results import main as results_main
+from skymesh_lab.bench.results_pages import BY_NAME, SOURCES, render_pages
+from skymesh_lab.bench.results_tables import num, pct, sp_microbench
+from skymesh_lab.bench.skylb_macro import CALIBRATED_LOAD_SCALE, WORKLOADS, parse_load_scale
 
 
 def _setup(scale: dict[str, float], workloads: list[str]) -> dict[str, object]:
@@ -45,7 +45,7 @@ def test_the_committed_results_pages_are_what_the_committed_json_gives() -> None
     stale = [str(p.relative_to(REPO)) for p, text in pages.items()
              if not p.exists() or p.read_text() != text]
     assert not stale, (f"{stale} differ from what docs/results/data gives: run "
-                       "python -m skymesh.bench.results docs/results/data docs/results")
+                       "python -m skymesh_lab.bench.results docs/results/data docs/results")
     committed = {p.name for p in PAGES.glob("*.md")}
     assert committed == {p.name for p in pages}, "a results page has no JSON behind it"
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from skymesh.engine.profiles import get_profile
-from skymesh.planning.capacity import (
+from skymesh_lab.engine.profiles import get_profile
+from skymesh_lab.planning.capacity import (
     Capacity,
     instances_needed,
     profile_capacity,

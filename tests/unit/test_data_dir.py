@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from skymesh.sim.workloads.data import DATA_DIR_ENV, data_dir, is_checkout
+from skymesh_lab.sim.workloads.data import DATA_DIR_ENV, data_dir, is_checkout
 
 
 def make_checkout(tmp_path: Path, name: str = "skymesh") -> Path:

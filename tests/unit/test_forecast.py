@@ -16,7 +16,7 @@ from skymesh.planning.forecast import (
     make_forecaster,
 )
 from skymesh.planning.forecast.arima import FourierArima, fourier_terms
-from skymesh.planning.forecast_eval import ape_scores, walk_forward
+from skymesh_lab.planning.forecast_eval import ape_scores, walk_forward
 
 PERIOD = 24
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from skymesh.planning.forecast import Forecaster, RetrainSchedule, SeasonalNaive
-from skymesh.planning.forecast_eval import (
+from skymesh_lab.planning.forecast_eval import (
     ape_scores,
     evaluate,
     format_table,

@@ -252,7 +252,7 @@ def test_warm_start_finds_the_optimum_the_neighbourhood_cannot_reach() -> None:
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_warm_start_stays_within_the_gap_on_benchmark_shaped_instances(seed: int) -> None:
-    from skymesh.bench.plan_ilp import random_instance
+    from skymesh_lab.bench.plan_ilp import random_instance
 
     inp = random_instance(regions=3, models=2, gpu_types=4, seed=seed)
     exact = solve(inp, mip_rel_gap=0.0, warm_start=False)

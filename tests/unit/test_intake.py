@@ -9,7 +9,7 @@ import pytest
 
 from skymesh.balancer.errors import BadRequest
 from skymesh.balancer.intake import parse_request
-from skymesh.jsonbody import JsonBodyError, loads_body
+from skymesh.net.jsonbody import JsonBodyError, loads_body
 
 MESSAGES = '[{"role": "user", "content": "hi"}]'
 

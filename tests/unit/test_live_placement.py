@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from skymesh.bench.skylb_live import Counters, peers_table, served_share
+from skymesh_lab.bench.skylb_live import Counters, peers_table, served_share
 
 
 def test_shares_come_from_counter_deltas_grouped_by_region() -> None:

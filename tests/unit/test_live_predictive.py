@@ -264,9 +264,9 @@ def test_bad_sim_flags_exit_2(bad: list[str], capsys: pytest.CaptureFixture[str]
 
 def test_bench_predictor_flag_overrides_the_environment_variable(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from skymesh.bench.goodput import PREDICTOR_ENV, PREDICTORS
     from skymesh.cli import build_parser
-    from skymesh.predict.cli import BENCH_PREDICTORS
+    from skymesh_lab.bench.goodput import PREDICTOR_ENV, PREDICTORS
+    from skymesh_lab.predict.cli import BENCH_PREDICTORS
 
     assert BENCH_PREDICTORS == PREDICTORS
     monkeypatch.setenv(PREDICTOR_ENV, "oracle")

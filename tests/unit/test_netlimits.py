@@ -1,4 +1,4 @@
-"""skymesh.netlimits without sockets: the file-limit check at start, admission counting
+"""skymesh.net.limits without sockets: the file-limit check at start, admission counting
 and the rate-limited log line (on a fake clock)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import resource
 
 import pytest
 
-from skymesh.netlimits import (
+from skymesh.net.limits import (
     CLIENT_LIMIT,
     FD_RESERVE,
     PROCESS_LIMIT,
@@ -51,7 +51,7 @@ def test_the_file_limit_is_raised_or_the_cap_fitted(
     fake = FakeRlimit(soft, hard, settable)
     monkeypatch.setattr(resource, "getrlimit", fake.get)
     monkeypatch.setattr(resource, "setrlimit", fake.set)
-    with caplog.at_level(logging.INFO, logger="skymesh.netlimits"):
+    with caplog.at_level(logging.INFO, logger="skymesh.net.limits"):
         fitted = fit_file_limit(LIMITS, "test")
     assert fake.soft == soft_after
     assert fitted.max_connections == cap_after
@@ -79,7 +79,7 @@ def test_refusals_log_one_line_per_window_with_the_count_between(
     now = [100.0]
     guard = ConnectionGuard(ConnLimits(max_connections_per_client=1), "lb",
                             clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="skymesh.netlimits"):
+    with caplog.at_level(logging.WARNING, logger="skymesh.net.limits"):
         for _ in range(5):
             guard.note_refused(CLIENT_LIMIT, "10.0.0.1")
         now[0] += 10.0

@@ -14,7 +14,7 @@ from skymesh.balancer.output_text import (
     sse_output_text,
 )
 from skymesh.prefix.keys import KEYED_CHARS, text_prefix_keys
-from skymesh.prompt import render_chat
+from skymesh.prefix.prompt import render_chat
 
 
 def sse(*events: Any) -> bytes:

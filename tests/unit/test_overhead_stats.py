@@ -1,4 +1,4 @@
-"""The added-latency benchmark's statistics and CPU placement (skymesh.bench.overhead):
+"""The added-latency benchmark's statistics and CPU placement (skymesh_lab.bench.overhead):
 the round-paired bootstrap that says whether skymesh-lb is behind sglang-router, and
 pinning every thread of a process tree."""
 
@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from skymesh.bench.overhead import (
+from skymesh_lab.bench.overhead import (
     LB_BP,
     SGLR,
     Sample,

@@ -14,8 +14,8 @@ from skymesh.policies.peers import (
     PeerOption,
     balanced_peer,
 )
-from skymesh.sim.runner import SimConfig, Simulation
-from skymesh.sim.workloads import build_workload
+from skymesh_lab.sim.runner import SimConfig, Simulation
+from skymesh_lab.sim.workloads import build_workload
 
 
 def mesh_dispatcher(tau: int = 2) -> Dispatcher:
@@ -294,7 +294,7 @@ def test_the_simulator_feeds_outstanding_and_rtt_to_peers() -> None:
 
 
 def test_diurnal_replicas_to_match_is_the_fewest_within_two_percent() -> None:
-    from skymesh.bench.diurnal import replicas_to_match
+    from skymesh_lab.bench.diurnal import replicas_to_match
 
     runs = [{"system": "mesh-balanced", "replicas": n, "throughput_rps": rps}
             for n, rps in ((8, 9.15), (9, 9.34), (10, 9.30), (12, 9.78))]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from controller import placement
+from skymesh.controller import placement
 
 REGIONS = {
     "us-east": {"name": "us-east", "latitude": 38.9, "longitude": -77.0},

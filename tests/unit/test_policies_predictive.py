@@ -13,7 +13,7 @@ from skymesh.policies import RequestTiming, RouteRequest, build_policy
 from skymesh.policies.goodserve import GoodServe, just_enough, predict_latency
 from skymesh.policies.preserve import LookAheadMap, PreServe, preserve_score
 from skymesh.policies.vllm_load import vllm_score
-from skymesh.sim.runner import SimConfig, parse_profiles, run
+from skymesh_lab.sim.runner import SimConfig, parse_profiles, run
 
 
 # -- vllm-load ------------------------------------------------------------------------------
@@ -336,8 +336,8 @@ def test_predicted_lengths_reach_the_policy() -> None:
 
 
 def test_alone_latency_orders_gpus() -> None:
-    from skymesh.engine.profiles import get_profile
-    from skymesh.sim.deadlines import alone_latency
+    from skymesh_lab.engine.profiles import get_profile
+    from skymesh_lab.sim.deadlines import alone_latency
 
     lat = [alone_latency(get_profile(f"llama3.1-8b-{g}"), 500, 200) for g in ("l4", "a100",
                                                                                "h100")]

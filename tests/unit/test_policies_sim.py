@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from skymesh.policies import policy_names
-from skymesh.sim.runner import SimConfig, Simulation
-from skymesh.sim.workloads import build_workload
+from skymesh_lab.sim.runner import SimConfig, Simulation
+from skymesh_lab.sim.workloads import build_workload
 
 
 @cache

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from support import length_samples, mae_against_constant
 
-from skymesh.predict.data import load_samples, split
 from skymesh.predict.history import HistoryPredictor
-from skymesh.predict.metrics import accuracy
 from skymesh.predict.moe import MoEConfig, MoEPredictor, train_moe
+from skymesh_lab.predict.data import load_samples, split
+from skymesh_lab.predict.metrics import accuracy
 
 data = length_samples
 SMALL = MoEConfig(max_features=1024, expert_hidden=(32, 16, 8), gate_hidden=16,
@@ -85,7 +85,7 @@ def test_history_predicts_the_bucket_median() -> None:
 
 def test_importing_the_balancer_side_does_not_import_torch() -> None:
     code = ("import sys, skymesh.predict, skymesh.predict.moe, skymesh.policies.goodserve, "
-            "skymesh.sim.runner; print('torch' in sys.modules)")
+            "skymesh_lab.sim.runner; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"

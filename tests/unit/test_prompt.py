@@ -1,4 +1,4 @@
-"""Chat rendering, completion prompts and the tokenizer (skymesh.prompt)."""
+"""Chat rendering, completion prompts and the tokenizer (skymesh.prefix.prompt)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from skymesh.prompt import (
+from skymesh.prefix.prompt import (
     FallbackTokenizer,
     PromptError,
     PromptInput,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from skymesh.planning.series import load_series, parse_window, trace_windows
-from skymesh.sim.workloads.data import data_file
+from skymesh_lab.sim.workloads.data import data_file
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("10m", 600), ("1h", 3600), ("30s", 30),

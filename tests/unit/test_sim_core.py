@@ -7,13 +7,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from skymesh.engine.hashing import BLOCK_SIZE, hash_token_blocks
-from skymesh.engine.profiles import get_profile
 from skymesh.policies import RouteRequest
-from skymesh.sim.cluster import RequestRecord, SimReplica
-from skymesh.sim.events import EventLoop
-from skymesh.sim.runner import SimConfig, Simulation, parse_replicas
-from skymesh.sim.workload import Arrival, WorkItem, Workload
+from skymesh_lab.engine.hashing import BLOCK_SIZE, hash_token_blocks
+from skymesh_lab.engine.profiles import get_profile
+from skymesh_lab.sim.cluster import RequestRecord, SimReplica
+from skymesh_lab.sim.events import EventLoop
+from skymesh_lab.sim.runner import SimConfig, Simulation, parse_replicas
+from skymesh_lab.sim.workload import Arrival, WorkItem, Workload
 
 
 class PoissonShared(Workload):

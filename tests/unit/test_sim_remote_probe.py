@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from skymesh.engine.profiles import get_profile
 from skymesh.policies import build_policy
 from skymesh.policies.load import PushMode
-from skymesh.sim.cluster import SimBalancer, SimReplica
-from skymesh.sim.events import EventLoop
-from skymesh.sim.network import LOCAL_ONE_WAY_S, Network
+from skymesh_lab.engine.profiles import get_profile
+from skymesh_lab.sim.cluster import SimBalancer, SimReplica
+from skymesh_lab.sim.events import EventLoop
+from skymesh_lab.sim.network import LOCAL_ONE_WAY_S, Network
 
 
 class ClockEngine:

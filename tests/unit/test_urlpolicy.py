@@ -1,4 +1,4 @@
-"""The outbound URL policy (skymesh/urlpolicy.py): tables of spellings, and properties."""
+"""The outbound URL policy (skymesh/net/urlpolicy.py): tables of spellings, and properties."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skymesh.urlpolicy import (
+from skymesh.net.urlpolicy import (
     PolicyResolver,
     UrlPolicy,
     UrlPolicyConfig,

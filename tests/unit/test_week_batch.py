@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from skymesh.planning import capacity_week
-from skymesh.planning.capacity_week import WeekConfig, _lead_windows, run
+from skymesh_lab.planning import capacity_week
+from skymesh_lab.planning.capacity_week import WeekConfig, _lead_windows, run
 
 SHORT = dict(days=0.25, step_s=30.0)
 

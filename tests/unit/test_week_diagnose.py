@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from skymesh.planning.capacity_week import (
+from skymesh_lab.planning.capacity_week import (
     TRACE_FIELDS,
     PlanErrors,
     WeekConfig,
@@ -15,7 +15,13 @@ from skymesh.planning.capacity_week import (
     parse_week_params,
     run_strategy,
 )
-from skymesh.planning.week_diagnose import STATES, classify, fluid_bound, fluid_model, parity_budget
+from skymesh_lab.planning.week_diagnose import (
+    STATES,
+    classify,
+    fluid_bound,
+    fluid_model,
+    parity_budget,
+)
 
 SHORT = dict(days=0.25, step_s=30.0)
 KEY = ("m-mid", "us")

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from skymesh.planning.capacity_week import mixture_quantile, p95_windows
+from skymesh_lab.planning.capacity_week import mixture_quantile, p95_windows
 
 
 def step_major(*regions: list[float]) -> np.ndarray:

@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from skymesh.planning import capacity_week
-from skymesh.planning.capacity_week import (
+from skymesh.planning.strategies import Observation, make_strategy
+from skymesh_lab.planning import capacity_week
+from skymesh_lab.planning.capacity_week import (
     TARGET_BOUNDS,
     WeekConfig,
     miss_curve,
@@ -18,7 +19,6 @@ from skymesh.planning.capacity_week import (
     slo_utilisation,
     target_utilisation,
 )
-from skymesh.planning.strategies import Observation, make_strategy
 
 BUDGETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.4)
 
@@ -80,7 +80,7 @@ def test_miss_curve_is_the_weeks_scoring_function() -> None:
 
 
 def test_week_models_targets_come_from_their_own_profiles() -> None:
-    from skymesh.planning.capacity import profile_capacity
+    from skymesh_lab.planning.capacity import profile_capacity
 
     caps = {m: profile_capacity(p) for m, (p, _) in capacity_week.MODELS.items()}
     assert model_targets(WeekConfig(), caps) is None

@@ -13,7 +13,6 @@ import pytest
 from support import length_samples, mae_against_constant
 
 from skymesh.predict import wordvec
-from skymesh.predict.data import Sample
 from skymesh.predict.wordvec import (
     MAX_PIECES,
     WordVecConfig,
@@ -22,6 +21,7 @@ from skymesh.predict.wordvec import (
     package_dir,
     train_wordvec,
 )
+from skymesh_lab.predict.data import Sample
 
 data = length_samples
 SMALL = WordVecConfig(hidden=(64,), epochs=8, batch_size=64)

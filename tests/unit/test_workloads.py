@@ -1,4 +1,4 @@
-"""Invariants of the simulator's workloads (skymesh.sim.workloads)."""
+"""Invariants of the simulator's workloads (skymesh_lab.sim.workloads)."""
 
 from __future__ import annotations
 
@@ -14,19 +14,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import common_prefix
 
-from skymesh.engine.hashing import (
+from skymesh_lab.engine.hashing import (
     BLOCK_SIZE,
     expand_block_ids,
     extend_token_blocks,
     hash_token_blocks,
 )
-from skymesh.sim.workload import Arrival, WorkItem, Workload
-from skymesh.sim.workloads import WORKLOAD_NAMES, build_workload, workload_params
-from skymesh.sim.workloads.azure import parse_timestamp
-from skymesh.sim.workloads.common import VOCAB_SIZE, meta_int, synth_tokens
-from skymesh.sim.workloads.data import DATA_DIR_ENV, data_dir
-from skymesh.sim.workloads.sharegpt import Conversation, ShareGPTChatWorkload
-from skymesh.sim.workloads.tot import TreeOfThoughtsWorkload
+from skymesh_lab.sim.workload import Arrival, WorkItem, Workload
+from skymesh_lab.sim.workloads import WORKLOAD_NAMES, build_workload, workload_params
+from skymesh_lab.sim.workloads.azure import parse_timestamp
+from skymesh_lab.sim.workloads.common import VOCAB_SIZE, meta_int, synth_tokens
+from skymesh_lab.sim.workloads.data import DATA_DIR_ENV, data_dir
+from skymesh_lab.sim.workloads.sharegpt import Conversation, ShareGPTChatWorkload
+from skymesh_lab.sim.workloads.tot import TreeOfThoughtsWorkload
 
 REGIONS = ["us-east", "eu-west", "ap-south"]
 

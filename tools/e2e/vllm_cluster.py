@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skymesh.procs import Daemon, free_port, start_daemon
+from skymesh.util.procs import Daemon, free_port, start_daemon
 
 E2E_ENV_VAR = "SKYMESH_E2E_ENV"
 MODEL_NAME = "tiny"

@@ -1,0 +1,2 @@
+"""HTTP edges shared by the daemons: serving, connection limits, strict JSON bodies,
+the URL policy."""

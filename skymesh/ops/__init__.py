@@ -1,0 +1,1 @@
+"""Operator clients: ``skymesh ctl`` (the admin API) and ``skymesh dns``."""

@@ -1,0 +1,1 @@
+"""``skymesh demo``: the local three-region mesh and its mesh variant."""

@@ -1,0 +1,2 @@
+"""Planning experiments: the simulated capacity week, its diagnosis, forecast evaluation
+and engine-derived capacities."""
