@@ -54,9 +54,13 @@ $(CHECKOV): requirements/checkov.lock
 	$(CHECKOV_VENV)/bin/pip install -q -r requirements/checkov.lock 2>&1 | { grep -v "is ignored" || true; }
 	touch $@
 
+# Two workers (pytest-xdist), each taking whole test files, so a file's module fixtures
+# (daemons, a built wheel) start once; TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: install system-deps $(CHECKOV)
 	$(BIN)/ruff check .
-	CHECKOV=$(CHECKOV) $(BIN)/pytest -q -p no:cacheprovider
+	CHECKOV=$(CHECKOV) $(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
+	  --durations=30
 
 lint: install
 	$(BIN)/ruff check .

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from skymesh.util.jsonio import write_json
+from skymesh.util.stats import fmt
 from skymesh.version import add_version_flag
 
 
@@ -30,11 +31,13 @@ def _print_sim(res: dict[str, Any]) -> None:
         ("requests / completed", f"{res['requests']} / {res['completed']}"),
         ("throughput", f"{res['throughput_rps']:.3f} req/s, "
                        f"{res['output_tokens_per_s']:.0f} output tok/s"),
-        ("TTFT mean / p50 / p90", f"{res['ttft_mean_s']:.3f} / {res['ttft_p50_s']:.3f} / "
-                                  f"{res['ttft_p90_s']:.3f} s"),
-        ("E2E p50 / p90 / p99", f"{res['e2e_p50_s']:.2f} / {res['e2e_p90_s']:.2f} / "
-                                f"{res['e2e_p99_s']:.2f} s"),
-        ("TPOT mean", f"{res['tpot_mean_s'] * 1000:.1f} ms"),
+        ("TTFT mean / p50 / p90", f"{fmt(res['ttft_mean_s'], '.3f')} / "
+                                  f"{fmt(res['ttft_p50_s'], '.3f')} / "
+                                  f"{fmt(res['ttft_p90_s'], '.3f')} s"),
+        ("E2E p50 / p90 / p99", f"{fmt(res['e2e_p50_s'], '.2f')} / "
+                                f"{fmt(res['e2e_p90_s'], '.2f')} / "
+                                f"{fmt(res['e2e_p99_s'], '.2f')} s"),
+        ("TPOT mean", f"{fmt(res['tpot_mean_s'], '.1f', 1000)} ms"),
         ("prefix hit rate", f"{res['prefix_hit_rate'] * 100:.2f} %"),
         ("outstanding std (mean)", f"{res['outstanding_std_mean']:.2f}"),
         ("GPU-hours", f"{res['gpu_hours']:.3f}"),
@@ -87,6 +90,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         tau=args.tau,
         forwarding_rule=args.forwarding_rule,
         profile=args.profile,
+        scheduler=args.scheduler,
         seed=args.seed,
         duration_s=args.duration,
         probe_interval_s=args.probe_interval,
@@ -165,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     from skymesh.policies import policy_names
     from skymesh.policies.load import PushMode
     from skymesh.policies.peers import DEFAULT_FORWARDING_RULE, ForwardingRule
+    from skymesh_lab.engine.core import SCHEDULERS
     from skymesh_lab.engine.profiles import DEFAULT_PROFILE, PROFILES
 
     ap = argparse.ArgumentParser(prog="skymesh", description=__doc__)
@@ -174,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("sim", help="run a workload through the discrete-event simulator")
     sp.add_argument("--workload", default=None,
                     help="mooncake-conversation, mooncake-synthetic, azure2023-code, "
-                         "azure2023-conv, sharegpt-chat, tot-gsm8k, poisson")
+                         "azure2023-conv, sharegpt-chat, tot-gsm8k, tot-skylb, "
+                         "mixed-tree-skylb, poisson")
     sp.add_argument("--experiment", default=None, choices=["capacity-week"],
                     help="instead of --workload: capacity-week (scaling strategies, a week)")
     sp.add_argument("--days", type=float, default=None,
@@ -191,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", default=None, metavar="PATH")
     sp.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
     sp.add_argument("--push-mode", default="sp-p", choices=[m.value for m in PushMode])
+    sp.add_argument("--scheduler", default="vllm", choices=SCHEDULERS,
+                    help="the replicas' engine scheduler: vllm (v1) or sglang (v0.4.x)")
     sp.add_argument("--max-outstanding", type=int, default=16, help="cap for --push-mode sp-o")
     sp.add_argument("--hold", type=float, default=None, metavar="SECONDS",
                     help="delay scheduling: how long a request may wait for the replica "

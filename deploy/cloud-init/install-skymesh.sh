@@ -14,6 +14,8 @@
 #   SKYMESH_WHEEL_URL  the operator's wheel: s3://BUCKET/KEY.whl, https://...whl or a
 #                      local path; fetched, checked, installed (replaces SKYMESH_PIP_SPEC)
 #   SKYMESH_WHEEL_SHA256  hex SHA-256 the fetched wheel must have             (no check)
+#   SKYMESH_EXTRAS     the wheel's extras, comma-separated         (what the roles need:
+#                      controller -> controller, replica -> lab; lb needs none)
 #   SKYMESH_PIP_SPEC   what to pip-install, words split (e.g. "-e /src/skymesh") (skymesh)
 #   SKYMESH_PIP_ARGS   extra pip flags, words split                          (none)
 #   SKYMESH_USER       the service account                                   (skymesh)
@@ -43,6 +45,9 @@ ETC_DIR="$ROOT/etc/skymesh"
 UNIT_DIR="$ROOT/etc/systemd/system"
 
 declare -A CONFIG_OF=([lb]=lb.yaml [replica]=replica.env [controller]=controller.yaml)
+# The wheel's extras each role's daemon imports (pyproject.toml): the core alone runs
+# skymesh-lb; the controller needs fastapi/uvicorn/redis/boto3, the emulated replica the lab.
+declare -A EXTRA_OF=([lb]="" [replica]=lab [controller]=controller)
 IFS=',' read -r -a roles <<< "$ROLES"
 for role in "${roles[@]}"; do
   [[ -n "${CONFIG_OF[$role]:-}" ]] || die "unknown role '$role' (lb, replica, controller)"
@@ -87,8 +92,15 @@ PY
     echo "$SKYMESH_WHEEL_SHA256  $wheel" | sha256sum --check --quiet - >/dev/null 2>&1 ||
       die "$SKYMESH_WHEEL_URL does not have SHA-256 $SKYMESH_WHEEL_SHA256; not installing it"
   fi
-  PIP_SPEC=("$wheel")
-  log "fetched $SKYMESH_WHEEL_URL"
+  if [[ -z "${SKYMESH_EXTRAS+set}" ]]; then
+    SKYMESH_EXTRAS=""
+    for role in "${roles[@]}"; do
+      [[ -z "${EXTRA_OF[$role]}" || ",$SKYMESH_EXTRAS," == *",${EXTRA_OF[$role]},"* ]] ||
+        SKYMESH_EXTRAS="${SKYMESH_EXTRAS:+$SKYMESH_EXTRAS,}${EXTRA_OF[$role]}"
+    done
+  fi
+  PIP_SPEC=("$wheel${SKYMESH_EXTRAS:+[$SKYMESH_EXTRAS]}")
+  log "fetched $SKYMESH_WHEEL_URL; installing ${PIP_SPEC[0]##*/}"
 fi
 
 # 3. The venv. Re-running upgrades in place.

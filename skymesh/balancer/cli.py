@@ -15,6 +15,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
+from skymesh.obs.cli import add_obs_flags, apply_obs_flags
 from skymesh.version import add_version_flag, package_version
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--region")
     ap.add_argument("--log-level", default="warning",
                     choices=["debug", "info", "warning", "error"])
+    add_obs_flags(ap)
     add_version_flag(ap)
     return ap
 
@@ -65,6 +67,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     if args.replicas:
         urls = [u.strip() for u in args.replicas.split(",") if u.strip()]
         base["replicas"] = [{"url": u} for u in urls]
+    apply_obs_flags(args, base)
     return parse_config(base)
 
 
@@ -110,15 +113,21 @@ def main(argv: list[str] | None = None) -> int:
     from skymesh.balancer.config import ConfigError
     from skymesh.balancer.server import balancer_of, build_app
     from skymesh.net.serving import METRICS_REGISTRY, run, serve_app
+    from skymesh.obs.logs import setup_logging
+    from skymesh.util.extras import require
 
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as exc:
+        print(f"skymesh-lb: config error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(args.log_level, cfg.logging.format, cfg.logging.access_log)
     logging.getLogger("skymesh-lb.access").setLevel(
         logging.DEBUG if args.log_level == "debug" else logging.WARNING)
     # A reload's outcome is shown at the default level: an operator sent the signal.
     log.setLevel(logging.ERROR if args.log_level == "error" else logging.INFO)
+    require("tracing" if cfg.tracing.enabled else None, "skymesh-lb")
     try:
-        cfg = config_from_args(args)
         app = build_app(cfg)  # reads the API keys and the TLS files
     except ConfigError as exc:
         print(f"skymesh-lb: config error: {exc}", file=sys.stderr)

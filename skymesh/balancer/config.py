@@ -24,6 +24,8 @@ Example::
     breaker: {failure_threshold: 5, open_s: 10}
     slo: {header: X-SkyMesh-SLO-Class, classes: {interactive: 2.0, batch: 60.0}}
     prediction: {predictor: moe, model_path: null}
+    logging: {format: json, access_log: true}       # docs/operations-logs.md
+    tracing: {otlp_endpoint: "http://collector:4318/v1/traces", sample_ratio: 0.1}
     replicas:
       - {url: "http://127.0.0.1:8001", kind: vllm, max_num_seqs: 8}
       - {url: "http://127.0.0.1:8002", kind: sglang, models: [my-model]}
@@ -31,6 +33,9 @@ Example::
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -40,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from skymesh.net.limits import DEFAULT_LIMITS as _CONN
 from skymesh.net.limits import ConnLimits
 from skymesh.net.urlpolicy import UrlPolicy, UrlPolicyConfig, UrlRejected, check_static
+from skymesh.obs.config import LoggingConfig, TracingConfig
 from skymesh.policies import PolicyConfigError, build_policy
 from skymesh.policies.load import PushMode
 from skymesh.policies.peers import (
@@ -338,6 +344,8 @@ class BalancerConfig(_Strict):
     replicas: list[ReplicaConfig] = Field(default_factory=list)
     mesh: MeshConfig | None = None
     controller: ControllerLinkConfig | None = None
+    logging: LoggingConfig = LoggingConfig()  # skymesh.obs: log format, access log
+    tracing: TracingConfig = TracingConfig()  # skymesh.obs.tracing: off unless an endpoint
 
     @field_validator("replicas")
     @classmethod
@@ -377,15 +385,45 @@ def parse_model(model: type[M], data: Any) -> M:
         raise ConfigError(_format(exc)) from None
 
 
-def load_yaml(path: str | Path) -> Any:
+_ENV_REF = re.compile(r"\$(\$?)\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def expand_env(data: Any, environ: Mapping[str, str], where: str = "") -> Any:
+    """``${NAME}`` in every string value replaced by the environment variable NAME, and
+    ``$${NAME}`` by a literal ``${NAME}``: what differs between the pods or hosts that
+    share one file (``mesh.id: us-east-${POD_NAME}``, the pod name from Kubernetes'
+    downward API). An unset variable is an error naming the key."""
+    if isinstance(data, dict):
+        return {k: expand_env(v, environ, f"{where}.{k}" if where else str(k))
+                for k, v in data.items()}
+    if isinstance(data, list):
+        return [expand_env(v, environ, f"{where}.{i}") for i, v in enumerate(data)]
+    if not isinstance(data, str):
+        return data
+
+    def value(m: re.Match[str]) -> str:
+        if m.group(1):
+            return m.group(0)[1:]
+        if m.group(2) not in environ:
+            raise ConfigError(f"{where or '(top level)'}: ${{{m.group(2)}}} is not set in "
+                              "the environment")
+        return environ[m.group(2)]
+
+    return _ENV_REF.sub(value, data)
+
+
+def load_yaml(path: str | Path, environ: Mapping[str, str] | None = None) -> Any:
+    """A config file's YAML with ``${NAME}`` references expanded (:func:`expand_env`) from
+    ``environ``, by default the process environment as it is now."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
     try:
-        return yaml.safe_load(text)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    return expand_env(data, os.environ if environ is None else environ)
 
 
 def parse_config(data: Any) -> BalancerConfig:

@@ -141,8 +141,8 @@ class ControllerLink:
             body["peer_address"] = lb.mesh.node.address
         await self._call("POST", "/v1/balancers", json=body)
         for rep in lb.cfg.replicas:
-            known = rep.models or (sorted(lb.replicas[rep.url].models)
-                                   if rep.url in lb.replicas else [])
+            h = lb.health.replicas.get(rep.url)
+            known = rep.models or (sorted(h.models) if h is not None else [])
             model = known[0] if known else None
             if model is None:
                 raise ControllerRejected(f"replica {rep.url}: model not known yet "
@@ -208,7 +208,7 @@ class ControllerLink:
             "window_s": min(window, 3600.0), "models": models, "queue_length": d.queued,
             "in_flight": sum(t.load.in_flight for t in d.targets.values()),
             "replicas": {url: "healthy" if h.healthy else "unhealthy"
-                         for url, h in lb.replicas.items()},
+                         for url, h in lb.health.replicas.items()},
         }
 
     async def _report_loop(self) -> None:

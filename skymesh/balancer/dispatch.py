@@ -455,7 +455,7 @@ class Dispatcher:
             return
         t = self.targets.get(tid)
         if t is not None:
-            t.load.on_complete(ticket.key)
+            t.load.on_complete(ticket.key, now)
             if replica_fault:
                 t.breaker.on_failure(now)
             elif ok:

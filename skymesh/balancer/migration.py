@@ -2,7 +2,7 @@
 
 A policy with ``wants_migration`` (goodserve) is asked every ``migration_interval_s``
 about each streaming request that has produced a token (``Policy.migrate``). When it names
-another replica, the balancer (``skymesh.balancer.server``) cancels the upstream request,
+another replica, the balancer (``skymesh.balancer.moves``) cancels the upstream request,
 re-submits it there as ``/v1/completions`` with ``prompt`` = the original prompt's token
 ids + the ids of the tokens the client has already received (both from the new
 replica's ``/tokenize``, so the model's own tokenizer and chat template decide), and

@@ -24,16 +24,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from skymesh.controller.auth import Principal, TokenBook, allowed
+from skymesh.controller.autopilot.routes import mount_planner
 from skymesh.controller.config import ControllerConfig, Role
 from skymesh.controller.dashboard import mount_dashboard
 from skymesh.controller.forecasting import walk_forward
 from skymesh.controller.metrics import install_metrics
 from skymesh.controller.models import (
+    ERRORS,
     BalancerIn,
     BalancerPatch,
     BalancerUpdate,
     DnsSyncIn,
-    ErrorOut,
     ModelIn,
     PolicyIn,
     RegionIn,
@@ -47,23 +48,10 @@ from skymesh.controller.series import to_csv as series_csv
 from skymesh.controller.service import ApiError, Controller, DnsHook
 from skymesh.controller.store import Obj, Store, StoreError, open_store
 from skymesh.net.urlpolicy import Resolver, system_resolver
+from skymesh.obs.asgi import AccessLogMiddleware
+from skymesh.obs.tracing import from_config as tracing_from_config
 
 MAX_FORECAST_SERIES = 24
-
-ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorOut, "description": why} for status, why in (
-        (400, "the body is not JSON"),
-        (401, "missing or unknown token"),
-        (403, "the token's role may not do this, or the record belongs to another token"),
-        (404, "no such record"),
-        (409, "conflicts with the current state (an id owned by another token, a URL "
-              "registered twice, a region still in use...)"),
-        (413, "body over max_body_bytes"),
-        (422, "invalid body or parameter (including a URL the url_policy refuses); the "
-              "message names the field"),
-        (503, "the state store is unreachable"),
-    )}
-
 
 def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None,
            **extra: Any) -> JSONResponse:
@@ -127,11 +115,13 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
 
     def need(role: Role) -> Any:
         async def check(
+            request: Request,
             creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
         ) -> Principal:
             who = tokens.lookup(creds.credentials) if creds is not None else None
             if who is None:
                 raise ApiError(401, "unauthorized", "a valid bearer token is required")
+            request.state.principal = who.name  # the access log's (skymesh.obs.asgi)
             if not allowed(who.role, role):
                 raise ApiError(403, "forbidden", f"token {who.name!r} ({who.role}) may not "
                                                  f"do this: it needs the {role} role")
@@ -378,6 +368,10 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
     async def dns_sync(body: Annotated[DnsSyncIn | None, Body()] = None) -> Obj:
         return await ctl.dns_sync(body.dry_run if body is not None else False)
 
+    mount_planner(app, cfg, ctl)  # /v1/plans; the planner itself when configured
     install_metrics(app)
     mount_dashboard(app)
+    # Added last, so outermost: one access line (and span) per request, a 413 included.
+    app.add_middleware(AccessLogMiddleware, access_log=cfg.logging.access_log,
+                       tracing=tracing_from_config(cfg.tracing, "skymesh-controller"))
     return app

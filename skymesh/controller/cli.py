@@ -11,13 +11,14 @@ URLs (``url_policy.allow_loopback``), which a config file denies unless it says 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from typing import Any
 
 from skymesh.balancer.config import cli_base
 from skymesh.controller.config import ConfigError, load_config, parse_config
+from skymesh.obs.cli import add_obs_flags, apply_obs_flags
+from skymesh.obs.logs import setup_logging
 from skymesh.version import add_version_flag
 
 
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--probe-interval", type=float, metavar="SECONDS")
     ap.add_argument("--log-level", default="warning",
                     choices=["debug", "info", "warning", "error"])
+    add_obs_flags(ap)
     add_version_flag(ap)
     return ap
 
@@ -45,18 +47,18 @@ def config_from_args(args: argparse.Namespace) -> Any:
         base["store"] = args.store
     if args.probe_interval is not None:
         base.setdefault("probe", {})["interval_s"] = args.probe_interval
+    apply_obs_flags(args, base)
     return parse_config(base)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)
     except ConfigError as exc:
         print(f"skymesh-controller: config error: {exc}", file=sys.stderr)
         return 2
+    setup_logging(args.log_level, cfg.logging.format, cfg.logging.access_log)
     if not cfg.tokens and not os.environ.get("SKYMESH_ADMIN_TOKEN"):
         print("skymesh-controller: no admin token: set SKYMESH_ADMIN_TOKEN or list tokens "
               "in the config (every endpoint but /health needs one)", file=sys.stderr)
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from skymesh.util.extras import require
 
     require("controller", "skymesh-controller")
+    require("tracing" if cfg.tracing.enabled else None, "skymesh-controller")
     from skymesh.controller.serve import serve
 
     return serve(cfg)

@@ -12,6 +12,9 @@ Example::
     dns: {zone: example.com., record: api.example.com, ttl: 60}
     url_policy: {allow_private: true, allow_loopback: false, allow_networks: [], allow_hosts: []}
     api_docs: false                         # true: /openapi.json, /docs, /redoc (read token)
+    planner: {mode: dry-run, capacity: {llama-8b: {L4: 1500}}}   # docs/autopilot.md
+    logging: {format: text, access_log: true}   # docs/operations-logs.md
+    tracing: {otlp_endpoint: null}              # OTLP/HTTP collector URL: tracing on
 
 ``SKYMESH_ADMIN_TOKEN`` adds an admin token when set (quick starts, tests).
 ``url_policy`` decides which replica and balancer URLs may be registered and probed
@@ -28,7 +31,9 @@ from pydantic import Field, field_validator
 
 from skymesh.balancer.config import ConfigError as ConfigError  # re-exported
 from skymesh.balancer.config import ConnectionLimitsConfig, _Strict, load_yaml, parse_model
+from skymesh.controller.autopilot.config import PlannerConfig
 from skymesh.net.urlpolicy import UrlPolicyConfig
+from skymesh.obs.config import LoggingConfig, TracingConfig
 
 Role = Literal["admin", "read", "agent"]
 
@@ -83,6 +88,9 @@ class ControllerConfig(_Strict):
     dns: DnsConfig | None = None
     url_policy: UrlPolicyConfig = UrlPolicyConfig()
     api_docs: bool = False
+    planner: PlannerConfig | None = None  # the autopilot (docs/autopilot.md): off
+    logging: LoggingConfig = LoggingConfig()  # skymesh.obs: log format, access log
+    tracing: TracingConfig = TracingConfig()  # skymesh.obs.tracing: off unless an endpoint
 
     @field_validator("store")
     @classmethod

@@ -45,9 +45,10 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from typing import Any, Literal, overload
-from urllib.parse import urlsplit
 
 from botocore.exceptions import BotoCoreError, ClientError
+
+from skymesh.net import urlpolicy
 
 CALLER_PREFIX = "skymesh-"
 TAG_MANAGED = "skymesh:managed-by"
@@ -229,15 +230,12 @@ def route53_regions() -> frozenset[str]:
 
 
 def _endpoint(url: str) -> tuple[str, int, bool]:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"url {url!r} is not an http:// or https:// URL")
-    https = parts.scheme == "https"
+    """(host, port, https) of a balancer URL; the URL syntax rules are urlpolicy's."""
     try:
-        port = parts.port or (443 if https else 80)
-    except ValueError:
-        raise ValueError(f"url {url!r} has a bad port") from None
-    return parts.hostname, port, https
+        t = urlpolicy.parse(url)
+    except urlpolicy.UrlRejected as exc:
+        raise ValueError(f"url {url!r}: {exc}") from None
+    return t.host, t.port, t.scheme == "https"
 
 
 def desired_state(balancers: Iterable[Any], regions: Iterable[Any], cfg: Any) -> DesiredState:

@@ -178,6 +178,9 @@ def install_metrics(app: FastAPI) -> None:
     state = _State(app.state.controller, http)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(state)
+    planner = getattr(app.state, "planner", None)  # skymesh.controller.autopilot
+    if planner is not None:
+        registry.register(planner)
     app.add_middleware(_MetricsMiddleware, http=http)
 
     async def metrics() -> Response:

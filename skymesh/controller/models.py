@@ -175,3 +175,19 @@ class TelemetryIn(_In):
 
 class DnsSyncIn(_In):
     dry_run: bool = False
+
+
+# The error responses every admin route documents (OpenAPI), in the ErrorOut shape.
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorOut, "description": why} for status, why in (
+        (400, "the body is not JSON"),
+        (401, "missing or unknown token"),
+        (403, "the token's role may not do this, or the record belongs to another token"),
+        (404, "no such record"),
+        (409, "conflicts with the current state (an id owned by another token, a URL "
+              "registered twice, a region still in use...)"),
+        (413, "body over max_body_bytes"),
+        (422, "invalid body or parameter (including a URL the url_policy refuses); the "
+              "message names the field"),
+        (503, "the state store is unreachable"),
+    )}

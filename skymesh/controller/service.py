@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from skymesh.balancer.health import HealthRule, Streak
 from skymesh.controller import placement
 from skymesh.controller.auth import Principal
 from skymesh.controller.config import ControllerConfig
@@ -89,8 +90,9 @@ class Controller:
         self._refused: set[str] = set()  # URLs whose probe refusal was logged already
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
-        self._fails: dict[tuple[str, str], int] = {}
-        self._oks: dict[tuple[str, str], int] = {}
+        # The balancer's health rule (skymesh.balancer.health), one streak per object.
+        self._rule = HealthRule(cfg.probe.failure_threshold, cfg.probe.success_threshold)
+        self._streaks: dict[tuple[str, str], Streak] = {}
         self.probe_counts: dict[tuple[str, bool], int] = {}  # (kind, ok): for /metrics
         self.latest: dict[str, Obj] = {}
         self.started = time.time()
@@ -495,15 +497,12 @@ class Controller:
             return False
 
     def _judge(self, key: tuple[str, str], ok: bool, current: str, up: str, down: str) -> str:
-        """Consecutive-result thresholds, so one lost probe does not move replicas."""
-        p = self.cfg.probe
-        if ok:
-            self._fails[key] = 0
-            self._oks[key] = self._oks.get(key, 0) + 1
-            return up if current != up and self._oks[key] >= p.success_threshold else current
-        self._oks[key] = 0
-        self._fails[key] = self._fails.get(key, 0) + 1
-        return down if current != down and self._fails[key] >= p.failure_threshold else current
+        """Consecutive-result thresholds, so one lost probe does not move replicas: the
+        balancer's own rule, on the stored state (``up``, ``down`` or anything else,
+        which the rule treats as unknown)."""
+        was = True if current == up else False if current == down else None
+        now = self._rule.step(self._streaks.setdefault(key, Streak()), ok, was)
+        return current if now is was else up if now else down
 
     async def probe_once(self) -> None:
         balancers = await self.store.all("balancers")

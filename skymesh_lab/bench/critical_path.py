@@ -47,9 +47,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from skymesh.util.jsonio import write_json
 from skymesh.util.procs import Daemon
+from skymesh.util.stats import fmt, percentile, percentiles
 
 TRACE_ENV = "SKYMESH_CRITICAL_PATH_OUT"
 STAGES: tuple[tuple[str, str, str], ...] = (
@@ -71,7 +71,7 @@ def install_hooks(records: list[dict[str, int]]) -> None:
     naming it (they are internals of aiohttp and of the balancer)."""
     from aiohttp import web_protocol
 
-    from skymesh.balancer import server, upstream
+    from skymesh.balancer import handlers, streaming, upstream
 
     clock = time.perf_counter_ns
     last_in = [0]
@@ -84,7 +84,7 @@ def install_hooks(records: list[dict[str, int]]) -> None:
         last_in[0] = clock()
         recv(self, data)
 
-    handle = server.Balancer.handle_generate
+    handle = handlers.Handlers.handle_generate
 
     async def handle_generate(self: Any, request: Any) -> Any:
         rec = {"in": last_in[0], "handler": clock()}
@@ -113,7 +113,7 @@ def install_hooks(records: list[dict[str, int]]) -> None:
             self._critical_path = None
         conn_recv(self, data)
 
-    open_stream = server.Balancer._open_stream
+    open_stream = streaming.Streams._open_stream
 
     async def _open_stream(self: Any, *args: Any) -> Any:
         resp = await open_stream(self, *args)
@@ -123,10 +123,10 @@ def install_hooks(records: list[dict[str, int]]) -> None:
         return resp
 
     for cls, name, wrapper in ((web_protocol.RequestHandler, "data_received", data_received),
-                               (server.Balancer, "handle_generate", handle_generate),
+                               (handlers.Handlers, "handle_generate", handle_generate),
                                (upstream.Upstream, "_exchange", _exchange),
                                (upstream._Conn, "data_received", conn_data_received),
-                               (server.Balancer, "_open_stream", _open_stream)):
+                               (streaming.Streams, "_open_stream", _open_stream)):
         setattr(cls, name, wrapper)
 
 
@@ -158,8 +158,9 @@ def stage_table(records: Sequence[dict[str, int]]) -> dict[str, dict[str, float]
                              - r["reply_in"]) / 1000.0)
     for name, vals in spans.items():
         if vals:
-            p50, p90 = np.percentile(vals, [50, 90])
-            out[name] = {"p50_us": round(float(p50), 1), "p90_us": round(float(p90), 1)}
+            p50, p90 = percentiles(vals, (50, 90))
+            assert p50 is not None and p90 is not None  # vals is not empty
+            out[name] = {"p50_us": round(p50, 1), "p90_us": round(p90, 1)}
     return out
 
 
@@ -223,15 +224,16 @@ def run(rate: float, seconds: float, replicas: int = 2, seed: int = 0) -> dict[s
         records = json.loads(out.read_text())
     # The warm-up requests are not the measured load.
     measured = records[WARM_REQUESTS:]
+    p50 = percentile(ttft, 50)
     return {"rate_rps": rate, "seconds": seconds, "requests": len(measured),
-            "client_ttft_p50_ms": round(float(np.percentile(ttft, 50)), 3) if ttft else None,
+            "client_ttft_p50_ms": None if p50 is None else round(p50, 3),
             "stages": stage_table(measured)}
 
 
 def format_result(res: dict[str, Any]) -> str:
     lines = [f"critical path in skymesh-lb at {res['rate_rps']:g} req/s for "
              f"{res['seconds']:g} s: {res['requests']} requests, client TTFT p50 "
-             f"{res['client_ttft_p50_ms']} ms",
+             f"{fmt(res['client_ttft_p50_ms'])} ms",
              f"{'stage':58s} {'p50 us':>8s} {'p90 us':>8s}"]
     for name, v in res["stages"].items():
         lines.append(f"{name:58s} {v['p50_us']:8.1f} {v['p90_us']:8.1f}")
@@ -258,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error("--rate and --seconds must be positive, --replicas >= 1")
     res = run(args.rate, args.seconds, args.replicas, args.seed)
     print(format_result(res))
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=2))
+    write_json(str(args.json) if args.json else None, res)
     return 0
 
 

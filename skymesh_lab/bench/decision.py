@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import sys
 import time
@@ -46,6 +45,8 @@ from typing import Any
 from skymesh.policies import Policy, RouteRequest, build_policy, policy_names
 from skymesh.policies.load import ReplicaLoad
 from skymesh.prefix.trie import PrefixTrie
+from skymesh.util.jsonio import write_json
+from skymesh.util.stats import percentile, percentiles
 
 TARGET_P50_US = 20.0
 _MASK = (1 << 63) - 1
@@ -191,12 +192,14 @@ def measure(name: str, *, replicas: int, nodes: int, n_requests: int, seed: int,
         if i >= warmup:
             times.append(t1 - t0)
         view.dispatched(req, target, policy)
-    times.sort()
+    p50, p99 = percentiles(times, (50, 99))
+    if p50 is None or p99 is None:
+        raise ValueError(f"{name}: no decisions timed (requests <= warmup)")
     trie = getattr(policy, "trie", None)
     return {
         "policy": name,
-        "p50_us": times[len(times) // 2] / 1000,
-        "p99_us": times[min(len(times) - 1, int(len(times) * 0.99))] / 1000,
+        "p50_us": p50 / 1000,
+        "p99_us": p99 / 1000,
         "trie_nodes": len(trie) if isinstance(trie, PrefixTrie) else 0,
         "prefilled": filled,
     }
@@ -227,7 +230,7 @@ def trie_memory_mib(nodes: int, replicas: int, seed: int) -> float:
 def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(runs[0])
     for key in ("p50_us", "p99_us"):
-        out[key] = sorted(r[key] for r in runs)[len(runs) // 2]
+        out[key] = percentile([r[key] for r in runs], 50)
     return out
 
 
@@ -263,11 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                      "meets_target": ok == "ok"})
     mib = trie_memory_mib(args.nodes, args.replicas, args.seed)
     print(f"prefix trie filled to {args.nodes:,} keys holds {mib:.1f} MiB (tracemalloc)")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"target_p50_us": TARGET_P50_US, "replicas": args.replicas,
-                       "nodes": args.nodes, "trie_mib": round(mib, 2), "results": rows},
-                      f, indent=2)
+    write_json(args.json, {"target_p50_us": TARGET_P50_US, "replicas": args.replicas,
+                           "nodes": args.nodes, "trie_mib": round(mib, 2), "results": rows})
     return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from skymesh.policies.peers import DEFAULT_FORWARDING_RULE, ForwardingRule
+from skymesh.util.stats import fmt
 from skymesh_lab.sim.runner import SimConfig, run, spread_replicas
 
 REGIONS = ["us", "eu", "asia"]
@@ -61,8 +62,9 @@ def main(duration_s: float = 600.0, seed: int = 0, counts: range = range(6, 13)
             r = run_one(system, n, duration_s, seed)
             runs.append(r)
             fwd = r["region_stats"].get("us", {}).get("forwarded_out", 0)
-            print(f"  {n:>8} {system:<15}{r['throughput_rps']:>8.2f}{r['ttft_p50_s']:>9.2f}s"
-                  f"{r['ttft_p90_s']:>9.2f}s{r['prefix_hit_rate'] * 100:>9.1f}%  {fwd}")
+            print(f"  {n:>8} {system:<15}{r['throughput_rps']:>8.2f}"
+                  f"{fmt(r['ttft_p50_s'], '>9.2f')}s{fmt(r['ttft_p90_s'], '>9.2f')}s"
+                  f"{r['prefix_hit_rate'] * 100:>9.1f}%  {fwd}")
     local12 = next((r["throughput_rps"] for r in runs
                     if r["system"] == "region-local" and r["replicas"] == 12), None)
     match: dict[str, int | None] = {}

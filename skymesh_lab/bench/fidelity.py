@@ -50,11 +50,12 @@ from typing import Any
 import aiohttp
 
 from skymesh.prefix.prompt import get_tokenizer
+from skymesh.util.jsonio import write_json
 from skymesh.util.procs import Daemon, start_daemon
+from skymesh.util.stats import fmt, summary
 from skymesh_lab.engine.hashing import BLOCK_SIZE, hash_token_blocks
 from skymesh_lab.engine.profiles import DEFAULT_PROFILE, get_profile
 from skymesh_lab.replica.driver import WORDS
-from skymesh_lab.sim.metrics import percentiles
 from skymesh_lab.sim.runner import SimConfig, Simulation
 from skymesh_lab.sim.workload import Arrival, WorkItem, Workload
 
@@ -159,17 +160,21 @@ def summarize(outcomes: Sequence[Outcome], detail: dict[str, Any]) -> dict[str, 
         "failed": len(outcomes) - len(done),
         "throughput_rps": len(done) / span if span > 0 else 0.0,
     }
-    res.update(percentiles(ttft, "ttft"))
-    res.update(percentiles(e2e, "e2e"))
+    res.update(summary(ttft, prefix="ttft_", suffix="_s"))
+    res.update(summary(e2e, prefix="e2e_", suffix="_s"))
     res["prefix_hit_rate"] = sum(o.cached_tokens for o in done) / prompt if prompt else 0.0
     res["detail"] = detail
     return res
 
 
 def compare(sim: dict[str, Any], live: dict[str, Any]) -> dict[str, float | None]:
-    """``(live - sim) / sim`` per metric; None where the simulator's value is zero."""
+    """``(live - sim) / sim`` per metric; None where the simulator's value is zero or
+    either side has no data."""
     out: dict[str, float | None] = {}
     for key in METRICS:
+        if sim[key] is None or live[key] is None:
+            out[key] = None
+            continue
         s, v = float(sim[key]), float(live[key])
         out[key] = (v - s) / s if s != 0 else (0.0 if v == 0 else None)
     return out
@@ -389,7 +394,9 @@ def run_live(
 
 
 # -- CLI -------------------------------------------------------------------------------
-def _fmt(key: str, v: float) -> str:
+def _fmt(key: str, v: float | None) -> str:
+    if v is None:
+        return fmt(v)
     if key == "completed":
         return f"{int(v)}"
     if key == "prefix_hit_rate":
@@ -458,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                "requests": [{"index": r.index, "arrival_s": r.arrival_s,
                              "prompt_len": r.prompt_len, "output_len": r.output_len}
                             for r in reqs]}
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        write_json(str(args.json), out)
     return 0
 
 

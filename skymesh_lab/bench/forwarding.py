@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
 import sys
 import tempfile
 import time
@@ -25,7 +23,9 @@ from typing import Any
 import aiohttp
 import yaml
 
+from skymesh.util.jsonio import write_json
 from skymesh.util.procs import Daemon, free_port, start_daemon
+from skymesh.util.stats import percentile
 from skymesh_lab.netproxy import DelayProxy
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -102,11 +102,12 @@ async def _run(delay: float, n: int) -> dict[str, Any]:
             for p in proxies:
                 await p.stop()
     rtt = 2 * delay
-    extra = statistics.median(forwarded) - statistics.median(local)
+    local_p50, fwd_p50 = percentile(local, 50), percentile(forwarded, 50)
+    if local_p50 is None or fwd_p50 is None:
+        raise ValueError("no requests measured (--requests must be at least 1)")
     return {"link_rtt_s": rtt, "requests": n,
-            "ttft_local_p50_s": statistics.median(local),
-            "ttft_forwarded_p50_s": statistics.median(forwarded),
-            "extra_round_trips": extra / rtt, "new_connections": new_conns}
+            "ttft_local_p50_s": local_p50, "ttft_forwarded_p50_s": fwd_p50,
+            "extra_round_trips": (fwd_p50 - local_p50) / rtt, "new_connections": new_conns}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{res['extra_round_trips']:.2f} round trips (1 is the forwarding call itself; "
           f"target: no more); new TCP connections during the run: {res['new_connections']} "
           "(target 0)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    write_json(args.json, res)
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from skymesh.util.stats import fmt, ratio
 from skymesh_lab.sim.runner import SimConfig, run
 
 MODES = ("sim",)
@@ -32,12 +33,14 @@ RUNS: tuple[tuple[str, str, int, dict[str, Any]], ...] = (
 HEADLINE = "tot-gsm8k/80"
 
 
-def compare(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
+def compare(systems: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     lm, vl = systems["lmetric"], systems["vllm-load"]
-    return {
-        "ttft_mean_change": lm["ttft_mean_s"] / max(vl["ttft_mean_s"], 1e-9) - 1.0,
-        "tpot_mean_change": lm["tpot_mean_s"] / max(vl["tpot_mean_s"], 1e-9) - 1.0,
-    }
+
+    def change(key: str) -> float | None:
+        x = ratio(lm[key], vl[key])
+        return None if x is None else x - 1.0
+
+    return {"ttft_mean_change": change("ttft_mean_s"), "tpot_mean_change": change("tpot_mean_s")}
 
 
 def main(duration_s: float = 300.0, seed: int = 0) -> dict[str, Any]:
@@ -55,11 +58,13 @@ def main(duration_s: float = 300.0, seed: int = 0) -> dict[str, Any]:
             r = run(cfg)
             systems[name] = {k: r[k] for k in KEYS}
             print(f"  {label:<22}{name:<11}{r['throughput_rps']:>7.2f}"
-                  f"{r['ttft_mean_s']:>10.3f}s{r['ttft_p90_s']:>9.3f}s"
-                  f"{r['tpot_mean_s'] * 1000:>9.1f}ms{r['prefix_hit_rate'] * 100:>9.1f}%")
+                  f"{fmt(r['ttft_mean_s'], '>10.3f')}s{fmt(r['ttft_p90_s'], '>9.3f')}s"
+                  f"{fmt(r['tpot_mean_s'], '>9.1f', 1000)}ms"
+                  f"{r['prefix_hit_rate'] * 100:>9.1f}%")
         change = compare(systems)
-        print(f"  {'':<22}LMETRIC vs vLLM: mean TTFT {change['ttft_mean_change'] * 100:+.1f}%,"
-              f" mean TPOT {change['tpot_mean_change'] * 100:+.1f}% (paper -92%, -24%)")
+        print(f"  {'':<22}LMETRIC vs vLLM: mean TTFT "
+              f"{fmt(change['ttft_mean_change'], '+.1f', 100)}%, mean TPOT "
+              f"{fmt(change['tpot_mean_change'], '+.1f', 100)}% (paper -92%, -24%)")
         runs[label] = {"profile": profile, "replicas": replicas, "params": params,
                        "systems": systems, "lmetric_vs_vllm": change}
     return {"setup": {"push_mode": "bp", "duration_s": duration_s, "seed": seed},

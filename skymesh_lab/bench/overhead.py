@@ -67,7 +67,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from skymesh.util.jsonio import write_json
 from skymesh.util.procs import Daemon, free_port, start_daemon
+from skymesh.util.stats import percentile
 from skymesh_lab.bench.venvs import ensure_package
 from skymesh_lab.engine.profiles import get_profile
 
@@ -363,10 +365,6 @@ async def closed_loop(session: aiohttp.ClientSession, urls: Sequence[str], body:
 
 
 # -- statistics ------------------------------------------------------------------------
-def _pct(values: Sequence[float], q: float) -> float | None:
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else None
-
-
 def round_bootstrap(a: Sequence[np.ndarray], b: Sequence[np.ndarray], q: float, *,
                     n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
     """Percentile ``q`` of path a minus that of path b, with a 95% confidence interval.
@@ -375,6 +373,9 @@ def round_bootstrap(a: Sequence[np.ndarray], b: Sequence[np.ndarray], q: float, 
     segment minutes apart at most; resampling whole rounds (a block bootstrap) keeps each
     round's pairing, so drift in the machine over the run widens the interval instead of
     biasing the difference. Returns (difference, low, high).
+
+    numpy's percentile here, not ``skymesh.util.stats``: the same (linear) method, and the
+    resampling loop runs thousands of times over whole arrays.
     """
     if len(a) != len(b) or not a:
         raise ValueError("need the same, non-zero number of rounds on both paths")
@@ -427,9 +428,9 @@ def summarize(samples: Sequence[Sample], cpu: dict[str, float], wall_s: float,
         "requests": n,
         "errors": len(errors),
         "error_examples": sorted(set(errors))[:3],
-        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
-        "e2e_p50_s": _pct(e2e, 50), "e2e_p99_s": _pct(e2e, 99),
-        "send_lag_p50_s": _pct(lag, 50), "send_lag_p99_s": _pct(lag, 99),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
+        "send_lag_p50_s": percentile(lag, 50), "send_lag_p99_s": percentile(lag, 99),
         "send_lag_max_s": max(lag, default=None),
         "ttft_min_s": min(ttft, default=None), "e2e_min_s": min(e2e, default=None),
         "machine_cpu_busy": cpu.get("machine_busy", 0.0),
@@ -816,8 +817,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     for line in out.get("died", []):
         print(f"process died: {line}")
-    if args.json is not None:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    write_json(None if args.json is None else str(args.json), out)
     return 0
 
 

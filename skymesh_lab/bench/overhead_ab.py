@@ -20,13 +20,13 @@ import asyncio
 import contextlib
 import os
 import random
-import statistics
 import sys
 from pathlib import Path
 
 import aiohttp
 
 from skymesh.util.procs import start_daemon
+from skymesh.util.stats import fmt, percentile, percentiles
 from skymesh_lab.bench.overhead import (
     DEFAULT_PROFILE,
     DEFAULT_TIME_SCALE,
@@ -86,14 +86,14 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--tree wants NAME=DIR with DIR a skymesh checkout, got {spec!r}")
         trees[name] = Path(path)
     ttft = asyncio.run(run(trees, args.rate, args.seconds, args.seed))
-    base = statistics.median(ttft["direct"])
+    base = percentile(ttft["direct"], 50)
     print(f"{args.rate:g} req/s, {args.seconds:g} s per path, TTFT in ms "
           f"(added = median minus direct's median)")
     for name, xs in ttft.items():
-        xs.sort()
-        print(f"{name:12s} n={len(xs):5d}  p50 {statistics.median(xs) * 1e3:6.3f}  "
-              f"added {(statistics.median(xs) - base) * 1e3:+6.3f}  "
-              f"p90 {xs[int(len(xs) * 0.9)] * 1e3:6.2f}")
+        p50, p90 = percentiles(xs, (50, 90))
+        add = None if p50 is None or base is None else p50 - base
+        print(f"{name:12s} n={len(xs):5d}  p50 {fmt(p50, '6.3f', 1e3)}  "
+              f"added {fmt(add, '+6.3f', 1e3)}  p90 {fmt(p90, '6.2f', 1e3)}")
     return 0
 
 

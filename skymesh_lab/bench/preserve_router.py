@@ -14,8 +14,7 @@ import os
 import sys
 from typing import Any
 
-import numpy as np
-
+from skymesh.util.stats import fmt, ratio, summary
 from skymesh_lab.bench.goodput import PREDICTOR_ENV, PREDICTORS, requests, sim_predictor
 from skymesh_lab.sim.runner import SimConfig, Simulation
 from skymesh_lab.sim.workloads.replay import ReplayWorkload, poisson_items
@@ -33,9 +32,10 @@ def run_one(policy: str, arrivals: list[Any], predictor: str, seed: int) -> dict
     sim = Simulation(cfg, ReplayWorkload(arrivals))
     r = sim.run()
     norm = [(x.t_done - x.t_arrival) / x.item.output_len for x in sim.records if x.ok]
+    s = summary(norm, (99,))
     return {
-        "p99_normalized_latency_s": float(np.percentile(norm, 99)) if norm else 0.0,
-        "mean_normalized_latency_s": float(np.mean(norm)) if norm else 0.0,
+        "p99_normalized_latency_s": s["p99"],
+        "mean_normalized_latency_s": s["mean"],
         **{k: r[k] for k in ("throughput_rps", "ttft_mean_s", "e2e_p99_s", "preemptions",
                              "completed", "requests")},
     }
@@ -56,14 +56,16 @@ def main(duration_s: float = 300.0, seed: int = 0, predictor: str = "moe",
                                  seed=seed, prefix="preserve")
         row = {name: run_one(name, arrivals, predictor, seed) for name in SYSTEMS}
         for name, s in row.items():
-            print(f"  {rate:>6g} {name:<12}{s['p99_normalized_latency_s']:>9.3f}s"
-                  f"{s['mean_normalized_latency_s']:>10.3f}s{s['ttft_mean_s']:>10.2f}s"
+            print(f"  {rate:>6g} {name:<12}{fmt(s['p99_normalized_latency_s'], '>9.3f')}s"
+                  f"{fmt(s['mean_normalized_latency_s'], '>10.3f')}s"
+                  f"{fmt(s['ttft_mean_s'], '>10.2f')}s"
                   f"{s['preemptions']:>9}")
-        row["preserve_vs_least_load"] = {"p99_normalized_latency_change": (
-            row["preserve"]["p99_normalized_latency_s"]
-            / max(row["least-load"]["p99_normalized_latency_s"], 1e-9) - 1.0)}
+        x = ratio(row["preserve"]["p99_normalized_latency_s"],
+                  row["least-load"]["p99_normalized_latency_s"])
+        change = None if x is None else x - 1.0
+        row["preserve_vs_least_load"] = {"p99_normalized_latency_change": change}
         print(f"  {'':>6} PreServe vs least load, P99 normalised latency: "
-              f"{row['preserve_vs_least_load']['p99_normalized_latency_change'] * 100:+.1f}% "
+              f"{fmt(change, '+.1f', 100)}% "
               "(paper -41.3% vs its best baseline)")
         by_rate[f"{rate:g}"] = row
     top = f"{max(rates):g}"

@@ -117,6 +117,15 @@ SOURCES: tuple[Source, ...] = (
            (".venv/bin/python", "tools/e2e/burst_bench.py", "--sp-p-max-num-seqs",
             "--json", "{json}"),
            tables.vllm_burst),
+    Source("vllm_fidelity", "Emulator fidelity: real vLLM against skymesh-replica",
+           "One real vLLM server (the CPU build, a tiny random-weight model, "
+           "`--max-num-seqs 4`) is measured (decode step at 1 and 4 sequences, a short and "
+           "a long prompt's prefill), `skymesh-replica` gets a profile fitted to those step "
+           "times, and the same small workload (streaming chats on a seeded Poisson "
+           "schedule, straight to the engine) runs on both, sampling each one's waiting and "
+           "running gauges. Needs the `make e2e` environment ([engines](../engines.md)).",
+           (".venv/bin/python", "tools/e2e/fidelity_bench.py", "--json", "{json}"),
+           tables.vllm_fidelity),
     Source("security", "Security: the adversarial pass, measured",
            "Issue #23's adversarial pass, bounded, over loopback against real processes: "
            "one `skymesh-replica` behind a `skymesh-lb` with small connection limits, and a "

@@ -203,6 +203,7 @@ def vllm_burst(data: dict[str, Any]) -> str:
         for name, s in r.get("servers", {}).items():
             rows.append([mode, str(name), num(s.get("waiting_mean"), ".2f"),
                          num(s.get("waiting_max"), "g"), num(s.get("running_mean"), ".2f"),
+                         num(s.get("running_when_backlogged_mean"), ".2f"),
                          num(r.get("lb_queue_mean"), ".2f"), num(r.get("lb_queue_max"), "g"),
                          secs(r.get("ttft_p50_s")), secs(r.get("ttft_p90_s")),
                          secs(r.get("completion_s"), 1), num(r.get("failed"), "d")])
@@ -210,10 +211,89 @@ def vllm_burst(data: dict[str, Any]) -> str:
     head = (f"{setup.get('servers')} servers of {setup.get('engine')} "
             f"({setup.get('model')}, max_num_seqs {setup.get('max_num_seqs')}), policy "
             f"`{setup.get('policy')}`, {setup.get('requests')} streams fired at once.")
-    return "\n".join([head, "", table(
+    out = [head, "", table(
         ["push mode", "server", "vLLM waiting mean", "max", "vLLM running mean",
-         "balancer queue mean", "max", "TTFT p50", "TTFT p90", "all done", "failed"], rows,
-        [False, False] + [True] * 9)])
+         "running while work waits", "balancer queue mean", "max", "TTFT p50", "TTFT p90",
+         "all done", "failed"], rows, [False, False] + [True] * 10)]
+    loads = [f"{mode} {num(r['loadavg_mean'], '.1f')}"
+             + (f" ({r['unhealthy_flips']} replica flip{'s' * (r['unhealthy_flips'] > 1)})"
+                if r.get("unhealthy_flips") else "")
+             for mode, r in data.get("modes", {}).items() if "loadavg_mean" in r]
+    if loads:
+        out += ["", f"The machine's 1-minute load average during each burst, on "
+                f"{setup.get('cores', '?')} cores shared with other jobs: {', '.join(loads)}. "
+                "TTFT and completion include that contention; a replica flip is a replica "
+                "taken out of rotation because its `/metrics` answered later than the "
+                "probe's 1 s timeout. \"Running while work waits\" is a server's running "
+                "count over the samples in which a request waited for a slot (at the "
+                "balancer or inside that server): 4 when freed slots are refilled at once."]
+    ab = data.get("sp_p_refill_ab", [])
+    if ab:
+        rows = [[str(r.get("round")), str(r.get("code")),
+                 " / ".join(num(x, ".2f") for x in r.get("running_when_backlogged_mean",
+                                                          {}).values()),
+                 num(r.get("waiting_max"), "g"), secs(r.get("ttft_p50_s")),
+                 secs(r.get("completion_s"), 1), num(r.get("unhealthy_flips"), "d"),
+                 num(r.get("loadavg_mean"), ".1f")] for r in ab]
+        out += ["", "`sp-p` alone, the balancer before and with its own completions counted "
+                "as freed slots, alternating on the same two servers:", "", table(
+                    ["round", "balancer", "running while work waits (per server)",
+                     "vLLM waiting max", "TTFT p50", "all done", "replica flips",
+                     "load average"], rows, [True, False] + [True] * 6)]
+    return "\n".join(out)
+
+
+def vllm_fidelity(data: dict[str, Any]) -> str:
+    """``tools/e2e/fidelity_bench.py``: real vLLM against the emulator fitted to it."""
+    m, p, runs = data.get("measured", {}), data.get("profile", {}), data.get("runs", {})
+    names = list(runs)
+    us = {"scale": 1e6, "suffix": " us"}
+    fit = table(["measured on vLLM", "", "fitted emulator profile", ""], [
+        ["decode step, 1 sequence", secs(m.get("decode_step_1_s"), 4),
+         "t_overhead (a step)", secs(p.get("t_overhead"), 4)],
+        ["decode step, 4 sequences", secs(m.get("decode_step_4_s"), 4),
+         "t_kv_token (a context token read)", num(p.get("t_kv_token"), ".2f", **us)],
+        [f"1-token completion, {num(m.get('short_prompt_tokens'), 'd')}-token prompt",
+         secs(m.get("short_prompt_latency_s"), 3), "t_token (a prompt token)",
+         num(p.get("t_token"), ".1f", **us)],
+        [f"1-token completion, {num(m.get('long_prompt_tokens'), 'd')}-token prompt",
+         secs(m.get("long_prompt_latency_s"), 3), "not modelled: per request",
+         secs(m.get("unmodelled_per_request_s"), 3)]], [False, True, False, True])
+    rows = [[label, *(fmt(runs[n].get(key)) for n in names)] for key, label, fmt in (
+        ("ttft_p50_s", "TTFT p50", secs), ("ttft_p90_s", "TTFT p90", secs),
+        ("completion_s", "all done", secs), ("waiting_mean", "waiting, mean", _f2),
+        ("waiting_max", "waiting, max", _f2), ("running_mean", "running, mean", _f2),
+        ("failed", "failed", _f2), ("loadavg_mean", "load average", _f2))]
+    bins = {n: per_second(runs[n].get("series", [])) for n in names}
+    series = [[str(s), *(f"{bins[n][s][i]:.1f}" if s in bins[n] else "-"
+                         for n in names for i in (0, 1))]
+              for s in sorted({s for b in bins.values() for s in b})]
+    st = data.get("setup", {})
+    head = (f"{st.get('engine')} ({st.get('model')}, max_num_seqs {st.get('max_num_seqs')}); "
+            f"measured {m.get('reps')} times each, interleaved (medians). Workload: "
+            f"{st.get('requests')} streaming chats at {st.get('rate_per_s')} per second "
+            f"(seeded Poisson, seed {st.get('seed')}), max_tokens "
+            f"{'..'.join(str(x) for x in st.get('max_tokens', []))}, ignore_eos.")
+    return "\n".join([head, "", fit, "",
+                      table(["", *names], rows, [False] + [True] * len(names)), "",
+                      "Waiting and running per second, as each engine's /metrics showed "
+                      "them (mean of the samples in that second):", "",
+                      table(["second", *(f"{n} {g}" for n in names
+                                         for g in ("waiting", "running"))],
+                            series, [True] * (1 + 2 * len(names)))])
+
+
+def _f2(x: Any) -> str:
+    return num(x, ".2f") if isinstance(x, float) else num(x, "d")
+
+
+def per_second(series: Sequence[Sequence[float]]) -> dict[int, tuple[float, float]]:
+    """Mean (waiting, running) per whole second of ``[[t, waiting, running], ...]``."""
+    bins: dict[int, list[tuple[float, float]]] = {}
+    for t, w, r in series:
+        bins.setdefault(int(t), []).append((w, r))
+    return {s: (sum(x[0] for x in v) / len(v), sum(x[1] for x in v) / len(v))
+            for s, v in sorted(bins.items())}
 
 
 def predict_eval(data: dict[str, Any]) -> str:

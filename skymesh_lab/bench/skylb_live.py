@@ -46,7 +46,14 @@ from typing import Any
 import aiohttp
 
 from skymesh.util.procs import Daemon
-from skymesh_lab.bench.skylb_macro import SYSTEMS, Options, comparisons
+from skymesh.util.stats import fmt, summary
+from skymesh_lab.bench.skylb_setup import (
+    BOX_QS,
+    SYSTEMS,
+    Options,
+    comparisons,
+    spread_stats,
+)
 from skymesh_lab.bench.venvs import ensure_package
 from skymesh_lab.faults.cluster import (
     MODEL,
@@ -342,8 +349,6 @@ async def _sample_loads(s: aiohttp.ClientSession, urls: Sequence[str], stop_at: 
 
 async def run_one(workload: str, system: str, duration: float, seed: int,
                   router_py: Path | None = None) -> dict[str, Any]:
-    from skymesh_lab.bench.skylb_macro import _pcts, spread_stats
-
     wl = LIVE_WORKLOADS[workload]
     with tempfile.TemporaryDirectory(prefix="skymesh-live-") as tmp:
         topo = Topology(Path(tmp))
@@ -387,8 +392,8 @@ async def run_one(workload: str, system: str, duration: float, seed: int,
     row: dict[str, Any] = {"workload": workload, "system": system,
                            "throughput_rps": sum(1 for x in samples if w0 <= x.done <= stop_at)
                            / (stop_at - w0)}
-    row.update(_pcts([x.ttft for x in inwin], "ttft"))
-    row.update(_pcts([x.e2e for x in inwin], "e2e"))
+    row.update(summary([x.ttft for x in inwin], BOX_QS, prefix="ttft_", suffix="_s"))
+    row.update(summary([x.e2e for x in inwin], BOX_QS, prefix="e2e_", suffix="_s"))
     row["prefix_hit_rate"] = ((c1.hits - c0.hits) / (c1.queries - c0.queries)
                               if c1.queries > c0.queries else 0.0)
     row["served_share_by_region"] = served_share(c0, c1, topo.replica_regions)
@@ -410,12 +415,16 @@ def peers_table(rows: Sequence[dict[str, Any]]) -> str:
             r = by.get(name)
             if r is None:
                 continue
-            added = (f"{1000 * (r['ttft_p50_s'] - base['ttft_p50_s']):+.0f} ms"
-                     if base is not None and name != "single-sgl" else "-")
+            added = "-"
+            if base is not None and name != "single-sgl":
+                have = r["ttft_p50_s"] is not None and base["ttft_p50_s"] is not None
+                added = (f"{1000 * (r['ttft_p50_s'] - base['ttft_p50_s']):+.0f} ms" if have
+                         else "n/a")
             share = r.get("served_share_by_region") or {}
             where = " / ".join(f"{100 * share[g]:.0f}%" for g in REGIONS) if share else "-"
             lines.append(f"| {w} | {name} | {r['throughput_rps']:.2f} |"
-                         f" {1000 * r['ttft_p50_s']:.0f} ms | {1000 * r['ttft_p90_s']:.0f} ms |"
+                         f" {fmt(r['ttft_p50_s'], '.0f', 1000)} ms |"
+                         f" {fmt(r['ttft_p90_s'], '.0f', 1000)} ms |"
                          f" {added} | {100 * r['prefix_hit_rate']:.1f}% | {where} |")
     return "\n".join(lines)
 

@@ -76,129 +76,39 @@ import random
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from skymesh.policies.base import LoadView, Policy, RouteRequest
+from skymesh.util.stats import fmt, ratio, summary
+from skymesh_lab.bench.skylb_setup import (
+    BOX_QS,
+    CALIBRATED_LOAD_SCALE,
+    MESH,
+    MODES,
+    PAPER,
+    QUICK_DURATION_S,
+    QUICK_WORKLOADS,
+    REGIONS,
+    SYSTEMS,
+    TARGETS,
+    WARMUP_FRACTION,
+    WORKLOADS,
+    Options,
+    WorkloadSpec,
+    by_system,
+    comparisons,
+    spread_stats,
+)
+from skymesh_lab.bench.skylb_setup import (
+    CONTRACT_KEYS as CONTRACT_KEYS,  # re-exported: the contract test reads it here
+)
 from skymesh_lab.engine.core import Engine
 from skymesh_lab.sim.runner import SimConfig, Simulation
 from skymesh_lab.sim.workloads import build_workload
-
-MODES = ("sim", "live")
-REGIONS = ["us", "eu", "asia"]
-EVEN = {"us": 4, "eu": 4, "asia": 4}
-# SkyLB's unbalanced fleet: 3 in the US, 3 in Asia, 2 in Europe.
-UNEVEN = {"us": 3, "eu": 2, "asia": 3}
-
-# SkyLB's figures (sec. 5.1), to print next to ours.
-PAPER: dict[str, Any] = {
-    "throughput_x": (1.12, 2.06),  # over all baselines, GKE Gateway included
-    "throughput_x_vs_single_chat": (1.12, 1.2),
-    "latency_x_lower": (1.74, 6.30),
-    "ttft_mean_p50_pct_of_baselines": (15.87, 57.63),
-    "ttft_p90_pct_of_baselines": (10.08, 23.38),
-    "e2e_p50_x": (1.05, 2.14),
-    "hit_chat_pct": (36.96, 46.55),
-    "hit_tot_pct": (89.56, 90.01),
-    "hit_rr_chat_pct": (10.78, 16.57),
-    "hit_ll_chat_pct": (28.29, 31.13),
-    "hit_rr_ll_tot_pct": (58.66, 59.32),
-    "spread_sgl_x": (2.33, 5.08),
-    "spread_ch_x": (2.54, 4.92),
-    "spread_ch_mixed_x": 3.36,
-    "spread_sgl_mixed_x": 2.22,
-}
-# Targets of the [bench] issue for the mesh (skymesh-prefix).
-TARGETS = {"throughput_x_vs_best_single": 1.3, "ttft_p90_frac_of_best_single": 0.10,
-           "hit_frac_of_oracle": 0.95}
-
-
-@dataclass(frozen=True)
-class WorkloadSpec:
-    name: str
-    sim_workload: str
-    replicas: dict[str, int]
-    params: dict[str, Any]
-    kind: str  # "chat" or "tot": which of the paper's hit-rate ranges applies
-    paper: str
-    profile: str = "llama3.1-8b-l4"
-
-
-WORKLOADS: dict[str, WorkloadSpec] = {
-    "chat-arena": WorkloadSpec(
-        "chat-arena", "sharegpt-chat", EVEN, {"clients_per_region": 80}, "chat",
-        "Fig. 8a/8e/8i (ChatBot Arena, 80 clients per region)"),
-    "chat-wildchat": WorkloadSpec(
-        "chat-wildchat", "sharegpt-chat", UNEVEN,
-        {"clients_per_region": {"us": 40, "eu": 30, "asia": 30}}, "chat",
-        "Fig. 8b/8f/8j (WildChat, 40/30/30 clients)"),
-    "tot": WorkloadSpec(
-        "tot", "tot-gsm8k", EVEN,
-        {"clients_per_region": {"us": 40, "eu": 20, "asia": 20}, "branching": 2, "depth": 4,
-         "output_scale": 3.0}, "tot",
-        "Fig. 8c/8g/8k (tree of thoughts, 2-branch, 40/20/20 clients)"),
-    "mixed-tree": WorkloadSpec(
-        "mixed-tree", "tot-gsm8k", EVEN,
-        {"clients_per_region": {"us": 2, "eu": 20, "asia": 20}, "branching": 2,
-         "branching_per_region": {"us": 4}, "depth": 4, "output_scale": 3.0}, "tot",
-        "Fig. 8d/8h/8l (mixed tree: US 4-branch x 2 clients, others 2-branch x 20)"),
-}
-
-# System name -> SimConfig fields. Blind pushing for the single-balancer baselines: the
-# routers SkyLB compares with push every request at once (SkyLB sec. 5.1).
-SYSTEMS: dict[str, dict[str, Any]] = {
-    "single-rr": {"single_balancer": "us", "forwarding": False, "policy": "round-robin",
-                  "push_mode": "bp"},
-    "single-ll": {"single_balancer": "us", "forwarding": False, "policy": "least-load",
-                  "push_mode": "bp"},
-    "single-ch": {"single_balancer": "us", "forwarding": False, "policy": "consistent-hash",
-                  "push_mode": "bp"},
-    "single-sgl": {"single_balancer": "us", "forwarding": False,
-                   "policy": "sglang-cache-aware", "push_mode": "bp"},
-    "region-local": {"forwarding": False, "policy": "prefix-tree", "push_mode": "sp-p"},
-    "skymesh-ch": {"forwarding": True, "policy": "consistent-hash",
-                   "peer_policy": "consistent-hash", "push_mode": "sp-p"},
-    "skymesh-prefix": {"forwarding": True, "policy": "prefix-tree",
-                       "peer_policy": "prefix-tree", "push_mode": "sp-p"},
-    "skymesh-lmetric": {"forwarding": True, "policy": "lmetric", "peer_policy": "prefix-tree",
-                        "push_mode": "sp-p"},
-    # The policy named here is replaced by GlobalCacheOracle once the engines exist.
-    "oracle": {"single_balancer": "us", "forwarding": False, "rtt_scale": 0.0,
-               "policy": "least-load", "push_mode": "bp"},
-}
-SINGLE = ("single-rr", "single-ll", "single-ch", "single-sgl")
-MESH = "skymesh-prefix"
-
-# Per workload, the client multiplier at which the single US balancers' P90 TTFT reaches
-# seconds, as in SkyLB's Figure 8 (sweep in docs/notes/bench.md, "Calibration").
-CALIBRATED_LOAD_SCALE: dict[str, float] = {"chat-arena": 2.0, "chat-wildchat": 3.0,
-                                           "tot": 3.0, "mixed-tree": 5.0}
-
-DEFAULT_DURATION_S = 600.0
-QUICK_DURATION_S = 60.0
-QUICK_WORKLOADS = ("chat-wildchat", "mixed-tree")
-WARMUP_FRACTION = 0.1
-# The contract's keys, then the rest of what we report per run.
-CONTRACT_KEYS = ("workload", "system", "throughput_rps", "ttft_mean_s", "ttft_p90_s",
-                 "e2e_p50_s", "prefix_hit_rate")
-
-
-@dataclass
-class Options:
-    mode: str = "sim"
-    duration_s: float = DEFAULT_DURATION_S
-    seed: int = 0
-    workloads: tuple[str, ...] = tuple(WORKLOADS)
-    systems: tuple[str, ...] = tuple(SYSTEMS)
-    plots: Path | None = None
-    progress: bool = True
-    peers: tuple[str, ...] = ()
-    # Workload -> client multiplier (missing: 1.0); see parse_load_scale.
-    load_scale: dict[str, float] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------- load scale
@@ -248,28 +158,6 @@ def scale_clients(spec: WorkloadSpec, x: float) -> WorkloadSpec:
 
 
 # ---------------------------------------------------------------------------- metrics
-def _pcts(values: Sequence[float], prefix: str) -> dict[str, float]:
-    if not values:
-        return {f"{prefix}_{k}_s": 0.0 for k in ("mean", "p10", "p25", "p50", "p75", "p90")}
-    a = np.asarray(values, dtype=float)
-    p10, p25, p50, p75, p90 = np.percentile(a, [10, 25, 50, 75, 90])
-    return {f"{prefix}_mean_s": float(a.mean()), f"{prefix}_p10_s": float(p10),
-            f"{prefix}_p25_s": float(p25), f"{prefix}_p50_s": float(p50),
-            f"{prefix}_p75_s": float(p75), f"{prefix}_p90_s": float(p90)}
-
-
-def spread_stats(samples: Sequence[Sequence[int]]) -> dict[str, float]:
-    """Outstanding requests per replica across samples: std across replicas and
-    max / max(min, 1), each averaged over the samples in which anything was outstanding."""
-    rows = [s for s in samples if sum(s) > 0]
-    if not rows:
-        return {"outstanding_std": 0.0, "outstanding_max_min_x": 0.0}
-    a = np.asarray(rows, dtype=float)
-    return {"outstanding_std": float(a.std(axis=1).mean()),
-            "outstanding_max_min_x": float((a.max(axis=1) / np.maximum(a.min(axis=1), 1.0))
-                                           .mean())}
-
-
 def window_metrics(sim: Simulation, t0: float, t1: float) -> dict[str, Any]:
     """Throughput, latencies, hit rate and spread over client activity ``[t0, t1)``."""
     recs = [r for r in sim.records if r.ok]
@@ -278,8 +166,10 @@ def window_metrics(sim: Simulation, t0: float, t1: float) -> dict[str, Any]:
     prompt = sum(r.item.prompt_len for r in issued)
     hits = sum(r.hit_tokens for r in issued)
     out: dict[str, Any] = {"throughput_rps": done_in / max(t1 - t0, 1e-9)}
-    out.update(_pcts([r.t_first - r.t_arrival for r in issued], "ttft"))
-    out.update(_pcts([r.t_done - r.t_arrival for r in issued], "e2e"))
+    out.update(summary([r.t_first - r.t_arrival for r in issued], BOX_QS, prefix="ttft_",
+                       suffix="_s"))
+    out.update(summary([r.t_done - r.t_arrival for r in issued], BOX_QS, prefix="e2e_",
+                       suffix="_s"))
     out["prefix_hit_rate"] = hits / prompt if prompt else 0.0
     interval = sim.cfg.sample_interval_s
     samples = [s for i, s in enumerate(sim.spread_samples) if t0 <= i * interval < t1]
@@ -368,11 +258,11 @@ def add_ceilings(comp: dict[str, dict[str, Any]], rows: Sequence[dict[str, Any]]
         c = comp.get(w)
         if c is None or "best_single" not in c:
             continue
-        best = _by(rows, w)[c["best_single"]]
-        c["ceiling_throughput_x_vs_best_single"] = ceil["throughput_rps"] / max(
-            best["throughput_rps"], 1e-9)
-        c["ceiling_ttft_p90_frac_of_best_single"] = ceil["ttft_p90_s"] / max(
-            best["ttft_p90_s"], 1e-9)
+        best = by_system(rows, w)[c["best_single"]]
+        c["ceiling_throughput_x_vs_best_single"] = ratio(ceil["throughput_rps"],
+                                                         best["throughput_rps"])
+        c["ceiling_ttft_p90_frac_of_best_single"] = ratio(ceil["ttft_p90_s"],
+                                                          best["ttft_p90_s"])
 
 
 def format_ceilings(comp: Mapping[str, dict[str, Any]]) -> str:
@@ -386,11 +276,12 @@ def format_ceilings(comp: Mapping[str, dict[str, Any]]) -> str:
              " P90 TTFT: mesh | ceiling | target |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for w, c in rows:
-        lines.append(f"| {w} | {c['best_single']} | {c['throughput_x_vs_best_single']:.3f}x |"
-                     f" {c['ceiling_throughput_x_vs_best_single']:.3f}x |"
+        lines.append(f"| {w} | {c['best_single']} |"
+                     f" {fmt(c['throughput_x_vs_best_single'], '.3f')}x |"
+                     f" {fmt(c['ceiling_throughput_x_vs_best_single'], '.3f')}x |"
                      f" >= {TARGETS['throughput_x_vs_best_single']:g}x |"
-                     f" {100 * c['ttft_p90_frac_of_best_single']:.1f}% |"
-                     f" {100 * c['ceiling_ttft_p90_frac_of_best_single']:.1f}% |"
+                     f" {fmt(c['ttft_p90_frac_of_best_single'], '.1f', 100)}% |"
+                     f" {fmt(c['ceiling_ttft_p90_frac_of_best_single'], '.1f', 100)}% |"
                      f" <= {100 * TARGETS['ttft_p90_frac_of_best_single']:g}% |")
     return "\n".join(lines)
 
@@ -411,56 +302,8 @@ def sweep(opts: Options, runner: Callable[[WorkloadSpec, str], dict[str, Any]],
 
 
 # ---------------------------------------------------------------------------- analysis
-def _by(rows: Sequence[dict[str, Any]], workload: str) -> dict[str, dict[str, Any]]:
-    return {r["system"]: r for r in rows if r["workload"] == workload}
-
-
-def comparisons(rows: Sequence[dict[str, Any]], mesh: str = MESH) -> dict[str, dict[str, Any]]:
-    """Per workload: the mesh against the best single balancer (by throughput), against
-    every baseline, and its hit rate against the oracle's; with the targets' verdicts."""
-    out: dict[str, dict[str, Any]] = {}
-    for w in dict.fromkeys(r["workload"] for r in rows):
-        by = _by(rows, w)
-        if mesh not in by:
-            continue
-        m = by[mesh]
-        singles = [by[s] for s in SINGLE if s in by]
-        c: dict[str, Any] = {"mesh": mesh, "mesh_hit_rate": m["prefix_hit_rate"]}
-        if singles:
-            best = max(singles, key=lambda r: r["throughput_rps"])
-            c["best_single"] = best["system"]
-            c["throughput_x_vs_best_single"] = m["throughput_rps"] / max(
-                best["throughput_rps"], 1e-9)
-            c["ttft_p90_frac_of_best_single"] = m["ttft_p90_s"] / max(best["ttft_p90_s"], 1e-9)
-            c["ttft_mean_frac_of_best_single"] = m["ttft_mean_s"] / max(
-                best["ttft_mean_s"], 1e-9)
-        baselines = [by[s] for s in (*SINGLE, "region-local") if s in by]
-        if baselines:
-            c["throughput_x_range"] = [
-                min(m["throughput_rps"] / max(b["throughput_rps"], 1e-9) for b in baselines),
-                max(m["throughput_rps"] / max(b["throughput_rps"], 1e-9) for b in baselines)]
-            c["ttft_mean_x_lower_range"] = [
-                min(b["ttft_mean_s"] / max(m["ttft_mean_s"], 1e-9) for b in baselines),
-                max(b["ttft_mean_s"] / max(m["ttft_mean_s"], 1e-9) for b in baselines)]
-            c["ttft_p90_pct_of_baselines_range"] = [
-                100 * min(m["ttft_p90_s"] / max(b["ttft_p90_s"], 1e-9) for b in baselines),
-                100 * max(m["ttft_p90_s"] / max(b["ttft_p90_s"], 1e-9) for b in baselines)]
-            c["e2e_p50_x_range"] = [
-                min(b["e2e_p50_s"] / max(m["e2e_p50_s"], 1e-9) for b in baselines),
-                max(b["e2e_p50_s"] / max(m["e2e_p50_s"], 1e-9) for b in baselines)]
-        if "oracle" in by:
-            c["hit_frac_of_oracle"] = m["prefix_hit_rate"] / max(
-                by["oracle"]["prefix_hit_rate"], 1e-9)
-        c["targets_met"] = {
-            "throughput_x_vs_best_single": c.get("throughput_x_vs_best_single", 0.0)
-            >= TARGETS["throughput_x_vs_best_single"],
-            "ttft_p90_frac_of_best_single": c.get("ttft_p90_frac_of_best_single", 1e9)
-            <= TARGETS["ttft_p90_frac_of_best_single"],
-            "hit_frac_of_oracle": c.get("hit_frac_of_oracle", 0.0)
-            >= TARGETS["hit_frac_of_oracle"],
-        }
-        out[w] = c
-    return out
+def _range(span: Sequence[float] | None, spec: str) -> str:
+    return "n/a" if span is None else f"{span[0]:{spec}}-{span[1]:{spec}}"
 
 
 def _paper_hit(kind: str) -> str:
@@ -476,7 +319,7 @@ def format_tables(rows: Sequence[dict[str, Any]], label: str = "",
     comp = comparisons(rows)
     for w in dict.fromkeys(r["workload"] for r in rows):
         spec = specs.get(w)
-        by = _by(rows, w)
+        by = by_system(rows, w)
         head = f"### {w}" + (f": {spec.paper}" if spec else "") + (f" {label}" if label else "")
         lines += ["", head, "",
                   "| system | req/s | TTFT mean | TTFT p50 | TTFT p90 | E2E mean | E2E p50 |"
@@ -484,17 +327,19 @@ def format_tables(rows: Sequence[dict[str, Any]], label: str = "",
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for s, r in by.items():
             lines.append(
-                f"| {s} | {r['throughput_rps']:.2f} | {r['ttft_mean_s']:.2f} s |"
-                f" {r['ttft_p50_s']:.2f} s | {r['ttft_p90_s']:.2f} s | {r['e2e_mean_s']:.1f} s |"
-                f" {r['e2e_p50_s']:.1f} s | {r['e2e_p90_s']:.1f} s |"
+                f"| {s} | {r['throughput_rps']:.2f} | {fmt(r['ttft_mean_s'], '.2f')} s |"
+                f" {fmt(r['ttft_p50_s'], '.2f')} s | {fmt(r['ttft_p90_s'], '.2f')} s |"
+                f" {fmt(r['e2e_mean_s'], '.1f')} s | {fmt(r['e2e_p50_s'], '.1f')} s |"
+                f" {fmt(r['e2e_p90_s'], '.1f')} s |"
                 f" {100 * r['prefix_hit_rate']:.1f}% | {r.get('outstanding_std', 0.0):.1f} |"
                 f" {r.get('outstanding_max_min_x', 0.0):.1f}x |")
         c = comp.get(w)
         if c and "best_single" in c:
             kind = spec.kind if spec else ""
             lines += ["", f"{MESH} vs best single balancer ({c['best_single']}): throughput "
-                      f"{c['throughput_x_vs_best_single']:.2f}x (target >= 1.3x), P90 TTFT "
-                      f"{100 * c['ttft_p90_frac_of_best_single']:.1f}% of it (target <= 10%; "
+                      f"{fmt(c['throughput_x_vs_best_single'], '.2f')}x (target >= 1.3x), P90 "
+                      f"TTFT {fmt(c['ttft_p90_frac_of_best_single'], '.1f', 100)}% of it "
+                      "(target <= 10%; "
                       f"paper 10.08-23.38% of baselines), hit rate "
                       f"{100 * c['mesh_hit_rate']:.1f}%"
                       + (f" (paper {_paper_hit(kind)})" if kind else "")
@@ -512,8 +357,8 @@ def format_tables(rows: Sequence[dict[str, Any]], label: str = "",
                                 c["ttft_p90_pct_of_baselines_range"], c["e2e_p50_x_range"])
             vs = (f"{100 * c['hit_frac_of_oracle']:.1f}%" if "hit_frac_of_oracle" in c
                   else "-")
-            lines.append(f"| {w} | {t[0]:.2f}-{t[1]:.2f}x | {lat[0]:.2f}-{lat[1]:.2f}x |"
-                         f" {p90[0]:.1f}-{p90[1]:.1f}% | {e2e[0]:.2f}-{e2e[1]:.2f}x |"
+            lines.append(f"| {w} | {_range(t, '.2f')}x | {_range(lat, '.2f')}x |"
+                         f" {_range(p90, '.1f')}% | {_range(e2e, '.2f')}x |"
                          f" {100 * c['mesh_hit_rate']:.1f}% | {vs} |")
         lines.append("| paper (SkyLB) | 1.12-2.06x | 1.74-6.30x | 10.08-23.38% | 1.05-2.14x |"
                      " chat 36.96-46.55%, ToT 89.56-90.01% | - |")
@@ -533,7 +378,7 @@ def write_plots(rows: Sequence[dict[str, Any]], outdir: Path, prefix: str = "sky
     outdir.mkdir(parents=True, exist_ok=True)
     paths: list[str] = []
     for w in dict.fromkeys(r["workload"] for r in rows):
-        by = _by(rows, w)
+        by = by_system(rows, w)
         names = list(by)
         fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
         x = np.arange(len(names))
@@ -541,10 +386,14 @@ def write_plots(rows: Sequence[dict[str, Any]], outdir: Path, prefix: str = "sky
         axes[0].set_ylabel("requests / s")
         axes[0].set_title("throughput")
         for ax, key, title in ((axes[1], "ttft", "TTFT (s, log)"), (axes[2], "e2e", "E2E (s)")):
-            stats = [{"label": n, "whislo": by[n][f"{key}_p10_s"], "q1": by[n][f"{key}_p25_s"],
-                      "med": by[n][f"{key}_p50_s"], "q3": by[n][f"{key}_p75_s"],
-                      "whishi": by[n][f"{key}_p90_s"], "mean": by[n][f"{key}_mean_s"],
-                      "fliers": []} for n in names]
+            # No data (None) plots as NaN: an empty box, not a zero latency.
+            box = {n: {k: np.nan if v is None else v for k, v in by[n].items()}
+                   for n in names}
+            stats: list[dict[str, Any]] = [
+                {"label": n, "whislo": box[n][f"{key}_p10_s"], "q1": box[n][f"{key}_p25_s"],
+                 "med": box[n][f"{key}_p50_s"], "q3": box[n][f"{key}_p75_s"],
+                 "whishi": box[n][f"{key}_p90_s"], "mean": box[n][f"{key}_mean_s"],
+                 "fliers": []} for n in names]
             ax.bxp(stats, showmeans=True, showfliers=False,
                    meanprops={"marker": "v", "markerfacecolor": "k", "markeredgecolor": "k"},
                    medianprops={"color": "red"})

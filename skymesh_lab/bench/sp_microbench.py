@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from skymesh.util.stats import fmt, ratio
 from skymesh_lab.sim.runner import SimConfig, run
 
 PAPER = {"throughput_x_vs_bp": 1.27, "ttft_p90_x_vs_bp": 18.47, "hit_sp_p": 0.8986,
@@ -38,11 +39,11 @@ def run_modes(clients: int, duration_s: float, output_scale: float, seed: int,
     return out
 
 
-def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
+def ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     bp, spo, spp = systems["bp"], systems["sp-o"], systems["sp-p"]
     return {
         "throughput_x_vs_bp": spp["throughput_rps"] / bp["throughput_rps"],
-        "ttft_p90_x_vs_bp": bp["ttft_p90_s"] / max(spp["ttft_p90_s"], 1e-9),
+        "ttft_p90_x_vs_bp": ratio(bp["ttft_p90_s"], spp["ttft_p90_s"]),
         "hit_sp_p": spp["prefix_hit_rate"],
         "hit_bp": bp["prefix_hit_rate"],
         "throughput_x_vs_sp_o": spp["throughput_rps"] / spo["throughput_rps"],
@@ -54,15 +55,15 @@ def format_table(label: str, systems: dict[str, dict[str, Any]]) -> str:
              f"{'E2E p50':>9}{'hit rate':>10}{'LB queue max':>14}"]
     for mode in PUSH_MODES:
         s = systems[mode]
-        lines.append(f"  {mode:<6}{s['throughput_rps']:>8.2f}{s['ttft_p90_s']:>9.2f}s"
-                     f"{s['ttft_mean_s']:>10.2f}s{s['e2e_p50_s']:>8.1f}s"
+        lines.append(f"  {mode:<6}{s['throughput_rps']:>8.2f}{fmt(s['ttft_p90_s'], '>9.2f')}s"
+                     f"{fmt(s['ttft_mean_s'], '>10.2f')}s{fmt(s['e2e_p50_s'], '>8.1f')}s"
                      f"{s['prefix_hit_rate'] * 100:>9.1f}%{s['max_balancer_queue']:>14}")
     r = ratios(systems)
     lines.append(
         f"  SP-P vs BP: throughput {r['throughput_x_vs_bp']:.2f}x (paper "
-        f"{PAPER['throughput_x_vs_bp']}x), P90 TTFT {r['ttft_p90_x_vs_bp']:.2f}x lower "
-        f"(paper {PAPER['ttft_p90_x_vs_bp']}x); hit rate {r['hit_sp_p'] * 100:.1f}% vs "
-        f"{r['hit_bp'] * 100:.1f}% (paper 89.86% vs 68.89%); SP-P vs SP-O throughput "
+        f"{PAPER['throughput_x_vs_bp']}x), P90 TTFT {fmt(r['ttft_p90_x_vs_bp'], '.2f')}x lower "
+        f"(paper {PAPER['ttft_p90_x_vs_bp']}x); hit rate {fmt(r['hit_sp_p'], '.1f', 100)}% vs "
+        f"{fmt(r['hit_bp'], '.1f', 100)}% (paper 89.86% vs 68.89%); SP-P vs SP-O throughput "
         f"{r['throughput_x_vs_sp_o']:.2f}x (paper {PAPER['throughput_x_vs_sp_o']}x)")
     return "\n".join(lines)
 

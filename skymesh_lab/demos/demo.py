@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 
 from skymesh.util.procs import start_daemon
+from skymesh.util.stats import fmt, percentiles
 from skymesh_lab.sim.runner import SimConfig, run
 
 
@@ -38,7 +39,8 @@ def _sim_table() -> None:
             )
             r = run(cfg)
             print(f"  {mode:<5} {policy:<12} {r['throughput_rps']:>7.2f} "
-                  f"{r['ttft_p50_s']:>8.2f}s {r['ttft_p90_s']:>8.2f}s {r['e2e_p50_s']:>7.2f}s "
+                  f"{fmt(r['ttft_p50_s'], '>8.2f')}s {fmt(r['ttft_p90_s'], '>8.2f')}s "
+                  f"{fmt(r['e2e_p50_s'], '>7.2f')}s "
                   f"{r['prefix_hit_rate'] * 100:>8.1f}% {r['speedup']:>8.0f}x")
 
 
@@ -58,7 +60,8 @@ async def _stream_one(s: aiohttp.ClientSession, url: str, body: dict[str, Any]
                 usage = obj["usage"]
             if ttft is None and obj.get("choices") and obj["choices"][0]["delta"].get("content"):
                 ttft = time.perf_counter() - t0
-    return {"ttft": ttft or 0.0, "e2e": time.perf_counter() - t0, "usage": usage}
+    # No content streamed: no TTFT (None), which is not a zero TTFT.
+    return {"ttft": ttft, "e2e": time.perf_counter() - t0, "usage": usage}
 
 
 def _metric(text: str, name: str) -> float:
@@ -96,7 +99,7 @@ async def _live_demo() -> None:
             first = await asyncio.gather(*(_stream_one(s, lb.url, b) for b in bodies[:4]))
             rest = await asyncio.gather(*(_stream_one(s, lb.url, b) for b in bodies[4:]))
             results = [*first, *rest]
-            ttfts = sorted(r["ttft"] for r in results)
+            ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
             counts = []
             hits = queries = 0.0
             for rep in replicas:
@@ -105,13 +108,13 @@ async def _live_demo() -> None:
                 counts.append(int(_metric(text, "vllm:request_success_total")))
                 hits += _metric(text, "vllm:prefix_cache_hits_total")
                 queries += _metric(text, "vllm:prefix_cache_queries_total")
-        p = lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))]  # noqa: E731
         print(f"  balancer {lb.url} (policy prefix-tree, selective pushing on pending)")
         print(f"  {len(results)} streamed requests, 4 documents x 6 questions")
         print(f"  requests per replica: {counts}")
         print(f"  prefix-cache hit rate on the replicas: {hits / max(queries, 1) * 100:.1f}%")
-        print(f"  TTFT through the balancer: p50 {p(0.5) * 1000:.0f} ms, "
-              f"p90 {p(0.9) * 1000:.0f} ms")
+        p50, p90 = percentiles(ttfts, (50, 90))
+        print(f"  TTFT through the balancer: p50 {fmt(p50, '.0f', 1000)} ms, "
+              f"p90 {fmt(p90, '.0f', 1000)} ms")
     finally:
         for d in [lb, *replicas]:
             if d is not None:

@@ -18,7 +18,6 @@ shows the controller handing its replica to the nearest live balancer (lb-eu).
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import tempfile
 import time
@@ -26,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 
+from skymesh.util.jsonio import write_json
+from skymesh.util.stats import fmt, percentiles
 from skymesh_lab.faults.cluster import DEFAULT_REPLICAS, MODEL, REGIONS, Mesh
 
 REPLICAS = DEFAULT_REPLICAS
@@ -98,10 +98,9 @@ async def _run_load(mesh: Mesh, duration: float, seed: int) -> dict[str, Any]:
             regions[r] = {"served": int(served), "tokens": int(tokens),
                           "forwarded_out": st["mesh"]["forwarded_out"],
                           "forwarded_in": st["mesh"]["forwarded_in"]}
-    arr = np.asarray(ttfts) if ttfts else np.zeros(1)
-    return {"throughput_rps": in_window / duration, "ttft_p50_s": float(np.percentile(arr, 50)),
-            "ttft_p90_s": float(np.percentile(arr, 90)), "completed": len(done),
-            "regions": regions}
+    p50, p90 = percentiles(ttfts, (50, 90))
+    return {"throughput_rps": in_window / duration, "ttft_p50_s": p50, "ttft_p90_s": p90,
+            "completed": len(done), "regions": regions}
 
 
 async def _demo(duration: float, seed: int) -> dict[str, Any]:
@@ -130,7 +129,8 @@ def run_demo(duration: float = 20.0, seed: int = 0, json_path: str | None = None
     for name in ("mesh", "region_local"):
         r = res[name]
         print(f"  {name:<13} {r['throughput_rps']:6.2f} req/s  TTFT p50 "
-              f"{r['ttft_p50_s'] * 1000:6.0f} ms  p90 {r['ttft_p90_s'] * 1000:6.0f} ms")
+              f"{fmt(r['ttft_p50_s'], '6.0f', 1000)} ms  p90 "
+              f"{fmt(r['ttft_p90_s'], '6.0f', 1000)} ms")
         for region, st in r["regions"].items():
             print(f"    {region:<5} its replicas finished {st['served']:>3} requests, "
                   f"generated {st['tokens']:>6,} tokens; forwarded out "
@@ -145,7 +145,5 @@ def run_demo(duration: float = 20.0, seed: int = 0, json_path: str | None = None
            "region_local": {k: res["region_local"][k]
                             for k in ("throughput_rps", "ttft_p50_s", "ttft_p90_s",
                                       "completed", "regions")}}
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(json_path, out)
     return 0

@@ -17,6 +17,11 @@ batch, lets ``batch.duration`` pass on its clock (virtual in the simulator, real
 - ``num_waiting`` is exactly vLLM's ``num_requests_waiting``: admitted-but-not-scheduled
   requests, preempted ones included.
 
+The scheduler above is the default (``scheduler="vllm"``); ``scheduler="sglang"`` swaps
+in SGLang's (:mod:`skymesh_lab.engine.sglang`) over the same sequences, cache and step
+timing. Every sequence carries ``max_new_tokens`` (the client's ``max_tokens``, else what
+the context leaves); only SGLang's admission rule reads it.
+
 Fast-forward: when a step is pure decode and nothing can change the batch before some
 sequence finishes (no admission is possible, blocks suffice), ``schedule(max_steps=k)``
 returns one batch standing for up to ``k`` identical-shape steps, timed in closed form.
@@ -26,20 +31,19 @@ simulator stays step-exact while skipping the steady stretches.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from skymesh_lab.engine.kv_cache import BlockManager
 from skymesh_lab.engine.profiles import Profile
+from skymesh_lab.engine.status import Status
 
+if TYPE_CHECKING:
+    from skymesh_lab.engine.sglang import SGLangScheduler
 
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-    ABORTED = "aborted"
+__all__ = ["SCHEDULERS", "Batch", "Engine", "EngineStats", "Sequence", "Status", "StepEvent"]
 
 
 @dataclass(eq=False, slots=True)
@@ -58,6 +62,8 @@ class Sequence:
     num_preemptions: int = 0
     first_hit_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)
     payload: object = None  # the driver's handle (stream, client record...)
+    # The client's output limit (max_tokens); 0: unset, add() puts what the context leaves.
+    max_new_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -101,11 +107,17 @@ class EngineStats:
     busy_time: float = 0.0
 
 
+SCHEDULERS: tuple[str, ...] = ("vllm", "sglang")
+
+
 class Engine:
-    def __init__(self, profile: Profile, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, profile: Profile, *, enable_prefix_caching: bool = True,
+                 scheduler: str = "vllm") -> None:
         if profile.max_num_batched_tokens <= profile.max_num_seqs:
             # Fast-forward relies on every running decode fitting in one step's budget.
             raise ValueError("max_num_batched_tokens must exceed max_num_seqs")
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {scheduler!r}; known: {', '.join(SCHEDULERS)}")
         self.profile = profile
         self.block_size = profile.block_size
         self.kv = BlockManager(profile.num_kv_blocks, enable_prefix_caching)
@@ -113,6 +125,12 @@ class Engine:
         self.running: list[Sequence] = []
         self.stats = EngineStats()
         self._by_id: dict[str, Sequence] = {}
+        self.scheduler = scheduler
+        self._sgl: SGLangScheduler | None = None
+        if scheduler == "sglang":
+            from skymesh_lab.engine.sglang import SGLangScheduler
+
+            self._sgl = SGLangScheduler(self)
 
     # -- intake ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -127,6 +145,13 @@ class Engine:
             )
         if self._blocks_for(seq.prompt_len + seq.output_len) > self.kv.num_blocks:
             raise ValueError("request does not fit in the KV cache even alone")
+        if seq.max_new_tokens <= 0:
+            seq.max_new_tokens = self.profile.max_model_len - seq.prompt_len
+        elif seq.max_new_tokens < seq.output_len:
+            raise ValueError(f"output_len ({seq.output_len}) exceeds max_new_tokens "
+                             f"({seq.max_new_tokens})")
+        if self._sgl is not None:
+            self._sgl.on_add(seq)
         seq.status = Status.WAITING
         self.waiting.append(seq)
         self._by_id[seq.request_id] = seq
@@ -136,6 +161,8 @@ class Engine:
         seq = self._by_id.pop(request_id, None)
         if seq is None:
             return False
+        if self._sgl is not None:
+            self._sgl.on_abort(seq)
         if seq.status is Status.WAITING:
             self.waiting.remove(seq)
         elif seq.status is Status.RUNNING:
@@ -159,6 +186,16 @@ class Engine:
         return len(self.running)
 
     @property
+    def published_waiting(self) -> int:
+        """The waiting count a load probe reads: vLLM's live gauge, or SGLang's
+        ``num_queue_reqs`` as of its last log point (a snapshot)."""
+        return self.num_waiting if self._sgl is None else self._sgl.queue_gauge
+
+    @property
+    def published_running(self) -> int:
+        return self.num_running if self._sgl is None else self._sgl.running_gauge
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -180,6 +217,8 @@ class Engine:
     # -- scheduling ------------------------------------------------------------------
     def schedule(self, max_steps: int = 1) -> Batch | None:
         """The next batch, or None when there is nothing to run."""
+        if self._sgl is not None:
+            return self._sgl.schedule(max_steps)
         if not self.has_work:
             return None
         budget = self.profile.max_num_batched_tokens
@@ -371,4 +410,6 @@ class Engine:
                 self._by_id.pop(seq.request_id, None)
                 st.num_finished += 1
             events.append(StepEvent(seq, new, first, done))
+        if self._sgl is not None:
+            self._sgl.on_complete(batch, events)
         return events

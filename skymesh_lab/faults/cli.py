@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-from pathlib import Path
 from typing import Any
 
+from skymesh.util.jsonio import write_json
 from skymesh_lab.faults.scenarios import SCENARIOS
 
 
@@ -39,8 +38,5 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"== fault scenarios ({'short' if args.short else 'full'} form) ==", flush=True)
     report = asyncio.run(run(names, args.short))
     print(table(report))
-    if args.json:
-        p = Path(args.json)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json, report)
     return 0 if report["ok"] else 1

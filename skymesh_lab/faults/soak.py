@@ -15,23 +15,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from skymesh.util.jsonio import write_json
+from skymesh.util.stats import fmt, percentile
 from skymesh_lab.faults import client as fc
 from skymesh_lab.faults.cluster import REGIONS, Mesh, drained, rss_bytes, wait_for
 
 CLIENTS = {"us": 8, "eu": 4, "asia": 4}
-
-
-def _pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(xs, q)) if xs else float("nan")
 
 
 async def soak(minutes: float, interval_s: float) -> dict[str, Any]:
@@ -57,7 +52,9 @@ async def soak(minutes: float, interval_s: float) -> dict[str, Any]:
                     rows.append({
                         "t_s": round(time.monotonic() - t0),
                         "completed": len(lat),
-                        "p50_s": round(_pct(lat, 50), 3), "p99_s": round(_pct(lat, 99), 3),
+                        # None for an interval in which nothing completed (JSON null).
+                        "p50_s": _round(percentile(lat, 50), 3),
+                        "p99_s": _round(percentile(lat, 99), 3),
                         "rss_mb": {r: round(rss_bytes(lb.proc.pid) / 2**20, 1)
                                    for r, lb in mesh.lbs.items()},
                         "failed_explicit": tally.failed_explicit, "lost": tally.lost})
@@ -71,17 +68,25 @@ async def soak(minutes: float, interval_s: float) -> dict[str, Any]:
         finally:
             await mesh.stop()
     first, last = rows[0], rows[-1]
-    drift = {"p50_s": round(last["p50_s"] - first["p50_s"], 3),
-             "p99_s": round(last["p99_s"] - first["p99_s"], 3),
+    drift = {"p50_s": _change(first["p50_s"], last["p50_s"]),
+             "p99_s": _change(first["p99_s"], last["p99_s"]),
              "rss_mb": {r: round(last["rss_mb"][r] - first["rss_mb"][r], 1) for r in REGIONS}}
     return {"minutes": minutes, "interval_s": interval_s, "intervals": rows, "drift": drift,
             "totals": {k: v for k, v in tally.row().items() if k not in ("statuses",)}}
 
 
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def _change(first: float | None, last: float | None) -> float | None:
+    return None if first is None or last is None else round(last - first, 3)
+
+
 def _row(r: dict[str, Any]) -> str:
     rss = " ".join(f"{k}={v:.0f}" for k, v in r["rss_mb"].items())
-    return (f"  t={r['t_s']:>6}s  done {r['completed']:>5}  p50 {r['p50_s']:6.2f}s  "
-            f"p99 {r['p99_s']:6.2f}s  RSS MB {rss}  failed {r['failed_explicit']}  "
+    return (f"  t={r['t_s']:>6}s  done {r['completed']:>5}  p50 {fmt(r['p50_s'], '6.2f')}s  "
+            f"p99 {fmt(r['p99_s'], '6.2f')}s  RSS MB {rss}  failed {r['failed_explicit']}  "
             f"lost {r['lost']}")
 
 
@@ -99,13 +104,11 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     report = asyncio.run(soak(args.minutes, interval))
     d = report["drift"]
-    print(f"drift (last - first interval): p50 {d['p50_s']:+.3f} s, p99 {d['p99_s']:+.3f} s, "
+    print(f"drift (last - first interval): p50 {fmt(d['p50_s'], '+.3f')} s, "
+          f"p99 {fmt(d['p99_s'], '+.3f')} s, "
           f"RSS MB " + ", ".join(f"{r} {v:+.1f}" for r, v in d["rss_mb"].items()))
     print(f"totals: {report['totals']}")
-    if args.json:
-        p = Path(args.json)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json, report)
     return 0 if report["totals"]["lost"] == 0 else 1
 
 

@@ -110,6 +110,7 @@ from skymesh.planning.strategies import (
     Strategy,
     make_strategy,
 )
+from skymesh.util.stats import percentile
 from skymesh_lab.engine.profiles import get_profile
 from skymesh_lab.planning.capacity import (
     DEFAULT_OUTPUT_LEN,
@@ -470,7 +471,8 @@ class PlanErrors:
         seen = self._ratios.get(key)
         if seen is None or len(seen) < self.min_samples:
             return default
-        return float(np.quantile(np.fromiter(seen, float, len(seen)), self.quantile))
+        q = percentile(seen, 100 * self.quantile)
+        return default if q is None else q
 
 
 def _plan_targets(cfg: WeekConfig, demand: Demand, eps: dict[tuple[str, str], Endpoint],
@@ -867,11 +869,61 @@ def run(cfg: WeekConfig, progress: Callable[[str], None] | None = None) -> dict[
     return out
 
 
+# -- the clairvoyant fluid model: a floor for the strategies, here because _parity needs
+# it; week_diagnose builds its bounds on it.
+@dataclass(frozen=True)
+class FluidModel:
+    """The clairvoyant fluid model of the week (see ``week_diagnose.fluid_bound``)."""
+
+    unit: dict[str, float]  # GPU-hours per (tokens/s of load at rho = 1), per model
+    batch_gpu_hours: float  # batch work run full on capacity of its own
+    weight: dict[str, float]  # interactive requests, up to one factor
+    t0: dict[str, float]
+    slo: dict[str, float]
+
+    def att(self, m: str, rho: float) -> float:
+        return float(attainment(self.slo[m], np.zeros(1),
+                                np.array([self.t0[m] / (1 - rho)]))[0])
+
+
+def fluid_model(cfg: WeekConfig, demand: Demand) -> FluidModel:
+    dt = demand.step_s
+    load = {m: np.concatenate([demand.tps[(m, r)] for r in REGIONS]) for m in MODELS}
+    gpus = {m: get_profile(MODELS[m][0]).num_gpus for m in MODELS}
+    unit = {m: float(load[m].sum()) * dt / 3600 * gpus[m] / demand.caps[m].mu_t
+            for m in MODELS}
+    batch = sum(cfg.batch_share * float(np.mean(np.sum([demand.tps[(m, r)] for r in REGIONS],
+                                                       axis=0)))
+                * cfg.days * 24 * gpus[m] / demand.caps[m].mu_t for m in MODELS)
+    t0 = {m: demand.caps[m].prompt_len / demand.caps[m].mu_p for m in MODELS}
+    return FluidModel(unit, batch, {m: float(load[m].sum()) for m in MODELS}, t0,
+                  {m: cfg.slo_factor * t0[m] for m in MODELS})
+
+
+def parity_budget(cfg: WeekConfig, demand: Demand,
+                  targets: dict[str, float]) -> dict[str, Any]:
+    """The fewest GPU-hours on which the clairvoyant of ``week_diagnose.fluid_bound`` gives every
+    model at least its target attainment (reactive's own, model by model): each model
+    runs at the highest ``rho`` that still meets its target. No strategy in this latency
+    model matches reactive model by model on less."""
+    from scipy.optimize import brentq
+
+    f = fluid_model(cfg, demand)
+    rhos = {}
+    for m, target in targets.items():
+        if not 0 < target < 1:
+            raise ValueError(f"target attainment for {m} must be in (0, 1), got {target}")
+        lo, hi = 1e-4, 1 - 1e-9
+        if f.att(m, lo) < target:
+            raise ValueError(f"{m}: even an idle pool misses the target {target}")
+        rhos[m] = brentq(lambda r, m=m, t=target: f.att(m, r) - t, lo, hi, xtol=1e-12)
+    return {"rho": rhos,
+            "gpu_hours": f.batch_gpu_hours + sum(f.unit[m] / rhos[m] for m in rhos)}
+
+
 def _parity(cfg: WeekConfig, demand: Demand, reactive: dict[str, Any]) -> dict[str, Any] | None:
     """How few GPU-hours a clairvoyant needs to match reactive model by model (a floor
-    for the 'equal SLO' comparison; ``week_diagnose.parity_budget``)."""
-    from skymesh_lab.planning.week_diagnose import parity_budget
-
+    for the 'equal SLO' comparison; :func:`parity_budget`)."""
     targets = {m: v["slo_attainment"] for m, v in reactive["per_model"].items()}
     try:
         bound = parity_budget(cfg, demand, targets)

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from skymesh.planning.strategies import SCALE_OUT_UTILISATION
-from skymesh_lab.engine.profiles import get_profile
+from skymesh.util.jsonio import write_json
 from skymesh_lab.planning.capacity_week import (
     MODELS,
     REGIONS,
@@ -37,10 +35,14 @@ from skymesh_lab.planning.capacity_week import (
     WeekTrace,
     attainment,
     build_demand,
+    fluid_model,
     parse_week_params,
     plan_theta,
     run_strategy,
 )
+
+# Re-exported: parity_budget moved to capacity_week (which needs it) from here.
+from skymesh_lab.planning.capacity_week import parity_budget as parity_budget
 
 # Endpoint states, first match wins (see ``classify``).
 STATES = (
@@ -142,35 +144,6 @@ def diagnose(trace: WeekTrace, slo_s: dict[str, float], t0_s: dict[str, float],
     }
 
 
-@dataclass(frozen=True)
-class FluidModel:
-    """The clairvoyant fluid model of the week (see :func:`fluid_bound`)."""
-
-    unit: dict[str, float]  # GPU-hours per (tokens/s of load at rho = 1), per model
-    batch_gpu_hours: float  # batch work run full on capacity of its own
-    weight: dict[str, float]  # interactive requests, up to one factor
-    t0: dict[str, float]
-    slo: dict[str, float]
-
-    def att(self, m: str, rho: float) -> float:
-        return float(attainment(self.slo[m], np.zeros(1),
-                                np.array([self.t0[m] / (1 - rho)]))[0])
-
-
-def fluid_model(cfg: WeekConfig, demand: Demand) -> FluidModel:
-    dt = demand.step_s
-    load = {m: np.concatenate([demand.tps[(m, r)] for r in REGIONS]) for m in MODELS}
-    gpus = {m: get_profile(MODELS[m][0]).num_gpus for m in MODELS}
-    unit = {m: float(load[m].sum()) * dt / 3600 * gpus[m] / demand.caps[m].mu_t
-            for m in MODELS}
-    batch = sum(cfg.batch_share * float(np.mean(np.sum([demand.tps[(m, r)] for r in REGIONS],
-                                                       axis=0)))
-                * cfg.days * 24 * gpus[m] / demand.caps[m].mu_t for m in MODELS)
-    t0 = {m: demand.caps[m].prompt_len / demand.caps[m].mu_p for m in MODELS}
-    return FluidModel(unit, batch, {m: float(load[m].sum()) for m in MODELS}, t0,
-                  {m: cfg.slo_factor * t0[m] for m in MODELS})
-
-
 def fluid_bound(cfg: WeekConfig, demand: Demand, budget_gpu_hours: float,
                 per_model: bool = True) -> dict[str, Any]:
     """The best interactive SLO attainment any strategy can reach in this latency model
@@ -223,27 +196,6 @@ def fluid_bound(cfg: WeekConfig, demand: Demand, budget_gpu_hours: float,
     return {"budget_gpu_hours": budget_gpu_hours, "batch_gpu_hours": f.batch_gpu_hours,
             "rho": rhos,
             "slo_attainment": sum(f.weight[m] * f.att(m, rhos[m]) for m in models) / total}
-
-
-def parity_budget(cfg: WeekConfig, demand: Demand,
-                  targets: dict[str, float]) -> dict[str, Any]:
-    """The fewest GPU-hours on which the clairvoyant of :func:`fluid_bound` gives every
-    model at least its target attainment (reactive's own, model by model): each model
-    runs at the highest ``rho`` that still meets its target. No strategy in this latency
-    model matches reactive model by model on less."""
-    from scipy.optimize import brentq
-
-    f = fluid_model(cfg, demand)
-    rhos = {}
-    for m, target in targets.items():
-        if not 0 < target < 1:
-            raise ValueError(f"target attainment for {m} must be in (0, 1), got {target}")
-        lo, hi = 1e-4, 1 - 1e-9
-        if f.att(m, lo) < target:
-            raise ValueError(f"{m}: even an idle pool misses the target {target}")
-        rhos[m] = brentq(lambda r, m=m, t=target: f.att(m, r) - t, lo, hi, xtol=1e-12)
-    return {"rho": rhos,
-            "gpu_hours": f.batch_gpu_hours + sum(f.unit[m] / rhos[m] for m in rhos)}
 
 
 def oracle_forecast(demand: Demand) -> None:
@@ -323,9 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     res = run(cfg, oracle=args.oracle_forecast)
     _print(res)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=1)
+    write_json(args.json, res)
     return 0
 
 

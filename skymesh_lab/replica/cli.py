@@ -20,6 +20,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 
 from skymesh.net.serving import run, serve_app
 from skymesh.version import add_version_flag
+from skymesh_lab.engine.core import SCHEDULERS
 from skymesh_lab.engine.profiles import DEFAULT_PROFILE, PROFILES
 from skymesh_lab.replica.server import DEFAULT_MAX_BODY_BYTES, ReplicaConfig, create_app
 
@@ -94,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--metrics-lag-s", type=_non_negative_float, metavar="SECONDS",
                     help="how far the /metrics load gauges trail the engine (default: the "
                          "profile's, 0.9 s as vLLM-CPU's)")
+    ap.add_argument("--scheduler", default="vllm", choices=SCHEDULERS,
+                    help="engine scheduler: vllm (v1) or sglang (v0.4.x; /metrics then has "
+                         "SGLang's families, the queue gauge updated at its log points)")
     ap.add_argument("--list-profiles", action="store_true", help="print profile names and exit")
     add_version_flag(ap)
     return ap
@@ -116,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     from skymesh.util.extras import require
 
     require("lab", "skymesh-replica")  # the emulated engine is part of the lab
+    if args.scheduler == "sglang" and args.max_num_seqs is not None:
+        # SGLang sizes max_running_requests from its KV pool (skymesh_lab.engine.sglang).
+        build_parser().error("--max-num-seqs is vLLM's limit; not used with --scheduler sglang")
     budget = PROFILES[args.profile].max_num_batched_tokens
     if args.max_num_seqs is not None and args.max_num_seqs >= budget:
         build_parser().error(f"--max-num-seqs must be below the profile's "
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ReplicaConfig(profile=args.profile, model=args.model, seed=args.seed,
                            time_scale=args.time_scale, max_body_bytes=args.max_body_bytes,
                            api_key=args.api_key or None, max_num_seqs=args.max_num_seqs,
-                           metrics_lag_s=args.metrics_lag_s)
+                           metrics_lag_s=args.metrics_lag_s, scheduler=args.scheduler)
     try:
         run(serve(config, args.host, args.port))
     except OSError as exc:

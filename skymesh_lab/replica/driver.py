@@ -291,6 +291,8 @@ class RealtimeDriver:
             request_id=rid,
             prompt_len=len(prompt_ids),
             output_len=out_len,
+            # The limit the client set; without one the engine puts what the context leaves.
+            max_new_tokens=max_tokens or 0,
             block_hashes=hash_token_blocks(
                 list(prompt_ids) + output_ids, self.engine.block_size
             ),

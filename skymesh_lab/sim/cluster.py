@@ -70,12 +70,14 @@ class SimReplica:
         loop: EventLoop,
         on_event: Callable[[SimReplica, RequestRecord, StepEvent], None],
         max_fast_forward: int = 4096,
+        scheduler: str = "vllm",
     ) -> None:
         self.id = rid
         self.region = region
         self.profile = profile
         self.engine_model = "default"
-        self.engine = Engine(profile)
+        self.scheduler = scheduler
+        self.engine = Engine(profile, scheduler=scheduler)
         self.loop = loop
         self._on_event = on_event
         self._max_ff = max_fast_forward
@@ -83,12 +85,22 @@ class SimReplica:
         self._start = 0.0
         self._gen = 0
 
+    def published_load(self) -> tuple[int, int]:
+        """(waiting, running) as a probe reads them: vLLM's live counts, or SGLang's
+        ``num_queue_reqs``/``num_running_reqs`` as of its last log point."""
+        e = self.engine
+        if self.scheduler == "sglang":
+            return e.published_waiting, e.published_running
+        return e.num_waiting, e.num_running
+
     def submit(self, rec: RequestRecord) -> str | None:
         """Hand a request to the engine now; an error message if the engine refuses it."""
         item = rec.item
         done = rec.generated_before
         seq = Sequence(item.request_id, item.prompt_len + done, item.output_len - done,
-                       item.block_hashes)
+                       item.block_hashes,
+                       max_new_tokens=0 if item.max_new_tokens is None
+                       else item.max_new_tokens - done)
         seq.payload = rec
         try:
             self.engine.add(seq)
@@ -221,8 +233,8 @@ class SimBalancer:
                 # trip after it: what the live balancer's probe through the WAN sees.
                 self.loop.after(d, self._probe_remote, rep, now, d)
                 continue
-            e = rep.engine
-            self.dispatcher.on_probe(rid, now, e.num_waiting, e.num_running, e.kv_usage,
+            waiting, running = rep.published_load()
+            self.dispatcher.on_probe(rid, now, waiting, running, rep.engine.kv_usage,
                                      rep.profile.kv_capacity_tokens)
         self._pump()
         if self._is_active():
@@ -231,9 +243,9 @@ class SimBalancer:
             self._probing = False
 
     def _probe_remote(self, rep: SimReplica, sent: float, one_way: float) -> None:
-        e = rep.engine
+        waiting, running = rep.published_load()
         self.loop.after(one_way, self._probe_answer, rep, sent,
-                        (e.num_waiting, e.num_running, e.kv_usage))
+                        (waiting, running, rep.engine.kv_usage))
 
     def _probe_answer(self, rep: SimReplica, sent: float,
                       state: tuple[int, int, float]) -> None:

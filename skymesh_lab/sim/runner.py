@@ -27,13 +27,14 @@ from skymesh.policies.peers import (
     Balancing,
     ForwardingRule,
 )
+from skymesh.util.stats import summary
 from skymesh_lab.engine.core import StepEvent
 from skymesh_lab.engine.profiles import DEFAULT_PROFILE, get_profile
 from skymesh_lab.sim.cluster import RequestRecord, SimBalancer, SimReplica
 from skymesh_lab.sim.deadlines import DEFAULT_DEADLINE_PROFILE, alone_latency
 from skymesh_lab.sim.events import EventLoop
 from skymesh_lab.sim.lengths import LengthSource
-from skymesh_lab.sim.metrics import percentiles, spread
+from skymesh_lab.sim.metrics import spread
 from skymesh_lab.sim.network import DEFAULT_RTT_MS, Network
 from skymesh_lab.sim.workload import Arrival, WorkItem, Workload
 
@@ -60,6 +61,8 @@ class SimConfig:
     rtt_weight: float = DEFAULT_RTT_WEIGHT
     heartbeat_interval_s: float = 0.2
     profile: str = DEFAULT_PROFILE
+    # The replicas' scheduler: "vllm" (v1) or "sglang" (v0.4.x; skymesh_lab.engine.sglang).
+    scheduler: str = "vllm"
     seed: int = 0
     duration_s: float | None = None
     probe_interval_s: float = 0.1
@@ -197,7 +200,7 @@ class Simulation:
                 names = [cfg.profile] * cfg.replicas.get(region, 0)
             reps = [
                 SimReplica(f"{region}-r{i}", region, get_profile(name), self.loop,
-                           self._on_event)
+                           self._on_event, scheduler=cfg.scheduler)
                 for i, name in enumerate(names)
             ]
             self.replicas.extend(reps)
@@ -377,6 +380,7 @@ class Simulation:
             "policy": self.cfg.policy,
             "push_mode": self.cfg.push_mode,
             "profile": self.cfg.profile,
+            "scheduler": self.cfg.scheduler,
             "regions": {reg: self.cfg.replicas.get(reg, 0) for reg in self.cfg.regions},
             "seed": self.cfg.seed,
             "requests": len(recs),
@@ -386,11 +390,9 @@ class Simulation:
             "output_tokens_per_s": out_tokens / sim_seconds,
             "input_tokens_per_s": in_tokens / sim_seconds,
         }
-        res.update(percentiles(ttft, "ttft"))
-        res.update(percentiles(e2e, "e2e"))
-        tp = percentiles(tpot, "tpot")
-        res["tpot_mean_s"] = tp["tpot_mean_s"]
-        res["tpot_p90_s"] = tp["tpot_p90_s"]
+        res.update(summary(ttft, prefix="ttft_", suffix="_s"))
+        res.update(summary(e2e, prefix="e2e_", suffix="_s"))
+        res.update(summary(tpot, (90,), prefix="tpot_", suffix="_s"))
         res["prefix_hit_rate"] = h / q if q else 0.0
         res.update(spread(self.spread_samples))
         res["preemptions"] = sum(r.engine.stats.num_preemptions for r in self.replicas)

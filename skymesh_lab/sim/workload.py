@@ -35,6 +35,8 @@ class WorkItem:
     block_hashes: list[int]
     model: str = "default"
     affinity_key: str | None = None
+    # The client's max_tokens; None: the engine takes what the context leaves.
+    max_new_tokens: int | None = None
     deadline_s: float | None = None
     # Free-form bookkeeping the workload uses in on_complete (client id, tree node...).
     meta: dict[str, object] = field(default_factory=dict)

@@ -67,6 +67,12 @@ NEEDS: dict[tuple[str, str], Role] = {
     ("GET", "/v1/telemetry/series"): "read",
     ("GET", "/v1/forecast"): "read",
     ("POST", "/v1/dns/sync"): "admin",
+    # The planner's rounds: reading is read; running or approving a round is admin (or a
+    # token named in planner.approvers, none here).
+    ("GET", "/v1/plans"): "read",
+    ("GET", "/v1/plans/{pid}"): "read",
+    ("POST", "/v1/plans"): "admin",
+    ("POST", "/v1/plans/{pid}/approve"): "admin",
 }
 CREDENTIALS: dict[str, tuple[str | None, Role]] = {  # label -> (token, its role)
     "read": (READER, "read"), "agent": (AGENT, "agent"),

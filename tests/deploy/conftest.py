@@ -1,12 +1,15 @@
-"""Fixtures for the deploy tests: a Route53 client and a fresh zone on moto (tests/conftest.py)."""
+"""Fixtures for the deploy tests: a Route53 client and a fresh zone on moto (tests/conftest.py),
+and one wheel of this checkout for the installer tests."""
 
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
+from wheel_support import build_wheel
 
 
 @pytest.fixture
@@ -22,3 +25,9 @@ def zone(route53: Any) -> tuple[str, str]:
     name = f"t{uuid.uuid4().hex[:10]}.example.com."
     resp = route53.create_hosted_zone(Name=name, CallerReference=uuid.uuid4().hex)
     return name, resp["HostedZone"]["Id"].rsplit("/", 1)[-1]
+
+
+@pytest.fixture(scope="session")
+def skymesh_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel of this checkout (with its generated peering stubs), built once."""
+    return build_wheel(tmp_path_factory.mktemp("wheel"))

@@ -42,7 +42,8 @@ def parse_flags(script: str, args: list[str]) -> argparse.Namespace:
 
 
 def read_unit(path: Path) -> configparser.ConfigParser:
-    unit = configparser.ConfigParser(interpolation=None, strict=True)
+    # Repeated keys (Environment=, SystemCallFilter=) accumulate in systemd: allow them.
+    unit = configparser.ConfigParser(interpolation=None, strict=False)
     unit.optionxform = str  # type: ignore[assignment,method-assign]
     unit.read_string(path.read_text())
     return unit

@@ -28,26 +28,11 @@ SCRIPT = REPO / "deploy" / "cloud-init" / "install-skymesh.sh"
 ROLES = ("lb", "replica", "controller")
 
 
-def build_wheel(out: Path) -> Path:
-    # Build from a copy so the checkout gets no build/ or egg-info from us.
-    src = out / "src"
-    src.mkdir(parents=True)
-    for part in ("pyproject.toml", "README.md"):
-        shutil.copy2(REPO / part, src / part)
-    for pkg in ("skymesh", "controller"):
-        shutil.copytree(REPO / pkg, src / pkg,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "--no-index", "-w", str(out / "dist"), str(src)],
-                   check=True, capture_output=True, timeout=120)
-    (wheel,) = (out / "dist").glob("skymesh-*.whl")
-    return wheel
-
-
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path, str]]:
+def installed(tmp_path_factory: pytest.TempPathFactory, skymesh_wheel: Path
+              ) -> Iterator[tuple[Path, Path, str]]:
     tmp = tmp_path_factory.mktemp("install")
-    wheel = build_wheel(tmp)
+    wheel = skymesh_wheel
     prefix, root = tmp / "opt", tmp / "root"
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),

@@ -8,11 +8,12 @@ import functools
 import hashlib
 import http.server
 import os
-import shutil
+import re
 import subprocess
 import sys
 import threading
 import uuid
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,19 +26,8 @@ SCRIPT = REPO / "deploy" / "cloud-init" / "install-skymesh.sh"
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    src = out / "src"  # a copy, so the checkout gets no build/ or egg-info from us
-    src.mkdir()
-    for part in ("pyproject.toml", "README.md"):
-        shutil.copy2(REPO / part, src / part)
-    for pkg in ("skymesh", "controller"):
-        shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "--no-index", "-w", str(out / "dist"), str(src)],
-                   check=True, capture_output=True, timeout=180)
-    (built,) = (out / "dist").glob("skymesh-*.whl")
-    return built
+def wheel(skymesh_wheel: Path) -> Path:
+    return skymesh_wheel
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +68,20 @@ def sha(path: Path) -> str:
 
 def test_installs_the_wheel_fetched_by_url_when_its_hash_matches(
         tmp_path: Path, wheel: Path, served: str) -> None:
-    proc = install(tmp_path, f"{served}/{wheel.name}", sha(wheel))
+    proc = install(tmp_path, f"{served}/{wheel.name}", sha(wheel),
+                   SKYMESH_ROLES="lb,replica,controller")
     assert proc.returncode == 0, proc.stderr
     assert f"fetched {served}/{wheel.name}" in proc.stderr
     assert "installed skymesh" in proc.stderr
-    assert os.access(tmp_path / "opt" / "venv" / "bin" / "skymesh-lb", os.X_OK)
+    for role in ("lb", "replica", "controller"):
+        assert os.access(tmp_path / "opt" / "venv" / "bin" / f"skymesh-{role}", os.X_OK)
+    # With the extras the roles' daemons import (pip gets them from the index the
+    # operator names; this test installs --no-deps), each one the wheel declares.
+    assert f"installing {wheel.name}[lab,controller]" in proc.stderr, proc.stderr
+    with zipfile.ZipFile(wheel) as zf:
+        meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA")))
+    declared = set(re.findall(r"^Provides-Extra: (\S+)$", meta.decode(), re.M))
+    assert {"lab", "controller"} <= declared, declared
 
 
 def test_a_wheel_with_another_hash_is_refused_before_anything_is_installed(

@@ -12,6 +12,7 @@ secret files are written into a copy of the tree).
 from __future__ import annotations
 
 import base64
+import hashlib
 import importlib
 import json
 import os
@@ -25,18 +26,29 @@ from typing import Any
 
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 
+from skymesh.balancer.config import expand_env
 from skymesh.balancer.config import parse_config as parse_lb_config
+from skymesh.controller.auth import digest
 from skymesh.controller.config import parse_config as parse_controller_config
+from skymesh.mesh import certs
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 PARSERS = {"skymesh-lb": "skymesh.balancer.cli", "skymesh-replica": "skymesh_lab.replica.cli",
            "skymesh-controller": "skymesh.controller.cli"}
-# What the operator puts in the production overlay's secrets/ (never in git).
+# What the operator puts in the production overlay's secrets/ (never in git), besides the
+# mesh certificates (MESH_IDS, made by mesh_files).
+AGENT_TOKEN = "agt-5be1d0"
 SECRET_FILES = {"api-keys": "sk-client-one\nsk-client-two\n", "admin-token": "adm-7f3e9c",
-                "redis-url": "rediss://:pw-41d2@redis.example.internal:6379/0"}
+                "redis-url": "rediss://:pw-41d2@redis.example.internal:6379/0",
+                "agent-token": AGENT_TOKEN,
+                "agent-token-sha256": hashlib.sha256(AGENT_TOKEN.encode()).hexdigest()}
+# The production overlay's balancer pods' mesh ids (region + StatefulSet pod name).
+MESH_IDS = [f"eu-west-skymesh-lb-{i}" for i in range(3)]
 # The token hash the old ConfigMap shipped (sha256 of "change-me-ops").
 OLD_HASH = "a57dc21a5a080e90e7df96108954414da40039b3f7f9235ca63435938c0c1159"
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # Prometheus Operator: no schema here
@@ -71,12 +83,24 @@ def render_error(overlay: Path) -> str:
     return proc.stderr
 
 
+def mesh_files(out: Path) -> dict[str, str]:
+    """A mesh CA and a certificate per production balancer pod, as `skymesh certs` makes
+    them: {file name: PEM}."""
+    certs.create_ca(out)
+    for mesh_id in MESH_IDS:
+        certs.issue_cert(out, mesh_id)
+    names = ["ca.crt", *(f"{i}.{ext}" for i in MESH_IDS for ext in ("crt", "key"))]
+    return {n: (out / n).read_text() for n in names}
+
+
 def tree_copy(tmp: Path, secrets: bool) -> Path:
     root = tmp / "k8s"
     shutil.copytree(K8S, root)
     if secrets:
+        folder = root / "overlays" / "production" / "secrets"
         for name, text in SECRET_FILES.items():
-            (root / "overlays" / "production" / "secrets" / name).write_text(text)
+            (folder / name).write_text(text)
+        mesh_files(folder / "mesh")
     return root
 
 
@@ -167,11 +191,16 @@ def test_checkov_finds_nothing_in_the_rendered_manifests(example: Objects, produ
 def test_balancers_survive_rollouts_and_drains(overlay: str, count: int,
                                                request: pytest.FixtureRequest) -> None:
     objs: Objects = request.getfixturevalue(overlay)
-    lb = one(objs, "Deployment", "skymesh-lb")
+    # A StatefulSet: stable pod names, hence stable balancer and mesh ids (below).
+    lb = one(objs, "StatefulSet", "skymesh-lb")
     labels = lb["spec"]["template"]["metadata"]["labels"]
     assert lb["spec"]["replicas"] == count
-    assert lb["spec"]["strategy"] == {"type": "RollingUpdate",
-                                      "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    # All pods start at once; updates replace one pod at a time (the default partition
+    # 0 rolls every pod), each once its predecessor has been ready for minReadySeconds.
+    assert lb["spec"]["podManagementPolicy"] == "Parallel"
+    assert lb["spec"]["updateStrategy"] == {"type": "RollingUpdate",
+                                            "rollingUpdate": {"partition": 0}}
+    assert lb["spec"]["minReadySeconds"] > 0
     pdb = one(objs, "PodDisruptionBudget", "skymesh-lb")
     assert pdb["spec"]["minAvailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
@@ -242,19 +271,31 @@ def parse_flags(script: str, args: list[str]) -> Any:
         raise AssertionError(f"{script} rejects {args}") from exc
 
 
-def container_env(objs: Objects, c: dict[str, Any]) -> dict[str, str]:
-    """What the kubelet would put in the environment: literal values, ConfigMap keys, and
-    Secret references as ``<secret NAME/KEY>``."""
+def container_env(objs: Objects, c: dict[str, Any], pod_name: str = "POD",
+                  pod_ip: str = "10.0.0.1") -> dict[str, str]:
+    """What the kubelet would put in the environment: literal values, ConfigMap keys,
+    the downward API's pod name and IP (as given), and Secret references as
+    ``<secret NAME/KEY>``."""
+    fields = {"metadata.name": pod_name, "status.podIP": pod_ip}
     env: dict[str, str] = {}
     for ref in c.get("envFrom", []):
         env |= one(objs, "ConfigMap", ref["configMapRef"]["name"])["data"]
     for e in c.get("env", []):
         if "value" in e:
             env[e["name"]] = e["value"]
+        elif "fieldRef" in e["valueFrom"]:
+            env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
             ref = e["valueFrom"]["secretKeyRef"]
             env[e["name"]] = f"<secret {ref['name']}/{ref['key']}>"
     return env
+
+
+def secret_key(env_value: str) -> str:
+    """The key of a ``<secret NAME/KEY>`` placeholder."""
+    found = re.fullmatch(r"<secret [\w.-]+/([\w.-]+)>", env_value)
+    assert found, f"{env_value!r} does not come from a Secret"
+    return found.group(1)
 
 
 def mounted_file(objs: Objects, pod: dict[str, Any], c: dict[str, Any], path: str
@@ -295,10 +336,17 @@ def test_commands_and_configs_are_what_the_daemons_accept(rendered: Objects) -> 
             assert kind == "ConfigMap"
             text = one(rendered, "ConfigMap", cm)["data"][key]
             if c["command"][0] == "skymesh-lb":
-                check_lb_config(rendered, pod, c, parse_lb_config(yaml.safe_load(text)), http)
+                check_lb_configs(rendered, w, c, yaml.safe_load(text), http)
             else:
-                cfg = parse_controller_config(yaml.safe_load(text))
-                assert cfg.listen.port == http and not cfg.tokens
+                # The agent token's hash comes from the Secret, expanded when the daemon
+                # loads the file: here a stand-in hash for the placeholder.
+                sha_var = "SKYMESH_AGENT_TOKEN_SHA256"
+                assert secret_key(env[sha_var]) == "agent-token-sha256"
+                cfg = parse_controller_config(expand_env(
+                    yaml.safe_load(text), {**env, sha_var: digest(AGENT_TOKEN)}))
+                assert cfg.listen.port == http
+                assert [(t.role, t.sha256) for t in cfg.tokens] == [
+                    ("agent", digest(AGENT_TOKEN))]
                 assert env["SKYMESH_ADMIN_TOKEN"].startswith("<secret ")
                 assert flags.store.startswith(("redis://", "<secret "))
                 if flags.store.startswith("redis://"):  # the bundled Redis, by its Service
@@ -307,6 +355,50 @@ def test_commands_and_configs_are_what_the_daemons_accept(rendered: Objects) -> 
                                         r"skymesh-redis:6379/0", flags.store)
                     assert redis["spec"]["ports"][0]["port"] == 6379
     assert started == set(PARSERS)
+
+
+def check_lb_configs(objs: Objects, sts: dict[str, Any], c: dict[str, Any],
+                     raw: dict[str, Any], http: int) -> None:
+    """lb.yaml as each balancer pod loads it, with its own pod name and IP: every pod is
+    its own balancer and mesh member, linked to the controller, with its certificate."""
+    pod = sts["spec"]["template"]["spec"]
+    count, region = sts["spec"]["replicas"], raw["region"]
+    ids = set()
+    for i in range(count):
+        name = f"{sts['metadata']['name']}-{i}"  # a StatefulSet's pod names
+        env = container_env(objs, c, pod_name=name, pod_ip=f"10.0.0.{i + 1}")
+        cfg = parse_lb_config(expand_env(raw, env))
+        check_lb_config(objs, pod, c, cfg, http)
+        # Balancer id = mesh id = region + pod name: unique within the region (pod
+        # names) and across regions (the prefix), and stable across restarts.
+        assert cfg.mesh is not None and cfg.controller is not None
+        assert cfg.mesh.id == f"{region}-{name}" and cfg.controller.balancer_id is None
+        ids.add(cfg.mesh.id)
+        # The gRPC listener binds the pod's IP: the address the controller gives peers.
+        assert cfg.mesh.listen_host == f"10.0.0.{i + 1}"
+        mesh_port = next(p for p in c["ports"] if p["name"] == "mesh")["containerPort"]
+        assert cfg.mesh.listen_port == mesh_port and not cfg.mesh.peers
+        assert admits(objs, "skymesh-lb", mesh_port, namespace="another-region")
+        # Its certificate pair and the mesh CA come from the mesh Secret.
+        for path in (f"{cfg.mesh.certs_dir}/ca.crt", f"{cfg.mesh.certs_dir}/{cfg.mesh.id}.crt",
+                     f"{cfg.mesh.certs_dir}/{cfg.mesh.id}.key"):
+            assert mounted_file(objs, pod, c, path)[0] == "Secret", path
+        # The controller: its Service, the agent token from the balancers' Secret, and
+        # this pod's own address (the headless Service's per-pod name) for its probes.
+        ctl = one(objs, "Service", "skymesh-controller")
+        assert cfg.controller.url == f"http://skymesh-controller:{ctl['spec']['ports'][0]['port']}"
+        assert cfg.controller.token_file
+        assert mounted_file(objs, pod, c, cfg.controller.token_file)[::2] == ("Secret",
+                                                                            "agent-token")
+        headless = one(objs, "Service", sts["spec"]["serviceName"])
+        assert headless["spec"]["clusterIP"] == "None"
+        assert headless["spec"]["publishNotReadyAddresses"] is True
+        assert headless["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"][
+            "labels"].items()
+        assert cfg.controller.advertise_url == (
+            f"http://{name}.{headless['metadata']['name']}:{http}")
+        assert {p["port"] for p in headless["spec"]["ports"]} == {http, mesh_port}
+    assert len(ids) == count
 
 
 def check_lb_config(objs: Objects, pod: dict[str, Any], c: dict[str, Any], cfg: Any,
@@ -396,7 +488,7 @@ def test_the_default_render_holds_no_secret_material(example: Objects) -> None:
     for w in workloads(example):
         for c in w["spec"]["template"]["spec"]["containers"]:
             for e in c.get("env", []):
-                assert "value" in e or "secretKeyRef" in e["valueFrom"]
+                assert "value" in e or {"secretKeyRef", "fieldRef"} & e["valueFrom"].keys()
                 if re.search(r"TOKEN|PASSWORD|KEY|URL", e["name"]):
                     assert "value" not in e, f"{e['name']} is set in the manifest"
 
@@ -406,7 +498,18 @@ def test_operator_secrets_reach_the_pods_only_through_secret_objects(production:
     secrets = {o["metadata"]["name"]: o for o in production if o["kind"] == "Secret"}
     data = {k: base64.b64decode(v).decode() for s in secrets.values()
             for k, v in s["data"].items()}
+    mesh = {k: data.pop(k) for k in list(data) if k == "ca.crt" or k.startswith("eu-west-")}
     assert data == SECRET_FILES
+    # The mesh Secret: the CA and, for every balancer pod, a certificate whose CN (what
+    # peers check) is that pod's mesh id, signed by the CA.
+    ca = x509.load_pem_x509_certificate(mesh["ca.crt"].encode())
+    assert sorted(mesh) == sorted(["ca.crt", *(f"{i}.{e}" for i in MESH_IDS
+                                               for e in ("crt", "key"))])
+    assert len(MESH_IDS) == one(production, "StatefulSet", "skymesh-lb")["spec"]["replicas"]
+    for mesh_id in MESH_IDS:
+        cert = x509.load_pem_x509_certificate(mesh[f"{mesh_id}.crt"].encode())
+        assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == mesh_id
+        cert.verify_directly_issued_by(ca)
     others = yaml.safe_dump_all([o for o in production if o["kind"] != "Secret"])
     for text in SECRET_FILES.values():
         for line in text.splitlines():
@@ -416,7 +519,7 @@ def test_operator_secrets_reach_the_pods_only_through_secret_objects(production:
         pod = w["spec"]["template"]["spec"]
         refs |= {v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
         refs |= {e["valueFrom"]["secretKeyRef"]["name"] for c in pod["containers"]
-                 for e in c.get("env", []) if "valueFrom" in e}
+                 for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
     assert refs == set(secrets)  # the generated (hash-suffixed) names, every one used
 
 

@@ -91,7 +91,7 @@ def test_the_vllm_burst_page_has_a_row_per_mode_and_server() -> None:
     mode = {"servers": {"a": server, "b": server}, "lb_queue_mean": 20.0, "lb_queue_max": 40,
             "ttft_p50_s": 1.5, "ttft_p90_s": None, "completion_s": 30.0, "failed": 0}
     text = BY_NAME["vllm_burst"].render({"setup": {"servers": 2}, "modes": {"sp-p": mode}})
-    assert "| sp-p | a | 1.25 | 6 | 3.50 | 20.00 | 40 | 1.50 s | - | 30.0 s | 0 |" in text
+    assert "| sp-p | a | 1.25 | 6 | 3.50 | - | 20.00 | 40 | 1.50 s | - | 30.0 s | 0 |" in text
     assert "| sp-p | b |" in text
 
 

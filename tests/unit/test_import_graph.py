@@ -37,12 +37,6 @@ LAZY_BACK_EDGES: dict[tuple[str, str], str] = {
     ("skymesh.policies.base", "skymesh.policies.*"):
         "the registry imports the built-in policies on first use; they import base to "
         "subclass Policy (by design: one registry, no second table)",
-    ("skymesh_lab.bench.skylb_macro", "skymesh_lab.bench.skylb_live"):
-        "--mode live hands over to the live runner, which reuses the macro's SYSTEMS and "
-        "Options; untangling moves those into a module of their own",
-    ("skymesh_lab.planning.capacity_week", "skymesh_lab.planning.week_diagnose"):
-        "LT-UA's parity budget is computed by week_diagnose, which builds on capacity_week's "
-        "fluid model; untangling moves parity_budget (and what it needs) into capacity_week",
 }
 
 

@@ -302,12 +302,12 @@ def test_a_broken_stream_is_rebuilt_from_the_bytes_the_client_has() -> None:
     """``retry.resume_streams`` on the plain relay: the relayed bytes become the stream's
     state (tokens, text, head) and the resume begins; a break inside an event, which the
     client holds half of, is not resumed."""
-    from skymesh.balancer.server import Balancer
+    from skymesh.balancer.moves import Mover
 
     calls: list[LiveStream] = []
 
     class Fake:
-        def _resume(self, st: LiveStream, exc: BaseException) -> bool:
+        def resume(self, st: LiveStream, exc: BaseException) -> bool:
             calls.append(st)
             return True
 
@@ -320,12 +320,12 @@ def test_a_broken_stream_is_rebuilt_from_the_bytes_the_client_has() -> None:
         {"model": "m", "prompt": "Rivers", "stream": True}).encode(), {})
     ticket = Ticket(RouteRequest("r"), 0.0)
     relayed = chunk(" run") + chunk(" to") + chunk(" the")
-    st = Balancer._resumable(Fake(), ticket, intake, 0.0, 0.1, None,  # type: ignore[arg-type]
-                             relayed, ConnectionError())
+    st = Mover.resumable(Fake(), ticket, intake, 0.0, 0.1, None,  # type: ignore[arg-type]
+                         relayed, ConnectionError())
     assert st is not None and calls == [st]
     assert (st.tokens, st.generated_text, st.head) == (3, " run to the", {
         "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"})
     half = relayed + chunk(" sea")[:20]
-    assert Balancer._resumable(Fake(), ticket, intake, 0.0, 0.1, None,  # type: ignore[arg-type]
-                               half, ConnectionError()) is None
+    assert Mover.resumable(Fake(), ticket, intake, 0.0, 0.1, None,  # type: ignore[arg-type]
+                           half, ConnectionError()) is None
     assert len(calls) == 1  # never asked to resume

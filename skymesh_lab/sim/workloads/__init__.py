@@ -9,6 +9,8 @@ azure2023-code           Azure LLM 2023 (Splitwise) code trace, unique prompts  
 azure2023-conv           Azure LLM 2023 (Splitwise) conversation trace           open
 sharegpt-chat            SkyLB multi-turn ShareGPT chat clients                  closed
 tot-gsm8k                SkyLB tree of thoughts over GSM8K questions             closed
+tot-skylb                SkyLB's own ToT client: virtual root, identical siblings closed
+mixed-tree-skylb         tot-skylb, first region 4-branch x 2, others 2-branch   closed
 poisson                  Poisson arrivals, ShareGPT or fixed lengths             open
 ======================== ======================================================= ========
 
@@ -29,6 +31,7 @@ from skymesh_lab.sim.workloads.mooncake import MooncakeWorkload
 from skymesh_lab.sim.workloads.poisson import PoissonWorkload
 from skymesh_lab.sim.workloads.sharegpt import ShareGPTChatWorkload
 from skymesh_lab.sim.workloads.tot import TreeOfThoughtsWorkload
+from skymesh_lab.sim.workloads.tot_skylb import MixedTreeSkyLBWorkload, SkyLBTreeWorkload
 
 _FACTORIES: dict[str, Callable[..., Workload]] = {
     "mooncake-conversation": partial(MooncakeWorkload, "conversation"),
@@ -37,6 +40,8 @@ _FACTORIES: dict[str, Callable[..., Workload]] = {
     "azure2023-conv": partial(AzureWorkload, "conv"),
     "sharegpt-chat": ShareGPTChatWorkload,
     "tot-gsm8k": TreeOfThoughtsWorkload,
+    "tot-skylb": SkyLBTreeWorkload,
+    "mixed-tree-skylb": MixedTreeSkyLBWorkload,
     "poisson": PoissonWorkload,
 }
 
@@ -86,9 +91,11 @@ def _factory(name: str) -> Callable[..., Workload]:
 __all__ = [
     "WORKLOAD_NAMES",
     "AzureWorkload",
+    "MixedTreeSkyLBWorkload",
     "MooncakeWorkload",
     "PoissonWorkload",
     "ShareGPTChatWorkload",
+    "SkyLBTreeWorkload",
     "TreeOfThoughtsWorkload",
     "build_workload",
     "data_dir",

@@ -411,7 +411,9 @@ resource "aws_launch_template" "lb" {
     }
   }
 
-  user_data = base64encode(templatefile("${path.module}/user_data.sh.tftpl", {
+  # gzip: the script embeds the units and the installer, and EC2 takes at most 16 KiB of
+  # user data; cloud-init unpacks gzip itself (tests/deploy/test_user_data_size.py).
+  user_data = base64gzip(templatefile("${path.module}/user_data.sh.tftpl", {
     roles          = "lb"
     wheel_url      = var.skymesh_wheel_url
     wheel_sha256   = local.wheel_sha256
@@ -535,7 +537,8 @@ resource "aws_instance" "replica" {
   # endpoint (the wheel) in place.
   depends_on = [aws_route_table_association.private, aws_vpc_endpoint.s3]
 
-  user_data = templatefile("${path.module}/user_data.sh.tftpl", {
+  # gzip, as the balancers' (EC2's 16 KiB limit; cloud-init unpacks it).
+  user_data_base64 = base64gzip(templatefile("${path.module}/user_data.sh.tftpl", {
     roles          = "replica"
     wheel_url      = var.skymesh_wheel_url
     wheel_sha256   = local.wheel_sha256
@@ -550,7 +553,7 @@ resource "aws_instance" "replica" {
     mesh_id        = ""
     api_keys_param = ""
     tls_prefix     = ""
-  })
+  }))
 
   tags = merge(local.tags, { Name = "skymesh-replica-${var.name}-${count.index}", "skymesh:role" = "replica" })
 }

@@ -1,0 +1,203 @@
+"""The HTTP edge: the generation handler, ``/health``, ``/ready`` and the client keys.
+
+A generation request's path: check the client's key (401) and its in-flight cap (429),
+read the body under the size limit (413), parse it (400), check the model (404; a 503 at
+once when nothing up serves it, ``skymesh.balancer.overload``), offer it to the
+:class:`~skymesh.balancer.dispatch.Dispatcher` (429 when the queue is full), then hand it
+to ``skymesh.balancer.forwarding`` (503 after the queue timeout, or as soon as the
+model's last replica goes down; Retry-After from the queue's drain rate). One ``finally``
+settles the dispatcher's counters whatever happens, including a client that goes away
+(aiohttp cancels the handler; closing the upstream response aborts the request on the
+replica). Every error the balancer answers itself is an OpenAI-shaped body
+(``skymesh.balancer.edge.error_response``).
+
+The request's deadline (``X-SkyMesh-Deadline-Ms`` or its SLO class, ``slo`` in the
+config) reaches every policy as ``RouteRequest.deadline_s``. The rest is for predictive
+policies (``goodserve``, ``preserve``), and only they pay for it: a predicted output length
+(``skymesh.balancer.prediction``) is computed only for policies with
+``uses_length_prediction``; ``Policy.on_timing`` is called at the first byte and at the
+end only for policies that override it; and for a policy with ``wants_migration`` a
+periodic re-check may move a streaming request mid-response (``skymesh.balancer.moves``).
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from skymesh.balancer.dispatch import Ticket
+from skymesh.balancer.edge import error_response, request_id
+from skymesh.balancer.errors import (
+    BadRequest,
+    KeyAtCap,
+    Overloaded,
+    PayloadTooLarge,
+    SkyMeshError,
+    Unauthorized,
+)
+from skymesh.balancer.forwarding import OUTPUT_TOKENS_KEY, TICKET_KEY
+from skymesh.balancer.intake import parse_request, prediction_input, request_deadline, route_request
+from skymesh.balancer.mesh_link import FORWARDED_HEADER
+from skymesh.balancer.migration import max_output
+from skymesh.balancer.overload import check_servable
+from skymesh.obs.access import note
+
+if TYPE_CHECKING:
+    from skymesh.balancer.server import Balancer
+
+
+class Handlers:
+    def __init__(self, lb: Balancer) -> None:
+        self.lb = lb
+        self.in_flight_by_key: dict[bytes, int] = {}  # key digest -> requests here
+
+    async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        lb = self.lb
+        kind = "chat" if request.path.endswith("/chat/completions") else "completion"
+        t0 = lb.now()
+        model = "?"
+        outcome = "error"
+        ticket: Ticket | None = None
+        holder: bytes | None = None
+        forwarded = self.forwarded_by_peer(request)
+        try:
+            self.authorize(request, forwarded)
+            holder = self._hold_key_slot(request, forwarded)
+            raw = await self.read_body(request)
+            intake = parse_request(kind, raw, request.headers)
+            check_servable(lb.dispatcher, intake.model, lb.rng.random(), forwarded=forwarded)
+            # Only now a metric label: a name a client made up would be a new time
+            # series per request (unbounded /metrics and memory).
+            model = intake.model
+            note(request, model=model)  # the access log's
+            rid = request_id(request)
+            slo = lb.cfg.slo
+            deadline_s = request_deadline(intake, request.headers, slo.header, slo.classes,
+                                          slo.default)
+            timeout = lb.cfg.queue.timeout_s
+            if deadline_s is not None:
+                timeout = min(timeout, deadline_s)
+            flags = lb.flags
+            route = route_request(rid, intake, prefix_keys=flags.keys, deadline_s=deadline_s)
+            if flags.predicts:
+                text, turn, history = prediction_input(intake, route.prompt_len)
+                route = replace(route, predicted_output_tokens=lb.predictor.predict(
+                    text, turn, history, route.prompt_len, max_output(intake.body, kind)))
+            if forwarded:
+                route = replace(route, forwarded=True)
+            ticket = Ticket(route, t0)
+            try:
+                lb.dispatcher.offer(ticket, t0)
+            except Overloaded as exc:  # the queue is full: back when it has drained
+                raise Overloaded(str(exc), retry_after_s=lb.drain_retry_s(model)) from None
+            resp, outcome = await lb.forwarder.serve(request, ticket, raw, intake, t0, timeout)
+            return resp
+        except SkyMeshError as exc:
+            outcome = type(exc).__name__
+            return error_response(exc)
+        finally:
+            if holder is not None:
+                left = self.in_flight_by_key[holder] - 1
+                if left:
+                    self.in_flight_by_key[holder] = left
+                else:
+                    del self.in_flight_by_key[holder]
+            if ticket is not None:
+                cur: Ticket = request.get(TICKET_KEY, ticket)  # a migration replaces it
+                if lb.dispatcher.cancel(cur):
+                    outcome = "cancelled"
+                if cur.target is not None:  # still attributed: client went away
+                    lb.dispatcher.complete(cur, lb.now(), ok=False)
+                if cur.attempts:  # it left the queue: the drain rate counts it
+                    lb.drain.record(model, lb.now())
+                lb.pump()
+            lb.metrics.requests.labels(model, outcome).inc()
+            lb.metrics.e2e.labels(model).observe(lb.now() - t0)
+            if ticket is not None:
+                out_tokens = request.get(OUTPUT_TOKENS_KEY, 0)
+                lb.tally.add(model, ticket.route.prompt_len, out_tokens)
+                if lb.flags.predicts and outcome == "ok":
+                    lb.predictor.observe(ticket.route.prompt_len, out_tokens)
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "region": self.lb.cfg.region})
+
+    async def handle_ready(self, request: web.Request) -> web.Response:
+        health = self.lb.health
+        healthy = health.healthy_count()
+        status = 200 if healthy else 503
+        return web.json_response({"ready": bool(healthy), "healthy_replicas": healthy,
+                                  "replicas": len(health.replicas)}, status=status)
+
+    # -- client keys ---------------------------------------------------------------------
+    def forwarded_by_peer(self, request: web.Request) -> bool:
+        """Replayed by our own mesh link (it carries this process's random secret): such
+        a request skips the client key check, so the comparison takes constant time."""
+        mesh = self.lb.mesh
+        if mesh is None:
+            return False
+        given = request.headers.get(FORWARDED_HEADER)
+        return given is not None and hmac.compare_digest(
+            given.encode("utf-8", "surrogateescape"), mesh.secret.encode())
+
+    def authorize(self, request: web.Request, forwarded: bool) -> None:
+        keys = self.lb.edge.keys
+        if keys.required and not forwarded and \
+                not keys.allows(request.headers.get("Authorization")):
+            raise Unauthorized("a valid API key is required: send it as "
+                               "'Authorization: Bearer KEY'")
+
+    def refused(self, request: web.Request) -> web.Response | None:
+        """The 401 for a request to a guarded route other than generation, or None."""
+        try:
+            self.authorize(request, self.forwarded_by_peer(request))
+        except Unauthorized as exc:
+            return error_response(exc)
+        return None
+
+    def _hold_key_slot(self, request: web.Request, forwarded: bool) -> bytes | None:
+        """Count the request against its key's ``auth.max_in_flight_per_key``; returns the
+        key's digest to release, or None when nothing is counted. A peer's forwarded
+        requests were counted at the balancer their client reached."""
+        lb = self.lb
+        cap = lb.cfg.auth.max_in_flight_per_key
+        if cap is None or not lb.edge.keys.required or forwarded:
+            return None
+        digest = lb.edge.keys.digest_of(request.headers.get("Authorization"))
+        if digest is None:
+            return None
+        n = self.in_flight_by_key.get(digest, 0)
+        if n >= cap:
+            raise KeyAtCap(f"this API key already has {n} requests in flight here "
+                           f"(auth.max_in_flight_per_key); retry when one ends",
+                           retry_after_s=1.0)
+        self.in_flight_by_key[digest] = n + 1
+        return digest
+
+    async def read_body(self, request: web.Request) -> bytes:
+        limit = self.lb.cfg.limits.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        content = request.content
+        if content.is_eof():
+            # The whole body came with the headers (small JSON bodies do): take it without
+            # the async iteration, which is TTFT at low request rates.
+            raw = content.read_nowait()
+        else:
+            buf = bytearray()
+            async for chunk in content.iter_any():
+                buf += chunk
+                if len(buf) > limit:
+                    raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+            raw = bytes(buf)
+        if len(raw) > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        if not raw:
+            raise BadRequest("request body is empty")
+        return raw
+
+
+__all__ = ["Handlers"]

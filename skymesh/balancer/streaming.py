@@ -1,0 +1,168 @@
+"""Relaying a streamed response to the client, chunk by chunk, and ending open streams
+cleanly at shutdown.
+
+The client's response is prepared only when the replica's first bytes are here (a failure
+before them is retried elsewhere by ``skymesh.balancer.forwarding``); from then on the
+client has bytes and a break upstream ends the stream with an SSE error event and
+``[DONE]``, unless ``retry.resume_streams`` lets ``skymesh.balancer.moves`` continue it on
+another replica from the bytes the client has. Output tokens are counted from the SSE
+events (one per token in vLLM's and SGLang's streams), for telemetry and policies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+
+from skymesh.balancer.dispatch import Ticket
+from skymesh.balancer.forwarding import (
+    OUTPUT_TOKENS_KEY,
+    CoalescedStream,
+    ReplicaFault,
+    broken,
+    copy_headers,
+)
+from skymesh.balancer.intake import Intake
+from skymesh.balancer.migration import SSEFramer, migratable
+from skymesh.balancer.output_text import OutputCapture, sse_output_text
+from skymesh.balancer.upstream import Reply
+from skymesh.policies.base import RequestTiming
+
+if TYPE_CHECKING:
+    from skymesh.balancer.server import Balancer
+
+log = logging.getLogger("skymesh.lb")
+# retry.resume_streams: the most bytes of one stream kept to resume it (a 4,096-token
+# vLLM stream is about 1 MB).
+RESUME_BYTES = 2 << 20
+
+
+class Streams:
+    def __init__(self, lb: Balancer) -> None:
+        self.lb = lb
+        self.open: set[Reply] = set()  # open streams that are not migratable
+        self._shutdown_task: asyncio.Task[None] | None = None
+
+    async def first_chunk(self, up: Reply) -> tuple[AsyncIterator[bytes], bytes, float]:
+        """The upstream's first bytes (a failure before them is the replica's: retry), and
+        when they came."""
+        chunks: AsyncIterator[bytes] = up.content.iter_any()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            raise ReplicaFault("empty response") from None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ReplicaFault(str(exc) or type(exc).__name__) from exc
+        return chunks, first, self.lb.now()
+
+    async def _open_stream(self, request: web.Request, ticket: Ticket,
+                             up: Reply, first: bytes, first_at: float, t0: float
+                             ) -> web.StreamResponse:
+        """Answer the client with the upstream's status, headers and first bytes, then
+        count the request as started. From here on the client has bytes: no more retries.
+
+        The bookkeeping comes after the write: it is not needed to relay the first token,
+        and at low request rates every step before that write is TTFT (each costs several
+        times its warm-cache time when the balancer wakes from idle)."""
+        resp = CoalescedStream(status=up.status, headers=copy_headers(up))
+        await resp.prepare(request)
+        await resp.write(first)
+        self.started(ticket, first_at, t0)
+        return resp
+
+    def started(self, ticket: Ticket, first_at: float, t0: float) -> None:
+        """The replica has answered: the request no longer waits to be admitted there."""
+        lb = self.lb
+        lb.dispatcher.first_byte(ticket)
+        lb.pump()  # a no-op unless requests wait for exactly this
+        lb.metrics.ttft.labels(ticket.route.model).observe(first_at - t0)
+
+    async def stream(self, request: web.Request, ticket: Ticket, up: Reply,
+                     t0: float, sent: float, intake: Intake
+                     ) -> tuple[web.StreamResponse, str]:
+        lb = self.lb
+        flags = lb.flags
+        chunks, first, first_at = await self.first_chunk(up)
+        resp = await self._open_stream(request, ticket, up, first, first_at, t0)
+        target = ticket.target or ""
+        if flags.timed:
+            lb.dispatcher.policy.on_timing(ticket.route, target, RequestTiming(
+                first_at, sent, first_at, 0, False, ticket.route.prompt_len))
+        ok = True
+        # One SSE event per generated token in vLLM's and SGLang's streams (bar the role
+        # chunk and [DONE]): a count good enough for demand telemetry, and cheap.
+        events = first.count(b"data: ")
+        cap = (OutputCapture.for_request(intake.prompt_text, intake.body)
+               if flags.records else None)
+        if cap is not None:
+            cap.add(first)
+        # retry.resume_streams: what the client has, to rebuild the stream if the replica
+        # breaks (up to RESUME_BYTES; a longer stream is not resumed). Nothing is parsed
+        # unless that happens.
+        relayed = bytearray(first) if flags.resumes and migratable(intake.body) else None
+        self.open.add(up)
+        try:
+            async for chunk in chunks:
+                events += chunk.count(b"data: ")
+                await resp.write(chunk)
+                if cap is not None:
+                    cap.add(chunk)
+                if relayed is not None:
+                    relayed += chunk
+                    if len(relayed) > RESUME_BYTES:
+                        relayed = None
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+            st = None if relayed is None else lb.moves.resumable(
+                ticket, intake, sent, first_at, up, bytes(relayed), exc)
+            if st is not None:
+                self.open.discard(up)
+                return await lb.moves.live_loop(request, resp, st, up, chunks, SSEFramer(), [])
+            ok = False
+            await resp.write(self.broken_stream(ticket.target, exc))
+        finally:
+            self.open.discard(up)
+        # Events that carry no token: [DONE], the chat role chunk, the usage chunk.
+        opts = intake.body.get("stream_options")
+        extra = 1 + (intake.kind == "chat") + (isinstance(opts, dict)
+                                                and bool(opts.get("include_usage")))
+        tokens = max(0, events - extra)
+        request[OUTPUT_TOKENS_KEY] = tokens
+        if ok and flags.timed:
+            lb.dispatcher.policy.on_timing(ticket.route, target, RequestTiming(
+                lb.now(), sent, first_at, tokens, True, ticket.route.prompt_len))
+        lb.dispatcher.complete(ticket, lb.now(), ok=ok,
+                               replica_fault=not ok and not lb.closing)
+        await resp.write_eof()
+        if ok and cap is not None:
+            lb.forwarder.record_cached(ticket.route, target, intake,
+                                       sse_output_text(cap.raw(), intake.kind))
+        return resp, "ok" if ok else "upstream_broken"
+
+    def broken_stream(self, target: str | None, exc: BaseException) -> bytes:
+        if self.lb.closing:
+            return broken("the balancer is shutting down; retry the request", "shutting_down")
+        log.warning("upstream %s broke mid-stream: %s", target, exc)
+        return broken(f"the replica failed mid-response: {exc}")
+
+    def cut_after(self, grace_s: float) -> None:
+        """Streams still running ``grace_s`` from now end with an SSE error and [DONE]
+        (closing their upstream wakes the relay) before the server cancels handlers: a
+        client must never see a stream cut short without being told."""
+
+        async def cut() -> None:
+            await asyncio.sleep(grace_s)
+            ups = [*self.open, *self.lb.moves.upstreams()]
+            if ups:
+                log.warning("shutting down: ending %d open stream(s)", len(ups))
+            for up in ups:
+                up.close()
+
+        self._shutdown_task = asyncio.get_running_loop().create_task(cut())
+
+
+__all__ = ["RESUME_BYTES", "Streams"]

@@ -1,0 +1,305 @@
+"""One access-log line per request through skymesh-lb, and the request's trace span.
+
+:func:`install` adds an aiohttp middleware that times each request and, when it ends,
+logs one INFO line on the ``skymesh.access`` logger (fields below; text or JSON by
+:mod:`skymesh.obs.logs`) and ends the request's SERVER span (:mod:`skymesh.obs.tracing`).
+What only the balancer knows it tells the record with :func:`note` (the model, the replica
+or peer that served it); each attempt upstream runs inside :func:`upstream_span` and
+stamps its ``traceparent`` with :func:`inject_trace`. All three do nothing when the
+middleware is not installed (access log off and tracing off).
+
+Fields: ``request_id`` (the ``X-Request-Id`` the balancer echoes), ``method``, ``path``,
+``model``, ``served_by`` (replica URL or peer id) and ``via`` (``replica`` | ``peer``),
+``status`` (499: the client left before any response; ``disconnected``: it left during
+one), ``ttft_ms`` (to the first byte of a streamed body; for a whole body, to when it
+was ready), ``duration_ms``, ``prompt_tokens``/``completion_tokens`` (when the response
+carries OpenAI ``usage``: a whole body, or a stream with ``include_usage``), ``client``
+(peer address of the connection), and ``trace_id`` when the request is traced.
+
+Times come from an injected clock (``time.perf_counter``). A streamed body is observed by
+wrapping its ``write`` when its headers are prepared: aiohttp has no server-side hook for
+body bytes, and this keeps the balancer's stream code untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from skymesh.obs.logs import ACCESS_LOGGER
+
+if TYPE_CHECKING:
+    from skymesh.obs.tracing import Tracing
+
+Clock = Callable[[], float]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the request": never sent
+_TAIL_CHUNKS = 4  # the usage event is the last one before [DONE]; it may straddle chunks
+_USAGE_SPAN = 4096  # bytes after "usage": to decode (the object is ~200 bytes)
+_COLON = re.compile(rb"\s*:\s*")
+_DECODER = json.JSONDecoder()
+_NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
+
+
+@dataclass(slots=True, eq=False)
+class AccessRecord:
+    """What is known about one request so far; the middleware owns it."""
+
+    start: float
+    clock: Clock
+    tracing: Tracing | None
+    request_id: str | None = None
+    model: str | None = None
+    served_by: str | None = None
+    via: str | None = None
+    status: int | None = None  # once headers are prepared
+    first_byte_at: float | None = None
+    tail: deque[bytes | bytearray | memoryview] = field(
+        default_factory=lambda: deque(maxlen=_TAIL_CHUNKS))
+    span: Any = None
+
+
+RECORD_KEY = web.RequestKey("skymesh.obs.access", AccessRecord)
+
+
+def note(request: web.Request, *, model: str | None = None, served_by: str | None = None,
+         peer: bool = False) -> None:
+    """Tell the access record the request's model, or who serves it (a replica URL, or a
+    peer balancer's id with ``peer``); the last attempt's wins."""
+    rec = request.get(RECORD_KEY)
+    if rec is None:
+        return
+    if model is not None:
+        rec.model = model
+    if served_by is not None:
+        rec.served_by, rec.via = served_by, "peer" if peer else "replica"
+
+
+def upstream_span(request: web.Request, target: str, *, attempt: int = 1,
+                  peer: bool = False) -> contextlib.AbstractContextManager[Any]:
+    """A CLIENT span for one attempt at ``target`` (child of the request's span), current
+    inside the block, so :func:`inject_trace` stamps its id; a no-op without tracing."""
+    rec = request.get(RECORD_KEY)
+    if rec is None or rec.tracing is None:
+        return _NO_SPAN
+    return rec.tracing.client_span(f"{request.method} {request.path}", {
+        "server.address": target, "skymesh.attempt": attempt, "skymesh.peer": peer})
+
+
+def inject_trace(request: web.Request, headers: dict[str, str]) -> None:
+    """Add the current span's ``traceparent`` to an upstream request's ``headers``."""
+    rec = request.get(RECORD_KEY)
+    if rec is not None and rec.tracing is not None:
+        rec.tracing.inject(headers)
+
+
+def usage_tokens(body: bytes) -> tuple[int | None, int | None]:
+    """``(prompt_tokens, completion_tokens)`` of the last non-null OpenAI ``usage`` object
+    in ``body`` (a JSON reply, or the tail of an SSE stream), else ``(None, None)``.
+
+    Only the usage object is decoded, not the body: this runs once per request."""
+    end = len(body)
+    while (i := body.rfind(b'"usage"', 0, end)) >= 0:
+        end = i
+        if i and body[i - 1] == 0x5C:  # \"usage\": inside a string (generated text)
+            continue
+        colon = _COLON.match(body, i + 7)
+        if colon is None:
+            continue
+        text = body[colon.end():colon.end() + _USAGE_SPAN].decode("utf-8", "replace")
+        try:
+            usage, _ = _DECODER.raw_decode(text)
+        except ValueError:
+            continue
+        if isinstance(usage, dict):
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            return (prompt if isinstance(prompt, int) else None,
+                    completion if isinstance(completion, int) else None)
+    return None, None
+
+
+def _default_request_id(request: web.Request) -> str | None:
+    return request.headers.get("X-Request-Id")
+
+
+def _route_name(request: web.Request) -> str:
+    """The route's template (``/{tail:.*}`` for the pass-through): span names stay few."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else request.path
+
+
+class _Access:
+    def __init__(self, log: logging.Logger | None, tracing: Tracing | None,
+                 request_id: Callable[[web.Request], str | None], clock: Clock) -> None:
+        self.log = log
+        self.tracing = tracing
+        self.request_id = request_id
+        self.clock = clock
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        rec = AccessRecord(self.clock(), self.clock, self.tracing,
+                           request_id=self.request_id(request))
+        request[RECORD_KEY] = rec
+        status: int | None = None
+        resp: web.StreamResponse | None = None
+        with self._span(request, rec):
+            try:
+                resp = await handler(request)
+                status = resp.status
+                return resp
+            except web.HTTPException as exc:
+                status = exc.status
+                raise
+            except asyncio.CancelledError:  # the client went away (handler_cancellation)
+                raise
+            except Exception as exc:
+                status = 500  # aiohttp answers an unhandled exception with a 500
+                if rec.span is not None:
+                    rec.span.record_exception(exc)
+                raise
+            finally:
+                self._finish(request, rec, resp, status)
+
+    def _span(self, request: web.Request, rec: AccessRecord
+              ) -> contextlib.AbstractContextManager[Any]:
+        if self.tracing is None:
+            return _NO_SPAN
+        return _server_span(self.tracing, request, rec)
+
+    def _finish(self, request: web.Request, rec: AccessRecord,
+                resp: web.StreamResponse | None, status: int | None) -> None:
+        end = self.clock()
+        disconnected = status is None
+        if status is None:  # cancelled: what the client got, if anything
+            status = rec.status if rec.status is not None else CLIENT_CLOSED
+        body: bytes | None = None  # where the usage is, if anywhere
+        if resp is not None and status < 400:
+            if isinstance(resp, web.Response):
+                if isinstance(resp.body, bytes | bytearray):
+                    body = bytes(resp.body)
+            elif rec.tail:
+                body = b"".join(bytes(c) for c in rec.tail)
+        first = rec.first_byte_at
+        if first is None and not disconnected:
+            first = end  # a whole body: it leaves now, in one write with the headers
+        fields: dict[str, Any] = {
+            "request_id": rec.request_id, "method": request.method, "path": request.path,
+            "model": rec.model, "served_by": rec.served_by, "via": rec.via, "status": status,
+            "ttft_ms": None if first is None else round((first - rec.start) * 1e3, 3),
+            "duration_ms": round((end - rec.start) * 1e3, 3),
+            "prompt_tokens": None, "completion_tokens": None, "client": request.remote,
+        }
+        if disconnected:
+            fields["disconnected"] = True
+        if rec.span is not None:  # the span ends with the middleware: fill it in now
+            from skymesh.obs.tracing import trace_id
+
+            _fill_usage(fields, body)
+            body = None
+            fields["trace_id"] = trace_id(rec.span)
+            _end_span(rec.span, fields)
+        if self.log is not None:
+            # A whole body is written after the middleware returns: the line (and the
+            # usage parse) waits for the next loop turn rather than delay the answer.
+            asyncio.get_running_loop().call_soon(self._emit, fields, body)
+
+    def _emit(self, fields: dict[str, Any], body: bytes | None) -> None:
+        assert self.log is not None
+        if self.log.isEnabledFor(logging.INFO):
+            _fill_usage(fields, body)
+            self.log.info("%s", _text(fields), extra=fields)
+
+
+def _fill_usage(fields: dict[str, Any], body: bytes | None) -> None:
+    if body is not None:
+        fields["prompt_tokens"], fields["completion_tokens"] = usage_tokens(body)
+
+
+@contextlib.contextmanager
+def _server_span(tracing: Tracing, request: web.Request, rec: AccessRecord) -> Iterator[None]:
+    with tracing.server_span(f"{request.method} {_route_name(request)}", request.headers, {
+            "http.request.method": request.method, "url.path": request.path,
+            "client.address": request.remote or ""}) as span:
+        rec.span = span
+        yield
+
+
+def _end_span(span: Any, fields: dict[str, Any]) -> None:
+    """The request's outcome on its span (before the span ends, after the handler)."""
+    from skymesh.obs.tracing import set_error
+
+    span.set_attribute("http.response.status_code", fields["status"])
+    for key, attr in (("request_id", "skymesh.request_id"), ("model", "gen_ai.request.model"),
+                      ("served_by", "skymesh.served_by"),
+                      ("prompt_tokens", "gen_ai.usage.input_tokens"),
+                      ("completion_tokens", "gen_ai.usage.output_tokens")):
+        if fields[key] is not None:
+            span.set_attribute(attr, fields[key])
+    if fields["status"] >= 500:
+        set_error(span, f"HTTP {fields['status']}")
+
+
+def _text(fields: dict[str, Any]) -> str:
+    """The line's message: ``METHOD PATH STATUS key=value ...`` without the empty ones."""
+    head = f"{fields['method']} {fields['path']} {fields['status']}"
+    rest = " ".join(f"{k}={v}" for k, v in fields.items()
+                    if v is not None and k not in ("method", "path", "status"))
+    return f"{head} {rest}"
+
+
+async def _watch_body(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: note the status, and for a streamed body the time of its
+    first byte and its last chunks (the usage event)."""
+    rec = request.get(RECORD_KEY)
+    if rec is None:
+        return
+    rec.status = response.status
+    if isinstance(response, web.Response):  # a whole body: the middleware has it
+        return
+    write = response.write
+    tail = rec.tail
+
+    # Plain functions that hand back the original write's coroutine: no extra coroutine
+    # per chunk on the stream's hot path. The first one stamps the time and steps aside.
+    def first_write(data: bytes | bytearray | memoryview) -> Coroutine[Any, Any, None]:
+        if data:
+            rec.first_byte_at = rec.clock()
+            tail.append(data)
+            response.write = later_write  # type: ignore[method-assign]
+        return write(data)
+
+    def later_write(data: bytes | bytearray | memoryview) -> Coroutine[Any, Any, None]:
+        tail.append(data)
+        return write(data)
+
+    response.write = first_write  # type: ignore[method-assign]
+
+
+def install(app: web.Application, *, access_log: bool = True, tracing: Tracing | None = None,
+            request_id: Callable[[web.Request], str | None] | None = None,
+            clock: Clock = time.perf_counter) -> None:
+    """Log every request of ``app`` and/or trace it; nothing is added when both are off.
+    ``request_id``: the function that gives a request's id (the balancer's
+    ``skymesh.balancer.edge.request_id``); by default the client's ``X-Request-Id``."""
+    if not access_log and tracing is None:
+        return
+    access = _Access(logging.getLogger(ACCESS_LOGGER) if access_log else None, tracing,
+                     request_id or _default_request_id, clock)
+    app.middlewares.append(access.middleware)
+    app.on_response_prepare.append(_watch_body)
+    if tracing is not None:
+        async def flush(app: web.Application) -> None:
+            await asyncio.to_thread(tracing.shutdown)  # exports what is buffered: blocking
+
+        app.on_cleanup.append(flush)

@@ -1,0 +1,46 @@
+"""The ``logging:`` and ``tracing:`` sections, the same in both daemons' configs::
+
+    logging: {format: json, access_log: true}
+    tracing: {otlp_endpoint: "http://otel-collector:4318/v1/traces",
+              service_name: skymesh-lb-us, sample_ratio: 0.1}
+
+Tracing is on exactly when ``otlp_endpoint`` is set (``--otlp-endpoint`` on the command
+line). ``service_name`` defaults to the daemon's name; ``sample_ratio`` samples new traces
+(a client's ``traceparent`` keeps its own sampling decision).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+LogFormat = Literal["text", "json"]
+
+
+class _Strict(BaseModel):
+    # Same rules as the daemons' own sections (an unknown key is an error, not ignored).
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoggingConfig(_Strict):
+    format: LogFormat = "text"
+    access_log: bool = True
+
+
+class TracingConfig(_Strict):
+    otlp_endpoint: str | None = None
+    service_name: str | None = Field(None, min_length=1)
+    sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL (OTLP over HTTP, e.g. "
+                             "http://collector:4318/v1/traces)")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return self.otlp_endpoint is not None

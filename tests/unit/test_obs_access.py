@@ -1,0 +1,219 @@
+"""The access log of skymesh.obs.access on a small aiohttp app served over loopback.
+
+The app's handlers play the balancer's part (they :func:`note` the model and replica and
+answer like a replica would); a fake clock they advance gives exact TTFT and duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from support import eventually
+
+from skymesh.obs.access import install, note, usage_tokens
+from skymesh.obs.logs import ACCESS_LOGGER, JsonFormatter
+
+USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def fields(self) -> list[dict[str, Any]]:
+        keys = ("request_id", "method", "path", "model", "served_by", "via", "status",
+                "ttft_ms", "duration_ms", "prompt_tokens", "completion_tokens", "client",
+                "disconnected")
+        return [{k: getattr(r, k) for k in keys if hasattr(r, k)} for r in self.records]
+
+
+@pytest.fixture
+def records() -> Iterator[Records]:
+    logger = logging.getLogger(ACCESS_LOGGER)
+    handler, level = Records(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def build(clock: FakeClock, hang: asyncio.Event) -> web.Application:
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        note(request, model=body["model"])
+        note(request, served_by="http://10.0.0.1:8000")  # a first attempt failed over:
+        note(request, served_by="http://10.0.0.2:8000")  # the last one is logged
+        clock.t += 0.2  # queueing and the replica's prefill
+        if not body.get("stream"):
+            clock.t += 0.3
+            return web.json_response({"model": body["model"], "usage": USAGE,
+                                      "choices": [{"message": {"content": '"usage": 1'}}]})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        clock.t += 0.1  # headers out, the first token comes later
+        await resp.write(sse({"choices": [{"delta": {"content": "hi"}}]}))
+        clock.t += 1.0
+        if body.get("hang"):
+            await hang.wait()  # the client leaves here
+        await resp.write(sse({"choices": [{"delta": {"content": " there"}}]}))
+        if body.get("stream_options", {}).get("include_usage"):
+            tail = sse({"choices": [], "usage": USAGE})
+            await resp.write(tail[:25])  # the usage event split over two writes
+            await resp.write(tail[25:])
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def boom(request: web.Request) -> web.Response:
+        clock.t += 0.05
+        raise RuntimeError("a bug")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/boom", boom)
+    install(app, clock=clock)
+    return app
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[str, FakeClock, asyncio.Event]]:
+    clock, hang = FakeClock(), asyncio.Event()
+    runner = web.AppRunner(build(clock, hang), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield f"http://127.0.0.1:{port}", clock, hang
+    hang.set()
+    await runner.cleanup()
+
+
+async def test_a_whole_reply_logs_model_replica_status_times_and_usage(
+        served: tuple[str, FakeClock, asyncio.Event], records: Records) -> None:
+    url, _, _ = served
+    async with aiohttp.ClientSession() as s, s.post(
+            url + "/v1/chat/completions", json={"model": "m1", "messages": []},
+            headers={"X-Request-Id": "req-1"}) as r:
+        assert r.status == 200
+        await r.read()
+    await eventually(lambda: bool(records.records), "the access line")
+    (line,) = records.fields()
+    assert line == {"request_id": "req-1", "method": "POST", "path": "/v1/chat/completions",
+                    "model": "m1", "served_by": "http://10.0.0.2:8000", "via": "replica",
+                    "status": 200, "ttft_ms": 500.0, "duration_ms": 500.0,
+                    "prompt_tokens": 7, "completion_tokens": 3, "client": "127.0.0.1"}
+    assert records.records[0].getMessage().startswith("POST /v1/chat/completions 200 ")
+    assert "served_by=http://10.0.0.2:8000" in records.records[0].getMessage()
+
+
+@pytest.mark.parametrize(("include_usage", "tokens"), [(True, (7, 3)), (False, (None, None))])
+async def test_a_stream_logs_time_to_its_first_body_byte_and_its_usage_event(
+        served: tuple[str, FakeClock, asyncio.Event], records: Records,
+        include_usage: bool, tokens: tuple[int | None, int | None]) -> None:
+    url, _, _ = served
+    body = {"model": "m1", "stream": True, "stream_options": {"include_usage": include_usage}}
+    async with aiohttp.ClientSession() as s, \
+            s.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        text = (await r.read()).decode()
+    assert text.endswith("data: [DONE]\n\n")
+    await eventually(lambda: bool(records.records), "the access line")
+    (line,) = records.fields()
+    # prepare at +0.2 s, the first chunk at +0.3 s, the end at +1.3 s
+    assert (line["ttft_ms"], line["duration_ms"]) == (300.0, 1300.0)
+    assert (line["prompt_tokens"], line["completion_tokens"]) == tokens
+    assert line["request_id"] is None  # the client sent none, and this app makes none
+
+
+async def test_errors_and_unknown_routes_get_a_line_with_their_status(
+        served: tuple[str, FakeClock, asyncio.Event], records: Records) -> None:
+    url, _, _ = served
+    async with aiohttp.ClientSession() as s:
+        for path, status in (("/boom", 500), ("/nowhere", 404)):
+            async with s.get(url + path) as r:
+                assert r.status == status
+    await eventually(lambda: len(records.records) == 2, "two access lines")
+    boom, nowhere = records.fields()
+    assert (boom["path"], boom["status"], boom["duration_ms"]) == ("/boom", 500, 50.0)
+    assert (nowhere["status"], nowhere["model"], nowhere["prompt_tokens"]) == (404, None, None)
+
+
+async def test_a_client_that_leaves_mid_stream_is_logged_as_disconnected(
+        served: tuple[str, FakeClock, asyncio.Event], records: Records) -> None:
+    url, _, _ = served
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(url + "/v1/chat/completions",
+                         json={"model": "m1", "stream": True, "hang": True})
+        await r.content.readuntil(b"\n\n")  # the first event is here: leave
+        r.close()
+    await eventually(lambda: bool(records.records), "the access line of the cancelled request")
+    (line,) = records.fields()
+    assert (line["status"], line["disconnected"], line["ttft_ms"]) == (200, True, 300.0)
+
+
+def test_nothing_is_installed_when_both_are_off() -> None:
+    app = web.Application()
+    install(app, access_log=False, tracing=None)
+    assert not app.middlewares and not app.on_response_prepare
+
+
+def usage_event(usage: Any) -> bytes:
+    return sse({"choices": [], "usage": usage})
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    (json.dumps({"usage": USAGE}).encode(), (7, 3)),
+    (b'{"usage":{"prompt_tokens":5}}', (5, None)),
+    # vLLM's chunks carry "usage": null until the last one
+    (usage_event(None) + usage_event({"prompt_tokens": 2, "completion_tokens": 9})
+     + b"data: [DONE]\n\n", (2, 9)),
+    (usage_event({"prompt_tokens": 2, "completion_tokens": 9}) + usage_event(None), (2, 9)),
+    # generated text that spells a usage object is inside a string: escaped quotes
+    (json.dumps({"choices": [{"text": '"usage": {"prompt_tokens": 99}'}]}).encode(),
+     (None, None)),
+    (b'data: {"choices": [], "usage": {"prompt_tok', (None, None)),  # cut short
+    (b"", (None, None)),
+])
+def test_usage_tokens(body: bytes, expected: tuple[int | None, int | None]) -> None:
+    assert usage_tokens(body) == expected
+
+
+async def test_the_json_line_has_every_field(
+        served: tuple[str, FakeClock, asyncio.Event], records: Records) -> None:
+    url, _, _ = served
+    async with aiohttp.ClientSession() as s, s.post(
+            url + "/v1/chat/completions", json={"model": "m1"},
+            headers={"X-Request-Id": "abc"}) as r:
+        await r.read()
+    await eventually(lambda: bool(records.records), "the access line")
+    line = json.loads(JsonFormatter().format(records.records[0]))
+    assert line["logger"] == "skymesh.access" and line["level"] == "INFO"
+    assert line["msg"].startswith("POST /v1/chat/completions 200 request_id=abc model=m1 ")
+    assert {k: line[k] for k in ("request_id", "model", "via", "status", "ttft_ms",
+                                 "prompt_tokens", "completion_tokens", "client")} == {
+        "request_id": "abc", "model": "m1", "via": "replica", "status": 200,
+        "ttft_ms": 500.0, "prompt_tokens": 7, "completion_tokens": 3, "client": "127.0.0.1"}
