@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from skymesh_lab.sim.sp_faithful import PAPER, markdown, ratios
+from skymesh_lab.bench.sp_faithful import PAPER, markdown, ratios
 
 
 def row(scheduler: str, workload: str, mode: str, rps: float, p90: float,

@@ -12,7 +12,7 @@ with ``sibling_outputs=distinct`` (sampling noise: every node its own answer) an
 older ``tot-gsm8k`` (``output_scale`` 3, as ``skymesh bench sp-microbench``), so the effect
 of each model change (SGLang's scheduler, SkyLB's own client) shows separately.
 
-    python -m skymesh_lab.sim.sp_faithful --json docs/results/data/sp_faithful.json
+    python -m skymesh_lab.bench.sp_faithful --json docs/results/data/sp-faithful.json
 """
 
 from __future__ import annotations
