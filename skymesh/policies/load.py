@@ -178,6 +178,11 @@ class ReplicaLoad:
             self._freed_at.append(now)
         self._recount()
 
+    @property
+    def freed_since_probe(self) -> int:
+        """Our requests the last probe still shows that have completed since."""
+        return len(self._freed_at)
+
     def probe_age(self, now: float) -> float:
         return now - self.probed_at
 
@@ -187,9 +192,13 @@ def is_available(
     kv_headroom: float = DEFAULT_KV_HEADROOM, request_tokens: int = 0,
 ) -> bool:
     if mode is PushMode.SP_P:
-        if load.waiting:
-            return False
         seqs = load.max_num_seqs
+        # Requests waiting inside the engine hold back any push, unless (the admission
+        # limit known) our own completions since the probe freed more slots than were
+        # waiting: those waiting take the freed slots first, and the rest are free now
+        # rather than at the next probe.
+        if load.waiting > (load.freed_since_probe if seqs is not None else 0):
+            return False
         if seqs is not None and load.slots_taken >= seqs:
             return False
         if not load.unadmitted:

@@ -220,9 +220,11 @@ def vllm_burst(data: dict[str, Any]) -> str:
                 if r.get("unhealthy_flips") else "")
              for mode, r in data.get("modes", {}).items() if "loadavg_mean" in r]
     if loads:
+        before = setup.get("loadavg_at_start") or [None]
         out += ["", f"The machine's 1-minute load average during each burst, on "
-                f"{setup.get('cores', '?')} cores shared with other jobs: {', '.join(loads)}. "
-                "TTFT and completion include that contention; a replica flip is a replica "
+                f"{setup.get('cores', '?')} cores (the servers' own work included; "
+                f"{num(before[0], '.1f')} before they started): {', '.join(loads)}. "
+                "TTFT and completion include any contention; a replica flip is a replica "
                 "taken out of rotation because its `/metrics` answered later than the "
                 "probe's 1 s timeout. \"Running while work waits\" is a server's running "
                 "count over the samples in which a request waited for a slot (at the "

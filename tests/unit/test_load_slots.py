@@ -120,3 +120,21 @@ def test_the_dispatcher_refills_a_slot_when_our_request_completes() -> None:
     refill = d.pump(2.1)
     assert [t.key for t in refill] == [tickets[4].key]  # at once, no probe in between
     assert d.pump(2.2) == []  # and only one: the other three still run
+
+
+def test_a_stale_waiting_count_holds_back_only_until_our_completions_cover_it() -> None:
+    """The probe at 2.0 shows one request of someone else's waiting behind our four."""
+    ld = ReplicaLoad("r", max_num_seqs=4, metrics_lag_s=LAG, kv_capacity_tokens=1 << 20)
+    ld.on_probe(0.0, waiting=0, running=0, kv_usage=0.0)
+    for i in range(4):
+        ld.on_dispatch(f"q{i}", 0.1 * i, tokens=10)
+        ld.on_first_byte(f"q{i}")
+    ld.on_probe(2.0, waiting=1, running=4, kv_usage=0.1)
+    assert not is_available(ld, PushMode.SP_P)
+    ld.on_complete("q0", 2.1)  # its slot goes to the one waiting
+    assert ld.freed_since_probe == 1 and not is_available(ld, PushMode.SP_P)
+    ld.on_complete("q1", 2.2)  # this one is free now, not at the next probe
+    assert ld.slots_taken == 3 and is_available(ld, PushMode.SP_P)
+    # Without a known admission limit, a waiting count always holds pushes back.
+    ld.max_num_seqs = None
+    assert not is_available(ld, PushMode.SP_P)
