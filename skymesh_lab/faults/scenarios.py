@@ -453,7 +453,11 @@ async def overload_10x(workdir: Path, short: bool) -> Result:
     warm_s = _phase(short, 2.0, 10.0)
     load_s = _phase(short, 4.0, 60.0)
     max_queue = 16
-    reps = await start_replicas(workdir, 1, time_scale=TIME_SCALE)
+    # An admission limit of 4 keeps the replica's capacity well under what one client
+    # process can send even on a busy machine (uncapped, the emulated replica outran a
+    # flood that fell behind its schedule, and nothing queued).
+    reps = await start_replicas(workdir, 1, time_scale=TIME_SCALE,
+                                extra=["--max-num-seqs", "4"])
     lb = await start_lb(workdir, reps, overrides={
         "queue": {"max_length": max_queue, "timeout_s": 2.0}})
     res = Result(fc.Tally())
