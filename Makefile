@@ -54,9 +54,11 @@ $(CHECKOV): requirements/checkov.lock
 	$(CHECKOV_VENV)/bin/pip install -q -r requirements/checkov.lock 2>&1 | { grep -v "is ignored" || true; }
 	touch $@
 
-# Two workers (pytest-xdist), each taking whole test files, so a file's module fixtures
-# (daemons, a built wheel) start once; TEST_WORKERS=0 runs the suite in one process.
-TEST_WORKERS ?= 2
+# One process by default: under two pytest-xdist workers (TEST_WORKERS=2, whole files
+# each) the suite takes ~11 instead of ~18 minutes, but two load-sensitive tests failed
+# (tests/faults/test_security_figures.py's idle-connection cap among them); until they
+# hold under a second worker, CI runs the suite in one process.
+TEST_WORKERS ?= 0
 test: install system-deps $(CHECKOV)
 	$(BIN)/ruff check .
 	CHECKOV=$(CHECKOV) $(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
