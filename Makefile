@@ -54,11 +54,9 @@ $(CHECKOV): requirements/checkov.lock
 	$(CHECKOV_VENV)/bin/pip install -q -r requirements/checkov.lock 2>&1 | { grep -v "is ignored" || true; }
 	touch $@
 
-# One process by default: under two pytest-xdist workers (TEST_WORKERS=2, whole files
-# each) the suite takes ~11 instead of ~18 minutes, but two load-sensitive tests failed
-# (tests/faults/test_security_figures.py's idle-connection cap among them); until they
-# hold under a second worker, CI runs the suite in one process.
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers, whole files each: ~11 instead of ~20 minutes of tests on the
+# two-core CI machine. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: install system-deps $(CHECKOV)
 	$(BIN)/ruff check .
 	CHECKOV=$(CHECKOV) $(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
