@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import json
 import time
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import cache
@@ -39,6 +41,37 @@ async def eventually(pred: Callable[[], bool], what: str, timeout: float = 5.0) 
             raise AssertionError(f"timed out after {timeout} s waiting for: {what}")
         await asyncio.sleep(poll)
     return time.monotonic()
+
+
+def wait_for(cond: Callable[[], Any], what: str, timeout: float = 30.0,
+             interval: float = 0.05) -> Any:
+    """Blocking form of ``until``: polls ``cond`` until it returns something truthy, which
+    it returns; fails with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (got := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for: {what}")
+        time.sleep(interval)  # polling cadence; the deadline bounds the wait
+    return got
+
+
+def http_call(url: str, body: Any = None, token: str | None = None,
+              method: str | None = None, timeout: float = 10.0) -> tuple[int, bytes]:
+    """One blocking HTTP request with an optional JSON body and bearer token: (status,
+    body), or (0, b"") when nothing answered."""
+    req = urllib.request.Request(url, method=method or ("GET" if body is None else "POST"))
+    if body is not None:
+        req.data = json.dumps(body).encode()
+        req.add_header("Content-Type", "application/json")
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:
+        return 0, b""
 
 
 async def get_metrics(session: aiohttp.ClientSession, base: str) -> dict[str, float]:

@@ -5,17 +5,15 @@ truth the dashboard and the alert rules are checked against."""
 from __future__ import annotations
 
 import json
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import yaml
 from controller_support import ADMIN, token_config
+from support import http_call as _call
+from support import wait_for as _wait
 
 from skymesh.mesh import certs
 from skymesh.util.procs import free_port, start_daemon
@@ -28,28 +26,8 @@ class Scrape:
     text: dict[str, str]  # daemon (lb, replica, controller) -> its /metrics body
 
 
-def _call(url: str, body: Any = None, token: str | None = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, method="GET" if body is None else "POST")
-    if body is not None:
-        req.data = json.dumps(body).encode()
-        req.add_header("Content-Type", "application/json")
-    if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except OSError:
-        return 0, b""
 
 
-def _wait(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for: {what}")
-        time.sleep(0.05)
 
 
 @contextmanager

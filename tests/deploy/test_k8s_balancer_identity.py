@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import json
 import os
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from support import http_call
+from support import wait_for as wait
 from test_k8s_manifests import K8S, one, render
 
 from skymesh.balancer.config import ConfigError, expand_env, load_yaml, parse_config
@@ -40,27 +39,11 @@ PODS = [("us-east", "skymesh-lb-0"), ("us-east", "skymesh-lb-1"), ("eu-west", "s
 
 
 def call(url: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
-    req = urllib.request.Request(url, method="GET" if body is None else "POST")
-    if body is not None:
-        req.data = json.dumps(body).encode()
-        req.add_header("Content-Type", "application/json")
-    if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except OSError:
-        return 0, None
+    """``http_call`` with a 200's body decoded from JSON."""
+    status, raw = http_call(url, body, token)
+    return status, json.loads(raw or b"null") if status == 200 else raw
 
 
-def wait(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for: {what}")
-        time.sleep(0.1)
 
 
 def config_files() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -179,7 +162,8 @@ def test_each_pod_is_its_own_balancer_shares_the_replicas_and_peers(
         status, body = call(ctl.url + "/v1/balancers", token=ADMIN)
         return status == 200 and {b["id"] for b in body if b.get("state") == "up"} == ids
 
-    wait(registered, "the controller probes all three balancers up, each under its own id")
+    wait(registered, "the controller probes all three balancers up, each under its own id",
+         timeout=60)
 
     def status(mesh_id: str) -> dict[str, Any]:
         code, body = call(lbs[mesh_id].url + "/status", token=CLIENT_KEY)
@@ -194,7 +178,8 @@ def test_each_pod_is_its_own_balancer_shares_the_replicas_and_peers(
         return all(status(m)["replicas"].get(replica.url, {}).get("healthy")
                    for m in ids if m.startswith("us-east-"))
 
-    wait(shared, "both us-east balancers serve the region's replica (controller membership)")
+    wait(shared, "both us-east balancers serve the region's replica (controller membership)",
+         timeout=60)
 
     def peered() -> bool:
         for me in ids:
@@ -203,7 +188,8 @@ def test_each_pod_is_its_own_balancer_shares_the_replicas_and_peers(
                 return False
         return True
 
-    wait(peered, "every balancer hears every other over mTLS, peers from the controller")
+    wait(peered, "every balancer hears every other over mTLS, peers from the controller",
+         timeout=60)
 
     chat = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
     for mesh_id in ("us-east-skymesh-lb-0", "us-east-skymesh-lb-1"):

@@ -27,17 +27,15 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 from controller_support import token_config
+from support import http_call as call
+from support import wait_for as wait
 
 from skymesh.mesh import certs
 from skymesh.util.procs import free_port
@@ -157,26 +155,8 @@ def mdwe_supported() -> None:
                     "MemoryDenyWriteExecute= cannot be tried without systemd")
 
 
-def call(url: str, body: Any = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, method="GET" if body is None else "POST")
-    if body is not None:
-        req.data = json.dumps(body).encode()
-        req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except OSError:
-        return 0, b""
 
 
-def wait(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for: {what}")
-        time.sleep(0.05)
 
 
 @dataclass

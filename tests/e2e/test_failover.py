@@ -8,13 +8,13 @@ every one of them must come back complete, served by the survivor.
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support import wait_for
 from vllm_cluster import MODEL_NAME, Cluster, http_get
 
 N_REQUESTS = 8
@@ -37,14 +37,6 @@ def complete(base: str, max_tokens: int = LONG) -> dict[str, Any]:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
         return {"status": r.status, **json.loads(r.read())}
-
-
-def wait_for(pred: Any, what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for: {what}")
-        time.sleep(0.1)  # polling cadence
 
 
 @pytest.mark.e2e_disruptive

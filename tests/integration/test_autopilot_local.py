@@ -8,13 +8,13 @@ rest. Windows are one second long so the whole loop runs in seconds."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import support
 import yaml
 from controller_support import AGENT, READER, auth, token_config
 
@@ -25,14 +25,7 @@ pytestmark = pytest.mark.slow
 
 
 def wait_for(cond: Callable[[], Any], what: str, timeout: float = TIMEOUT_S) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for: {what}")
-        time.sleep(0.1)
+    return support.wait_for(cond, what, timeout, interval=0.1)
 
 
 class Feeder:
