@@ -84,7 +84,7 @@ class BalancerPatch(_In):
                      validate_default=False)
     peer_address: str | None = Field(None, max_length=256)
     policy: str | None = Field(None, max_length=64)
-    policy_params: dict[str, Any] = Field(None, validate_default=False)  # type: ignore[assignment]
+    policy_params: dict[str, Any] = Field(None, validate_default=False)  # type: ignore[call-overload]
     owner: Name = Field(None, description=OWNER_DOC,  # type: ignore[assignment]
                         validate_default=False)
 
@@ -121,7 +121,7 @@ class ReplicaPatch(_In):
     gpu: str = Field(None, min_length=1, max_length=64,  # type: ignore[assignment]
                      validate_default=False)
     balancer: Name | None = None
-    kind: Literal["vllm", "sglang", "skymesh"] = Field(  # type: ignore[assignment]
+    kind: Literal["vllm", "sglang", "skymesh"] = Field(  # type: ignore[call-overload]
         None, validate_default=False)
     owner: Name = Field(None, description=OWNER_DOC,  # type: ignore[assignment]
                         validate_default=False)
