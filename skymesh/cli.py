@@ -159,6 +159,12 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.autopilot:
+        from skymesh_lab.demos import autopilot
+
+        opts = autopilot.Options(day_s=args.day_seconds, peak_rps=args.peak_rps,
+                                 seed=args.seed)
+        return autopilot.main(opts, args.arms.split(","), args.json, args.plot)
     from skymesh_lab.demos.meshdemo import run_demo
 
     return run_demo(duration=args.duration, seed=args.seed, json_path=args.json)
@@ -247,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--load-scale", default=None, metavar="X",
                     help="skylb-macro sim: client multiplier (X, WORKLOAD=X,..., or "
                          "calibrated)")
+    bp.add_argument("--scheduler", choices=["vllm", "sglang"], default="vllm",
+                    help="skylb-macro, diurnal-cost: the replicas' engine scheduler")
+    bp.add_argument("--clients", choices=["ours", "skylb"], default="ours",
+                    help="skylb-macro: whose tree-of-thoughts clients (skylb: SkyLB's)")
     from skymesh_lab.predict.cli import BENCH_PREDICTORS, PredictorFlag
     bp.add_argument("--predictor", action=PredictorFlag, choices=BENCH_PREDICTORS,
                     default=None, help="length predictor of goodput and preserve-router "
@@ -258,6 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds of client load per mode (mesh, then region-local)")
     dp.add_argument("--json", default=None, metavar="PATH")
     dp.add_argument("--seed", type=int, default=0)
+    dp.add_argument("--autopilot", action="store_true",
+                    help="the planner on a time-compressed day instead (docs/autopilot.md)")
+    dp.add_argument("--day-seconds", type=float, default=192.0,
+                    help="--autopilot: seconds per compressed day (a multiple of 24)")
+    dp.add_argument("--peak-rps", type=float, default=3.0,
+                    help="--autopilot: requests/s of a region at its busiest hour")
+    dp.add_argument("--arms", default="fixed,reactive,autopilot",
+                    help="--autopilot: arms to run (at once): fixed, reactive, autopilot")
+    dp.add_argument("--plot", default=None, metavar="PNG", help="--autopilot: the plot")
     dp.set_defaults(fn=cmd_demo)
 
     cp = sub.add_parser("certs", help="create the peering CA and per-balancer mTLS certificates")

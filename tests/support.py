@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -72,6 +75,21 @@ def http_call(url: str, body: Any = None, token: str | None = None,
         return e.code, e.read()
     except OSError:
         return 0, b""
+
+
+def run_bounded(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run`` (text, output captured) of a command that starts daemons of its
+    own: it runs in a session of its own, and on timeout the whole session is killed, so
+    no replica or balancer it started outlives the test."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 async def get_metrics(session: aiohttp.ClientSession, base: str) -> dict[str, float]:

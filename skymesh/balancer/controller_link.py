@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from skymesh.balancer.config import BalancerConfig, ControllerLinkConfig, ReplicaConfig
+from skymesh.mesh.outlook import OutlookParams, PeerOutlook, RegionOutlook
 from skymesh.net import urlpolicy
 from skymesh.net.urlpolicy import UrlRejected
 
@@ -52,6 +53,16 @@ def fetch_resolver(cfg: BalancerConfig,
     policy = cfg.controller.url_policy.policy()
     return urlpolicy.PolicyResolver(replace(policy, allow_hosts=policy.allow_hosts | own),
                                     resolver)
+
+
+def region_balancers(membership: dict[str, Any], region: str) -> int:
+    """The live balancers sharing this one's replicas, itself included (sp-p's n for
+    ``pushing.balancers_per_region: auto``); from an older controller without the count,
+    this one and its live same-region peers."""
+    n = membership.get("region_balancers")
+    if isinstance(n, int) and n >= 1:
+        return n
+    return 1 + sum(1 for p in membership.get("peers", []) if p.get("region") == region)
 
 
 def read_token(cfg: ControllerLinkConfig) -> str:
@@ -98,6 +109,10 @@ class ControllerLink:
         self._url = ""
         self.policy = cfg.url_policy.policy()
         self.resolver: urlpolicy.Resolver = urlpolicy.system_resolver
+        if mesh is not None and mesh.outlook.enabled:  # read from GET /v1/outlook
+            o = mesh.outlook
+            lb.dispatcher.outlook = PeerOutlook(OutlookParams(o.horizon, o.slack,
+                                                              o.current_weight))
 
     async def start(self, local_url: str) -> None:
         self._url = self.cfg.advertise_url or local_url
@@ -171,6 +186,10 @@ class ControllerLink:
                               for r in m["replicas"] if await self._allowed("replica", r["url"])])
         if m.get("policy"):
             self.lb.set_policy(m["policy"], m.get("policy_params") or {})
+        if self.lb.dispatcher.outlook is not None:
+            self.lb.dispatcher.outlook.set_regions({p["id"]: p["region"] for p in m["peers"]})
+        if self.lb.cfg.pushing.balancers_per_region == "auto":
+            self.lb.dispatcher.balancers_per_region = region_balancers(m, self.lb.cfg.region)
         if self.lb.mesh is not None and self.cfg.follow_peers:
             peers = {p["id"]: p["peer_address"] for p in m["peers"] if p.get("peer_address")
                      and await self._allowed("peer", f"http://{p['peer_address']}")}
@@ -221,3 +240,15 @@ class ControllerLink:
                                  json=self.telemetry())
             except (ControllerRejected, aiohttp.ClientError, TimeoutError, OSError) as exc:
                 log.warning("telemetry not delivered: %s", exc)
+            if self.lb.dispatcher.outlook is not None:
+                await self.refresh_outlook(self.lb.dispatcher.outlook)
+
+    async def refresh_outlook(self, into: PeerOutlook) -> None:
+        """The planner's per-region forecast; on failure the last one stays, and its
+        windows run out on their own (a stale forecast stops counting)."""
+        try:
+            got = await self._call("GET", "/v1/outlook")
+            into.update(RegionOutlook.from_json(o) for o in got["regions"])
+        except (ControllerRejected, aiohttp.ClientError, TimeoutError, OSError, ValueError,
+                KeyError, TypeError) as exc:
+            log.warning("outlook not read: %s", exc)

@@ -36,6 +36,7 @@ from typing import Any
 
 from skymesh.balancer.breaker import Breaker
 from skymesh.balancer.errors import Overloaded
+from skymesh.mesh.outlook import PeerOutlook
 from skymesh.policies.base import Policy, RouteRequest
 from skymesh.policies.load import (
     DEFAULT_KV_HEADROOM,
@@ -120,9 +121,13 @@ class Dispatcher:
         breaker_open_s: float = 10.0,
         forwarding_rule: ForwardingRule = DEFAULT_FORWARDING_RULE,
         balancing: Balancing | None = None,
+        balancers_per_region: int = 1,
     ) -> None:
         self.policy = policy
         self.mode = mode
+        # Balancers pushing to the same replicas, this one included: sp-p's n x margin
+        # (skymesh.policies.load). Set from the config, or from the controller's membership.
+        self.balancers_per_region = balancers_per_region
         self.max_outstanding = max_outstanding
         self.kv_headroom = kv_headroom
         self.step_tokens = step_tokens
@@ -137,6 +142,8 @@ class Dispatcher:
         self.forwarding_rule = ForwardingRule(forwarding_rule)
         self.balancing = balancing or Balancing()
         self.peers: dict[str, PeerLoad] = {}
+        # Narrows overflow candidates by the controller's forecasts (skymesh.mesh.outlook).
+        self.outlook: PeerOutlook | None = None
         self.queues: dict[str, deque[Ticket]] = {}
         self.queued = 0
         self.now = 0.0  # the LoadView clock, set by every pump
@@ -302,11 +309,11 @@ class Dispatcher:
     def candidates(self, ticket: Ticket, now: float) -> list[str]:
         model = ticket.route.model
         mode, cap, room = self.mode, self.max_outstanding, self.kv_headroom
-        tokens = ticket.route.prompt_len
+        tokens, n = ticket.route.prompt_len, self.balancers_per_region
         return [
             tid for tid, t in self.targets.items()
             if model in t.models and t.healthy and tid not in ticket.excluded
-            and is_available(t.load, mode, cap, room, tokens) and t.breaker.allows(now)
+            and is_available(t.load, mode, cap, room, tokens, n) and t.breaker.allows(now)
         ]
 
     def pump(self, now: float) -> list[Ticket]:
@@ -348,6 +355,10 @@ class Dispatcher:
             if not cands:
                 # SkyLB Algorithm 1: no local replica can take it now -> an available peer.
                 peers = self.peer_candidates(ticket)
+                if peers and self.outlook is not None:  # forecast-aware overflow
+                    model = ticket.route.model
+                    peers = self.outlook.rank(peers, model, {
+                        pid: self.peers[pid].models.get(model) for pid in peers})
                 if peers:
                     assert self.peer_policy is not None
                     peer = self.peer_policy.select(ticket.route, peers, self)
@@ -477,10 +488,10 @@ class Dispatcher:
 
     def on_probe(self, target: str, now: float, waiting: int, running: int,
                  kv_usage: float, kv_capacity_tokens: int | None = None, *,
-                 max_num_seqs: int | None = None, metrics_lag_s: float | None = None
-                 ) -> None:
+                 max_num_seqs: int | None = None, metrics_lag_s: float | None = None,
+                 engine_queue: int | None = None) -> None:
         """A probe of ``target`` published at ``now`` (see ``ReplicaLoad.on_probe``)."""
         t = self.targets.get(target)
         if t is not None:
             t.load.on_probe(now, waiting, running, kv_usage, kv_capacity_tokens,
-                            max_num_seqs, metrics_lag_s)
+                            max_num_seqs, metrics_lag_s, engine_queue)

@@ -65,6 +65,8 @@ def _set_pushing(lb: Balancer, p: PushingConfig) -> None:
     d.kv_headroom = p.kv_headroom
     d.window = p.window
     d.hold_s = p.hold_s
+    if p.balancers_per_region != "auto":  # auto: the controller link keeps it current
+        d.balancers_per_region = p.balancers_per_region
     d.step_tokens = p.step_tokens  # for targets added from now on
     for target in d.targets.values():
         target.load.step_tokens = p.step_tokens

@@ -126,6 +126,7 @@ class Balancer:
             forwarding_rule=(cfg.mesh.forwarding_rule if cfg.mesh is not None
                              else DEFAULT_FORWARDING_RULE),
             balancing=cfg.mesh.balancing() if cfg.mesh is not None else None,
+            balancers_per_region=cfg.pushing.balancers(),
         )
         # The only owner of replica state; it publishes membership and health to the
         # dispatcher (here, at once, and on every change).

@@ -50,7 +50,8 @@ class Status:
         if lb.mesh is not None:
             mesh = {"id": lb.mesh.mesh.id, "address": lb.mesh.node.address,
                     "forwarding": d.forwarding, "forwarded_out": lb.mesh.forwarded_out,
-                    "forwarded_in": lb.mesh.forwarded_in, "peers": lb.mesh.peer_views()}
+                    "forwarded_in": lb.mesh.forwarded_in, "peers": lb.mesh.peer_views(),
+                    "outlook": None if d.outlook is None else d.outlook.status()}
         ctl = lb.controller
         return web.json_response({
             "region": lb.cfg.region,
@@ -64,6 +65,7 @@ class Status:
                      "reloads": lb.edge.reloads, "reload_errors": lb.edge.errors},
             "policy": d.policy.name,
             "pushing": d.mode.value,
+            "balancers_per_region": d.balancers_per_region,  # sp-p's n x margin
             "queued": d.queue_length(),
             "prediction": {**lb.predictor.status(), "in_use": lb.flags.predicts},
             "migrations": {"total": moves.migrations, "open_streams": len(moves.live),
@@ -83,6 +85,7 @@ class Status:
         load = self.lb.dispatcher.targets[url].load
         return {**self.lb.health.figures(url),
                 "unadmitted": load.unadmitted, "max_num_seqs": load.max_num_seqs,
+                "engine_queue": load.engine_queue,
                 "metrics_lag_s": load.metrics_lag_s}
 
 

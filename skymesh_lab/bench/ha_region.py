@@ -11,16 +11,19 @@ Two experiments (``python -m skymesh_lab.bench.ha_region --json PATH``):
   SIGKILLed mid-load. Every request is classified as the client saw it (see
   :class:`KillTally`); a client whose request was refused or cut retries it once on the
   other address, as a client library behind round-robin DNS would.
-- ``burst``: N streams at once, split over one or two balancers, in ``sp-p`` and ``bp``;
+- ``burst``: N streams at once, split over one or two balancers, in ``sp-p`` and ``bp``,
+  and sp-p on two balancers with ``pushing.balancers_per_region: 2`` (the n x margin);
   the replicas' own waiting counts (``/get_load``, read live) and the balancers' queues
-  are sampled throughout. With two balancers, each sp-p balancer counts only its own
-  unadmitted requests, so within one metrics-lag window both may fill the same free
-  slots: the figures say how much that costs.
+  are sampled throughout. Without the margin, two sp-p balancers that see the same free
+  slots within one metrics-lag window may both fill them: the figures say how much that
+  costs, and what the margin changes. The arms alternate within each repeat, in an order
+  rotated by one per repeat, so a slow spell of the shared machine falls on all of them.
 
-``--markdown PATH`` renders the JSON as the tables in ``docs/operations-ha.md``.
+``--markdown PATH`` prints the tables of the results page ``docs/results/ha-region.md``
+(the renderer is ``skymesh_lab.bench.ha_region_page``).
 Peers are static (``follow_peers: false``) and balancers keep their configured replicas
-unless ``link_replicas`` (the controller then hands out membership; see the doc for why
-that is not yet usable with two balancers per region).
+unless ``link_replicas`` (the controller then hands out membership, and
+``balancers_per_region="auto"`` takes the count from it).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ import aiohttp
 import yaml
 
 from skymesh.util.procs import Daemon, free_port, start_daemon
+from skymesh_lab.bench import ha_region_page
+from skymesh_lab.bench.ha_region_page import CUT, EU_LB, US_LBS
 from skymesh_lab.faults.client import (
     COMPLETED,
     FAILED,
@@ -56,8 +61,6 @@ from skymesh_lab.faults.client import (
 from skymesh_lab.faults.cluster import MODEL, status
 
 REGIONS = {"us": (38.9, -77.0), "eu": (53.3, -6.3)}
-US_LBS = ("lb-us-a", "lb-us-b")
-EU_LB = "lb-eu"
 START_S = 120.0  # a daemon's start deadline: minutes of imports on a loaded 2-core box
 SAMPLE_S = 0.02  # sampling cadence of the burst's gauges (not a wait for anything)
 
@@ -68,8 +71,10 @@ class HaRegion:
 
     def __init__(self, workdir: Path, *, us_lbs: int = 2, replicas: int = 3,
                  max_num_seqs: int = 4, time_scale: float = 0.1, push_mode: str = "sp-p",
-                 eu: bool = True, controller: bool = True, link_replicas: bool = False) -> None:
+                 eu: bool = True, controller: bool = True, link_replicas: bool = False,
+                 balancers_per_region: int | str = 1) -> None:
         self.dir = workdir
+        self.balancers_per_region = balancers_per_region
         self.us_ids = list(US_LBS[:us_lbs])
         self.n_replicas, self.max_num_seqs = replicas, max_num_seqs
         self.time_scale, self.push_mode = time_scale, push_mode
@@ -152,7 +157,8 @@ class HaRegion:
         cfg: dict[str, Any] = {
             "region": region, "listen": {"host": "127.0.0.1", "port": 0},
             "policy": {"name": "least-load"}, "probe": {"interval_s": 0.05},
-            "pushing": {"mode": self.push_mode},
+            "pushing": {"mode": self.push_mode,
+                        "balancers_per_region": self.balancers_per_region},
             "replicas": [{"url": r.url, "models": [MODEL], "gpu": "L4"} for r in reps],
             "mesh": {"id": bid, "certs_dir": str(pki), "listen_port": grpc[bid],
                      "peers": [{"id": p, "address": f"127.0.0.1:{grpc[p]}"} for p in peers]}}
@@ -218,8 +224,6 @@ class HaRegion:
 
 
 # -- the kill experiment -------------------------------------------------------------------
-CUT = "cut"  # a connection error from the killed balancer for a request it had accepted
-
 
 @dataclass
 class KillTally:
@@ -378,12 +382,16 @@ async def _after_kill(ha: HaRegion, s: aiohttp.ClientSession, victim: str, survi
 
 # -- the burst experiment ------------------------------------------------------------------
 async def burst(workdir: Path, *, mode: str, balancers: int, streams: int = 48,
-                max_tokens: int = 150, timeout: float = 120.0) -> dict[str, Any]:
-    """``streams`` streams at once, alternating over ``balancers`` us balancers."""
-    ha = HaRegion(workdir, us_lbs=balancers, push_mode=mode, eu=False, controller=False)
+                max_tokens: int = 150, timeout: float = 120.0, margin: int = 1
+                ) -> dict[str, Any]:
+    """``streams`` streams at once, alternating over ``balancers`` us balancers, each
+    configured with ``pushing.balancers_per_region: margin``."""
+    ha = HaRegion(workdir, us_lbs=balancers, push_mode=mode, eu=False, controller=False,
+                  balancers_per_region=margin)
     await ha.start()
     waiting: list[int] = []
     queued: list[int] = []
+    missed = 0
     try:
         async with session() as s:
             await _until(lambda: ha.ready(s), "the region to come up",
@@ -391,12 +399,18 @@ async def burst(workdir: Path, *, mode: str, balancers: int, streams: int = 48,
             stop = asyncio.Event()
 
             async def sample() -> None:
+                nonlocal missed
                 while not stop.is_set():  # one snapshot: every gauge read at once
-                    loads, sts = await asyncio.gather(
-                        asyncio.gather(*(_json(s, r.url + "/get_load") for r in ha.us_replicas)),
-                        asyncio.gather(*(status(s, lb.url) for lb in ha.lbs.values())))
-                    waiting.extend(x[0]["num_waiting_reqs"] for x in loads)
-                    queued.append(sum(st["queued"] for st in sts))
+                    try:
+                        loads, sts = await asyncio.gather(
+                            asyncio.gather(*(_json(s, r.url + "/get_load")
+                                             for r in ha.us_replicas)),
+                            asyncio.gather(*(status(s, lb.url) for lb in ha.lbs.values())))
+                    except (aiohttp.ClientError, TimeoutError):
+                        missed += 1  # a starved machine: skip the snapshot, not the run
+                    else:
+                        waiting.extend(x[0]["num_waiting_reqs"] for x in loads)
+                        queued.append(sum(st["queued"] for st in sts))
                     await asyncio.sleep(SAMPLE_S)
 
             lbs = list(ha.lbs.values())
@@ -411,12 +425,14 @@ async def burst(workdir: Path, *, mode: str, balancers: int, streams: int = 48,
             await sampler
     finally:
         await ha.stop()
-    return {"mode": mode, "balancers": balancers, "streams": streams,
+    return {"mode": mode, "balancers": balancers, "balancers_per_region": margin,
+            "streams": streams,
             "completed": tally.completed, "lost": tally.lost,
             "failed_explicit": tally.failed_explicit,
             "replica_waiting_mean": statistics.fmean(waiting) if waiting else 0.0,
             "replica_waiting_max": max(waiting, default=0),
             "balancer_queue_max": max(queued, default=0), "samples": len(waiting),
+            "samples_missed": missed,
             "wall_s": wall}
 
 
@@ -437,74 +453,36 @@ async def _until(cond: Any, what: str, deadline: float) -> None:
         await asyncio.sleep(SAMPLE_S)
 
 
+# (push mode, balancers, pushing.balancers_per_region): the burst's arms.
+ARMS = (("sp-p", 1, 1), ("sp-p", 2, 1), ("sp-p", 2, 2), ("bp", 1, 1), ("bp", 2, 1))
+
+
+def arm_order(repeat: int) -> list[tuple[str, int, int]]:
+    k = repeat % len(ARMS)
+    return [*ARMS[k:], *ARMS[:k]]
+
+
 async def run_all(workdir: Path, repeats: int, streams: int) -> dict[str, Any]:
     runs = []
+    load = os.getloadavg()[0]
     for rep in range(repeats):
-        for mode in ("sp-p", "bp"):
-            for n in (1, 2):
-                d = workdir / f"burst-{mode}-{n}-{rep}"
-                d.mkdir(parents=True)
-                runs.append({"repeat": rep, **await burst(d, mode=mode, balancers=n,
-                                                          streams=streams)})
+        for mode, n, margin in arm_order(rep):
+            d = workdir / f"burst-{mode}-{n}-{margin}-{rep}"
+            d.mkdir(parents=True)
+            runs.append({"repeat": rep, **await burst(d, mode=mode, balancers=n,
+                                                      streams=streams, margin=margin)})
     kd = workdir / "kill"
     kd.mkdir()
     return {"setup": {"us_replicas": 3, "max_num_seqs": 4, "time_scale": 0.1,
                       "metrics_lag": "replica default (0.9 s)", "streams": streams,
-                      "repeats": repeats},
+                      "repeats": repeats, "load_average_1m_at_start": round(load, 2),
+                      "cpus": os.cpu_count()},
             "burst": runs, "kill": await kill_under_load(kd)}
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    """The tables of ``docs/operations-ha.md`` from the JSON ``main`` writes."""
-    out = ["| pushing | balancers | runs | replica waiting, mean | replica waiting, max "
-           "| balancer queue, max | completed / streams | burst wall, mean s |",
-           "|---|---|---|---|---|---|---|---|"]
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for r in doc["burst"]:
-        groups.setdefault((r["mode"], r["balancers"]), []).append(r)
-    for (mode, n), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] != "sp-p", kv[0])):
-        mean = statistics.fmean(r["replica_waiting_mean"] for r in rs)
-        out.append(f"| {mode} | {n} | {len(rs)} | {mean:.2f} "
-                   f"| {max(r['replica_waiting_max'] for r in rs)} "
-                   f"| {max(r['balancer_queue_max'] for r in rs)} "
-                   f"| {sum(r['completed'] for r in rs)} / {sum(r['streams'] for r in rs)} "
-                   f"| {statistics.fmean(r['wall_s'] for r in rs):.1f} |")
-    k = doc["kill"]
-    us, eu = k["us"], k["eu"]
-    first = us["first_attempts"]
-    victim, survivor = US_LBS
-
-    def count(key: str) -> int:
-        return int(first.get(key, 0))
-
-    lost = sum(v for key, v in first.items() if key.endswith(f" {LOST}"))
-    eu_failed = eu["first_attempts"].get(f"{EU_LB} {FAILED}", 0)
-    view = k["eu_view"][victim]
-    rows = [
-        ("us: completed on " + victim + " (before the kill)", count(f"{victim} {COMPLETED}")),
-        ("us: completed on " + survivor, count(f"{survivor} {COMPLETED}")),
-        (f"us: cut on {victim} by the kill (it had {us['in_flight_at_kill']} in flight)",
-         count(f"{victim} {CUT}")),
-        (f"us: refused by {victim} after the kill (no process saw them)",
-         count(f"{victim} {REFUSED}")),
-        ("us: error answers", count(f"{victim} {FAILED}") + count(f"{survivor} {FAILED}")),
-        ("us: lost", lost),
-        ("us: retries on the other address, completed / sent",
-         f"{us['retries'].get(COMPLETED, 0)} / {sum(us['retries'].values())}"),
-        ("eu: completed", eu["first_attempts"].get(f"{EU_LB} {COMPLETED}", 0)),
-        ("eu: SSE error event (a forward in flight on the killed balancer)", eu_failed),
-        ("eu: retries, completed / sent",
-         f"{eu['retries'].get(COMPLETED, 0)} / {sum(eu['retries'].values())}"),
-        ("controller: balancer states", ", ".join(
-            f"{b} {s}" for b, s in sorted(k["controller_balancers"].items()))),
-        (f"controller: {victim}'s replicas assigned to", ", ".join(k["replicas_assigned_to"])),
-        (f"{EU_LB}'s mesh view of {victim}",
-         f"{view['liveness']}, {'' if view['forwardable'] else 'not '}forwardable"),
-        (f"{EU_LB}'s peers in its controller membership", ", ".join(k["eu_membership_peers"])),
-    ]
-    out += ["", "| kill (SIGKILL of " + victim + ") | |", "|---|---|"]
-    out += [f"| {what} | {v} |" for what, v in rows]
-    return "\n".join(out) + "\n"
+    """The results page's tables from the JSON ``main`` writes."""
+    return ha_region_page.ha_region(doc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,9 @@ def command_for(res: dict[str, Any], path: Path) -> str:
     seed = setup.get("seed", 0)
     if seed:
         cmd += f" --seed {seed}"
+    for flag, default in (("scheduler", "vllm"), ("clients", "ours")):
+        if setup.get(flag, default) != default:
+            cmd += f" --{flag} {setup[flag]}"
     scaled = load_scale_flag(setup.get("load_scale") or {})
     if scaled:
         cmd += f" --load-scale {scaled}"

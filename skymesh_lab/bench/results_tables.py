@@ -196,55 +196,6 @@ def skylb_macro_runs(data: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def vllm_burst(data: dict[str, Any]) -> str:
-    """``tools/e2e/burst_bench.py``: where the queue forms, per push mode and server."""
-    rows = []
-    for mode, r in data.get("modes", {}).items():
-        for name, s in r.get("servers", {}).items():
-            rows.append([mode, str(name), num(s.get("waiting_mean"), ".2f"),
-                         num(s.get("waiting_max"), "g"), num(s.get("running_mean"), ".2f"),
-                         num(s.get("running_when_backlogged_mean"), ".2f"),
-                         num(r.get("lb_queue_mean"), ".2f"), num(r.get("lb_queue_max"), "g"),
-                         secs(r.get("ttft_p50_s")), secs(r.get("ttft_p90_s")),
-                         secs(r.get("completion_s"), 1), num(r.get("failed"), "d")])
-    setup = data.get("setup", {})
-    head = (f"{setup.get('servers')} servers of {setup.get('engine')} "
-            f"({setup.get('model')}, max_num_seqs {setup.get('max_num_seqs')}), policy "
-            f"`{setup.get('policy')}`, {setup.get('requests')} streams fired at once.")
-    out = [head, "", table(
-        ["push mode", "server", "vLLM waiting mean", "max", "vLLM running mean",
-         "running while work waits", "balancer queue mean", "max", "TTFT p50", "TTFT p90",
-         "all done", "failed"], rows, [False, False] + [True] * 10)]
-    loads = [f"{mode} {num(r['loadavg_mean'], '.1f')}"
-             + (f" ({r['unhealthy_flips']} replica flip{'s' * (r['unhealthy_flips'] > 1)})"
-                if r.get("unhealthy_flips") else "")
-             for mode, r in data.get("modes", {}).items() if "loadavg_mean" in r]
-    if loads:
-        before = setup.get("loadavg_at_start") or [None]
-        out += ["", f"The machine's 1-minute load average during each burst, on "
-                f"{setup.get('cores', '?')} cores (the servers' own work included; "
-                f"{num(before[0], '.1f')} before they started): {', '.join(loads)}. "
-                "TTFT and completion include any contention; a replica flip is a replica "
-                "taken out of rotation because its `/metrics` answered later than the "
-                "probe's 1 s timeout. \"Running while work waits\" is a server's running "
-                "count over the samples in which a request waited for a slot (at the "
-                "balancer or inside that server): 4 when freed slots are refilled at once."]
-    ab = data.get("sp_p_refill_ab", [])
-    if ab:
-        rows = [[str(r.get("round")), str(r.get("code")),
-                 " / ".join(num(x, ".2f") for x in r.get("running_when_backlogged_mean",
-                                                          {}).values()),
-                 num(r.get("waiting_max"), "g"), secs(r.get("ttft_p50_s")),
-                 secs(r.get("completion_s"), 1), num(r.get("unhealthy_flips"), "d"),
-                 num(r.get("loadavg_mean"), ".1f")] for r in ab]
-        out += ["", "`sp-p` alone, the balancer before and with its own completions counted "
-                "as freed slots, alternating on the same two servers:", "", table(
-                    ["round", "balancer", "running while work waits (per server)",
-                     "vLLM waiting max", "TTFT p50", "all done", "replica flips",
-                     "load average"], rows, [True, False] + [True] * 6)]
-    return "\n".join(out)
-
-
 def vllm_fidelity(data: dict[str, Any]) -> str:
     """``tools/e2e/fidelity_bench.py``: real vLLM against the emulator fitted to it."""
     m, p, runs = data.get("measured", {}), data.get("profile", {}), data.get("runs", {})

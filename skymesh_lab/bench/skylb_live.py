@@ -26,6 +26,13 @@ the US clients of the mixed tree. ``user`` carries the conversation / question i
 consistent-hashing key). Prefix hit rate: cached over queried prompt tokens from the
 replicas' ``/metrics``. Requests still streaming when the window ends are cut off and not
 counted. Figures measured under contention (everything shares 2 cores with other jobs).
+
+``--scheduler sglang`` starts every replica with ``skymesh-replica --scheduler sglang``
+(SGLang's admission, retraction and snapshot queue gauge; its /metrics speaks SGLang only,
+so the balancers read ``sglang:num_queue_reqs``). SGLang publishes no prefix-hit counters,
+only a cumulative ``sglang:cache_hit_rate``: the window's hit rate is then the change of
+rate x ``sglang:prompt_tokens`` over the change of ``sglang:prompt_tokens`` (exact but for
+retracted requests, whose re-admission counts as a query and not as prompt tokens).
 """
 
 from __future__ import annotations
@@ -222,8 +229,9 @@ async def tot_client(s: aiohttp.ClientSession, url: str, rng: random.Random, cid
 class Topology:
     """Processes for one system; ``urls[region]`` is where that region's clients send."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, replica_args: tuple[str, ...] = ()) -> None:
         self.dir = workdir
+        self.replica_args = replica_args
         self.urls: dict[str, str] = {}
         self.replica_urls: list[str] = []  # direct, for metrics
         self.replica_regions: list[str] = []  # the region of each of replica_urls
@@ -245,7 +253,8 @@ class Topology:
         if cfg.get("peer_policy"):
             overrides["mesh"] = {"peer_policy": cfg["peer_policy"]}
         mesh = Mesh(self.dir, bool(cfg["forwarding"]), replicas=replicas,
-                    time_scale=TIME_SCALE, lb_overrides=overrides)
+                    time_scale=TIME_SCALE, lb_overrides=overrides,
+                    replica_args=self.replica_args)
         self.mesh = mesh
         await mesh.start()
         self.urls = {r: mesh.lbs[r].url for r in REGIONS}
@@ -258,7 +267,8 @@ class Topology:
         worker_urls: list[str] = []
         for r in REGIONS:
             reps = await start_replicas(self.dir, replicas.get(r, 0), time_scale=TIME_SCALE,
-                                        name=f"{r}-replica", extra=["--log-level", "warning"])
+                                        name=f"{r}-replica",
+                                        extra=["--log-level", "warning", *self.replica_args])
             self.daemons.extend(reps)
             for d in reps:
                 self.replica_urls.append(d.url)
@@ -315,6 +325,13 @@ async def _counters(s: aiohttp.ClientSession, urls: Sequence[str]) -> Counters:
     c = Counters()
     for u in urls:
         m = await metrics(s, u)
+        if "sglang:prompt_tokens_total" in m or "sglang:prompt_tokens" in m:
+            prompt = m.get("sglang:prompt_tokens_total", m.get("sglang:prompt_tokens", 0.0))
+            c.hits += m.get("sglang:cache_hit_rate", 0.0) * prompt
+            c.queries += prompt
+            c.finished.append(m.get("sglang:num_requests_total",
+                                    m.get("sglang:num_requests", 0.0)))
+            continue
         c.hits += m.get("vllm:prefix_cache_hits_total", m.get("vllm:prefix_cache_hits", 0.0))
         c.queries += m.get("vllm:prefix_cache_queries_total",
                            m.get("vllm:prefix_cache_queries", 0.0))
@@ -348,10 +365,10 @@ async def _sample_loads(s: aiohttp.ClientSession, urls: Sequence[str], stop_at: 
 
 
 async def run_one(workload: str, system: str, duration: float, seed: int,
-                  router_py: Path | None = None) -> dict[str, Any]:
+                  router_py: Path | None = None, scheduler: str = "vllm") -> dict[str, Any]:
     wl = LIVE_WORKLOADS[workload]
     with tempfile.TemporaryDirectory(prefix="skymesh-live-") as tmp:
-        topo = Topology(Path(tmp))
+        topo = Topology(Path(tmp), ("--scheduler", scheduler))
         try:
             if router_py is not None or system.startswith("single-"):
                 await topo.start_single(wl.replicas, system, router_py)
@@ -455,11 +472,13 @@ def run(opts: Options) -> dict[str, Any]:
               disable=not opts.progress) as bar:
         for w, s in bar:
             bar.set_postfix_str(f"{w} / {s}")
-            rows.append(asyncio.run(run_one(w, s, duration, opts.seed, routers.get(s))))
+            rows.append(asyncio.run(run_one(w, s, duration, opts.seed, routers.get(s),
+                                            opts.scheduler)))
     out: dict[str, Any] = {
         "runs": rows,
         "comparisons": comparisons(rows),
-        "setup": {"mode": "live", "time_scale": TIME_SCALE, "duration_s": duration,
+        "setup": {"mode": "live", "scheduler": opts.scheduler,
+                  "time_scale": TIME_SCALE, "duration_s": duration,
                   "warmup_s": WARMUP_FRACTION * duration, "seed": opts.seed,
                   "workloads": {w: {"kind": LIVE_WORKLOADS[w].kind,
                                     "clients": LIVE_WORKLOADS[w].clients,

@@ -64,6 +64,13 @@ the single balancers' P90 TTFT reaches seconds (docs/notes/bench.md, "Calibratio
 Only client counts change: request sizes, think time (none, closed loop) and the systems
 stay as they are. The JSON's ``setup`` records ``load_scale`` and the scaled counts.
 
+Faithful model (issue #24): ``--scheduler sglang`` runs every replica on SGLang's scheduler
+(sim; live: ``skymesh-replica --scheduler sglang``), ``--clients skylb`` SkyLB's own clients
+(:data:`~skymesh_lab.bench.skylb_setup.SKYLB_CLIENT_WORKLOADS`: ``tot-skylb``,
+``mixed-tree-skylb``, chats with ``max_tokens`` 512). Each run also reports where the load
+waited (:mod:`skymesh_lab.bench.engine_probe`). ``skymesh_lab.bench.skylb_faithful`` runs
+the sweep per setup for the results pages.
+
     skymesh bench skylb-macro --mode sim --json out/macro.json --plots out/plots
     python -m skymesh_lab.bench.skylb_macro --mode sim --quick --json out/q.json
     python -m skymesh_lab.bench.skylb_macro --mode live --peers sglang-router,vllm-router
@@ -84,15 +91,19 @@ import numpy as np
 
 from skymesh.policies.base import LoadView, Policy, RouteRequest
 from skymesh.util.stats import fmt, ratio, summary
+from skymesh_lab.bench.engine_probe import EngineProbe
+from skymesh_lab.bench.max_tokens import MaxTokens
 from skymesh_lab.bench.skylb_setup import (
     BOX_QS,
     CALIBRATED_LOAD_SCALE,
+    CLIENT_SETS,
     MESH,
     MODES,
     PAPER,
     QUICK_DURATION_S,
     QUICK_WORKLOADS,
     REGIONS,
+    SCHEDULERS,
     SYSTEMS,
     TARGETS,
     WARMUP_FRACTION,
@@ -212,25 +223,34 @@ def install_oracle(sim: Simulation, seed: int) -> None:
         disp.hold_s = disp.hold_s  # re-derive whether the (new) policy can hold requests
 
 
-def sim_config(spec: WorkloadSpec, system: str, duration_s: float, seed: int) -> SimConfig:
+def sim_config(spec: WorkloadSpec, system: str, duration_s: float, seed: int,
+               scheduler: str = "vllm") -> SimConfig:
     fields = dict(SYSTEMS[system])
     return SimConfig(workload=spec.sim_workload, regions=list(REGIONS),
                      replicas=dict(spec.replicas), seed=seed, duration_s=duration_s,
-                     workload_params=dict(spec.params), profile=spec.profile, **fields)
+                     workload_params=dict(spec.params), profile=spec.profile,
+                     scheduler=scheduler, **fields)
 
 
-def run_sim(spec: WorkloadSpec, system: str, duration_s: float, seed: int) -> dict[str, Any]:
-    cfg = sim_config(spec, system, duration_s, seed)
+def run_sim(spec: WorkloadSpec, system: str, duration_s: float, seed: int,
+            scheduler: str = "vllm") -> dict[str, Any]:
+    cfg = sim_config(spec, system, duration_s, seed, scheduler)
     workload = build_workload(cfg.workload, regions=list(REGIONS), seed=seed,
                               duration_s=duration_s, **cfg.workload_params)
+    if spec.max_tokens is not None:
+        workload = MaxTokens(workload, spec.max_tokens)
     sim = Simulation(cfg, workload)
     if system == "oracle":
         install_oracle(sim, seed)
+    t0, t1 = WARMUP_FRACTION * duration_s, duration_s
+    probe = EngineProbe(sim, t0, t1)
     res = sim.run()
     row: dict[str, Any] = {"workload": spec.name, "system": system}
-    row.update(window_metrics(sim, WARMUP_FRACTION * duration_s, duration_s))
+    row.update(window_metrics(sim, t0, t1))
+    row.update(probe.summary())
     row["forwarded"] = sum(s["forwarded_out"] for s in res["region_stats"].values())
     row["preemptions"] = res["preemptions"]
+    row["max_balancer_queue"] = res["max_balancer_queue"]
     row["wall_seconds"] = res["wall_seconds"]
     return row
 
@@ -240,13 +260,14 @@ def run_sim(spec: WorkloadSpec, system: str, duration_s: float, seed: int) -> di
 CEILING_REPLICAS_X = 16
 
 
-def throughput_ceiling(spec: WorkloadSpec, duration_s: float, seed: int) -> dict[str, Any]:
+def throughput_ceiling(spec: WorkloadSpec, duration_s: float, seed: int,
+                       scheduler: str = "vllm") -> dict[str, Any]:
     """What any placement could serve this client population at most: the oracle (every
     prefix found, no WAN) in front of ``CEILING_REPLICAS_X`` times the replicas, so no
     request waits and decode runs at its small-batch speed. Closed-loop clients send their
     next request only after the reply, so no router on the real fleet does more."""
     big = replace(spec, replicas={r: CEILING_REPLICAS_X * n for r, n in spec.replicas.items()})
-    row = run_sim(big, "oracle", duration_s, seed)
+    row = run_sim(big, "oracle", duration_s, seed, scheduler)
     return {"throughput_rps": row["throughput_rps"], "ttft_p90_s": row["ttft_p90_s"],
             "e2e_p50_s": row["e2e_p50_s"], "replicas_x": CEILING_REPLICAS_X}
 
@@ -418,19 +439,20 @@ def write_plots(rows: Sequence[dict[str, Any]], outdir: Path, prefix: str = "sky
 # ---------------------------------------------------------------------------- entry
 def run_sim_sweep(opts: Options, specs: Mapping[str, WorkloadSpec] | None = None
                   ) -> dict[str, Any]:
-    base = WORKLOADS if specs is None else specs
+    base = CLIENT_SETS[opts.clients] if specs is None else specs
     scale = {w: float(opts.load_scale.get(w, 1.0)) for w in opts.workloads}
     specs = {w: scale_clients(base[w], scale.get(w, 1.0)) for w in base}
 
     def one(spec: WorkloadSpec, system: str) -> dict[str, Any]:
-        return run_sim(spec, system, opts.duration_s, opts.seed)
+        return run_sim(spec, system, opts.duration_s, opts.seed, opts.scheduler)
 
     t0 = time.perf_counter()
     rows = sweep(opts, one, specs)
     comp = comparisons(rows)
     ceilings: dict[str, dict[str, Any]] = {}
-    if "oracle" in opts.systems:
-        ceilings = {w: throughput_ceiling(specs[w], opts.duration_s, opts.seed)
+    if "oracle" in opts.systems and opts.ceiling:
+        ceilings = {w: throughput_ceiling(specs[w], opts.duration_s, opts.seed,
+                                          opts.scheduler)
                     for w in opts.workloads}
         add_ceilings(comp, rows, ceilings)
     return {
@@ -439,11 +461,13 @@ def run_sim_sweep(opts: Options, specs: Mapping[str, WorkloadSpec] | None = None
         "ceiling": ceilings,
         "paper": PAPER,
         "targets": TARGETS,
-        "setup": {"mode": "sim", "regions": REGIONS,
+        "setup": {"mode": "sim", "regions": REGIONS, "scheduler": opts.scheduler,
+                  "clients": opts.clients,
                   "duration_s": opts.duration_s, "warmup_s": WARMUP_FRACTION * opts.duration_s,
                   "seed": opts.seed, "load_scale": scale,
                   "workloads": {w: {"sim_workload": specs[w].sim_workload,
                                     "profile": specs[w].profile,
+                                    "max_tokens": specs[w].max_tokens,
                                     "replicas": specs[w].replicas,
                                     "params": specs[w].params} for w in opts.workloads},
                   "systems": {s: SYSTEMS[s] for s in opts.systems}},
@@ -459,9 +483,11 @@ def run(opts: Options, specs: Mapping[str, WorkloadSpec] | None = None) -> dict[
         label = "(live, scaled down, 2 shared cores)"
     else:
         res = run_sim_sweep(opts, specs)
+        specs = CLIENT_SETS[opts.clients] if specs is None else specs
         scaled = {w: x for w, x in res["setup"]["load_scale"].items() if x != 1.0}
-        label = "(simulator" + (", clients x " + ", ".join(
-            f"{x:g} on {w}" for w, x in scaled.items()) if scaled else "") + ")"
+        label = (f"(simulator, {opts.scheduler} scheduler, {opts.clients} clients"
+                 + (", clients x " + ", ".join(f"{x:g} on {w}" for w, x in scaled.items())
+                    if scaled else "") + ")")
     print(format_tables(res["runs"], label, specs))
     ceilings = format_ceilings(res.get("comparisons", {}))
     if ceilings:
@@ -489,6 +515,17 @@ def options_from_args(args: Any) -> Options:
         scale = parse_load_scale(load_scale)
     except ValueError as e:
         raise SystemExit(f"skylb-macro: {e}") from None
+    scheduler = getattr(args, "scheduler", None) or "vllm"
+    clients = getattr(args, "clients", None) or "ours"
+    if scheduler not in SCHEDULERS:
+        raise SystemExit(f"skylb-macro: unknown scheduler {scheduler!r}; known: "
+                         f"{list(SCHEDULERS)}")
+    if clients not in CLIENT_SETS:
+        raise SystemExit(f"skylb-macro: unknown clients {clients!r}; known: "
+                         f"{list(CLIENT_SETS)}")
+    if mode == "live" and clients != "ours":
+        raise SystemExit("skylb-macro: --clients applies to --mode sim only (live mode has "
+                         "its own clients)")
     if mode == "live" and any(x != 1.0 for x in scale.values()):
         raise SystemExit("skylb-macro: --load-scale applies to --mode sim only (live mode "
                          "has its own scaled-down client counts)")
@@ -499,7 +536,7 @@ def options_from_args(args: Any) -> Options:
         plots=Path(plots) if plots else None,
         progress=not getattr(args, "no_progress", False),
         peers=tuple(p.strip() for p in peers.split(",") if p.strip()),
-        load_scale=scale,
+        load_scale=scale, scheduler=scheduler, clients=clients,
         extra={"quick": quick, "duration_given": duration is not None,
                "workloads_given": bool(workloads)},
     )
@@ -535,6 +572,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--load-scale", default=None, metavar="X",
                     help="sim: multiply client counts by X, per workload as "
                          "chat-arena=2,tot=3, or 'calibrated' (see the module doc)")
+    ap.add_argument("--scheduler", choices=SCHEDULERS, default="vllm",
+                    help="the replicas' engine scheduler (sim; live: skymesh-replica's)")
+    ap.add_argument("--clients", choices=tuple(CLIENT_SETS), default="ours",
+                    help="whose tree-of-thoughts clients: ours (tot-gsm8k) or skylb "
+                         "(tot-skylb, mixed-tree-skylb; SkyLB's lbbench client)")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 

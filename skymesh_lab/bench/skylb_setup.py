@@ -7,7 +7,7 @@ runner imports the other back.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,8 @@ class WorkloadSpec:
     kind: str  # "chat" or "tot": which of the paper's hit-rate ranges applies
     paper: str
     profile: str = "llama3.1-8b-l4"
+    # The client's max_tokens on every request when the workload sets none (None: none).
+    max_tokens: int | None = None
 
 
 WORKLOADS: dict[str, WorkloadSpec] = {
@@ -74,6 +76,33 @@ WORKLOADS: dict[str, WorkloadSpec] = {
          "branching_per_region": {"us": 4}, "depth": 4, "output_scale": 3.0}, "tot",
         "Fig. 8d/8h/8l (mixed tree: US 4-branch x 2 clients, others 2-branch x 20)"),
 }
+
+# SkyLB's own clients (skymesh_lab/sim/workloads/tot_skylb.py, ported from its lbbench):
+# the trees run ``tot-skylb`` / ``mixed-tree-skylb`` (virtual root, identical siblings,
+# max_tokens 256, up to b**4 requests of a tree at once, ``x-hash-key`` = the region as
+# SkyLB's client sends it) with the paper's client counts. The chat workloads keep
+# ShareGPT conversations at the paper's counts (neither ChatBot Arena nor WildChat is in
+# the data set here) with the max_tokens of SkyLB's chat client, 512 (its wildchat.py;
+# skymesh_lab/bench/max_tokens.py), which SGLang's admission reserves for.
+SKYLB_CHAT_MAX_TOKENS = 512
+SKYLB_CLIENT_WORKLOADS: dict[str, WorkloadSpec] = {
+    **{w: replace(WORKLOADS[w], max_tokens=SKYLB_CHAT_MAX_TOKENS)
+       for w in ("chat-arena", "chat-wildchat")},
+    "tot": WorkloadSpec(
+        "tot", "tot-skylb", EVEN,
+        {"clients_per_region": {"us": 40, "eu": 20, "asia": 20}, "branching": 2}, "tot",
+        "Fig. 8c/8g/8k (tree of thoughts, 2-branch, 40/20/20 clients; SkyLB's client)"),
+    "mixed-tree": WorkloadSpec(
+        "mixed-tree", "mixed-tree-skylb", EVEN,
+        {"clients_per_region": {"us": 2, "eu": 20, "asia": 20}, "branching": 2,
+         "branching_per_region": {"us": 4}}, "tot",
+        "Fig. 8d/8h/8l (mixed tree: US 4-branch x 2 clients, others 2-branch x 20; "
+        "SkyLB's client)"),
+}
+# ``--clients``: whose clients drive the trees.
+CLIENT_SETS: dict[str, dict[str, WorkloadSpec]] = {"ours": WORKLOADS,
+                                                    "skylb": SKYLB_CLIENT_WORKLOADS}
+SCHEDULERS = ("vllm", "sglang")
 
 # System name -> SimConfig fields. Blind pushing for the single-balancer baselines: the
 # routers SkyLB compares with push every request at once (SkyLB sec. 5.1).
@@ -126,6 +155,12 @@ class Options:
     peers: tuple[str, ...] = ()
     # Workload -> client multiplier (missing: 1.0); see parse_load_scale.
     load_scale: dict[str, float] = field(default_factory=dict)
+    # The replicas' engine scheduler (SimConfig.scheduler) and whose clients run the trees
+    # (a key of CLIENT_SETS).
+    scheduler: str = "vllm"
+    clients: str = "ours"
+    # With the oracle: also run the throughput ceiling (the oracle on 16x the replicas).
+    ceiling: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -207,7 +207,7 @@ class Mesh:
     def __init__(self, workdir: Path, forwarding: bool, controller: bool = False, *,
                  replicas: Mapping[str, int] | None = None, time_scale: float | None = None,
                  log_level: str = "warning", lb_overrides: Mapping[str, Any] | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, replica_args: tuple[str, ...] = ()) -> None:
         self.dir = workdir
         self.forwarding = forwarding
         self.token = token or secrets.token_hex(16)
@@ -217,6 +217,7 @@ class Mesh:
         self.time_scale = time_scale
         self.log_level = log_level
         self.lb_overrides = dict(lb_overrides or {})
+        self.replica_args = replica_args  # extra skymesh-replica flags, e.g. --scheduler
         self.daemons: list[Daemon] = []
         self.proxies: list[DelayProxy] = []
         self.links: dict[tuple[str, str], DelayProxy] = {}  # (from, to) -> its proxy
@@ -243,7 +244,7 @@ class Mesh:
                     await proxy.start()
                     self.proxies.append(proxy)
                     self.links[(a, b)] = proxy
-        extra = ["--log-level", self.log_level]
+        extra = ["--log-level", self.log_level, *self.replica_args]
         for r in REGIONS:
             reps = await start_replicas(self.dir, self.replica_counts[r],
                                         time_scale=self.time_scale, name=f"{r}-replica",

@@ -1,5 +1,6 @@
 """The lane's tools without vLLM: the burst benchmark's metric reading (on a real vLLM
-0.32 ``/metrics`` capture), the Markdown renderers, and the env builder's cache key."""
+0.32 ``/metrics`` capture), the compatibility table, and the env builder's cache key (the
+burst's rounds and page: ``test_burst_stats.py``)."""
 
 from __future__ import annotations
 
@@ -47,15 +48,6 @@ def test_compat_table_marks_differences_and_designed_statuses() -> None:
             if line.startswith("| ") and "---" not in line and "case" not in line}
     assert "404 text/plain | differs | differs" in rows["version"]
     assert "| by design | own |" in rows["model"]
-
-
-def test_burst_markdown_has_a_row_per_mode() -> None:
-    server = {"waiting_mean": 0.5, "waiting_max": 2.0, "running_mean": 3.9}
-    mode = {"servers": {"s0": server, "s1": server}, "lb_queue_mean": 7.0, "lb_queue_max": 9,
-            "ttft_p50_s": 1.0, "ttft_p90_s": 2.0, "completion_s": 30.0, "failed": 0}
-    table = burst_bench.markdown({"modes": {"sp-p": mode, "bp": mode}})
-    assert [line.split("|")[1].strip() for line in table.splitlines()[2:]] == ["sp-p", "bp"]
-    assert "| 0.5 / 0.5 | 2.0 / 2.0 | 7.0 / 9 |" in table
 
 
 def test_env_key_follows_the_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

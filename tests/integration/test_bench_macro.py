@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import run_bounded
 
 from skymesh_lab.bench import results, skylb_macro
 from skymesh_lab.sim.runner import Simulation
@@ -131,18 +132,26 @@ def test_results_generator_prints_commands(quick: tuple[dict[str, Any], Path],
     assert "| oracle |" in text and "Targets" in text and "Throughput ceiling" in text
 
 
-def test_live_smoke(tmp_path: Path) -> None:
-    """Real processes: one workload, a single balancer and the mesh, a few seconds each."""
+@pytest.mark.parametrize("scheduler", ["vllm", "sglang"])
+def test_live_smoke(tmp_path: Path, scheduler: str) -> None:
+    """Real processes: one workload, a single balancer and the mesh, a few seconds each;
+    in SGLang mode the replicas publish SGLang's metrics only, and the balancers and the
+    hit-rate counters read those."""
     out = tmp_path / "live.json"
-    r = subprocess.run([sys.executable, "-m", "skymesh_lab.bench.skylb_macro", "--mode", "live",
-                        "--quick", "--duration", "4", "--no-progress", "--json", str(out)],
-                       capture_output=True, text=True, timeout=120)
+    r = run_bounded([sys.executable, "-m", "skymesh_lab.bench.skylb_macro", "--mode", "live",
+                     "--quick", "--duration", "4", "--scheduler", scheduler, "--no-progress",
+                     "--json", str(out)], timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    runs = json.loads(out.read_text())["runs"]
+    res = json.loads(out.read_text())
+    assert res["setup"]["scheduler"] == scheduler
+    runs = res["runs"]
     assert {x["system"] for x in runs} == set(skylb_live_quick_systems())
     for x in runs:
         assert x["requests"] > 0 and x["throughput_rps"] > 0, x
         assert x["ttft_p50_s"] > 0
+    # Second chat turns resend the conversation: the hit-rate counters (vLLM's, or SGLang's
+    # rate x prompt tokens) see cached tokens.
+    assert any(x["prefix_hit_rate"] > 0 for x in runs), runs
 
 
 def skylb_live_quick_systems() -> tuple[str, ...]:

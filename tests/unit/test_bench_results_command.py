@@ -87,11 +87,20 @@ def test_run_refuses_an_unknown_benchmark_by_name(tmp_path: Path,
 
 
 def test_the_vllm_burst_page_has_a_row_per_mode_and_server() -> None:
-    server = {"waiting_mean": 1.25, "waiting_max": 6, "running_mean": 3.5}
-    mode = {"servers": {"a": server, "b": server}, "lb_queue_mean": 20.0, "lb_queue_max": 40,
-            "ttft_p50_s": 1.5, "ttft_p90_s": None, "completion_s": 30.0, "failed": 0}
+    # Figures over rounds as tools/e2e/burst_stats.py aggregates them (its own tests, with
+    # the page's other tables, are in tests/e2e/test_burst_stats.py).
+    def over(mean: float | None, lo: float | None = None, hi: float | None = None
+             ) -> dict[str, float | int | None]:
+        return {"mean": mean, "min": lo if lo is not None else mean,
+                "max": hi if hi is not None else mean, "n": 3}
+    server = {"waiting_mean": over(1.25, 1.0, 1.5), "waiting_max": over(5.0, 4.0, 6.0),
+              "running_when_backlogged_mean": over(3.5)}
+    mode = {"servers": {"a": server, "b": server}, "lb_queue_mean": over(20.0),
+            "ttft_p50_s": over(1.5, 1.0, 2.0), "ttft_p90_s": over(None),
+            "completion_s": over(30.0)}
     text = BY_NAME["vllm_burst"].render({"setup": {"servers": 2}, "modes": {"sp-p": mode}})
-    assert "| sp-p | a | 1.25 | 6 | 3.50 | - | 20.00 | 40 | 1.50 s | - | 30.0 s | 0 |" in text
+    assert ("| sp-p | a | 1.25 (1.00-1.50) | 6 | 3.50 | 20.0 | 1.5 s (1.0-2.0) | - | 30.0 s "
+            "| - |") in text
     assert "| sp-p | b |" in text
 
 

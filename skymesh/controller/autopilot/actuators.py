@@ -14,9 +14,10 @@ worker thread, and the local one's controller calls hop back onto the event loop
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Coroutine, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from skymesh.controller.autopilot.config import ActuatorConfig
 from skymesh.planning.actuate import ApplyReport
@@ -35,6 +36,33 @@ class Backend(Protocol):
                      ) -> ApplyReport: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Mover(Protocol):
+    """What an actuator that can move replicas offers (moves.py runs the move).
+
+    ``move_kinds``: what one of its replicas may change, ``"region"`` and/or ``"model"``
+    (the GPU type never changes). ``movable(key)``: its own replicas of ``key``, in the
+    order it would give them up. ``prepare_move`` returns the URL the replica will serve
+    ``dst`` at (a new process for a model change); then either ``finish_move`` (the store
+    has the replica at ``dst``: update the books, stop a replaced process) or
+    ``abort_move`` (stop what ``prepare_move`` started)."""
+
+    move_kinds: frozenset[str]
+
+    def movable(self, key: Key) -> list[str]: ...
+
+    def prepare_move(self, rid: str, src: Key, dst: Key) -> str: ...
+
+    def finish_move(self, rid: str, src: Key, dst: Key) -> None: ...
+
+    def abort_move(self, rid: str) -> None: ...
+
+
+def mover_of(backend: Backend | None) -> Mover | None:
+    """The backend's mover, if it has one (``aws`` and ``none`` do not: see below)."""
+    return getattr(backend, "mover", None)
 
 
 class NoActuator:
@@ -61,10 +89,16 @@ class InProcessClient:
         from skymesh.controller.service import ApiError
         from skymesh.planning.actuate_local import ControllerError
 
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
-            return asyncio.run_coroutine_threadsafe(coro, self.loop).result(CALL_TIMEOUT_S)
+            return fut.result(CALL_TIMEOUT_S)
         except ApiError as exc:
             raise ControllerError(f"HTTP {exc.status}: {exc.message}") from None
+        except TimeoutError:
+            # A call left running would register a replica whose process the actuator
+            # is about to stop: cancel it, and let the caller clean up as for a refusal.
+            fut.cancel()
+            raise ControllerError(f"no answer in {CALL_TIMEOUT_S:.0f}s") from None
 
     def register(self, body: dict[str, Any]) -> None:
         from skymesh.controller.models import ReplicaIn
@@ -89,7 +123,11 @@ class LocalBackend:
         from skymesh.planning.actuate_local import DEFAULT_PROFILES, LocalActuator
 
         local = cfg.local
-        extra: dict[str, Any] = {"starter": starter} if starter is not None else {}
+        if starter is None:
+            from skymesh.util.procs import start_daemon
+
+            starter = functools.partial(start_daemon, timeout=local.start_timeout_s)
+        extra: dict[str, Any] = {"starter": starter}
         profiles: dict[str | tuple[str, str], str] = {}
         profiles.update(DEFAULT_PROFILES)
         profiles.update(local.profiles)
@@ -100,6 +138,7 @@ class LocalBackend:
             replica_args=tuple(local.replica_args),
             log_dir=Path(local.log_dir) if local.log_dir else None, **extra)
         self.actuator.client = InProcessClient(ctl, loop)  # type: ignore[assignment]
+        self.mover: Mover = self.actuator
 
     def current(self, keys: Iterable[Key], registered: Mapping[Key, int]) -> dict[Key, int]:
         return dict(registered)
@@ -118,6 +157,10 @@ class LocalBackend:
 
 
 class AwsBackend:
+    """No moves: an instance lives in its AWS region's Auto Scaling group, and one that
+    served another model would need its launch template's user data run again, so a plan
+    that shifts capacity is a scale-in of one group and a scale-out of another."""
+
     kind = "aws"
 
     def __init__(self, cfg: ActuatorConfig, client_factory: Any = None) -> None:

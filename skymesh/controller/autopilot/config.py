@@ -20,6 +20,9 @@ Example (every key optional except ``capacity``)::
       actuator: {kind: local, local: {replica_args: ["--time-scale", "0.05"]}}
       cooldowns: {retry_s: 300, retry_max_s: 3600, max_attempts: 5, hold_s: 900}
       approvers: [capacity-ops]     # token names that may approve besides admin tokens
+      moves: true                   # pair surplus and deficit into replica moves
+      drain_timeout_s: 300          # a move's drain gives up (and rolls back) after this
+      drain_poll_s: 1.0             # between idle checks while a move drains
 
 Units: seconds, tokens per second, instances. ``bounds`` are enforced inside the ILP (per
 endpoint) and again on every strategy step.
@@ -48,6 +51,9 @@ class ScheduleConfig(_Strict):
     tick_s: float = Field(15.0, gt=0, description="between strategy steps and retries")
     first_round_s: float = Field(60.0, ge=0, description="after start-up: balancers report "
                                                          "first")
+    # The seasonal period the forecasters look for. Only a time-compressed demo (skymesh
+    # demo --autopilot: a day in minutes) sets it shorter than a day.
+    day_s: int = Field(86_400, ge=2, description="seasonal period (a day)")
 
 
 class ForecasterConfig(_Strict):
@@ -83,6 +89,9 @@ class LocalActuatorConfig(_Strict):
     profiles: dict[str, str] = Field(default_factory=dict, description="GPU type -> profile")
     balancer: str | None = None
     log_dir: str | None = None
+    # A replica that has not said it listens by then is a failed start (retried on the
+    # cooldowns). A real engine loading a model, or a loaded machine, needs more than 30 s.
+    start_timeout_s: float = Field(30.0, gt=0, description="one replica's start-up")
 
 
 class AwsActuatorConfig(_Strict):
@@ -117,11 +126,19 @@ class PlannerConfig(_Strict):
     bounds: dict[str, dict[str, BoundConfig]] = Field(default_factory=dict)
     epsilon: float = Field(0.5, gt=0, le=1)
     strategy: str | None = None
+    strategy_cooldown_s: float | None = Field(
+        None, ge=0, description="between one endpoint's strategy steps (default: the "
+                                "strategy's own, 15 s); a time-compressed demo shortens it")
     actuator: ActuatorConfig = ActuatorConfig()
     cooldowns: CooldownConfig = CooldownConfig()
     approvers: list[str] = Field(default_factory=list)
     keep_rounds: int = Field(500, ge=10)
     solve_time_limit_s: float = Field(30.0, gt=0)
+    # Moves (moves.py): a replica the plan takes from one endpoint and gives to another
+    # is drained, waited on until idle, and re-registered instead of stopped and started.
+    moves: bool = True
+    drain_timeout_s: float = Field(300.0, gt=0, description="a move's drain gives up after")
+    drain_poll_s: float = Field(1.0, gt=0, description="between idle checks of a drain")
 
     @field_validator("capacity")
     @classmethod

@@ -4,7 +4,8 @@ SageServe's hourly loop (sec. 5): per (model, region) endpoint, the token rate o
 window from the balancers' telemetry (prompt + output tokens / window); a forecast of the
 next ``horizon`` windows with the configured forecaster, scaled by ``1 + headroom``; the
 capacity ILP (skymesh.planning.ilp) over every (model, region, GPU type) with the current
-counts, the per-instance capacities and the bounds; the diff between the plan and now.
+counts, the per-instance capacities and the bounds; the diff between the plan and now;
+which of its changes become replica moves rather than a stop and a start (pair_moves).
 
 No clock, store or network here: the caller passes ``now``, the samples and the counts,
 so tests drive a round with hand-made series and a fake clock. Safety rules that live
@@ -99,7 +100,7 @@ class ForecastBook:
         last = series.start_slot + len(y) - 1
         old = self._fits.get(pair)
         error = _ape(old.forecast, series) if old and old.forecast else None
-        period = max(1, DAY_S // sch.window_s)
+        period = max(1, sch.day_s // sch.window_s)
         kind = (f.name, period) if len(y) >= 2 * period + 1 else ("seasonal-naive", 1)
         used: str = f.name if kind[1] == period else "persistence (under two days of history)"
         try:
@@ -225,3 +226,42 @@ def plan_input(cfg: PlannerConfig, forecasts: Mapping[Pair, ForecastOut], region
                      vm_cost={g: cfg.vm_cost.get(g, 1.0) for g in gpus},
                      gpus_per_instance=cfg.gpus_per_instance,
                      min_per_endpoint=ep_lo, max_per_endpoint=ep_hi)
+
+
+# -- moves ---------------------------------------------------------------------------------
+MoveKind = str  # "region" (same model, another region) or "model" (same region, another)
+
+
+def move_kind(src: Key, dst: Key) -> frozenset[MoveKind] | None:
+    """What a replica changes moving from ``src`` to ``dst`` (None: it cannot: the GPU
+    type is the machine, and a replica never changes it)."""
+    if src[2] != dst[2] or src == dst:
+        return None
+    return frozenset(k for k, i in (("model", 0), ("region", 1)) if src[i] != dst[i])
+
+
+def pair_moves(changes: Sequence[tuple[Key, int, int]], kinds: frozenset[MoveKind],
+               movable: Mapping[Key, int]) -> list[tuple[Key, Key]]:
+    """Pair a key that loses replicas with one that gains on the same GPU type, one
+    ``(src, dst)`` per replica, as far as ``movable`` (replicas the actuator may move, per
+    key) and ``kinds`` (what its replicas can change) allow; the rest stays stop + start.
+
+    Cheapest first: a region move keeps the process (and only its cache goes cold), a
+    model change restarts it, both at once restarts it elsewhere. Within a kind, keys in
+    sorted order, so the same diff always gives the same moves."""
+    surplus = {k: min(b - a, movable.get(k, 0)) for k, b, a in changes if b > a}
+    deficit = {k: a - b for k, b, a in changes if a > b}
+    order = [frozenset({"region"}), frozenset({"model"}), frozenset({"model", "region"})]
+    out: list[tuple[Key, Key]] = []
+    for want in order:
+        if not want <= kinds:
+            continue
+        for src in sorted(surplus):
+            for dst in sorted(deficit):
+                if move_kind(src, dst) != want:
+                    continue
+                n = min(surplus[src], deficit[dst])
+                out += [(src, dst)] * n
+                surplus[src] -= n
+                deficit[dst] -= n
+    return out

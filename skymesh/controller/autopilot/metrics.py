@@ -6,12 +6,14 @@
     skymesh_controller_planner_actual_instances{model,region}               what runs
     skymesh_controller_planner_actuation_errors_total{model,region}         counter
     skymesh_controller_planner_strategy_actions_total{model,region,direction}  counter
+    skymesh_controller_planner_moves_total{outcome}                         counter
     skymesh_controller_planner_last_round_timestamp_seconds
     skymesh_controller_planner_last_round_duration_seconds
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -28,6 +30,7 @@ class Stats:
     actual: dict[tuple[str, str], int] = field(default_factory=dict)
     actuation_errors: dict[tuple[str, str], int] = field(default_factory=dict)
     strategy_actions: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    moves: Counter[str] = field(default_factory=Counter)  # by outcome (moves.py)
     last_round_ts: float = 0.0
     last_round_seconds: float = 0.0
 
@@ -61,6 +64,12 @@ def families(stats: Stats) -> Iterator[Metric]:
     for (m, r, d), n in sorted(s.strategy_actions.items()):
         acts.add_metric([m, r, d], n)
     yield acts
+    moves = CounterMetricFamily("skymesh_controller_planner_moves",
+                                "Replica moves (drain, re-register) by outcome",
+                                labels=["outcome"])
+    for outcome, n in sorted(s.moves.items()):
+        moves.add_metric([outcome], n)
+    yield moves
     yield GaugeMetricFamily("skymesh_controller_planner_last_round_timestamp_seconds",
                             "When the last round ran", value=s.last_round_ts)
     yield GaugeMetricFamily("skymesh_controller_planner_last_round_duration_seconds",

@@ -12,6 +12,10 @@ Statuses: ``skipped`` (not enough telemetry, infeasible), ``no-change``, ``plann
 ``superseded`` (a newer round came before approval), ``applied``, ``partial`` (some keys
 failed: retried on the cooldowns of guard.py), ``failed``.
 
+Applying a plan: first its moves (moves.py: replicas the diff takes from one key and
+gives to another are drained, waited on and re-registered; decide.pair_moves picks them),
+then the counts. A failed move fails both its keys, retried together on the cooldowns.
+
 Between rounds, every ``tick_s``: due retries; then, in auto mode with an actuator and a
 ``strategy``, the strategy of skymesh.planning.strategies (the code the simulated week
 runs) steps each endpoint from its live load (strategy.py).
@@ -25,16 +29,23 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import Metric
 
-from skymesh.controller.autopilot.actuators import Backend, build_backend
+from skymesh.controller.autopilot.actuators import Backend, build_backend, mover_of
 from skymesh.controller.autopilot.config import PlannerConfig
-from skymesh.controller.autopilot.decide import RECORDED_WINDOWS, Decision, ForecastBook, decide
+from skymesh.controller.autopilot.decide import (
+    RECORDED_WINDOWS,
+    Decision,
+    ForecastBook,
+    decide,
+    pair_moves,
+)
 from skymesh.controller.autopilot.guard import Cooldowns
 from skymesh.controller.autopilot.metrics import Stats, families
+from skymesh.controller.autopilot.moves import MoveResult, MoveRunner
 from skymesh.controller.autopilot.strategy import StrategyStepper
 from skymesh.controller.store import Obj, StoreError
 from skymesh.planning.actuate import ApplyReport
@@ -55,9 +66,10 @@ def obj_key(o: Obj) -> Key:
 
 class Planner:
     def __init__(self, cfg: PlannerConfig, ctl: Any, *, clock: Callable[[], float] = time.time,
-                 backend: Backend | None = None) -> None:
+                 backend: Backend | None = None,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.cfg, self.ctl = cfg, ctl
-        self.clock = clock
+        self.clock, self.sleep = clock, sleep  # sleep: between a drain's idle checks
         self.backend = backend
         self.book = ForecastBook(cfg)
         self.guard = Cooldowns(cfg.cooldowns)
@@ -95,6 +107,27 @@ class Planner:
                     k = obj_key(c)
                     if k in before:
                         self.guard.changed(k, before[k], c["count"], act["ts"])
+        try:
+            for rec in recs:
+                await self._interrupted(rec)
+        except StoreError:
+            log.warning("planner: could not undrain the replicas of interrupted moves")
+
+    async def _interrupted(self, rec: Obj) -> None:
+        """Moves a stop cut short in their drain: undrain the replicas where they are
+        (the store never holds a replica between two endpoints) and say so."""
+        cut = [m for m in rec.get("moves", []) if m["state"] == "draining"]
+        if not cut:
+            return
+        for m in cut:
+            m["state"] = "planned"
+            rep = await self.ctl.store.get("replicas", m["replica"])
+            if rep is not None and rep.get("state") == "draining":
+                await self.ctl.drain(m["replica"], False)
+        if rec["status"] == "applying":
+            rec["status"] = "failed"
+        rec["reason"] = "the controller stopped while its moves drained; undrained"
+        await self.save(rec)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -197,7 +230,8 @@ class Planner:
             decision = await asyncio.to_thread(
                 decide, self.cfg, self.book, now=now, samples=samples, regions=regions,
                 current=current, model_limits=limits)
-            rec = self._record(now, decision, current, dry_run, trigger)
+            rec = self._record(now, decision, current, dry_run, trigger,
+                               await self._movable(decision))
             await self._supersede()
             if rec["status"] == "applying":
                 await self._apply(rec, now, attempt=1)
@@ -208,8 +242,16 @@ class Planner:
             log.info("planner round %s: %s", rec["id"], rec["status"])
             return rec
 
+    async def _movable(self, d: Decision) -> dict[Key, int]:
+        """Per key that shrinks, how many of its replicas the actuator could move."""
+        mover = mover_of(self.backend)
+        if mover is None or not self.cfg.moves:
+            return {}
+        return {k: len(await self.actuate(mover.movable, k))
+                for k, before, after in d.changes if before > after}
+
     def _record(self, now: float, d: Decision, current: dict[Key, int], dry_run: bool,
-                trigger: str) -> Obj:
+                trigger: str, movable: dict[Key, int] | None = None) -> Obj:
         pid = f"plan-{int(now)}-{secrets.token_hex(3)}"
         changes, held = [], []
         for key, before, after in d.changes:
@@ -220,6 +262,11 @@ class Planner:
             else:
                 held.append({**row, "reason": why})
         held += [{"model": m, "region": r, "reason": why} for (m, r), why in d.kept]
+        mover = mover_of(self.backend)
+        moves = [] if mover is None or not movable else [
+            {"from": key_obj(src), "to": key_obj(dst), "replica": None, "state": "planned"}
+            for src, dst in pair_moves([(obj_key(c), c["before"], c["after"])
+                                        for c in changes], mover.move_kinds, movable)]
         if d.skipped is not None:
             status = "skipped"
         elif not changes:
@@ -253,7 +300,7 @@ class Planner:
                           "tokens_per_s": [round(v, 3) for v in f.values],
                           "previous_error": f.error}
                          for (m, r), f in sorted(d.forecasts.items())],
-            "plan": plan, "changes": changes, "held": held, "actions": [],
+            "plan": plan, "changes": changes, "moves": moves, "held": held, "actions": [],
         }
 
     async def _supersede(self) -> None:
@@ -295,14 +342,24 @@ class Planner:
     async def _apply(self, rec: Obj, now: float, attempt: int, only: set[Key] | None = None
                      ) -> None:
         assert self.backend is not None
+        pending = [m for m in rec.get("moves", []) if m["state"] != "moved" and (
+            only is None or obj_key(m["from"]) in only or obj_key(m["to"]) in only)]
+        if only is not None:  # a move's two keys go together, even if one alone was due
+            only = only | {obj_key(m[e]) for m in pending for e in ("from", "to")}
         rows = [c for c in rec["changes"] if only is None or obj_key(c) in only]
-        counts = {obj_key(c): c["after"] for c in rows}
+        moved, move_errors = await self._moves(rec, pending)
+        if moved:
+            now = self.clock()  # a drain takes time: cooldowns count from its end
+        counts = {obj_key(c): c["after"] for c in rows if obj_key(c) not in move_errors}
         registered = await self.registered()
         try:
+            # After the moves: absolute counts, so what the moves did is not done twice.
             report = await self.actuate(self.backend.apply_counts, counts, registered)
         except Exception as exc:  # the actuator's own failure: every key of this call failed
             log.exception("actuation failed")
             report = ApplyReport(errors={k: f"{type(exc).__name__}: {exc}" for k in counts})
+        report.errors.update(move_errors)
+        counts.update({obj_key(c): c["after"] for c in rows if obj_key(c) in move_errors})
         retry_at = None
         for c in rows:
             key = obj_key(c)
@@ -324,6 +381,7 @@ class Planner:
             "changed": [{**key_obj(k), "count": counts[k]} for k in sorted(counts)
                         if k not in report.errors],
             "errors": [{**key_obj(k), "error": e} for k, e in sorted(report.errors.items())],
+            "moves": [m.row() for m in moved],
             "retry_at": retry_at})
         failed = {obj_key(e) for a in rec["actions"][-1:] for e in a["errors"]}
         done = {obj_key(c) for a in rec["actions"] for c in a["changed"]}
@@ -333,6 +391,36 @@ class Planner:
         else:
             rec["status"] = "partial" if done else "failed"
         await self.world()  # refresh "actual" for /metrics
+
+    async def _moves(self, rec: Obj, pending: list[Obj]) -> tuple[list[MoveResult],
+                                                                   dict[Key, str]]:
+        """Run the record's pending moves (at once: each waits on its own drain); the
+        keys of those that failed, with why. A move with no replica to take is left to
+        the counts (a stop and a start)."""
+        mover = mover_of(self.backend)
+        if not pending or mover is None:
+            return [], {}
+        runner = MoveRunner(self.ctl, mover, self.actuate, clock=self.clock,
+                            timeout_s=self.cfg.drain_timeout_s, poll_s=self.cfg.drain_poll_s,
+                            sleep=self.sleep)
+        taken: set[str] = set()
+        picked = [(m, await runner.pick(obj_key(m["from"]), taken)) for m in pending]
+        for m, rid in picked:
+            m["replica"] = rid
+            m["state"] = "draining" if rid is not None else m["state"]
+        # Seen while they drain, and found by _interrupted if the controller stops now.
+        await self.save(rec)
+        results = await asyncio.gather(*(
+            runner.run(rid, obj_key(m["from"]), obj_key(m["to"])) if rid is not None
+            else _no_replica(m) for m, rid in picked))
+        errors: dict[Key, str] = {}
+        for (m, _), res in zip(picked, results, strict=True):
+            m["state"] = "moved" if res.outcome == "moved" else "planned"
+            if res.outcome not in ("moved", "no-replica"):
+                why = f"move of {res.replica} to {res.dst[1]}/{res.dst[0]}: {res.error}"
+                errors[res.src] = errors[res.dst] = why
+        self.stats.moves.update(r.outcome for r in results)
+        return list(results), errors
 
     async def retry_due(self) -> None:
         now = self.clock()
@@ -357,3 +445,8 @@ class Planner:
     def collect(self) -> Iterator[Metric]:
         """A prometheus_client collector: /metrics registers the planner itself."""
         return families(self.stats)
+
+
+async def _no_replica(m: Obj) -> MoveResult:
+    return MoveResult(obj_key(m["from"]), obj_key(m["to"]), None, "no-replica",
+                      error="no replica of the actuator's own to move: stop and start")

@@ -5,6 +5,8 @@
     POST /v1/plans                 run a round now; {"dry_run": true} (the default) only
                                    shows what would change
     POST /v1/plans/{id}/approve    apply a pending plan (approve mode)
+    GET  /v1/outlook               per region, the forecast load of the next windows
+                                   (read token; outlook.py); empty with no planner
 
 Running a round or approving needs an admin token, or a token named in
 ``planner.approvers`` whatever its role: an operator can hold a read token that may also
@@ -112,6 +114,14 @@ def mount_planner(app: FastAPI, cfg: ControllerConfig, ctl: Any) -> None:
                        body: Annotated[RoundIn | None, Body()] = None) -> Obj:
         dry = body.dry_run if body is not None else True
         return await on().run_round(dry_run=dry, trigger=f"api:{p.name}")
+
+    @app.get("/v1/outlook", tags=["plans"], responses=ERRORS, dependencies=[Depends(reader)])
+    async def get_outlook() -> Obj:
+        from skymesh.controller.autopilot.outlook import outlook
+
+        if planner is None:  # balancers poll this: no planner is an empty outlook, not 409
+            return outlook((), {})
+        return outlook(await planner.records(), planner.cfg.capacity)
 
     @app.post("/v1/plans/{pid}/approve", tags=["plans"], responses=ERRORS)
     async def approve(pid: str, p: Annotated[Principal, Depends(approver)]) -> Obj:

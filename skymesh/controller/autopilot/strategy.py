@@ -34,7 +34,9 @@ class StrategyStepper:
     def __init__(self, planner: Planner) -> None:
         assert planner.cfg.strategy is not None
         self.planner = planner
-        self.strategy = make_strategy(planner.cfg.strategy)
+        cooldown = planner.cfg.strategy_cooldown_s
+        self.strategy = make_strategy(planner.cfg.strategy) if cooldown is None \
+            else make_strategy(planner.cfg.strategy, cooldown_s=cooldown)
 
     async def live_load(self, now: float) -> dict[tuple[str, str], float]:
         store = self.planner.ctl.store
