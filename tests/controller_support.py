@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from pathlib import Path
 
+import httpx
 import yaml
 
 from skymesh.util.procs import Daemon, free_port, start_daemon
@@ -42,3 +45,32 @@ def start_controller(tmp: Path, *, probe_s: float, timeout_s: float) -> Daemon:
         "probe": {"interval_s": probe_s, "timeout_s": timeout_s, "failure_threshold": 2}}))
     return start_daemon("skymesh-controller", ["--config", str(path)],
                         log_path=tmp / "controller.log")
+
+
+class TelemetryFeeder:
+    """Telemetry as each region's balancer ``lb-REGION`` reports it: ``tps[region]``
+    prompt tokens/s of ``model`` every 0.25 s, from a thread (the planner tests' demand)."""
+
+    def __init__(self, base: str, model: str, tps: dict[str, float]) -> None:
+        self.base, self.model, self.tps = base, model, tps
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.base, headers=auth(AGENT), timeout=5) as c:
+            while not self._stop.wait(0.25):
+                for region, tps in list(self.tps.items()):
+                    # A report lost on a busy machine: the next one follows.
+                    with contextlib.suppress(httpx.HTTPError):
+                        c.post(f"/v1/balancers/lb-{region}/telemetry", json={
+                            "window_s": 0.25, "models": {self.model: {
+                                "requests": 1, "prompt_tokens": int(tps * 0.25),
+                                "output_tokens": 0}}})
+
+    def __enter__(self) -> TelemetryFeeder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)

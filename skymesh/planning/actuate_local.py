@@ -28,6 +28,7 @@ import re
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,10 @@ from typing import Any
 from skymesh.planning.actuate import ApplyReport, Change
 from skymesh.planning.ilp import Key, Plan
 from skymesh.util.procs import Daemon, start_daemon
+
+# Replica processes started at once by one apply (each is a Python process importing the
+# engine: more at once only slows them all on a small machine).
+MAX_PARALLEL_STARTS = 4
 
 # Engine profile per GPU type (the profiles in skymesh_lab/engine/profiles.py); a
 # (model, gpu) entry in ``LocalActuator.profiles`` overrides it.
@@ -180,13 +185,8 @@ class LocalActuator:
                 self._stop(key, rid)
             except ControllerError as exc:
                 report.errors[key] = str(exc)
-        for key, n in actions.start.items():
-            for _ in range(n):
-                try:
-                    self._start(key)
-                except (ControllerError, RuntimeError, ValueError) as exc:
-                    report.errors[key] = str(exc)
-                    break
+        report.errors.update(self._start_all([key for key, n in actions.start.items()
+                                              for _ in range(n)]))
         for key in counts:
             after = len(self._running.get(key, []))
             if after != before[key]:
@@ -196,16 +196,21 @@ class LocalActuator:
         return report
 
     def close(self) -> None:
-        """Deregister and stop every replica this actuator started."""
-        for rid in list(self._staged):
-            self.abort_move(rid)
-        for key, reps in list(self._running.items()):
-            for rep in list(reversed(reps)):
-                try:
-                    self._stop(key, rep.id)
-                except ControllerError:
-                    rep.daemon.stop()  # the controller is gone: still end our process
-                    reps.remove(rep)
+        """Deregister and stop every replica this actuator started: deregistered one by
+        one, stopped together (SIGTERM to all, then the waits), so a controller that
+        shuts down within its grace period does not leave processes behind."""
+        daemons = list(self._staged.values())
+        self._staged.clear()
+        for reps in self._running.values():
+            for rep in reversed(reps):
+                # The controller may be gone already: still end our process.
+                with contextlib.suppress(ControllerError):
+                    self.client.deregister(rep.id)
+                daemons.append(rep.daemon)
+        self._running.clear()
+        if daemons:
+            with ThreadPoolExecutor(len(daemons)) as pool:
+                list(pool.map(lambda d: d.stop(), daemons))
 
     # -- actions ----------------------------------------------------------------------------
     def _reap(self, key: Key) -> None:
@@ -216,21 +221,40 @@ class LocalActuator:
                 self.client.deregister(rep.id)
             self._running[key].remove(rep)
 
-    def _spawn(self, key: Key, name: str) -> Daemon:
+    def _spawn(self, key: Key, name: str, seed: int | None = None) -> Daemon:
         model, _, gpu = key
         log_path = self.log_dir / f"{name}.log" if self.log_dir else None
         return self.starter(
             "skymesh-replica",
             ["--port", "0", "--profile", self.profile_for(model, gpu), "--model", model,
-             "--seed", str(self._serial), *self.replica_args],
+             "--seed", str(self._serial if seed is None else seed), *self.replica_args],
             log_path=log_path)
 
-    def _start(self, key: Key) -> None:
+    def _start_all(self, keys: list[Key]) -> dict[Key, str]:
+        """Start a replica per entry of ``keys``: the processes at once (a start waits for
+        the process to listen, seconds each on a busy machine, and a round holds the
+        planner while it runs), then register them in ``keys``' order. Errors by key."""
+        named = []
+        for key in keys:
+            self._serial += 1
+            model, region, gpu = key
+            rid = (f"{_slug(region)}-{_slug(model)}-{_slug(gpu)}-{os.getpid()}-"
+                   f"{self._serial}")[-63:]
+            named.append((key, rid.lstrip("-._") or f"replica-{self._serial}", self._serial))
+        errors: dict[Key, str] = {}
+        if not named:
+            return errors
+        with ThreadPoolExecutor(min(len(named), MAX_PARALLEL_STARTS)) as pool:
+            spawned = [pool.submit(self._spawn, key, rid, seed) for key, rid, seed in named]
+        for (key, rid, _), fut in zip(named, spawned, strict=True):
+            try:
+                self._register(key, rid, fut.result())
+            except (ControllerError, RuntimeError, ValueError) as exc:
+                errors[key] = str(exc)
+        return errors
+
+    def _register(self, key: Key, rid: str, daemon: Daemon) -> None:
         model, region, gpu = key
-        self._serial += 1
-        rid = f"{_slug(region)}-{_slug(model)}-{_slug(gpu)}-{os.getpid()}-{self._serial}"[-63:]
-        rid = rid.lstrip("-._") or f"replica-{self._serial}"
-        daemon = self._spawn(key, rid)
         body: dict[str, Any] = {"id": rid, "url": daemon.url, "model": model,
                                 "region": region, "gpu": gpu, "kind": "skymesh"}
         if self.balancer:

@@ -60,12 +60,20 @@ def test_plan_follows_demand_per_region_within_bounds() -> None:
     # epsilon 1: each region covers its own forecast with instances of 100 tokens/s.
     assert (d.plan.count("llama", "us"), d.plan.count("llama", "eu")) == (5, 2)
     assert {(k[1], b, a) for k, b, a in d.changes} == {("eu", 3, 2), ("us", 1, 5)}
-    # A bound the demand cannot fit in: no plan, and the reason names the region.
+    # A bound the demand cannot fit in: planned at the bound (not left where it is while
+    # the load outgrows it), and the note names the region and what was cut.
     tight = cfg(bounds={"llama": {"us": {"max": 3}}})
     d = decide(tight, ForecastBook(tight), now=10 * W + 5, samples=samples,
                regions=["us", "eu"], current=now)
-    assert d.plan is None and d.changes == []
-    assert d.skipped is not None and "us" in d.skipped and "regional" in d.skipped
+    assert d.plan is not None and d.skipped is None
+    assert (d.plan.count("llama", "us"), d.plan.count("llama", "eu")) == (3, 2)
+    assert d.note is not None and "llama/us: 450 -> 300" in d.note
+    # A model bound over all regions cuts them alike.
+    capped = cfg(bounds={"llama": {"*": {"max": 10}}})
+    d = decide(capped, ForecastBook(capped), now=10 * W + 5, samples=samples,
+               regions=["us", "eu"], current=now, model_limits={"llama": (0, 4)})
+    assert d.plan is not None and d.plan.count("llama", "us") + d.plan.count("llama", "eu") <= 4
+    assert d.note is not None and "over its regions" in d.note
 
 
 def test_a_region_without_telemetry_keeps_its_count_and_is_not_counted_on() -> None:

@@ -7,7 +7,6 @@ rest. Windows are one second long so the whole loop runs in seconds."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import httpx
 import pytest
 import support
 import yaml
-from controller_support import AGENT, READER, auth, token_config
+from controller_support import AGENT, READER, TelemetryFeeder, auth, token_config
 
 from skymesh.util.procs import Daemon, start_daemon
 
@@ -28,29 +27,6 @@ def wait_for(cond: Callable[[], Any], what: str, timeout: float = TIMEOUT_S) -> 
     return support.wait_for(cond, what, timeout, interval=0.1)
 
 
-class Feeder:
-    """A balancer's telemetry: every 0.25 s, ``tps`` tokens/s of llama in us."""
-
-    def __init__(self, base: str) -> None:
-        self.base, self.tps = base, 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.base, headers=auth(AGENT), timeout=5) as c:
-            while not self._stop.wait(0.25):
-                c.post("/v1/balancers/lb-us/telemetry", json={
-                    "window_s": 0.25, "models": {"llama": {
-                        "requests": 1, "prompt_tokens": int(self.tps * 0.25),
-                        "output_tokens": 0}}})
-
-    def __enter__(self) -> Feeder:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
 
 @pytest.fixture
@@ -95,10 +71,10 @@ def test_the_controller_scales_local_replicas_with_the_demand(controller: Daemon
     r = httpx.post(f"{controller.url}/v1/balancers", headers=auth(AGENT),
                    json={"id": "lb-us", "region": "us", "url": "http://127.0.0.1:9"})
     assert r.status_code == 201, r.text
-    with Feeder(controller.url) as feed:
+    with TelemetryFeeder(controller.url, "llama", {"us": 0.0}) as feed:
         # x 1.2 headroom = 192 tokens/s: 2 instances of 100 (and still 2 when a loaded
         # machine delivers only 45% of the reports: over 100 tokens/s after headroom).
-        feed.tps = 160.0
+        feed.tps["us"] = 160.0
         up = wait_for(lambda: len(replicas(reader)) == 2 and replicas(reader),
                       "two replicas started and registered")
         assert all(answers(r["url"]) for r in up)
@@ -112,7 +88,7 @@ def test_the_controller_scales_local_replicas_with_the_demand(controller: Daemon
         assert to_two["forecast"][0]["tokens_per_s"] == [seen, seen]
         assert to_two["forecast"][0]["forecaster"].startswith("persistence")
 
-        feed.tps = 0.0  # the demand goes away: down to the bound's minimum of one
+        feed.tps["us"] = 0.0  # the demand goes away: down to the bound's minimum of one
         left = wait_for(lambda: len(replicas(reader)) == 1 and replicas(reader),
                         "scaled in to one replica")
     gone = [r["url"] for r in up if r["url"] != left[0]["url"]]

@@ -12,9 +12,7 @@ eu and lb-eu serves it. Every stream completes; the round record shows the move.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -24,7 +22,7 @@ import aiohttp
 import httpx
 import pytest
 import yaml
-from controller_support import AGENT, auth, token_config
+from controller_support import AGENT, TelemetryFeeder, auth, token_config
 
 from skymesh.util.procs import Daemon, start_daemon
 from skymesh_lab.faults.client import Tally, chat_body, send, session
@@ -36,34 +34,6 @@ MAX_TOKENS = 160  # a few seconds per stream: still open when the move begins
 START_S = 90.0  # process start-ups on a loaded machine
 
 
-class Feeder:
-    """Telemetry as each region's balancer reports it: ``tps[region]`` tokens/s of the
-    model, every 0.25 s (the real balancers add what they serve)."""
-
-    def __init__(self, base: str) -> None:
-        self.base = base
-        self.tps = {"us": 0.0, "eu": 0.0}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.base, headers=auth(AGENT), timeout=5) as c:
-            while not self._stop.wait(0.25):
-                for region, tps in list(self.tps.items()):
-                    # A report lost on a busy machine: the next one follows.
-                    with contextlib.suppress(httpx.HTTPError):
-                        c.post(f"/v1/balancers/lb-{region}/telemetry", json={
-                            "window_s": 0.25, "models": {MODEL: {
-                                "requests": 1, "prompt_tokens": int(tps * 0.25),
-                                "output_tokens": 0}}})
-
-    def __enter__(self) -> Feeder:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
 
 @pytest.fixture
@@ -148,7 +118,7 @@ async def test_a_planned_move_drains_the_replica_without_losing_a_request(
                 return ids == {"lb-us", "lb-eu"}
 
             await wait_for(registered, "both balancers registered", START_S)
-            with Feeder(base) as feed:
+            with TelemetryFeeder(base, MODEL, {"us": 0.0, "eu": 0.0}) as feed:
                 await _move_under_load(s, base, lb_us, lb_eu, feed)
     finally:
         for lb in lbs:
@@ -156,7 +126,7 @@ async def test_a_planned_move_drains_the_replica_without_losing_a_request(
 
 
 async def _move_under_load(s: aiohttp.ClientSession, base: str, lb_us: Daemon,
-                           lb_eu: Daemon, feed: Feeder) -> None:
+                           lb_eu: Daemon, feed: TelemetryFeeder) -> None:
     feed.tps["us"] = 80.0  # one instance of 100 tokens/s, in us
     rep: dict[str, Any] = {}
 
@@ -202,7 +172,10 @@ async def _move_under_load(s: aiohttp.ClientSession, base: str, lb_us: Daemon,
         if r["region"] != "eu" or r["state"] == "draining":
             return False
         at_eu = (await status(s, lb_eu.url))["replicas"]
-        return url in at_eu and url not in (await status(s, lb_us.url))["replicas"]
+        # Healthy at lb-eu too (its own probe): a balancer with no healthy replica for a
+        # model fails a request fast with a 503.
+        return (at_eu.get(url, {}).get("healthy", False)
+                and url not in (await status(s, lb_us.url))["replicas"])
 
     await wait_for(moved, "the replica re-registered in eu and served by lb-eu", 90)
     await asyncio.gather(*streams)

@@ -6,7 +6,6 @@ on its telemetry cadence and shows it, with its peers' regions, in ``/status``."
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import httpx
 import pytest
 import support
 import yaml
-from controller_support import AGENT, READER, auth, token_config
+from controller_support import AGENT, READER, TelemetryFeeder, auth, token_config
 
 from skymesh.mesh import certs
 from skymesh.util.procs import Daemon, start_daemon
@@ -27,30 +26,6 @@ DEMAND = {"eu": 40.0, "asia": 160.0}
 pytestmark = pytest.mark.slow
 
 
-class Feeder:
-    """Telemetry of lb-eu and lb-asia every 0.25 s."""
-
-    def __init__(self, base: str) -> None:
-        self.base = base
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.base, headers=auth(AGENT), timeout=5) as c:
-            while not self._stop.wait(0.25):
-                for region, tps in DEMAND.items():
-                    c.post(f"/v1/balancers/lb-{region}/telemetry", json={
-                        "window_s": 0.25, "models": {MODEL: {
-                            "requests": 1, "prompt_tokens": int(tps * 0.25),
-                            "output_tokens": 0}}})
-
-    def __enter__(self) -> Feeder:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
 
 @pytest.fixture
@@ -117,7 +92,7 @@ def test_a_balancer_reads_the_planners_outlook(controller: Daemon, tmp_path: Pat
     lb = start_daemon("skymesh-lb", ["--config", str(path)], log_path=tmp_path / "lb.log",
                       env={**os.environ, "SKYMESH_AGENT_TOKEN": AGENT})
     try:
-        with Feeder(controller.url):
+        with TelemetryFeeder(controller.url, MODEL, dict(DEMAND)):
             got = support.wait_for(lambda: outlook_of(lb), "the balancer holds an outlook "
                                    "for eu and asia", TIMEOUT_S, interval=0.1)
         published = httpx.get(f"{controller.url}/v1/outlook", headers=auth(READER),

@@ -3,6 +3,7 @@ processes replaced, failed registrations cleaned up (fake processes and controll
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +113,46 @@ def test_needs_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SKYMESH_ADMIN_TOKEN", raising=False)
     with pytest.raises(ValueError, match="SKYMESH_ADMIN_TOKEN"):
         LocalActuator("http://ctl")
+
+
+def test_the_replicas_of_one_apply_start_at_once_and_register_in_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each start waits for its process to listen: one apply's starts overlap (a barrier
+    that only three concurrent starts pass), and registration keeps the plan's order."""
+    monkeypatch.setenv("SKYMESH_ADMIN_TOKEN", "t")
+    together = threading.Barrier(3, timeout=10)
+    lock = threading.Lock()
+    ports = iter(range(9100, 9200))
+
+    def starter(name: str, args: list[str], log_path: Path | None = None) -> FakeDaemon:
+        together.wait()  # BrokenBarrierError if the starts ran one after another
+        with lock:
+            return FakeDaemon(f"http://127.0.0.1:{next(ports)}")
+
+    act = LocalActuator("http://ctl", starter=starter)
+    ctl = FakeController()
+    act.client = ctl  # type: ignore[assignment]
+    report = act.apply_counts({A: 3})
+    assert not report.errors
+    assert list(ctl.replicas) == act.running()[A]  # registered in the order started
+    assert [r["id"].rsplit("-", 1)[1] for r in ctl.replicas.values()] == ["1", "2", "3"]
+
+
+def test_close_deregisters_and_stops_everything_even_without_a_controller(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    act, ctl, daemons, _ = make(monkeypatch)
+    act.apply_counts({A: 2, B: 1})
+    act.client.deregister(next(iter(ctl.replicas)))  # one already gone at the controller
+    act.close()
+    assert ctl.replicas == {} and act.running() == {}
+    assert daemons and not any(d.up for d in daemons)
+
+    act2, ctl2, daemons2, _ = make(monkeypatch)
+    act2.apply_counts({A: 1})
+
+    def gone(rid: str) -> None:
+        raise ControllerError("no answer")
+
+    ctl2.deregister = gone  # type: ignore[method-assign]
+    act2.close()
+    assert not any(d.up for d in daemons2)  # the controller is gone: still ended

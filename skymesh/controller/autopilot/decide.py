@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -157,6 +157,7 @@ class Decision:
     changes: list[tuple[Key, int, int]]  # (key, before, after)
     kept: list[tuple[Pair, str]]  # endpoints left as they are, and why
     skipped: str | None = None  # why no plan was made (short history, infeasible...)
+    note: str | None = None  # what the plan had to give up (a forecast above the bounds)
 
 
 def decide(cfg: PlannerConfig, book: ForecastBook, *, now: float,
@@ -183,15 +184,59 @@ def decide(cfg: PlannerConfig, book: ForecastBook, *, now: float,
     inp = plan_input(cfg, forecasts, regions,
                      {k: n for k, n in current.items() if k[:2] not in silent},
                      model_limits or {}, silent)
+    note = None
     try:
         plan = solve(inp, time_limit_s=cfg.solve_time_limit_s)
-    except (PlanInfeasible, PlanInputError) as exc:
+    except PlanInfeasible as exc:
+        # Most often a forecast above what the bounds allow: plan at the bounds rather
+        # than leave the fleet where it is while the load outgrows it.
+        inp, cut = within_bounds(inp)
+        try:
+            if not cut:
+                raise exc
+            plan = solve(inp, time_limit_s=cfg.solve_time_limit_s)
+        except (PlanInfeasible, PlanInputError) as again:
+            return Decision(series, forecasts, None, [], kept, skipped=str(again))
+        note = "forecast above the bounds, planned at them: " + "; ".join(cut)
+    except PlanInputError as exc:
         return Decision(series, forecasts, None, [], kept, skipped=str(exc))
     for k in [k for k in plan.counts if k[:2] in silent]:
         plan.counts[k], plan.deltas[k] = current.get(k, 0), 0
     changes = [(k, current.get(k, 0), n) for k, n in sorted(plan.counts.items())
                if n != current.get(k, 0)]
-    return Decision(series, forecasts, plan, changes, kept)
+    return Decision(series, forecasts, plan, changes, kept, note=note)
+
+
+def within_bounds(inp: PlanInput) -> tuple[PlanInput, list[str]]:
+    """``inp`` with each forecast cut to what its bounds can serve: an endpoint's to its
+    ``max_per_endpoint`` instances of the model's largest per-instance capacity, and a
+    model's regions together (scaled alike) to its ``max_instances``; with what was cut
+    (model/region: forecast peak -> servable), empty when nothing was."""
+    demand: dict[str, dict[str, list[float]]] = {}
+    cut: list[str] = []
+    for m, per_region in inp.demand.items():
+        per_instance = max(inp.capacity.get(m, {}).values(), default=0.0)
+        rows: dict[str, list[float]] = {}
+        for r, values in per_region.items():
+            row = [float(v) for v in (values if isinstance(values, Sequence) else [values])]
+            bound = inp.max_per_endpoint.get(m, {}).get(r)
+            if bound is not None and row and max(row) > bound * per_instance:
+                cut.append(f"{m}/{r}: {max(row):.0f} -> {bound * per_instance:.0f} tokens/s")
+                row = [min(v, bound * per_instance) for v in row]
+            rows[r] = row
+        total = inp.max_instances.get(m)
+        width = max((len(v) for v in rows.values()), default=0)
+        for w in range(width):
+            here = sum(v[w] for v in rows.values() if w < len(v))
+            if total is not None and here > total * per_instance > 0:
+                scale = total * per_instance / here
+                for v in rows.values():
+                    if w < len(v):
+                        v[w] *= scale
+                cut.append(f"{m} window {w}: {here:.0f} -> {total * per_instance:.0f} "
+                           "tokens/s over its regions")
+        demand[m] = rows
+    return replace(inp, demand=demand), cut
 
 
 def plan_input(cfg: PlannerConfig, forecasts: Mapping[Pair, ForecastOut], regions: list[str],

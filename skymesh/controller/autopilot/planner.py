@@ -284,7 +284,7 @@ class Planner:
         return {
             "id": pid, "ts": now, "trigger": trigger, "mode": "dry-run" if dry_run
             else self.cfg.mode, "actuator": self.backend.kind if self.backend else "none",
-            "status": status, "reason": d.skipped,
+            "status": status, "reason": d.skipped or d.note,
             "inputs": {"window_s": self.cfg.schedule.window_s,
                        "current": [{**key_obj(k), "count": n}
                                    for k, n in sorted(current.items())],
