@@ -150,7 +150,9 @@ def vllm_burst(data: dict[str, Any]) -> str:
                       for p in st.get("resumed", []))
             + (". The servers were up before the run (`--servers`), the same two for every "
                "round" if st.get("servers_started_here") is False else "")
-            + ". `sp-p+K` is `sp-p` told `max_num_seqs` + K.")
+            + ". `sp-p+K` is `sp-p` letting K requests wait inside each server "
+              "(`pushing.engine_queue` K, a vLLM replica's default being 1; these rounds "
+              "set it as `max_num_seqs` 4 + K, the same rule).")
     return "\n".join([
         head, "", "Per mode, mean over rounds (min-max):", "", _modes_table(data), "",
         "Paired: one mode's figure over `bp`'s in the same round (below 1: better than "

@@ -73,6 +73,7 @@ NEEDS: dict[tuple[str, str], Role] = {
     ("GET", "/v1/plans/{pid}"): "read",
     ("POST", "/v1/plans"): "admin",
     ("POST", "/v1/plans/{pid}/approve"): "admin",
+    ("GET", "/v1/outlook"): "read",  # balancers poll it (mesh.outlook)
 }
 CREDENTIALS: dict[str, tuple[str | None, Role]] = {  # label -> (token, its role)
     "read": (READER, "read"), "agent": (AGENT, "agent"),

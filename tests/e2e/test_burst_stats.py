@@ -104,10 +104,12 @@ def test_modes_parse_with_headroom_variants_and_reject_the_rest() -> None:
             burst_bench.parse_modes(bad)
 
 
-def test_headroom_variant_is_sp_p_told_a_higher_admission_limit() -> None:
+def test_headroom_variant_is_sp_p_with_a_queue_inside_the_engine() -> None:
     args = burst_bench.argparse.Namespace(sp_p_max_num_seqs=True, queue_timeout_s=600.0)
     assert burst_bench.lb_config("sp-p+1", args)["pushing"] == {
-        "mode": "sp-p", "max_num_seqs": burst_bench.MAX_NUM_SEQS + 1}
+        "mode": "sp-p", "max_num_seqs": burst_bench.MAX_NUM_SEQS, "engine_queue": 1}
+    assert burst_bench.lb_config("sp-p", args)["pushing"] == {
+        "mode": "sp-p", "max_num_seqs": burst_bench.MAX_NUM_SEQS, "engine_queue": 0}
     assert burst_bench.lb_config("sp-o", args)["pushing"]["max_outstanding"] == 4
 
 

@@ -34,7 +34,9 @@ def _start(tmp: Path) -> tuple[Daemon, list[Daemon]]:
                          log_path=tmp / f"replica{i}.log")
             for i in range(2)]
     cfg = {"region": "test", "listen": {"host": "127.0.0.1", "port": 0},
-           "policy": {"name": "least-load"}, "pushing": {"mode": "sp-p"},
+           # The strict rule: no request of ours may wait inside a replica (a vllm-kind
+           # replica's default lets one, pushing.engine_queue; tests/unit/test_engine_queue.py)
+           "policy": {"name": "least-load"}, "pushing": {"mode": "sp-p", "engine_queue": 0},
            "probe": {"interval_s": 0.05}, "replicas": [{"url": r.url} for r in reps]}
     (tmp / "lb.yaml").write_text(yaml.safe_dump(cfg))
     lb = start_daemon("skymesh-lb", ["--config", str(tmp / "lb.yaml")],

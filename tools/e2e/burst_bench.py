@@ -5,15 +5,15 @@
 
 Two vLLM servers (CPU build, tiny model, ``--max-num-seqs 4``; ``vllm_cluster.py``) are
 started once. Each run of a push mode gets a fresh ``skymesh-lb --policy least-load
---push-mode M`` (``sp-o`` with ``pushing.max_outstanding`` = 4 = ``max_num_seqs``;
-``sp-p`` with ``pushing.max_num_seqs`` 4 under ``--sp-p-max-num-seqs``; ``sp-p+K`` is
-``sp-p`` told 4 + K, from a config file), a warm-up burst through it (the same prompts,
-``--warmup-max-tokens`` each), and then the measured burst: ``--requests`` long streaming
-chat requests fired at once (``max_tokens`` drawn seeded from
+--push-mode M`` (``sp-o`` with ``pushing.max_outstanding`` = 4 = ``max_num_seqs``; ``sp-p``
+with ``pushing.max_num_seqs`` 4 under ``--sp-p-max-num-seqs`` and ``engine_queue`` 0;
+``sp-p+K`` is ``sp-p`` with ``engine_queue`` K, from a config file), a warm-up burst through
+it (the same prompts, ``--warmup-max-tokens`` each), and then the measured burst:
+``--requests`` long streaming chat requests fired at once (``max_tokens`` drawn seeded from
 ``--min-tokens``..``--max-tokens``, ``ignore_eos`` so each runs to its length; prompts are
-GSM8K questions). Every ``--sample-s`` during the burst it reads each server's
-``/metrics`` (``vllm:num_requests_waiting``/``_running``, parsed with prometheus_client)
-and the balancer's ``/status`` (``queued``).
+GSM8K questions). Every ``--sample-s`` during the burst it reads each server's ``/metrics``
+(``vllm:num_requests_waiting``/``_running``, parsed with prometheus_client) and the
+balancer's ``/status`` (``queued``).
 
 ``--repeats`` rounds run every mode once, in a balanced order (``burst_stats.py``: each
 mode in each position equally often), because on shared cores a single run per mode, in a
@@ -77,8 +77,8 @@ WAITING, RUNNING = "vllm:num_requests_waiting", "vllm:num_requests_running"
 # Prompt tokens looked up in / found in vLLM's prefix cache (counters, in tokens).
 PREFIX_QUERIES, PREFIX_HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
 MODES = ("sp-p", "bp", "sp-o")
-# A mode name "sp-p+K": sp-p told max_num_seqs + K, so up to K requests per server wait
-# inside vLLM, next to the slot they take (the balancer-side experiment of the burst page).
+# A mode name "sp-p+K": sp-p with pushing.engine_queue K, so up to K requests per server
+# wait inside vLLM, next to the slot they take (K = 1: a vllm replica's default).
 HEADROOM_PREFIX = "sp-p+"
 
 
@@ -257,13 +257,19 @@ def counters(urls: list[str]) -> dict[str, float]:
 def lb_config(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     # vLLM does not publish its --max-num-seqs: sp-o's cap and sp-p's admission limit
     # come from a config file, as a user would write them.
+    # sp-p's queue inside the engine is explicit (a vllm replica's default is 1): "sp-p"
+    # is the strict rule, "sp-p+K" lets K wait (the same rule as telling sp-p max_num_seqs
+    # + K, which the committed rounds did).
     pushing: dict[str, Any] = {"mode": "sp-p" if mode.startswith(HEADROOM_PREFIX) else mode}
     if mode == "sp-o":
         pushing["max_outstanding"] = MAX_NUM_SEQS
-    elif mode == "sp-p" and args.sp_p_max_num_seqs:
-        pushing["max_num_seqs"] = MAX_NUM_SEQS
+    elif mode == "sp-p":
+        pushing["engine_queue"] = 0
+        if args.sp_p_max_num_seqs:
+            pushing["max_num_seqs"] = MAX_NUM_SEQS
     elif mode.startswith(HEADROOM_PREFIX):
-        pushing["max_num_seqs"] = MAX_NUM_SEQS + int(mode[len(HEADROOM_PREFIX):])
+        pushing["max_num_seqs"] = MAX_NUM_SEQS
+        pushing["engine_queue"] = int(mode[len(HEADROOM_PREFIX):])
     # The queue timeout is the same in every mode; bp's requests wait inside vLLM, where
     # nothing times them out, so a burst longer than the balancer's default 60 s would
     # fail requests under sp-p and sp-o only.
