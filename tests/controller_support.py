@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -19,8 +21,8 @@ AGENT = "agent-token-for-tests"
 
 # One restartable redis-server (AOF on) for the tests and the fault scenarios.
 RedisServer = RedisProcess
-__all__ = ["ADMIN", "AGENT", "READER", "RedisServer", "auth", "free_port", "start_controller",
-           "token_config"]
+__all__ = ["ADMIN", "AGENT", "READER", "RedisServer", "auth", "free_port", "planner_controller",
+           "start_controller", "token_config"]
 
 
 def token_config() -> list[dict[str, str]]:
@@ -45,6 +47,28 @@ def start_controller(tmp: Path, *, probe_s: float, timeout_s: float) -> Daemon:
         "probe": {"interval_s": probe_s, "timeout_s": timeout_s, "failure_threshold": 2}}))
     return start_daemon("skymesh-controller", ["--config", str(path)],
                         log_path=tmp / "controller.log")
+
+
+@contextlib.contextmanager
+def planner_controller(tmp: Path, planner: dict[str, Any], *, probe_s: float | None = 0.5,
+                       start_timeout_s: float = 30.0,
+                       env: dict[str, str] | None = None) -> Iterator[Daemon]:
+    """A ``skymesh-controller`` (memory store, the test tokens, loopback URLs allowed) with
+    the ``planner`` section given, probing every ``probe_s`` (None: the default), stopped
+    on exit."""
+    cfg: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0}, "tokens": token_config(),
+        "url_policy": {"allow_loopback": True}, "planner": planner}
+    if probe_s is not None:
+        cfg["probe"] = {"interval_s": probe_s}
+    path = tmp / "controller.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    ctl = start_daemon("skymesh-controller", ["--config", str(path)],
+                       log_path=tmp / "controller.log", timeout=start_timeout_s, env=env)
+    try:
+        yield ctl
+    finally:
+        ctl.stop()
 
 
 class TelemetryFeeder:

@@ -16,12 +16,11 @@ from typing import Any
 import boto3
 import httpx
 import pytest
-import yaml
-from controller_support import AGENT, READER, auth, token_config
+from controller_support import AGENT, READER, auth, planner_controller
 from prometheus_client.parser import text_string_to_metric_families
 
 from skymesh.planning.actuate_aws import group_name
-from skymesh.util.procs import Daemon, start_daemon
+from skymesh.util.procs import Daemon
 
 TIMEOUT_S = 60.0
 pytestmark = pytest.mark.slow
@@ -42,26 +41,18 @@ CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
 @pytest.fixture
 def controller(tmp_path: Path, moto_url: str) -> Iterator[Daemon]:
     urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST"))
-    cfg = {
-        "listen": {"host": "127.0.0.1", "port": 0}, "tokens": token_config(),
-        "url_policy": {"allow_loopback": True},
-        "planner": {
-            "mode": "auto", "epsilon": 1.0, "capacity": {"llama": {"L4": 100.0}},
-            "bounds": {"llama": {"*": {"min": 1, "max": 8}}},
-            "schedule": {"window_s": 1, "horizon": 2, "interval_s": 1, "tick_s": 0.25,
-                         "first_round_s": 0, "min_history_windows": 2, "stale_windows": 3},
-            "forecaster": {"headroom": 0.0},
-            "cooldowns": {"hold_s": 0, "retry_s": 0.5, "retry_max_s": 1, "max_attempts": 3},
-            "actuator": {"kind": "aws", "aws": {
-                "endpoint_url": moto_url, "regions": {"us": "us-east-1"}}}}}
-    path = tmp_path / "controller.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    ctl = start_daemon("skymesh-controller", ["--config", str(path)],
-                       log_path=tmp_path / "controller.log", env={**os.environ, **CREDS})
-    try:
+    planner = {
+        "mode": "auto", "epsilon": 1.0, "capacity": {"llama": {"L4": 100.0}},
+        "bounds": {"llama": {"*": {"min": 1, "max": 8}}},
+        "schedule": {"window_s": 1, "horizon": 2, "interval_s": 1, "tick_s": 0.25,
+                     "first_round_s": 0, "min_history_windows": 2, "stale_windows": 3},
+        "forecaster": {"headroom": 0.0},
+        "cooldowns": {"hold_s": 0, "retry_s": 0.5, "retry_max_s": 1, "max_attempts": 3},
+        "actuator": {"kind": "aws", "aws": {
+            "endpoint_url": moto_url, "regions": {"us": "us-east-1"}}}}
+    with planner_controller(tmp_path, planner, probe_s=None,
+                            env={**os.environ, **CREDS}) as ctl:
         yield ctl
-    finally:
-        ctl.stop()
 
 
 def post_telemetry(base: str, bid: str, tps: float) -> None:

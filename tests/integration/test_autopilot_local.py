@@ -14,10 +14,9 @@ from typing import Any
 import httpx
 import pytest
 import support
-import yaml
-from controller_support import AGENT, READER, TelemetryFeeder, auth, token_config
+from controller_support import AGENT, READER, TelemetryFeeder, auth, planner_controller
 
-from skymesh.util.procs import Daemon, start_daemon
+from skymesh.util.procs import Daemon
 
 TIMEOUT_S = 60.0
 pytestmark = pytest.mark.slow
@@ -27,29 +26,18 @@ def wait_for(cond: Callable[[], Any], what: str, timeout: float = TIMEOUT_S) -> 
     return support.wait_for(cond, what, timeout, interval=0.1)
 
 
-
-
 @pytest.fixture
 def controller(tmp_path: Path) -> Iterator[Daemon]:
-    cfg = {
-        "listen": {"host": "127.0.0.1", "port": 0}, "tokens": token_config(),
-        "url_policy": {"allow_loopback": True}, "probe": {"interval_s": 0.5},
-        "planner": {
-            "mode": "auto", "epsilon": 1.0, "capacity": {"llama": {"L4": 100.0}},
-            "bounds": {"llama": {"*": {"min": 1, "max": 2}}},
-            "schedule": {"window_s": 1, "horizon": 2, "interval_s": 2, "tick_s": 0.5,
-                         "first_round_s": 0, "min_history_windows": 3,
-                         "stale_windows": 3},
-            "forecaster": {"headroom": 0.2}, "cooldowns": {"hold_s": 5, "retry_s": 1},
-            "actuator": {"kind": "local", "local": {"log_dir": str(tmp_path)}}}}
-    path = tmp_path / "controller.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    ctl = start_daemon("skymesh-controller", ["--config", str(path)],
-                       log_path=tmp_path / "controller.log")
-    try:
+    planner = {
+        "mode": "auto", "epsilon": 1.0, "capacity": {"llama": {"L4": 100.0}},
+        "bounds": {"llama": {"*": {"min": 1, "max": 2}}},
+        "schedule": {"window_s": 1, "horizon": 2, "interval_s": 2, "tick_s": 0.5,
+                     "first_round_s": 0, "min_history_windows": 3,
+                     "stale_windows": 3},
+        "forecaster": {"headroom": 0.2}, "cooldowns": {"hold_s": 5, "retry_s": 1},
+        "actuator": {"kind": "local", "local": {"log_dir": str(tmp_path)}}}
+    with planner_controller(tmp_path, planner) as ctl:
         yield ctl
-    finally:
-        ctl.stop()
 
 
 def replicas(c: httpx.Client) -> list[dict[str, Any]]:

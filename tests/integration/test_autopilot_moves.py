@@ -22,7 +22,7 @@ import aiohttp
 import httpx
 import pytest
 import yaml
-from controller_support import AGENT, TelemetryFeeder, auth, token_config
+from controller_support import AGENT, TelemetryFeeder, auth, planner_controller
 
 from skymesh.util.procs import Daemon, start_daemon
 from skymesh_lab.faults.client import Tally, chat_body, send, session
@@ -34,32 +34,21 @@ MAX_TOKENS = 160  # a few seconds per stream: still open when the move begins
 START_S = 90.0  # process start-ups on a loaded machine
 
 
-
-
 @pytest.fixture
 def controller(tmp_path: Path) -> Iterator[Daemon]:
-    cfg = {
-        "listen": {"host": "127.0.0.1", "port": 0}, "tokens": token_config(),
-        "url_policy": {"allow_loopback": True}, "probe": {"interval_s": 0.5},
-        "planner": {
-            "mode": "auto", "epsilon": 1.0, "capacity": {MODEL: {"L4": 100.0}},
-            "bounds": {MODEL: {"*": {"min": 0, "max": 1}}},
-            "schedule": {"window_s": 1, "horizon": 2, "interval_s": 1, "tick_s": 0.25,
-                         "first_round_s": 0, "min_history_windows": 3,
-                         "stale_windows": 3},
-            "forecaster": {"headroom": 0.0},
-            "cooldowns": {"hold_s": 0, "retry_s": 1},
-            "drain_timeout_s": 60, "drain_poll_s": 0.5,
-            "actuator": {"kind": "local", "local": {
-                "log_dir": str(tmp_path), "replica_args": ["--metrics-lag-s", "0.1"]}}}}
-    path = tmp_path / "controller.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    ctl = start_daemon("skymesh-controller", ["--config", str(path)],
-                       log_path=tmp_path / "controller.log", timeout=START_S)
-    try:
+    planner = {
+        "mode": "auto", "epsilon": 1.0, "capacity": {MODEL: {"L4": 100.0}},
+        "bounds": {MODEL: {"*": {"min": 0, "max": 1}}},
+        "schedule": {"window_s": 1, "horizon": 2, "interval_s": 1, "tick_s": 0.25,
+                     "first_round_s": 0, "min_history_windows": 3,
+                     "stale_windows": 3},
+        "forecaster": {"headroom": 0.0},
+        "cooldowns": {"hold_s": 0, "retry_s": 1},
+        "drain_timeout_s": 60, "drain_poll_s": 0.5,
+        "actuator": {"kind": "local", "local": {
+            "log_dir": str(tmp_path), "replica_args": ["--metrics-lag-s", "0.1"]}}}
+    with planner_controller(tmp_path, planner, start_timeout_s=START_S) as ctl:
         yield ctl
-    finally:
-        ctl.stop()
 
 
 def start_lb(tmp_path: Path, ctl: Daemon, region: str) -> Daemon:

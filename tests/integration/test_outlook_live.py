@@ -14,7 +14,7 @@ import httpx
 import pytest
 import support
 import yaml
-from controller_support import AGENT, READER, TelemetryFeeder, auth, token_config
+from controller_support import AGENT, READER, TelemetryFeeder, auth, planner_controller
 
 from skymesh.mesh import certs
 from skymesh.util.procs import Daemon, start_daemon
@@ -26,28 +26,17 @@ DEMAND = {"eu": 40.0, "asia": 160.0}
 pytestmark = pytest.mark.slow
 
 
-
-
 @pytest.fixture
 def controller(tmp_path: Path) -> Iterator[Daemon]:
-    cfg = {
-        "listen": {"host": "127.0.0.1", "port": 0}, "tokens": token_config(),
-        "url_policy": {"allow_loopback": True},
-        "probe": {"interval_s": 3600},  # the peers below are records, not processes
-        "planner": {
-            "mode": "dry-run", "epsilon": 1.0, "capacity": {MODEL: {"L4": 100.0}},
-            "schedule": {"window_s": 1, "horizon": 3, "interval_s": 1, "tick_s": 0.5,
-                         "first_round_s": 0, "min_history_windows": 3,
-                         "stale_windows": 5},
-            "forecaster": {"headroom": 0.0}}}
-    path = tmp_path / "controller.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    ctl = start_daemon("skymesh-controller", ["--config", str(path)],
-                       log_path=tmp_path / "controller.log")
-    try:
+    planner = {
+        "mode": "dry-run", "epsilon": 1.0, "capacity": {MODEL: {"L4": 100.0}},
+        "schedule": {"window_s": 1, "horizon": 3, "interval_s": 1, "tick_s": 0.5,
+                     "first_round_s": 0, "min_history_windows": 3,
+                     "stale_windows": 5},
+        "forecaster": {"headroom": 0.0}}
+    # The peers below are records, not processes: no probe during the test.
+    with planner_controller(tmp_path, planner, probe_s=3600) as ctl:
         yield ctl
-    finally:
-        ctl.stop()
 
 
 def outlook_of(lb: Daemon) -> Any:
