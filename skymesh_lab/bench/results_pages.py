@@ -102,16 +102,18 @@ SOURCES: tuple[Source, ...] = (
            (".venv/bin/skymesh", "bench", "skylb-macro", "--mode", "sim", "--quick",
             "--json", "{json}"),
            tables.skylb_macro_runs),
-    Source("skylb-macro-sglang", "SkyLB's evaluation on the faithful setup (simulator)",
+    Source("skylb-macro-sglang", "SkyLB's evaluation on SkyLB's clients, SGLang and vLLM "
+           "modes (simulator)",
            "SkyLB's Figure 8 setup in the simulator (regions us/eu/asia with WAN round "
-           "trips, 12 Llama-3.1-8B L4 replicas, the four workloads, the nine systems) on "
-           "the faithful model: SGLang v0.4's scheduler and SkyLB's own clients (its tree "
-           "client; ShareGPT chats with its chat client's max_tokens of 512), 60 s "
-           "of clients per run. vLLM mode with our clients is "
-           "[the short form](skylb-macro-quick.md). Why "
-           "paper figures are not reached: [the SGLang mode notes](../notes/sglang-mode.md).",
+           "trips, 12 Llama-3.1-8B L4 replicas, the four workloads, the nine systems) with "
+           "SkyLB's own clients (its tree client; ShareGPT chats with its chat client's "
+           "max_tokens of 512), 60 s of clients per run, on both engine modes side by side: "
+           "SGLang v0.4's scheduler (the faithful model) and vLLM v1's. vLLM mode with our "
+           "clients is [the short form](skylb-macro-quick.md). Why paper figures are not "
+           "reached: [the SGLang mode notes](../notes/sglang-mode.md).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.skylb_faithful", "macro",
-            "--no-ceiling", "--jobs", "4", "--no-progress", "--json", "{json}"),
+            "--setups", "sglang/skylb,vllm/skylb", "--seeds", "0,1,2", "--no-ceiling",
+            "--jobs", "2", "--no-progress", "--json", "{json}"),
            faithful.skylb_macro_faithful),
     Source("diurnal-cost-sglang", "Cost on the faithful setup: replicas to match "
            "region-local, SGLang's scheduler",

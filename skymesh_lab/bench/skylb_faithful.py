@@ -7,10 +7,14 @@ ceiling unless ``--no-ceiling``) for each (scheduler, clients) pair of ``--setup
 effect alone, and vLLM mode with our clients is ``skymesh bench skylb-macro``);
 ``diurnal`` runs ``diurnal``'s replica sweep once per scheduler of ``--schedulers``.
 Each writes one JSON object with a block per setup; ``results_faithful`` renders the
-pages. ``--jobs N`` runs the parts (macro: one workload of one setup; diurnal: one replica
-count) in N processes, with the same results.
+pages. ``--jobs N`` runs the parts (macro: one workload of one setup at one seed; diurnal:
+one replica count) in N processes, with the same results. ``macro --seeds 0,1,2`` repeats
+the sweep at every seed: the first seed's runs are the page's per-system tables, the others
+are kept (per run: throughput, latency percentiles, hit rate) for the spread of the
+headline ratios over seeds.
 
-    python -m skymesh_lab.bench.skylb_faithful macro --no-ceiling --jobs 4 --json PATH
+    python -m skymesh_lab.bench.skylb_faithful macro --setups sglang/skylb,vllm/skylb \
+        --seeds 0,1,2 --no-ceiling --jobs 2 --json PATH
     python -m skymesh_lab.bench.skylb_faithful diurnal --schedulers sglang --jobs 4 --json PATH
 
 Sizes (quick, for a shared 2-core machine): 60 s of client activity per macro run (the
@@ -46,6 +50,10 @@ DEFAULT_SETUPS = ("sglang/skylb",)
 # SkyLB's Figure 10 (sec. 5.3): the mesh over region-local at equal replica counts, and
 # the count at which it matches region-local with 12.
 PAPER_DIURNAL = {"mesh_x_vs_region_local": (1.07, 1.18), "replicas_to_match_12": 9}
+# What an extra seed's run keeps: enough for the headline ratios and a look at each system,
+# without tripling the committed JSON with the probe's figures.
+SEED_ROW_KEYS = ("workload", "system", "throughput_rps", "ttft_mean_s", "ttft_p50_s",
+                 "ttft_p90_s", "e2e_p50_s", "prefix_hit_rate", "requests", "preemptions")
 
 
 def parse_setups(text: str) -> list[tuple[str, str]]:
@@ -60,6 +68,17 @@ def parse_setups(text: str) -> list[tuple[str, str]]:
     if not out:
         raise ValueError("no setup given")
     return out
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` -> [0, 1, 2]: non-negative, no repeats, at least one."""
+    try:
+        seeds = [int(p) for p in (q.strip() for q in text.split(",")) if p]
+    except ValueError:
+        raise ValueError(f"seeds {text!r}: expected a comma list of integers") from None
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds {text!r}: expected distinct non-negative integers")
+    return seeds
 
 
 def _pool_map(fn: Callable[..., dict[str, Any]], args: list[tuple[Any, ...]], jobs: int
@@ -95,19 +114,38 @@ def merge_parts(sched: str, clients: str, parts: list[dict[str, Any]]) -> dict[s
             "setup": setup, "wall_seconds": sum(p["wall_seconds"] for p in parts)}
 
 
+def slim_block(block: dict[str, Any]) -> dict[str, Any]:
+    """An extra seed's setup block: its comparisons and each run's ``SEED_ROW_KEYS``."""
+    return {"scheduler": block["scheduler"], "clients": block["clients"],
+            "comparisons": block["comparisons"],
+            "runs": [{k: r[k] for k in SEED_ROW_KEYS if k in r} for r in block["runs"]]}
+
+
 def run_macro(setups: list[tuple[str, str]], duration_s: float, seed: int,
               workloads: tuple[str, ...], progress: bool = True, jobs: int = 1,
-              ceiling: bool = True) -> dict[str, Any]:
+              ceiling: bool = True, extra_seeds: tuple[int, ...] = ()) -> dict[str, Any]:
+    """The sweep per setup at ``seed`` (``setups``: every run), and at each of
+    ``extra_seeds`` (``by_seed``: slim blocks, see ``slim_block``)."""
     t0 = time.perf_counter()
-    keys = [(s, c, w) for s, c in setups for w in workloads]
-    parts = _pool_map(_macro_part, [(s, c, w, duration_s, seed, progress and jobs <= 1,
-                                     ceiling) for s, c, w in keys], jobs)
-    blocks = [merge_parts(s, c, [p for (s2, c2, _), p in zip(keys, parts, strict=True)
-                                 if (s2, c2) == (s, c)]) for s, c in setups]
-    return {"setups": blocks, "paper": PAPER,
-            "setup": {"duration_s": duration_s, "seed": seed, "workloads": list(workloads),
-                      "profile": "llama3.1-8b-l4", "ceiling": ceiling},
-            "wall_seconds": time.perf_counter() - t0}
+    seeds = [seed, *extra_seeds]
+    keys = [(n, s, c, w) for n in seeds for s, c in setups for w in workloads]
+    parts = _pool_map(_macro_part, [(s, c, w, duration_s, n, progress and jobs <= 1,
+                                     ceiling) for n, s, c, w in keys], jobs)
+
+    def blocks_at(n: int) -> list[dict[str, Any]]:
+        return [merge_parts(s, c, [p for (n2, s2, c2, _), p in zip(keys, parts, strict=True)
+                                   if (n2, s2, c2) == (n, s, c)]) for s, c in setups]
+
+    out: dict[str, Any] = {
+        "setups": blocks_at(seed), "paper": PAPER,
+        "setup": {"duration_s": duration_s, "seed": seed, "workloads": list(workloads),
+                  "profile": "llama3.1-8b-l4", "ceiling": ceiling}}
+    if extra_seeds:
+        out["setup"]["seeds"] = seeds
+        out["by_seed"] = [{"seed": n, "setups": [slim_block(b) for b in blocks_at(n)]}
+                          for n in extra_seeds]
+    out["wall_seconds"] = time.perf_counter() - t0
+    return out
 
 
 def _diurnal_part(sched: str, replicas: int, duration_s: float, seed: int,
@@ -152,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--workloads", default=",".join(skylb_macro.WORKLOADS))
     m.add_argument("--no-ceiling", action="store_true",
                    help="skip the throughput ceiling (the oracle on 16x the replicas)")
+    m.add_argument("--seeds", default=None, metavar="N,N,...",
+                   help="run the sweep at each of these seeds (replaces --seed); the first "
+                        "gives the per-system tables, all give the spread over seeds")
     d = sub.add_parser("diurnal", help="the diurnal cost curve per scheduler")
     d.add_argument("--duration", type=float, default=DIURNAL_DURATION_S)
     d.add_argument("--schedulers", default=",".join(SCHEDULERS))
@@ -176,9 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             unknown = [w for w in workloads if w not in skylb_macro.WORKLOADS]
             if unknown:
                 raise ValueError(f"unknown workload(s) {unknown}")
-            res = run_macro(parse_setups(args.setups), args.duration, args.seed, workloads,
+            seeds = parse_seeds(args.seeds) if args.seeds is not None else [args.seed]
+            res = run_macro(parse_setups(args.setups), args.duration, seeds[0], workloads,
                             progress=not args.no_progress, jobs=args.jobs,
-                            ceiling=not args.no_ceiling)
+                            ceiling=not args.no_ceiling, extra_seeds=tuple(seeds[1:]))
         else:
             scheds = [s.strip() for s in args.schedulers.split(",") if s.strip()]
             bad = [s for s in scheds if s not in SCHEDULERS]

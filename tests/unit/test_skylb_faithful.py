@@ -220,3 +220,84 @@ def test_skylb_chat_clients_send_512_max_tokens_and_ours_none() -> None:
     for w in ("chat-arena", "chat-wildchat"):
         assert SKYLB_CLIENT_WORKLOADS[w].max_tokens == 512
         assert skylb_macro.WORKLOADS[w].max_tokens is None
+
+
+def _vllm_block() -> dict[str, Any]:
+    from skymesh_lab.bench.skylb_setup import comparisons
+
+    runs = [dict(r, throughput_rps=r["throughput_rps"] + 1.0, ttft_p90_s=r["ttft_p90_s"] * 2)
+            for r in _macro_data()["setups"][0]["runs"]]
+    return {"scheduler": "vllm", "clients": "skylb", "runs": runs,
+            "comparisons": comparisons(runs)}
+
+
+def test_the_macro_page_shows_both_engine_modes_side_by_side() -> None:
+    data = _macro_data()
+    data["setups"].append(_vllm_block())
+    text = results_faithful.skylb_macro_faithful(data)
+    # The headline: one row per mode, then the paper's.
+    assert "| tot | sglang / skylb | single-ch | 1.20x |" in text
+    assert "| tot | vllm / skylb | single-ch | 1.18x |" in text
+    # Per system, the modes read across a row: req/s, TTFT p90, E2E p50 per mode.
+    assert ("| tot | skymesh-prefix | 12.00 | 13.00 | 0.50 s | 1.00 s | 10.0 s | 10.0 s |"
+            in text)
+    assert "Every system, SGLang mode with SkyLB's clients" in text
+    assert "Every system, vLLM mode with SkyLB's clients" in text
+    assert "over seeds" not in text  # one seed: no spread table
+    one = _macro_data()
+    assert "side by side" not in results_faithful.skylb_macro_faithful(one)
+
+
+def test_the_seed_table_gives_mean_and_range_of_the_headline_ratios() -> None:
+    def at(tput_x: float, p90_frac: float, best: str) -> dict[str, Any]:
+        return {"scheduler": "sglang", "clients": "skylb", "runs": [],
+                "comparisons": {"chat-arena": {"best_single": best,
+                                               "throughput_x_vs_best_single": tput_x,
+                                               "ttft_p90_frac_of_best_single": p90_frac}}}
+
+    from skymesh_lab.bench.skylb_setup import PAPER
+
+    data = {"setups": [at(1.2, 0.5, "single-ch")], "paper": PAPER,
+            "setup": {"duration_s": 60, "seed": 0, "seeds": [0, 1, 2]},
+            "by_seed": [{"seed": 1, "setups": [at(1.0, 0.3, "single-ll")]},
+                        {"seed": 2, "setups": [at(1.1, 0.7, "single-ch")]}]}
+    text = results_faithful.seed_spread(data)
+    assert "Seeds 0, 1, 2" in text
+    assert ("| chat-arena | sglang / skylb | 3 | single-ch, single-ll | 1.10x (1.00-1.20x) "
+            "| 50.0% (30.0-70.0%) |") in text
+    assert "| chat-arena | **paper** (SGLang, SkyLB's clients) | - | LL | 1.12-1.20x | - |" in text
+    assert results_faithful.seed_spread({k: v for k, v in data.items() if k != "by_seed"}) == ""
+
+
+def test_seeds_parse_and_bad_ones_are_refused() -> None:
+    assert skylb_faithful.parse_seeds("0, 1,2") == [0, 1, 2]
+    for bad in ("", "0,0", "-1", "a"):
+        with pytest.raises(ValueError):
+            skylb_faithful.parse_seeds(bad)
+    assert skylb_faithful.main(["macro", "--seeds", "1,1"]) == 2
+
+
+def test_extra_seeds_are_the_same_sweep_at_that_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The real sweep at a small size: each part runs its workload on 3 replicas.
+    def part(sched: str, clients: str, workload: str, duration_s: float, seed: int,
+             progress: bool, ceiling: bool) -> dict[str, Any]:
+        opts = Options(duration_s=duration_s, seed=seed, workloads=(workload,),
+                       systems=("single-ll", "skymesh-prefix"), progress=False,
+                       scheduler=sched, clients=clients, ceiling=ceiling)
+        return skylb_macro.run_sim_sweep(opts, {workload: small(workload, clients)})
+
+    monkeypatch.setattr(skylb_faithful, "_macro_part", part)
+    setups = [("sglang", "skylb"), ("vllm", "skylb")]
+    both = skylb_faithful.run_macro(setups, 10.0, 0, ("tot",), extra_seeds=(1,))
+    alone = skylb_faithful.run_macro(setups, 10.0, 1, ("tot",))
+    assert both["setup"]["seeds"] == [0, 1] and "seeds" not in alone["setup"]
+    assert [e["seed"] for e in both["by_seed"]] == [1]
+    for slim, full in zip(both["by_seed"][0]["setups"], alone["setups"], strict=True):
+        assert (slim["scheduler"], slim["clients"]) == (full["scheduler"], full["clients"])
+        assert slim["comparisons"] == full["comparisons"]
+        assert [{k: r[k] for k in skylb_faithful.SEED_ROW_KEYS} for r in full["runs"]] == \
+            slim["runs"]
+    # The seed reaches the simulator: seed 0's runs differ from seed 1's.
+    keys = skylb_faithful.SEED_ROW_KEYS
+    assert [{k: r[k] for k in keys} for r in both["setups"][0]["runs"]] != \
+        both["by_seed"][0]["setups"][0]["runs"]
