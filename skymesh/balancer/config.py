@@ -112,7 +112,12 @@ class PushingConfig(_Strict):
     in the controller's membership (needs a ``controller`` section; 1 until it answers).
     ``engine_queue``: how many requests sp-p lets wait inside a replica beyond its
     ``max_num_seqs``, so a freed slot is refilled at the engine's next step. Default by
-    replica kind: 1 for ``vllm``, 0 for ``skymesh`` and ``sglang``."""
+    replica kind: 1 for ``vllm``, 0 for ``skymesh`` and ``sglang``.
+    ``prefer_queue``: sp-p lets the replica holding a request's prefix take it while fewer
+    than this many requests are pending there, instead of holding it at the balancer (0:
+    off, strict sp-p; skymesh.policies.load.takes_preferred). ``hold_queue_max``: no request
+    is held for its preferred replica (``hold_s``) while the model's queue here is longer
+    (None: no limit). Both off by default: docs/results/pushing-rule.md."""
 
     mode: PushMode = PushMode.SP_P
     max_outstanding: int = Field(16, ge=1)
@@ -124,6 +129,8 @@ class PushingConfig(_Strict):
     metrics_lag_s: float | None = Field(None, ge=0, le=60)
     balancers_per_region: int | Literal["auto"] = 1
     engine_queue: int | None = Field(None, ge=0, le=64)
+    prefer_queue: int = Field(0, ge=0, le=256)
+    hold_queue_max: int | None = Field(None, ge=0)
 
     @field_validator("balancers_per_region", mode="before")
     @classmethod

