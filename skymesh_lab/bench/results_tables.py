@@ -200,15 +200,18 @@ def vllm_fidelity(data: dict[str, Any]) -> str:
     """``tools/e2e/fidelity_bench.py``: real vLLM against the emulator fitted to it."""
     m, p, runs = data.get("measured", {}), data.get("profile", {}), data.get("runs", {})
     names = list(runs)
-    us = {"scale": 1e6, "suffix": " us"}
+
+    def us(x: Any, fmt: str) -> str:
+        return num(x, fmt, 1e6, " us")
+
     fit = table(["measured on vLLM", "", "fitted emulator profile", ""], [
         ["decode step, 1 sequence", secs(m.get("decode_step_1_s"), 4),
          "t_overhead (a step)", secs(p.get("t_overhead"), 4)],
         ["decode step, 4 sequences", secs(m.get("decode_step_4_s"), 4),
-         "t_kv_token (a context token read)", num(p.get("t_kv_token"), ".2f", **us)],
+         "t_kv_token (a context token read)", us(p.get("t_kv_token"), ".2f")],
         [f"1-token completion, {num(m.get('short_prompt_tokens'), 'd')}-token prompt",
          secs(m.get("short_prompt_latency_s"), 3), "t_token (a prompt token)",
-         num(p.get("t_token"), ".1f", **us)],
+         us(p.get("t_token"), ".1f")],
         [f"1-token completion, {num(m.get('long_prompt_tokens'), 'd')}-token prompt",
          secs(m.get("long_prompt_latency_s"), 3), "not modelled: per request",
          secs(m.get("unmodelled_per_request_s"), 3)]], [False, True, False, True])
