@@ -139,8 +139,9 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        extra = {"fields": exc.fields} if exc.fields is not None else {}
-        return _error(exc.status, exc.kind, exc.message, **extra)
+        if exc.fields is not None:
+            return _error(exc.status, exc.kind, exc.message, fields=exc.fields)
+        return _error(exc.status, exc.kind, exc.message)
 
     @app.exception_handler(StoreError)
     async def store_error(request: Request, exc: StoreError) -> JSONResponse:

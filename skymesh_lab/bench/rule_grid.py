@@ -31,6 +31,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+from scipy.stats import t as student_t
+
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh_lab.bench.max_tokens import MaxTokens
 from skymesh_lab.bench.skylb_macro import window_metrics
@@ -49,15 +51,22 @@ MESH_CELLS = ("mixed-tree", "chat-arena")
 CELLS = (*SINGLE, *MESH_CELLS)
 SYSTEM_NAMES = ("bp", "sp-p", "rule")
 # The rule's parameters, chosen on seeds 0-3 of these cells (Q in 3..16, the queue trigger
-# in 16..24 or none, hold_s 0..2); the grid runs seeds 4-6, which the choice never saw.
-DEFAULT_SEEDS = "4,5,6"
+# in 16..24 or none, hold_s 0..2); the grid judges on seeds 7-14, which no choice saw
+# (an earlier page judged on 4-6).
+DEFAULT_SEEDS = "7,8,9,10,11,12,13,14"
 DEFAULT_PREFER_QUEUE = 4
 DEFAULT_HOLD_QUEUE_MAX = 24
-# The criterion: per cell, the rule's throughput at least this share of the better of bp
-# and sp-p, and its P90 TTFT at most this multiple of the better one's (geometric means
-# of the per-seed ratios).
+# The criterion (fixed before the verdict seeds ran). Per cell and seed, the rule's
+# throughput over the better of bp's and sp-p's, and its P90 TTFT over the better one's;
+# per cell, the geometric mean of those ratios over the seeds with its 95% interval
+# (Student's t over the log ratios, the seeds paired: same workload for every system).
+# A metric loses when its interval lies entirely beyond its bar (throughput below the
+# floor, P90 above the ceiling), wins when it lies entirely on the good side, ties
+# otherwise; the cell loses when either metric loses, wins when both win, ties otherwise.
+# ``wins`` keeps the older point verdict (both geometric means within their bars).
 THROUGHPUT_FLOOR = 0.99
 TTFT_P90_CEILING = 1.0
+CONFIDENCE = 0.95
 KEYS = ("throughput_rps", "ttft_p50_s", "ttft_p90_s", "ttft_mean_s", "e2e_p50_s",
         "prefix_hit_rate", "requests")
 
@@ -160,6 +169,28 @@ def _gmean(xs: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(x) for x in xs))
 
 
+def interval(xs: list[float], level: float = CONFIDENCE) -> tuple[float, float]:
+    """The ``level`` interval of the geometric mean of paired ratios: Student's t over
+    their logs (the seeds are the samples). Fewer than two seeds: unbounded."""
+    if len(xs) < 2:
+        return 0.0, math.inf
+    logs = [math.log(x) for x in xs]
+    m, sd = statistics.fmean(logs), statistics.stdev(logs)
+    h = float(student_t.ppf(0.5 + level / 2, len(xs) - 1)) * sd / math.sqrt(len(xs))
+    return math.exp(m - h), math.exp(m + h)
+
+
+def judge(thr: tuple[float, float], p90: tuple[float, float]) -> str:
+    """The cell's verdict from the two intervals (the module header's criterion): loses
+    when either lies entirely on the bad side of its bar, wins when both lie entirely on
+    the good side, ties otherwise."""
+    if thr[1] < THROUGHPUT_FLOOR or p90[0] > TTFT_P90_CEILING:
+        return "loses"
+    if thr[0] >= THROUGHPUT_FLOOR and p90[1] <= TTFT_P90_CEILING:
+        return "wins"
+    return "ties"
+
+
 def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (scheduler, cell): the rule against the better of bp and sp-p, seed by seed."""
     out = []
@@ -181,11 +212,19 @@ def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 thr_sp.append(sp["throughput_rps"] / bp["throughput_rps"])
                 p90_sp.append(sp["ttft_p90_s"] / bp["ttft_p90_s"])
             g_thr, g_p90 = _gmean(thr), _gmean(p90)
+            ci_thr, ci_p90 = interval(thr), interval(p90)
+            point = g_thr >= THROUGHPUT_FLOOR and g_p90 <= TTFT_P90_CEILING
             out.append({"scheduler": scheduler, "cell": cell, "seeds": seeds,
                         "throughput_x_best": thr, "ttft_p90_x_best": p90,
                         "throughput_x_best_gmean": g_thr, "ttft_p90_x_best_gmean": g_p90,
+                        "throughput_x_best_ci": list(ci_thr),
+                        "ttft_p90_x_best_ci": list(ci_p90),
                         "sp_p_throughput_x_bp": thr_sp, "sp_p_ttft_p90_x_bp": p90_sp,
-                        "wins": g_thr >= THROUGHPUT_FLOOR and g_p90 <= TTFT_P90_CEILING})
+                        "sp_p_throughput_x_bp_gmean": _gmean(thr_sp),
+                        "sp_p_ttft_p90_x_bp_gmean": _gmean(p90_sp),
+                        "sp_p_throughput_x_bp_ci": list(interval(thr_sp)),
+                        "sp_p_ttft_p90_x_bp_ci": list(interval(p90_sp)),
+                        "wins": point, "verdict": judge(ci_thr, ci_p90)})
     return out
 
 
@@ -214,8 +253,10 @@ def run_grid(seeds: list[int], single_s: float, mesh_s: float, prefer_queue: int
                       "mesh": {"system": "skymesh-prefix", "cells": list(MESH_CELLS)}},
             "rule": {"prefer_queue": prefer_queue, "hold_queue_max": hold_queue_max},
             "criterion": {"throughput_floor": THROUGHPUT_FLOOR,
-                          "ttft_p90_ceiling": TTFT_P90_CEILING},
-            "runs": runs, "verdicts": v, "wins_everywhere": all(x["wins"] for x in v),
+                          "ttft_p90_ceiling": TTFT_P90_CEILING, "confidence": CONFIDENCE},
+            "runs": runs, "verdicts": v,
+            "loses_nowhere": all(x["verdict"] != "loses" for x in v),
+            "wins_everywhere": all(x["wins"] for x in v),
             "wall_seconds": time.perf_counter() - t}
 
 
@@ -243,7 +284,13 @@ def main(argv: list[str] | None = None) -> int:
                    a.jobs, tuple(a.schedulers.split(",")), tuple(a.cells.split(",")))
     with open(a.json, "w") as f:
         json.dump(res, f, indent=1)
-    print(f"wins everywhere: {res['wins_everywhere']}; {res['wall_seconds']:.0f} s",
+    for v in res["verdicts"]:
+        lo, hi = v["throughput_x_best_ci"]
+        plo, phi = v["ttft_p90_x_best_ci"]
+        print(f"{v['scheduler']:6} {v['cell']:10} throughput {v['throughput_x_best_gmean']:.3f}"
+              f" [{lo:.3f}, {hi:.3f}]  P90 {v['ttft_p90_x_best_gmean']:.2f} [{plo:.2f}, "
+              f"{phi:.2f}]  {v['verdict']}", file=sys.stderr)
+    print(f"loses nowhere: {res['loses_nowhere']}; {res['wall_seconds']:.0f} s",
           file=sys.stderr)
     return 0
 

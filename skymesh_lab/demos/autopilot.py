@@ -297,14 +297,14 @@ async def run(o: Options, arms: Sequence[str], data_dir: Path, workdir: Path
     try:
         t0 = 0.0
         if started[0].name == "autopilot":
-            auto = started[0]
-            auto.dir.mkdir()
-            await auto.start(o, day.regions)
-            assert auto.controller is not None
+            first = started[0]
+            first.dir.mkdir()
+            await first.start(o, day.regions)
+            assert first.controller is not None
             # At least two days; more when the other arms take longer to start.
             t0 = aligned_t0(max(o.history_days * o.day_s, o.start_allowance_s) + pre,
                             o.hour_s)
-            feed = HistoryFeed(auto.controller.url, token, day, t0, until=-pre)
+            feed = HistoryFeed(first.controller.url, token, day, t0, until=-pre)
             feed_task = asyncio.create_task(feed.run())
             print(f"  autopilot: up; feeding {(t0 - pre - time.monotonic()) / o.day_s:.1f} "
                   "days of history while the other arms start")

@@ -49,7 +49,8 @@ class Mover(Protocol):
     has the replica at ``dst``: update the books, stop a replaced process) or
     ``abort_move`` (stop what ``prepare_move`` started)."""
 
-    move_kinds: frozenset[str]
+    @property
+    def move_kinds(self) -> frozenset[str]: ...
 
     def movable(self, key: Key) -> list[str]: ...
 
