@@ -31,10 +31,16 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from scipy.stats import t as student_t
-
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh_lab.bench.max_tokens import MaxTokens
+from skymesh_lab.bench.rule_stats import (
+    CONFIDENCE,
+    THROUGHPUT_FLOOR,
+    TTFT_P90_CEILING,
+    gmean,
+    interval,
+    judge,
+)
 from skymesh_lab.bench.skylb_macro import window_metrics
 from skymesh_lab.bench.skylb_setup import REGIONS, SKYLB_CLIENT_WORKLOADS, SYSTEMS
 from skymesh_lab.sim.runner import SimConfig, Simulation
@@ -50,23 +56,17 @@ SINGLE: dict[str, tuple[str, dict[str, Any]]] = {
 MESH_CELLS = ("mixed-tree", "chat-arena")
 CELLS = (*SINGLE, *MESH_CELLS)
 SYSTEM_NAMES = ("bp", "sp-p", "rule")
-# The rule's parameters, chosen on seeds 0-3 of these cells (Q in 3..16, the queue trigger
-# in 16..24 or none, hold_s 0..2); the grid judges on seeds 7-14, which no choice saw
-# (an earlier page judged on 4-6).
+# The rule's parameters, chosen on seeds 0-3 of the ToT and mixed-tree cells (Q in 2..8 per
+# engine, the queue trigger in 16..64; holding an identical sibling while its twin's
+# prefill runs was tried and dropped: it gave back the P90 on ToT, or the mixed tree's
+# gain). A larger trigger than the earlier 24 keeps ToT's siblings together (throughput);
+# on vLLM each request queued for the prefix beyond 3 cost hit rate and throughput, on
+# SGLang 3 instead of 4 cost P90. The grid judges on seeds 7-14, which no choice saw (an
+# earlier page judged 4 / 24 on seeds 4-6).
+TUNING_SEEDS = (0, 1, 2, 3)
 DEFAULT_SEEDS = "7,8,9,10,11,12,13,14"
-DEFAULT_PREFER_QUEUE = 4
-DEFAULT_HOLD_QUEUE_MAX = 24
-# The criterion (fixed before the verdict seeds ran). Per cell and seed, the rule's
-# throughput over the better of bp's and sp-p's, and its P90 TTFT over the better one's;
-# per cell, the geometric mean of those ratios over the seeds with its 95% interval
-# (Student's t over the log ratios, the seeds paired: same workload for every system).
-# A metric loses when its interval lies entirely beyond its bar (throughput below the
-# floor, P90 above the ceiling), wins when it lies entirely on the good side, ties
-# otherwise; the cell loses when either metric loses, wins when both win, ties otherwise.
-# ``wins`` keeps the older point verdict (both geometric means within their bars).
-THROUGHPUT_FLOOR = 0.99
-TTFT_P90_CEILING = 1.0
-CONFIDENCE = 0.95
+DEFAULT_PREFER_QUEUE = "vllm=3,sglang=4"
+DEFAULT_HOLD_QUEUE_MAX = 48
 KEYS = ("throughput_rps", "ttft_p50_s", "ttft_p90_s", "ttft_mean_s", "e2e_p50_s",
         "prefix_hit_rate", "requests")
 
@@ -159,36 +159,21 @@ def waits(sim: Simulation, log: WaitLog, t0: float, t1: float) -> dict[str, floa
     def mean(xs: list[tuple[float, float, float]], i: int) -> float:
         return statistics.fmean(x[i] for x in xs)
 
+    ttfts = [x[0] for x in rows]
+    median = ttfts[len(ttfts) // 2]
     return {"balancer_wait_mean_s": mean(rows, 1), "held_mean_s": mean(rows, 2),
+            # A bimodal TTFT's P90 sits at its knee or in its tail depending on whether
+            # more than a tenth of the requests are slow: this share tells which.
+            "slow_share": sum(1 for x in ttfts if x > 2 * median) / len(ttfts),
+            "ttft_p99_s": ttfts[int(0.99 * (len(ttfts) - 1))],
             "queued_share": sum(1 for x in rows if x[1] > 0.001) / len(rows),
             "tail_ttft_mean_s": mean(tail, 0), "tail_balancer_wait_mean_s": mean(tail, 1),
             "tail_held_mean_s": mean(tail, 2)}
 
 
-def _gmean(xs: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(x) for x in xs))
-
-
-def interval(xs: list[float], level: float = CONFIDENCE) -> tuple[float, float]:
-    """The ``level`` interval of the geometric mean of paired ratios: Student's t over
-    their logs (the seeds are the samples). Fewer than two seeds: unbounded."""
-    if len(xs) < 2:
-        return 0.0, math.inf
-    logs = [math.log(x) for x in xs]
-    m, sd = statistics.fmean(logs), statistics.stdev(logs)
-    h = float(student_t.ppf(0.5 + level / 2, len(xs) - 1)) * sd / math.sqrt(len(xs))
-    return math.exp(m - h), math.exp(m + h)
-
-
-def judge(thr: tuple[float, float], p90: tuple[float, float]) -> str:
-    """The cell's verdict from the two intervals (the module header's criterion): loses
-    when either lies entirely on the bad side of its bar, wins when both lie entirely on
-    the good side, ties otherwise."""
-    if thr[1] < THROUGHPUT_FLOOR or p90[0] > TTFT_P90_CEILING:
-        return "loses"
-    if thr[0] >= THROUGHPUT_FLOOR and p90[1] <= TTFT_P90_CEILING:
-        return "wins"
-    return "ties"
+def _ci(xs: list[float]) -> list[float | None]:
+    """The interval as JSON can hold it (None: unbounded, fewer than two seeds)."""
+    return [x if math.isfinite(x) else None for x in interval(xs)]
 
 
 def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -211,29 +196,45 @@ def verdicts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 p90.append(rule["ttft_p90_s"] / min(bp["ttft_p90_s"], sp["ttft_p90_s"]))
                 thr_sp.append(sp["throughput_rps"] / bp["throughput_rps"])
                 p90_sp.append(sp["ttft_p90_s"] / bp["ttft_p90_s"])
-            g_thr, g_p90 = _gmean(thr), _gmean(p90)
+            g_thr, g_p90 = gmean(thr), gmean(p90)
             ci_thr, ci_p90 = interval(thr), interval(p90)
+            # The earlier point verdict: both geometric means within their bars.
             point = g_thr >= THROUGHPUT_FLOOR and g_p90 <= TTFT_P90_CEILING
             out.append({"scheduler": scheduler, "cell": cell, "seeds": seeds,
                         "throughput_x_best": thr, "ttft_p90_x_best": p90,
                         "throughput_x_best_gmean": g_thr, "ttft_p90_x_best_gmean": g_p90,
-                        "throughput_x_best_ci": list(ci_thr),
-                        "ttft_p90_x_best_ci": list(ci_p90),
+                        "throughput_x_best_ci": _ci(thr), "ttft_p90_x_best_ci": _ci(p90),
                         "sp_p_throughput_x_bp": thr_sp, "sp_p_ttft_p90_x_bp": p90_sp,
-                        "sp_p_throughput_x_bp_gmean": _gmean(thr_sp),
-                        "sp_p_ttft_p90_x_bp_gmean": _gmean(p90_sp),
-                        "sp_p_throughput_x_bp_ci": list(interval(thr_sp)),
-                        "sp_p_ttft_p90_x_bp_ci": list(interval(p90_sp)),
+                        "sp_p_throughput_x_bp_gmean": gmean(thr_sp),
+                        "sp_p_ttft_p90_x_bp_gmean": gmean(p90_sp),
+                        "sp_p_throughput_x_bp_ci": _ci(thr_sp),
+                        "sp_p_ttft_p90_x_bp_ci": _ci(p90_sp),
                         "wins": point, "verdict": judge(ci_thr, ci_p90)})
     return out
 
 
-def run_grid(seeds: list[int], single_s: float, mesh_s: float, prefer_queue: int,
+def per_scheduler(spec: str) -> dict[str, int]:
+    """``"4"`` (every scheduler) or ``"vllm=3,sglang=4"``."""
+    if "=" not in spec:
+        return dict.fromkeys(SCHEDULERS, int(spec))
+    out = {}
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        if name not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {name!r}; known {list(SCHEDULERS)}")
+        out[name] = int(value)
+    missing = set(SCHEDULERS) - set(out)
+    if missing:
+        raise ValueError(f"no value for {sorted(missing)}")
+    return out
+
+
+def run_grid(seeds: list[int], single_s: float, mesh_s: float, prefer_queue: dict[str, int],
              hold_queue_max: int | None, jobs: int = 1,
              schedulers: tuple[str, ...] = SCHEDULERS, cells: tuple[str, ...] = CELLS
              ) -> dict[str, Any]:
     t = time.perf_counter()
-    args = [(sc, c, sy, s, single_s, mesh_s, prefer_queue, hold_queue_max)
+    args = [(sc, c, sy, s, single_s, mesh_s, prefer_queue[sc], hold_queue_max)
             for s in seeds for sc in schedulers for c in cells for sy in SYSTEM_NAMES]
     if jobs > 1:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
@@ -245,7 +246,8 @@ def run_grid(seeds: list[int], single_s: float, mesh_s: float, prefer_queue: int
               f"{r['throughput_rps']:.2f} req/s, P90 TTFT {r['ttft_p90_s']:.2f} s",
               file=sys.stderr)
     v = verdicts(runs)
-    return {"setup": {"seeds": seeds, "single_region_s": single_s, "mesh_s": mesh_s,
+    return {"setup": {"seeds": seeds, "tuning_seeds": list(TUNING_SEEDS),
+                      "single_region_s": single_s, "mesh_s": mesh_s,
                       "profile": "llama3.1-8b-l4", "warmup_fraction": 0.1,
                       "single_region": {"regions": 1, "replicas": 4, "policy": "prefix-tree",
                                         "cells": {k: {"workload": w, **p}
@@ -267,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds of client activity in the single-region cells")
     ap.add_argument("--mesh-duration", type=float, default=60.0,
                     help="seconds of client activity in the mesh cells")
-    ap.add_argument("--prefer-queue", type=int, default=DEFAULT_PREFER_QUEUE)
+    ap.add_argument("--prefer-queue", default=DEFAULT_PREFER_QUEUE,
+                    help="N, or per scheduler: vllm=N,sglang=M")
     ap.add_argument("--hold-queue-max", type=int, default=DEFAULT_HOLD_QUEUE_MAX,
                     help="negative: no limit")
     ap.add_argument("--schedulers", default=",".join(SCHEDULERS))
@@ -279,14 +282,18 @@ def main(argv: list[str] | None = None) -> int:
         bad = [x for x in getattr(a, name).split(",") if x not in allowed]
         if bad:
             ap.error(f"--{name}: unknown {bad}; known {list(allowed)}")
+    try:
+        prefer = per_scheduler(a.prefer_queue)
+    except ValueError as e:
+        ap.error(f"--prefer-queue: {e}")
     res = run_grid([int(s) for s in a.seeds.split(",")], a.single_duration, a.mesh_duration,
-                   a.prefer_queue, a.hold_queue_max if a.hold_queue_max >= 0 else None,
+                   prefer, a.hold_queue_max if a.hold_queue_max >= 0 else None,
                    a.jobs, tuple(a.schedulers.split(",")), tuple(a.cells.split(",")))
     with open(a.json, "w") as f:
         json.dump(res, f, indent=1)
     for v in res["verdicts"]:
-        lo, hi = v["throughput_x_best_ci"]
-        plo, phi = v["ttft_p90_x_best_ci"]
+        lo, hi = (math.inf if x is None else x for x in v["throughput_x_best_ci"])
+        plo, phi = (math.inf if x is None else x for x in v["ttft_p90_x_best_ci"])
         print(f"{v['scheduler']:6} {v['cell']:10} throughput {v['throughput_x_best_gmean']:.3f}"
               f" [{lo:.3f}, {hi:.3f}]  P90 {v['ttft_p90_x_best_gmean']:.2f} [{plo:.2f}, "
               f"{phi:.2f}]  {v['verdict']}", file=sys.stderr)

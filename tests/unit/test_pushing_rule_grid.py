@@ -9,6 +9,7 @@ import pytest
 
 from skymesh_lab.bench import rule_grid
 from skymesh_lab.bench.pushing_rule_page import pushing_rule
+from skymesh_lab.bench.rule_stats import interval
 
 
 def _run(system: str, seed: int, thr: float, p90: float) -> dict[str, Any]:
@@ -38,14 +39,65 @@ def test_a_seed_missing_a_system_is_left_out() -> None:
     assert v["seeds"] == [0]
 
 
-def test_the_page_names_every_losing_cell() -> None:
-    runs = [_run("bp", 0, 9.0, 0.5), _run("sp-p", 0, 10.0, 0.8), _run("rule", 0, 9.0, 0.4)]
-    data = {"setup": {"seeds": [0]}, "rule": {"prefer_queue": 4, "hold_queue_max": None},
-            "criterion": {"throughput_floor": 0.99, "ttft_p90_ceiling": 1.0},
+def _cell(seeds: int, rule_thr: list[float], rule_p90: list[float]) -> list[dict[str, Any]]:
+    runs = []
+    for s in range(seeds):
+        runs += [_run("bp", s, 9.0, 0.5), _run("sp-p", s, 10.0, 0.8),
+                 _run("rule", s, rule_thr[s], rule_p90[s])]
+    return runs
+
+
+@pytest.mark.parametrize(("thr", "p90", "verdict"), [
+    ([9.5, 9.6, 9.5, 9.6], [0.4, 0.4, 0.41, 0.4], "loses"),  # throughput 0.95x every seed
+    ([10.0, 10.1, 10.0, 10.1], [0.6, 0.61, 0.6, 0.62], "loses"),  # P90 1.2x every seed
+    ([10.0, 10.1, 10.0, 10.1], [0.4, 0.41, 0.4, 0.42], "wins"),
+    ([9.5, 10.5, 9.5, 10.5], [0.4, 0.41, 0.4, 0.42], "ties"),  # throughput straddles 0.99
+    ([10.0, 10.1, 10.0, 10.1], [0.3, 0.8, 0.3, 0.8], "ties"),  # P90 straddles 1.0
+])
+def test_the_verdict_reads_the_interval_over_seeds(thr: list[float], p90: list[float],
+                                                    verdict: str) -> None:
+    (v,) = rule_grid.verdicts(_cell(4, thr, p90))
+    assert v["verdict"] == verdict
+    lo, hi = v["throughput_x_best_ci"]
+    assert lo <= v["throughput_x_best_gmean"] <= hi
+
+
+def test_one_seed_has_an_unbounded_interval_and_never_decides() -> None:
+    (v,) = rule_grid.verdicts(_cell(1, [5.0], [5.0]))
+    assert v["verdict"] == "ties" and v["wins"] is False
+    assert v["throughput_x_best_ci"][1] is None
+
+
+def test_the_interval_narrows_with_seeds_at_the_same_spread() -> None:
+    four = interval([0.98, 1.0, 0.98, 1.0])
+    eight = interval([0.98, 1.0] * 4)
+    assert four[0] < eight[0] < eight[1] < four[1]
+    assert interval([1.02] * 3) == pytest.approx((1.02, 1.02))
+
+
+def test_the_page_names_every_losing_cell_and_states_its_criterion() -> None:
+    runs = _cell(4, [9.0, 9.1, 9.0, 9.1], [0.4, 0.4, 0.41, 0.4])
+    data = {"setup": {"seeds": [0, 1, 2, 3], "tuning_seeds": [9]},
+            "rule": {"prefer_queue": 4, "hold_queue_max": None},
+            "criterion": {"throughput_floor": 0.99, "ttft_p90_ceiling": 1.0,
+                          "confidence": 0.95},
             "runs": runs, "verdicts": rule_grid.verdicts(runs)}
     text = pushing_rule(data)
-    assert "does not meet the criterion in: vllm tot-skylb." in text
+    assert "The rule loses in: vllm tot-skylb." in text
     assert "`hold_queue_max` none" in text
+    assert "95% interval" in text and "chosen on seeds 9" in text
+    runs = _cell(4, [10.0, 10.1, 10.0, 10.1], [0.4, 0.41, 0.4, 0.42])
+    data["verdicts"] = rule_grid.verdicts(runs)
+    assert "wins or ties every cell" in pushing_rule(data)
+
+
+def test_prefer_queue_is_one_value_or_one_per_scheduler() -> None:
+    assert rule_grid.per_scheduler("4") == {"vllm": 4, "sglang": 4}
+    assert rule_grid.per_scheduler("vllm=3,sglang=4") == {"vllm": 3, "sglang": 4}
+    with pytest.raises(ValueError, match="no value"):
+        rule_grid.per_scheduler("vllm=3")
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        rule_grid.per_scheduler("vllm=3,sglang=4,trt=2")
 
 
 def test_a_short_run_logs_balancer_waits_and_the_rule_moves_them() -> None:
