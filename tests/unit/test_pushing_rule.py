@@ -117,6 +117,13 @@ def _cached(i: int) -> Ticket:
                   0.0)
 
 
+def _offer_cached(d: Dispatcher, n: int) -> list[Ticket]:
+    ts = [_cached(i) for i in range(n)]
+    for t in ts:
+        d.offer(t, 0.0)
+    return ts
+
+
 def test_without_a_prefer_queue_a_request_is_held_for_its_busy_replica() -> None:
     d = _dispatcher()
     t = _cached(0)
@@ -126,9 +133,7 @@ def test_without_a_prefer_queue_a_request_is_held_for_its_busy_replica() -> None
 
 def test_the_prefer_queue_sends_it_to_its_replica_up_to_the_allowance() -> None:
     d = _dispatcher(prefer_queue=4)
-    ts = [_cached(i) for i in range(3)]
-    for t in ts:
-        d.offer(t, 0.0)
+    ts = _offer_cached(d, 3)
     out = d.pump(0.1)
     # a had 2 pending: two more fit under 4; the third is held (b is free but not its own).
     assert [t.target for t in out] == ["a", "a"]
@@ -137,9 +142,7 @@ def test_the_prefer_queue_sends_it_to_its_replica_up_to_the_allowance() -> None:
 
 def test_a_long_queue_stops_holding_and_spills_to_free_replicas() -> None:
     d = _dispatcher(hold_queue_max=2)
-    ts = [_cached(i) for i in range(3)]
-    for t in ts:
-        d.offer(t, 0.0)
+    _offer_cached(d, 3)
     out = d.pump(0.1)
     # Three queued (> 2): nothing is held; b takes them while strict sp-p lets it.
     assert out and all(t.target == "b" for t in out)
