@@ -75,7 +75,8 @@ def _criterion(data: dict[str, Any]) -> str:
     level = crit.get("confidence", 0.95)
     tuned = setup.get("tuning_seeds")
     return (
-        "Criterion (fixed before the verdict seeds ran). Per cell and seed: the rule's "
+        "First criterion (per seed; fixed before seeds 7-14 ran, kept as it was). Per cell "
+        "and seed: the rule's "
         "throughput over the better of bp's and sp-p's, and its P90 TTFT over the better "
         "one's (the seeds are paired: every system sees the same workload). Per cell: the "
         f"geometric mean of those ratios with its {num(level * 100, '.0f')}% interval "
@@ -90,7 +91,36 @@ def _criterion(data: dict[str, Any]) -> str:
            f"{', '.join(str(s) for s in tuned)}, "
            + ("disjoint from the verdict's." if not set(tuned) & set(setup.get("seeds", []))
               else "**which overlap the verdict's: this is no fair verdict**.")
-           if tuned else ""))
+           if tuned else "")
+        + _fresh(setup))
+
+
+def _fresh(setup: dict[str, Any]) -> str:
+    """Whether the verdict's seeds are new to every earlier verdict too."""
+    before, seeds = setup.get("judged_before"), setup.get("seeds", [])
+    if not before:
+        return ""
+    seen = sorted(set(before) & set(seeds))
+    return (f" Earlier verdicts used seeds {_seeds(before)}; "
+            + (f"**these overlap them ({_seeds(seen)})**." if seen
+               else "these seeds are new to all of them, and nothing was tuned on them."))
+
+
+def _seeds(xs: Sequence[int]) -> str:
+    return ", ".join(str(s) for s in xs)
+
+
+SECOND_CRITERION = (
+    "Second criterion (written down before seeds 15-22 ran, issue #24 item 4). The first "
+    "criterion's comparator, the better of bp and sp-p on each seed, is biased where the "
+    "two are equal within noise: the smaller of two noisy P90s lies below either one's "
+    "typical value, so a rule equal to both \"loses\" to it. The second criterion chooses "
+    "the comparator ONCE per cell and metric: whichever of bp and sp-p has the better "
+    "geometric mean over the cell's seeds (higher throughput, lower P90 TTFT; bp on an "
+    "exact tie), so the throughput and the P90 comparators may differ. Then, as in the "
+    "first: the rule's paired per-seed ratios to that one system, their geometric mean "
+    "and 95% interval (Student's t over the logs), the same bars and the same "
+    "wins / ties / loses. Both verdicts are shown; neither replaces the other.")
 
 
 def _diagnosis(data: dict[str, Any]) -> str:
@@ -122,7 +152,8 @@ def _diagnosis(data: dict[str, Any]) -> str:
             + "). The comparator \"the better of bp and sp-p\" is the smaller of two noisy "
             "P90s of equal systems, which lies below either one's typical value; a rule "
             "equal to both then shows a P90 ratio above 1 against it on most seeds. Read "
-            "the chat cells with the table against each system separately above.")
+            "the chat cells with the second criterion and the table against each system "
+            "separately above.")
     hold = data.get("rule", {}).get("hold_queue_max")
     v = _verdict(data, "sglang", "tot-gsm8k")
     if v:
@@ -165,7 +196,7 @@ def _diagnosis(data: dict[str, Any]) -> str:
             "multiplies the ratio (the earlier page's seed-5 outlier was such a seed: "
             "rerun with these figures, its rule crossed a tenth and blind pushing did "
             "not), while the mean TTFT of the slowest tenth "
-            f"({tails}) does not follow the P90." + detail)
+            f"({tails}) does not follow the P90. {_crossed(runs)}" + detail)
     parts.append(
         "**ToT** (`tot-skylb`): sp-p's P90 tail is time at the balancer, most of it held "
         "for the replica holding the tree's prefix (delay scheduling): a burst of identical "
@@ -193,6 +224,17 @@ def _diagnosis(data: dict[str, Any]) -> str:
         "`hold_queue_max` ends the holds once the queue is long, and the requests spill "
         "to free local replicas and to peers.")
     return "\n\n".join(parts)
+
+
+def _crossed(runs: list[dict[str, Any]]) -> str:
+    """On how many seeds each system's slow share crossed a tenth (its P90 in the slow mode)."""
+    parts = []
+    for n in _SYSTEMS:
+        rs = sorted(_runs_of(runs, "sglang", "tot-gsm8k", n), key=lambda r: r["seed"])
+        over = [r["seed"] for r in rs if (r.get("slow_share") or 0.0) > 0.1]
+        parts.append(f"{n} {len(over)} of {len(rs)}"
+                     + (f" ({_seeds(over)})" if over else ""))
+    return "Seeds on which more than a tenth were slow: " + ", ".join(parts) + "."
 
 
 REAL_VLLM = (
@@ -230,6 +272,18 @@ def _runs_table(runs: list[dict[str, Any]], scheduler: str, cell: str) -> str:
                   "forwarded to peers"], rows)
 
 
+def _chosen(v: dict[str, Any], metric: str, fmt: str) -> str:
+    name = v.get(f"{metric}_comparator")
+    if name is None:
+        return "-"
+    return f"{name}: " + _ci(v.get(f"{metric}_x_chosen_gmean"), v.get(f"{metric}_x_chosen_ci"),
+                             fmt)
+
+
+def _bold_loss(verdict: str | None) -> str:
+    return "**loses**" if verdict == "loses" else (verdict or "-")
+
+
 def _verdict_table(data: dict[str, Any]) -> str:
     rows = []
     for v in data.get("verdicts", []):
@@ -237,11 +291,25 @@ def _verdict_table(data: dict[str, Any]) -> str:
             v["scheduler"], v["cell"], str(len(v.get("seeds", []))),
             _ci(v.get("throughput_x_best_gmean"), v.get("throughput_x_best_ci")),
             _ci(v.get("ttft_p90_x_best_gmean"), v.get("ttft_p90_x_best_ci"), ".2f"),
-            f"**{v['verdict']}**" if v.get("verdict") == "loses" else v.get("verdict", "-"),
+            _bold_loss(v.get("verdict")),
+            _chosen(v, "throughput", ".3f"), _chosen(v, "ttft_p90", ".2f"),
+            _bold_loss(v.get("verdict_per_cell")),
             "within both bars" if v.get("wins") else "outside a bar"])
-    return table(["scheduler", "cell", "seeds", "rule throughput / best [95%]",
-                  "rule P90 TTFT / best [95%]", "verdict", "point verdict (earlier page)"],
-                 rows)
+    return table(["scheduler", "cell", "seeds", "rule throughput / best per seed [95%]",
+                  "rule P90 TTFT / best per seed [95%]", "verdict (per seed)",
+                  "rule throughput / the cell's better [95%]",
+                  "rule P90 TTFT / the cell's better [95%]", "verdict (per cell)",
+                  "point verdict (earlier page)"], rows)
+
+
+def _summary(verdicts: list[dict[str, Any]], key: str, label: str) -> str:
+    by = {k: [f"{v['scheduler']} {v['cell']}" for v in verdicts if v.get(key) == k]
+          for k in ("loses", "ties", "wins")}
+    counts = ", ".join(f"{k} {len(by[k])}" for k in ("wins", "ties", "loses"))
+    if not by["loses"]:
+        return (f"{label}: {counts}; the rule wins or ties every cell"
+                + (f" (ties: {', '.join(by['ties'])})." if by["ties"] else "."))
+    return f"{label}: {counts}; the rule loses in: " + ", ".join(by["loses"]) + "."
 
 
 def _per_seed_table(data: dict[str, Any]) -> str:
@@ -281,15 +349,11 @@ def pushing_rule(data: dict[str, Any]) -> str:
         "takes it while fewer than that many requests are pending there) and "
         f"`hold_queue_max` {'none' if hold is None else hold} (no request is held for its "
         "preferred replica while the balancer's queue is longer).", "",
-        "### Criterion", "", _criterion(data), "",
+        "### Criterion", "", _criterion(data), "", SECOND_CRITERION, "",
         "### Verdict per cell", "", _verdict_table(data), ""]
-    by = {k: [f"{v['scheduler']} {v['cell']}" for v in verdicts if v.get("verdict") == k]
-          for k in ("loses", "ties", "wins")}
-    if verdicts and not by["loses"]:
-        out.append("The rule wins or ties every cell under the criterion"
-                   + (f" (ties: {', '.join(by['ties'])})." if by["ties"] else "."))
-    elif verdicts:
-        out.append("The rule loses in: " + ", ".join(by["loses"]) + ".")
+    if verdicts:
+        out += [_summary(verdicts, "verdict", "First criterion (per seed)"), "",
+                _summary(verdicts, "verdict_per_cell", "Second criterion (per cell)")]
     out += ["", "Each seed's ratios:", "", _per_seed_table(data), "",
             "### Against each system separately", "",
             "Not the criterion, a reading aid: the same paired ratios and 95% intervals "

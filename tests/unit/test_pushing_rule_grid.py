@@ -9,7 +9,7 @@ import pytest
 
 from skymesh_lab.bench import rule_grid
 from skymesh_lab.bench.pushing_rule_page import pushing_rule
-from skymesh_lab.bench.rule_stats import interval
+from skymesh_lab.bench.rule_stats import comparator, interval
 
 
 def _run(system: str, seed: int, thr: float, p90: float) -> dict[str, Any]:
@@ -83,12 +83,64 @@ def test_the_page_names_every_losing_cell_and_states_its_criterion() -> None:
                           "confidence": 0.95},
             "runs": runs, "verdicts": rule_grid.verdicts(runs)}
     text = pushing_rule(data)
-    assert "The rule loses in: vllm tot-skylb." in text
+    assert ("First criterion (per seed): wins 0, ties 0, loses 1; the rule loses in: "
+            "vllm tot-skylb.") in text
+    assert "Second criterion (per cell): wins 0, ties 0, loses 1" in text
     assert "`hold_queue_max` none" in text
     assert "95% interval" in text and "chosen on seeds 9" in text
+    assert "verdict (per seed)" in text and "verdict (per cell)" in text
     runs = _cell(4, [10.0, 10.1, 10.0, 10.1], [0.4, 0.41, 0.4, 0.42])
     data["verdicts"] = rule_grid.verdicts(runs)
     assert "wins or ties every cell" in pushing_rule(data)
+
+
+def _noisy_twins(rule_p90: list[float]) -> list[dict[str, Any]]:
+    """bp and sp-p equal within noise: on each seed one draws 0.9 s, the other 1.1 s (sp-p
+    a hair slower overall); equal throughput everywhere."""
+    runs = []
+    for s, p90 in enumerate(rule_p90):
+        bp, sp_p = (0.9, 1.101) if s % 2 else (1.1, 0.9)
+        runs += [_run("bp", s, 10.0, bp), _run("sp-p", s, 10.0, sp_p),
+                 _run("rule", s, 10.0, p90)]
+    return runs
+
+
+def test_the_per_cell_comparator_is_not_biased_by_the_per_seed_minimum() -> None:
+    # The rule equals both systems' typical P90 (1.0 s): against the per-seed better one
+    # (always 0.9 s) it "loses" on every seed; against the one system with the better
+    # mean it ties, its ratio 1.1x on some seeds and 0.9x on others.
+    (v,) = rule_grid.verdicts(_noisy_twins([1.0] * 6))
+    assert v["verdict"] == "loses"
+    assert v["ttft_p90_x_best_gmean"] == pytest.approx(1.0 / 0.9)
+    assert v["ttft_p90_comparator"] == "bp"
+    assert v["verdict_per_cell"] == "ties"
+    lo, hi = v["ttft_p90_x_chosen_ci"]
+    assert lo < 1.0 < hi
+    assert v["throughput_x_chosen_ci"] == pytest.approx([1.0, 1.0])
+
+
+def test_a_rule_slower_than_both_loses_under_both_criteria() -> None:
+    (v,) = rule_grid.verdicts(_noisy_twins([1.3, 1.35, 1.3, 1.32, 1.3, 1.34]))
+    assert v["verdict"] == "loses" and v["verdict_per_cell"] == "loses"
+    assert v["ttft_p90_x_chosen_ci"][0] > 1.0
+
+
+def test_each_metric_chooses_its_own_comparator_once_for_all_seeds() -> None:
+    # bp has the better P90 and sp-p the better throughput over the cell, though on seed 3
+    # bp's throughput beats sp-p's: the comparator stays sp-p on that seed too.
+    runs = _cell(4, [10.0, 10.1, 10.0, 10.1], [0.4, 0.41, 0.4, 0.42])
+    runs[9] = _run("bp", 3, 10.5, 0.5)
+    (v,) = rule_grid.verdicts(runs)
+    assert (v["throughput_comparator"], v["ttft_p90_comparator"]) == ("sp-p", "bp")
+    assert v["throughput_x_chosen"][3] == pytest.approx(10.1 / 10.0)
+    assert v["throughput_x_best"][3] == pytest.approx(10.1 / 10.5)
+
+
+def test_the_comparator_breaks_an_exact_tie_towards_bp() -> None:
+    assert comparator([1.0, 2.0], [2.0, 1.0], higher_is_better=True) == "bp"
+    assert comparator([1.0, 2.0], [2.0, 1.0], higher_is_better=False) == "bp"
+    assert comparator([1.0, 2.0], [2.0, 1.1], higher_is_better=True) == "sp-p"
+    assert comparator([1.0, 2.0], [2.0, 1.1], higher_is_better=False) == "bp"
 
 
 def test_prefer_queue_is_one_value_or_one_per_scheduler() -> None:
