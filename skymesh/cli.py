@@ -76,6 +76,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"skymesh sim: {exc}", file=sys.stderr)
         return 2
+    if args.prefer_queue < 0 or (args.hold_queue_max is not None and args.hold_queue_max < 0):
+        print("skymesh sim: --prefer-queue and --hold-queue-max take a count >= 0",
+              file=sys.stderr)
+        return 2
     cfg = SimConfig(
         workload=args.workload,
         regions=regions,
@@ -85,6 +89,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
         push_mode=args.push_mode,
         max_outstanding=args.max_outstanding,
         **({"hold_s": args.hold} if args.hold is not None else {}),
+        prefer_queue=args.prefer_queue,
+        hold_queue_max=args.hold_queue_max,
         forwarding=not args.region_local,
         peer_policy=args.peer_policy,
         tau=args.tau,
@@ -209,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--hold", type=float, default=None, metavar="SECONDS",
                     help="delay scheduling: how long a request may wait for the replica "
                          "holding its prefix (default 2)")
+    sp.add_argument("--prefer-queue", type=int, default=0, metavar="N",
+                    help="sp-p: the replica holding a request's prefix may take it while "
+                         "fewer than N requests are pending there (default 0: strict sp-p)")
+    sp.add_argument("--hold-queue-max", type=int, default=None, metavar="N",
+                    help="no request is held for its preferred replica while the balancer's "
+                         "queue is longer than N (default: no limit)")
     sp.add_argument("--probe-interval", type=float, default=0.1)
     sp.add_argument("--region-local", action="store_true",
                     help="no cross-region forwarding (each region on its own replicas)")

@@ -126,12 +126,11 @@ def run_one(scheduler: str, cell: str, system: str, seed: int, single_s: float,
                               duration_s=cfg.duration_s, **cfg.workload_params)
     if max_tokens is not None:
         workload = MaxTokens(workload, max_tokens)
+    if system == "rule":
+        cfg.prefer_queue, cfg.hold_queue_max = prefer_queue, hold_queue_max
     sim = Simulation(cfg, workload)
     log = WaitLog()
     for bal in sim.balancers.values():
-        if system == "rule":
-            bal.dispatcher.prefer_queue = prefer_queue
-            bal.dispatcher.hold_queue_max = hold_queue_max
         log.wrap(bal.dispatcher)
     res = sim.run()
     duration = cfg.duration_s or 0.0

@@ -156,6 +156,8 @@ class SimBalancer:
         heartbeat_interval: float = 0.2,
         forwarding_rule: ForwardingRule = DEFAULT_FORWARDING_RULE,
         balancing: Balancing | None = None,
+        prefer_queue: int = 0,
+        hold_queue_max: int | None = None,
     ) -> None:
         self.name = name
         self.region = region
@@ -174,7 +176,8 @@ class SimBalancer:
         self.dispatcher = Dispatcher(policy, mode, max_outstanding=max_outstanding,
                                      step_tokens=step_tokens, hold_s=hold_s,
                                      max_queue=1 << 62, peer_policy=peer_policy, tau=tau,
-                                     forwarding_rule=forwarding_rule, balancing=balancing)
+                                     forwarding_rule=forwarding_rule, balancing=balancing,
+                                     prefer_queue=prefer_queue, hold_queue_max=hold_queue_max)
         self.dispatcher.set_targets({r.id: (r.engine_model,) for r in replicas})
         self.peers: dict[str, SimBalancer] = {}
         self._is_active = is_active

@@ -49,6 +49,10 @@ class SimConfig:
     push_mode: str = "sp-p"
     max_outstanding: int = 16
     hold_s: float = DEFAULT_HOLD_S
+    # sp-p's queue for the replica holding the prefix and the queue length that stops the
+    # hold, as the balancer YAML's ``pushing.prefer_queue`` / ``hold_queue_max``.
+    prefer_queue: int = 0
+    hold_queue_max: int | None = None
     # Cross-region forwarding (SkyLB's mesh). Off: region-local, each region on its own.
     forwarding: bool = True
     peer_policy: str = "prefix-tree"
@@ -217,6 +221,7 @@ class Simulation:
                 f"lb-{region}", region, reps, policy, self.loop, self.net, mode,
                 cfg.max_outstanding, cfg.probe_interval_s, self._active, self._on_rejected,
                 cfg.hold_s, peer_policy, cfg.tau, cfg.heartbeat_interval_s, rule, balancing,
+                prefer_queue=cfg.prefer_queue, hold_queue_max=cfg.hold_queue_max,
             )
         if not self.replicas:
             raise ValueError("the simulation needs at least one replica")
@@ -229,6 +234,7 @@ class Simulation:
                 self.loop, self.net, mode, cfg.max_outstanding, cfg.probe_interval_s,
                 self._active, self._on_rejected, cfg.hold_s, None, cfg.tau,
                 cfg.heartbeat_interval_s,
+                prefer_queue=cfg.prefer_queue, hold_queue_max=cfg.hold_queue_max,
             )
         elif cfg.forwarding:
             for bal in self.balancers.values():

@@ -1,0 +1,54 @@
+"""The pushing rule's keys in the simulator: `skymesh sim --prefer-queue/--hold-queue-max`
+and SimConfig reach every simulated balancer's dispatcher (the one the live daemon runs),
+and change what happens on a tree workload."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from skymesh.cli import main as cli_main
+from skymesh_lab.sim.runner import SimConfig, Simulation
+from skymesh_lab.sim.workloads import build_workload
+
+
+def _sim(**kw: object) -> Simulation:
+    cfg = SimConfig(workload="tot-skylb", regions=["us", "eu"], replicas={"us": 2, "eu": 1},
+                    policy="prefix-tree", duration_s=5, **kw)  # type: ignore[arg-type]
+    wl = build_workload(cfg.workload, regions=cfg.regions, seed=0, duration_s=cfg.duration_s)
+    return Simulation(cfg, wl)
+
+
+@pytest.mark.parametrize("single", [None, "us"])
+def test_the_keys_reach_every_balancers_dispatcher(single: str | None) -> None:
+    sim = _sim(prefer_queue=3, hold_queue_max=7, single_balancer=single)
+    assert sim.balancers
+    for bal in sim.balancers.values():
+        assert (bal.dispatcher.prefer_queue, bal.dispatcher.hold_queue_max) == (3, 7)
+    strict = _sim(single_balancer=single)
+    for bal in strict.balancers.values():
+        assert (bal.dispatcher.prefer_queue, bal.dispatcher.hold_queue_max) == (0, None)
+
+
+def _run(tmp: Path, name: str, *extra: str) -> dict[str, object]:
+    out = tmp / f"{name}.json"
+    rc = cli_main(["sim", "--workload", "tot-skylb", "--regions", "us", "--replicas", "4",
+                   "--policy", "prefix-tree", "--push-mode", "sp-p", "--duration", "20",
+                   "--json", str(out), *extra])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_the_rule_queues_less_at_the_balancer_than_strict_sp_p(tmp_path: Path) -> None:
+    strict = _run(tmp_path, "strict")
+    rule = _run(tmp_path, "rule", "--prefer-queue", "3", "--hold-queue-max", "48")
+    assert rule["completed"] == strict["completed"]  # same clients, nothing lost
+    assert rule["max_balancer_queue"] < strict["max_balancer_queue"]  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("flag", ["--prefer-queue", "--hold-queue-max"])
+def test_a_negative_count_is_refused(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["sim", "--workload", "tot-skylb", "--regions", "us", flag, "-1"]) == 2
+    assert "take a count >= 0" in capsys.readouterr().err
