@@ -318,15 +318,12 @@ class Dispatcher:
         model = ticket.route.model
         mode, cap, room = self.mode, self.max_outstanding, self.kv_headroom
         tokens, n = ticket.route.prompt_len, self.balancers_per_region
-        out = [
-            tid for tid, t in self.targets.items()
-            if model in t.models and t.healthy and tid not in ticket.excluded
-            and is_available(t.load, mode, cap, room, tokens, n) and t.breaker.allows(now)
-        ]
+        routable = [(tid, t) for tid, t in self.targets.items()
+                    if model in t.models and t.healthy and tid not in ticket.excluded]
+        out = [tid for tid, t in routable
+               if is_available(t.load, mode, cap, room, tokens, n) and t.breaker.allows(now)]
         if self.prefer_queue > 0 and mode is PushMode.SP_P and ticket.route.prefix_keys:
-            usable = [tid for tid, t in self.targets.items()
-                      if model in t.models and t.healthy and tid not in ticket.excluded
-                      and t.breaker.allows(now)]
+            usable = [tid for tid, t in routable if t.breaker.allows(now)]
             pref = self.policy.preferred(ticket.route, usable, self)
             if pref is not None and pref not in out and takes_preferred(
                     self.targets[pref].load, self.prefer_queue, room, tokens):

@@ -24,15 +24,14 @@ TTFT (network, the engine's queue, prefill), for all requests and for the P90 ta
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from skymesh.balancer.dispatch import Dispatcher, Ticket
+from skymesh.util.jsonio import write_json
 from skymesh_lab.bench.max_tokens import MaxTokens
 from skymesh_lab.bench.rule_stats import (
     CONFIDENCE,
@@ -43,6 +42,7 @@ from skymesh_lab.bench.rule_stats import (
     interval,
     judge,
 )
+from skymesh_lab.bench.skylb_faithful import parse_seeds, pool_map
 from skymesh_lab.bench.skylb_macro import window_metrics
 from skymesh_lab.bench.skylb_setup import REGIONS, SKYLB_CLIENT_WORKLOADS, SYSTEMS
 from skymesh_lab.sim.runner import SimConfig, Simulation
@@ -259,11 +259,7 @@ def run_grid(seeds: list[int], single_s: float, mesh_s: float, prefer_queue: dic
     t = time.perf_counter()
     args = [(sc, c, sy, s, single_s, mesh_s, prefer_queue[sc], hold_queue_max)
             for s in seeds for sc in schedulers for c in cells for sy in SYSTEM_NAMES]
-    if jobs > 1:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            runs = list(pool.map(run_one, *zip(*args, strict=True)))
-    else:
-        runs = [run_one(*a) for a in args]
+    runs = pool_map(run_one, args, jobs)
     for r in runs:
         print(f"{r['scheduler']:6} {r['cell']:10} {r['system']:5} seed {r['seed']}: "
               f"{r['throughput_rps']:.2f} req/s, P90 TTFT {r['ttft_p90_s']:.2f} s",
@@ -311,11 +307,14 @@ def main(argv: list[str] | None = None) -> int:
         prefer = per_scheduler(a.prefer_queue)
     except ValueError as e:
         ap.error(f"--prefer-queue: {e}")
-    res = run_grid([int(s) for s in a.seeds.split(",")], a.single_duration, a.mesh_duration,
+    try:
+        seeds = parse_seeds(a.seeds)
+    except ValueError as e:
+        ap.error(f"--seeds: {e}")
+    res = run_grid(seeds, a.single_duration, a.mesh_duration,
                    prefer, a.hold_queue_max if a.hold_queue_max >= 0 else None,
                    a.jobs, tuple(a.schedulers.split(",")), tuple(a.cells.split(",")))
-    with open(a.json, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(a.json, res)
     for v in res["verdicts"]:
         lo, hi = (math.inf if x is None else x for x in v["throughput_x_best_ci"])
         plo, phi = (math.inf if x is None else x for x in v["ttft_p90_x_best_ci"])

@@ -81,7 +81,7 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def _pool_map(fn: Callable[..., dict[str, Any]], args: list[tuple[Any, ...]], jobs: int
+def pool_map(fn: Callable[..., dict[str, Any]], args: list[tuple[Any, ...]], jobs: int
               ) -> list[dict[str, Any]]:
     """``fn(*a)`` for each of ``args``, in order; in ``jobs`` processes when above 1 (the
     simulator is deterministic, so the results do not depend on ``jobs``)."""
@@ -129,7 +129,7 @@ def run_macro(setups: list[tuple[str, str]], duration_s: float, seed: int,
     t0 = time.perf_counter()
     seeds = [seed, *extra_seeds]
     keys = [(n, s, c, w) for n in seeds for s, c in setups for w in workloads]
-    parts = _pool_map(_macro_part, [(s, c, w, duration_s, n, progress and jobs <= 1,
+    parts = pool_map(_macro_part, [(s, c, w, duration_s, n, progress and jobs <= 1,
                                      ceiling) for n, s, c, w in keys], jobs)
 
     def blocks_at(n: int) -> list[dict[str, Any]]:
@@ -161,7 +161,7 @@ def run_diurnal(schedulers: list[str], duration_s: float, seed: int, jobs: int =
     chat clients send SkyLB's ``max_tokens`` unless ``max_tokens`` is None."""
     t0 = time.perf_counter()
     keys = [(s, n) for s in schedulers for n in counts]
-    parts = _pool_map(_diurnal_part, [(s, n, duration_s, seed, max_tokens) for s, n in keys],
+    parts = pool_map(_diurnal_part, [(s, n, duration_s, seed, max_tokens) for s, n in keys],
                       jobs)
     blocks = []
     for sched in schedulers:
