@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from skymesh.policies.load import DEFAULT_HOLD_QUEUE_MAX
 from skymesh.util.jsonio import write_json
 from skymesh.util.stats import fmt
 from skymesh.version import add_version_flag
@@ -76,7 +77,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"skymesh sim: {exc}", file=sys.stderr)
         return 2
-    if args.prefer_queue < 0 or (args.hold_queue_max is not None and args.hold_queue_max < 0):
+    if (args.prefer_queue is not None and args.prefer_queue < 0) or args.hold_queue_max < 0:
         print("skymesh sim: --prefer-queue and --hold-queue-max take a count >= 0",
               file=sys.stderr)
         return 2
@@ -215,12 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--hold", type=float, default=None, metavar="SECONDS",
                     help="delay scheduling: how long a request may wait for the replica "
                          "holding its prefix (default 2)")
-    sp.add_argument("--prefer-queue", type=int, default=0, metavar="N",
+    sp.add_argument("--prefer-queue", type=int, default=None, metavar="N",
                     help="sp-p: the replica holding a request's prefix may take it while "
-                         "fewer than N requests are pending there (default 0: strict sp-p)")
-    sp.add_argument("--hold-queue-max", type=int, default=None, metavar="N",
+                         "fewer than N requests are pending there (0: strict sp-p; default: "
+                         "the scheduler's, vllm 3, sglang 8)")
+    sp.add_argument("--hold-queue-max", type=int, default=DEFAULT_HOLD_QUEUE_MAX, metavar="N",
                     help="no request is held for its preferred replica while the balancer's "
-                         "queue is longer than N (default: no limit)")
+                         f"queue is longer than N (default {DEFAULT_HOLD_QUEUE_MAX})")
     sp.add_argument("--probe-interval", type=float, default=0.1)
     sp.add_argument("--region-local", action="store_true",
                     help="no cross-region forwarding (each region on its own replicas)")

@@ -50,7 +50,7 @@ from skymesh.net.limits import ConnLimits
 from skymesh.net.urlpolicy import UrlPolicy, UrlPolicyConfig, UrlRejected, check_static
 from skymesh.obs.config import LoggingConfig, TracingConfig
 from skymesh.policies import PolicyConfigError, build_policy
-from skymesh.policies.load import PushMode
+from skymesh.policies.load import DEFAULT_HOLD_QUEUE_MAX, DEFAULT_PREFER_QUEUE, PushMode
 from skymesh.policies.peers import (
     DEFAULT_BALANCE_MARGIN,
     DEFAULT_FORWARDING_RULE,
@@ -115,9 +115,10 @@ class PushingConfig(_Strict):
     replica kind: 1 for ``vllm``, 0 for ``skymesh`` and ``sglang``.
     ``prefer_queue``: sp-p lets the replica holding a request's prefix take it while fewer
     than this many requests are pending there, instead of holding it at the balancer (0:
-    off, strict sp-p; skymesh.policies.load.takes_preferred). ``hold_queue_max``: no request
-    is held for its preferred replica (``hold_s``) while the model's queue here is longer
-    (None: no limit). Both off by default: docs/results/pushing-rule.md."""
+    strict sp-p; skymesh.policies.load.takes_preferred). Default by replica kind: 3 for
+    ``vllm`` and ``skymesh``, 8 for ``sglang``. ``hold_queue_max``: no request is held for
+    its preferred replica (``hold_s``) while the model's queue here is longer (default 48;
+    null: no limit). Measured: docs/results/pushing-rule.md."""
 
     mode: PushMode = PushMode.SP_P
     max_outstanding: int = Field(16, ge=1)
@@ -129,8 +130,8 @@ class PushingConfig(_Strict):
     metrics_lag_s: float | None = Field(None, ge=0, le=60)
     balancers_per_region: int | Literal["auto"] = 1
     engine_queue: int | None = Field(None, ge=0, le=64)
-    prefer_queue: int = Field(0, ge=0, le=256)
-    hold_queue_max: int | None = Field(None, ge=0)
+    prefer_queue: int | None = Field(None, ge=0, le=256)
+    hold_queue_max: int | None = Field(DEFAULT_HOLD_QUEUE_MAX, ge=0)
 
     @field_validator("balancers_per_region", mode="before")
     @classmethod
@@ -291,6 +292,12 @@ class ReplicaConfig(_Strict):
         """sp-p's allowance inside the engine: ``pushing``'s, else the kind's default."""
         q = pushing.engine_queue
         return DEFAULT_ENGINE_QUEUE[self.kind] if q is None else q
+
+    def prefer_queue(self, pushing: PushingConfig) -> int:
+        """sp-p's queue for requests holding their prefix here: ``pushing``'s, else the
+        kind's default."""
+        q = pushing.prefer_queue
+        return DEFAULT_PREFER_QUEUE[self.kind] if q is None else q
 
     @field_validator("url")
     @classmethod

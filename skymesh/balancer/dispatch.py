@@ -127,9 +127,10 @@ class Dispatcher:
         hold_queue_max: int | None = None,
     ) -> None:
         self.policy = policy
-        # sp-p's queue for the replica holding the prefix (policies.load, takes_preferred),
-        # and the queue length above which nothing is held for its preferred replica (a
-        # tree that outgrows its replica spills at once instead of blocking the window).
+        # sp-p's queue for the replica holding the prefix (policies.load, takes_preferred)
+        # for targets without their own (``ReplicaLoad.prefer_queue``), and the queue
+        # length above which nothing is held for its preferred replica (a tree that
+        # outgrows its replica spills at once instead of blocking the window).
         self.prefer_queue = prefer_queue
         self.hold_queue_max = hold_queue_max
         self.mode = mode
@@ -322,13 +323,24 @@ class Dispatcher:
                     if model in t.models and t.healthy and tid not in ticket.excluded]
         out = [tid for tid, t in routable
                if is_available(t.load, mode, cap, room, tokens, n) and t.breaker.allows(now)]
-        if self.prefer_queue > 0 and mode is PushMode.SP_P and ticket.route.prefix_keys:
+        if mode is PushMode.SP_P and ticket.route.prefix_keys and self._prefer_queue_on(routable):
             usable = [tid for tid, t in routable if t.breaker.allows(now)]
             pref = self.policy.preferred(ticket.route, usable, self)
-            if pref is not None and pref not in out and takes_preferred(
-                    self.targets[pref].load, self.prefer_queue, room, tokens):
-                out.append(pref)
+            if pref is not None and pref not in out:
+                load = self.targets[pref].load
+                if takes_preferred(load, self.prefer_queue_of(load), room, tokens):
+                    out.append(pref)
         return out
+
+    def prefer_queue_of(self, load: ReplicaLoad) -> int:
+        """The replica's queue for requests holding their prefix there: its own, else this
+        dispatcher's."""
+        return self.prefer_queue if load.prefer_queue is None else load.prefer_queue
+
+    def _prefer_queue_on(self, routable: list[tuple[str, Target]]) -> bool:
+        # Only a policy that overrides ``preferred`` names a replica holding the prefix.
+        return type(self.policy).preferred is not Policy.preferred and any(
+            self.prefer_queue_of(t.load) > 0 for _, t in routable)
 
     def pump(self, now: float) -> list[Ticket]:
         """Dispatch what can go now; returns the dispatched tickets.
@@ -505,9 +517,9 @@ class Dispatcher:
     def on_probe(self, target: str, now: float, waiting: int, running: int,
                  kv_usage: float, kv_capacity_tokens: int | None = None, *,
                  max_num_seqs: int | None = None, metrics_lag_s: float | None = None,
-                 engine_queue: int | None = None) -> None:
+                 engine_queue: int | None = None, prefer_queue: int | None = None) -> None:
         """A probe of ``target`` published at ``now`` (see ``ReplicaLoad.on_probe``)."""
         t = self.targets.get(target)
         if t is not None:
             t.load.on_probe(now, waiting, running, kv_usage, kv_capacity_tokens,
-                            max_num_seqs, metrics_lag_s, engine_queue)
+                            max_num_seqs, metrics_lag_s, engine_queue, prefer_queue)

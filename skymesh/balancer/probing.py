@@ -80,7 +80,8 @@ class Prober:
         seqs, lag = h.cfg.pushing_limits(lb.cfg.pushing, res.max_num_seqs)
         lb.dispatcher.on_probe(url, sent, res.waiting, res.running, res.kv_usage,
                                res.kv_capacity_tokens, max_num_seqs=seqs, metrics_lag_s=lag,
-                               engine_queue=h.cfg.engine_queue(lb.cfg.pushing))
+                               engine_queue=h.cfg.engine_queue(lb.cfg.pushing),
+                               prefer_queue=h.cfg.prefer_queue(lb.cfg.pushing))
         m = lb.metrics
         m.replica_waiting.labels(url).set(res.waiting)
         m.replica_running.labels(url).set(res.running)

@@ -65,7 +65,8 @@ def _set_pushing(lb: Balancer, p: PushingConfig) -> None:
     d.kv_headroom = p.kv_headroom
     d.window = p.window
     d.hold_s = p.hold_s
-    d.prefer_queue, d.hold_queue_max = p.prefer_queue, p.hold_queue_max
+    # A replica's own prefer_queue (its kind's default, or this) is set at its next probe.
+    d.prefer_queue, d.hold_queue_max = p.prefer_queue or 0, p.hold_queue_max
     if p.balancers_per_region != "auto":  # auto: the controller link keeps it current
         d.balancers_per_region = p.balancers_per_region
     d.step_tokens = p.step_tokens  # for targets added from now on

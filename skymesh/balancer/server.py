@@ -127,7 +127,9 @@ class Balancer:
                              else DEFAULT_FORWARDING_RULE),
             balancing=cfg.mesh.balancing() if cfg.mesh is not None else None,
             balancers_per_region=cfg.pushing.balancers(),
-            prefer_queue=cfg.pushing.prefer_queue, hold_queue_max=cfg.pushing.hold_queue_max,
+            # Per replica from its kind at each probe (ReplicaConfig.prefer_queue).
+            prefer_queue=cfg.pushing.prefer_queue or 0,
+            hold_queue_max=cfg.pushing.hold_queue_max,
         )
         # The only owner of replica state; it publishes membership and health to the
         # dispatcher (here, at once, and on every change).

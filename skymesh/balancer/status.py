@@ -86,6 +86,7 @@ class Status:
         return {**self.lb.health.figures(url),
                 "unadmitted": load.unadmitted, "max_num_seqs": load.max_num_seqs,
                 "engine_queue": load.engine_queue,
+                "prefer_queue": self.lb.dispatcher.prefer_queue_of(load),
                 "metrics_lag_s": load.metrics_lag_s}
 
 

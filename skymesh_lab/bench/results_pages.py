@@ -215,7 +215,8 @@ SOURCES: tuple[Source, ...] = (
            "tot-gsm8k) and its Figure 8 mesh setup (mixed tree, chat), with where each "
            "system's requests waited. See [the pushing section](../policies.md).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.rule_grid", "--jobs", "2",
-            "--seeds", "15,16,17,18,19,20,21,22", "--json", "{json}"),
+            "--seeds", "23,24,25,26,27,28,29,30", "--prefer-queue", "vllm=3,sglang=8",
+            "--hold-queue-max", "48", "--json", "{json}"),
            rule_page.pushing_rule),
 )
 BY_NAME = {s.name: s for s in SOURCES}

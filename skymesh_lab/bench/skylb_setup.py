@@ -103,6 +103,10 @@ SKYLB_CLIENT_WORKLOADS: dict[str, WorkloadSpec] = {
 CLIENT_SETS: dict[str, dict[str, WorkloadSpec]] = {"ours": WORKLOADS,
                                                     "skylb": SKYLB_CLIENT_WORKLOADS}
 SCHEDULERS = ("vllm", "sglang")
+# SkyLB's own pushing modes, as its paper defines them: no queue for the replica holding
+# the prefix and no limit on the hold (the simulator's default is SkyMesh's rule,
+# skymesh.policies.load.DEFAULT_PREFER_QUEUE); the SP microbenchmarks reproduce these.
+STRICT: dict[str, Any] = {"prefer_queue": 0, "hold_queue_max": None}
 
 # System name -> SimConfig fields. Blind pushing for the single-balancer baselines: the
 # routers SkyLB compares with push every request at once (SkyLB sec. 5.1).

@@ -22,6 +22,7 @@ import json
 import sys
 from typing import Any
 
+from skymesh_lab.bench.skylb_setup import STRICT
 from skymesh_lab.sim.runner import SimConfig, run
 
 PAPER = {"throughput_x_vs_bp": 1.27, "ttft_p90_x_vs_bp": 18.47, "hit_sp_p": 0.8986,
@@ -47,7 +48,7 @@ def run_grid(duration_s: float, clients: int, seed: int,
             for mode in PUSH_MODES:
                 cfg = SimConfig(workload=workload, regions=["us"], replicas={"us": 4},
                                 policy=policy, push_mode=mode, scheduler=scheduler,
-                                seed=seed, duration_s=duration_s,
+                                seed=seed, duration_s=duration_s, **STRICT,
                                 workload_params={"clients_per_region": clients, **params})
                 r = run(cfg)
                 row = {"scheduler": scheduler, "workload": label, "push_mode": mode}

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from skymesh.util.stats import fmt, ratio
+from skymesh_lab.bench.skylb_setup import STRICT
 from skymesh_lab.sim.runner import SimConfig, run
 
 PAPER = {"throughput_x_vs_bp": 1.27, "ttft_p90_x_vs_bp": 18.47, "hit_sp_p": 0.8986,
@@ -30,7 +31,7 @@ def run_modes(clients: int, duration_s: float, output_scale: float, seed: int,
     for mode in PUSH_MODES:
         cfg = SimConfig(
             workload="tot-gsm8k", regions=["us"], replicas={"us": 4}, policy=policy,
-            push_mode=mode, seed=seed, duration_s=duration_s,
+            push_mode=mode, seed=seed, duration_s=duration_s, **STRICT,
             workload_params={"clients_per_region": clients, "branching": 2,
                              "output_scale": output_scale},
         )

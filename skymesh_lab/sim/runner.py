@@ -17,7 +17,7 @@ from typing import Any
 
 from skymesh.balancer.dispatch import DEFAULT_HOLD_S
 from skymesh.policies import RouteRequest, build_policy
-from skymesh.policies.load import PushMode
+from skymesh.policies.load import DEFAULT_HOLD_QUEUE_MAX, DEFAULT_PREFER_QUEUE, PushMode
 from skymesh.policies.peers import (
     DEFAULT_BALANCE_MARGIN,
     DEFAULT_FORWARDING_RULE,
@@ -49,10 +49,11 @@ class SimConfig:
     push_mode: str = "sp-p"
     max_outstanding: int = 16
     hold_s: float = DEFAULT_HOLD_S
-    # sp-p's queue for the replica holding the prefix and the queue length that stops the
-    # hold, as the balancer YAML's ``pushing.prefer_queue`` / ``hold_queue_max``.
-    prefer_queue: int = 0
-    hold_queue_max: int | None = None
+    # sp-p's queue for the replica holding the prefix (None: the scheduler's default, as
+    # the balancer YAML's ``pushing.prefer_queue`` by replica kind; 0: strict sp-p) and the
+    # queue length that stops the hold (``hold_queue_max``; None: no limit).
+    prefer_queue: int | None = None
+    hold_queue_max: int | None = DEFAULT_HOLD_QUEUE_MAX
     # Cross-region forwarding (SkyLB's mesh). Off: region-local, each region on its own.
     forwarding: bool = True
     peer_policy: str = "prefix-tree"
@@ -193,6 +194,8 @@ class Simulation:
         self._arrivals_left = True
         rng = random.Random(cfg.seed)
         mode = PushMode(cfg.push_mode)
+        prefer_queue = (DEFAULT_PREFER_QUEUE[cfg.scheduler] if cfg.prefer_queue is None
+                        else cfg.prefer_queue)
         rule = ForwardingRule(cfg.forwarding_rule)
         balancing = Balancing(cfg.balance_margin, cfg.locality_margin, cfg.rtt_weight)
         self.replicas: list[SimReplica] = []
@@ -221,7 +224,7 @@ class Simulation:
                 f"lb-{region}", region, reps, policy, self.loop, self.net, mode,
                 cfg.max_outstanding, cfg.probe_interval_s, self._active, self._on_rejected,
                 cfg.hold_s, peer_policy, cfg.tau, cfg.heartbeat_interval_s, rule, balancing,
-                prefer_queue=cfg.prefer_queue, hold_queue_max=cfg.hold_queue_max,
+                prefer_queue=prefer_queue, hold_queue_max=cfg.hold_queue_max,
             )
         if not self.replicas:
             raise ValueError("the simulation needs at least one replica")
@@ -234,7 +237,7 @@ class Simulation:
                 self.loop, self.net, mode, cfg.max_outstanding, cfg.probe_interval_s,
                 self._active, self._on_rejected, cfg.hold_s, None, cfg.tau,
                 cfg.heartbeat_interval_s,
-                prefer_queue=cfg.prefer_queue, hold_queue_max=cfg.hold_queue_max,
+                prefer_queue=prefer_queue, hold_queue_max=cfg.hold_queue_max,
             )
         elif cfg.forwarding:
             for bal in self.balancers.values():

@@ -140,6 +140,18 @@ def test_the_prefer_queue_sends_it_to_its_replica_up_to_the_allowance() -> None:
     assert d.load("a").pending == 4 and ts[2].queued
 
 
+def test_a_replicas_own_queue_from_its_probe_overrides_the_dispatchers() -> None:
+    d = _dispatcher()  # the dispatcher's own: 0, strict
+    d.on_probe("a", 0.05, waiting=2, running=4, kv_usage=0.2, kv_capacity_tokens=CAP,
+               prefer_queue=3)  # a's kind's default arrives with its probe
+    ts = _offer_cached(d, 2)
+    out = d.pump(0.1)
+    assert [t.target for t in out] == ["a"] and ts[1].queued  # 2 pending + 1 = 3
+    d.on_probe("a", 0.2, waiting=2, running=4, kv_usage=0.2, kv_capacity_tokens=CAP,
+               prefer_queue=0)  # reconfigured to strict: held again
+    assert d.pump(0.25) == [] and ts[1].queued
+
+
 def test_a_long_queue_stops_holding_and_spills_to_free_replicas() -> None:
     d = _dispatcher(hold_queue_max=2)
     _offer_cached(d, 3)
@@ -148,11 +160,20 @@ def test_a_long_queue_stops_holding_and_spills_to_free_replicas() -> None:
     assert out and all(t.target == "b" for t in out)
 
 
-def test_the_config_keys_default_to_strict_sp_p_and_refuse_bad_values() -> None:
-    cfg = parse_config({})
-    assert (cfg.pushing.prefer_queue, cfg.pushing.hold_queue_max) == (0, None)
-    cfg = parse_config({"pushing": {"prefer_queue": 6, "hold_queue_max": 24}})
+def test_the_config_keys_default_by_kind_and_refuse_bad_values() -> None:
+    replicas = [{"url": f"http://127.0.0.1:80{i}1", "kind": k}
+                for i, k in enumerate(("vllm", "sglang", "skymesh"))]
+    cfg = parse_config({"replicas": replicas})
+    assert (cfg.pushing.prefer_queue, cfg.pushing.hold_queue_max) == (None, 48)
+    assert [r.prefer_queue(cfg.pushing) for r in cfg.replicas] == [3, 8, 3]
+    cfg = parse_config({"replicas": replicas,
+                        "pushing": {"prefer_queue": 6, "hold_queue_max": 24}})
     assert (cfg.pushing.prefer_queue, cfg.pushing.hold_queue_max) == (6, 24)
+    assert [r.prefer_queue(cfg.pushing) for r in cfg.replicas] == [6, 6, 6]
+    strict = parse_config({"replicas": replicas,
+                           "pushing": {"prefer_queue": 0, "hold_queue_max": None}})
+    assert [r.prefer_queue(strict.pushing) for r in strict.replicas] == [0, 0, 0]
+    assert strict.pushing.hold_queue_max is None
     with pytest.raises(ConfigError, match=r"pushing\.prefer_queue"):
         parse_config({"pushing": {"prefer_queue": -1}})
 
@@ -166,3 +187,6 @@ def test_a_reload_applies_both_keys_to_the_running_dispatcher() -> None:
     pushing = parse_config({"pushing": {"prefer_queue": 3, "hold_queue_max": 5}}).pushing
     _set_pushing(SimpleNamespace(dispatcher=d), pushing)  # type: ignore[arg-type]
     assert (d.prefer_queue, d.hold_queue_max) == (3, 5)
+    # By kind: the dispatcher's own is off, each replica's comes with its probe.
+    _set_pushing(SimpleNamespace(dispatcher=d), parse_config({}).pushing)  # type: ignore[arg-type]
+    assert (d.prefer_queue, d.hold_queue_max) == (0, 48)

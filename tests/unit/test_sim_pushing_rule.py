@@ -1,6 +1,6 @@
 """The pushing rule's keys in the simulator: `skymesh sim --prefer-queue/--hold-queue-max`
 and SimConfig reach every simulated balancer's dispatcher (the one the live daemon runs),
-and change what happens on a tree workload."""
+default to the scheduler's values, and change what happens on a tree workload."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from skymesh.cli import main as cli_main
+from skymesh.policies.load import DEFAULT_HOLD_QUEUE_MAX, DEFAULT_PREFER_QUEUE
 from skymesh_lab.sim.runner import SimConfig, Simulation
 from skymesh_lab.sim.workloads import build_workload
 
@@ -23,13 +24,22 @@ def _sim(**kw: object) -> Simulation:
 
 @pytest.mark.parametrize("single", [None, "us"])
 def test_the_keys_reach_every_balancers_dispatcher(single: str | None) -> None:
-    sim = _sim(prefer_queue=3, hold_queue_max=7, single_balancer=single)
+    sim = _sim(prefer_queue=5, hold_queue_max=7, single_balancer=single)
     assert sim.balancers
     for bal in sim.balancers.values():
-        assert (bal.dispatcher.prefer_queue, bal.dispatcher.hold_queue_max) == (3, 7)
-    strict = _sim(single_balancer=single)
+        assert (bal.dispatcher.prefer_queue, bal.dispatcher.hold_queue_max) == (5, 7)
+    strict = _sim(prefer_queue=0, hold_queue_max=None, single_balancer=single)
     for bal in strict.balancers.values():
         assert (bal.dispatcher.prefer_queue, bal.dispatcher.hold_queue_max) == (0, None)
+
+
+@pytest.mark.parametrize("scheduler", ["vllm", "sglang"])
+def test_by_default_the_rule_is_on_with_the_schedulers_queue(scheduler: str) -> None:
+    sim = _sim(scheduler=scheduler)
+    for bal in sim.balancers.values():
+        assert (bal.dispatcher.prefer_queue, bal.dispatcher.hold_queue_max) == (
+            DEFAULT_PREFER_QUEUE[scheduler], DEFAULT_HOLD_QUEUE_MAX)
+    assert DEFAULT_PREFER_QUEUE[scheduler] > 0
 
 
 def _run(tmp: Path, name: str, *extra: str) -> dict[str, object]:
@@ -41,9 +51,10 @@ def _run(tmp: Path, name: str, *extra: str) -> dict[str, object]:
     return json.loads(out.read_text())
 
 
-def test_the_rule_queues_less_at_the_balancer_than_strict_sp_p(tmp_path: Path) -> None:
-    strict = _run(tmp_path, "strict")
-    rule = _run(tmp_path, "rule", "--prefer-queue", "3", "--hold-queue-max", "48")
+def test_the_default_rule_queues_less_at_the_balancer_than_strict_sp_p(tmp_path: Path
+                                                                        ) -> None:
+    strict = _run(tmp_path, "strict", "--prefer-queue", "0")
+    rule = _run(tmp_path, "rule")
     assert rule["completed"] == strict["completed"]  # same clients, nothing lost
     assert rule["max_balancer_queue"] < strict["max_balancer_queue"]  # type: ignore[operator]
 
