@@ -77,7 +77,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"skymesh sim: {exc}", file=sys.stderr)
         return 2
-    if (args.prefer_queue is not None and args.prefer_queue < 0) or args.hold_queue_max < 0:
+    hold_max = None if args.hold_queue_max == "none" else args.hold_queue_max
+    if (args.prefer_queue is not None and args.prefer_queue < 0) or (
+            hold_max is not None and (not hold_max.isdigit())):
         print("skymesh sim: --prefer-queue and --hold-queue-max take a count >= 0",
               file=sys.stderr)
         return 2
@@ -91,7 +93,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         max_outstanding=args.max_outstanding,
         **({"hold_s": args.hold} if args.hold is not None else {}),
         prefer_queue=args.prefer_queue,
-        hold_queue_max=args.hold_queue_max,
+        hold_queue_max=None if hold_max is None else int(hold_max),
         forwarding=not args.region_local,
         peer_policy=args.peer_policy,
         tau=args.tau,
@@ -220,9 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sp-p: the replica holding a request's prefix may take it while "
                          "fewer than N requests are pending there (0: strict sp-p; default: "
                          "the scheduler's, vllm 3, sglang 8)")
-    sp.add_argument("--hold-queue-max", type=int, default=DEFAULT_HOLD_QUEUE_MAX, metavar="N",
+    sp.add_argument("--hold-queue-max", default=str(DEFAULT_HOLD_QUEUE_MAX), metavar="N",
                     help="no request is held for its preferred replica while the balancer's "
-                         f"queue is longer than N (default {DEFAULT_HOLD_QUEUE_MAX})")
+                         f"queue is longer than N (default {DEFAULT_HOLD_QUEUE_MAX}; none: no "
+                         "limit, SkyLB's)")
     sp.add_argument("--probe-interval", type=float, default=0.1)
     sp.add_argument("--region-local", action="store_true",
                     help="no cross-region forwarding (each region on its own replicas)")

@@ -123,6 +123,28 @@ SECOND_CRITERION = (
     "wins / ties / loses. Both verdicts are shown; neither replaces the other.")
 
 
+def _decision(data: dict[str, Any]) -> str:
+    """The registered decision rule and what it gives on this page's seeds."""
+    verdicts = data.get("verdicts", [])
+    rule = data.get("rule", {})
+    head = ("Written down before this page's seeds ran "
+            "([notes](../notes/pushing-rule-default.md)): the rule becomes the default "
+            "if no cell loses under the second criterion (per cell). ")
+    if not verdicts:
+        return head + "No verdicts in this data."
+    losing = [f"{v['scheduler']} {v['cell']}" for v in verdicts
+              if v.get("verdict_per_cell") == "loses"]
+    if losing:
+        return head + ("It loses in " + ", ".join(losing)
+                       + ": strict sp-p stays the default.")
+    return head + (
+        "No cell loses: sp-p with `prefer_queue` "
+        f"{_per_engine(rule.get('prefer_queue'))} and `hold_queue_max` "
+        f"{rule.get('hold_queue_max')} is the default (`pushing.prefer_queue` by replica "
+        "kind, the emulator's as vLLM's; `prefer_queue: 0, hold_queue_max: null` is "
+        "SkyLB's strict rule, which the SP microbenchmark pages run).")
+
+
 def _diagnosis(data: dict[str, Any]) -> str:
     runs = data.get("runs", [])
     parts = []
@@ -188,9 +210,10 @@ def _diagnosis(data: dict[str, Any]) -> str:
             "**`tot-gsm8k` on SGLang**: the TTFT is bimodal. Most requests start in about "
             "one prefill; a minority wait seconds, under blind pushing inside SGLang (its "
             "admission reserves decode room for the long gsm8k outputs), under sp-p and "
-            "the rule at the balancer, held for the replica holding the prefix while "
-            "SGLang's `num_queue_reqs`, published only at its log points, still shows a "
-            "queue. Share of requests slower than twice their run's median (mean over "
+            "the rule at the balancer, held for the replica holding the prefix while it "
+            "shows a queue (mostly a real one, not SGLang's stale snapshot: "
+            "[notes](../notes/pushing-rule-default.md)). Share of requests slower than "
+            "twice their run's median (mean over "
             f"seeds): {shares}. The P90 lands on the fast mode when fewer than a tenth are "
             "slow and in the slow one otherwise, so a seed whose slow share crosses 10% "
             "multiplies the ratio (the earlier page's seed-5 outlier was such a seed: "
@@ -211,7 +234,10 @@ def _diagnosis(data: dict[str, Any]) -> str:
         "replicas and computed their prompt again, so the trigger went up (it still ends "
         "the mixed tree's blocked window, with less of its P90 gain); and every request "
         "queued for the prefix beyond a few on vLLM cost hit rate (presumably siblings "
-        "admitted together computing the same prompt twice), so vLLM gets one fewer than SGLang. "
+        "admitted together computing the same prompt twice), so vLLM gets 3. SGLang "
+        "prefills what waits at its next step unless its memory latch is set, so a queue "
+        "there costs less: 4 on SGLang lost `tot-gsm8k`'s P90 on the previous page's seeds "
+        "(15-22, git 37246a2), 8 keeps it (chosen on seeds 4-11, before these ran). "
         "Holding an identical sibling at the balancer until its twin's first byte (a cache "
         "hit guaranteed) was tried both ways and dropped: instead of queueing it on the "
         "replica it gave back ToT's P90 gain, and instead of spilling it past the trigger "
@@ -349,6 +375,7 @@ def pushing_rule(data: dict[str, Any]) -> str:
         "takes it while fewer than that many requests are pending there) and "
         f"`hold_queue_max` {'none' if hold is None else hold} (no request is held for its "
         "preferred replica while the balancer's queue is longer).", "",
+        "### Decision", "", _decision(data), "",
         "### Criterion", "", _criterion(data), "", SECOND_CRITERION, "",
         "### Verdict per cell", "", _verdict_table(data), ""]
     if verdicts:

@@ -56,7 +56,9 @@ SOURCES: tuple[Source, ...] = (
     Source("sp-microbench", "Selective pushing (SkyLB's SP microbenchmark)",
            "One region, 4 emulated Llama-3.1-8B L4 replicas, tree-of-thoughts clients with "
            "branching 2, prefix-tree policy, in the simulator: blind pushing (bp), an "
-           "outstanding-request cap (sp-o) and selective pushing on pending requests (sp-p), "
+           "outstanding-request cap (sp-o) and selective pushing on pending requests (sp-p, "
+           "SkyLB's strict rule: `prefer_queue` 0, no `hold_queue_max`; SkyMesh's default "
+           "adds a queue for the prefix's replica: [the pushing rule](pushing-rule.md)), "
            "at SkyLB's 30 clients and at an overloaded 120.",
            (".venv/bin/skymesh", "bench", "sp-microbench", "--mode", "sim", "--json", "{json}"),
            tables.sp_microbench),

@@ -196,6 +196,7 @@ class Simulation:
         mode = PushMode(cfg.push_mode)
         prefer_queue = (DEFAULT_PREFER_QUEUE[cfg.scheduler] if cfg.prefer_queue is None
                         else cfg.prefer_queue)
+        self.prefer_queue = prefer_queue  # in force: the result says which rule ran
         rule = ForwardingRule(cfg.forwarding_rule)
         balancing = Balancing(cfg.balance_margin, cfg.locality_margin, cfg.rtt_weight)
         self.replicas: list[SimReplica] = []
@@ -388,6 +389,8 @@ class Simulation:
             "workload": self.cfg.workload,
             "policy": self.cfg.policy,
             "push_mode": self.cfg.push_mode,
+            "prefer_queue": self.prefer_queue,
+            "hold_queue_max": self.cfg.hold_queue_max,
             "profile": self.cfg.profile,
             "scheduler": self.cfg.scheduler,
             "regions": {reg: self.cfg.replicas.get(reg, 0) for reg in self.cfg.regions},

@@ -53,13 +53,24 @@ def _run(tmp: Path, name: str, *extra: str) -> dict[str, object]:
 
 def test_the_default_rule_queues_less_at_the_balancer_than_strict_sp_p(tmp_path: Path
                                                                         ) -> None:
-    strict = _run(tmp_path, "strict", "--prefer-queue", "0")
+    strict = _run(tmp_path, "strict", "--prefer-queue", "0", "--hold-queue-max", "none")
     rule = _run(tmp_path, "rule")
     assert rule["completed"] == strict["completed"]  # same clients, nothing lost
     assert rule["max_balancer_queue"] < strict["max_balancer_queue"]  # type: ignore[operator]
 
 
-@pytest.mark.parametrize("flag", ["--prefer-queue", "--hold-queue-max"])
-def test_a_negative_count_is_refused(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["sim", "--workload", "tot-skylb", "--regions", "us", flag, "-1"]) == 2
+@pytest.mark.parametrize(("flag", "value"), [("--prefer-queue", "-1"),
+                                             ("--hold-queue-max", "-1"),
+                                             ("--hold-queue-max", "lots")])
+def test_a_bad_count_is_refused(flag: str, value: str,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["sim", "--workload", "tot-skylb", "--regions", "us", flag, value]) == 2
     assert "take a count >= 0" in capsys.readouterr().err
+
+
+def test_strict_skylb_pushing_from_the_command_line(tmp_path: Path) -> None:
+    strict = _run(tmp_path, "strict", "--prefer-queue", "0", "--hold-queue-max", "none")
+    assert (strict["prefer_queue"], strict["hold_queue_max"]) == (0, None)
+    default = _run(tmp_path, "default")
+    assert (default["prefer_queue"], default["hold_queue_max"]) == (
+        DEFAULT_PREFER_QUEUE["vllm"], DEFAULT_HOLD_QUEUE_MAX)
