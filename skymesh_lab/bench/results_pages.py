@@ -159,6 +159,17 @@ SOURCES: tuple[Source, ...] = (
            (".venv/bin/python", "tools/e2e/burst_bench.py", "--sp-p-max-num-seqs",
             "--modes", "sp-p,bp,sp-o,sp-p+1", "--repeats", "12", "--json", "{json}"),
            vllm_burst_page.vllm_burst),
+    Source("vllm_burst_prefix", "Real vLLM: the pushing rule on shared prefixes",
+           "The burst on real vLLM (two vLLM-CPU servers, a tiny random-weight model, "
+           "`--max-num-seqs 4`) with the prefix-tree policy and requests in groups that "
+           "share a prefix: blind pushing, SkyLB's strict sp-p, and sp-p with SkyMesh's "
+           "default queue for the replica holding the prefix ([the pushing "
+           "rule](pushing-rule.md)). Needs the `make e2e` environment "
+           "([engines](../engines.md)).",
+           (".venv/bin/python", "tools/e2e/burst_bench.py", "--policy", "prefix-tree",
+            "--prefix-groups", "6", "--modes", "bp,sp-p-strict,sp-p", "--repeats", "12",
+            "--sp-p-max-num-seqs", "--json", "{json}"),
+           vllm_burst_page.vllm_burst),
     Source("vllm_fidelity", "Emulator fidelity: real vLLM against skymesh-replica",
            "One real vLLM server (the CPU build, a tiny random-weight model, "
            "`--max-num-seqs 4`) is measured (decode step at 1 and 4 sequences, a short and "

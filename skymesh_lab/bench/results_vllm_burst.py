@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from skymesh_lab.bench.results_tables import num, secs, table
+from skymesh_lab.bench.results_tables import num, pct, secs, table
 
 
 def _spread(s: dict[str, Any] | None, fmt: str, unit: str = "") -> str:
@@ -131,6 +131,36 @@ def _contention(c: dict[str, Any] | None) -> list[str]:
             f"{num(c.get('completion_vs_others_cores_r'), '.2f')}."]
 
 
+def _hit_rates(data: dict[str, Any]) -> list[str]:
+    """vLLM's prefix-cache hit rate per mode, where the run recorded it."""
+    rates = [(m, s["prefix_hit_rate"]) for m, s in data.get("modes", {}).items()
+             if isinstance(s.get("prefix_hit_rate"), dict)]
+    if not rates:
+        return []
+    return ["vLLM's prefix-cache hit rate (hit over queried prompt tokens), mean over "
+            "rounds (min-max): " + "; ".join(
+                f"{m} {pct(r.get('mean'))} ({pct(r.get('min'))}-{pct(r.get('max'))})"
+                for m, r in rates) + ".", ""]
+
+
+def _prefix_groups(st: dict[str, Any]) -> str:
+    """What a shared-prefix burst (``--prefix-groups``) adds to the setup."""
+    groups = st.get("prefix_groups")
+    if not groups:
+        return ""
+    return (f" The streams fall into {groups} groups sharing a prefix of "
+            f"{st.get('prefix_chars')} characters (GSM8K questions; a suffix of at most "
+            f"{st.get('suffix_chars')}), like a tree of thought's children: each group's "
+            f"parent (the prefix alone, {st.get('parent_max_tokens')} tokens) goes through "
+            "the balancer first, once it shows both servers idle, and every run (the "
+            "warm-up too) opens its prompts with its own nonce, since the servers' KV "
+            "cache outlives a run. `sp-p` runs the balancer's defaults (the queue for the "
+            "prefix's replica on: `prefer_queue` 3 for `kind: vllm`, `hold_queue_max` 48); "
+            "`sp-p-strict` is SkyLB's rule (`prefer_queue: 0`, `hold_queue_max: null`). "
+            "vLLM-CPU caches whole 128-token blocks only, so the hit rate's ceiling is "
+            "about two thirds of the prompt tokens.")
+
+
 def vllm_burst(data: dict[str, Any]) -> str:
     st = data.get("setup", {})
     n_rounds = len(data.get("rounds", []))
@@ -143,6 +173,7 @@ def vllm_burst(data: dict[str, Any]) -> str:
             f"{n_rounds} rounds, order {st.get('order')}, each measured burst after a "
             + (f"warm-up burst of the same prompts ({warm} tokens each) through the same "
                "balancer." if warm else "fresh balancer, no warm-up.")
+            + _prefix_groups(st)
             + f" Load average before the run: {num(before, '.1f')}"
             f" on {st.get('cores', '?')} cores"
             + "".join(f"; rounds from {p.get('from_round')} on resumed at {p.get('at')} "
@@ -155,9 +186,10 @@ def vllm_burst(data: dict[str, Any]) -> str:
               "set it as `max_num_seqs` 4 + K, the same rule).")
     return "\n".join([
         head, "", "Per mode, mean over rounds (min-max):", "", _modes_table(data), "",
-        "Paired: one mode's figure over `bp`'s in the same round (below 1: better than "
-        "`bp`; an interval that holds 1.00: these rounds cannot tell the two apart):", "",
-        _paired_table(data), "",
+        *_hit_rates(data),
+        "Paired: one mode's figure over the other's in the same round (below 1: the first "
+        "is better; an interval that holds 1.00: these rounds cannot tell the two apart):",
+        "", _paired_table(data), "",
         "The order effect: each run's figure over its mode's mean, by its position in the "
         "round (1.00 everywhere: no order effect):", "", _position_table(data), "",
         "Every run, with what its burst cost in CPU seconds (each server's API server and "

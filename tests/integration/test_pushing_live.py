@@ -18,6 +18,7 @@ import pytest
 import yaml
 from support import until
 
+from skymesh.policies.load import DEFAULT_PREFER_QUEUE
 from skymesh.util.procs import Daemon, start_daemon
 
 pytestmark = pytest.mark.timeout(120)
@@ -61,6 +62,10 @@ async def test_burst_queues_at_the_balancer_and_replicas_never_queue(tmp_path: P
                 return [r["healthy"] and r["max_num_seqs"] for r in st["replicas"].values()] \
                     == [LIMIT, LIMIT]
             await until(learned, "both replicas healthy, their max_num_seqs learned")
+            # The queue for the prefix's replica comes with each probe, by kind (vllm).
+            st = await _json(s, lb.url + "/status")
+            assert [r["prefer_queue"] for r in st["replicas"].values()] == \
+                [DEFAULT_PREFER_QUEUE["vllm"]] * 2
 
             waiting: list[int] = []
             queued: list[int] = []

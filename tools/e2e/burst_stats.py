@@ -26,10 +26,11 @@ from typing import Any
 
 # Per-run figures (keys of a run's result) aggregated over rounds.
 RUN_FIGURES = ("ttft_p50_s", "ttft_p90_s", "completion_s", "lb_queue_mean", "lb_queue_max",
-               "loadavg_mean", "failed", "unhealthy_flips")
-# Per-server figures (keys of ``result["servers"][name]``).
+               "loadavg_mean", "failed", "unhealthy_flips", "prefix_hit_rate")
+# Per-server figures (keys of ``result["servers"][name]``; ``served`` and the prefix-cache
+# tokens are what the burst added to the server's counters).
 SERVER_FIGURES = ("waiting_mean", "waiting_max", "running_mean",
-                  "running_when_backlogged_mean")
+                  "running_when_backlogged_mean", "served", "prefix_hit_tokens")
 # Figures where lower is better and whose ratio between modes is quoted.
 PAIRED_FIGURES = ("ttft_p50_s", "ttft_p90_s", "completion_s")
 

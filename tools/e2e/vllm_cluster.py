@@ -143,11 +143,12 @@ def wait_healthy(servers: list[VllmServer], deadline_s: float) -> float:
 
 
 def start_lb(replicas: list[str], log_path: Path, push_mode: str = "sp-p",
-             config: dict[str, Any] | None = None, port: int = 0) -> Daemon:
+             config: dict[str, Any] | None = None, port: int = 0,
+             policy: str = "least-load") -> Daemon:
     """skymesh-lb in front of ``replicas``: the quick-start flags, plus ``config`` (written
     next to the log) for what the flags do not reach (``pushing.max_outstanding``).
     ``port`` 0: any free one."""
-    args = ["--port", str(port), "--replicas", ",".join(replicas), "--policy", "least-load",
+    args = ["--port", str(port), "--replicas", ",".join(replicas), "--policy", policy,
             "--region", "us", "--push-mode", push_mode]
     if config:
         cfg_path = log_path.with_suffix(".json")  # JSON is YAML: the config loader reads it
