@@ -27,6 +27,13 @@ def _kv_params(pairs: list[str] | None, flag: str) -> dict[str, Any]:
     return out
 
 
+def _count_or_none(value: str) -> int | None:
+    """A count >= 0, or None for ``none``; -1 for anything else (the caller reports it)."""
+    if value == "none":
+        return None
+    return int(value) if value.isdigit() else -1
+
+
 def _print_sim(res: dict[str, Any]) -> None:
     rows = [
         ("requests / completed", f"{res['requests']} / {res['completed']}"),
@@ -77,9 +84,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"skymesh sim: {exc}", file=sys.stderr)
         return 2
-    hold_max = None if args.hold_queue_max == "none" else args.hold_queue_max
-    if (args.prefer_queue is not None and args.prefer_queue < 0) or (
-            hold_max is not None and (not hold_max.isdigit())):
+    hold_max = _count_or_none(args.hold_queue_max)
+    if (args.prefer_queue is not None and args.prefer_queue < 0) or hold_max == -1:
         print("skymesh sim: --prefer-queue and --hold-queue-max take a count >= 0",
               file=sys.stderr)
         return 2
@@ -93,7 +99,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         max_outstanding=args.max_outstanding,
         **({"hold_s": args.hold} if args.hold is not None else {}),
         prefer_queue=args.prefer_queue,
-        hold_queue_max=None if hold_max is None else int(hold_max),
+        hold_queue_max=hold_max,
         forwarding=not args.region_local,
         peer_policy=args.peer_policy,
         tau=args.tau,

@@ -164,10 +164,11 @@ class Dispatcher:
     @hold_s.setter
     def hold_s(self, value: float) -> None:
         self._hold_s = value
-        # Only policies that override ``preferred`` can hold a request: skip building the
-        # serving list and asking the others on every pump (the request path).
-        self._prefers = value > 0 and \
-            type(self.policy).preferred is not Policy.preferred
+        # Only policies that override ``preferred`` name a replica holding the prefix, so
+        # only they can hold a request or use a replica's prefer_queue: skip asking the
+        # others on every pump (the request path). Set again when the policy changes.
+        self._names_preferred = type(self.policy).preferred is not Policy.preferred
+        self._prefers = value > 0 and self._names_preferred
 
     # -- LoadView ------------------------------------------------------------------------
     def load(self, target: str) -> ReplicaLoad | PeerLoad:
@@ -338,8 +339,7 @@ class Dispatcher:
         return self.prefer_queue if load.prefer_queue is None else load.prefer_queue
 
     def _prefer_queue_on(self, routable: list[tuple[str, Target]]) -> bool:
-        # Only a policy that overrides ``preferred`` names a replica holding the prefix.
-        return type(self.policy).preferred is not Policy.preferred and any(
+        return self._names_preferred and any(
             self.prefer_queue_of(t.load) > 0 for _, t in routable)
 
     def pump(self, now: float) -> list[Ticket]:

@@ -60,6 +60,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,31 +251,34 @@ async def burst(servers: list[str], lb: str, args: argparse.Namespace,
     }
 
 
-def wait_idle(servers: list[str], deadline_s: float = 120.0) -> None:
-    """Between bursts: until neither server runs or queues anything (gauges lag ~1 s)."""
+def _poll(idle: Callable[[], bool], deadline_s: float, cadence_s: float, what: str) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < deadline_s:
-        loads = [gauges(http_get(url + "/metrics")[1].decode()) for url in servers]
-        if all(g[WAITING] + g[RUNNING] == 0 for g in loads):
+        if idle():
             return
-        time.sleep(0.5)  # polling cadence
-    raise RuntimeError(f"servers still busy after {deadline_s} s")
+        time.sleep(cadence_s)  # polling cadence
+    raise RuntimeError(f"{what} after {deadline_s} s")
+
+
+def wait_idle(servers: list[str], deadline_s: float = 120.0) -> None:
+    """Between bursts: until neither server runs or queues anything (gauges lag ~1 s)."""
+    def idle() -> bool:
+        loads = [gauges(http_get(url + "/metrics")[1].decode()) for url in servers]
+        return all(g[WAITING] + g[RUNNING] == 0 for g in loads)
+    _poll(idle, deadline_s, 0.5, "servers still busy")
 
 
 def wait_lb_idle(lb: str, urls: list[str], deadline_s: float = 30.0) -> None:
     """Until the balancer's own view (``/status``) shows every server idle: a probe taken
     while the last burst drained would still show it running (vLLM's gauges trail by a
     second), and least-load ranking on it sends the next requests all to the other one."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < deadline_s:
+    def idle() -> bool:
         status, body = http_get(lb + "/status")
         seen = json.loads(body).get("replicas", {}) if status == 200 else {}
-        if all(u in seen and not any(seen[u].get(k) for k in ("waiting", "running",
-                                                                "in_flight"))
-               for u in urls):
-            return
-        time.sleep(0.2)  # polling cadence
-    raise RuntimeError(f"the balancer still saw load after {deadline_s} s")
+        return all(u in seen and not any(seen[u].get(k) for k in ("waiting", "running",
+                                                                   "in_flight"))
+                   for u in urls)
+    _poll(idle, deadline_s, 0.2, "the balancer still saw load")
 
 
 def counters(urls: list[str]) -> dict[str, dict[str, float]]:
