@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    from skymesh.balancer.config import ConfigError, cli_base, load_config, parse_config
+    from skymesh.balancer.config import load_config, parse_config
+    from skymesh.common.config import ConfigError, cli_base
 
     if not args.config and not args.replicas:
         raise ConfigError("give --config FILE, or --port and --replicas URL,URL,...")

@@ -33,20 +33,21 @@ Example::
 
 from __future__ import annotations
 
-import os
-import re
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
+from skymesh.common.config import (
+    ConfigError,
+    ConnectionLimitsConfig,
+    StrictModel,
+    load_yaml,
+    parse_model,
+)
 from skymesh.mesh.outlook import DEFAULT_CURRENT_WEIGHT as DEFAULT_OUTLOOK_CURRENT_WEIGHT
 from skymesh.mesh.outlook import DEFAULT_HORIZON as DEFAULT_OUTLOOK_HORIZON
 from skymesh.mesh.outlook import DEFAULT_SLACK as DEFAULT_OUTLOOK_SLACK
-from skymesh.net.limits import DEFAULT_LIMITS as _CONN
-from skymesh.net.limits import ConnLimits
 from skymesh.net.urlpolicy import UrlPolicy, UrlPolicyConfig, UrlRejected, check_static
 from skymesh.obs.config import LoggingConfig, TracingConfig
 from skymesh.policies import PolicyConfigError, build_policy
@@ -68,18 +69,8 @@ DEFAULT_METRICS_LAG_S = {"vllm": 1.0, "skymesh": 1.0, "sglang": 0.0}
 DEFAULT_ENGINE_QUEUE = {"vllm": 1, "skymesh": 0, "sglang": 0}
 
 
-class ConfigError(ValueError):
-    """The configuration is invalid; the message names the offending key."""
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-class ListenTlsConfig(_Strict):
+class ListenTlsConfig(StrictModel):
     """HTTPS for clients: a PEM certificate (chain first) and its private key."""
 
     cert_file: str
@@ -87,18 +78,18 @@ class ListenTlsConfig(_Strict):
     min_version: Literal["1.2", "1.3"] = "1.2"
 
 
-class ListenConfig(_Strict):
+class ListenConfig(StrictModel):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     tls: ListenTlsConfig | None = None
 
 
-class PolicyConfig(_Strict):
+class PolicyConfig(StrictModel):
     name: str = "prefix-tree"
     params: dict[str, Any] = Field(default_factory=dict)
 
 
-class PushingConfig(_Strict):
+class PushingConfig(StrictModel):
     """``max_num_seqs``: each replica's admission limit (vLLM's ``--max-num-seqs``) when
     neither its own entry nor the engine tells it (vLLM does not publish it; the emulator
     does, as ``skymesh:max_num_seqs``); sp-p keeps a replica's requests under it.
@@ -146,32 +137,16 @@ class PushingConfig(_Strict):
         return 1 if n == "auto" else n
 
 
-class QueueConfig(_Strict):
+class QueueConfig(StrictModel):
     max_length: int = Field(1024, ge=1)
     timeout_s: float = Field(60.0, gt=0)
-
-
-class ConnectionLimitsConfig(_Strict):
-    """Connection limits (skymesh.net.limits): caps on open connections per process and
-    per client address, and the header, body and idle timeouts. The controller's
-    ``limits`` section too."""
-
-    max_connections: int = Field(_CONN.max_connections, ge=1)
-    max_connections_per_client: int = Field(_CONN.max_connections_per_client, ge=1)
-    header_timeout_s: float = Field(_CONN.header_timeout_s, gt=0)
-    body_timeout_s: float = Field(_CONN.body_timeout_s, gt=0)
-    idle_timeout_s: float = Field(_CONN.idle_timeout_s, gt=0)
-
-    def connections(self) -> ConnLimits:
-        return ConnLimits(self.max_connections, self.max_connections_per_client,
-                          self.header_timeout_s, self.body_timeout_s, self.idle_timeout_s)
 
 
 class LimitsConfig(ConnectionLimitsConfig):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
 
 
-class ProbeConfig(_Strict):
+class ProbeConfig(StrictModel):
     interval_s: float = Field(0.1, gt=0)
     timeout_s: float = Field(1.0, gt=0)
     failure_threshold: int = Field(3, ge=1)
@@ -179,7 +154,7 @@ class ProbeConfig(_Strict):
     models_interval_s: float = Field(10.0, gt=0)
 
 
-class RetryConfig(_Strict):
+class RetryConfig(StrictModel):
     """``max_attempts``: attempts per request in all, first included (and per cut-over of
     a moved or resumed stream). ``resume_streams``: a stream whose replica fails after its
     first byte continues on another replica (prompt + tokens streamed so far, as GoodServe's
@@ -190,12 +165,12 @@ class RetryConfig(_Strict):
     resume_streams: bool = False
 
 
-class BreakerConfig(_Strict):
+class BreakerConfig(StrictModel):
     failure_threshold: int = Field(5, ge=1)
     open_s: float = Field(10.0, gt=0)
 
 
-class UpstreamConfig(_Strict):
+class UpstreamConfig(StrictModel):
     connect_timeout_s: float = Field(2.0, gt=0)
     read_timeout_s: float = Field(600.0, gt=0)
     # The environment variable holding the key the replicas want (vLLM's and SGLang's
@@ -204,7 +179,7 @@ class UpstreamConfig(_Strict):
     api_key_env: str | None = None
 
 
-class AuthConfig(_Strict):
+class AuthConfig(StrictModel):
     """Client API keys (``Authorization: Bearer KEY``) on the OpenAI routes and /status.
 
     Keys come from the environment variable ``api_keys_env`` (comma-separated) and from
@@ -225,7 +200,7 @@ class AuthConfig(_Strict):
     max_in_flight_per_key: int | None = Field(None, ge=1)
 
 
-class SloConfig(_Strict):
+class SloConfig(StrictModel):
     """Deadline classes: a request naming a class in ``header`` gets that many seconds end
     to end (``RouteRequest.deadline_s``), as if it had sent ``X-SkyMesh-Deadline-Ms``; with
     both, the tighter one holds. ``default``: the class of a request that names none."""
@@ -252,7 +227,7 @@ class SloConfig(_Strict):
         return v
 
 
-class PredictionConfig(_Strict):
+class PredictionConfig(StrictModel):
     """Output-length prediction for policies that read ``predicted_output_tokens``
     (goodserve, preserve); ignored for the others. ``moe``: GoodServe's MoE-MLP from
     ``model_path`` (default: ``skymesh.predict.store.default_model_path()``), loaded off the
@@ -269,7 +244,7 @@ class PredictionConfig(_Strict):
 _OPERATOR_URLS = UrlPolicy.build(allow_loopback=True, allow_networks=["0.0.0.0/0", "::/0"])
 
 
-class ReplicaConfig(_Strict):
+class ReplicaConfig(StrictModel):
     url: str
     kind: Literal["vllm", "sglang", "skymesh"] = "vllm"
     models: list[str] | None = None
@@ -311,12 +286,12 @@ class ReplicaConfig(_Strict):
         return v.rstrip("/")
 
 
-class MeshPeerConfig(_Strict):
+class MeshPeerConfig(StrictModel):
     id: str
     address: str  # host:port of the peer's gRPC listener
 
 
-class OutlookConfig(_Strict):
+class OutlookConfig(StrictModel):
     """Forecast-aware overflow (skymesh.mesh.outlook): prefer peer regions whose load the
     controller's planner forecasts to fall. Needs a ``controller`` section."""
 
@@ -326,7 +301,7 @@ class OutlookConfig(_Strict):
     current_weight: float = Field(DEFAULT_OUTLOOK_CURRENT_WEIGHT, ge=0)
 
 
-class MeshConfig(_Strict):
+class MeshConfig(StrictModel):
     """Cross-region peering (mTLS gRPC). Certificates come from ``skymesh certs``."""
 
     id: str
@@ -353,7 +328,7 @@ class MeshConfig(_Strict):
         return Balancing(self.balance_margin, self.locality_margin, self.rtt_weight)
 
 
-class ControllerLinkConfig(_Strict):
+class ControllerLinkConfig(StrictModel):
     """Register with the SkyMesh controller, take membership from it, report telemetry.
 
     With this section, the replica list comes from the controller: the replicas listed in
@@ -385,7 +360,7 @@ class ControllerLinkConfig(_Strict):
         return v.rstrip("/") if v else v
 
 
-class BalancerConfig(_Strict):
+class BalancerConfig(StrictModel):
     region: str = "local"
     listen: ListenConfig = ListenConfig()
     policy: PolicyConfig = PolicyConfig()
@@ -423,67 +398,6 @@ def _check_slo(cfg: BalancerConfig) -> None:
                           f"({', '.join(sorted(slo.classes)) or 'none defined'})")
 
 
-def _format(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        parts.append(f"{loc}: {err['msg']}")
-    return "; ".join(parts)
-
-
-def parse_model(model: type[M], data: Any) -> M:
-    """Validate a mapping into ``model``; errors name every offending key's dotted path."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError("the configuration must be a mapping at the top level")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format(exc)) from None
-
-
-_ENV_REF = re.compile(r"\$(\$?)\{([A-Za-z_][A-Za-z0-9_]*)\}")
-
-
-def expand_env(data: Any, environ: Mapping[str, str], where: str = "") -> Any:
-    """``${NAME}`` in every string value replaced by the environment variable NAME, and
-    ``$${NAME}`` by a literal ``${NAME}``: what differs between the pods or hosts that
-    share one file (``mesh.id: us-east-${POD_NAME}``, the pod name from Kubernetes'
-    downward API). An unset variable is an error naming the key."""
-    if isinstance(data, dict):
-        return {k: expand_env(v, environ, f"{where}.{k}" if where else str(k))
-                for k, v in data.items()}
-    if isinstance(data, list):
-        return [expand_env(v, environ, f"{where}.{i}") for i, v in enumerate(data)]
-    if not isinstance(data, str):
-        return data
-
-    def value(m: re.Match[str]) -> str:
-        if m.group(1):
-            return m.group(0)[1:]
-        if m.group(2) not in environ:
-            raise ConfigError(f"{where or '(top level)'}: ${{{m.group(2)}}} is not set in "
-                              "the environment")
-        return environ[m.group(2)]
-
-    return _ENV_REF.sub(value, data)
-
-
-def load_yaml(path: str | Path, environ: Mapping[str, str] | None = None) -> Any:
-    """A config file's YAML with ``${NAME}`` references expanded (:func:`expand_env`) from
-    ``environ``, by default the process environment as it is now."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-    return expand_env(data, os.environ if environ is None else environ)
-
-
 def parse_config(data: Any) -> BalancerConfig:
     cfg = parse_model(BalancerConfig, data)
     _check_slo(cfg)
@@ -508,14 +422,3 @@ def parse_config(data: Any) -> BalancerConfig:
 
 def load_config(path: str | Path) -> BalancerConfig:
     return parse_config(load_yaml(path))
-
-
-def cli_base(config: BaseModel | None, port: int | None, host: str | None) -> dict[str, Any]:
-    """A daemon's config as a mapping (from its file, or empty) with the quick-start
-    ``--port``/``--host`` flags applied: the common start of both daemons' CLIs."""
-    base: dict[str, Any] = config.model_dump(mode="json") if config is not None else {}
-    if port is not None:
-        base.setdefault("listen", {})["port"] = port
-    if host is not None:
-        base.setdefault("listen", {})["host"] = host
-    return base

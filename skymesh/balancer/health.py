@@ -7,8 +7,8 @@ routes on them) are published by the tracker through :class:`HealthSink` on ever
 and are never set anywhere else. The probing I/O (``skymesh.balancer.probing``) only
 reports outcomes here.
 
-The decision itself is pure and shared with the controller's probing
-(``skymesh.controller.service``): :class:`HealthRule` turns a :class:`Streak` of
+The decision itself is pure and shared with the controller's probing, so it lives in the
+planes' shared kernel (``skymesh.common.health``): ``HealthRule`` turns a ``Streak`` of
 consecutive results into up / down / unchanged. Parameters (``probe`` in the config):
 
 - ``failure_threshold`` (3): failed probes in a row that take a replica down;
@@ -33,53 +33,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from skymesh.balancer.config import ReplicaConfig
-from skymesh.balancer.probe import ProbeResult
+from skymesh.common.health import HealthRule, Streak
+from skymesh.common.probe import ProbeResult
 
 log = logging.getLogger("skymesh.lb")
 
 Clock = Callable[[], float]
 NEVER = -1e18  # models never listed
-
-
-@dataclass(slots=True)
-class Streak:
-    """Consecutive probe results of one kind (a success resets the failures, and back)."""
-
-    failures: int = 0
-    successes: int = 0
-
-    def record(self, ok: bool) -> None:
-        if ok:
-            self.failures = 0
-            self.successes += 1
-        else:
-            self.successes = 0
-            self.failures += 1
-
-
-@dataclass(frozen=True, slots=True)
-class HealthRule:
-    """Consecutive-result thresholds, so one lost probe does not move a replica."""
-
-    failure_threshold: int = 3
-    success_threshold: int = 2
-
-    def step(self, streak: Streak, ok: bool, current: bool | None, *,
-             first_contact: bool = False) -> bool | None:
-        """Record ``ok`` in ``streak``; the state after it: True up, False down, None
-        (unknown) only when it was unknown and no threshold is reached yet."""
-        streak.record(ok)
-        if ok:
-            if current is not True and (first_contact
-                                        or streak.successes >= self.success_threshold):
-                return True
-        elif current is not False and streak.failures >= self.failure_threshold:
-            return False
-        return current
 
 
 class HealthSink(Protocol):

@@ -1,7 +1,7 @@
 """Probing the replicas: the I/O half of health (the state is ``skymesh.balancer.health``'s).
 
 Every ``probe.interval_s`` each replica is asked for its load (vLLM: ``/metrics``,
-parsed by ``skymesh.balancer.probe``; SGLang: ``/get_load``) and, every
+parsed by ``skymesh.common.probe``; SGLang: ``/get_load``) and, every
 ``probe.models_interval_s`` when the config does not name them, its models. The outcome
 goes to the health tracker; a good probe's figures go to the dispatcher (its pushing
 decisions) and to the replica gauges, which a failed probe removes. Probes use the request
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from skymesh.balancer.health import ReplicaHealth
-from skymesh.balancer.probe import (
+from skymesh.common.probe import (
     ProbeParseError,
     ProbeResult,
     ProbeStatusError,

@@ -46,7 +46,7 @@ from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.edge import OwnedRoutes, request_id, stamp_request_id
 from skymesh.balancer.forwarding import FORWARD_HEADERS, Forwarder
 from skymesh.balancer.handlers import Handlers
-from skymesh.balancer.health import HealthRule, HealthTracker
+from skymesh.balancer.health import HealthTracker
 from skymesh.balancer.mesh_link import FORWARDED_HEADER, MeshLink
 from skymesh.balancer.metrics import BalancerMetrics
 from skymesh.balancer.moves import Mover
@@ -57,6 +57,7 @@ from skymesh.balancer.probing import Prober
 from skymesh.balancer.status import Status
 from skymesh.balancer.streaming import Streams
 from skymesh.balancer.upstream import Upstream
+from skymesh.common.health import HealthRule
 from skymesh.obs.access import install as install_obs
 from skymesh.obs.tracing import from_config as tracing_from_config
 from skymesh.policies import build_policy

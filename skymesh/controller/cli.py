@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from skymesh.balancer.config import cli_base
+from skymesh.common.config import cli_base
 from skymesh.controller.config import ConfigError, load_config, parse_config
 from skymesh.obs.cli import add_obs_flags, apply_obs_flags
 from skymesh.obs.logs import setup_logging

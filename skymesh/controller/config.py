@@ -29,8 +29,13 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from skymesh.balancer.config import ConfigError as ConfigError  # re-exported
-from skymesh.balancer.config import ConnectionLimitsConfig, _Strict, load_yaml, parse_model
+from skymesh.common.config import ConfigError as ConfigError  # re-exported
+from skymesh.common.config import (
+    ConnectionLimitsConfig,
+    StrictModel,
+    load_yaml,
+    parse_model,
+)
 from skymesh.controller.autopilot.config import PlannerConfig
 from skymesh.net.urlpolicy import UrlPolicyConfig
 from skymesh.obs.config import LoggingConfig, TracingConfig
@@ -38,12 +43,12 @@ from skymesh.obs.config import LoggingConfig, TracingConfig
 Role = Literal["admin", "read", "agent"]
 
 
-class ListenConfig(_Strict):
+class ListenConfig(StrictModel):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
 
 
-class TokenConfig(_Strict):
+class TokenConfig(StrictModel):
     name: str = Field(min_length=1)
     sha256: str
     role: Role = "read"
@@ -56,14 +61,14 @@ class TokenConfig(_Strict):
         return v.lower()
 
 
-class ProbeConfig(_Strict):
+class ProbeConfig(StrictModel):
     interval_s: float = Field(1.0, gt=0)
     timeout_s: float = Field(0.8, gt=0)
     failure_threshold: int = Field(2, ge=1)
     success_threshold: int = Field(1, ge=1)
 
 
-class DnsConfig(_Strict):
+class DnsConfig(StrictModel):
     """Route53 latency records for the balancers (see skymesh/controller/dns.py)."""
 
     zone: str | None = None
@@ -76,7 +81,7 @@ class DnsConfig(_Strict):
     auto_sync: bool = True
 
 
-class ControllerConfig(_Strict):
+class ControllerConfig(StrictModel):
     listen: ListenConfig = ListenConfig()
     store: str = "memory"
     tokens: list[TokenConfig] = Field(default_factory=list)

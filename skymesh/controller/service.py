@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from skymesh.balancer.health import HealthRule, Streak
+from skymesh.common.health import HealthRule, Streak
 from skymesh.controller import placement
 from skymesh.controller.auth import Principal
 from skymesh.controller.config import ControllerConfig
@@ -386,7 +386,7 @@ class Controller:
     async def replica_busy(self, url: str) -> int | None:
         """Running + waiting requests from the replica's own ``/metrics`` (every
         balancer's and any direct client's); None when it cannot be read."""
-        from skymesh.balancer.probe import ProbeParseError, parse_metrics
+        from skymesh.common.probe import ProbeParseError, parse_metrics
 
         assert self._session is not None
         try:

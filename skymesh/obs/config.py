@@ -13,22 +13,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from skymesh.common.config import StrictModel
 
 LogFormat = Literal["text", "json"]
 
 
-class _Strict(BaseModel):
-    # Same rules as the daemons' own sections (an unknown key is an error, not ignored).
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class LoggingConfig(_Strict):
+class LoggingConfig(StrictModel):
     format: LogFormat = "text"
     access_log: bool = True
 
 
-class TracingConfig(_Strict):
+class TracingConfig(StrictModel):
     otlp_endpoint: str | None = None
     service_name: str | None = Field(None, min_length=1)
     sample_ratio: float = Field(1.0, ge=0.0, le=1.0)

@@ -28,7 +28,8 @@ from support import http_call
 from support import wait_for as wait
 from test_k8s_manifests import K8S, one, render
 
-from skymesh.balancer.config import ConfigError, expand_env, load_yaml, parse_config
+from skymesh.balancer.config import parse_config
+from skymesh.common.config import ConfigError, expand_env, load_yaml
 from skymesh.controller.auth import digest
 from skymesh.mesh import certs
 from skymesh.util.procs import Daemon, free_port, start_daemon

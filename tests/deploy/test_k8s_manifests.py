@@ -29,8 +29,8 @@ import yaml
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from skymesh.balancer.config import expand_env
 from skymesh.balancer.config import parse_config as parse_lb_config
+from skymesh.common.config import expand_env
 from skymesh.controller.auth import digest
 from skymesh.controller.config import parse_config as parse_controller_config
 from skymesh.mesh import certs

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support import read_sse, until
 
-from skymesh.balancer.probe import parse_metrics
+from skymesh.common.probe import parse_metrics
 from skymesh.prefix.prompt import FallbackTokenizer, Tokenizer, get_tokenizer, render_chat
 from skymesh.util.procs import Daemon, executable, start_daemon
 from skymesh_lab.engine.core import Engine

@@ -9,7 +9,7 @@ import pytest
 from skymesh.balancer.config import ConfigError, load_config, parse_config
 from skymesh.balancer.errors import BadRequest
 from skymesh.balancer.intake import parse_request, route_request
-from skymesh.balancer.probe import ProbeParseError, parse_sglang_load, parse_vllm_metrics
+from skymesh.common.probe import ProbeParseError, parse_sglang_load, parse_vllm_metrics
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lb.yaml"
 

@@ -8,8 +8,9 @@ import pytest
 
 from skymesh.balancer.config import ReplicaConfig
 from skymesh.balancer.dispatch import Dispatcher, Ticket
-from skymesh.balancer.health import HealthRule, HealthTracker, Streak
-from skymesh.balancer.probe import ProbeResult
+from skymesh.balancer.health import HealthTracker
+from skymesh.common.health import HealthRule, Streak
+from skymesh.common.probe import ProbeResult
 from skymesh.policies import build_policy
 from skymesh.policies.base import RouteRequest
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from skymesh.balancer.probe import (
+from skymesh.common.probe import (
     ProbeParseError,
     ProbeResult,
     parse_metrics,

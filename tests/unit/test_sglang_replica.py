@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from skymesh.balancer.probe import parse_metrics
+from skymesh.common.probe import parse_metrics
 from skymesh.util.procs import Daemon, start_daemon
 from skymesh_lab.replica.cli import build_parser, main
 

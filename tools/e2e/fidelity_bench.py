@@ -63,7 +63,7 @@ from vllm_cluster import (
     start_servers,
 )
 
-from skymesh.balancer.probe import parse_metrics
+from skymesh.common.probe import parse_metrics
 from skymesh_lab.bench.results_tables import vllm_fidelity
 from skymesh_lab.engine.hashing import BLOCK_SIZE
 from skymesh_lab.engine.profiles import Profile

@@ -34,13 +34,13 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from skymesh.balancer.config import _Strict
+from skymesh.common.config import StrictModel
 
 Mode = Literal["dry-run", "approve", "auto"]
 ForecasterName = Literal["seasonal-naive", "ets", "arima", "mlstm"]
 
 
-class ScheduleConfig(_Strict):
+class ScheduleConfig(StrictModel):
     interval_s: float = Field(3600.0, gt=0, description="between planning rounds")
     window_s: int = Field(600, ge=1, le=86_400, description="series and forecast window")
     horizon: int = Field(6, ge=1, le=288, description="windows forecast and planned for")
@@ -56,7 +56,7 @@ class ScheduleConfig(_Strict):
     day_s: int = Field(86_400, ge=2, description="seasonal period (a day)")
 
 
-class ForecasterConfig(_Strict):
+class ForecasterConfig(StrictModel):
     name: ForecasterName = "seasonal-naive"
     params: dict[str, Any] = Field(default_factory=dict)
     retrain_every: int = Field(6, ge=0, description="windows between refits (0: every round)")
@@ -73,7 +73,7 @@ class ForecasterConfig(_Strict):
         return self
 
 
-class BoundConfig(_Strict):
+class BoundConfig(StrictModel):
     min: int = Field(0, ge=0)
     max: int | None = Field(None, ge=0)
 
@@ -84,7 +84,7 @@ class BoundConfig(_Strict):
         return self
 
 
-class LocalActuatorConfig(_Strict):
+class LocalActuatorConfig(StrictModel):
     replica_args: list[str] = Field(default_factory=list)
     profiles: dict[str, str] = Field(default_factory=dict, description="GPU type -> profile")
     balancer: str | None = None
@@ -94,7 +94,7 @@ class LocalActuatorConfig(_Strict):
     start_timeout_s: float = Field(30.0, gt=0, description="one replica's start-up")
 
 
-class AwsActuatorConfig(_Strict):
+class AwsActuatorConfig(StrictModel):
     endpoint_url: str | None = None  # moto, or a VPC endpoint
     regions: dict[str, str] | None = None  # mesh region -> AWS region
     instance_types: dict[str, str] | None = None  # GPU type -> EC2 instance type
@@ -102,20 +102,20 @@ class AwsActuatorConfig(_Strict):
     reserve: bool = False
 
 
-class ActuatorConfig(_Strict):
+class ActuatorConfig(StrictModel):
     kind: Literal["none", "local", "aws"] = "none"
     local: LocalActuatorConfig = LocalActuatorConfig()
     aws: AwsActuatorConfig = AwsActuatorConfig()
 
 
-class CooldownConfig(_Strict):
+class CooldownConfig(StrictModel):
     retry_s: float = Field(300.0, gt=0, description="first retry of a failed key")
     retry_max_s: float = Field(3600.0, gt=0, description="backoff cap")
     max_attempts: int = Field(5, ge=1, description="then the key waits for the next round")
     hold_s: float = Field(900.0, ge=0, description="no reversal of a key's change before")
 
 
-class PlannerConfig(_Strict):
+class PlannerConfig(StrictModel):
     mode: Mode = "dry-run"
     schedule: ScheduleConfig = ScheduleConfig()
     forecaster: ForecasterConfig = ForecasterConfig()

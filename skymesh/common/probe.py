@@ -19,7 +19,7 @@ metric name and exact label name, summed over series (one per engine or model):
   the KV cache's limit at full context length, not the scheduler's.
 
 Cost: a vLLM 0.32 scrape is about 55 KB, mostly histograms; the parser costs about 20 ms
-of CPU on all of it (``python -m skymesh.balancer.probe FILE`` measures it), which at
+of CPU on all of it (``python -m skymesh.common.probe FILE`` measures it), which at
 10 Hz over 64 replicas would be 13 cores. So only the families read here are cut out of
 the text (by their ``# HELP``/``# TYPE`` headers, a few ``str.find`` calls) and handed to
 the parser, about 0.3 ms; text without those headers is parsed whole.
