@@ -14,11 +14,16 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 LOCK   := requirements/lock.txt
-EXTRAS := lab,test,forecast,predict,tracing
+# The four distributions (docs/development.md), editable, with every extra the tests use:
+# the data plane (.), the control plane (controller/), the emulated replica (replica/)
+# and the lab (lab/). Each resolves the others from these folders, never from an index.
+DISTS  := -e '.[test,predict,tracing]' -e './controller[planning,forecast]' \
+          -e './replica[tokenizer]' -e ./lab
+PYPROJECTS := pyproject.toml controller/pyproject.toml replica/pyproject.toml lab/pyproject.toml
 
 # Every install resolves from the checked-in lock, so a fresh machine gets what CI got.
-$(STAMP): pyproject.toml $(LOCK) | $(BIN)/python
-	$(BIN)/pip install -q -c $(LOCK) -e '.[$(EXTRAS)]' 2>&1 | { grep -v "is ignored" || true; }
+$(STAMP): $(PYPROJECTS) $(LOCK) | $(BIN)/python
+	$(BIN)/pip install -q -c $(LOCK) $(DISTS) 2>&1 | { grep -v "is ignored" || true; }
 	$(BIN)/python -m skymesh.mesh.codegen
 	$(BIN)/python -c "import skymesh, aiohttp, pytest" 
 	touch $@
@@ -75,7 +80,7 @@ bench: install
 # torch stays at the contract's exact pin (2.13.0, the CPU build on this machine's disk).
 lock:
 	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
-	.lock-venv/bin/pip install -q -e '.[$(EXTRAS)]' 2>&1 | { grep -v "is ignored" || true; }
+	.lock-venv/bin/pip install -q $(DISTS) 2>&1 | { grep -v "is ignored" || true; }
 	{ head -3 $(LOCK); .lock-venv/bin/pip freeze --all --exclude-editable \
 	  | grep -iv "^skymesh\|^pip==" | sed 's/^torch==2.13.0+cpu$$/torch==2.13.0/'; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK) && rm -rf .lock-venv
@@ -107,9 +112,10 @@ e2e: install
 
 .PHONY: e2e
 
-# The container image (docs/image.md): docker when a daemon answers, else buildah (vfs,
-# chroot, host network) on a local Debian base made first if missing. IMAGE=TAG to name it.
+# The container images (docs/image.md): docker when a daemon answers, else buildah (vfs,
+# chroot, host network) on a local Debian base made first if missing. ROLE=balancer
+# (default), controller or replica; IMAGE=TAG to name it.
 image:
-	tools/image/build.sh $(IMAGE)
+	ROLE=$(ROLE) tools/image/build.sh $(IMAGE)
 
 .PHONY: image

@@ -26,7 +26,7 @@ __all__ = ["ADMIN", "AGENT", "READER", "RedisServer", "auth", "free_port", "plan
 
 
 def token_config() -> list[dict[str, str]]:
-    from skymesh.controller.auth import digest
+    from skymesh_controller.auth import digest
 
     return [{"name": "ops", "sha256": digest(ADMIN), "role": "admin"},
             {"name": "dash", "sha256": digest(READER), "role": "read"},

@@ -11,11 +11,12 @@
 #   SKYMESH_ROOT       filesystem root for /etc (a temp dir in tests)        (empty: /)
 #   SKYMESH_STAGE      dir holding systemd/*.service and config/* to install (this checkout's deploy/)
 #   SKYMESH_PYTHON     interpreter to build the venv with                    (python3)
-#   SKYMESH_WHEEL_URL  the operator's wheel: s3://BUCKET/KEY.whl, https://...whl or a
-#                      local path; fetched, checked, installed (replaces SKYMESH_PIP_SPEC)
-#   SKYMESH_WHEEL_SHA256  hex SHA-256 the fetched wheel must have             (no check)
-#   SKYMESH_EXTRAS     the wheel's extras, comma-separated         (what the roles need:
-#                      controller -> controller, replica -> lab; lb needs none)
+#   SKYMESH_WHEEL_URL  the operator's wheels, space-separated: s3://BUCKET/KEY.whl,
+#                      https://...whl or local paths; fetched, checked, installed (replaces
+#                      SKYMESH_PIP_SPEC). The data plane's (skymesh-*.whl), and for the
+#                      replica and controller roles skymesh_replica-*.whl and
+#                      skymesh_controller-*.whl (installed with its `planning` extra)
+#   SKYMESH_WHEEL_SHA256  hex SHA-256 of each wheel, space-separated, in order  (no check)
 #   SKYMESH_PIP_SPEC   what to pip-install, words split (e.g. "-e /src/skymesh") (skymesh)
 #   SKYMESH_PIP_ARGS   extra pip flags, words split                          (none)
 #   SKYMESH_USER       the service account                                   (skymesh)
@@ -46,8 +47,8 @@ UNIT_DIR="$ROOT/etc/systemd/system"
 
 declare -A CONFIG_OF=([lb]=lb.yaml [replica]=replica.env [controller]=controller.yaml)
 # The wheel's extras each role's daemon imports (pyproject.toml): the core alone runs
-# skymesh-lb; the controller needs fastapi/uvicorn/redis/boto3, the emulated replica the lab.
-declare -A EXTRA_OF=([lb]="" [replica]=lab [controller]=controller)
+# The distribution whose wheel brings each role's command (docs/deploy.md).
+declare -A DIST_OF=([lb]=skymesh [replica]=skymesh-replica [controller]=skymesh-controller)
 IFS=',' read -r -a roles <<< "$ROLES"
 for role in "${roles[@]}"; do
   [[ -n "${CONFIG_OF[$role]:-}" ]] || die "unknown role '$role' (lb, replica, controller)"
@@ -65,13 +66,14 @@ fi
 
 # 2. The operator's wheel, when given: fetched with the system interpreter (boto3 from
 # python3-boto3 for s3://), so nothing but its dependencies comes from a package index.
-if [[ -n "${SKYMESH_WHEEL_URL:-}" ]]; then
-  wheel_dir="$(mktemp -d)"
-  wheel="$wheel_dir/${SKYMESH_WHEEL_URL##*/}"
-  [[ "$wheel" == *.whl ]] || die "SKYMESH_WHEEL_URL must name a .whl file: $SKYMESH_WHEEL_URL"
-  case "$SKYMESH_WHEEL_URL" in
+fetch_wheel() {  # URL SHA256 -> the checked local file, on stdout
+  local url="$1" sum="$2" dir wheel
+  dir="$(mktemp -d)"
+  wheel="$dir/${url##*/}"
+  [[ "$wheel" == *.whl ]] || die "SKYMESH_WHEEL_URL must name .whl files: $url"
+  case "$url" in
     s3://*)
-      "$PYTHON" - "$SKYMESH_WHEEL_URL" "$wheel" <<'PY' || die "cannot fetch $SKYMESH_WHEEL_URL"
+      "$PYTHON" - "$url" "$wheel" <<'PY' || die "cannot fetch $url"
 import sys
 import boto3
 bucket, _, key = sys.argv[1].removeprefix("s3://").partition("/")
@@ -79,28 +81,35 @@ boto3.client("s3").download_file(bucket, key, sys.argv[2])
 PY
       ;;
     https://* | http://*)
-      "$PYTHON" - "$SKYMESH_WHEEL_URL" "$wheel" <<'PY' || die "cannot fetch $SKYMESH_WHEEL_URL"
+      "$PYTHON" - "$url" "$wheel" <<'PY' || die "cannot fetch $url"
 import shutil, sys, urllib.request
 with urllib.request.urlopen(sys.argv[1], timeout=60) as r, open(sys.argv[2], "wb") as f:
     shutil.copyfileobj(r, f)
 PY
       ;;
-    *://*) die "SKYMESH_WHEEL_URL: only s3://, https:// or a local path, not $SKYMESH_WHEEL_URL" ;;
-    *) cp -- "$SKYMESH_WHEEL_URL" "$wheel" || die "cannot read $SKYMESH_WHEEL_URL" ;;
+    *://*) die "SKYMESH_WHEEL_URL: only s3://, https:// or a local path, not $url" ;;
+    *) cp -- "$url" "$wheel" || die "cannot read $url" ;;
   esac
-  if [[ -n "${SKYMESH_WHEEL_SHA256:-}" ]]; then
-    echo "$SKYMESH_WHEEL_SHA256  $wheel" | sha256sum --check --quiet - >/dev/null 2>&1 ||
-      die "$SKYMESH_WHEEL_URL does not have SHA-256 $SKYMESH_WHEEL_SHA256; not installing it"
+  if [[ -n "$sum" ]]; then
+    echo "$sum  $wheel" | sha256sum --check --quiet - >/dev/null 2>&1 ||
+      die "$url does not have SHA-256 $sum; not installing it"
   fi
-  if [[ -z "${SKYMESH_EXTRAS+set}" ]]; then
-    SKYMESH_EXTRAS=""
-    for role in "${roles[@]}"; do
-      [[ -z "${EXTRA_OF[$role]}" || ",$SKYMESH_EXTRAS," == *",${EXTRA_OF[$role]},"* ]] ||
-        SKYMESH_EXTRAS="${SKYMESH_EXTRAS:+$SKYMESH_EXTRAS,}${EXTRA_OF[$role]}"
-    done
-  fi
-  PIP_SPEC=("$wheel${SKYMESH_EXTRAS:+[$SKYMESH_EXTRAS]}")
-  log "fetched $SKYMESH_WHEEL_URL; installing ${PIP_SPEC[0]##*/}"
+  printf '%s\n' "$wheel"
+}
+
+if [[ -n "${SKYMESH_WHEEL_URL:-}" ]]; then
+  read -r -a urls <<< "$SKYMESH_WHEEL_URL"
+  read -r -a sums <<< "${SKYMESH_WHEEL_SHA256:-}"
+  (( ${#sums[@]} == 0 || ${#sums[@]} == ${#urls[@]} )) ||
+    die "SKYMESH_WHEEL_SHA256 has ${#sums[@]} hashes for ${#urls[@]} wheels"
+  PIP_SPEC=()
+  for i in "${!urls[@]}"; do
+    wheel="$(fetch_wheel "${urls[$i]}" "${sums[$i]:-}")"
+    # The controller's planner (forecasts, the ILP) is its `planning` extra.
+    [[ "${wheel##*/}" == skymesh_controller-* ]] && wheel="$wheel[planning]"
+    PIP_SPEC+=("$wheel")
+    log "fetched ${urls[$i]}; installing ${wheel##*/}"
+  done
 fi
 
 # 3. The venv. Re-running upgrades in place.
@@ -111,7 +120,8 @@ fi
 PIP_DISABLE_PIP_VERSION_CHECK=1 "$PREFIX/venv/bin/python" -m pip install -q \
   "${PIP_ARGS[@]}" "${PIP_SPEC[@]}"
 for role in "${roles[@]}"; do
-  [[ -x "$PREFIX/venv/bin/skymesh-$role" ]] || die "pip did not install skymesh-$role"
+  [[ -x "$PREFIX/venv/bin/skymesh-$role" ]] ||
+    die "pip did not install skymesh-$role (role $role needs the ${DIST_OF[$role]} wheel)"
 done
 log "installed $("$PREFIX/venv/bin/python" -m pip show skymesh 2>/dev/null | sed -n 's/^Version: /skymesh /p')"
 

@@ -1,7 +1,7 @@
 """The balancer's decision core: admission queues, replica availability, policy calls.
 
 Pure and synchronous, so the live daemon (``skymesh.balancer.server``) and the simulator
-(``skymesh_lab.sim.cluster``) run the same code: the caller offers a :class:`Ticket`, calls
+(the lab's simulated cluster) run the same code: the caller offers a :class:`Ticket`, calls
 :meth:`Dispatcher.pump` whenever something may have freed capacity (a probe, a first byte,
 a completion, a membership change) and carries out the dispatches it returns. Nothing
 polls: a request waits at the head of its model's FCFS queue until a pump finds an

@@ -108,7 +108,7 @@ def request_deadline(intake: Intake, headers: Mapping[str, str], header: str,
 def prediction_input(intake: Intake, prompt_len: int) -> tuple[str, int, int]:
     """(text, prompt tokens, history tokens) as the length predictor was trained on them:
     the last user turn's text, its length and the length of the conversation before it
-    (ShareGPT turns, skymesh_lab.predict.data). Lengths are the balancer's estimates."""
+    (ShareGPT turns, the lab's training data). Lengths are the balancer's estimates."""
     text = intake.prompt_text
     if intake.kind == "chat":
         messages: list[Any] = intake.body.get("messages") or []

@@ -25,7 +25,7 @@ def run(main: Coroutine[Any, Any, None]) -> None:
     """``asyncio.run`` on uvloop when it is installed (the ``fast`` extra).
 
     uvloop's event loop takes about 0.15 ms off the balancer's added latency per request
-    at moderate rates (measured by skymesh_lab.bench.overhead); asyncio's loop works the same,
+    at moderate rates (measured by the lab's overhead benchmark); asyncio's loop works the same,
     only slower.
     """
     try:
@@ -44,7 +44,7 @@ def tune_gc() -> None:
     is collected every 20,000 net allocations instead of 700. With CPython's defaults a
     collection runs every few proxied requests, inside one of them. Tuned, skymesh-lb's
     added TTFT p50 was 0.06-0.08 ms lower in four of seven same-run A/B runs at 20-100
-    req/s (``python -m skymesh_lab.bench.overhead_ab``), and within 0.03 ms in the other
+    req/s (the lab's overhead A/B benchmark), and within 0.03 ms in the other
     three (mean -0.04 ms). Cycles are still collected, only later: a few MB of garbage
     at most wait for it.
     """

@@ -33,7 +33,7 @@ is, i.e. 1). Just-enough picks the *slowest* replica predicted to make the deadl
 an underestimate of ``T`` becomes a violation while an overestimate only costs a faster
 replica than needed. A length predictor trained for the median (L1 loss, as ours and
 GoodServe's) underestimates half the time, and the EMA estimates lag batching slowdowns;
-a conservative ``L_out`` covers both. Measured (``python -m skymesh_lab.bench.goodput``, 9
+a conservative ``L_out`` covers both. Measured (the lab's goodput benchmark, 9
 req/s, deadline 2x): GoodServe vs least load goes from -7.8% to +15.2% on the paper's
 fleet with our MoE predictor, from +7.6% to +17.8% on the default fleet, from -11.0% to
 +14.7% with the history predictor, and from +17.6% to +19.3% even with exact lengths.

@@ -6,7 +6,7 @@ chunk ``i`` is characters ``[i * chunk_chars, (i + 1) * chunk_chars)`` and key `
 hashes chunks ``0..i`` together, so two prompts share key ``i`` exactly when (up to
 64-bit collisions) their first ``(i + 1) * chunk_chars`` characters are equal. Only full
 chunks get a key; a tail shorter than a chunk is never shared. The simulator uses the
-engine's block hashes instead (``skymesh_lab.engine.hashing``), which have the same shape.
+engine's block hashes instead (``skymesh_replica.engine.hashing``), which have the same shape.
 
 Keys are stable across processes and machines (no salted ``hash()``): each chunk's UTF-32
 code points are folded with fixed odd 64-bit weights and a 64-bit finaliser, then chained

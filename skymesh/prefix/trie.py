@@ -19,7 +19,7 @@ the run's list without hashing. So only a segment's *first* key is indexed: a re
 that adds 30 blocks to a conversation appends them to a list (or starts one segment),
 and eviction trims lists. An earlier version indexed every key; on a full 100,000-key
 trie its inserts and evictions were dominated by cache misses in that large dict, and
-the trie held 12.5 MiB instead of 3.4 (``python -m skymesh_lab.bench.decision`` prints both
+the trie held 12.5 MiB instead of 3.4 (the lab's decision benchmark prints both
 the decision times and this footprint).
 
 Size is counted in keys (one key = one node of the uncompressed trie) and capped at
@@ -27,7 +27,7 @@ Size is counted in keys (one key = one node of the uncompressed trie) and capped
 it needs plus ``max_nodes // 1024`` more (a low watermark; sglang-router instead evicts
 on a timer): on a full trie the fixed cost of an eviction pass is then paid about once
 per eight chat inserts rather than on every one, which takes a third off the median
-routing decision for 40 us more at the p99 (``python -m skymesh_lab.bench.decision``).
+routing decision for 40 us more at the p99 (the lab's decision benchmark).
 
 Eviction is oldest first: the leaf segment least recently inserted or matched loses its
 deepest keys first, and a parent whose last child is gone becomes a leaf as recent as

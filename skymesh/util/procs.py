@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 
 _LISTENING = re.compile(r"listening on (https?://\S+)")
@@ -53,13 +54,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def executable(name: str) -> list[str]:
-    """The console script ``name`` next to this interpreter, or ``python -m`` fallback."""
+    """The console script ``name`` next to this interpreter, or, where the script is not
+    there (an interpreter outside the venv), its entry point run by this interpreter:
+    whichever installed distribution declares it, none named here."""
     script = Path(sys.executable).with_name(name)
     if script.exists():
         return [str(script)]
-    module = {"skymesh-replica": "skymesh_lab.replica.cli", "skymesh-lb": "skymesh.balancer.cli",
-              "skymesh-controller": "skymesh.controller.cli", "skymesh": "skymesh.cli"}[name]
-    return [sys.executable, "-m", module]
+    found = entry_points(group="console_scripts", name=name)
+    if not found:
+        raise FileNotFoundError(f"{name}: no installed distribution provides this command")
+    ep = next(iter(found))
+    return [sys.executable, "-c", f"import sys; from {ep.module} import {ep.attr}; "
+                                  f"sys.exit({ep.attr}())"]
 
 
 @dataclass

@@ -10,8 +10,8 @@ import pytest
 from controller_support import ADMIN, AGENT, READER, RedisServer, auth, token_config
 from fastapi.testclient import TestClient
 
-from skymesh.controller.api import build_app
-from skymesh.controller.config import parse_config
+from skymesh_controller.api import build_app
+from skymesh_controller.config import parse_config
 
 US = {"name": "us-east", "latitude": 38.9, "longitude": -77.0, "cloud_region": "us-east-1"}
 EU = {"name": "eu-west", "latitude": 53.3, "longitude": -6.3}

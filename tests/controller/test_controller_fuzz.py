@@ -26,10 +26,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from schemathesis.core.parameters import ParameterLocation
 
-from skymesh.controller.api import build_app
-from skymesh.controller.config import parse_config
-from skymesh.controller.store import MemoryStore
 from skymesh.policies import policy_names
+from skymesh_controller.api import build_app
+from skymesh_controller.config import parse_config
+from skymesh_controller.store import MemoryStore
 
 Role = str | None  # None: no token needed
 RANK = {None: -1, "read": 0, "agent": 1, "admin": 2}

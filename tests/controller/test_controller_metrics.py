@@ -12,8 +12,8 @@ from controller_support import ADMIN, AGENT, RedisServer, auth, free_port, token
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from skymesh.controller.api import build_app
-from skymesh.controller.config import parse_config
+from skymesh_controller.api import build_app
+from skymesh_controller.config import parse_config
 
 Sample = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from controller_support import free_port
 
-from skymesh.controller.config import parse_config
-from skymesh.controller.models import BalancerIn, RegionIn, ReplicaIn
-from skymesh.controller.service import Controller
-from skymesh.controller.store import MemoryStore
 from skymesh.util.procs import start_daemon
+from skymesh_controller.config import parse_config
+from skymesh_controller.models import BalancerIn, RegionIn, ReplicaIn
+from skymesh_controller.service import Controller
+from skymesh_controller.store import MemoryStore
 
 
 async def test_probes_mark_states_and_membership_follows(tmp_path: Path) -> None:

@@ -13,12 +13,12 @@ from aiohttp import web
 from controller_support import ADMIN, AGENT, READER, auth, token_config
 from fastapi.testclient import TestClient
 
-from skymesh.controller.api import build_app
-from skymesh.controller.auth import Principal, digest
-from skymesh.controller.config import parse_config
-from skymesh.controller.models import BalancerIn, RegionIn, ReplicaIn
-from skymesh.controller.service import Controller
-from skymesh.controller.store import MemoryStore
+from skymesh_controller.api import build_app
+from skymesh_controller.auth import Principal, digest
+from skymesh_controller.config import parse_config
+from skymesh_controller.models import BalancerIn, RegionIn, ReplicaIn
+from skymesh_controller.service import Controller
+from skymesh_controller.store import MemoryStore
 
 AGENT2 = "second-agent-token"
 DNS: dict[str, list[str]] = {}  # what the fake resolver answers; tests change it

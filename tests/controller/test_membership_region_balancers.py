@@ -5,8 +5,8 @@ from __future__ import annotations
 from controller_support import AGENT, auth, token_config
 from fastapi.testclient import TestClient
 
-from skymesh.controller.api import build_app
-from skymesh.controller.config import parse_config
+from skymesh_controller.api import build_app
+from skymesh_controller.config import parse_config
 
 
 def test_region_balancers_counts_live_same_owner_siblings() -> None:

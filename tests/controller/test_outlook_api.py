@@ -6,8 +6,8 @@ from __future__ import annotations
 from controller_support import AGENT, READER, auth, token_config
 from fastapi.testclient import TestClient
 
-from skymesh.controller.api import build_app
-from skymesh.controller.config import parse_config
+from skymesh_controller.api import build_app
+from skymesh_controller.config import parse_config
 
 
 def test_the_outlook_needs_a_token_and_is_empty_without_a_planner() -> None:

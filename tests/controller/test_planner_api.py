@@ -14,11 +14,11 @@ from controller_support import AGENT, READER, auth, token_config
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from skymesh.controller.api import build_app
-from skymesh.controller.auth import digest
-from skymesh.controller.autopilot.planner import Planner
-from skymesh.planning.actuate import ApplyReport, Change
-from skymesh.planning.ilp import Key
+from skymesh_controller.api import build_app
+from skymesh_controller.auth import digest
+from skymesh_controller.autopilot.planner import Planner
+from skymesh_controller.planning.actuate import ApplyReport, Change
+from skymesh_controller.planning.ilp import Key
 
 W = 60
 T0 = 1_800_000_000.0  # the fake clock's start (a multiple of W and of an hour)
@@ -72,7 +72,7 @@ def controller(store: str = "memory", **planner: Any) -> Iterator[tuple[TestClie
                             "tick_s": 3600},
                "forecaster": {"headroom": 0.0}, "approvers": ["capacity-ops"],
                "cooldowns": {"retry_s": 30, "hold_s": 600}, **planner}
-    from skymesh.controller.config import parse_config
+    from skymesh_controller.config import parse_config
 
     cfg = parse_config({"store": store, "tokens": tokens, "planner": section,
                         "url_policy": {"allow_loopback": True}})
@@ -114,7 +114,7 @@ def scrape(c: TestClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float
 
 
 def test_plans_answer_409_when_the_planner_is_off() -> None:
-    from skymesh.controller.config import parse_config
+    from skymesh_controller.config import parse_config
 
     cfg = parse_config({"tokens": token_config()})
     with TestClient(build_app(cfg, probe=False)) as c:
@@ -224,7 +224,7 @@ def test_a_scheduled_round_runs_on_the_clock_and_a_short_history_is_skipped() ->
 def test_the_strategy_steps_between_rounds_with_the_simulated_weeks_code() -> None:
     with controller(mode="auto", strategy="reactive",
                     bounds={"llama": {"*": {"min": 1, "max": 3}}}) as (c, p, fake, clock):
-        from skymesh.planning.strategies import Reactive
+        from skymesh_controller.planning.strategies import Reactive
 
         # The strategy object is the simulated week's own class, not a copy.
         assert p.stepper is not None and type(p.stepper.strategy) is Reactive
@@ -272,8 +272,8 @@ class FakeDaemon:
 def test_the_local_actuator_registers_in_process_and_counts_other_replicas() -> None:
     import asyncio
 
-    from skymesh.controller.autopilot.actuators import LocalBackend
     from skymesh.util.procs import free_port
+    from skymesh_controller.autopilot.actuators import LocalBackend
 
     started: list[FakeDaemon] = []
 

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from skymesh.controller.autopilot.config import CooldownConfig, PlannerConfig
-from skymesh.controller.autopilot.decide import ForecastBook, decide, token_rates
-from skymesh.controller.autopilot.guard import Cooldowns
-from skymesh.controller.config import ConfigError, parse_config
+from skymesh_controller.autopilot.config import CooldownConfig, PlannerConfig
+from skymesh_controller.autopilot.decide import ForecastBook, decide, token_rates
+from skymesh_controller.autopilot.guard import Cooldowns
+from skymesh_controller.config import ConfigError, parse_config
 
 W = 60  # window, seconds
 
@@ -179,6 +179,6 @@ def test_a_planner_without_its_extras_fails_at_config_load(
     monkeypatch.setattr(extras, "missing", lambda extra: ["torch"] if extra == "forecast"
                         else [])
     parse_config({"planner": {"capacity": {"llama": {"L4": 1}}}})  # no torch needed
-    with pytest.raises(ConfigError, match=r"skymesh\[forecast\]"):
+    with pytest.raises(ConfigError, match=r"skymesh-controller\[forecast\]"):
         parse_config({"planner": {"capacity": {"llama": {"L4": 1}},
                                   "forecaster": {"name": "mlstm"}}})

@@ -14,13 +14,13 @@ import pytest
 from controller_support import AGENT, auth, token_config
 from fastapi.testclient import TestClient
 
-from skymesh.controller.api import build_app
-from skymesh.controller.autopilot.decide import pair_moves
-from skymesh.controller.autopilot.moves import IDLE, TIMEOUT, WAITING, DrainWatch
-from skymesh.controller.autopilot.planner import Planner
-from skymesh.planning.actuate import ApplyReport
-from skymesh.planning.ilp import Key
 from skymesh.util.procs import Daemon, start_daemon
+from skymesh_controller.api import build_app
+from skymesh_controller.autopilot.decide import pair_moves
+from skymesh_controller.autopilot.moves import IDLE, TIMEOUT, WAITING, DrainWatch
+from skymesh_controller.autopilot.planner import Planner
+from skymesh_controller.planning.actuate import ApplyReport
+from skymesh_controller.planning.ilp import Key
 
 US, EU = ("llama", "us", "L4"), ("llama", "eu", "L4")
 BOTH = frozenset({"region", "model"})
@@ -168,7 +168,7 @@ def replica() -> Iterator[Daemon]:
 @pytest.fixture
 def world(replica: Daemon) -> Iterator[tuple[TestClient, Planner, FakeMovingActuator,
                                              FakeClock]]:
-    from skymesh.controller.config import parse_config
+    from skymesh_controller.config import parse_config
 
     cfg = parse_config({"store": "memory", "tokens": token_config(),
                         "url_policy": {"allow_loopback": True}, "planner": {
@@ -295,7 +295,7 @@ def test_a_restart_undrains_the_replica_of_a_move_it_cut_short(
 def test_the_controller_re_registers_a_drained_replica_in_one_step(
         world: tuple[TestClient, Planner, FakeMovingActuator, FakeClock]) -> None:
     """A model change's re-registration (new URL, new model) and its refusals."""
-    from skymesh.controller.service import ApiError
+    from skymesh_controller.service import ApiError
 
     c, p, _, _ = world
     ctl = p.ctl

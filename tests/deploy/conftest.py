@@ -9,7 +9,7 @@ from typing import Any
 
 import boto3
 import pytest
-from wheel_support import build_wheel
+from wheel_support import build_product_wheels, build_wheel
 
 
 @pytest.fixture
@@ -31,3 +31,9 @@ def zone(route53: Any) -> tuple[str, str]:
 def skymesh_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A wheel of this checkout (with its generated peering stubs), built once."""
     return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="session")
+def product_wheels(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The data plane's, the replica's and the controller's wheels, built once."""
+    return build_product_wheels(tmp_path_factory.mktemp("product-wheels"))

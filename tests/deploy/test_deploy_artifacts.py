@@ -18,22 +18,25 @@ import yaml
 from support import until
 
 from skymesh.balancer.config import load_config as load_lb_config
-from skymesh.controller.config import parse_config as parse_controller_config
 from skymesh.util.procs import Daemon, start_daemon
+from skymesh_controller.config import parse_config as parse_controller_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-SCRIPTS: dict[str, str] = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
-    "scripts"]
-PARSERS = {"skymesh-lb": "skymesh.balancer.cli", "skymesh-replica": "skymesh_lab.replica.cli",
-           "skymesh-controller": "skymesh.controller.cli"}
+# Console scripts of the distributions an operator installs (lab excluded).
+SCRIPTS: dict[str, str] = {
+    name: target for folder in (REPO, REPO / "controller", REPO / "replica")
+    for name, target in tomllib.loads((folder / "pyproject.toml").read_text())["project"][
+        "scripts"].items()}
+PARSERS = {"skymesh-lb": "skymesh.balancer.cli", "skymesh-replica": "skymesh_replica.cli",
+           "skymesh-controller": "skymesh_controller.cli"}
 HARDENING = {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "Restart": "on-failure",
              "User": "skymesh", "PrivateTmp": "yes", "ProtectHome": "yes"}
 
 
 def parse_flags(script: str, args: list[str]) -> argparse.Namespace:
     """Parse ``args`` with the daemon's own argparse parser (fails on an unknown flag)."""
-    assert script in SCRIPTS, f"{script} is not a console script of pyproject.toml"
+    assert script in SCRIPTS, f"{script} is not a console script of a distribution"
     parser = importlib.import_module(PARSERS[script]).build_parser()
     try:
         return parser.parse_args(args)

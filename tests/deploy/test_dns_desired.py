@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from skymesh.controller.dns import DnsConfigError, DnsSettings, desired_records, desired_state
+from skymesh_controller.dns import DnsConfigError, DnsSettings, desired_records, desired_state
 
 CFG = {"zone": "example.com.", "record": "api.example.com", "ttl": 60}
 REGIONS = [
@@ -98,7 +98,7 @@ def test_objects_with_attributes_work_like_dicts() -> None:
 
 
 def test_settings_come_from_the_controllers_dns_config() -> None:
-    from skymesh.controller.config import DnsConfig
+    from skymesh_controller.config import DnsConfig
 
     s = DnsSettings.of(DnsConfig(zone="example.com.", record="API.example.com", ttl=30))
     assert (s.name, s.ttl, s.health_check_path, s.aws_region) == (

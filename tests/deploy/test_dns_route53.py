@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from skymesh.controller.dns import Route53Manager, desired_state, make_hook
+from skymesh_controller.dns import Route53Manager, desired_state, make_hook
 
 REGIONS = [
     {"name": "us-east", "latitude": 38.9, "longitude": -77.0, "cloud_region": "us-east-1"},
@@ -110,7 +110,7 @@ def test_failover_withdraws_the_dead_balancer_and_restores_it(
     assert "lb-us" not in recs
     assert {r["Region"] for r in recs.values()} == {"eu-west-1", "ap-northeast-1"}
     assert report["health_checks_deleted"] == []
-    assert check_us in checks(route53)   # kept while down (see skymesh/controller/dns.py)
+    assert check_us in checks(route53)   # kept while down (see skymesh_controller/dns.py)
 
     report = sync(route53, zone, balancers())
     assert report["created"] == ["lb-us"]
@@ -226,8 +226,8 @@ def test_a_weighted_record_of_a_known_balancer_becomes_a_latency_record(
 async def test_the_controllers_dns_hook_keeps_unknown_and_down_semantics(
         moto_url: str, zone: tuple[str, str], route53: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from skymesh.controller.config import ControllerConfig
-    from skymesh.controller.dns_hook import dns_hook
+    from skymesh_controller.config import ControllerConfig
+    from skymesh_controller.dns_hook import dns_hook
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")

@@ -9,8 +9,8 @@ import pytest
 from controller_support import auth, token_config
 from fastapi.testclient import TestClient
 
-from skymesh.controller.api import build_app
-from skymesh.controller.config import parse_config
+from skymesh_controller.api import build_app
+from skymesh_controller.config import parse_config
 
 
 def records(route53: Any, zone_id: str) -> dict[str, Any]:
@@ -30,7 +30,7 @@ def test_sync_endpoint_and_automatic_withdrawal(
         "dns": {"zone": name, "record": f"api.{name}", "endpoint_url": moto_url},
         # The balancers below sit on documentation addresses (TEST-NET-2).
         "url_policy": {"allow_networks": ["198.51.100.0/24"]}})
-    from skymesh.controller.dns_hook import dns_hook
+    from skymesh_controller.dns_hook import dns_hook
 
     app = build_app(cfg, dns=dns_hook(cfg), probe=False)
     with TestClient(app) as c:

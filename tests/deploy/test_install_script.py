@@ -29,10 +29,9 @@ ROLES = ("lb", "replica", "controller")
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory, skymesh_wheel: Path
+def installed(tmp_path_factory: pytest.TempPathFactory, product_wheels: list[Path]
               ) -> Iterator[tuple[Path, Path, str]]:
     tmp = tmp_path_factory.mktemp("install")
-    wheel = skymesh_wheel
     prefix, root = tmp / "opt", tmp / "root"
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -40,7 +39,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory, skymesh_wheel: Path
         "SKYMESH_PREFIX": str(prefix),
         "SKYMESH_ROOT": str(root),
         "SKYMESH_PYTHON": str(Path(sys.base_prefix) / "bin" / "python3"),
-        "SKYMESH_PIP_SPEC": str(wheel),
+        "SKYMESH_PIP_SPEC": " ".join(map(str, product_wheels)),
         "SKYMESH_PIP_ARGS": "--no-deps --no-index",
     }
     proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True,

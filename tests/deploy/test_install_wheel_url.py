@@ -4,6 +4,7 @@ its SHA-256, refused before anything is installed when it does not match."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import http.server
@@ -30,10 +31,10 @@ def wheel(skymesh_wheel: Path) -> Path:
     return skymesh_wheel
 
 
-@pytest.fixture(scope="module")
-def served(wheel: Path) -> Iterator[str]:
-    """The wheel's folder on a loopback HTTP server: its base URL."""
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(wheel.parent))
+@contextlib.contextmanager
+def serving_folder(folder: Path) -> Iterator[str]:
+    """``folder`` on a loopback HTTP server: its base URL."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
     handler.log_message = lambda *a: None  # type: ignore[attr-defined]
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -42,6 +43,13 @@ def served(wheel: Path) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture(scope="module")
+def served(wheel: Path) -> Iterator[str]:
+    """The wheel's folder on a loopback HTTP server: its base URL."""
+    with serving_folder(wheel.parent) as base:
+        yield base
 
 
 def install(tmp: Path, url: str, sha256: str = "", **extra: str
@@ -66,22 +74,32 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_installs_the_wheel_fetched_by_url_when_its_hash_matches(
-        tmp_path: Path, wheel: Path, served: str) -> None:
-    proc = install(tmp_path, f"{served}/{wheel.name}", sha(wheel),
-                   SKYMESH_ROLES="lb,replica,controller")
+def test_installs_the_wheels_fetched_by_url_when_their_hashes_match(
+        tmp_path: Path, product_wheels: list[Path]) -> None:
+    with serving_folder(product_wheels[0].parent) as base:
+        urls = [f"{base}/{w.name}" for w in product_wheels]
+        proc = install(tmp_path, " ".join(urls), " ".join(map(sha, product_wheels)),
+                       SKYMESH_ROLES="lb,replica,controller")
     assert proc.returncode == 0, proc.stderr
-    assert f"fetched {served}/{wheel.name}" in proc.stderr
+    for url in urls:
+        assert f"fetched {url}" in proc.stderr
     assert "installed skymesh" in proc.stderr
     for role in ("lb", "replica", "controller"):
         assert os.access(tmp_path / "opt" / "venv" / "bin" / f"skymesh-{role}", os.X_OK)
-    # With the extras the roles' daemons import (pip gets them from the index the
-    # operator names; this test installs --no-deps), each one the wheel declares.
-    assert f"installing {wheel.name}[lab,controller]" in proc.stderr, proc.stderr
-    with zipfile.ZipFile(wheel) as zf:
+    # The controller with its planner's extra (pip gets it from the index the operator
+    # names; this test installs --no-deps), an extra its wheel declares.
+    (controller,) = [w for w in product_wheels if w.name.startswith("skymesh_controller-")]
+    assert f"installing {controller.name}[planning]" in proc.stderr, proc.stderr
+    with zipfile.ZipFile(controller) as zf:
         meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA")))
-    declared = set(re.findall(r"^Provides-Extra: (\S+)$", meta.decode(), re.M))
-    assert {"lab", "controller"} <= declared, declared
+    assert "planning" in set(re.findall(r"^Provides-Extra: (\S+)$", meta.decode(), re.M))
+
+
+def test_a_role_without_its_wheel_is_a_clear_error(tmp_path: Path, wheel: Path,
+                                                   served: str) -> None:
+    proc = install(tmp_path, f"{served}/{wheel.name}", sha(wheel), SKYMESH_ROLES="lb,replica")
+    assert proc.returncode == 2
+    assert "role replica needs the skymesh-replica wheel" in proc.stderr, proc.stderr
 
 
 def test_a_wheel_with_another_hash_is_refused_before_anything_is_installed(
@@ -94,7 +112,7 @@ def test_a_wheel_with_another_hash_is_refused_before_anything_is_installed(
 
 @pytest.mark.parametrize("url, message", [
     ("ftp://example.com/skymesh-1.0-py3-none-any.whl", "only s3://, https://"),
-    ("https://example.com/skymesh-1.0.tar.gz", "must name a .whl file"),
+    ("https://example.com/skymesh-1.0.tar.gz", "must name .whl files"),
 ])
 def test_bad_urls_are_refused_with_a_reason(tmp_path: Path, url: str, message: str) -> None:
     proc = install(tmp_path, url)

@@ -30,9 +30,9 @@ from test_k8s_manifests import K8S, one, render
 
 from skymesh.balancer.config import parse_config
 from skymesh.common.config import ConfigError, expand_env, load_yaml
-from skymesh.controller.auth import digest
 from skymesh.mesh import certs
 from skymesh.util.procs import Daemon, free_port, start_daemon
+from skymesh_controller.auth import digest
 
 ADMIN, AGENT, CLIENT_KEY = "adm-k8s-test", "agt-k8s-test", "sk-k8s-test"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

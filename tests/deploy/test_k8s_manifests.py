@@ -31,15 +31,19 @@ from cryptography.x509.oid import NameOID
 
 from skymesh.balancer.config import parse_config as parse_lb_config
 from skymesh.common.config import expand_env
-from skymesh.controller.auth import digest
-from skymesh.controller.config import parse_config as parse_controller_config
 from skymesh.mesh import certs
+from skymesh_controller.auth import digest
+from skymesh_controller.config import parse_config as parse_controller_config
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-PARSERS = {"skymesh-lb": "skymesh.balancer.cli", "skymesh-replica": "skymesh_lab.replica.cli",
-           "skymesh-controller": "skymesh.controller.cli"}
+# Console scripts of the distributions the images install.
+SCRIPTS = {name for folder in (REPO, REPO / "controller", REPO / "replica")
+           for name in tomllib.loads((folder / "pyproject.toml").read_text())["project"][
+               "scripts"]}
+PARSERS = {"skymesh-lb": "skymesh.balancer.cli", "skymesh-replica": "skymesh_replica.cli",
+           "skymesh-controller": "skymesh_controller.cli"}
 # What the operator puts in the production overlay's secrets/ (never in git), besides the
 # mesh certificates (MESH_IDS, made by mesh_files).
 AGENT_TOKEN = "agt-5be1d0"
@@ -263,7 +267,7 @@ def test_redis_keeps_its_data_on_a_volume_claim(example: Objects, production: Ob
 
 
 def parse_flags(script: str, args: list[str]) -> Any:
-    assert script in PYPROJECT["scripts"], f"{script} is not a console script"
+    assert script in SCRIPTS, f"{script} is not a console script of a distribution"
     parser = importlib.import_module(PARSERS[script]).build_parser()
     try:
         return parser.parse_args(args)

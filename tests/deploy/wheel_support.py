@@ -9,9 +9,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # What `pip wheel` needs of the checkout: the metadata, the build hook that generates the
-# peering stubs from protos/, and the packages (pyproject's `skymesh*` finds both).
-SOURCES = ("pyproject.toml", "README.md", "setup.py", "MANIFEST.in", "protos", "skymesh",
-           "skymesh_lab")
+# peering stubs from protos/, and the data plane's package.
+SOURCES = ("pyproject.toml", "README.md", "setup.py", "MANIFEST.in", "protos", "skymesh")
 
 
 def build_wheel(out: Path) -> Path:
@@ -31,3 +30,17 @@ def build_wheel(out: Path) -> Path:
     assert proc.returncode == 0, proc.stderr[-3000:]
     (wheel,) = (out / "dist").glob("skymesh-*.whl")
     return wheel
+
+
+def build_product_wheels(out: Path) -> list[Path]:
+    """Wheels of the data plane, the emulated replica and the controller (what the
+    installer's roles install), built offline into ``out/dist``."""
+    first = build_wheel(out)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                           "--no-build-isolation", "--no-index", "-w", str(out / "dist"),
+                           str(REPO / "replica"), str(REPO / "controller")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for folder in ("replica", "controller"):  # pip leaves build/ and egg-info beside them
+        shutil.rmtree(REPO / folder / "build", ignore_errors=True)
+    return [first, *sorted((out / "dist").glob("skymesh_*.whl"))]

@@ -9,7 +9,7 @@ import itertools
 import fidelity_bench
 import pytest
 
-from skymesh_lab.engine.hashing import BLOCK_SIZE
+from skymesh_replica.engine.hashing import BLOCK_SIZE
 
 
 def measured(d1: float, d4: float, short: float, long: float) -> dict[str, float | int]:

@@ -21,11 +21,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from support import until
 
-from skymesh.controller.api import build_app
-from skymesh.controller.config import parse_config
 from skymesh.obs.asgi import AccessLogMiddleware
 from skymesh.obs.tracing import Tracing
 from skymesh.util.procs import start_daemon
+from skymesh_controller.api import build_app
+from skymesh_controller.config import parse_config
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{CLIENT_TRACE}-00f067aa0ba902b7-01"

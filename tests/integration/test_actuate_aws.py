@@ -13,9 +13,9 @@ from typing import Any
 import boto3
 import pytest
 
-from skymesh.planning.actuate import Actuator
-from skymesh.planning.actuate_aws import AwsActuator, group_name
-from skymesh.planning.ilp import PlanInput, solve
+from skymesh_controller.planning.actuate import Actuator
+from skymesh_controller.planning.actuate_aws import AwsActuator, group_name
+from skymesh_controller.planning.ilp import PlanInput, solve
 
 
 @pytest.fixture

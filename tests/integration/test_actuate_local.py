@@ -11,8 +11,8 @@ import aiohttp
 from controller_support import ADMIN, auth, start_controller
 from support import until
 
-from skymesh.planning.actuate_local import LocalActuator
 from skymesh.util.procs import Daemon
+from skymesh_controller.planning.actuate_local import LocalActuator
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 KEY = (MODEL, "us-east", "L4")

@@ -19,8 +19,8 @@ import pytest
 from controller_support import AGENT, READER, auth, planner_controller
 from prometheus_client.parser import text_string_to_metric_families
 
-from skymesh.planning.actuate_aws import group_name
 from skymesh.util.procs import Daemon
+from skymesh_controller.planning.actuate_aws import group_name
 
 TIMEOUT_S = 60.0
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from skymesh.cli import BENCH_EXPERIMENTS
+from skymesh_lab.cli import BENCH_EXPERIMENTS
 
 
 def test_every_experiment_accepts_mode_sim() -> None:

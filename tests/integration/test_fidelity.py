@@ -19,7 +19,7 @@ from skymesh_lab.bench.fidelity import (
     run_live,
     run_sim,
 )
-from skymesh_lab.engine.profiles import DEFAULT_PROFILE
+from skymesh_replica.engine.profiles import DEFAULT_PROFILE
 
 pytestmark = pytest.mark.timeout(180)
 

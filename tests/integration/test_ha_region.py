@@ -3,7 +3,7 @@
 Region ``us``: ``lb-us-a`` and ``lb-us-b`` sharing three ``skymesh-replica`` (max-num-seqs
 4, metrics lag at its default); region ``eu``: ``lb-eu`` and one replica, peered with
 both; one ``skymesh-controller``. The measurement script behind these tests,
-``skymesh_lab/bench/ha_region.py``, also writes the figures in ``docs/operations-ha.md``.
+``lab/skymesh_lab/bench/ha_region.py``, also writes the figures in ``docs/operations-ha.md``.
 Every wait is on a condition with a deadline; every assertion is on counts.
 """
 

@@ -26,9 +26,9 @@ from support import read_sse, until
 from skymesh.common.probe import parse_metrics
 from skymesh.prefix.prompt import FallbackTokenizer, Tokenizer, get_tokenizer, render_chat
 from skymesh.util.procs import Daemon, executable, start_daemon
-from skymesh_lab.engine.core import Engine
-from skymesh_lab.engine.profiles import DEFAULT_PROFILE, get_profile
-from skymesh_lab.replica.driver import WORDS, ContextLengthError, RealtimeDriver
+from skymesh_replica.driver import WORDS, ContextLengthError, RealtimeDriver
+from skymesh_replica.engine.core import Engine
+from skymesh_replica.engine.profiles import DEFAULT_PROFILE, get_profile
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -67,7 +67,7 @@ def _clean_env() -> dict[str, str]:
 def _copy_source(dest: Path) -> None:
     """The files an sdist is built from, as they are in the work tree (no build output)."""
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".lock", ".gen-*")
-    for name in ("skymesh", "skymesh_lab", "protos"):
+    for name in ("skymesh", "protos"):
         shutil.copytree(ROOT / name, dest / name, ignore=skip)
     shutil.rmtree(dest / "skymesh" / "mesh" / "gen", ignore_errors=True)
     for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "LICENSE"):

@@ -19,7 +19,7 @@ from botocore.stub import ANY, Stubber
 from hypothesis import given
 from hypothesis import strategies as st
 
-from skymesh.planning.actuate_aws import AwsActuator, group_name, split_over
+from skymesh_controller.planning.actuate_aws import AwsActuator, group_name, split_over
 
 KEY = ("llama-8b", "us", "L4")
 NAME = group_name(*KEY)

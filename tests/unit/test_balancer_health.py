@@ -182,11 +182,11 @@ def test_a_probe_that_ends_after_its_replica_left_touches_nothing_shared() -> No
 
 
 def test_the_controller_judges_with_the_same_rule() -> None:
-    """The controller's probing (skymesh.controller.service) maps its stored states onto
+    """The controller's probing (skymesh_controller.service) maps its stored states onto
     the rule ('unknown' and any other state it does not name are unknown)."""
-    from skymesh.controller.config import parse_config
-    from skymesh.controller.service import Controller
-    from skymesh.controller.store import MemoryStore
+    from skymesh_controller.config import parse_config
+    from skymesh_controller.service import Controller
+    from skymesh_controller.store import MemoryStore
 
     ctl = Controller(parse_config({"probe": {"failure_threshold": 2, "success_threshold": 2}}),
                      MemoryStore())

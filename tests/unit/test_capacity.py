@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 
-from skymesh_lab.engine.profiles import get_profile
 from skymesh_lab.planning.capacity import (
     Capacity,
     instances_needed,
     profile_capacity,
     saturated_throughput,
 )
+from skymesh_replica.engine.profiles import get_profile
 
 CAPS = Capacity(profile="p", model="m", gpu="g", num_gpus=1, mu_p=1000.0, mu_d=200.0,
                 mu_t=900.0, prompt_len=1000, output_len=200)

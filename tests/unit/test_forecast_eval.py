@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from skymesh.planning.forecast import Forecaster, RetrainSchedule, SeasonalNaive
-from skymesh_lab.planning.forecast_eval import (
+from skymesh_controller.planning.forecast import Forecaster, RetrainSchedule, SeasonalNaive
+from skymesh_controller.planning.forecast_eval import (
     ape_scores,
     evaluate,
     format_table,

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from skymesh.planning.forecast import RetrainSchedule, make_forecaster
-from skymesh.planning.forecast.mlstm import MLSTMForecaster, build_mlstm
-from skymesh_lab.planning.forecast_eval import ape_scores, walk_forward
+from skymesh_controller.planning.forecast import RetrainSchedule, make_forecaster
+from skymesh_controller.planning.forecast.mlstm import MLSTMForecaster, build_mlstm
+from skymesh_controller.planning.forecast_eval import ape_scores, walk_forward
 
 PERIOD = 12
 # Small enough to train in about a second: the point is that it learns, not how well.

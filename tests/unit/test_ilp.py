@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skymesh.planning import ilp
-from skymesh.planning.ilp import (
+from skymesh_controller.planning import ilp
+from skymesh_controller.planning.ilp import (
     MIP_REL_GAP,
     Plan,
     PlanInfeasible,
@@ -252,7 +252,7 @@ def test_warm_start_finds_the_optimum_the_neighbourhood_cannot_reach() -> None:
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_warm_start_stays_within_the_gap_on_benchmark_shaped_instances(seed: int) -> None:
-    from skymesh_lab.bench.plan_ilp import random_instance
+    from skymesh_controller.planning.ilp_bench import random_instance
 
     inp = random_instance(regions=3, models=2, gpu_types=4, seed=seed)
     exact = solve(inp, mip_rel_gap=0.0, warm_start=False)

@@ -1,15 +1,19 @@
-"""The import graph of what the wheel ships (``skymesh``, ``skymesh_lab``), read with ``ast``.
+"""The import graph of the four distributions (``skymesh``, ``skymesh_controller``,
+``skymesh_replica``, ``skymesh_lab``), read with ``ast``.
 
 Module-level imports run when a module is imported; imports inside functions (lazy ones)
-run when the function does; imports under ``if TYPE_CHECKING:`` never run. Three rules:
+run when the function does; imports under ``if TYPE_CHECKING:`` never run. The rules:
 
 1. No import cycle through module-level imports.
 2. No import cycle through lazy imports either, except over the back edges listed in
    ``LAZY_BACK_EDGES``, each with its reason. An entry that no longer matches an import
    fails too, so the list only shrinks.
-3. The product never imports the lab at module level, directly or through other modules
-   (a package's ``__init__`` counts: importing ``a.b`` runs ``a/__init__.py``). This is
-   what keeps ``pip install skymesh`` (no lab extras) able to run the product.
+3. The product (data plane, control plane, emulated replica) never names the lab: no
+   import of it of any kind (module level, in a function, under ``TYPE_CHECKING``, through
+   ``import_module``/``__import__``), and no string that is one of its module names. This
+   is what keeps ``pip install skymesh`` (no lab) able to run the product.
+4. The planes stay apart: the data plane names neither the control plane nor the replica;
+   the control plane takes from the data plane's package only its public kernel.
 """
 
 from __future__ import annotations
@@ -22,14 +26,22 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-ROOTS = ("skymesh", "skymesh_lab")
+# package -> the folder holding it (each distribution's own folder)
+ROOTS: dict[str, Path] = {
+    "skymesh": REPO, "skymesh_controller": REPO / "controller",
+    "skymesh_replica": REPO / "replica", "skymesh_lab": REPO / "lab"}
 GENERATED = ("skymesh/mesh/gen",)  # protoc output, not ours
 
-# The product: what a balancer, controller or operator host runs. The lab beside it:
-# simulator, emulated engine and replica, benchmarks, experiments, training of the length
-# predictors, the fault harness and the demos.
-PRODUCT = ("skymesh",)
+# The product: what a balancer, controller or operator host runs, and the emulated
+# replica a user installs to try it. The lab beside it: simulator, benchmarks,
+# experiments, training of the length predictors, the fault harness and the demos.
+PRODUCT = ("skymesh", "skymesh_controller", "skymesh_replica")
 LAB = ("skymesh_lab",)
+DATA_PLANE = ("skymesh",)
+# What the control plane may take from the data plane's package: the shared kernel, and
+# the policy registry it validates balancers' policy settings against.
+KERNEL = ("skymesh.common", "skymesh.net", "skymesh.obs", "skymesh.util", "skymesh.version",
+          "skymesh.policies")
 
 # Lazy imports that close a cycle, (importer, imported; fnmatch pattern) -> why. Rule 2
 # removes these edges and then finds no cycle.
@@ -41,12 +53,12 @@ LAZY_BACK_EDGES: dict[tuple[str, str], str] = {
 
 
 # -- the graph ----------------------------------------------------------------------------
-def discover(repo: Path, roots: Iterable[str]) -> dict[str, Path]:
-    """Dotted module name -> file, for every module under ``roots``."""
+def discover(roots: dict[str, Path]) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the packages in ``roots``."""
     out: dict[str, Path] = {}
-    for root in roots:
-        for path in sorted((repo / root).rglob("*.py")):
-            rel = path.relative_to(repo)
+    for package, home in roots.items():
+        for path in sorted((home / package).rglob("*.py")):
+            rel = path.relative_to(home)
             if any(rel.as_posix().startswith(g + "/") for g in GENERATED):
                 continue
             parts = list(rel.with_suffix("").parts)
@@ -117,9 +129,9 @@ def imports_of(name: str, path: Path, known: set[str], lazy: bool = False) -> se
     return out
 
 
-def build_graph(repo: Path = REPO, roots: Iterable[str] = ROOTS, lazy: bool = False
+def build_graph(roots: dict[str, Path] | None = None, lazy: bool = False
                 ) -> dict[str, set[str]]:
-    modules = discover(repo, roots)
+    modules = discover(ROOTS if roots is None else roots)
     known = set(modules)
     return {name: imports_of(name, path, known, lazy) for name, path in modules.items()}
 
@@ -197,7 +209,7 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> dict[str, set[str]]:
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
-    return build_graph(tmp_path, ("pkg",))
+    return build_graph({"pkg": tmp_path})
 
 
 def test_the_analyser_counts_module_level_imports_only(tmp_path: Path) -> None:
@@ -236,8 +248,8 @@ def test_lazy_imports_close_cycles_unless_allowed(tmp_path: Path) -> None:
         "pkg/c.py": "import importlib\nMODS = ['pkg.d']\nimportlib.import_module(MODS[0])\n",
         "pkg/d.py": "import pkg.c\nRUN = 'pkg.a'  # e.g. python -m pkg.a: not an import\n",
     })
-    assert cycles(build_graph(tmp_path, ("pkg",))) == []
-    lazy = build_graph(tmp_path, ("pkg",), lazy=True)
+    assert cycles(build_graph({"pkg": tmp_path})) == []
+    lazy = build_graph({"pkg": tmp_path}, lazy=True)
     assert sorted(cycles(lazy), key=sorted) == [frozenset({"pkg.a", "pkg.b"}),
                                                 frozenset({"pkg.c", "pkg.d"})]
     pruned, stale = without_back_edges(lazy, {("pkg.b", "pkg.*"), ("pkg.c", "pkg.d"),
@@ -283,10 +295,80 @@ def test_no_import_cycle_through_lazy_imports_but_the_known_ones() -> None:
     assert not stale, f"LAZY_BACK_EDGES entries that match no import any more: {stale}"
 
 
-def test_the_product_does_not_import_the_lab(graph: dict[str, set[str]]) -> None:
+def test_the_product_does_not_import_the_lab_at_module_level(graph: dict[str, set[str]]) -> None:
     product = sorted(m for m in graph if _under(m, PRODUCT) and not _under(m, LAB))
     assert len(product) > 50  # the lists still match the tree
     chains = [" -> ".join(chain) for m in product
               if (chain := import_chain(graph, m, LAB)) is not None]
     assert not chains, "product modules importing the lab at module level:\n" + "\n".join(
         chains)
+
+
+# -- every kind of reference, not just the imports that run -------------------------------
+def references(path: Path) -> Iterator[tuple[int, str]]:
+    """Every module a file names, of any kind: each import statement wherever it stands (in
+    a function, under ``TYPE_CHECKING``), and each string constant (``import_module``'s and
+    ``__import__``'s arguments, ``python -m`` argv, docstrings), as (line, text)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            yield node.lineno, node.module or ""
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.lineno, node.value
+
+
+def _names(text: str, packages: tuple[str, ...]) -> bool:
+    return any(text == p or f"{p}." in text or f"{p}/" in text or f"{p}:" in text
+               for p in packages)
+
+
+def offending(modules: dict[str, Path], sources: tuple[str, ...], targets: tuple[str, ...],
+              imports_only: bool = False) -> list[str]:
+    out = []
+    for name, path in sorted(modules.items()):
+        if not _under(name, sources):
+            continue
+        tree_imports = {(n.lineno) for n in ast.walk(ast.parse(path.read_text()))
+                        if isinstance(n, (ast.Import, ast.ImportFrom))}
+        for line, text in references(path):
+            if imports_only and line not in tree_imports and not any(
+                    text == t or text.startswith(t + ".") for t in targets):
+                continue
+            if _names(text, targets) or text in targets:
+                out.append(f"{path.relative_to(REPO)}:{line}: {text[:80]!r}")
+    return out
+
+
+def test_references_of_every_kind_are_found(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nimport importlib\n"
+        "if TYPE_CHECKING:\n    import lab.x\n"
+        "def f():\n    from lab import y\n    importlib.import_module('lab.z')\n"
+        "    __import__('lab')\n"
+        "ARGV = ['python', '-m', 'lab.w']\nOK = 'labrador.x'\n")
+    found = [line for line, text in references(tmp_path / "pkg" / "a.py")
+             if _names(text, ("lab",)) or text == "lab"]
+    assert sorted(found) == [4, 6, 7, 8, 9]
+
+
+def test_the_product_never_names_the_lab() -> None:
+    bad = offending(discover(ROOTS), PRODUCT, LAB)
+    assert not bad, "the product names the lab:\n" + "\n".join(bad)
+
+
+def test_the_data_plane_never_imports_the_other_planes() -> None:
+    bad = offending(discover(ROOTS), DATA_PLANE, ("skymesh_controller", "skymesh_replica"),
+                    imports_only=True)
+    assert not bad, "the data plane imports the control plane or the replica:\n" + "\n".join(
+        bad)
+
+
+def test_the_control_plane_takes_only_the_kernel_from_the_data_plane() -> None:
+    graph = build_graph(lazy=True)
+    bad = sorted(f"{a} -> {b}" for a, targets in graph.items()
+                 if _under(a, ("skymesh_controller",))
+                 for b in targets if _under(b, DATA_PLANE) and not _under(b, KERNEL))
+    assert not bad, "the control plane reaches into the data plane:\n" + "\n".join(bad)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skymesh_lab.engine.kv_cache import BlockManager, KVCacheError
+from skymesh_replica.engine.kv_cache import BlockManager, KVCacheError
 
 
 def test_release_more_than_acquired_raises() -> None:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from skymesh.planning.actuate import Actuator
-from skymesh.planning.actuate_local import ControllerError, LocalActuator, reconcile
+from skymesh_controller.planning.actuate import Actuator
+from skymesh_controller.planning.actuate_local import ControllerError, LocalActuator, reconcile
 
 A = ("m", "us", "L4")
 B = ("m", "eu", "H100")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_local_actuator import A, make
 
-from skymesh.controller.autopilot.actuators import Mover
+from skymesh_controller.autopilot.actuators import Mover
 
 EU = ("m", "eu", "L4")
 OTHER_MODEL = ("q", "us", "L4")

@@ -16,11 +16,11 @@ from pydantic import ValidationError
 
 from skymesh.balancer.config import ConfigError, MeshConfig, parse_config
 from skymesh.balancer.dispatch import Dispatcher, Ticket
-from skymesh.controller.autopilot.outlook import outlook
 from skymesh.mesh.outlook import OutlookParams, PeerOutlook, RegionOutlook
 from skymesh.policies import RouteRequest, build_policy
 from skymesh.policies.load import PushMode
 from skymesh.policies.peers import ModelLoad
+from skymesh_controller.autopilot.outlook import outlook
 
 W = 60.0
 PEERS = ("eu", "asia", "sa")

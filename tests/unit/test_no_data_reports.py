@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from skymesh.cli import _print_sim
 from skymesh.util.stats import summary
 from skymesh_lab.bench.fidelity import compare, format_table
 from skymesh_lab.bench.skylb_macro import format_ceilings, format_tables
 from skymesh_lab.bench.skylb_setup import BOX_QS, MESH, comparisons
+from skymesh_lab.cli import _print_sim
 from skymesh_lab.sim.runner import SimConfig, run
 
 

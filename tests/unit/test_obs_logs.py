@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from skymesh.controller.cli import build_parser, config_from_args
-from skymesh.controller.config import ConfigError, parse_config
 from skymesh.obs.logs import ACCESS_LOGGER, setup_logging
+from skymesh_controller.cli import build_parser, config_from_args
+from skymesh_controller.config import ConfigError, parse_config
 
 
 @pytest.fixture

@@ -187,6 +187,7 @@ def test_off_without_an_endpoint_and_a_clear_error_without_the_extra(
     assert from_config(TracingConfig(), "skymesh-lb") is None
     from skymesh.util import extras
 
-    monkeypatch.setitem(extras.EXTRAS, "tracing", ("opentelemetry.sdk", "no_such_otel_xyz"))
+    monkeypatch.setitem(extras.EXTRAS, "tracing",
+                        ("skymesh", ("opentelemetry.sdk", "no_such_otel_xyz")))
     with pytest.raises(TracingUnavailable, match=r"pip install 'skymesh\[tracing\]'"):
         from_config(TracingConfig(otlp_endpoint="http://127.0.0.1:1/v1/traces"), "lb")

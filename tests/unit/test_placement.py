@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from skymesh.controller import placement
+from skymesh_controller import placement
 
 REGIONS = {
     "us-east": {"name": "us-east", "latitude": 38.9, "longitude": -77.0},

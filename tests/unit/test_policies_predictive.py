@@ -336,8 +336,8 @@ def test_predicted_lengths_reach_the_policy() -> None:
 
 
 def test_alone_latency_orders_gpus() -> None:
-    from skymesh_lab.engine.profiles import get_profile
     from skymesh_lab.sim.deadlines import alone_latency
+    from skymesh_replica.engine.profiles import get_profile
 
     lat = [alone_latency(get_profile(f"llama3.1-8b-{g}"), 500, 200) for g in ("l4", "a100",
                                                                                "h100")]

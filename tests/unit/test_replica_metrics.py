@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from skymesh_lab.replica.metrics import LaggedLoad
+from skymesh_replica.metrics import LaggedLoad
 
 
 class _Clock:

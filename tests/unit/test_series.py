@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skymesh.planning.series import load_series, parse_window, trace_windows
+from skymesh_controller.planning.series import load_series, parse_window, trace_windows
 from skymesh_lab.sim.workloads.data import data_file
 
 

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from skymesh.common.probe import parse_metrics
 from skymesh.util.procs import Daemon, start_daemon
-from skymesh_lab.replica.cli import build_parser, main
+from skymesh_replica.cli import build_parser, main
 
 pytestmark = pytest.mark.timeout(60)
 

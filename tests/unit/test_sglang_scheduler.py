@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skymesh_lab.engine.core import Engine, Sequence, Status
-from skymesh_lab.engine.hashing import BLOCK_SIZE, hash_token_blocks
-from skymesh_lab.engine.profiles import get_profile
-from skymesh_lab.engine.sglang import (
+from skymesh_replica.engine.core import Engine, Sequence, Status
+from skymesh_replica.engine.hashing import BLOCK_SIZE, hash_token_blocks
+from skymesh_replica.engine.profiles import get_profile
+from skymesh_replica.engine.sglang import (
     CLIP_MAX_NEW_TOKENS,
     DECODE_LOG_INTERVAL,
     LPM_MAX_QUEUE,

@@ -8,12 +8,12 @@ from collections.abc import Iterator
 import pytest
 
 from skymesh.policies import RouteRequest
-from skymesh_lab.engine.hashing import BLOCK_SIZE, hash_token_blocks
-from skymesh_lab.engine.profiles import get_profile
 from skymesh_lab.sim.cluster import RequestRecord, SimReplica
 from skymesh_lab.sim.events import EventLoop
 from skymesh_lab.sim.runner import SimConfig, Simulation, parse_replicas
 from skymesh_lab.sim.workload import Arrival, WorkItem, Workload
+from skymesh_replica.engine.hashing import BLOCK_SIZE, hash_token_blocks
+from skymesh_replica.engine.profiles import get_profile
 
 
 class PoissonShared(Workload):

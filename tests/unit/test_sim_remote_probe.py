@@ -7,10 +7,10 @@ from typing import Any
 
 from skymesh.policies import build_policy
 from skymesh.policies.load import PushMode
-from skymesh_lab.engine.profiles import get_profile
 from skymesh_lab.sim.cluster import SimBalancer, SimReplica
 from skymesh_lab.sim.events import EventLoop
 from skymesh_lab.sim.network import LOCAL_ONE_WAY_S, Network
+from skymesh_replica.engine.profiles import get_profile
 
 
 class ClockEngine:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from skymesh.planning.batch_queue import BatchQueue, BatchRequest
-from skymesh.planning.strategies import (
+from skymesh_controller.planning.batch_queue import BatchQueue, BatchRequest
+from skymesh_controller.planning.strategies import (
     COOLDOWN_S,
     LongTermImmediate,
     LongTermUtilisation,

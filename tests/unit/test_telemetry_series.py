@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from skymesh.controller.series import telemetry_series, to_csv
+from skymesh_controller.series import telemetry_series, to_csv
 
 
 def sample(ts: float, region: str, **models: tuple[int, int, int]) -> dict[str, object]:

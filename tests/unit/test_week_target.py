@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from skymesh.planning.strategies import Observation, make_strategy
+from skymesh_controller.planning.strategies import Observation, make_strategy
 from skymesh_lab.planning import capacity_week
 from skymesh_lab.planning.capacity_week import (
     TARGET_BOUNDS,

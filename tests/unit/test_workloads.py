@@ -14,12 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import common_prefix
 
-from skymesh_lab.engine.hashing import (
-    BLOCK_SIZE,
-    expand_block_ids,
-    extend_token_blocks,
-    hash_token_blocks,
-)
 from skymesh_lab.sim.workload import Arrival, WorkItem, Workload
 from skymesh_lab.sim.workloads import WORKLOAD_NAMES, build_workload, workload_params
 from skymesh_lab.sim.workloads.azure import parse_timestamp
@@ -27,6 +21,12 @@ from skymesh_lab.sim.workloads.common import VOCAB_SIZE, meta_int, synth_tokens
 from skymesh_lab.sim.workloads.data import DATA_DIR_ENV, data_dir
 from skymesh_lab.sim.workloads.sharegpt import Conversation, ShareGPTChatWorkload
 from skymesh_lab.sim.workloads.tot import TreeOfThoughtsWorkload
+from skymesh_replica.engine.hashing import (
+    BLOCK_SIZE,
+    expand_block_ids,
+    extend_token_blocks,
+    hash_token_blocks,
+)
 
 REGIONS = ["us-east", "eu-west", "ap-south"]
 

@@ -6,11 +6,11 @@ from collections import Counter
 
 import pytest
 
-from skymesh_lab.engine.hashing import BLOCK_SIZE
 from skymesh_lab.sim.runner import SimConfig, run
 from skymesh_lab.sim.workload import WorkItem
 from skymesh_lab.sim.workloads import WORKLOAD_NAMES, build_workload
 from skymesh_lab.sim.workloads.tot_skylb import SkyLBTreeWorkload
+from skymesh_replica.engine.hashing import BLOCK_SIZE
 
 
 def play(w: SkyLBTreeWorkload, trees: int) -> tuple[list[WorkItem], int]:

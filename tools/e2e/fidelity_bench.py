@@ -9,7 +9,7 @@ Issue #20 item 7: does the emulator face a balancer the way the real engine does
    gap between streamed tokens with 1 and with ``max_num_seqs`` streams decoding (a decode
    step's time at those batch sizes), and the latency of a one-token completion of a short
    and of a long prompt (a prefill step plus the API server's own work).
-2. Fit an emulator profile (:class:`skymesh_lab.engine.profiles.Profile`) to them. A
+2. Fit an emulator profile (:class:`skymesh_replica.engine.profiles.Profile`) to them. A
    2-layer model with 128 hidden units on a CPU is bound by each step's fixed cost
    (``t_overhead``, from the 1-sequence step), not by reading its weights
    (``t_weights`` 0); a decoding sequence adds a share that grows with its context
@@ -65,8 +65,8 @@ from vllm_cluster import (
 
 from skymesh.common.probe import parse_metrics
 from skymesh_lab.bench.results_tables import vllm_fidelity
-from skymesh_lab.engine.hashing import BLOCK_SIZE
-from skymesh_lab.engine.profiles import Profile
+from skymesh_replica.engine.hashing import BLOCK_SIZE
+from skymesh_replica.engine.profiles import Profile
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_JSON = REPO / "docs" / "results" / "data" / "vllm_fidelity.json"
@@ -172,8 +172,8 @@ def fit_profile(m: dict[str, Any], kv_capacity_tokens: int, seqs: int = MAX_NUM_
 def serve_emulator(profile_json: Path, port: int) -> int:
     """``skymesh-replica`` with the fitted profile registered first (it takes its profiles
     by name from the registry, and this one is made at run time)."""
-    from skymesh_lab.engine.profiles import PROFILES
-    from skymesh_lab.replica.cli import main as replica_main
+    from skymesh_replica.cli import main as replica_main
+    from skymesh_replica.engine.profiles import PROFILES
 
     fields = json.loads(profile_json.read_text())
     fields["sources"] = tuple(fields.get("sources", ()))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build deploy/docker/Dockerfile as TAG (default skymesh:VERSION from pyproject.toml):
+# Build deploy/docker/Dockerfile for $ROLE as TAG (default skymesh-ROLE:VERSION):
 # with docker when a daemon answers, else with buildah (vfs storage, chroot isolation,
 # the host's network: it runs in containers and VMs without a daemon or user
 # namespaces). The local base image is made first if missing (tools/image/make_base.sh).
@@ -8,7 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 version=$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml)
-TAG=${1:-skymesh:$version}
+# ROLE: balancer (default), controller or replica; one image each (docs/image.md).
+ROLE=${ROLE:-balancer}
+TAG=${1:-skymesh-$ROLE:$version}
 if [[ -z ${SKYMESH_IMAGE_ENGINE:-} ]]; then
   if command -v docker >/dev/null && docker info >/dev/null 2>&1; then
     SKYMESH_IMAGE_ENGINE=docker
@@ -20,12 +22,12 @@ export SKYMESH_IMAGE_ENGINE
 tools/image/make_base.sh
 
 case $SKYMESH_IMAGE_ENGINE in
-  docker) docker build -f deploy/docker/Dockerfile -t "$TAG" . ;;
+  docker) docker build --build-arg ROLE="$ROLE" -f deploy/docker/Dockerfile -t "$TAG" . ;;
   buildah)
     # --layers: reuse cached layers (buildah's default rebuilds every step); docker
     # format: OCI's image config has no HEALTHCHECK.
     buildah --storage-driver vfs bud --layers --format docker --isolation chroot \
-      --network host -f deploy/docker/Dockerfile -t "$TAG" .
+      --network host --build-arg ROLE="$ROLE" -f deploy/docker/Dockerfile -t "$TAG" .
     ;;
   *) echo "SKYMESH_IMAGE_ENGINE must be buildah or docker" >&2; exit 2 ;;
 esac

@@ -1,0 +1,113 @@
+"""``skymesh-controller`` configuration (YAML), strictly validated like the balancer's.
+
+Example::
+
+    listen: {host: 127.0.0.1, port: 8080}
+    store: redis://127.0.0.1:6379/0        # or "memory" (the zero-setup default)
+    tokens:                                 # sha256 of each token, never the token
+      - {name: ops, sha256: "<hex>", role: admin}
+      - {name: grafana, sha256: "<hex>", role: read}
+      - {name: balancers, sha256: "<hex>", role: agent}
+    probe: {interval_s: 1.0, timeout_s: 0.8, failure_threshold: 2, success_threshold: 1}
+    dns: {zone: example.com., record: api.example.com, ttl: 60}
+    url_policy: {allow_private: true, allow_loopback: false, allow_networks: [], allow_hosts: []}
+    api_docs: false                         # true: /openapi.json, /docs, /redoc (read token)
+    planner: {mode: dry-run, capacity: {llama-8b: {L4: 1500}}}   # docs/autopilot.md
+    logging: {format: text, access_log: true}   # docs/operations-logs.md
+    tracing: {otlp_endpoint: null}              # OTLP/HTTP collector URL: tracing on
+
+``SKYMESH_ADMIN_TOKEN`` adds an admin token when set (quick starts, tests).
+``url_policy`` decides which replica and balancer URLs may be registered and probed
+(skymesh/net/urlpolicy.py, docs/security.md).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from skymesh.common.config import ConfigError as ConfigError  # re-exported
+from skymesh.common.config import (
+    ConnectionLimitsConfig,
+    StrictModel,
+    load_yaml,
+    parse_model,
+)
+from skymesh.net.urlpolicy import UrlPolicyConfig
+from skymesh.obs.config import LoggingConfig, TracingConfig
+from skymesh_controller.autopilot.config import PlannerConfig
+
+Role = Literal["admin", "read", "agent"]
+
+
+class ListenConfig(StrictModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+
+
+class TokenConfig(StrictModel):
+    name: str = Field(min_length=1)
+    sha256: str
+    role: Role = "read"
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        if not re.fullmatch(r"[0-9a-f]{64}", v.lower()):
+            raise ValueError("must be the 64-hex-digit sha256 of the token")
+        return v.lower()
+
+
+class ProbeConfig(StrictModel):
+    interval_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(0.8, gt=0)
+    failure_threshold: int = Field(2, ge=1)
+    success_threshold: int = Field(1, ge=1)
+
+
+class DnsConfig(StrictModel):
+    """Route53 latency records for the balancers (see controller/skymesh_controller/dns.py)."""
+
+    zone: str | None = None
+    zone_id: str | None = None
+    record: str
+    ttl: int = Field(60, ge=1)
+    health_check_path: str = "/health"
+    endpoint_url: str | None = None
+    aws_region: str = "us-east-1"
+    auto_sync: bool = True
+
+
+class ControllerConfig(StrictModel):
+    listen: ListenConfig = ListenConfig()
+    store: str = "memory"
+    tokens: list[TokenConfig] = Field(default_factory=list)
+    probe: ProbeConfig = ProbeConfig()
+    max_body_bytes: int = Field(1024 * 1024, ge=1024)
+    long_poll_max_s: float = Field(60.0, gt=0)
+    telemetry_keep: int = Field(10_000, ge=10)
+    limits: ConnectionLimitsConfig = ConnectionLimitsConfig()  # skymesh.net.limits
+    dns: DnsConfig | None = None
+    url_policy: UrlPolicyConfig = UrlPolicyConfig()
+    api_docs: bool = False
+    planner: PlannerConfig | None = None  # the autopilot (docs/autopilot.md): off
+    logging: LoggingConfig = LoggingConfig()  # skymesh.obs: log format, access log
+    tracing: TracingConfig = TracingConfig()  # skymesh.obs.tracing: off unless an endpoint
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v: str) -> str:
+        if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be 'memory' or a redis:// URL")
+        return v
+
+
+def parse_config(data: Any) -> ControllerConfig:
+    return parse_model(ControllerConfig, data)
+
+
+def load_config(path: str | Path) -> ControllerConfig:
+    return parse_config(load_yaml(path))
