@@ -28,6 +28,7 @@ from skymesh.controller.autopilot.routes import mount_planner
 from skymesh.controller.config import ControllerConfig, Role
 from skymesh.controller.dashboard import mount_dashboard
 from skymesh.controller.forecasting import walk_forward
+from skymesh.controller.intake import BodyGate
 from skymesh.controller.metrics import install_metrics
 from skymesh.controller.models import (
     ERRORS,
@@ -45,7 +46,7 @@ from skymesh.controller.models import (
 )
 from skymesh.controller.series import telemetry_series as telemetry_series_of
 from skymesh.controller.series import to_csv as series_csv
-from skymesh.controller.service import ApiError, Controller, DnsHook
+from skymesh.controller.service import ApiError, Controller, DnsHook, may_modify, not_owner
 from skymesh.controller.store import Obj, Store, StoreError, open_store
 from skymesh.net.urlpolicy import Resolver, system_resolver
 from skymesh.obs.asgi import AccessLogMiddleware
@@ -129,13 +130,6 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
         return Depends(check)
 
     read, agent, admin = need("read"), need("agent"), need("admin")
-
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Any:
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > cfg.max_body_bytes):
-            return _error(413, "too_large", f"body over {cfg.max_body_bytes} bytes")
-        return await call_next(request)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -236,16 +230,19 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
     async def set_policy(bid: str, body: PolicyIn) -> Obj:
         return await ctl.set_policy(bid, body)
 
-    @app.get("/v1/balancers/{bid}/membership", tags=["balancers"], responses=ERRORS,
-             dependencies=[agent])
+    @app.get("/v1/balancers/{bid}/membership", tags=["balancers"], responses=ERRORS)
     async def membership(
         bid: str,
         after: Annotated[int, Query(ge=-1, description="return once the revision is past "
                                                        "this one (long poll)")] = -1,
         wait: Annotated[float, Query(ge=0, le=300, description="seconds to wait")] = 0.0,
+        who: Principal = agent,
     ) -> Obj:
-        await ctl.get("balancers", bid, "balancer")
-        ctl.note_poll(bid, after)  # it applied `after`: what a move's drain waits for
+        me = await ctl.get("balancers", bid, "balancer")
+        if not may_modify(me, who):  # only its own balancer: `after` is a drain's ack
+            raise not_owner("balancer", bid, me)
+        # It applied `after` (what a move's drain waits for), but no revision not yet made.
+        ctl.note_poll(bid, min(after, await ctl.store.revision()))
         if after >= 0 and wait > 0:
             await ctl.wait_change(after, wait)
         return await ctl.membership(bid)
@@ -373,6 +370,9 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
     mount_planner(app, cfg, ctl)  # /v1/plans; the planner itself when configured
     install_metrics(app)
     mount_dashboard(app)
+    # The token and the size cap before any body byte is read (skymesh.controller.intake).
+    app.add_middleware(BodyGate, known=lambda token: tokens.lookup(token) is not None,
+                       max_bytes=cfg.max_body_bytes, refused=ctl.refused)
     # Added last, so outermost: one access line (and span) per request, a 413 included.
     app.add_middleware(AccessLogMiddleware, access_log=cfg.logging.access_log,
                        tracing=tracing_from_config(cfg.tracing, "skymesh-controller"))

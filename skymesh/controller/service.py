@@ -35,6 +35,7 @@ from skymesh.net.urlpolicy import PolicyResolver, Resolver, UrlRejected
 ADMIN = Principal("controller", "admin")  # callers inside the process (tests, actuators)
 
 log = logging.getLogger("skymesh.controller")
+LOG_EVERY_S = 10.0  # the least time between two log lines for one kind of refusal
 
 DnsHook = Callable[[list[Obj], list[Obj], bool], Awaitable[dict[str, Any]]]
 
@@ -87,6 +88,11 @@ class Controller:
         self.dns = dns
         self.url_policy = cfg.url_policy.policy()
         self.resolver = resolver
+        # Placement mixes owners only where an admin allowed it (placement.Trust).
+        self.trust = placement.Trust(
+            admins=frozenset({t.name for t in cfg.tokens if t.role == "admin"}
+                             | {ADMIN.name, "env-admin"}),
+            shared=frozenset(cfg.shared_balancer_owners))
         self._refused: set[str] = set()  # URLs whose probe refusal was logged already
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
@@ -103,6 +109,19 @@ class Controller:
         # Per balancer, the newest revision it long-polled after: it has applied that
         # membership (a move waits for it before it trusts the replica's idle count).
         self.polled: dict[str, int] = {}
+        # Requests refused by a limit, by reason (for /metrics), and when each reason was
+        # last logged: one line per reason per LOG_EVERY_S, however many an attacker sends.
+        self.refusals: dict[str, int] = {}
+        self._refusal_logged: dict[str, float] = {}
+
+    def refused(self, reason: str, detail: str = "") -> None:
+        """Count a request a limit refused; log it, rate-limited per reason."""
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        now = time.monotonic()
+        if now - self._refusal_logged.get(reason, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._refusal_logged[reason] = now
+            log.warning("refused a request: %s%s (%d so far)", reason,
+                        f": {detail}" if detail else "", self.refusals[reason])
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self, probe: bool = True) -> None:
@@ -280,7 +299,8 @@ class Controller:
             replicas = await self.store.all("replicas")
         regions = await self.store.all("regions")
         puts: list[Put] = []
-        for rid, target in placement.assignments(balancers, replicas, regions).items():
+        for rid, target in placement.assignments(balancers, replicas, regions,
+                                                 self.trust).items():
             rep = replicas[rid]
             if rep.get("assigned") != target:
                 log.info("replica %s (%s): balancer %s -> %s", rid, rep["url"],
@@ -400,6 +420,15 @@ class Controller:
             return None
         return load.running + load.waiting
 
+    async def move_home(self, rid: str, region: str) -> str | None:
+        """The balancer a move of ``rid`` to ``region`` would home it at: one in the
+        region that may serve it (its owner's, or one an admin allowed), else None."""
+        rep = await self.store.get("replicas", rid)
+        if rep is None:
+            return None
+        return placement.home_for(region, await self.store.all("balancers"),
+                                  {**rep, "balancer": None}, self.trust)
+
     async def move_replica(self, rid: str, *, model: str, region: str, url: str) -> Obj:
         """Re-register a draining replica at another (model, region), homed at a
         balancer there, and undrain it: one commit, so balancers never see it half moved."""
@@ -409,9 +438,11 @@ class Controller:
             if old.get("state") != "draining":
                 raise conflict(f"replica {rid!r} is {old.get('state')}: only a draining "
                                "replica is moved")
-            if placement.home_for(region, await self.store.all("balancers")) is None:
-                raise conflict(f"region {region!r} has no balancer to home {rid!r} at")
-            fields = {**old, "model": model, "region": region, "url": url, "balancer": None}
+            home = await self.move_home(rid, region)
+            if home is None:
+                raise conflict(f"region {region!r} has no balancer that may serve {rid!r} "
+                               f"(owner {old.get('owner')!r})")
+            fields = {**old, "model": model, "region": region, "url": url, "balancer": home}
             # "unknown" serves at once; the next probe confirms it.
             return await self._write_replica(rid, {**old, "state": "unknown"}, fields, ADMIN)
 
