@@ -46,7 +46,14 @@ from skymesh.controller.models import (
 )
 from skymesh.controller.series import telemetry_series as telemetry_series_of
 from skymesh.controller.series import to_csv as series_csv
-from skymesh.controller.service import ApiError, Controller, DnsHook, may_modify, not_owner
+from skymesh.controller.service import (
+    ApiError,
+    Controller,
+    DnsHook,
+    given_policy,
+    may_modify,
+    not_owner,
+)
 from skymesh.controller.store import Obj, Store, StoreError, open_store
 from skymesh.net.urlpolicy import Resolver, system_resolver
 from skymesh.obs.asgi import AccessLogMiddleware
@@ -191,7 +198,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
 
     @app.get("/v1/regions/{name}", tags=["regions"], responses=ERRORS, dependencies=[read])
     async def get_region(name: str) -> Obj:
-        return await ctl.get("regions", name, "region")
+        return await ctl.read("regions", name, "region")
 
     @app.delete("/v1/regions/{name}", tags=["regions"], status_code=204, responses=ERRORS,
                 dependencies=[admin])
@@ -210,7 +217,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
 
     @app.put("/v1/balancers/{bid}", tags=["balancers"], responses=ERRORS)
     async def replace_balancer(bid: str, body: BalancerUpdate, who: Principal = agent) -> Obj:
-        return await ctl.update_balancer(bid, body.model_dump(), who)
+        return await ctl.update_balancer(bid, given_policy(body, body.model_dump()), who)
 
     @app.patch("/v1/balancers/{bid}", tags=["balancers"], responses=ERRORS)
     async def patch_balancer(bid: str, body: BalancerPatch, who: Principal = agent) -> Obj:
@@ -218,7 +225,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
 
     @app.get("/v1/balancers/{bid}", tags=["balancers"], responses=ERRORS, dependencies=[read])
     async def get_balancer(bid: str) -> Obj:
-        return await ctl.get("balancers", bid, "balancer")
+        return await ctl.read("balancers", bid, "balancer")
 
     @app.delete("/v1/balancers/{bid}", tags=["balancers"], status_code=204, responses=ERRORS,
                 dependencies=[admin])
@@ -238,7 +245,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
         wait: Annotated[float, Query(ge=0, le=300, description="seconds to wait")] = 0.0,
         who: Principal = agent,
     ) -> Obj:
-        me = await ctl.get("balancers", bid, "balancer")
+        me = await ctl.read("balancers", bid, "balancer")
         if not may_modify(me, who):  # only its own balancer: `after` is a drain's ack
             raise not_owner("balancer", bid, me)
         # It applied `after` (what a move's drain waits for), but no revision not yet made.
@@ -272,7 +279,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
 
     @app.get("/v1/replicas/{rid}", tags=["replicas"], responses=ERRORS, dependencies=[read])
     async def get_replica(rid: str) -> Obj:
-        return await ctl.get("replicas", rid, "replica")
+        return await ctl.read("replicas", rid, "replica")
 
     @app.delete("/v1/replicas/{rid}", tags=["replicas"], status_code=204, responses=ERRORS,
                 dependencies=[admin])

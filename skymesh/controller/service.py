@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -21,12 +22,14 @@ from skymesh.controller import placement
 from skymesh.controller.auth import Principal
 from skymesh.controller.config import ControllerConfig
 from skymesh.controller.models import (
+    MAX_RECORD_DEPTH,
     BalancerIn,
     ModelIn,
     PolicyIn,
     RegionIn,
     ReplicaIn,
     TelemetryIn,
+    json_problem,
 )
 from skymesh.controller.store import Obj, Put, Store
 from skymesh.net import urlpolicy
@@ -72,6 +75,13 @@ def may_modify(obj: Obj, who: Principal, balancers: dict[str, Obj] | None = None
 def not_owner(what: str, key: str, obj: Obj) -> ApiError:
     return ApiError(403, "not_owner", f"{what} {key!r} belongs to {obj.get('owner')!r}; "
                                       "only its owner or an admin token may change it")
+
+
+def given_policy(body: Any, fields: Obj) -> Obj:
+    """``fields`` without the policy fields the body did not name: a balancer that
+    re-registers or is PUT without them keeps the policy an admin set."""
+    return {k: v for k, v in fields.items()
+            if k not in ("policy", "policy_params") or k in body.model_fields_set}
 
 
 def replica_id_for(url: str) -> str:
@@ -167,13 +177,32 @@ class Controller:
 
     # -- reading ---------------------------------------------------------------------------
     async def list_kind(self, kind: str) -> list[Obj]:
-        return [v for _, v in sorted((await self.store.all(kind)).items())]
+        """Every record of ``kind`` the API can serve; one it cannot is left out (and
+        logged) rather than failing the list for everyone."""
+        return [v for k, v in sorted((await self.store.all(kind)).items())
+                if self._unreadable(kind, k, v) is None]
 
     async def get(self, kind: str, key: str, what: str) -> Obj:
         obj = await self.store.get(kind, key)
         if obj is None:
             raise not_found(what, key)
         return obj
+
+    async def read(self, kind: str, key: str, what: str) -> Obj:
+        """``get`` for an answer to a client: a stored record the API cannot serve (one
+        written before writes were bounded) is a 409 naming it, never a 500."""
+        obj = await self.get(kind, key, what)
+        why = self._unreadable(kind, key, obj)
+        if why is not None:
+            raise ApiError(409, "unreadable_record", f"{what} {key!r} is stored in a form "
+                           f"the API cannot serve ({why}): an admin may PUT or DELETE it")
+        return obj
+
+    def _unreadable(self, kind: str, key: str, obj: Obj) -> str | None:
+        why = json_problem(obj, MAX_RECORD_DEPTH)
+        if why is not None:
+            self.refused("unreadable_record", f"{kind} {key!r}: {why}")
+        return why
 
     # -- regions ---------------------------------------------------------------------------
     async def put_region(self, body: RegionIn) -> Obj:
@@ -202,13 +231,6 @@ class Controller:
             raise invalid_field(field, "url_not_allowed", str(exc)) from None
 
     async def _check_balancer_fields(self, fields: Obj) -> None:
-        from skymesh.policies import PolicyConfigError, build_policy
-
-        if fields.get("policy") is not None:
-            try:
-                build_policy(fields["policy"], fields.get("policy_params") or {})
-            except PolicyConfigError as exc:
-                raise ApiError(422, "invalid_policy", f"policy: {exc}") from None
         if "url" in fields:
             await self.check_url("url", fields["url"])
         if fields.get("peer_address"):
@@ -216,24 +238,67 @@ class Controller:
 
     async def register_balancer(self, body: BalancerIn, who: Principal = ADMIN) -> Obj:
         """POST: create, or re-register (a balancer restarting) when the caller owns it."""
-        fields = body.model_dump()
+        fields = given_policy(body, body.model_dump())
         await self._check_balancer_fields(fields)
         async with self._lock:
             old = await self.store.get("balancers", body.id)
             if old is not None and not may_modify(old, who):
                 raise conflict(f"balancer {body.id!r} exists and belongs to "
                                f"{old.get('owner')!r}: pick another id")
+            if old is None:
+                await self._check_quota(who)
+            self._check_policy(body.id, old or {}, fields, who)
             return await self._write_balancer(body.id, old, fields, who, keep_policy=True)
 
     async def update_balancer(self, bid: str, fields: Obj, who: Principal) -> Obj:
-        """PUT (every field) or PATCH (the fields given) of an existing balancer."""
+        """PUT (every field) or PATCH (the fields given) of an existing balancer; the
+        policy fields change only when given (``given_policy``)."""
         await self._check_balancer_fields(fields)
         async with self._lock:
             old = await self.get("balancers", bid, "balancer")
             if not may_modify(old, who):
                 raise not_owner("balancer", bid, old)
+            self._check_policy(bid, old, fields, who)
             return await self._write_balancer(bid, old, {**old, **fields}, who,
                                               keep_policy=False)
+
+    async def _check_quota(self, who: Principal) -> None:
+        """An agent token registers at most max_balancers_per_agent balancers: each one
+        holds telemetry history, so the cap bounds what one token can make us keep."""
+        if who.role == "admin":
+            return
+        cap = self.cfg.max_balancers_per_agent
+        mine = sum(1 for b in (await self.store.all("balancers")).values()
+                   if b.get("owner") == who.name)
+        if mine >= cap:
+            self.refused("balancer_quota", f"token {who.name!r}")
+            raise ApiError(403, "quota_exceeded", f"token {who.name!r} owns {mine} "
+                           f"balancers already (max_balancers_per_agent: {cap})")
+
+    @staticmethod
+    def _check_policy(bid: str, old: Obj, fields: Obj, who: Principal) -> None:
+        """Policy is an admin's (as ``PUT .../policy``); the policy and its parameters in
+        force after this write are checked together, whichever of them is given."""
+        from skymesh.policies import PolicyConfigError, build_policy
+
+        changed = [k for k in ("policy", "policy_params")
+                   if k in fields and (fields[k] or None) != (old.get(k) or None)]
+        if not changed:
+            return
+        if who.role != "admin":
+            raise ApiError(403, "forbidden", f"{changed[0]}: only an admin token may change "
+                           f"a balancer's policy (PUT /v1/balancers/{bid}/policy)")
+        policy = fields.get("policy", old.get("policy"))
+        params = fields.get("policy_params", old.get("policy_params")) or {}
+        if policy is None:
+            if params:
+                raise invalid_field("policy_params", "invalid_policy",
+                                    "given without a policy to apply them to")
+            return
+        try:
+            build_policy(policy, params)
+        except PolicyConfigError as exc:
+            raise ApiError(422, "invalid_policy", f"policy: {exc}") from None
 
     async def _write_balancer(self, bid: str, old: Obj | None, fields: Obj, who: Principal,
                               keep_policy: bool) -> Obj:
@@ -480,7 +545,7 @@ class Controller:
     # -- balancer sync ---------------------------------------------------------------------
     async def membership(self, bid: str) -> Obj:
         rev = await self.store.revision()
-        me = await self.get("balancers", bid, "balancer")
+        me = await self.read("balancers", bid, "balancer")
         balancers = await self.store.all("balancers")
         replicas = await self.store.all("replicas")
         mine = [{k: r[k] for k in ("id", "url", "model", "gpu", "kind", "region", "balancer")}
@@ -502,9 +567,23 @@ class Controller:
         me = await self.get("balancers", bid, "balancer")
         if not may_modify(me, who):
             raise not_owner("balancer", bid, me)
+        cfg = self.cfg
+        if len(body.models) > cfg.telemetry_max_models:
+            self.refused("telemetry_models", f"balancer {bid!r}: {len(body.models)}")
+            raise invalid_field("models", "too_many_models", f"{len(body.models)} models: at "
+                                f"most {cfg.telemetry_max_models} (telemetry_max_models)")
         sample = body.model_dump()
         sample.update(ts=time.time(), balancer=bid, region=me["region"])
-        await self.store.append(f"balancer:{bid}", sample, self.cfg.telemetry_keep)
+        size = len(json.dumps(sample))
+        if size > cfg.telemetry_max_bytes:
+            self.refused("telemetry_too_large", f"balancer {bid!r}: {size} bytes")
+            raise ApiError(413, "too_large", f"telemetry report of {size} bytes: at most "
+                           f"{cfg.telemetry_max_bytes} (telemetry_max_bytes)")
+        # The history is bounded in bytes too: large reports keep fewer of them. The size
+        # is rounded up to a power of two so the count kept does not change every report.
+        rounded = 1 << (size - 1).bit_length()
+        keep = max(1, min(cfg.telemetry_keep, cfg.telemetry_balancer_bytes // rounded))
+        await self.store.append(f"balancer:{bid}", sample, keep)
         self.latest[bid] = sample
 
     async def telemetry(self, balancer: str | None, region: str | None, limit: int

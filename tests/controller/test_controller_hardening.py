@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import yaml
 from controller_support import ADMIN, AGENT, READER, RedisServer, auth, token_config
 from fastapi.testclient import TestClient
@@ -204,3 +203,149 @@ def test_body_gate_answers_in_the_admin_api_shape() -> None:
         r = c.post("/v1/regions", headers=auth(READER), json={
             "name": "eu", "latitude": 1, "longitude": 2})
         assert r.status_code == 403
+
+
+# -- 4. nothing stored can break a read; policy is an admin's ------------------------------
+def _deep(levels: int) -> dict[str, Any]:
+    doc: dict[str, Any] = {}
+    for _ in range(levels):
+        doc = {"a": doc}
+    return doc
+
+
+def test_policy_params_are_bounded_and_policy_is_admin_only() -> None:
+    with client() as c:
+        assert c.post("/v1/balancers", headers=auth(AGENT), json={
+            "id": "lb", "region": "us", "url": "http://10.0.0.1"}).status_code == 201
+        # The issue's 536-byte body: 255 levels. Refused, named, and nothing stored.
+        for token in (ADMIN, AGENT):
+            r = c.patch("/v1/balancers/lb", headers=auth(token),
+                        json={"policy": "least-load", "policy_params": _deep(255)})
+            assert r.status_code == 422, r.text
+            assert r.json()["error"]["fields"][0]["field"] == "policy_params"
+        r = c.put("/v1/balancers/lb/policy", headers=auth(), json={
+            "policy": "least-load", "params": _deep(20)})
+        assert r.status_code == 422
+        r = c.put("/v1/balancers/lb/policy", headers=auth(),
+                  content=b'{"policy": "least-load", "params": {"x": NaN}}')
+        assert r.status_code == 422
+        assert c.get("/v1/balancers", headers=auth(READER)).status_code == 200
+        assert c.get("/v1/balancers/lb", headers=auth()).json()["policy_params"] == {}
+        # An agent changes neither the policy nor its parameters of its own balancer.
+        for body in ({"policy": "least-load"}, {"policy_params": {"virtual_nodes": 80}}):
+            r = c.patch("/v1/balancers/lb", headers=auth(AGENT), json=body)
+            assert r.status_code == 403 and "admin" in r.json()["error"]["message"], r.text
+        r = c.post("/v1/balancers", headers=auth(AGENT), json={
+            "id": "lb2", "region": "us", "url": "http://10.0.0.2", "policy": "random"})
+        assert r.status_code == 403
+        # Parameters without a policy are checked too (they were stored unchecked).
+        r = c.patch("/v1/balancers/lb", headers=auth(), json={"policy_params": {"x": 1}})
+        assert r.status_code == 422 and r.json()["error"]["fields"][0]["field"] == \
+            "policy_params"
+        assert c.put("/v1/balancers/lb/policy", headers=auth(), json={
+            "policy": "consistent-hash"}).status_code == 200
+        r = c.patch("/v1/balancers/lb", headers=auth(), json={"policy_params": {"bogus": 1}})
+        assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_policy"
+        r = c.patch("/v1/balancers/lb", headers=auth(), json={
+            "policy_params": {"virtual_nodes": 80}})
+        assert r.status_code == 200, r.text
+        # The balancer re-registering (no policy fields) keeps what the admin set.
+        r = c.post("/v1/balancers", headers=auth(AGENT), json={
+            "id": "lb", "region": "us", "url": "http://10.0.0.1"})
+        assert r.status_code == 201
+        assert r.json()["policy"] == "consistent-hash"
+        assert r.json()["policy_params"] == {"virtual_nodes": 80}
+
+
+def test_a_stored_record_the_api_cannot_serve_breaks_no_read(store_spec: str) -> None:
+    """A record stored before writes were bounded (on Redis it outlives a restart): the
+    list leaves it out, a GET of it or its membership is a 409, everything else works,
+    and an admin can replace it."""
+    with client(store=store_spec) as c:
+        for bid in ("good", "bad"):
+            assert c.post("/v1/balancers", headers=auth(AGENT), json={
+                "id": bid, "region": "us", "url": f"http://10.0.0.{len(bid)}"}
+                ).status_code == 201
+        ctl = c.app.state.controller  # type: ignore[attr-defined]
+        bad = {**c.get("/v1/balancers/bad", headers=auth()).json(),
+               "policy": "least-load", "policy_params": _deep(300)}
+        c.portal.call(ctl.store.commit, [("balancers", "bad", bad)])  # type: ignore[union-attr]
+        r = c.get("/v1/balancers", headers=auth(READER))
+        assert r.status_code == 200 and [b["id"] for b in r.json()] == ["good"]
+        for path in ("/v1/balancers/bad", "/v1/balancers/bad/membership"):
+            r = c.get(path, headers=auth())
+            assert r.status_code == 409 and r.json()["error"]["type"] == "unreadable_record"
+        assert c.get("/v1/balancers/good/membership", headers=auth(AGENT)).status_code == 200
+        assert c.get("/v1/status", headers=auth()).status_code == 200
+        assert c.get("/metrics").status_code == 200
+        r = c.put("/v1/balancers/bad/policy", headers=auth(), json={"policy": "least-load"})
+        assert r.status_code == 200, r.text
+        assert [b["id"] for b in c.get("/v1/balancers", headers=auth()).json()] == [
+            "bad", "good"]
+
+
+# -- 5. telemetry and balancers bounded ----------------------------------------------------
+def _report(models: int = 1, name: str = "m", replicas: int = 0) -> dict[str, Any]:
+    return {"window_s": 1, "models": {f"{name}{i}": {"requests": 1} for i in range(models)},
+            "replicas": {f"http://10.0.{i // 250}.{i % 250}:8000": "healthy"
+                         for i in range(replicas)}}
+
+
+def test_telemetry_is_bounded_per_report_and_per_balancer() -> None:
+    with client(telemetry_max_models=4, telemetry_max_bytes=4096,
+                telemetry_balancer_bytes=64 * 1024) as c:
+        assert c.post("/v1/balancers", headers=auth(AGENT), json={
+            "id": "lb", "region": "us", "url": "http://10.0.0.1"}).status_code == 201
+        post = lambda body: c.post("/v1/balancers/lb/telemetry",  # noqa: E731
+                                   headers=auth(AGENT), json=body)
+        r = post(_report(models=5))
+        assert r.status_code == 422 and r.json()["error"]["type"] == "too_many_models"
+        r = post(_report(name="m" * 960))  # the issue's ~960-character model keys
+        assert r.status_code == 422 and "models" in r.json()["error"]["message"]
+        r = post(_report(replicas=200))
+        assert r.status_code == 413 and "telemetry_max_bytes" in r.json()["error"]["message"]
+        # Reports of ~2,300 bytes (rounded to 4 KiB): 64 KiB keeps 16 of them, not 10,000.
+        for _ in range(40):
+            assert post(_report(models=4, replicas=50)).status_code == 204
+        kept = c.get("/v1/telemetry", params={"balancer": "lb", "limit": 10_000},
+                     headers=auth()).json()
+        assert len(kept) == 16
+        assert sum(len(json.dumps(s)) for s in kept) <= 64 * 1024
+        assert 'reason="telemetry_too_large"' in c.get("/metrics").text
+
+
+def test_balancers_per_agent_token_are_capped() -> None:
+    with client(max_balancers_per_agent=2) as c:
+        def register(token: str, bid: str) -> httpx.Response:
+            return c.post("/v1/balancers", headers=auth(token), json={
+                "id": bid, "region": "us", "url": f"http://10.0.0.{len(bid)}"})
+
+        assert register(AGENT, "a").status_code == register(AGENT, "bb").status_code == 201
+        r = register(AGENT, "ccc")
+        assert r.status_code == 403 and r.json()["error"]["type"] == "quota_exceeded"
+        assert register(AGENT, "a").status_code == 201  # re-registering is no new one
+        assert register(AGENT2, "ccc").status_code == 201  # its own count
+        assert register(ADMIN, "dddd").status_code == 201  # admin: no cap
+
+
+# -- 9. the minor items --------------------------------------------------------------------
+def test_bodies_must_be_utf8_json_and_names_plain() -> None:
+    region = {"name": "eu", "latitude": 1, "longitude": 2}
+    with client() as c:
+        for encoding in ("utf-16", "utf-16-le", "utf-32"):
+            r = c.post("/v1/regions", headers={**auth(), "content-type": "application/json"},
+                       content=json.dumps(region).encode(encoding))
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_body"
+        assert c.get("/v1/regions/eu", headers=auth()).status_code == 404
+        r = c.post("/v1/replicas", headers=auth(), json={
+            "url": "http://10.0.0.1", "model": "llama\u0000evil", "region": "us", "gpu": "L4"})
+        assert r.status_code == 422 and r.json()["error"]["fields"][0]["field"] == "model"
+        r = c.post("/v1/models", headers=auth(), json={"name": "m\nx"})
+        assert r.status_code == 422
+        r = c.post("/v1/models", headers={**auth(), "content-type": "application/json"},
+                   content=b'{"name": "m", "min_replicas": ' + b"9" * 4000 + b"}")
+        assert r.status_code == 422 and "min_replicas" in r.json()["error"]["message"]
+        r = c.post("/v1/models", headers={**auth(), "content-type": "application/json"},
+                   content=b'{"name": "m", "ttft_slo_s": Infinity}')
+        assert r.status_code == 422
+        assert c.get("/v1/models", headers=auth()).json() == []
