@@ -130,7 +130,7 @@ class BalancerPatch(_In):
                      validate_default=False)
     peer_address: str | None = Field(None, max_length=256)
     policy: str | None = Field(None, max_length=64, description="admin only")
-    policy_params: PolicyParams = Field(None, validate_default=False,  # type: ignore[assignment]
+    policy_params: PolicyParams = Field(None, validate_default=False,  # type: ignore[call-overload]
                                         description="admin only")
     owner: Name = Field(None, description=OWNER_DOC,  # type: ignore[assignment]
                         validate_default=False)
