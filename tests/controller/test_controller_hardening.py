@@ -89,14 +89,14 @@ def test_failover_never_hands_a_replica_to_another_owners_balancer(
                         and rep["state"] == "healthy")
 
             wait_for(settled, "lb-a down, lb-b up, r-a healthy")
-            rev = c.get("/v1/status", headers=auth()).json()["revision"]
             assert c.get("/v1/replicas/r-a", headers=auth()).json()["assigned"] is None
             m = c.get("/v1/balancers/lb-b/membership", headers=auth(AGENT2)).json()
             assert [x["id"] for x in m["replicas"]] == [], m
-            # A second round of probes changes nothing: no later move either.
-            wait_for(lambda: c.get("/v1/status", headers=auth()).json()["revision"] >= rev
-                     and c.get("/v1/balancers/lb-b/membership", headers=auth(AGENT2))
-                     .json()["replicas"] == [], "still no foreign replica")
+            # Later probe rounds change nothing: no late move either.
+            seen = _balancer_probes(ctl.url)
+            wait_for(lambda: _balancer_probes(ctl.url) >= seen + 6, "three more probe rounds")
+            m = c.get("/v1/balancers/lb-b/membership", headers=auth(AGENT2)).json()
+            assert m["replicas"] == [], m
             # A's own live balancer in the region does take it over.
             r = c.post("/v1/balancers", headers=auth(AGENT),
                        json={"id": "lb-a2", "region": "us", "url": live.url})
@@ -109,6 +109,12 @@ def test_failover_never_hands_a_replica_to_another_owners_balancer(
                          headers=auth(AGENT2)).json()["replicas"] == []
     finally:
         live.stop()
+
+
+def _balancer_probes(base: str) -> float:
+    text = httpx.get(f"{base}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('skymesh_controller_probes_total{kind="balancer"'))
 
 
 def test_membership_only_for_own_balancers_and_no_future_revision() -> None:
@@ -190,6 +196,57 @@ def test_chunked_body_over_the_cap_is_refused_while_it_streams(tmp_path: Path) -
             "name": "us", "latitude": 1, "longitude": 2})
         assert r.status_code == 201, r.text
         assert httpx.get(f"{ctl.url}/health").status_code == 200
+
+
+class Source:
+    """An endless request body for BodyGate: counts what the gate pulls from it."""
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk, self.pulled = chunk, 0
+
+    async def receive(self) -> dict[str, Any]:
+        self.pulled += 1
+        return {"type": "http.request", "body": b"x" * self.chunk, "more_body": True}
+
+
+async def _through_gate(headers: list[tuple[bytes, bytes]], source: Source,
+                        max_bytes: int = 4096) -> tuple[int, bool, list[str]]:
+    from skymesh.controller.intake import BodyGate
+
+    reached, refusals, sent = False, [], []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        nonlocal reached
+        reached = True
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    gate = BodyGate(app, known=lambda t: t == "good", max_bytes=max_bytes,
+                    refused=refusals.append)
+    await gate({"type": "http", "method": "POST", "path": "/v1/regions",
+                "headers": headers}, source.receive, send)
+    assert dict(sent[0]["headers"])[b"connection"] == b"close"
+    return sent[0]["status"], reached, refusals
+
+
+async def test_body_gate_reads_no_byte_without_a_token_and_stops_at_the_cap() -> None:
+    chunked = (b"transfer-encoding", b"chunked")
+    for auth_header in ([], [(b"authorization", b"Bearer bad")],
+                        [(b"authorization", b"Basic good")]):
+        src = Source(1024)
+        assert await _through_gate([chunked, *auth_header], src) == (
+            401, False, ["unauthenticated_body"])
+        assert src.pulled == 0  # not one byte of the body was read
+    src = Source(1024)
+    assert await _through_gate([chunked, (b"authorization", b"Bearer good")], src) == (
+        413, False, ["body_too_large"])
+    assert src.pulled == 5  # 5 KiB: just past the 4 KiB cap, and no further
+    src = Source(1024)
+    too_long = (b"content-length", b"999999")
+    assert await _through_gate([too_long, (b"authorization", b"Bearer good")], src) == (
+        413, False, ["body_too_large"])
+    assert src.pulled == 0
 
 
 def test_body_gate_answers_in_the_admin_api_shape() -> None:
