@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 from controller_support import ADMIN, AGENT, READER, RedisServer, auth, token_config
 from fastapi.testclient import TestClient
@@ -109,6 +110,41 @@ def test_failover_never_hands_a_replica_to_another_owners_balancer(
                          headers=auth(AGENT2)).json()["replicas"] == []
     finally:
         live.stop()
+
+
+async def test_a_planner_move_homes_the_replica_only_where_its_owner_may() -> None:
+    from skymesh.controller.auth import Principal
+    from skymesh.controller.models import BalancerIn, RegionIn, ReplicaIn
+    from skymesh.controller.service import ApiError, Controller
+    from skymesh.controller.store import MemoryStore
+
+    a, b = Principal("lbs", "agent"), Principal("lbs-2", "agent")
+    for shared, want in (([], None), (["lbs-2"], "lb-eu")):
+        ctl = Controller(parse_config({"tokens": TOKENS, "shared_balancer_owners": shared}),
+                         MemoryStore())
+        await ctl.start(probe=False)
+        try:
+            for name in ("us", "eu"):
+                await ctl.put_region(RegionIn(name=name, latitude=1, longitude=2))
+            await ctl.register_balancer(BalancerIn(id="lb-us", region="us",
+                                                   url="http://10.0.0.1"), a)
+            await ctl.register_balancer(BalancerIn(id="lb-eu", region="eu",
+                                                   url="http://10.0.0.2"), b)
+            await ctl.add_replica(ReplicaIn(id="r", url="http://10.0.0.3", model="m",
+                                            region="us", gpu="L4", balancer="lb-us"), a)
+            await ctl.begin_drain("r")
+            assert await ctl.move_home("r", "eu") == want
+            if want is None:
+                with pytest.raises(ApiError) as err:
+                    await ctl.move_replica("r", model="m", region="eu",
+                                           url="http://10.0.0.3")
+                assert err.value.status == 409 and "may serve" in err.value.message
+            else:
+                moved = await ctl.move_replica("r", model="m", region="eu",
+                                               url="http://10.0.0.3")
+                assert moved["balancer"] == moved["assigned"] == "lb-eu"
+        finally:
+            await ctl.stop()
 
 
 def _balancer_probes(base: str) -> float:
