@@ -31,6 +31,7 @@ from skymesh_controller.autopilot.routes import mount_planner
 from skymesh_controller.config import ControllerConfig, Role
 from skymesh_controller.dashboard import mount_dashboard
 from skymesh_controller.forecasting import walk_forward
+from skymesh_controller.intake import BodyGate
 from skymesh_controller.metrics import install_metrics
 from skymesh_controller.models import (
     ERRORS,
@@ -48,7 +49,14 @@ from skymesh_controller.models import (
 )
 from skymesh_controller.series import telemetry_series as telemetry_series_of
 from skymesh_controller.series import to_csv as series_csv
-from skymesh_controller.service import ApiError, Controller, DnsHook
+from skymesh_controller.service import (
+    ApiError,
+    Controller,
+    DnsHook,
+    given_policy,
+    may_modify,
+    not_owner,
+)
 from skymesh_controller.store import Obj, Store, StoreError, open_store
 
 MAX_FORECAST_SERIES = 24
@@ -130,13 +138,6 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
 
     read, agent, admin = need("read"), need("agent"), need("admin")
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Any:
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > cfg.max_body_bytes):
-            return _error(413, "too_large", f"body over {cfg.max_body_bytes} bytes")
-        return await call_next(request)
-
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         if exc.fields is not None:
@@ -197,7 +198,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
 
     @app.get("/v1/regions/{name}", tags=["regions"], responses=ERRORS, dependencies=[read])
     async def get_region(name: str) -> Obj:
-        return await ctl.get("regions", name, "region")
+        return await ctl.read("regions", name, "region")
 
     @app.delete("/v1/regions/{name}", tags=["regions"], status_code=204, responses=ERRORS,
                 dependencies=[admin])
@@ -216,7 +217,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
 
     @app.put("/v1/balancers/{bid}", tags=["balancers"], responses=ERRORS)
     async def replace_balancer(bid: str, body: BalancerUpdate, who: Principal = agent) -> Obj:
-        return await ctl.update_balancer(bid, body.model_dump(), who)
+        return await ctl.update_balancer(bid, given_policy(body, body.model_dump()), who)
 
     @app.patch("/v1/balancers/{bid}", tags=["balancers"], responses=ERRORS)
     async def patch_balancer(bid: str, body: BalancerPatch, who: Principal = agent) -> Obj:
@@ -224,7 +225,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
 
     @app.get("/v1/balancers/{bid}", tags=["balancers"], responses=ERRORS, dependencies=[read])
     async def get_balancer(bid: str) -> Obj:
-        return await ctl.get("balancers", bid, "balancer")
+        return await ctl.read("balancers", bid, "balancer")
 
     @app.delete("/v1/balancers/{bid}", tags=["balancers"], status_code=204, responses=ERRORS,
                 dependencies=[admin])
@@ -236,16 +237,19 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
     async def set_policy(bid: str, body: PolicyIn) -> Obj:
         return await ctl.set_policy(bid, body)
 
-    @app.get("/v1/balancers/{bid}/membership", tags=["balancers"], responses=ERRORS,
-             dependencies=[agent])
+    @app.get("/v1/balancers/{bid}/membership", tags=["balancers"], responses=ERRORS)
     async def membership(
         bid: str,
         after: Annotated[int, Query(ge=-1, description="return once the revision is past "
                                                        "this one (long poll)")] = -1,
         wait: Annotated[float, Query(ge=0, le=300, description="seconds to wait")] = 0.0,
+        who: Principal = agent,
     ) -> Obj:
-        await ctl.get("balancers", bid, "balancer")
-        ctl.note_poll(bid, after)  # it applied `after`: what a move's drain waits for
+        me = await ctl.read("balancers", bid, "balancer")
+        if not may_modify(me, who):  # only its own balancer: `after` is a drain's ack
+            raise not_owner("balancer", bid, me)
+        # It applied `after` (what a move's drain waits for), but no revision not yet made.
+        ctl.note_poll(bid, min(after, await ctl.store.revision()))
         if after >= 0 and wait > 0:
             await ctl.wait_change(after, wait)
         return await ctl.membership(bid)
@@ -275,7 +279,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
 
     @app.get("/v1/replicas/{rid}", tags=["replicas"], responses=ERRORS, dependencies=[read])
     async def get_replica(rid: str) -> Obj:
-        return await ctl.get("replicas", rid, "replica")
+        return await ctl.read("replicas", rid, "replica")
 
     @app.delete("/v1/replicas/{rid}", tags=["replicas"], status_code=204, responses=ERRORS,
                 dependencies=[admin])
@@ -373,6 +377,9 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
     mount_planner(app, cfg, ctl)  # /v1/plans; the planner itself when configured
     install_metrics(app)
     mount_dashboard(app)
+    # The token and the size cap before any body byte is read (skymesh_controller.intake).
+    app.add_middleware(BodyGate, known=lambda token: tokens.lookup(token) is not None,
+                       max_bytes=cfg.max_body_bytes, refused=ctl.refused)
     # Added last, so outermost: one access line (and span) per request, a 413 included.
     app.add_middleware(AccessLogMiddleware, access_log=cfg.logging.access_log,
                        tracing=tracing_from_config(cfg.tracing, "skymesh-controller"))

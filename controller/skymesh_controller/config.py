@@ -15,6 +15,14 @@ Example::
     planner: {mode: dry-run, capacity: {llama-8b: {L4: 1500}}}   # docs/autopilot.md
     logging: {format: text, access_log: true}   # docs/operations-logs.md
     tracing: {otlp_endpoint: null}              # OTLP/HTTP collector URL: tracing on
+    max_body_bytes: 1048576                 # any request body, counted as it streams
+    telemetry_max_bytes: 65536              # one telemetry report as stored
+    telemetry_max_models: 256               # model keys in one report
+    telemetry_keep: 10000                   # reports kept per balancer ...
+    telemetry_balancer_bytes: 4194304       # ... and at most about this many bytes
+    max_balancers_per_agent: 64             # balancers one agent token may register
+    shared_balancer_owners: []              # token names whose balancers take anyone's
+                                            # replicas on failover (default: owner only)
 
 ``SKYMESH_ADMIN_TOKEN`` adds an admin token when set (quick starts, tests).
 ``url_policy`` decides which replica and balancer URLs may be registered and probed
@@ -89,6 +97,15 @@ class ControllerConfig(StrictModel):
     max_body_bytes: int = Field(1024 * 1024, ge=1024)
     long_poll_max_s: float = Field(60.0, gt=0)
     telemetry_keep: int = Field(10_000, ge=10)
+    # One report's stored size, its model keys, and one balancer's history in bytes
+    # (the number kept shrinks under telemetry_keep when reports are large).
+    telemetry_max_bytes: int = Field(64 * 1024, ge=1024)
+    telemetry_max_models: int = Field(256, ge=1, le=1024)
+    telemetry_balancer_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024)
+    max_balancers_per_agent: int = Field(64, ge=1)  # admin tokens have no cap
+    # Token names whose balancers take any owner's replicas on failover and planner
+    # moves (a shared pool); otherwise a replica goes only to its owner's balancers.
+    shared_balancer_owners: list[str] = Field(default_factory=list)
     limits: ConnectionLimitsConfig = ConnectionLimitsConfig()  # skymesh.net.limits
     dns: DnsConfig | None = None
     url_policy: UrlPolicyConfig = UrlPolicyConfig()

@@ -12,6 +12,7 @@ state is listed for every region, with 0 where nothing is in it, so an alert suc
     skymesh_controller_replicas{region,model,state}          healthy, unhealthy, draining, unknown
     skymesh_controller_telemetry_age_seconds{balancer}       since its last telemetry report
     skymesh_controller_probes_total{kind,result}             /health probes, ok or failed
+    skymesh_controller_refused_total{reason}                 requests a limit refused
     skymesh_controller_http_requests_total{method,route,status}
     skymesh_controller_http_request_duration_seconds{route}  histogram
 
@@ -144,6 +145,12 @@ class _State:
             for ok, result in ((True, "ok"), (False, "failed")):
                 probes.add_metric([kind, result], counts.get((kind, ok), 0))
         yield probes
+        refused = CounterMetricFamily("skymesh_controller_refused",
+                                      "Requests a limit refused, by reason",
+                                      labels=["reason"])
+        for reason, n in sorted(getattr(self.ctl, "refusals", {}).items()):
+            refused.add_metric([reason], n)
+        yield refused
         yield from self.http.families()
 
 

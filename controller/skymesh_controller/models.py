@@ -2,15 +2,61 @@
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from skymesh.net.urlpolicy import UrlRejected, parse
 
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
                             description="letters, digits, '.', '_' or '-'; at most 63")]
+# No control characters (NUL, newlines): these names reach logs, metrics labels and engines.
+ModelName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
 BalancerState = Literal["unknown", "up", "down"]
+
+# Free-form documents (policy parameters) are bounded so that nothing stored can break a
+# read: the JSON encoder recurses, and a deep enough document fails every GET that meets it.
+MAX_PARAMS_DEPTH = 8  # policy parameters are flat in practice (virtual_nodes: 80)
+MAX_PARAMS_BYTES = 16 * 1024
+MAX_RECORD_DEPTH = MAX_PARAMS_DEPTH + 4  # a stored record around its parameters
+
+
+def json_problem(value: Any, max_depth: int) -> str | None:
+    """Why ``value`` is not a plain JSON document at most ``max_depth`` deep (finite
+    numbers, string keys), or None. Iterative, so it is safe on any depth."""
+    todo: list[tuple[Any, int]] = [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, dict):
+            if not all(isinstance(k, str) for k in v):
+                return "object keys must be strings"
+            children: Any = v.values()
+        elif isinstance(v, list):
+            children = v
+        elif isinstance(v, float) and not math.isfinite(v):
+            return "numbers must be finite"
+        elif v is None or isinstance(v, str | int | float):
+            continue
+        else:
+            return f"not a JSON value ({type(v).__name__})"
+        if depth > max_depth:
+            return f"nested deeper than {max_depth} levels"
+        todo += [(c, depth + 1) for c in children]
+    return None
+
+
+def _bounded_params(v: dict[str, Any]) -> dict[str, Any]:
+    why = json_problem(v, MAX_PARAMS_DEPTH)
+    if why is not None:
+        raise ValueError(why)
+    if len(json.dumps(v)) > MAX_PARAMS_BYTES:
+        raise ValueError(f"over {MAX_PARAMS_BYTES} bytes as JSON")
+    return v
+
+
+PolicyParams = Annotated[dict[str, Any], AfterValidator(_bounded_params)]
 ReplicaState = Literal["unknown", "healthy", "unhealthy", "draining"]
 
 
@@ -41,7 +87,7 @@ def _host_port(v: str | None) -> str | None:
 
 class _In(BaseModel):
     # Strict: JSON types as the schema says (no false for a number, no "1" for an int).
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class RegionIn(_In):
@@ -64,8 +110,8 @@ class BalancerUpdate(_In):
     url: str = Field(max_length=2048, description="the balancer's HTTP edge; " + URL_DOC)
     peer_address: str | None = Field(None, max_length=256,
                                      description="host:port of its gRPC peering listener")
-    policy: str | None = Field(None, max_length=64)
-    policy_params: dict[str, Any] = Field(default_factory=dict)
+    policy: str | None = Field(None, max_length=64, description="admin only")
+    policy_params: PolicyParams = Field(default_factory=dict, description="admin only")
     owner: Name | None = Field(None, description=OWNER_DOC)
 
     _url = field_validator("url")(_http_url)
@@ -83,8 +129,9 @@ class BalancerPatch(_In):
     url: str = Field(None, max_length=2048, description=URL_DOC,  # type: ignore[assignment]
                      validate_default=False)
     peer_address: str | None = Field(None, max_length=256)
-    policy: str | None = Field(None, max_length=64)
-    policy_params: dict[str, Any] = Field(None, validate_default=False)  # type: ignore[call-overload]
+    policy: str | None = Field(None, max_length=64, description="admin only")
+    policy_params: PolicyParams = Field(None, validate_default=False,  # type: ignore[call-overload]
+                                        description="admin only")
     owner: Name = Field(None, description=OWNER_DOC,  # type: ignore[assignment]
                         validate_default=False)
 
@@ -96,9 +143,10 @@ class ReplicaUpdate(_In):
     """``PUT /v1/replicas/{rid}``: every field but the id."""
 
     url: str = Field(max_length=2048, description=URL_DOC)
-    model: str = Field(min_length=1, max_length=256)
+    model: ModelName
     region: Name
-    gpu: str = Field(min_length=1, max_length=64, description="e.g. L4, A100, H100")
+    gpu: str = Field(min_length=1, max_length=64, pattern=r"^[^\x00-\x1f\x7f]+$",
+                     description="e.g. L4, A100, H100")
     balancer: Name | None = Field(None, description="home balancer; default: one in the region")
     kind: Literal["vllm", "sglang", "skymesh"] = "vllm"
     owner: Name | None = Field(None, description=OWNER_DOC)
@@ -115,11 +163,10 @@ class ReplicaPatch(_In):
 
     url: str = Field(None, max_length=2048, description=URL_DOC,  # type: ignore[assignment]
                      validate_default=False)
-    model: str = Field(None, min_length=1, max_length=256,  # type: ignore[assignment]
-                       validate_default=False)
+    model: ModelName = Field(None, validate_default=False)  # type: ignore[assignment]
     region: Name = Field(None, validate_default=False)  # type: ignore[assignment]
     gpu: str = Field(None, min_length=1, max_length=64,  # type: ignore[assignment]
-                     validate_default=False)
+                     pattern=r"^[^\x00-\x1f\x7f]+$", validate_default=False)
     balancer: Name | None = None
     kind: Literal["vllm", "sglang", "skymesh"] = Field(  # type: ignore[call-overload]
         None, validate_default=False)
@@ -146,31 +193,37 @@ class ErrorOut(BaseModel):
     error: ErrorDetail
 
 
+MAX_REPLICAS = 100_000  # per model: far past any fleet, short of a 4,000-digit number
+
+
 class ModelIn(_In):
-    name: str = Field(min_length=1, max_length=256)
-    min_replicas: int = Field(0, ge=0)
-    max_replicas: int | None = Field(None, ge=0)
+    name: ModelName
+    min_replicas: int = Field(0, ge=0, le=MAX_REPLICAS)
+    max_replicas: int | None = Field(None, ge=0, le=MAX_REPLICAS)
     ttft_slo_s: float | None = Field(None, gt=0)
 
 
 class PolicyIn(_In):
     policy: str = Field(min_length=1, max_length=64)
-    params: dict[str, Any] = Field(default_factory=dict)
+    params: PolicyParams = Field(default_factory=dict)
 
 
 class ModelStats(_In):
-    requests: int = Field(0, ge=0)
-    prompt_tokens: int = Field(0, ge=0)
-    output_tokens: int = Field(0, ge=0)
+    requests: int = Field(0, ge=0, le=10**15)
+    prompt_tokens: int = Field(0, ge=0, le=10**15)
+    output_tokens: int = Field(0, ge=0, le=10**15)
 
 
 class TelemetryIn(_In):
     window_s: float = Field(gt=0, le=3600, description="seconds these counts cover")
-    models: dict[str, ModelStats] = Field(default_factory=dict, max_length=1024)
-    queue_length: int = Field(0, ge=0)
-    in_flight: int = Field(0, ge=0)
-    replicas: dict[str, Literal["healthy", "unhealthy"]] = Field(
-        default_factory=dict, max_length=4096)
+    # The count of models is capped again by the config (telemetry_max_models) and the
+    # stored size by telemetry_max_bytes.
+    models: dict[ModelName, ModelStats] = Field(default_factory=dict, max_length=1024)
+    queue_length: int = Field(0, ge=0, le=10**12)
+    in_flight: int = Field(0, ge=0, le=10**12)
+    replicas: dict[Annotated[str, Field(max_length=2048)],
+                   Literal["healthy", "unhealthy"]] = Field(default_factory=dict,
+                                                            max_length=4096)
 
 
 class DnsSyncIn(_In):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -23,18 +24,21 @@ from skymesh_controller import placement
 from skymesh_controller.auth import Principal
 from skymesh_controller.config import ControllerConfig
 from skymesh_controller.models import (
+    MAX_RECORD_DEPTH,
     BalancerIn,
     ModelIn,
     PolicyIn,
     RegionIn,
     ReplicaIn,
     TelemetryIn,
+    json_problem,
 )
 from skymesh_controller.store import Obj, Put, Store
 
 ADMIN = Principal("controller", "admin")  # callers inside the process (tests, actuators)
 
 log = logging.getLogger("skymesh.controller")
+LOG_EVERY_S = 10.0  # the least time between two log lines for one kind of refusal
 
 DnsHook = Callable[[list[Obj], list[Obj], bool], Awaitable[dict[str, Any]]]
 
@@ -73,6 +77,13 @@ def not_owner(what: str, key: str, obj: Obj) -> ApiError:
                                       "only its owner or an admin token may change it")
 
 
+def given_policy(body: Any, fields: Obj) -> Obj:
+    """``fields`` without the policy fields the body did not name: a balancer that
+    re-registers or is PUT without them keeps the policy an admin set."""
+    return {k: v for k, v in fields.items()
+            if k not in ("policy", "policy_params") or k in body.model_fields_set}
+
+
 def replica_id_for(url: str) -> str:
     import hashlib
 
@@ -87,6 +98,11 @@ class Controller:
         self.dns = dns
         self.url_policy = cfg.url_policy.policy()
         self.resolver = resolver
+        # Placement mixes owners only where an admin allowed it (placement.Trust).
+        self.trust = placement.Trust(
+            admins=frozenset({t.name for t in cfg.tokens if t.role == "admin"}
+                             | {ADMIN.name, "env-admin"}),
+            shared=frozenset(cfg.shared_balancer_owners))
         self._refused: set[str] = set()  # URLs whose probe refusal was logged already
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
@@ -103,6 +119,19 @@ class Controller:
         # Per balancer, the newest revision it long-polled after: it has applied that
         # membership (a move waits for it before it trusts the replica's idle count).
         self.polled: dict[str, int] = {}
+        # Requests refused by a limit, by reason (for /metrics), and when each reason was
+        # last logged: one line per reason per LOG_EVERY_S, however many an attacker sends.
+        self.refusals: dict[str, int] = {}
+        self._refusal_logged: dict[str, float] = {}
+
+    def refused(self, reason: str, detail: str = "") -> None:
+        """Count a request a limit refused; log it, rate-limited per reason."""
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        now = time.monotonic()
+        if now - self._refusal_logged.get(reason, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._refusal_logged[reason] = now
+            log.warning("refused a request: %s%s (%d so far)", reason,
+                        f": {detail}" if detail else "", self.refusals[reason])
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self, probe: bool = True) -> None:
@@ -148,13 +177,32 @@ class Controller:
 
     # -- reading ---------------------------------------------------------------------------
     async def list_kind(self, kind: str) -> list[Obj]:
-        return [v for _, v in sorted((await self.store.all(kind)).items())]
+        """Every record of ``kind`` the API can serve; one it cannot is left out (and
+        logged) rather than failing the list for everyone."""
+        return [v for k, v in sorted((await self.store.all(kind)).items())
+                if self._unreadable(kind, k, v) is None]
 
     async def get(self, kind: str, key: str, what: str) -> Obj:
         obj = await self.store.get(kind, key)
         if obj is None:
             raise not_found(what, key)
         return obj
+
+    async def read(self, kind: str, key: str, what: str) -> Obj:
+        """``get`` for an answer to a client: a stored record the API cannot serve (one
+        written before writes were bounded) is a 409 naming it, never a 500."""
+        obj = await self.get(kind, key, what)
+        why = self._unreadable(kind, key, obj)
+        if why is not None:
+            raise ApiError(409, "unreadable_record", f"{what} {key!r} is stored in a form "
+                           f"the API cannot serve ({why}): an admin may PUT or DELETE it")
+        return obj
+
+    def _unreadable(self, kind: str, key: str, obj: Obj) -> str | None:
+        why = json_problem(obj, MAX_RECORD_DEPTH)
+        if why is not None:
+            self.refused("unreadable_record", f"{kind} {key!r}: {why}")
+        return why
 
     # -- regions ---------------------------------------------------------------------------
     async def put_region(self, body: RegionIn) -> Obj:
@@ -183,13 +231,6 @@ class Controller:
             raise invalid_field(field, "url_not_allowed", str(exc)) from None
 
     async def _check_balancer_fields(self, fields: Obj) -> None:
-        from skymesh.policies import PolicyConfigError, build_policy
-
-        if fields.get("policy") is not None:
-            try:
-                build_policy(fields["policy"], fields.get("policy_params") or {})
-            except PolicyConfigError as exc:
-                raise ApiError(422, "invalid_policy", f"policy: {exc}") from None
         if "url" in fields:
             await self.check_url("url", fields["url"])
         if fields.get("peer_address"):
@@ -197,24 +238,67 @@ class Controller:
 
     async def register_balancer(self, body: BalancerIn, who: Principal = ADMIN) -> Obj:
         """POST: create, or re-register (a balancer restarting) when the caller owns it."""
-        fields = body.model_dump()
+        fields = given_policy(body, body.model_dump())
         await self._check_balancer_fields(fields)
         async with self._lock:
             old = await self.store.get("balancers", body.id)
             if old is not None and not may_modify(old, who):
                 raise conflict(f"balancer {body.id!r} exists and belongs to "
                                f"{old.get('owner')!r}: pick another id")
+            if old is None:
+                await self._check_quota(who)
+            self._check_policy(body.id, old or {}, fields, who)
             return await self._write_balancer(body.id, old, fields, who, keep_policy=True)
 
     async def update_balancer(self, bid: str, fields: Obj, who: Principal) -> Obj:
-        """PUT (every field) or PATCH (the fields given) of an existing balancer."""
+        """PUT (every field) or PATCH (the fields given) of an existing balancer; the
+        policy fields change only when given (``given_policy``)."""
         await self._check_balancer_fields(fields)
         async with self._lock:
             old = await self.get("balancers", bid, "balancer")
             if not may_modify(old, who):
                 raise not_owner("balancer", bid, old)
+            self._check_policy(bid, old, fields, who)
             return await self._write_balancer(bid, old, {**old, **fields}, who,
                                               keep_policy=False)
+
+    async def _check_quota(self, who: Principal) -> None:
+        """An agent token registers at most max_balancers_per_agent balancers: each one
+        holds telemetry history, so the cap bounds what one token can make us keep."""
+        if who.role == "admin":
+            return
+        cap = self.cfg.max_balancers_per_agent
+        mine = sum(1 for b in (await self.store.all("balancers")).values()
+                   if b.get("owner") == who.name)
+        if mine >= cap:
+            self.refused("balancer_quota", f"token {who.name!r}")
+            raise ApiError(403, "quota_exceeded", f"token {who.name!r} owns {mine} "
+                           f"balancers already (max_balancers_per_agent: {cap})")
+
+    @staticmethod
+    def _check_policy(bid: str, old: Obj, fields: Obj, who: Principal) -> None:
+        """Policy is an admin's (as ``PUT .../policy``); the policy and its parameters in
+        force after this write are checked together, whichever of them is given."""
+        from skymesh.policies import PolicyConfigError, build_policy
+
+        changed = [k for k in ("policy", "policy_params")
+                   if k in fields and (fields[k] or None) != (old.get(k) or None)]
+        if not changed:
+            return
+        if who.role != "admin":
+            raise ApiError(403, "forbidden", f"{changed[0]}: only an admin token may change "
+                           f"a balancer's policy (PUT /v1/balancers/{bid}/policy)")
+        policy = fields.get("policy", old.get("policy"))
+        params = fields.get("policy_params", old.get("policy_params")) or {}
+        if policy is None:
+            if params:
+                raise invalid_field("policy_params", "invalid_policy",
+                                    "given without a policy to apply them to")
+            return
+        try:
+            build_policy(policy, params)
+        except PolicyConfigError as exc:
+            raise ApiError(422, "invalid_policy", f"policy: {exc}") from None
 
     async def _write_balancer(self, bid: str, old: Obj | None, fields: Obj, who: Principal,
                               keep_policy: bool) -> Obj:
@@ -280,7 +364,8 @@ class Controller:
             replicas = await self.store.all("replicas")
         regions = await self.store.all("regions")
         puts: list[Put] = []
-        for rid, target in placement.assignments(balancers, replicas, regions).items():
+        for rid, target in placement.assignments(balancers, replicas, regions,
+                                                 self.trust).items():
             rep = replicas[rid]
             if rep.get("assigned") != target:
                 log.info("replica %s (%s): balancer %s -> %s", rid, rep["url"],
@@ -400,6 +485,15 @@ class Controller:
             return None
         return load.running + load.waiting
 
+    async def move_home(self, rid: str, region: str) -> str | None:
+        """The balancer a move of ``rid`` to ``region`` would home it at: one in the
+        region that may serve it (its owner's, or one an admin allowed), else None."""
+        rep = await self.store.get("replicas", rid)
+        if rep is None:
+            return None
+        return placement.home_for(region, await self.store.all("balancers"),
+                                  {**rep, "balancer": None}, self.trust)
+
     async def move_replica(self, rid: str, *, model: str, region: str, url: str) -> Obj:
         """Re-register a draining replica at another (model, region), homed at a
         balancer there, and undrain it: one commit, so balancers never see it half moved."""
@@ -409,9 +503,11 @@ class Controller:
             if old.get("state") != "draining":
                 raise conflict(f"replica {rid!r} is {old.get('state')}: only a draining "
                                "replica is moved")
-            if placement.home_for(region, await self.store.all("balancers")) is None:
-                raise conflict(f"region {region!r} has no balancer to home {rid!r} at")
-            fields = {**old, "model": model, "region": region, "url": url, "balancer": None}
+            home = await self.move_home(rid, region)
+            if home is None:
+                raise conflict(f"region {region!r} has no balancer that may serve {rid!r} "
+                               f"(owner {old.get('owner')!r})")
+            fields = {**old, "model": model, "region": region, "url": url, "balancer": home}
             # "unknown" serves at once; the next probe confirms it.
             return await self._write_replica(rid, {**old, "state": "unknown"}, fields, ADMIN)
 
@@ -449,7 +545,7 @@ class Controller:
     # -- balancer sync ---------------------------------------------------------------------
     async def membership(self, bid: str) -> Obj:
         rev = await self.store.revision()
-        me = await self.get("balancers", bid, "balancer")
+        me = await self.read("balancers", bid, "balancer")
         balancers = await self.store.all("balancers")
         replicas = await self.store.all("replicas")
         mine = [{k: r[k] for k in ("id", "url", "model", "gpu", "kind", "region", "balancer")}
@@ -471,9 +567,23 @@ class Controller:
         me = await self.get("balancers", bid, "balancer")
         if not may_modify(me, who):
             raise not_owner("balancer", bid, me)
+        cfg = self.cfg
+        if len(body.models) > cfg.telemetry_max_models:
+            self.refused("telemetry_models", f"balancer {bid!r}: {len(body.models)}")
+            raise invalid_field("models", "too_many_models", f"{len(body.models)} models: at "
+                                f"most {cfg.telemetry_max_models} (telemetry_max_models)")
         sample = body.model_dump()
         sample.update(ts=time.time(), balancer=bid, region=me["region"])
-        await self.store.append(f"balancer:{bid}", sample, self.cfg.telemetry_keep)
+        size = len(json.dumps(sample))
+        if size > cfg.telemetry_max_bytes:
+            self.refused("telemetry_too_large", f"balancer {bid!r}: {size} bytes")
+            raise ApiError(413, "too_large", f"telemetry report of {size} bytes: at most "
+                           f"{cfg.telemetry_max_bytes} (telemetry_max_bytes)")
+        # The history is bounded in bytes too: large reports keep fewer of them. The size
+        # is rounded up to a power of two so the count kept does not change every report.
+        rounded = 1 << (size - 1).bit_length()
+        keep = max(1, min(cfg.telemetry_keep, cfg.telemetry_balancer_bytes // rounded))
+        await self.store.append(f"balancer:{bid}", sample, keep)
         self.latest[bid] = sample
 
     async def telemetry(self, balancer: str | None, region: str | None, limit: int

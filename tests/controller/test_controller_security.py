@@ -256,8 +256,9 @@ def test_owner_reregisters_updates_and_admin_does_all() -> None:
         for token in (AGENT, AGENT2):
             assert c.patch(f"/v1/replicas/{rid}", headers=auth(token),
                            json={"model": "m2"}).status_code == 200
-        assert c.put("/v1/balancers/lb-us", headers=auth(AGENT2),
-                     json={"region": "us", "url": "http://10.0.0.9"}).json()["policy"] is None
+        # A PUT without the policy keeps it: policy is an admin's (issue #33).
+        assert c.put("/v1/balancers/lb-us", headers=auth(AGENT2), json={
+            "region": "us", "url": "http://10.0.0.9"}).json()["policy"] == "least-load"
         assert c.patch("/v1/replicas/ghost", headers=auth(), json={}).status_code == 404
         assert c.put("/v1/balancers/ghost", headers=auth(),
                      json={"region": "us", "url": "http://10.0.0.9"}).status_code == 404

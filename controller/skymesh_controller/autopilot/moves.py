@@ -36,7 +36,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from skymesh_controller import placement
 from skymesh_controller.autopilot.actuators import Mover
 from skymesh_controller.planning.ilp import Key
 
@@ -115,9 +114,9 @@ class MoveRunner:
         t0 = time.perf_counter()
         res = MoveResult(src, dst, rid, "failed")
         try:
-            if placement.home_for(dst[1], await self.ctl.store.all("balancers")) is None:
+            if await self.ctl.move_home(rid, dst[1]) is None:
                 # Checked before the drain too: no point emptying a replica for nowhere.
-                res.error = f"region {dst[1]!r} has no balancer to serve it"
+                res.error = f"region {dst[1]!r} has no balancer that may serve it"
                 return res
             rev = await self.ctl.begin_drain(rid)
             log.info("move %s %s -> %s: draining (revision %d)", rid, src, dst, rev)
