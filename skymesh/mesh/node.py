@@ -19,6 +19,12 @@ from skymesh.mesh.heartbeat import (
     LocalSummary,
     OnHeartbeat,
 )
+from skymesh.mesh.limits import (
+    DEFAULT_GUARD_LIMITS,
+    DEFAULT_HEARTBEAT_LIMITS,
+    GuardLimits,
+    HeartbeatLimits,
+)
 from skymesh.mesh.proto import pb
 from skymesh.mesh.server import DEFAULT_MAX_MESSAGE_BYTES, ForwardHandler, PeerServer
 from skymesh.mesh.state import (
@@ -49,6 +55,8 @@ class MeshNode:
         summary_interval: float = DEFAULT_SUMMARY_INTERVAL_S,
         max_heartbeat_bytes: int = DEFAULT_MAX_HEARTBEAT_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        heartbeat_limits: HeartbeatLimits = DEFAULT_HEARTBEAT_LIMITS,
+        guard: GuardLimits | None = DEFAULT_GUARD_LIMITS,
     ) -> None:
         self.identity = identity
         self.tls = tls
@@ -58,12 +66,12 @@ class MeshNode:
         self.max_heartbeat_bytes = max_heartbeat_bytes
         self.max_message_bytes = max_message_bytes
         self.state = PeerState(identity, interval=interval, suspect_after=suspect_after,
-                               down_after=down_after)
+                               down_after=down_after, limits=heartbeat_limits)
         self.server = PeerServer(
             self.state, tls, allowed_peers=(), local_summary=local_summary,
             forward_handler=forward_handler, on_heartbeat=on_heartbeat, host=host, port=port,
             max_message_bytes=max_message_bytes, max_heartbeat_bytes=max_heartbeat_bytes,
-            summary_interval=summary_interval)
+            summary_interval=summary_interval, guard=guard)
         self.clients: dict[str, PeerClient] = {}
         self._initial_peers = dict(peers or {})
         self._started = False
