@@ -20,6 +20,7 @@ import pytest
 import yaml
 from support import eventually, make_pki, until
 
+from skymesh.mesh.guard import HANDSHAKE_TIMEOUT, PortGuard
 from skymesh.mesh.limits import GuardLimits
 from skymesh.mesh.node import MeshNode
 from skymesh.mesh.proto import pb, pb_grpc
@@ -141,6 +142,38 @@ async def test_a_flood_of_plain_connects_costs_bounded_fds_and_http_keeps_servin
         for w in held:
             w.close()
         lb.stop()
+
+
+# -- the guard alone, in front of a stand-in for gRPC ----------------------------------------
+async def test_the_guard_splices_bytes_and_cuts_a_silent_connection_itself() -> None:
+    # The stand-in echoes what it gets and never closes on its own, so any close at the
+    # deadline is the guard's (gRPC's own handshake timer is not there to help).
+    async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+
+    guard = PortGuard(GuardLimits(handshake_timeout_s=0.2))
+    inner = await asyncio.start_unix_server(echo, guard.private_address()[len("unix:"):])
+    port = await guard.start("127.0.0.1", 0)
+    try:
+        talker_r, talker_w = await asyncio.open_connection("127.0.0.1", port)
+        big = bytes(range(256)) * 4096  # 1 MiB: flow control both ways
+        talker_w.write(big)
+        assert await asyncio.wait_for(talker_r.readexactly(len(big)), 10) == big
+        silent_r, _ = await asyncio.open_connection("127.0.0.1", port)
+        assert await asyncio.wait_for(closed_by_server(silent_r), 10)
+        assert guard.closed[HANDSHAKE_TIMEOUT] == 1
+        # Both sides spoke: past the deadline it is established, and still spliced.
+        await eventually(lambda: guard.admission.total_handshaking == 0, "established")
+        assert guard.admission.total == 1
+        talker_w.write(b"still there")
+        assert await asyncio.wait_for(talker_r.readexactly(11), 10) == b"still there"
+        talker_w.close()
+        await eventually(lambda: guard.admission.total == 0, "released on close")
+    finally:
+        await guard.stop()
+        inner.close()
 
 
 # -- real peers through the guard -----------------------------------------------------------
