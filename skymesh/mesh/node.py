@@ -4,7 +4,9 @@ A :class:`PeerServer` for calls from peers, one :class:`PeerClient` per peer (on
 persistent channel each; the client of the pair's smaller id opens the heartbeat
 stream), and the :class:`PeerState` they share. Membership changes go through
 :meth:`add_peer`/:meth:`remove_peer`, which keep the allow-list, the clients and the
-state in step.
+state in step. ``guard``: the peering port's caps (:mod:`skymesh.mesh.guard`; None
+binds gRPC to the port itself); ``heartbeat_limits``: what a peer's heartbeat may claim
+(:mod:`skymesh.mesh.limits`).
 """
 
 from __future__ import annotations
