@@ -45,6 +45,9 @@ from skymesh.common.config import (
     load_yaml,
     parse_model,
 )
+from skymesh.mesh.limits import DEFAULT_GUARD_LIMITS as _PORT
+from skymesh.mesh.limits import DEFAULT_HEARTBEAT_LIMITS as _HB
+from skymesh.mesh.limits import GuardLimits, HeartbeatLimits
 from skymesh.mesh.outlook import DEFAULT_CURRENT_WEIGHT as DEFAULT_OUTLOOK_CURRENT_WEIGHT
 from skymesh.mesh.outlook import DEFAULT_HORIZON as DEFAULT_OUTLOOK_HORIZON
 from skymesh.mesh.outlook import DEFAULT_SLACK as DEFAULT_OUTLOOK_SLACK
@@ -301,6 +304,30 @@ class OutlookConfig(StrictModel):
     current_weight: float = Field(DEFAULT_OUTLOOK_CURRENT_WEIGHT, ge=0)
 
 
+class MeshLimitsConfig(StrictModel):
+    """What a peer may do (skymesh.mesh.limits): caps on the peering port's connections
+    (handshaking ones and all, in total and per address), the TLS handshake deadline, and
+    the ranges heartbeat fields must lie in (a peer's declared interval is capped)."""
+
+    handshake_timeout_s: float = Field(_PORT.handshake_timeout_s, gt=0)
+    max_handshakes: int = Field(_PORT.max_handshakes, ge=1)
+    max_handshakes_per_address: int = Field(_PORT.max_handshakes_per_address, ge=1)
+    max_connections: int = Field(_PORT.max_connections, ge=1)
+    max_connections_per_address: int = Field(_PORT.max_connections_per_address, ge=1)
+    max_peer_interval_s: float = Field(_HB.max_interval_s, gt=0)
+    max_peer_replicas: int = Field(_HB.max_replicas, ge=1)
+    max_peer_requests: int = Field(_HB.max_requests, ge=1)
+
+    def guard(self) -> GuardLimits:
+        return GuardLimits(self.handshake_timeout_s, self.max_handshakes,
+                           self.max_handshakes_per_address, self.max_connections,
+                           self.max_connections_per_address)
+
+    def heartbeats(self) -> HeartbeatLimits:
+        return HeartbeatLimits(self.max_peer_interval_s, self.max_peer_replicas,
+                               self.max_peer_requests)
+
+
 class MeshConfig(StrictModel):
     """Cross-region peering (mTLS gRPC). Certificates come from ``skymesh certs``."""
 
@@ -323,6 +350,7 @@ class MeshConfig(StrictModel):
     rtt_weight: float = Field(DEFAULT_RTT_WEIGHT, ge=0)
     heartbeat_interval_s: float = Field(0.2, gt=0)
     outlook: OutlookConfig = OutlookConfig()
+    limits: MeshLimitsConfig = MeshLimitsConfig()
 
     def balancing(self) -> Balancing:
         return Balancing(self.balance_margin, self.locality_margin, self.rtt_weight)

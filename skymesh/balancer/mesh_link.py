@@ -82,6 +82,7 @@ class MeshLink:
             peers={p.id: p.address for p in self.mesh.peers},
             host=self.mesh.listen_host, port=self.mesh.listen_port,
             interval=self.mesh.heartbeat_interval_s,
+            heartbeat_limits=self.mesh.limits.heartbeats(), guard=self.mesh.limits.guard(),
         )
         dispatcher.set_peers([p.id for p in self.mesh.peers])
         for p in self.mesh.peers:  # unreachable until the liveness loop says otherwise

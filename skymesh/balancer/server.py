@@ -163,6 +163,8 @@ class Balancer:
                                       if cfg.mesh is not None else None)
         if self.mesh is not None:
             self.metrics.watch_mesh(self.mesh)
+            if self.mesh.node.server.guard is not None:  # the peering port's caps
+                self.metrics.registry.register(self.mesh.node.server.guard)
         self.tally = Tally()
         self.controller: ControllerLink | None = (ControllerLink(cfg.controller, self)
                                                   if cfg.controller is not None else None)

@@ -9,7 +9,9 @@ re-seed a receiver that pruned it. Loads ride on every heartbeat.
 
 Incoming: a message over the byte bound, or one whose ``balancer_id`` is not the peer
 the connection was authenticated as, is a protocol error (the stream is dropped); any
-other goes to :meth:`PeerState.observe`, and, if accepted, to ``on_heartbeat``.
+other goes to :meth:`PeerState.observe`, and, if accepted, to ``on_heartbeat``. One
+with loads out of range is refused there, and logged (at most every ``LOG_EVERY_S``
+per stream); the stream stays, so the peer's next sane heartbeat counts.
 
 Parameters: ``max_bytes`` = 16 KiB, ``summary_interval`` = 2 s, ``summary_refresh`` = 10 s.
 """
@@ -23,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 import grpc
 
 from skymesh.mesh.errors import PeerProtocolError, PeerRefused
+from skymesh.mesh.limits import heartbeat_problem
 from skymesh.mesh.proto import pb
 from skymesh.mesh.state import PeerState, Verdict
 from skymesh.mesh.summary import DEFAULT_DEPTHS, DEFAULT_MAX_KEYS, build_summary
@@ -33,6 +36,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_HEARTBEAT_BYTES = 16 * 1024
 DEFAULT_SUMMARY_INTERVAL_S = 2.0
 DEFAULT_SUMMARY_REFRESH_S = 10.0
+LOG_EVERY_S = 10.0
 
 # local_summary(include_prefix) -> a HeartbeatMsg with ``models`` (and ``prefix`` when
 # asked); the stamp fields are filled in by the session.
@@ -81,6 +85,8 @@ class HeartbeatSession:
         self.sent = self.received = 0
         self.bytes_sent = self.bytes_received = 0
         self.summaries_sent = 0
+        self.invalid = 0
+        self._invalid_logged_at = -math.inf
 
     def outgoing(self) -> pb.HeartbeatMsg:
         now = self.state.clock()
@@ -125,6 +131,8 @@ class HeartbeatSession:
         self.received += 1
         self.bytes_received += size
         verdict = self.state.observe(msg)
+        if verdict is Verdict.INVALID:
+            self._log_invalid(msg)
         if verdict is Verdict.ACCEPTED and self.on_heartbeat is not None:
             try:
                 self.on_heartbeat(msg)
@@ -132,3 +140,12 @@ class HeartbeatSession:
                 # A bug in the consumer must not look like a dead peer (a dropped stream).
                 log.exception("on_heartbeat failed for a heartbeat from %s", self.peer)
         return verdict
+
+    def _log_invalid(self, msg: pb.HeartbeatMsg) -> None:
+        self.invalid += 1
+        now = self.state.clock()
+        if now - self._invalid_logged_at < LOG_EVERY_S:
+            return
+        self._invalid_logged_at = now
+        log.warning("refused a heartbeat from %s: %s (%d refused on this stream)", self.peer,
+                    heartbeat_problem(msg, self.state.limits), self.invalid)

@@ -4,7 +4,9 @@ A :class:`PeerServer` for calls from peers, one :class:`PeerClient` per peer (on
 persistent channel each; the client of the pair's smaller id opens the heartbeat
 stream), and the :class:`PeerState` they share. Membership changes go through
 :meth:`add_peer`/:meth:`remove_peer`, which keep the allow-list, the clients and the
-state in step.
+state in step. ``guard``: the peering port's caps (:mod:`skymesh.mesh.guard`; None
+binds gRPC to the port itself); ``heartbeat_limits``: what a peer's heartbeat may claim
+(:mod:`skymesh.mesh.limits`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ from skymesh.mesh.heartbeat import (
     DEFAULT_SUMMARY_INTERVAL_S,
     LocalSummary,
     OnHeartbeat,
+)
+from skymesh.mesh.limits import (
+    DEFAULT_GUARD_LIMITS,
+    DEFAULT_HEARTBEAT_LIMITS,
+    GuardLimits,
+    HeartbeatLimits,
 )
 from skymesh.mesh.proto import pb
 from skymesh.mesh.server import DEFAULT_MAX_MESSAGE_BYTES, ForwardHandler, PeerServer
@@ -49,6 +57,8 @@ class MeshNode:
         summary_interval: float = DEFAULT_SUMMARY_INTERVAL_S,
         max_heartbeat_bytes: int = DEFAULT_MAX_HEARTBEAT_BYTES,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        heartbeat_limits: HeartbeatLimits = DEFAULT_HEARTBEAT_LIMITS,
+        guard: GuardLimits | None = DEFAULT_GUARD_LIMITS,
     ) -> None:
         self.identity = identity
         self.tls = tls
@@ -58,12 +68,12 @@ class MeshNode:
         self.max_heartbeat_bytes = max_heartbeat_bytes
         self.max_message_bytes = max_message_bytes
         self.state = PeerState(identity, interval=interval, suspect_after=suspect_after,
-                               down_after=down_after)
+                               down_after=down_after, limits=heartbeat_limits)
         self.server = PeerServer(
             self.state, tls, allowed_peers=(), local_summary=local_summary,
             forward_handler=forward_handler, on_heartbeat=on_heartbeat, host=host, port=port,
             max_message_bytes=max_message_bytes, max_heartbeat_bytes=max_heartbeat_bytes,
-            summary_interval=summary_interval)
+            summary_interval=summary_interval, guard=guard)
         self.clients: dict[str, PeerClient] = {}
         self._initial_peers = dict(peers or {})
         self._started = False

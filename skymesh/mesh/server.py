@@ -11,6 +11,10 @@ must fit; the balancer's HTTP edge should cap bodies below it) and an app-level 
 heartbeats (``max_heartbeat_bytes``, 16 KiB): a larger one ends the stream with
 RESOURCE_EXHAUSTED.
 
+The public port belongs to a :class:`~skymesh.mesh.guard.PortGuard` (caps per address
+and in total, a handshake deadline); gRPC itself listens on a private unix socket behind
+it, with the same handshake deadline. ``guard=None`` binds gRPC to the port directly.
+
 Heartbeat: the server answers every heartbeat it receives with its own (stamped, with
 the echo for RTT), so one stream per pair serves both ends.
 
@@ -30,6 +34,7 @@ from typing import Any
 import grpc
 
 from skymesh.mesh.errors import PeerError
+from skymesh.mesh.guard import PortGuard, grpc_options
 from skymesh.mesh.heartbeat import (
     DEFAULT_MAX_HEARTBEAT_BYTES,
     DEFAULT_SUMMARY_INTERVAL_S,
@@ -37,6 +42,7 @@ from skymesh.mesh.heartbeat import (
     LocalSummary,
     OnHeartbeat,
 )
+from skymesh.mesh.limits import DEFAULT_GUARD_LIMITS, GuardLimits
 from skymesh.mesh.proto import pb, pb_grpc
 from skymesh.mesh.state import PeerState
 from skymesh.mesh.tls import TlsFiles
@@ -100,6 +106,7 @@ class PeerServer:
         max_heartbeat_bytes: int = DEFAULT_MAX_HEARTBEAT_BYTES,
         summary_interval: float = DEFAULT_SUMMARY_INTERVAL_S,
         maximum_concurrent_rpcs: int | None = None,
+        guard: GuardLimits | None = DEFAULT_GUARD_LIMITS,
     ) -> None:
         self.state = state
         self.tls = tls
@@ -113,6 +120,7 @@ class PeerServer:
         self.max_heartbeat_bytes = max_heartbeat_bytes
         self.summary_interval = summary_interval
         self.maximum_concurrent_rpcs = maximum_concurrent_rpcs
+        self.guard = PortGuard(guard) if guard is not None else None
         self.sessions: dict[str, HeartbeatSession] = {}  # latest stream per peer
         self.refused = 0
         self._server: grpc.aio.Server | None = None
@@ -126,21 +134,37 @@ class PeerServer:
         ca, cert, key = self.tls.read()
         creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
                                             require_client_auth=True)
-        server = grpc.aio.server(options=server_options(self.max_message_bytes),
+        options = server_options(self.max_message_bytes)
+        guard = self.guard
+        if guard is not None:
+            options += grpc_options(guard.limits)
+        server = grpc.aio.server(options=options,
                                  maximum_concurrent_rpcs=self.maximum_concurrent_rpcs)
         pb_grpc.add_PeeringServicer_to_server(_Servicer(self), server)
-        port = server.add_secure_port(f"{self.host}:{self.port}", creds)
+        address = f"{self.host}:{self.port}" if guard is None else guard.private_address()
+        port = server.add_secure_port(address, creds)
         if port == 0:
-            raise OSError(f"peer server: cannot bind {self.host}:{self.port}")
+            raise OSError(f"peer server: cannot bind {address}")
         await server.start()
-        self._server, self.port = server, port
+        self._server = server
+        if guard is not None:
+            try:
+                port = await guard.start(self.host, self.port)
+            except OSError:
+                await self.stop(0)
+                raise
+        self.port = port
         return port
 
     async def stop(self, grace: float | None = 0.5) -> None:
         """Stop serving; in-flight calls get ``grace`` seconds, then are cancelled."""
+        if self.guard is not None:
+            self.guard.close()  # no new connections; the spliced ones end with gRPC's
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+        if self.guard is not None:
+            await self.guard.stop()
 
     def set_allowed(self, peers: Collection[str]) -> None:
         """Replace the allow-list (a membership change). A removed peer's heartbeat stream

@@ -10,13 +10,16 @@ One exception: a peer that is DOWN may come back with a *smaller* epoch (its wal
 stepped back across the restart); refusing it would lock it out forever.
 
 Liveness, measured from the last accepted heartbeat in units of the heartbeat interval
-(the larger of ours and the one the peer announces)::
+(the larger of ours and the one the peer announces, capped at ``limits.max_interval_s``:
+a peer cannot stay alive for minutes after one heartbeat by announcing a long interval)::
 
     silence <= suspect_after          ALIVE
     suspect_after < silence <= down_after   SUSPECTED   (still usable, but suspect)
     silence > down_after              DOWN        (no request goes there)
 
 A peer never heard from is DOWN; the first accepted heartbeat makes it ALIVE again.
+A heartbeat whose loads are out of range (:func:`~skymesh.mesh.limits.heartbeat_problem`)
+is refused (``INVALID``) and changes nothing, so a peer sending only such ones ages out.
 
 RTT: each heartbeat echoes the last one accepted from the receiver (its epoch, seq,
 send time and how long it was held before this send). The original sender then measures
@@ -24,7 +27,8 @@ send time and how long it was held before this send). The original sender then m
 EMA. Echoes of a previous epoch (a peer still echoing our past life) are ignored.
 
 Parameters: ``interval`` = 0.2 s, ``suspect_after`` = 2 intervals, ``down_after`` =
-3 intervals, ``rtt_alpha`` = 0.2 (EMA weight of a new sample).
+3 intervals, ``rtt_alpha`` = 0.2 (EMA weight of a new sample), ``limits`` =
+``HeartbeatLimits()`` (a peer's interval capped at 2 s).
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from skymesh.mesh.limits import (
+    DEFAULT_HEARTBEAT_LIMITS,
+    HeartbeatLimits,
+    heartbeat_problem,
+    peer_interval,
+)
 from skymesh.mesh.proto import pb
 
 DEFAULT_INTERVAL_S = 0.2
@@ -55,6 +65,7 @@ class Verdict(enum.Enum):
     ACCEPTED = "accepted"
     STALE = "stale"  # (epoch, seq) not newer than the one applied
     SELF = "self"  # our own id: a peer list that names us
+    INVALID = "invalid"  # a field out of range (skymesh.mesh.limits.heartbeat_problem)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +124,7 @@ class PeerState:
         suspect_after: float = DEFAULT_SUSPECT_AFTER,
         down_after: float = DEFAULT_DOWN_AFTER,
         rtt_alpha: float = DEFAULT_RTT_ALPHA,
+        limits: HeartbeatLimits = DEFAULT_HEARTBEAT_LIMITS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if interval <= 0:
@@ -127,6 +139,7 @@ class PeerState:
         self.suspect_after = suspect_after
         self.down_after = down_after
         self.rtt_alpha = rtt_alpha
+        self.limits = limits
         self.clock = clock
         self._seq = 0
         self._peers: dict[str, _Peer] = {}
@@ -175,6 +188,9 @@ class PeerState:
         peer = self._peers.get(sender)
         if peer is None:
             peer = self._peers[sender] = _Peer()
+        if heartbeat_problem(msg, self.limits) is not None:
+            peer.rejected += 1
+            return Verdict.INVALID
         latest = peer.latest
         if latest is not None and (msg.epoch, msg.seq) <= (latest.epoch, latest.seq) and not (
             msg.epoch != latest.epoch and self._liveness(peer, now) is Liveness.DOWN
@@ -183,7 +199,8 @@ class PeerState:
             return Verdict.STALE
         peer.latest = msg
         peer.last_good = now
-        peer.interval = max(self.interval, msg.interval_ms / 1000.0)
+        peer.interval = peer_interval(msg.interval_ms, self.interval,
+                                      self.limits.max_interval_s)
         peer.echo = (msg.epoch, msg.seq, msg.sent_ns, now)
         peer.accepted += 1
         if msg.echo_epoch == self.identity.epoch and msg.echo_sent_ns:
