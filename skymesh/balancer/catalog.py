@@ -25,8 +25,10 @@ from aiohttp import web
 from skymesh.balancer.dispatch import Dispatcher
 from skymesh.balancer.edge import error_response
 from skymesh.balancer.errors import ModelNotFound
+from skymesh.balancer.upstream import read_capped
 
 FRESH_S = 1.0  # a client polling /v1/models costs the replicas one fetch per second
+MAX_LIST_BYTES = 4 << 20  # a replica's /v1/models larger than this is ignored unread
 
 
 class ModelCatalog:
@@ -62,7 +64,7 @@ class ModelCatalog:
                                            timeout=self._timeout) as r:
                 if r.status != 200:
                     return None
-                data = json.loads(await r.read())
+                data = json.loads(await read_capped(r, MAX_LIST_BYTES))
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return None
         cards = data.get("data") if isinstance(data, dict) else None

@@ -155,6 +155,12 @@ class ProbeConfig(StrictModel):
     failure_threshold: int = Field(3, ge=1)
     success_threshold: int = Field(2, ge=1)
     models_interval_s: float = Field(10.0, gt=0)
+    # A /metrics body over this many bytes is refused unread (vLLM's is about 55 KB per
+    # engine): the probe fails. Parsing runs off the event loop, and a parse that costs
+    # more than max_parse_s of CPU fails the probe too (and that replica's /metrics is
+    # then left alone for a while, so a bad one cannot keep a core busy).
+    max_metrics_bytes: int = Field(4 << 20, ge=1024)
+    max_parse_s: float = Field(0.1, gt=0)
 
 
 class RetryConfig(StrictModel):
@@ -180,6 +186,15 @@ class UpstreamConfig(StrictModel):
     # --api-key), sent as "Authorization: Bearer KEY" on everything the balancer asks of
     # them. Unset: the balancer sends none of its own.
     api_key_env: str | None = None
+    # Caps on what a replica (or a peer region) sends back: its status line and headers,
+    # and a non-streamed body (one over it: 502, the connection dropped). Streams are
+    # relayed as they come and not capped.
+    max_response_header_bytes: int = Field(64 << 10, ge=1024)
+    max_response_body_bytes: int = Field(16 << 20, ge=1024)
+    # A stream on a replica the probes have marked down ends (or resumes elsewhere, with
+    # retry.resume_streams) once it has had no bytes for this long, not after
+    # read_timeout_s: a frozen replica does not hold its clients for ten minutes.
+    stalled_stream_s: float = Field(2.0, gt=0)
 
 
 class AuthConfig(StrictModel):

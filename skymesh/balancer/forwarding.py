@@ -4,7 +4,8 @@ chosen replica (or peer region), retry elsewhere on a failure before the first b
 A connect error, timeout or 5xx before the first byte is the replica's fault
 (:class:`ReplicaFault`): the attempt counts against its breaker and the request goes to
 the head of the queue for another replica, at most ``retry.max_attempts`` attempts in all
-(then 502). A non-streamed response, or an error status, is read whole and returned; a
+(then 502). A non-streamed response, or an error status, is read whole and returned, up
+to ``upstream.max_response_body_bytes`` (over it: 502, the connection dropped); a
 stream is relayed by ``skymesh.balancer.streaming`` (or ``skymesh.balancer.moves`` when the
 policy may move it). The upstream request's headers are assembled by
 :meth:`Forwarder.upstream_headers`.
@@ -36,7 +37,7 @@ from skymesh.balancer.output_text import (
     sse_output_text,
 )
 from skymesh.balancer.overload import can_serve
-from skymesh.balancer.upstream import Reply
+from skymesh.balancer.upstream import Reply, ReplyTooLarge, read_capped, read_head
 from skymesh.obs.access import inject_trace, note, upstream_span
 from skymesh.policies.base import RequestTiming, RouteRequest
 from skymesh.prefix.keys import text_prefix_keys
@@ -172,18 +173,29 @@ class Forwarder:
         headers.setdefault("Content-Type", "application/json")
         try:
             up: Reply = await lb.upstream.post(target, request.path, raw, headers)
+        except ReplyTooLarge as exc:  # its headers: that replica's fault, try another
+            self.refused(target, exc)
+            raise ReplicaFault(str(exc)) from exc
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ReplicaFault(str(exc) or type(exc).__name__) from exc
         except ValueError as exc:  # a header with a line break: never sent upstream
             raise BadRequest(str(exc)) from None
         try:
             if up.status >= 500:
-                detail = (await up.read())[:200].decode(errors="replace")
+                try:  # the start is the detail; the rest is dropped with the connection
+                    detail = (await read_head(up, 200)).decode(errors="replace")
+                except (aiohttp.ClientError, TimeoutError):
+                    detail = ""
                 raise ReplicaFault(f"HTTP {up.status}: {detail}")
             model = ticket.route.model
             if up.status >= 400 or not stream:
                 try:
-                    body = await up.read()
+                    body = await read_capped(up, lb.cfg.upstream.max_response_body_bytes)
+                except ReplyTooLarge as exc:
+                    # Not retried: the same request would be as large elsewhere.
+                    self.refused(target, exc)
+                    raise UpstreamFailed(f"{exc} (upstream.max_response_body_bytes)"
+                                         ) from None
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     raise ReplicaFault(str(exc) or type(exc).__name__) from exc
                 d = lb.dispatcher
@@ -240,9 +252,16 @@ class Forwarder:
             headers = {"Content-Type": ctype} if ctype else {}
             if (status >= 500 and status != 503) or (status >= 400 or not stream):
                 body = bytearray()
+                limit = lb.cfg.upstream.max_response_body_bytes
                 try:
                     async for chunk in call:
                         body += chunk.data
+                        if len(body) > limit:  # leaving the block cancels the call
+                            self.refused(peer, ReplyTooLarge(
+                                "body", f"peer {peer}'s response exceeds the {limit}-byte "
+                                "cap (upstream.max_response_body_bytes)"))
+                            raise UpstreamFailed(f"the peer region's response exceeds "
+                                                 f"{limit} bytes")
                 except PeerError as exc:
                     raise ReplicaFault(str(exc)) from exc
                 if status >= 500:  # the peer could not serve it: try elsewhere
@@ -274,6 +293,11 @@ class Forwarder:
             if ok and cap is not None:
                 self.record_cached(route, peer, intake, sse_output_text(cap.raw(), intake.kind))
             return resp, "ok" if ok else "upstream_broken"
+
+    def refused(self, target: str, exc: ReplyTooLarge) -> None:
+        """A reply from ``target`` went over a cap: counted, logged, not read further."""
+        log.warning("refused a reply from %s: %s", target, exc)
+        self.lb.metrics.replica_limits.labels(target, exc.what).inc()
 
     def record_cached(self, route: RouteRequest, target: str, intake: Intake,
                       output: str) -> None:

@@ -54,6 +54,11 @@ class BalancerMetrics:
                                      ["replica"], registry=r)
         self.breaker_state = Gauge("skymesh_replica_breaker_state",
                                    "0 closed, 1 half-open, 2 open", ["replica"], registry=r)
+        self.replica_limits = Counter(
+            "skymesh_replica_limit_hits_total",
+            "Replies and probes cut off by a cap on what a replica sends (limit: headers, "
+            "body, metrics, metrics_parse) and streams ended on a replica marked down "
+            "(stalled_stream)", ["replica", "limit"], registry=r)
 
         self.peer_state = Gauge("skymesh_peer_state", "0 alive, 1 suspected, 2 down",
                                 ["peer"], registry=r)

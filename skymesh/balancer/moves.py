@@ -48,7 +48,7 @@ from skymesh.balancer.migration import (
     sse,
     tokenize_requests,
 )
-from skymesh.balancer.upstream import Reply
+from skymesh.balancer.upstream import Reply, read_head
 
 if TYPE_CHECKING:
     from skymesh.balancer.server import Balancer
@@ -241,7 +241,7 @@ class Mover:
         up = await lb.session.post(target + "/v1/completions", json=body, headers=headers)
         st.upstream = up
         if up.status != 200:
-            detail = (await up.read())[:200].decode(errors="replace")
+            detail = (await read_head(up, 200)).decode(errors="replace")
             raise ReplicaFault(f"HTTP {up.status}: {detail}")
         chunks: AsyncIterator[bytes] = up.content.iter_any()
         first = await chunks.__anext__()
@@ -281,7 +281,7 @@ class Mover:
         async with self.lb.session.post(target + "/tokenize", json=body,
                                         headers=headers) as r:
             if r.status != 200:
-                detail = (await r.read())[:200].decode(errors="replace")
+                detail = (await read_head(r, 200)).decode(errors="replace")
                 raise ReplicaFault(f"/tokenize: HTTP {r.status}: {detail}")
             data = await r.json(content_type=None)
         tokens = data.get("tokens") if isinstance(data, dict) else None

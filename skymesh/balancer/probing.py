@@ -6,6 +6,11 @@ parsed by ``skymesh.common.probe``; SGLang: ``/get_load``) and, every
 goes to the health tracker; a good probe's figures go to the dispatcher (its pushing
 decisions) and to the replica gauges, which a failed probe removes. Probes use the request
 path's own keep-alive pool (``skymesh.balancer.upstream``), within ``probe.timeout_s``.
+
+What a replica can make a probe cost is bounded: a body over ``probe.max_metrics_bytes``
+is refused unread, and /metrics is parsed in a worker thread within a CPU budget
+(``probe.max_parse_s``; :class:`ParseGate`). Either failing is a failed probe, so a
+replica that keeps failing them goes down like one that does not answer.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import TYPE_CHECKING
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -26,6 +34,7 @@ from skymesh.common.probe import (
     parse_metrics,
     parse_sglang_load,
 )
+from skymesh.balancer.upstream import ReplyTooLarge, read_capped
 
 if TYPE_CHECKING:
     from skymesh.balancer.server import Balancer
@@ -36,6 +45,7 @@ log = logging.getLogger("skymesh.lb")
 class Prober:
     def __init__(self, lb: Balancer) -> None:
         self.lb = lb
+        self.gates: dict[str, ParseGate] = {}  # /metrics parsing, per replica URL
 
     async def loop(self) -> None:
         interval = self.lb.cfg.probe.interval_s
@@ -50,6 +60,14 @@ class Prober:
         lb = self.lb
         await asyncio.gather(*(self.probe(h) for h in lb.health.replicas.values()))
         lb.pump()
+        replicas = lb.health.replicas
+        for url in [u for u in self.gates if u not in replicas]:
+            del self.gates[url]
+        # Streams on a replica now marked down that have stalled end (or resume) here,
+        # not after upstream.read_timeout_s.
+        down = {url for url, h in replicas.items() if not h.healthy}
+        if down:
+            lb.streams.cut_stalled(down, lb.now(), lb.cfg.upstream.stalled_stream_s)
 
     async def probe(self, h: ReplicaHealth) -> None:
         lb = self.lb
@@ -61,14 +79,15 @@ class Prober:
                                                                                  "/get_load")))
             else:
                 # Never logged: 55 KB per probe from vLLM.
-                res = parse_metrics((await self.fetch(url, "/metrics")).decode(
-                    errors="replace"))
+                res = await self.parse(url, await self.fetch(url, "/metrics", "metrics"))
             if health.wants_models(h, sent):
                 data = json.loads(await self.fetch(url, "/v1/models"))
                 health.models_listed(h, {m["id"] for m in data.get("data", []) if "id" in m},
                                      sent)
         except (aiohttp.ClientError, TimeoutError, ProbeParseError, ProbeStatusError,
                 ValueError, KeyError, AttributeError) as exc:
+            if isinstance(exc, ReplyTooLarge | ParseOverBudget):
+                self.over_limit(url, exc)
             health.probe_failed(h, str(exc) or type(exc).__name__)
             for gauge in (lb.metrics.replica_waiting, lb.metrics.replica_running):
                 with contextlib.suppress(KeyError):
@@ -87,18 +106,101 @@ class Prober:
         m.replica_running.labels(url).set(res.running)
         m.replica_healthy.labels(url).set(1 if h.healthy else 0)
 
-    async def fetch(self, url: str, path: str) -> bytes:
+    async def fetch(self, url: str, path: str, what: str = "body") -> bytes:
         """A probe's GET, whole, within the probe timeout, on the request path's own lean
-        keep-alive pool (aiohttp's client costs several times its CPU per exchange)."""
+        keep-alive pool (aiohttp's client costs several times its CPU per exchange); a
+        body over ``probe.max_metrics_bytes`` is refused and its connection dropped."""
         lb = self.lb
         async with asyncio.timeout(lb.cfg.probe.timeout_s):
             reply = await lb.upstream.get(url, path, lb.upstream_auth)
             try:
                 if not 200 <= reply.status < 300:
                     raise ProbeStatusError(f"{path} answered HTTP {reply.status}")
-                return await reply.read()
+                return await read_capped(reply, lb.cfg.probe.max_metrics_bytes, what)
             finally:
                 reply.release()
 
+    async def parse(self, url: str, body: bytes) -> ProbeResult:
+        """``parse_metrics`` of ``body`` in a worker thread, so a large /metrics never
+        stalls the event loop; waited for up to ``probe.timeout_s``. A parse that costs
+        over ``probe.max_parse_s`` of CPU fails the probe, and that replica's /metrics is
+        not parsed again until ``QUIET_FACTOR`` times that cost has passed (one parse at
+        a time per replica), so a replica serving costly text gets at most about a
+        tenth of a core, however often it is probed."""
+        lb = self.lb
+        now = lb.health.clock()
+        gate = self.gates.setdefault(url, ParseGate())
+        if (why := gate.refuses(now)) is not None:
+            raise ParseOverBudget(why)
+        task = asyncio.ensure_future(asyncio.to_thread(_timed_parse, body))
+        gate.running = task
+        budget = lb.cfg.probe.max_parse_s
 
-__all__ = ["Prober"]
+        def settle(t: asyncio.Future[tuple[ProbeResult | Exception, float]]) -> None:
+            if not t.cancelled() and t.exception() is None:
+                gate.finished(t.result()[1], budget, lb.health.clock())
+
+        task.add_done_callback(settle)
+        done, _ = await asyncio.wait({task}, timeout=lb.cfg.probe.timeout_s)
+        if not done:
+            raise ParseOverBudget(f"/metrics takes over {lb.cfg.probe.timeout_s:g} s to "
+                                  "parse")
+        res, cpu = task.result()
+        if cpu > budget:
+            raise ParseOverBudget(f"/metrics took {cpu:.3f} s of CPU to parse, over "
+                                  f"probe.max_parse_s ({budget:g} s)")
+        if isinstance(res, Exception):
+            raise res
+        return res
+
+    def over_limit(self, url: str, exc: Exception) -> None:
+        what = exc.what if isinstance(exc, ReplyTooLarge) else "metrics_parse"
+        self.lb.metrics.replica_limits.labels(url, what).inc()
+        log.warning("probe of %s over a limit: %s", url, exc)
+
+
+# After a parse over budget, a replica's /metrics waits this many times that parse's cost
+# before the next parse: its share of a core stays under 1 / (1 + QUIET_FACTOR).
+QUIET_FACTOR = 10.0
+
+
+class ParseOverBudget(ValueError):
+    """A replica's /metrics costs more to parse than ``probe.max_parse_s``."""
+
+
+@dataclass(slots=True)
+class ParseGate:
+    """One replica's /metrics parsing: the parse in progress, and after one over budget,
+    until when no other is started (pure: time is passed in)."""
+
+    running: asyncio.Future[Any] | None = None
+    quiet_until: float = -math.inf
+    last_cost: float = 0.0
+
+    def refuses(self, now: float) -> str | None:
+        """Why no parse may start at ``now``, or None when one may."""
+        if self.running is not None and not self.running.done():
+            return "its previous /metrics parse is still running"
+        if now < self.quiet_until:
+            return (f"its last /metrics took {self.last_cost:.3f} s of CPU to parse; not "
+                    f"parsed again for {self.quiet_until - now:.1f} s")
+        return None
+
+    def finished(self, cost: float, budget: float, now: float) -> None:
+        """A parse ended at ``now`` having cost ``cost`` seconds of CPU."""
+        self.last_cost = cost
+        if cost > budget:
+            self.quiet_until = now + QUIET_FACTOR * cost
+
+
+def _timed_parse(body: bytes) -> tuple[ProbeResult | Exception, float]:
+    """(the parse's result or its error, the CPU seconds it took), in a worker thread."""
+    t = time.thread_time()
+    try:
+        res: ProbeResult | Exception = parse_metrics(body.decode(errors="replace"))
+    except ProbeParseError as exc:
+        res = exc
+    return res, time.thread_time() - t
+
+
+__all__ = ["QUIET_FACTOR", "ParseGate", "ParseOverBudget", "Prober"]

@@ -205,7 +205,8 @@ class Balancer:
             headers=self.upstream_auth,
         )
         self._upstream = Upstream(connect_timeout_s=up.connect_timeout_s,
-                                  read_timeout_s=up.read_timeout_s, resolver=resolver)
+                                  read_timeout_s=up.read_timeout_s, resolver=resolver,
+                                  max_header_bytes=up.max_response_header_bytes)
         await self.prober.probe_all()
         self._prober_task = asyncio.create_task(self.prober.loop(), name="skymesh-prober")
         if self.edge.watching:

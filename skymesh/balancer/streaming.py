@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -30,7 +30,7 @@ from skymesh.balancer.forwarding import (
 from skymesh.balancer.intake import Intake
 from skymesh.balancer.migration import SSEFramer, migratable
 from skymesh.balancer.output_text import OutputCapture, sse_output_text
-from skymesh.balancer.upstream import Reply
+from skymesh.balancer.upstream import Reply, UpstreamReply
 from skymesh.policies.base import RequestTiming
 
 if TYPE_CHECKING:
@@ -45,7 +45,8 @@ RESUME_BYTES = 2 << 20
 class Streams:
     def __init__(self, lb: Balancer) -> None:
         self.lb = lb
-        self.open: set[Reply] = set()  # open streams that are not migratable
+        # Open streams that are not migratable, and the replica each is on.
+        self.open: dict[Reply, str] = {}
         self._shutdown_task: asyncio.Task[None] | None = None
 
     async def first_chunk(self, up: Reply) -> tuple[AsyncIterator[bytes], bytes, float]:
@@ -105,7 +106,7 @@ class Streams:
         # breaks (up to RESUME_BYTES; a longer stream is not resumed). Nothing is parsed
         # unless that happens.
         relayed = bytearray(first) if flags.resumes and migratable(intake.body) else None
-        self.open.add(up)
+        self.open[up] = target
         try:
             async for chunk in chunks:
                 events += chunk.count(b"data: ")
@@ -120,12 +121,12 @@ class Streams:
             st = None if relayed is None else lb.moves.resumable(
                 ticket, intake, sent, first_at, up, bytes(relayed), exc)
             if st is not None:
-                self.open.discard(up)
+                self.open.pop(up, None)
                 return await lb.moves.live_loop(request, resp, st, up, chunks, SSEFramer(), [])
             ok = False
             await resp.write(self.broken_stream(ticket.target, exc))
         finally:
-            self.open.discard(up)
+            self.open.pop(up, None)
         # Events that carry no token: [DONE], the chat role chunk, the usage chunk.
         opts = intake.body.get("stream_options")
         extra = 1 + (intake.kind == "chat") + (isinstance(opts, dict)
@@ -149,6 +150,25 @@ class Streams:
         log.warning("upstream %s broke mid-stream: %s", target, exc)
         return broken(f"the replica failed mid-response: {exc}")
 
+    def cut_stalled(self, down: set[str], now: float, idle_s: float) -> int:
+        """End the open streams (plain and migratable) on the replicas in ``down`` that
+        have had no bytes for ``idle_s``: closing the upstream wakes the relay, which
+        sends the error event or resumes elsewhere. Returns how many were cut."""
+        on = [*self.open.items(),
+              *((st.upstream, st.ticket.target or "") for st in self.lb.moves.live.values()
+                if st.upstream is not None)]
+        cut = stalled(((up, target, _last_bytes(up, now)) for up, target in on),
+                      down, now, idle_s)
+        why = f"the replica is marked down and sent nothing for {idle_s:g} s"
+        for up, target in cut:
+            log.warning("ending a stream on %s: %s", target, why)
+            self.lb.metrics.replica_limits.labels(target, "stalled_stream").inc()
+            if isinstance(up, UpstreamReply):
+                up.close(why)
+            else:
+                up.close()
+        return len(cut)
+
     def cut_after(self, grace_s: float) -> None:
         """Streams still running ``grace_s`` from now end with an SSE error and [DONE]
         (closing their upstream wakes the relay) before the server cancels handlers: a
@@ -165,4 +185,21 @@ class Streams:
         self._shutdown_task = asyncio.get_running_loop().create_task(cut())
 
 
-__all__ = ["RESUME_BYTES", "Streams"]
+def _last_bytes(up: Reply, now: float) -> float | None:
+    """When ``up`` last had bytes from its replica; ``now`` while its reading is paused
+    (the client is the slow one); None when the reply does not say (aiohttp's)."""
+    if not isinstance(up, UpstreamReply):
+        return None
+    return now if up.reading_paused else up.last_data_at
+
+
+def stalled(streams: Iterable[tuple[Reply, str, float | None]], down: set[str], now: float,
+            idle_s: float) -> list[tuple[Reply, str]]:
+    """The streams, each (upstream, its replica, when it last had bytes or None when not
+    known), that are on a replica in ``down`` and idle for ``idle_s`` at ``now``. One still
+    sending bytes goes on: its replica is evidently alive, whatever its probes say."""
+    return [(up, target) for up, target, last in streams
+            if target in down and (last is None or now - last >= idle_s)]
+
+
+__all__ = ["RESUME_BYTES", "Streams", "stalled"]

@@ -40,6 +40,10 @@ HIGH_WATER = 256 * 1024
 # just as a request goes out is retried on a fresh connection (``Upstream.post``).
 MAX_IDLE_PER_TARGET = 128
 IDLE_S = 15.0
+# The most bytes of status line and headers taken from a replica per reply (config:
+# upstream.max_response_header_bytes); llhttp keeps a header it is still reading, so
+# an endless one would otherwise grow without bound.
+MAX_HEADER_BYTES = 64 * 1024
 
 
 class ReplyBody(Protocol):
@@ -69,11 +73,21 @@ class UpstreamPayloadError(aiohttp.ClientPayloadError):
     """The replica's reply is not valid HTTP/1.1."""
 
 
+class ReplyTooLarge(UpstreamPayloadError):
+    """A replica's reply went over one of the balancer's caps; it is not read further.
+    ``what`` names the cap (``headers``, ``body``, ``metrics``) for counters and logs."""
+
+    def __init__(self, what: str, message: str) -> None:
+        super().__init__(message)
+        self.what = what
+
+
 class _Conn(asyncio.Protocol):
     """One keep-alive connection to a replica and the reply in progress on it."""
 
-    def __init__(self, key: tuple[str, int, bool]) -> None:
+    def __init__(self, key: tuple[str, int, bool], max_header_bytes: int) -> None:
         self.key = key
+        self.max_header_bytes = max_header_bytes
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.reply: UpstreamReply | None = None
@@ -86,12 +100,24 @@ class _Conn(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        reply = self.reply
+        if reply is None:  # bytes nobody asked for (an idle connection): not parsed
+            self.abort()
+            return
+        if not reply.status:
+            reply.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamPayloadError("the replica switched protocols"))
+            return
         except httptools.HttpParserError as exc:
             self._fail(UpstreamPayloadError(f"bad HTTP from the replica: {exc}"))
+            return
+        # Checked after the feed: the chunk that ends the headers may carry body bytes.
+        if not reply.status and reply.head_bytes > self.max_header_bytes:
+            self._fail(ReplyTooLarge("headers", "the replica's response headers exceed "
+                                     f"{self.max_header_bytes} bytes"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -112,6 +138,13 @@ class _Conn(asyncio.Protocol):
         pass
 
     # -- httptools callbacks ------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        reply = self.reply
+        if reply is None or reply.complete:
+            # A second reply to one request: stop parsing here (llhttp raises it out of
+            # feed_data), so nothing of it lands in the reply the proxy is reading.
+            raise UpstreamPayloadError("the replica sent a reply nobody asked for")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.reply is not None:
             self.reply.raw_headers.append((name.decode("latin-1"), value.decode("latin-1")))
@@ -136,7 +169,7 @@ class _Conn(asyncio.Protocol):
 
     # -- helpers ------------------------------------------------------------------------
     def _fail(self, exc: Exception) -> None:
-        if self.reply is not None:
+        if self.reply is not None and not self.reply.complete:  # a whole one stands
             self.reply.fail(exc)
         self.abort()
 
@@ -151,8 +184,8 @@ class UpstreamReply:
     the proxy does not use. ``content`` is the reply itself (``content.iter_any()``)."""
 
     __slots__ = ("_buf", "_buffered", "_conn", "_error", "_headers", "_paused", "_pool",
-                 "_read_timeout", "_waiter", "complete", "keep_alive", "raw_headers",
-                 "status")
+                 "_read_timeout", "_waiter", "complete", "head_bytes", "keep_alive",
+                 "last_data_at", "raw_headers", "status")
 
     def __init__(self, conn: _Conn, pool: Upstream, read_timeout: float) -> None:
         self._conn = conn
@@ -168,6 +201,8 @@ class UpstreamReply:
         self.status = 0
         self.keep_alive = False
         self.complete = False
+        self.head_bytes = 0  # bytes received before the headers were complete
+        self.last_data_at = time.monotonic()  # when the replica last sent body bytes
 
     # -- fed by the connection ----------------------------------------------------------
     def wake(self) -> None:
@@ -176,6 +211,7 @@ class UpstreamReply:
             w.set_result(None)
 
     def feed(self, data: bytes) -> None:
+        self.last_data_at = time.monotonic()
         self._buf.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER and not self._paused and \
@@ -281,19 +317,52 @@ class UpstreamReply:
         else:
             conn.abort()
 
-    def close(self) -> None:
-        """Abort the reply now (shutdown, a migration): whoever reads it gets an error."""
-        self.fail(UpstreamConnectionError("the balancer closed the upstream connection"))
+    def close(self, reason: str = "the balancer closed the upstream connection") -> None:
+        """Abort the reply now (shutdown, a migration, a replica marked down): whoever
+        reads it gets an error saying ``reason``."""
+        self.fail(UpstreamConnectionError(reason))
         self._conn.abort()
+
+
+async def read_capped(reply: Reply, limit: int, what: str = "body") -> bytes:
+    """A reply's whole body, refused (:class:`ReplyTooLarge`) once it is over ``limit``
+    bytes: at once when its Content-Length says so, else as soon as that many arrived.
+    The caller then drops the connection (``release`` of an unfinished reply does)."""
+    declared = reply.headers.get("Content-Length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ReplyTooLarge(what, f"the replica's response {what} is {declared} bytes, "
+                            f"over the {limit}-byte cap")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in reply.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise ReplyTooLarge(what, f"the replica's response {what} exceeds the "
+                                f"{limit}-byte cap")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def read_head(reply: Reply, limit: int) -> bytes:
+    """At most the first ``limit`` bytes of a reply (an error's detail): the rest is not
+    read, and the caller's ``release`` drops the connection with it."""
+    got = b""
+    async for chunk in reply.content.iter_any():
+        got += chunk
+        if len(got) >= limit:
+            break
+    return got[:limit]
 
 
 class Upstream:
     """Keep-alive connections to the replicas, and ``post`` and ``get`` over them."""
 
     def __init__(self, *, connect_timeout_s: float, read_timeout_s: float,
-                 resolver: aiohttp.abc.AbstractResolver | None = None) -> None:
+                 resolver: aiohttp.abc.AbstractResolver | None = None,
+                 max_header_bytes: int = MAX_HEADER_BYTES) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        self.max_header_bytes = max_header_bytes
         # With a URL policy (skymesh.net.urlpolicy.PolicyResolver), a replica's host name is
         # resolved and checked at every new connection: DNS can change after the name was
         # accepted. IP literals were checked when the URL was accepted.
@@ -353,8 +422,8 @@ class Upstream:
             async with asyncio.timeout(self.connect_timeout_s):
                 addr = await self._address(host, port)
                 _, conn = await loop.create_connection(
-                    lambda: _Conn(key), addr, port, ssl=self._ssl if tls else None,
-                    server_hostname=host if tls else None)
+                    lambda: _Conn(key, self.max_header_bytes), addr, port,
+                    ssl=self._ssl if tls else None, server_hostname=host if tls else None)
         except TimeoutError:
             raise UpstreamConnectionError(
                 f"connecting to {host}:{port} timed out after {self.connect_timeout_s:g} s"
