@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from skymesh.balancer.health import ReplicaHealth
+from skymesh.balancer.upstream import ReplyTooLarge, read_capped
 from skymesh.common.probe import (
     ProbeParseError,
     ProbeResult,
@@ -34,7 +35,6 @@ from skymesh.common.probe import (
     parse_metrics,
     parse_sglang_load,
 )
-from skymesh.balancer.upstream import ReplyTooLarge, read_capped
 
 if TYPE_CHECKING:
     from skymesh.balancer.server import Balancer
