@@ -10,7 +10,15 @@ one engine's state (``/v1/load_lora_adapter``, ``/flush_cache``, ``/sleep``, ...
 forwarded: through a balancer they would reach one replica picked at random. Anything
 else is the balancer's own 404 (or 405 on its own paths), in the OpenAI error shape.
 
-How: method, path, query string and body go upstream unchanged, with the client's
+Which path: the one the client sent, normalised (:func:`normalise_path`) before any check,
+and the normalised form is what goes upstream: dot segments resolved, empty segments
+(``//``) and a trailing slash dropped. A path that climbs above the root, or that encodes a
+dot, a slash or a backslash (``%2e``, ``%2f``, ``%5c``: a dot needs no encoding, RFC 3986
+2.3, so an encoded one is only there to slip past a check), is a 400. Otherwise
+``/v1/./load_lora_adapter`` or ``/v1/x/../../sleep`` would pass the deny check as written
+and reach an engine that resolves them.
+
+How: method, normalised path, query string and body go upstream, with the client's
 headers less the hop-by-hop ones (and less its ``Authorization`` when the balancer checks
 keys or has its own key for the replicas, as on the generation path); the response comes
 back unchanged, status, headers (less hop-by-hop) and body, streamed chunk by chunk as it
@@ -45,8 +53,10 @@ from skymesh.balancer.edge import (
     request_id,
 )
 from skymesh.balancer.errors import (
+    BadRequest,
     ModelNotFound,
     NoHealthyReplica,
+    NotFound,
     PayloadTooLarge,
     SkyMeshError,
     UpstreamFailed,
@@ -70,6 +80,33 @@ _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-autho
                   "host", "content-length", "date", "server"})
 # Sent only if the client sent them: aiohttp would add its own otherwise.
 _NOT_AUTO = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+
+
+# Percent-encodings refused anywhere in a path (lower case): dot, slash, backslash.
+_ENCODED_SEPARATORS = ("%2e", "%2f", "%5c")
+
+
+def normalise_path(raw_path: str) -> str:
+    """The path-only, still percent-encoded ``raw_path`` normalised: ``.`` and empty
+    segments dropped, ``..`` removing the segment before it, no trailing slash ("/" stays
+    "/"). Raises BadRequest for a path that climbs above the root, has a backslash, or
+    percent-encodes a dot, slash or backslash (see the module docstring)."""
+    lowered = raw_path.lower()
+    if not raw_path.startswith("/") or "\\" in raw_path or any(
+            e in lowered for e in _ENCODED_SEPARATORS):
+        raise BadRequest("the request path may not contain a backslash or an encoded dot, "
+                         "slash or backslash (%2e, %2f, %5c)")
+    out: list[str] = []
+    for seg in raw_path.split("/"):
+        if seg in ("", "."):
+            continue
+        if seg == "..":
+            if not out:
+                raise BadRequest("the request path climbs above the root ('..')")
+            out.pop()
+        else:
+            out.append(seg)
+    return "/" + "/".join(out)
 
 
 def forwarded(path: str) -> bool:
@@ -109,14 +146,26 @@ class Passthrough:
         self.in_flight: dict[str, int] = {}
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        if self.owned.allowed(request.path) is not None or not forwarded(request.path):
+        try:
+            raw_path = normalise_path(request.rel_url.raw_path)
+        except BadRequest as exc:
+            return error_response(exc)
+        # The checks read the decoded path (as the engine will: %6c is an "l"); no
+        # separator or dot can appear by decoding, normalise_path refused those.
+        path = URL.build(path=raw_path, encoded=True).path
+        if path != request.path and self.owned.allowed(path) is not None:
+            return error_response(NotFound(f"no route for {request.method} {request.path}; "
+                                           f"the balancer serves {path}"))
+        if self.owned.allowed(path) is not None or not forwarded(path):
             return no_route(request, self.owned)
         if (refused := self._refused(request)) is not None:
             return refused
         try:
             raw = await self._read_body(request)
             model = body_model(raw, request.headers.get("Content-Type", ""))
-            return await self._forward(request, raw, model)
+            query = request.rel_url.raw_query_string
+            upstream_path = f"{raw_path}?{query}" if query else raw_path
+            return await self._forward(request, upstream_path, raw, model)
         except SkyMeshError as exc:
             return error_response(exc)
 
@@ -153,8 +202,8 @@ class Passthrough:
         headers[REQUEST_ID_HEADER] = request_id(request)
         return headers
 
-    async def _forward(self, request: web.Request, raw: bytes, model: str | None
-                       ) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, upstream_path: str, raw: bytes,
+                       model: str | None) -> web.StreamResponse:
         method = request.method
         headers = self._headers(request)
         excluded: set[str] = set()
@@ -164,7 +213,7 @@ class Passthrough:
             try:
                 try:
                     up = await self._session().request(
-                        method, URL(target + request.raw_path, encoded=True),
+                        method, URL(target + upstream_path, encoded=True),
                         data=raw or None, headers=headers, allow_redirects=False,
                         skip_auto_headers=_NOT_AUTO)
                 except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,

@@ -179,11 +179,11 @@ async def test_engine_routes_reach_the_replica_serving_the_model_untouched(
         assert not [x for x in a.seen if x["path"].startswith("/v1/embeddings")]
 
         # Other methods, no body, no model: any healthy replica; status passed through.
-        async with s.put(URL(lb.url + "/v1/files/a%2Fb", encoded=True),
+        async with s.put(URL(lb.url + "/v1/files/a%20b", encoded=True),
                          data=b"raw bytes") as r:
             got = await r.json()
             assert r.status == 201 and got["body"] == "raw bytes"
-            assert got["path"] == "/v1/files/a%2Fb"
+            assert got["path"] == "/v1/files/a%20b"
             assert HEX32.fullmatch(r.headers["X-Request-Id"])  # generated
             rid = r.headers["X-Request-Id"]
         upstream = next(x for x in a.seen + b.seen if x.get("method") == "PUT")
@@ -266,6 +266,35 @@ async def test_the_balancer_s_own_errors_are_openai_shaped(lb_two: Daemon) -> No
                 assert err["code"] == code
                 assert r.headers.get("Allow") == allow
                 assert HEX32.fullmatch(r.headers["X-Request-Id"])
+
+
+async def test_the_replica_gets_the_normalised_path_and_the_deny_list_holds(
+        two: tuple[Fake, Fake], lb_two: Daemon) -> None:
+    """Issue #33, item 12: spellings of a refused route that used to reach the replica as
+    written are refused; a forwarded route arrives in its normalised form."""
+    a, b = two
+    async with aiohttp.ClientSession() as s:
+        for path in ("/v1/./load_lora_adapter", "/v1//load_lora_adapter",
+                     "/v1/load_lora_adapter/", "/v1/x/../../sleep",
+                     "/v1/%6coad_lora_adapter"):
+            async with s.post(URL(lb_two.url + path, encoded=True), json={}) as r:
+                assert r.status == 404, path
+                assert (await r.json())["error"]["code"] == "not_found"
+        for path in ("/v1/%2e%2e/sleep", "/v1/../../sleep", "/v1/files/a%2Fb"):
+            async with s.post(URL(lb_two.url + path, encoded=True), json={}) as r:
+                assert r.status == 400, path
+                assert (await r.json())["error"]["code"] == "invalid_request"
+        # The balancer's own route under another spelling is not sent to a replica.
+        async with s.post(URL(lb_two.url + "/v1//chat/completions", encoded=True),
+                          json={}) as r:
+            assert r.status == 404 and "/v1/chat/completions" in \
+                (await r.json())["error"]["message"]
+        async with s.post(URL(lb_two.url + "/v1//x/../embeddings/?user=a%2Fb", encoded=True),
+                          json={"model": "m-b", "input": "hi"}) as r:
+            assert r.status == 200
+            assert (await r.json())["path"] == "/v1/embeddings?user=a%2Fb"
+    reached = [x["path"] for x in a.seen + b.seen if "path" in x]
+    assert not [p for p in reached if "lora" in p or "sleep" in p or "chat" in p]
 
 
 async def test_a_connect_error_is_retried_on_another_replica(tmp_path: Path) -> None:
