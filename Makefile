@@ -69,7 +69,7 @@ test: install system-deps $(CHECKOV)
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy skymesh
+	$(BIN)/mypy skymesh controller/skymesh_controller replica/skymesh_replica
 
 typecheck: lint
 

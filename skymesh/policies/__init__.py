@@ -7,10 +7,8 @@ from skymesh.policies.base import (
     RequestTiming,
     RouteRequest,
     TargetLoad,
-    build_policy,
-    policy_class,
-    policy_names,
 )
+from skymesh.policies.registry import build_policy, policy_class, policy_names
 
 __all__ = [
     "LoadView",

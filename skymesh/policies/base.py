@@ -16,10 +16,9 @@ parameter fails at once and names the culprit. There is no second table to keep 
 
 from __future__ import annotations
 
-import inspect
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -98,7 +97,9 @@ class PolicyConfigError(ValueError):
     """Unknown policy name or bad parameter; the message names the culprit."""
 
 
-_REGISTRY: dict[str, type[Policy]] = {}
+# name -> class: every subclass declared with ``name=`` adds itself (one table, no second
+# list to keep in sync). Read it through skymesh.policies.registry.
+POLICY_CLASSES: dict[str, type[Policy]] = {}
 
 
 class Policy(ABC):
@@ -117,10 +118,10 @@ class Policy(ABC):
     def __init_subclass__(cls, name: str = "", **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if name:
-            if name in _REGISTRY:
+            if name in POLICY_CLASSES:
                 raise RuntimeError(f"policy name {name!r} registered twice")
             cls.name = name
-            _REGISTRY[name] = cls
+            POLICY_CLASSES[name] = cls
 
     def __init__(self, *, rng: random.Random | None = None) -> None:
         self.rng = rng if rng is not None else random.Random(0)
@@ -187,57 +188,3 @@ class Policy(ABC):
         # strict=False: the lists are aligned by contract, and strict's check costs
         # ~12 ns per element, a fifth of this loop.
         return self.rng.choice([c for c, v in zip(candidates, vals, strict=False) if v == low])
-
-
-def policy_names() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def policy_class(name: str) -> type[Policy]:
-    _load_builtin()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise PolicyConfigError(
-            f"unknown policy {name!r}; known policies: {', '.join(sorted(_REGISTRY))}"
-        ) from None
-
-
-def build_policy(
-    name: str, params: Mapping[str, Any] | None = None, *, rng: random.Random | None = None
-) -> Policy:
-    """Construct a registered policy, validating its parameters against its signature."""
-    cls = policy_class(name)
-    params = dict(params or {})
-    sig = inspect.signature(cls.__init__)
-    accepted = {
-        p.name
-        for p in sig.parameters.values()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "rng"
-    }
-    for key in params:
-        if key not in accepted:
-            allowed = ", ".join(sorted(accepted)) or "none"
-            raise PolicyConfigError(
-                f"policy {name!r} has no parameter {key!r} (parameters: {allowed})"
-            )
-    try:
-        return cls(rng=rng, **params)
-    except (TypeError, ValueError) as exc:
-        raise PolicyConfigError(f"policy {name!r}: {exc}") from exc
-
-
-def _load_builtin() -> None:
-    # Importing the modules registers their classes; done lazily to avoid import cycles.
-    from skymesh.policies import (  # noqa: F401
-        basic,
-        consistent_hash,
-        goodserve,
-        lmetric,
-        power_of_two,
-        prefix_tree,
-        preserve,
-        sglang_cache_aware,
-        vllm_load,
-    )

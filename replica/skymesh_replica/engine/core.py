@@ -32,10 +32,9 @@ simulator stays step-exact while skipping the steady stretches.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from skymesh_replica.engine.batch import Batch, EngineStats, Sequence, StepEvent
 from skymesh_replica.engine.kv_cache import BlockManager
 from skymesh_replica.engine.profiles import Profile
 from skymesh_replica.engine.status import Status
@@ -44,67 +43,6 @@ if TYPE_CHECKING:
     from skymesh_replica.engine.sglang import SGLangScheduler
 
 __all__ = ["SCHEDULERS", "Batch", "Engine", "EngineStats", "Sequence", "Status", "StepEvent"]
-
-
-@dataclass(eq=False, slots=True)
-class Sequence:
-    """One request inside the engine."""
-
-    request_id: str
-    prompt_len: int
-    output_len: int
-    # Chained hashes of the full blocks of prompt + output that are known (see hashing).
-    block_hashes: Seq[int] = ()
-    status: Status = Status.WAITING
-    num_computed: int = 0  # tokens whose KV is in the cache
-    num_output: int = 0  # tokens generated (and streamed) so far
-    blocks: list[int] = field(default_factory=list)
-    num_preemptions: int = 0
-    first_hit_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)
-    payload: object = None  # the driver's handle (stream, client record...)
-    # The client's output limit (max_tokens); 0: unset, add() puts what the context leaves.
-    max_new_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return self.prompt_len + self.num_output
-
-    @property
-    def remaining_output(self) -> int:
-        return self.output_len - self.num_output
-
-
-@dataclass(slots=True)
-class Batch:
-    """What runs in one step (or ``num_steps`` identical decode steps)."""
-
-    entries: list[tuple[Sequence, int]]  # (sequence, tokens it computes this step)
-    duration: float
-    num_steps: int = 1
-    prefill_tokens: int = 0
-    decode_seqs: int = 0
-    decode_context: int = 0
-
-
-@dataclass(slots=True)
-class StepEvent:
-    seq: Sequence
-    new_tokens: int
-    first_token: bool
-    finished: bool
-
-
-@dataclass(slots=True)
-class EngineStats:
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    num_preemptions: int = 0
-    num_finished: int = 0
-    num_aborted: int = 0
-    num_steps: int = 0
-    busy_time: float = 0.0
 
 
 SCHEDULERS: tuple[str, ...] = ("vllm", "sglang")
@@ -143,7 +81,7 @@ class Engine:
                 f"prompt ({seq.prompt_len}) + output ({seq.output_len}) tokens exceed the "
                 f"model's context length {self.profile.max_model_len}"
             )
-        if self._blocks_for(seq.prompt_len + seq.output_len) > self.kv.num_blocks:
+        if self.blocks_for(seq.prompt_len + seq.output_len) > self.kv.num_blocks:
             raise ValueError("request does not fit in the KV cache even alone")
         if seq.max_new_tokens <= 0:
             seq.max_new_tokens = self.profile.max_model_len - seq.prompt_len
@@ -211,7 +149,7 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
 
-    def _blocks_for(self, tokens: int) -> int:
+    def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     # -- scheduling ------------------------------------------------------------------
@@ -231,7 +169,7 @@ class Engine:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
-            need = self._blocks_for(seq.num_computed + n) - len(seq.blocks)
+            need = self.blocks_for(seq.num_computed + n) - len(seq.blocks)
             while need > kv.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -253,9 +191,9 @@ class Engine:
             # Everything waiting is blocked (cannot happen with an empty running set,
             # since add() refuses requests that cannot fit alone).
             return None
-        batch = self._timed(entries)
+        batch = self.timed(entries)
         if max_steps > 1 and not preempted and batch.prefill_tokens == 0:
-            self._fast_forward(batch, max_steps)
+            self.fast_forward(batch, max_steps)
         return batch
 
     def _admit(self, entries: list[tuple[Sequence, int]], budget: int, bs: int) -> int:
@@ -268,7 +206,7 @@ class Engine:
             hit_blocks = kv.match_prefix(lookup)
             hit_tokens = len(hit_blocks) * bs
             n = min(seq.num_tokens - hit_tokens, budget)
-            need = self._blocks_for(hit_tokens + n) - len(hit_blocks)
+            need = self.blocks_for(hit_tokens + n) - len(hit_blocks)
             if need + kv.num_evictable_in(hit_blocks) > kv.num_free:
                 break
             kv.acquire(hit_blocks)
@@ -299,7 +237,7 @@ class Engine:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _timed(self, entries: list[tuple[Sequence, int]]) -> Batch:
+    def timed(self, entries: list[tuple[Sequence, int]]) -> Batch:
         prefill = 0
         attn = 0.0
         dseqs = 0
@@ -314,7 +252,7 @@ class Engine:
         dur = self.profile.step_time(prefill, attn, dseqs, dctx)
         return Batch(entries, dur, 1, prefill, dseqs, dctx)
 
-    def _fast_forward(self, batch: Batch, max_steps: int) -> None:
+    def fast_forward(self, batch: Batch, max_steps: int) -> None:
         """Stretch a pure-decode batch over as many identical steps as is safe."""
         k = min(max_steps, min(seq.remaining_output for seq, _ in batch.entries))
         if k <= 1:

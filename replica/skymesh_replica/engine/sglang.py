@@ -56,13 +56,33 @@ blocks stay cached (SGLang frees them); ``max_running_requests`` follows SGLang'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from skymesh_replica.engine.kv_cache import KVCacheError
 from skymesh_replica.engine.status import Status
 
 if TYPE_CHECKING:
-    from skymesh_replica.engine.core import Batch, Engine, Sequence, StepEvent
+    from collections import deque
+
+    from skymesh_replica.engine.batch import Batch, EngineStats, Sequence, StepEvent
+    from skymesh_replica.engine.kv_cache import BlockManager
+    from skymesh_replica.engine.profiles import Profile
+
+
+class Engine(Protocol):
+    """What this scheduler uses of the engine it schedules for (:mod:`.core`'s
+    ``Engine``), so that this module needs nothing of that one."""
+
+    waiting: deque[Sequence]
+    running: list[Sequence]
+    kv: BlockManager
+    profile: Profile
+    block_size: int
+    stats: EngineStats
+
+    def timed(self, entries: list[tuple[Sequence, int]]) -> Batch: ...
+    def blocks_for(self, tokens: int) -> int: ...
+    def fast_forward(self, batch: Batch, max_steps: int) -> None: ...
 
 # global_config.py (v0.4.x): default_init_new_token_ratio, *_min_new_token_ratio_factor,
 # *_new_token_ratio_decay_steps, retract_decode_steps; schedule_policy.py's clip.
@@ -161,7 +181,7 @@ class SGLangScheduler:
         entries = self._prefill()
         self._last_decode = False
         if entries:
-            return e._timed(entries)
+            return e.timed(entries)
         running = self._decoding()
         if not running:
             # Idle: SGLang re-initialises the ratio when it has nothing to run.
@@ -180,10 +200,10 @@ class SGLangScheduler:
         kv = e.kv
         entries = []
         for seq in running:
-            if e._blocks_for(seq.num_computed + 1) > len(seq.blocks):
+            if e.blocks_for(seq.num_computed + 1) > len(seq.blocks):
                 seq.blocks.extend(kv.allocate(1))
             entries.append((seq, 1))
-        batch = e._timed(entries)
+        batch = e.timed(entries)
         self._log_values = (len(e.waiting), len(running))
         if max_steps > 1 and not retracted and self._steady():
             steps = max_steps
@@ -191,7 +211,7 @@ class SGLangScheduler:
             if self._log_values != (self.queue_gauge, self.running_gauge):
                 # Stop at the next log point so the new snapshot appears on time.
                 steps = min(steps, interval - self.forward_ct_decode % interval)
-            e._fast_forward(batch, steps)
+            e.fast_forward(batch, steps)
         self._last_decode = True
         return batch
 
@@ -232,7 +252,7 @@ class SGLangScheduler:
             room = (kv.num_free + len(chunked.blocks)) * bs - chunked.num_computed
             n = min(n, room)
             if n > 0:
-                need = e._blocks_for(chunked.num_computed + n) - len(chunked.blocks)
+                need = e.blocks_for(chunked.num_computed + n) - len(chunked.blocks)
                 if need > 0:
                     chunked.blocks.extend(kv.allocate(need))
                 entries.append((chunked, n))
@@ -273,7 +293,7 @@ class SGLangScheduler:
             else:
                 n = rem_chunk  # > 0: checked at the top of the loop
                 future = 0
-            need = e._blocks_for(hit + n) - len(hit_blocks)
+            need = e.blocks_for(hit + n) - len(hit_blocks)
             if need + locked > kv.num_free:  # whole blocks: SGLang counts single tokens
                 self.batch_is_full = True
                 break
@@ -376,7 +396,7 @@ class SGLangScheduler:
 
     def _blocks_short(self, seqs: list[Sequence]) -> int:
         e = self.e
-        need = sum(1 for s in seqs if e._blocks_for(s.num_computed + 1) > len(s.blocks))
+        need = sum(1 for s in seqs if e.blocks_for(s.num_computed + 1) > len(s.blocks))
         return need - e.kv.num_free
 
     def _retract(self, seq: Sequence) -> None:
