@@ -135,7 +135,7 @@ class Prober:
         gate = self.gates.setdefault(url, ParseGate())
         if (why := gate.refuses(now)) is not None:
             raise ParseOverBudget(why)
-        task = asyncio.ensure_future(asyncio.to_thread(_timed_parse, body))
+        task = asyncio.get_running_loop().run_in_executor(None, _timed_parse, body)
         gate.running = task
         budget = lb.cfg.probe.max_parse_s
 
