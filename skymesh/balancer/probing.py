@@ -46,6 +46,7 @@ class Prober:
     def __init__(self, lb: Balancer) -> None:
         self.lb = lb
         self.gates: dict[str, ParseGate] = {}  # /metrics parsing, per replica URL
+        self.logged: dict[str, float] = {}  # when a probe over a limit was last logged
 
     async def loop(self) -> None:
         interval = self.lb.cfg.probe.interval_s
@@ -63,6 +64,8 @@ class Prober:
         replicas = lb.health.replicas
         for url in [u for u in self.gates if u not in replicas]:
             del self.gates[url]
+        for url in [u for u in self.logged if u not in replicas]:
+            del self.logged[url]
         # Streams on a replica now marked down that have stalled end (or resume) here,
         # not after upstream.read_timeout_s.
         down = {url for url, h in replicas.items() if not h.healthy}
@@ -132,7 +135,7 @@ class Prober:
         gate = self.gates.setdefault(url, ParseGate())
         if (why := gate.refuses(now)) is not None:
             raise ParseOverBudget(why)
-        task = asyncio.ensure_future(asyncio.to_thread(_timed_parse, body))
+        task = asyncio.get_running_loop().run_in_executor(None, _timed_parse, body)
         gate.running = task
         budget = lb.cfg.probe.max_parse_s
 
@@ -156,9 +159,14 @@ class Prober:
     def over_limit(self, url: str, exc: Exception) -> None:
         what = exc.what if isinstance(exc, ReplyTooLarge) else "metrics_parse"
         self.lb.metrics.replica_limits.labels(url, what).inc()
-        log.warning("probe of %s over a limit: %s", url, exc)
+        # Every probe of such a replica fails the same way: one line per LOG_EVERY_S.
+        now = self.lb.health.clock()
+        if now - self.logged.get(url, -math.inf) >= LOG_EVERY_S:
+            self.logged[url] = now
+            log.warning("probe of %s over a limit: %s", url, exc)
 
 
+LOG_EVERY_S = 10.0
 # After a parse over budget, a replica's /metrics waits this many times that parse's cost
 # before the next parse: its share of a core stays under 1 / (1 + QUIET_FACTOR).
 QUIET_FACTOR = 10.0

@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -97,8 +98,11 @@ async def test_streams_on_a_frozen_replica_end_once_it_is_marked_down(
             async def marked_down() -> bool:
                 return not (await status(s, lb))["replicas"][url]["healthy"]
             await until(marked_down, "the frozen replica marked down", timeout=30)
+            down_at = time.monotonic()
             # Bounded by the deadline, not by the 600 s read timeout.
             await asyncio.wait_for(stream, DEADLINE_S)
+            print(f"resume={resume}: the stream ended {time.monotonic() - down_at:.1f} s "
+                  "after the replica was seen marked down")
 
             assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
             errors = [e for e in events if isinstance(e, dict) and "error" in e]
