@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "--api-key (default: $SKYMESH_REPLICA_API_KEY)")
     ap.add_argument("--max-num-seqs", type=_positive_int, metavar="N",
                     help="most requests running at once, as vLLM's flag (default: the "
-                         "profile's); published as skymesh:max_num_seqs")
+                         "profile's); published as skymesh_engine_max_num_seqs")
     ap.add_argument("--metrics-lag-s", type=_non_negative_float, metavar="SECONDS",
                     help="how far the /metrics load gauges trail the engine (default: the "
                          "profile's, 0.9 s as vLLM-CPU's)")

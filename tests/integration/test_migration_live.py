@@ -313,9 +313,9 @@ async def replica_load(s: aiohttp.ClientSession, replica: Daemon) -> tuple[float
 async def aborted(s: aiohttp.ClientSession, replica: Daemon) -> float:
     async with s.get(replica.url + "/metrics") as r:
         for line in (await r.text()).splitlines():
-            if line.startswith("skymesh:requests_aborted"):
+            if line.startswith("skymesh_engine_requests_aborted"):
                 return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no skymesh:requests_aborted on the replica")
+    raise AssertionError("no skymesh_engine_requests_aborted on the replica")
 
 
 async def test_a_client_that_leaves_after_the_move_aborts_the_continuation(

@@ -4,7 +4,7 @@
 
 A burst of streams must queue at the balancer, not inside the replicas: their own live
 counters (SGLang's ``/get_load``, read at request time) must show no queue. The balancer
-learns the limit from the replicas' ``skymesh:max_num_seqs``; nothing in its config says 4.
+learns the limit from the replicas' ``skymesh_engine_max_num_seqs``; nothing in its config says 4.
 """
 
 from __future__ import annotations

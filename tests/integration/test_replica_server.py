@@ -12,6 +12,7 @@ import contextlib
 import json
 import random
 import re
+import shutil
 import signal
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Iterator
@@ -265,7 +266,7 @@ async def test_max_num_seqs_and_lagging_gauges(tmp_path: Path) -> None:
                 return (load["num_reqs"], load["num_waiting_reqs"]) == (3, 1)
             await until(limited, "2 running and 1 waiting")
             m = await metrics(http)
-            assert m["skymesh:max_num_seqs"] == 2
+            assert m["skymesh_engine_max_num_seqs"] == 2
             assert (m["vllm:num_requests_waiting"], m["vllm:num_requests_running"]) == (0, 0)
             assert m["vllm:num_requests_waiting_by_reason"] == 0
             for r in streams:
@@ -280,7 +281,7 @@ async def _running(http: aiohttp.ClientSession) -> float:
 
 
 async def test_stream_disconnect_aborts(replica: str, http: aiohttp.ClientSession) -> None:
-    before = (await metrics(http))["skymesh:requests_aborted_total"]
+    before = (await metrics(http))["skymesh_engine_requests_aborted_total"]
     body = chat("Long answer.", max_tokens=4000, ignore_eos=True, stream=True)
     async with aiohttp.ClientSession(base_url=replica) as client:
         resp = await client.post("/v1/chat/completions", json=body)
@@ -294,7 +295,7 @@ async def test_stream_disconnect_aborts(replica: str, http: aiohttp.ClientSessio
     # The request alone would run ~11 s more: a short deadline proves it was aborted.
     await until(lambda: _is(_running(http), 0), "running back to 0 after disconnect",
                 timeout=3.0)
-    after = (await metrics(http))["skymesh:requests_aborted_total"]
+    after = (await metrics(http))["skymesh_engine_requests_aborted_total"]
     assert after == before + 1
 
 
@@ -407,7 +408,7 @@ async def test_info_endpoints(http: aiohttp.ClientSession) -> None:
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:num_preemptions_total",
-                 "skymesh:max_num_seqs"):
+                 "skymesh_engine_max_num_seqs"):
         assert re.search(rf'^{re.escape(name)}{{engine="0",model_name="{re.escape(MODEL)}"}} ',
                          text, re.M), name
     for reason in ("capacity", "deferred"):
@@ -552,3 +553,20 @@ def test_list_profiles() -> None:
                          capture_output=True, text=True,
                          timeout=30, check=True)
     assert DEFAULT_PROFILE in out.stdout.split()
+
+
+async def test_its_own_metric_names_pass_promtool(http: aiohttp.ClientSession) -> None:
+    """``promtool check metrics`` finds nothing to say of the replica's own metrics; the
+    engines' names it copies (``vllm:``, ``sglang:``) are theirs, colons included."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (make system-deps installs it)")
+    async with http.get("/metrics") as r:
+        text = await r.text()
+    done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                          text=True, timeout=60)
+    problems = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert any(p.startswith("vllm:") for p in problems), problems  # promtool did read it
+    ours = [p for p in problems if not p.startswith(("vllm:", "sglang:"))]
+    assert not ours, ours
+    assert "skymesh_engine_steps_total" in text

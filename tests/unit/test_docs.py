@@ -97,3 +97,45 @@ def test_the_configuration_reference_lists_every_key_with_its_default(
     assert not wrong, f"docs/configuration.md ({section}): (written, actual) defaults {wrong}"
     stale = sorted(set(rows) - set(keys))
     assert not stale, f"docs/configuration.md ({section}) lists keys the code lacks: {stale}"
+
+
+# -- examples/lb.yaml: every key, and valid ------------------------------------------------
+COMMENTED_YAML = re.compile(r"^( *)# ( *(?:[a-z_][a-z0-9_]*:.*|- .*))$")
+
+
+def example_config(text: str) -> Any:
+    """The example with its commented-out optional sections (``# mesh:`` ...) switched on:
+    a commented line that is YAML (a key, or a list item) is read as if uncommented."""
+    import yaml
+
+    lines = [m.group(1) + m.group(2) if (m := COMMENTED_YAML.match(line)) else line
+             for line in text.splitlines()]
+    return yaml.safe_load("\n".join(lines))
+
+
+def present_keys(data: Any, prefix: str = "") -> Iterator[str]:
+    """Dotted keys of a loaded YAML document, as :func:`leaf_keys` spells them."""
+    if isinstance(data, dict):
+        for k, v in data.items():
+            yield prefix + str(k)
+            yield from present_keys(v, f"{prefix}{k}.")
+    elif isinstance(data, list):
+        for item in data:
+            yield from present_keys(item, prefix.rstrip(".") + "[].")
+
+
+def test_the_example_reader_switches_commented_sections_on() -> None:
+    text = ("a: 1\n# b:\n#   c: 2   # why\n#   d: [x]\n# A sentence: not YAML here.\n"
+            "e:\n  # f: 3\n")
+    assert example_config(text) == {"a": 1, "b": {"c": 2, "d": ["x"]}, "e": {"f": 3}}
+    assert set(present_keys({"r": [{"u": 1}], "p": {"q": 2}})) == {"r", "r[].u", "p", "p.q"}
+
+
+def test_the_example_config_has_every_key_and_is_valid() -> None:
+    from skymesh.balancer.config import parse_config
+
+    data = example_config((REPO / "examples" / "lb.yaml").read_text())
+    parse_config(data)  # with its optional sections on, it still validates
+    present = set(present_keys(data))
+    missing = sorted(k for k, _ in leaf_keys(BalancerConfig) if k not in present)
+    assert not missing, f"examples/lb.yaml lacks {missing}"

@@ -77,7 +77,7 @@ def test_older_vllm_names_and_several_engines() -> None:
 def test_text_without_headers_is_parsed_whole() -> None:
     text = ('vllm:num_requests_waiting_by_reason{reason="capacity"} 5.0\n'
             "vllm:num_requests_waiting 5.0\nvllm:num_requests_running 1.0\n"
-            "vllm:kv_cache_usage_perc 0.125\nskymesh:max_num_seqs 4.0\n")
+            "vllm:kv_cache_usage_perc 0.125\nskymesh_engine_max_num_seqs 4.0\n")
     assert parse_metrics(text) == ProbeResult(5, 1, 0.125, None, 4)
 
 
