@@ -386,7 +386,10 @@ class ControllerLinkConfig(StrictModel):
     advertise_url: str | None = None  # default: the URL the HTTP edge bound
     telemetry_interval_s: float = Field(5.0, gt=0)
     poll_wait_s: float = Field(30.0, gt=0, le=300)
+    # After a failed call: retry_s, doubling (with jitter) up to retry_max_s while calls
+    # keep failing (a balancer registering in a region the controller does not know yet).
     retry_s: float = Field(1.0, gt=0)
+    retry_max_s: float = Field(60.0, gt=0)
     # Take the peer list from the controller (False: keep mesh.peers, e.g. when each link
     # goes through its own proxy, as in the local demo).
     follow_peers: bool = True

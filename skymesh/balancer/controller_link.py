@@ -13,12 +13,19 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import aiohttp
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    wait_exponential_jitter,
+)
 
 from skymesh.balancer.config import BalancerConfig, ControllerLinkConfig, ReplicaConfig
 from skymesh.mesh.outlook import OutlookParams, PeerOutlook, RegionOutlook
@@ -95,10 +102,29 @@ class Tally:
                         for m, c in counts.items()}
 
 
+_RETRYABLE = (ControllerRejected, aiohttp.ClientError, TimeoutError, OSError, ValueError,
+              KeyError)
+
+
+def controller_problem(error: str, url: str) -> str:
+    """A failed controller call as one line an operator can act on."""
+    if "HTTP 422" in error and "no region named" in error:
+        return (f"the controller ({url}) refused to register this balancer: {error}. "
+                "Create the region first (regions, then balancers, then replicas: "
+                "docs/controller.md)")
+    if "HTTP 401" in error or "HTTP 403" in error:
+        return f"the controller ({url}) refused this balancer's token: {error}"
+    if "HTTP" in error:
+        return f"the controller ({url}) refused: {error}"
+    return f"the controller ({url}) is unreachable: {error}"
+
+
 class ControllerLink:
-    def __init__(self, cfg: ControllerLinkConfig, lb: Balancer) -> None:
+    def __init__(self, cfg: ControllerLinkConfig, lb: Balancer,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.cfg = cfg
         self.lb = lb
+        self.sleep = sleep  # between retries (a fake one in tests)
         mesh = lb.cfg.mesh
         self.balancer_id = cfg.balancer_id or (mesh.id if mesh is not None else lb.cfg.region)
         self.revision = -1
@@ -196,27 +222,47 @@ class ControllerLink:
             await self.lb.mesh.set_peers(peers)
 
     async def _follow(self) -> None:
+        """Register, then long-poll membership, forever. A failed call is retried after
+        ``retry_s``, doubling (jittered) up to ``retry_max_s`` while calls keep failing, and
+        back to ``retry_s`` after a success: a balancer told "no region named 'us'" waits
+        longer and longer for an operator to create the region instead of asking once a
+        second, and says so once, not at every retry."""
         while True:
-            try:
-                if not self.registered:
-                    await self.register()
-                m = await self._call(
-                    "GET", f"/v1/balancers/{self.balancer_id}/membership",
-                    params={"after": str(self.revision), "wait": str(self.cfg.poll_wait_s)}
-                    if self.revision >= 0 else None)
-                self.last_error = None
-                if int(m["revision"]) != self.revision:
-                    await self.apply(m)
-                continue
-            except ControllerRejected as exc:
-                self.last_error = str(exc)
-                log.warning("controller refused: %s", exc)
-                if "HTTP 404" in str(exc):  # forgotten (e.g. a memory store restarted)
-                    self.registered = False
-            except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError) as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.warning("controller unreachable: %s", self.last_error)
-            await asyncio.sleep(self.cfg.retry_s)
+            async for attempt in AsyncRetrying(
+                    wait=wait_exponential_jitter(initial=self.cfg.retry_s,
+                                                 max=self.cfg.retry_max_s),
+                    retry=retry_if_exception_type(_RETRYABLE), sleep=self.sleep,
+                    before_sleep=self._failed, reraise=True):
+                with attempt:
+                    await self._sync_once()
+            self.last_error = None
+
+    async def _sync_once(self) -> None:
+        if not self.registered:
+            await self.register()
+        m = await self._call(
+            "GET", f"/v1/balancers/{self.balancer_id}/membership",
+            params={"after": str(self.revision), "wait": str(self.cfg.poll_wait_s)}
+            if self.revision >= 0 else None)
+        if int(m["revision"]) != self.revision:
+            await self.apply(m)
+
+    def _failed(self, state: RetryCallState) -> None:
+        """One warning per distinct failure (the same one again is a debug line), with
+        what the operator can do about it, and when the next try is."""
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(exc, ControllerRejected):
+            error = str(exc)
+            if "HTTP 404" in error:  # forgotten (e.g. a memory store restarted)
+                self.registered = False
+        else:
+            error = f"{type(exc).__name__}: {exc}"
+        wait = state.next_action.sleep if state.next_action is not None else 0.0
+        repeated = error == self.last_error
+        self.last_error = error
+        log.log(logging.DEBUG if repeated else logging.WARNING, "%s; retrying in %.1f s%s",
+                controller_problem(error, self.cfg.url), wait,
+                " (and backing off while it lasts)" if not repeated else "")
 
     # -- telemetry -------------------------------------------------------------------------
     def telemetry(self) -> dict[str, Any]:
