@@ -28,12 +28,14 @@ from tenacity import (
 )
 
 from skymesh.balancer.config import BalancerConfig, ControllerLinkConfig, ReplicaConfig
+from skymesh.balancer.dispatch import Dispatcher
+from skymesh.balancer.health import HealthTracker
 from skymesh.mesh.outlook import OutlookParams, PeerOutlook, RegionOutlook
 from skymesh.net import urlpolicy
 from skymesh.net.urlpolicy import UrlRejected
 
 if TYPE_CHECKING:
-    from skymesh.balancer.server import Balancer
+    from skymesh.balancer.mesh_link import MeshLink
 
 log = logging.getLogger("skymesh.balancer.controller")
 
@@ -120,13 +122,23 @@ def controller_problem(error: str, url: str) -> str:
 
 
 class ControllerLink:
-    def __init__(self, cfg: ControllerLinkConfig, lb: Balancer,
+    def __init__(self, cfg: ControllerLinkConfig, config: Callable[[], BalancerConfig],
+                 dispatcher: Dispatcher, health: HealthTracker, mesh: MeshLink | None,
+                 tally: Tally, set_replicas: Callable[[list[ReplicaConfig]], None],
+                 set_policy: Callable[[str, dict[str, Any]], None],
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.cfg = cfg
-        self.lb = lb
+        self.config = config  # the balancer's, as in effect (a reload changes pushing)
+        self.dispatcher = dispatcher
+        self.health = health  # replica models and health, for registration and telemetry
+        self.mesh = mesh
+        self.tally = tally
+        self.set_replicas = set_replicas  # membership from the controller ...
+        self.set_policy = set_policy  # ... and its policy, applied to the balancer
         self.sleep = sleep  # between retries (a fake one in tests)
-        mesh = lb.cfg.mesh
-        self.balancer_id = cfg.balancer_id or (mesh.id if mesh is not None else lb.cfg.region)
+        mesh_cfg = config().mesh
+        self.balancer_id = cfg.balancer_id or (mesh_cfg.id if mesh_cfg is not None
+                                               else config().region)
         self.revision = -1
         self.registered = False
         self.last_error: str | None = None
@@ -135,9 +147,9 @@ class ControllerLink:
         self._url = ""
         self.policy = cfg.url_policy.policy()
         self.resolver: urlpolicy.Resolver = urlpolicy.system_resolver
-        if mesh is not None and mesh.outlook.enabled:  # read from GET /v1/outlook
-            o = mesh.outlook
-            lb.dispatcher.outlook = PeerOutlook(OutlookParams(o.horizon, o.slack,
+        if mesh_cfg is not None and mesh_cfg.outlook.enabled:  # read from GET /v1/outlook
+            o = mesh_cfg.outlook
+            dispatcher.outlook = PeerOutlook(OutlookParams(o.horizon, o.slack,
                                                               o.current_weight))
 
     async def start(self, local_url: str) -> None:
@@ -147,7 +159,7 @@ class ControllerLink:
         self._session = aiohttp.ClientSession(
             base_url=self.cfg.url + "/", headers=headers,
             connector=aiohttp.TCPConnector(
-                resolver=fetch_resolver(self.lb.cfg, self.resolver)),
+                resolver=fetch_resolver(self.config(), self.resolver)),
             timeout=aiohttp.ClientTimeout(total=self.cfg.poll_wait_s + 10, sock_connect=3))
         self._tasks = [asyncio.create_task(self._follow(), name="skymesh-controller-sync"),
                        asyncio.create_task(self._report_loop(), name="skymesh-telemetry")]
@@ -175,21 +187,21 @@ class ControllerLink:
 
     # -- registration and membership -------------------------------------------------------
     async def register(self) -> None:
-        lb = self.lb
-        body: dict[str, Any] = {"id": self.balancer_id, "region": lb.cfg.region,
+        cfg = self.config()
+        body: dict[str, Any] = {"id": self.balancer_id, "region": cfg.region,
                                 "url": self._url}
-        if lb.mesh is not None:
-            body["peer_address"] = lb.mesh.node.address
+        if self.mesh is not None:
+            body["peer_address"] = self.mesh.node.address
         await self._call("POST", "/v1/balancers", json=body)
-        for rep in lb.cfg.replicas:
-            h = lb.health.replicas.get(rep.url)
+        for rep in cfg.replicas:
+            h = self.health.replicas.get(rep.url)
             known = rep.models or (sorted(h.models) if h is not None else [])
             model = known[0] if known else None
             if model is None:
                 raise ControllerRejected(f"replica {rep.url}: model not known yet "
                                          "(list it under models, or wait for a probe)")
             await self._call("POST", "/v1/replicas", json={
-                "url": rep.url, "model": model, "region": lb.cfg.region, "gpu": rep.gpu,
+                "url": rep.url, "model": model, "region": cfg.region, "gpu": rep.gpu,
                 "kind": rep.kind, "balancer": self.balancer_id})
         self.registered = True
         log.info("registered with the controller as %s", self.balancer_id)
@@ -207,19 +219,20 @@ class ControllerLink:
     async def apply(self, m: dict[str, Any]) -> None:
         """Membership from the controller: replicas, policy and peers."""
         self.revision = int(m["revision"])
-        self.lb.set_replicas([ReplicaConfig(url=r["url"], kind=r.get("kind", "vllm"),
+        self.set_replicas([ReplicaConfig(url=r["url"], kind=r.get("kind", "vllm"),
                                             models=[r["model"]], gpu=r.get("gpu", "unknown"))
                               for r in m["replicas"] if await self._allowed("replica", r["url"])])
         if m.get("policy"):
-            self.lb.set_policy(m["policy"], m.get("policy_params") or {})
-        if self.lb.dispatcher.outlook is not None:
-            self.lb.dispatcher.outlook.set_regions({p["id"]: p["region"] for p in m["peers"]})
-        if self.lb.cfg.pushing.balancers_per_region == "auto":
-            self.lb.dispatcher.balancers_per_region = region_balancers(m, self.lb.cfg.region)
-        if self.lb.mesh is not None and self.cfg.follow_peers:
+            self.set_policy(m["policy"], m.get("policy_params") or {})
+        if self.dispatcher.outlook is not None:
+            self.dispatcher.outlook.set_regions({p["id"]: p["region"] for p in m["peers"]})
+        cfg = self.config()
+        if cfg.pushing.balancers_per_region == "auto":
+            self.dispatcher.balancers_per_region = region_balancers(m, cfg.region)
+        if self.mesh is not None and self.cfg.follow_peers:
             peers = {p["id"]: p["peer_address"] for p in m["peers"] if p.get("peer_address")
                      and await self._allowed("peer", f"http://{p['peer_address']}")}
-            await self.lb.mesh.set_peers(peers)
+            await self.mesh.set_peers(peers)
 
     async def _follow(self) -> None:
         """Register, then long-poll membership, forever. A failed call is retried after
@@ -266,14 +279,13 @@ class ControllerLink:
 
     # -- telemetry -------------------------------------------------------------------------
     def telemetry(self) -> dict[str, Any]:
-        lb = self.lb
-        window, models = lb.tally.take()
-        d = lb.dispatcher
+        window, models = self.tally.take()
+        d = self.dispatcher
         return {
             "window_s": min(window, 3600.0), "models": models, "queue_length": d.queued,
             "in_flight": sum(t.load.in_flight for t in d.targets.values()),
             "replicas": {url: "healthy" if h.healthy else "unhealthy"
-                         for url, h in lb.health.replicas.items()},
+                         for url, h in self.health.replicas.items()},
         }
 
     async def _report_loop(self) -> None:
@@ -286,8 +298,8 @@ class ControllerLink:
                                  json=self.telemetry())
             except (ControllerRejected, aiohttp.ClientError, TimeoutError, OSError) as exc:
                 log.warning("telemetry not delivered: %s", exc)
-            if self.lb.dispatcher.outlook is not None:
-                await self.refresh_outlook(self.lb.dispatcher.outlook)
+            if self.dispatcher.outlook is not None:
+                await self.refresh_outlook(self.dispatcher.outlook)
 
     async def refresh_outlook(self, into: PeerOutlook) -> None:
         """The planner's per-region forecast; on failure the last one stays, and its

@@ -7,78 +7,52 @@ the head of the queue for another replica, at most ``retry.max_attempts`` attemp
 (then 502). A non-streamed response, or an error status, is read whole and returned, up
 to ``upstream.max_response_body_bytes`` (over it: 502, the connection dropped); a
 stream is relayed by ``skymesh.balancer.streaming`` (or ``skymesh.balancer.moves`` when the
-policy may move it). The upstream request's headers are assembled by
-:meth:`Forwarder.upstream_headers`.
-
-The shared pieces of a response to the client live here too: the coalesced stream, the
-hop-by-hop header filter and the SSE error event a client gets after its first byte.
+policy may move it). The upstream request's headers are
+``skymesh.balancer.relay.UpstreamHeaders``'; the pieces of a response every room shares
+(the coalesced stream, the hop-by-hop filter, the SSE error event) are that module's too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 
+from skymesh.balancer.config import BalancerConfig
 from skymesh.balancer.dispatch import Ticket
-from skymesh.balancer.edge import request_id
 from skymesh.balancer.errors import BadRequest, NoCapacity, UpstreamFailed
 from skymesh.balancer.intake import Intake
 from skymesh.balancer.migration import migratable
+from skymesh.balancer.moves import Mover
 from skymesh.balancer.output_text import (
     OutputCapture,
-    cached_text,
     parse_json,
     reply_text,
     sse_output_text,
 )
 from skymesh.balancer.overload import can_serve
-from skymesh.balancer.upstream import Reply, ReplyTooLarge, read_capped, read_head
-from skymesh.obs.access import inject_trace, note, upstream_span
-from skymesh.policies.base import RequestTiming, RouteRequest
-from skymesh.prefix.keys import text_prefix_keys
+from skymesh.balancer.relay import (
+    OUTPUT_TOKENS_KEY,
+    CoalescedStream,
+    ReplicaFault,
+    RequestCore,
+    UpstreamHeaders,
+    broken,
+    copy_headers,
+)
+from skymesh.balancer.streaming import Streams
+from skymesh.balancer.upstream import Reply, ReplyTooLarge, Upstream, read_capped, read_head
+from skymesh.obs.access import note, upstream_span
+from skymesh.policies.base import RequestTiming
 
 if TYPE_CHECKING:
-    from skymesh.balancer.server import Balancer
+    from skymesh.balancer.mesh_link import MeshLink
 
 log = logging.getLogger("skymesh.lb")
-
-FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
-                "content-encoding", "date", "server"}
-OUTPUT_TOKENS_KEY = "skymesh.output_tokens"  # per-request output count, for telemetry
-TICKET_KEY = "skymesh.ticket"  # the request's current ticket, once a migration replaced it
-
-
-class ReplicaFault(Exception):
-    """The attempt failed in a way that is the replica's fault (retry elsewhere)."""
-
-
-class CoalescedStream(web.StreamResponse):
-    """A streamed response whose headers leave with its first chunk, in one write.
-
-    aiohttp's StreamResponse sends headers on ``prepare``; we prepare only once the
-    upstream's first bytes are here, so a separate send would cost a system call and a
-    wake-up of the client for nothing. aiohttp's own ``Response`` buffers them this way
-    (the same class attribute); if a later aiohttp drops it, headers go out on
-    ``prepare`` again, which is only slower."""
-
-    _send_headers_immediately = False
-
-
-def copy_headers(up: Reply) -> dict[str, str]:
-    return {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS}
-
-
-def broken(message: str, code: str = "upstream_failed") -> bytes:
-    """The SSE error event and end a client gets after its first byte."""
-    err = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
-
 
 def usage(reply: Any) -> tuple[int, int, int | None]:
     """(prompt tokens, completion tokens, cached prompt tokens or None) from a parsed
@@ -94,51 +68,51 @@ def usage(reply: Any) -> tuple[int, int, int | None]:
 
 
 class Forwarder:
-    def __init__(self, lb: Balancer) -> None:
-        self.lb = lb
-
-    def upstream_headers(self, request: web.Request) -> dict[str, str]:
-        """What a request to a replica carries from the client's, plus our own key."""
-        lb = self.lb
-        headers = {k: v for k in lb.forward_headers if (v := request.headers.get(k))}
-        headers["X-Request-Id"] = request_id(request)
-        headers.update(lb.upstream_auth)
-        inject_trace(request, headers)  # the attempt's traceparent, when tracing
-        return headers
+    def __init__(self, core: RequestCore, cfg: BalancerConfig, headers: UpstreamHeaders,
+                 upstream: Callable[[], Upstream], mesh: MeshLink | None, streams: Streams,
+                 mover: Mover, failfast: dict[str, Ticket],
+                 drain_retry_s: Callable[[str], float]) -> None:
+        self.core = core
+        self.cfg = cfg
+        self.headers = headers
+        self.upstream = upstream  # the request path's client, once the balancer started
+        self.mesh = mesh
+        self.streams = streams
+        self.mover = mover
+        self.failfast = failfast  # queued requests that may fail fast (the pump's), by key
+        self.drain_retry_s = drain_retry_s  # Retry-After for a model's queue
 
     async def wait_dispatch(self, ticket: Ticket, timeout: float) -> str:
-        lb = self.lb
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket.payload = fut
-        lb.pump()
+        self.core.pump()
         if not fut.done():
-            lb.failfast[ticket.key] = ticket
+            self.failfast[ticket.key] = ticket
             try:
                 await asyncio.wait_for(asyncio.shield(fut), timeout)
             except TimeoutError:
-                if lb.dispatcher.cancel(ticket):
+                if self.core.dispatcher.cancel(ticket):
                     raise NoCapacity(
                         f"no replica could take the request within {timeout:.1f} s",
-                        retry_after_s=lb.drain_retry_s(ticket.route.model),
+                        retry_after_s=self.drain_retry_s(ticket.route.model),
                     ) from None
             finally:
-                lb.failfast.pop(ticket.key, None)
+                self.failfast.pop(ticket.key, None)
         if fut.done():
             fut.result()  # raises the NoHealthyReplica of Balancer._fail_stranded
         assert ticket.target is not None
         return ticket.target
 
     def _observe_wait(self, model: str, seconds: float) -> None:
-        self.lb.metrics.queue_wait.labels(model).observe(seconds)
+        self.core.metrics.queue_wait.labels(model).observe(seconds)
 
     async def serve(self, request: web.Request, ticket: Ticket, raw: bytes, intake: Intake,
                     t0: float, timeout: float) -> tuple[web.StreamResponse, str]:
-        lb = self.lb
-        max_attempts = lb.cfg.retry.max_attempts
+        max_attempts = self.cfg.retry.max_attempts
         model = ticket.route.model
         while True:
-            target = await self.wait_dispatch(ticket, max(0.0, t0 + timeout - lb.now()))
-            sent = lb.now()
+            target = await self.wait_dispatch(ticket, max(0.0, t0 + timeout - self.core.now()))
+            sent = self.core.now()
             if ticket.attempts == 1:  # recorded after the write to the replica, as above
                 asyncio.get_running_loop().call_soon(self._observe_wait, model, sent - t0)
             note(request, served_by=target, peer=ticket.to_peer)
@@ -152,29 +126,28 @@ class Forwarder:
             except ReplicaFault as exc:
                 log.warning("attempt %d on %s failed before the first byte: %s",
                             ticket.attempts, target, exc)
-                lb.dispatcher.complete(ticket, lb.now(), ok=False, replica_fault=True)
-                lb.metrics.retries.labels(target).inc()
+                self.core.dispatcher.complete(ticket, self.core.now(), ok=False, replica_fault=True)
+                self.core.metrics.retries.labels(target).inc()
                 ticket.excluded.add(target)
                 if (ticket.attempts >= max_attempts
-                        or not can_serve(lb.dispatcher, model, ticket.excluded,
+                        or not can_serve(self.core.dispatcher, model, ticket.excluded,
                                          forwarded=ticket.route.forwarded)):
                     raise UpstreamFailed(
                         f"the request failed on {ticket.attempts} replica(s) before any "
                         f"response: {exc}"
                     ) from None
-                lb.dispatcher.offer(ticket, lb.now(), front=True)
+                self.core.dispatcher.offer(ticket, self.core.now(), front=True)
 
     async def forward(self, request: web.Request, ticket: Ticket, target: str, raw: bytes,
                       intake: Intake, t0: float, sent: float
                       ) -> tuple[web.StreamResponse, str]:
-        lb = self.lb
         stream = intake.stream
-        headers = self.upstream_headers(request)
+        headers = self.headers.for_request(request)
         headers.setdefault("Content-Type", "application/json")
         try:
-            up: Reply = await lb.upstream.post(target, request.path, raw, headers)
+            up: Reply = await self.upstream().post(target, request.path, raw, headers)
         except ReplyTooLarge as exc:  # its headers: that replica's fault, try another
-            self.refused(target, exc)
+            self.core.refused(target, exc)
             raise ReplicaFault(str(exc)) from exc
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ReplicaFault(str(exc) or type(exc).__name__) from exc
@@ -190,37 +163,37 @@ class Forwarder:
             model = ticket.route.model
             if up.status >= 400 or not stream:
                 try:
-                    body = await read_capped(up, lb.cfg.upstream.max_response_body_bytes)
+                    body = await read_capped(up, self.cfg.upstream.max_response_body_bytes)
                 except ReplyTooLarge as exc:
                     # Not retried: the same request would be as large elsewhere.
-                    self.refused(target, exc)
+                    self.core.refused(target, exc)
                     raise UpstreamFailed(f"{exc} (upstream.max_response_body_bytes)"
                                          ) from None
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     raise ReplicaFault(str(exc) or type(exc).__name__) from exc
-                d = lb.dispatcher
+                d = self.core.dispatcher
                 d.first_byte(ticket)
-                lb.metrics.ttft.labels(model).observe(lb.now() - t0)
+                self.core.metrics.ttft.labels(model).observe(self.core.now() - t0)
                 ok = up.status < 400
                 reply = parse_json(body) if ok else None
                 if ok:
                     prompt, out, hits = usage(reply)
                     request[OUTPUT_TOKENS_KEY] = out
-                    if lb.flags.timed:
+                    if self.core.switches.flags.timed:
                         # No first-token time is observable without streaming: the end
                         # only (policies learn TTFT and TPOT from streams).
                         d.policy.on_timing(ticket.route, target, RequestTiming(
-                            lb.now(), sent, None, out, True,
+                            self.core.now(), sent, None, out, True,
                             prompt or ticket.route.prompt_len, hits))
-                d.complete(ticket, lb.now(), ok=ok)
-                if ok and lb.flags.records:
-                    self.record_later(ticket.route, target, intake,
+                d.complete(ticket, self.core.now(), ok=ok)
+                if ok and self.core.switches.flags.records:
+                    self.core.record_later(ticket.route, target, intake,
                                       reply_text(reply, intake.kind))
                 resp = web.Response(status=up.status, body=body, headers=copy_headers(up))
                 return resp, "ok" if ok else f"upstream_{up.status}"
-            if lb.flags.migrates and migratable(intake.body):
-                return await lb.moves.stream_live(request, ticket, up, t0, sent, intake)
-            return await lb.streams.stream(request, ticket, up, t0, sent, intake)
+            if self.core.switches.flags.migrates and migratable(intake.body):
+                return await self.mover.stream_live(request, ticket, up, t0, sent, intake)
+            return await self.streams.stream(request, ticket, up, t0, sent, intake)
         finally:
             up.release()
 
@@ -228,13 +201,12 @@ class Forwarder:
                            intake: Intake, t0: float) -> tuple[web.StreamResponse, str]:
         from skymesh.mesh import PeerError
 
-        lb = self.lb
-        assert lb.mesh is not None
+        assert self.mesh is not None
         route = ticket.route
         stream = intake.stream
         try:
-            call = lb.mesh.forward(peer, route.request_id, route.model, request.path, raw,
-                                   stream, route.affinity_key, lb.cfg.upstream.read_timeout_s)
+            call = self.mesh.forward(peer, route.request_id, route.model, request.path, raw,
+                                   stream, route.affinity_key, self.cfg.upstream.read_timeout_s)
         except PeerError as exc:  # the peer went down after the dispatcher chose it
             raise ReplicaFault(str(exc)) from exc
         async with call:
@@ -247,17 +219,17 @@ class Forwarder:
             if first.HasField("error") or not first.HasField("head"):
                 raise ReplicaFault(f"peer {peer}: {first.error.message or 'bad response'}")
             status, ctype = first.head.status, first.head.content_type
-            lb.dispatcher.first_byte(ticket)
-            lb.metrics.ttft.labels(route.model).observe(lb.now() - t0)
+            self.core.dispatcher.first_byte(ticket)
+            self.core.metrics.ttft.labels(route.model).observe(self.core.now() - t0)
             headers = {"Content-Type": ctype} if ctype else {}
             if (status >= 500 and status != 503) or (status >= 400 or not stream):
                 body = bytearray()
-                limit = lb.cfg.upstream.max_response_body_bytes
+                limit = self.cfg.upstream.max_response_body_bytes
                 try:
                     async for chunk in call:
                         body += chunk.data
                         if len(body) > limit:  # leaving the block cancels the call
-                            self.refused(peer, ReplyTooLarge(
+                            self.core.refused(peer, ReplyTooLarge(
                                 "body", f"peer {peer}'s response exceeds the {limit}-byte "
                                 "cap (upstream.max_response_body_bytes)"))
                             raise UpstreamFailed(f"the peer region's response exceeds "
@@ -267,9 +239,9 @@ class Forwarder:
                 if status >= 500:  # the peer could not serve it: try elsewhere
                     raise ReplicaFault(f"peer {peer}: HTTP {status}")
                 ok = status < 400
-                lb.dispatcher.complete(ticket, lb.now(), ok=ok)
-                if ok and lb.flags.records_peer:
-                    self.record_later(route, peer, intake,
+                self.core.dispatcher.complete(ticket, self.core.now(), ok=ok)
+                if ok and self.core.switches.flags.records_peer:
+                    self.core.record_later(route, peer, intake,
                                       reply_text(parse_json(bytes(body)), intake.kind))
                 return (web.Response(status=status, body=bytes(body), headers=headers),
                         "ok" if ok else f"upstream_{status}")
@@ -277,7 +249,7 @@ class Forwarder:
             await resp.prepare(request)
             ok = True
             cap = (OutputCapture.for_request(intake.prompt_text, intake.body)
-                   if lb.flags.records_peer else None)
+                   if self.core.switches.flags.records_peer else None)
             try:
                 async for chunk in call:
                     if chunk.HasField("error"):
@@ -288,30 +260,12 @@ class Forwarder:
             except PeerError as exc:
                 ok = False
                 await resp.write(broken(f"the peer region failed mid-response: {exc}"))
-            lb.dispatcher.complete(ticket, lb.now(), ok=ok)
+            self.core.dispatcher.complete(ticket, self.core.now(), ok=ok)
             await resp.write_eof()
             if ok and cap is not None:
-                self.record_cached(route, peer, intake, sse_output_text(cap.raw(), intake.kind))
+                self.core.record_cached(route, peer, intake,
+                                        sse_output_text(cap.raw(), intake.kind))
             return resp, "ok" if ok else "upstream_broken"
 
-    def refused(self, target: str, exc: ReplyTooLarge) -> None:
-        """A reply from ``target`` went over a cap: counted, logged, not read further."""
-        log.warning("refused a reply from %s: %s", target, exc)
-        self.lb.metrics.replica_limits.labels(target, exc.what).inc()
 
-    def record_cached(self, route: RouteRequest, target: str, intake: Intake,
-                      output: str) -> None:
-        """``target`` now caches the request's prompt and ``output``: tell the policy."""
-        text = cached_text(intake.prompt_text, intake.body, output)
-        if text is not None:
-            self.lb.dispatcher.cached(route, target, text_prefix_keys(text))
-
-    def record_later(self, route: RouteRequest, target: str, intake: Intake,
-                     output: str) -> None:
-        """:meth:`record_cached` once the response in hand has been written: keying the
-        text is not the client's wait."""
-        asyncio.get_running_loop().call_soon(self.record_cached, route, target, intake, output)
-
-
-__all__ = ["FORWARD_HEADERS", "OUTPUT_TOKENS_KEY", "TICKET_KEY", "CoalescedStream",
-           "Forwarder", "ReplicaFault", "broken", "copy_headers", "usage"]
+__all__ = ["Forwarder", "usage"]

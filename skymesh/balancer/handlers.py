@@ -23,11 +23,15 @@ periodic re-check may move a streaming request mid-response (``skymesh.balancer.
 from __future__ import annotations
 
 import hmac
+import random
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from skymesh.balancer.auth import EdgeFiles
+from skymesh.balancer.config import BalancerConfig
+from skymesh.balancer.controller_link import Tally
 from skymesh.balancer.dispatch import Ticket
 from skymesh.balancer.edge import error_response, request_id
 from skymesh.balancer.errors import (
@@ -38,26 +42,41 @@ from skymesh.balancer.errors import (
     SkyMeshError,
     Unauthorized,
 )
-from skymesh.balancer.forwarding import OUTPUT_TOKENS_KEY, TICKET_KEY
+from skymesh.balancer.forwarding import Forwarder
+from skymesh.balancer.health import HealthTracker
 from skymesh.balancer.intake import parse_request, prediction_input, request_deadline, route_request
 from skymesh.balancer.mesh_link import FORWARDED_HEADER
 from skymesh.balancer.migration import max_output
-from skymesh.balancer.overload import check_servable
+from skymesh.balancer.overload import DrainMeter, check_servable
+from skymesh.balancer.prediction import LivePredictor
+from skymesh.balancer.relay import OUTPUT_TOKENS_KEY, TICKET_KEY, RequestCore
 from skymesh.obs.access import note
-
-if TYPE_CHECKING:
-    from skymesh.balancer.server import Balancer
 
 
 class Handlers:
-    def __init__(self, lb: Balancer) -> None:
-        self.lb = lb
+    def __init__(self, core: RequestCore, cfg: BalancerConfig, edge: EdgeFiles,
+                 forwarder: Forwarder, health: HealthTracker, peer_secret: str | None,
+                 predictor: LivePredictor, tally: Tally, drain: DrainMeter,
+                 drain_retry_s: Callable[[str], float]) -> None:
+        self.core = core
+        self.cfg = cfg
+        self.edge = edge  # client keys (and the TLS files they come with)
+        self.forwarder = forwarder
+        self.health = health  # /ready
+        # Our mesh link's secret, on the requests it replays (None: no mesh).
+        self.peer_secret = peer_secret
+        self.predictor = predictor
+        self.tally = tally  # requests and tokens per model, for the controller
+        self.drain = drain  # completions per model: Retry-After
+        self.drain_retry_s = drain_retry_s
+        self.rng = random.Random()
         self.in_flight_by_key: dict[bytes, int] = {}  # key digest -> requests here
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
-        lb = self.lb
+        core = self.core
+        d = core.dispatcher
         kind = "chat" if request.path.endswith("/chat/completions") else "completion"
-        t0 = lb.now()
+        t0 = core.now()
         model = "?"
         outcome = "error"
         ticket: Ticket | None = None
@@ -68,32 +87,32 @@ class Handlers:
             holder = self._hold_key_slot(request, forwarded)
             raw = await self.read_body(request)
             intake = parse_request(kind, raw, request.headers)
-            check_servable(lb.dispatcher, intake.model, lb.rng.random(), forwarded=forwarded)
+            check_servable(d, intake.model, self.rng.random(), forwarded=forwarded)
             # Only now a metric label: a name a client made up would be a new time
             # series per request (unbounded /metrics and memory).
             model = intake.model
             note(request, model=model)  # the access log's
             rid = request_id(request)
-            slo = lb.cfg.slo
+            slo = self.cfg.slo
             deadline_s = request_deadline(intake, request.headers, slo.header, slo.classes,
                                           slo.default)
-            timeout = lb.cfg.queue.timeout_s
+            timeout = self.cfg.queue.timeout_s
             if deadline_s is not None:
                 timeout = min(timeout, deadline_s)
-            flags = lb.flags
+            flags = core.switches.flags
             route = route_request(rid, intake, prefix_keys=flags.keys, deadline_s=deadline_s)
             if flags.predicts:
                 text, turn, history = prediction_input(intake, route.prompt_len)
-                route = replace(route, predicted_output_tokens=lb.predictor.predict(
+                route = replace(route, predicted_output_tokens=self.predictor.predict(
                     text, turn, history, route.prompt_len, max_output(intake.body, kind)))
             if forwarded:
                 route = replace(route, forwarded=True)
             ticket = Ticket(route, t0)
             try:
-                lb.dispatcher.offer(ticket, t0)
+                d.offer(ticket, t0)
             except Overloaded as exc:  # the queue is full: back when it has drained
-                raise Overloaded(str(exc), retry_after_s=lb.drain_retry_s(model)) from None
-            resp, outcome = await lb.forwarder.serve(request, ticket, raw, intake, t0, timeout)
+                raise Overloaded(str(exc), retry_after_s=self.drain_retry_s(model)) from None
+            resp, outcome = await self.forwarder.serve(request, ticket, raw, intake, t0, timeout)
             return resp
         except SkyMeshError as exc:
             outcome = type(exc).__name__
@@ -107,26 +126,26 @@ class Handlers:
                     del self.in_flight_by_key[holder]
             if ticket is not None:
                 cur: Ticket = request.get(TICKET_KEY, ticket)  # a migration replaces it
-                if lb.dispatcher.cancel(cur):
+                if d.cancel(cur):
                     outcome = "cancelled"
                 if cur.target is not None:  # still attributed: client went away
-                    lb.dispatcher.complete(cur, lb.now(), ok=False)
+                    d.complete(cur, core.now(), ok=False)
                 if cur.attempts:  # it left the queue: the drain rate counts it
-                    lb.drain.record(model, lb.now())
-                lb.pump()
-            lb.metrics.requests.labels(model, outcome).inc()
-            lb.metrics.e2e.labels(model).observe(lb.now() - t0)
+                    self.drain.record(model, core.now())
+                core.pump()
+            core.metrics.requests.labels(model, outcome).inc()
+            core.metrics.e2e.labels(model).observe(core.now() - t0)
             if ticket is not None:
                 out_tokens = request.get(OUTPUT_TOKENS_KEY, 0)
-                lb.tally.add(model, ticket.route.prompt_len, out_tokens)
-                if lb.flags.predicts and outcome == "ok":
-                    lb.predictor.observe(ticket.route.prompt_len, out_tokens)
+                self.tally.add(model, ticket.route.prompt_len, out_tokens)
+                if core.switches.flags.predicts and outcome == "ok":
+                    self.predictor.observe(ticket.route.prompt_len, out_tokens)
 
     async def handle_health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "region": self.lb.cfg.region})
+        return web.json_response({"status": "ok", "region": self.cfg.region})
 
     async def handle_ready(self, request: web.Request) -> web.Response:
-        health = self.lb.health
+        health = self.health
         healthy = health.healthy_count()
         status = 200 if healthy else 503
         return web.json_response({"ready": bool(healthy), "healthy_replicas": healthy,
@@ -136,15 +155,14 @@ class Handlers:
     def forwarded_by_peer(self, request: web.Request) -> bool:
         """Replayed by our own mesh link (it carries this process's random secret): such
         a request skips the client key check, so the comparison takes constant time."""
-        mesh = self.lb.mesh
-        if mesh is None:
+        if self.peer_secret is None:
             return False
         given = request.headers.get(FORWARDED_HEADER)
         return given is not None and hmac.compare_digest(
-            given.encode("utf-8", "surrogateescape"), mesh.secret.encode())
+            given.encode("utf-8", "surrogateescape"), self.peer_secret.encode())
 
     def authorize(self, request: web.Request, forwarded: bool) -> None:
-        keys = self.lb.edge.keys
+        keys = self.edge.keys
         if keys.required and not forwarded and \
                 not keys.allows(request.headers.get("Authorization")):
             raise Unauthorized("a valid API key is required: send it as "
@@ -162,11 +180,10 @@ class Handlers:
         """Count the request against its key's ``auth.max_in_flight_per_key``; returns the
         key's digest to release, or None when nothing is counted. A peer's forwarded
         requests were counted at the balancer their client reached."""
-        lb = self.lb
-        cap = lb.cfg.auth.max_in_flight_per_key
-        if cap is None or not lb.edge.keys.required or forwarded:
+        cap = self.cfg.auth.max_in_flight_per_key
+        if cap is None or not self.edge.keys.required or forwarded:
             return None
-        digest = lb.edge.keys.digest_of(request.headers.get("Authorization"))
+        digest = self.edge.keys.digest_of(request.headers.get("Authorization"))
         if digest is None:
             return None
         n = self.in_flight_by_key.get(digest, 0)
@@ -178,7 +195,7 @@ class Handlers:
         return digest
 
     async def read_body(self, request: web.Request) -> bytes:
-        limit = self.lb.cfg.limits.max_body_bytes
+        limit = self.cfg.limits.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
         content = request.content

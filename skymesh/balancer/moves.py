@@ -21,21 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from skymesh.balancer.config import RetryConfig
 from skymesh.balancer.dispatch import Ticket
-from skymesh.balancer.forwarding import (
-    OUTPUT_TOKENS_KEY,
-    TICKET_KEY,
-    CoalescedStream,
-    ReplicaFault,
-    broken,
-    copy_headers,
-)
 from skymesh.balancer.intake import Intake
 from skymesh.balancer.migration import (
     RESUME_ANYWHERE,
@@ -48,17 +41,31 @@ from skymesh.balancer.migration import (
     sse,
     tokenize_requests,
 )
+from skymesh.balancer.relay import (
+    OUTPUT_TOKENS_KEY,
+    TICKET_KEY,
+    CoalescedStream,
+    ReplicaFault,
+    RequestCore,
+    UpstreamHeaders,
+    broken,
+    copy_headers,
+    first_chunk,
+)
 from skymesh.balancer.upstream import Reply, read_head
-
-if TYPE_CHECKING:
-    from skymesh.balancer.server import Balancer
 
 log = logging.getLogger("skymesh.lb")
 
 
 class Mover:
-    def __init__(self, lb: Balancer) -> None:
-        self.lb = lb
+    def __init__(self, core: RequestCore, retry: RetryConfig, queue_timeout_s: float,
+                 headers: UpstreamHeaders, session: Callable[[], aiohttp.ClientSession]
+                 ) -> None:
+        self.core = core
+        self.retry = retry
+        self.queue_timeout_s = queue_timeout_s
+        self.headers = headers
+        self.session = session  # the balancer's client session, once it has started
         self.live: dict[str, LiveStream] = {}  # migratable streams, by first ticket
         self.recheck_task: asyncio.Task[None] | None = None
         self.migrations = 0
@@ -76,13 +83,13 @@ class Mover:
         """``Streams.stream`` for a request the policy may move: whole SSE events are
         relayed one by one, so the periodic re-check (:meth:`recheck`) can cut the stream
         over to another replica between two events."""
-        lb = self.lb
-        chunks, first, now = await lb.streams.first_chunk(up)
+        chunks, first = await first_chunk(up)
+        now = self.core.now()
         resp = CoalescedStream(status=up.status, headers=copy_headers(up))
         await resp.prepare(request)
-        lb.streams.started(ticket, now, t0)
+        self.core.started(ticket, now, t0)
         st = LiveStream(ticket, intake.kind, intake.body, sent, first_at=now, upstream=up)
-        lb.dispatcher.policy.on_timing(ticket.route, ticket.target or "", st.timing(now))
+        self.core.dispatcher.policy.on_timing(ticket.route, ticket.target or "", st.timing(now))
         if self.recheck_task is None or self.recheck_task.done():
             self.recheck_task = asyncio.get_running_loop().create_task(
                 self._recheck_loop(), name="skymesh-migration-recheck")
@@ -96,7 +103,6 @@ class Mover:
         """Relay ``st`` event by event, cutting over whenever a move (the re-check's) or a
         resume (its replica broke) begins, until it ends; then settle it. A stream that
         arrives with a resume begun (``Streams.stream``'s) starts at the cut-over."""
-        lb = self.lb
         key = st.ticket.key
         self.live[key] = st
         ok = True
@@ -120,7 +126,7 @@ class Mover:
                 pending = framer.feed(first)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             ok = False
-            await resp.write(lb.streams.broken_stream(st.ticket.target, exc))
+            await resp.write(self.core.broken_stream(st.ticket.target, exc))
         finally:
             self.live.pop(key, None)
             # Whatever ends the relay (the client leaving included), the request's current
@@ -134,9 +140,10 @@ class Mover:
         request[OUTPUT_TOKENS_KEY] = st.tokens
         cur = st.ticket
         if ok and cur.target is not None:
-            lb.dispatcher.policy.on_timing(cur.route, cur.target,
-                                           st.timing(lb.now(), finished=True))
-        lb.dispatcher.complete(cur, lb.now(), ok=ok, replica_fault=not ok and not lb.closing)
+            self.core.dispatcher.policy.on_timing(cur.route, cur.target,
+                                           st.timing(self.core.now(), finished=True))
+        self.core.dispatcher.complete(cur, self.core.now(), ok=ok,
+                                      replica_fault=not ok and not self.core.switches.closing)
         await resp.write_eof()
         return resp, "ok" if ok else "upstream_broken"
 
@@ -186,16 +193,15 @@ class Mover:
         attempt: another replica, at most ``retry.max_attempts`` in all. Returns the chunk
         iterator and first chunk, or whether the stream ended cleanly (True: nothing was
         left to generate; False: an error event went to the client)."""
-        lb = self.lb
         attempts = 0
         while True:
             new = st.ticket
             fut: asyncio.Future[None] = new.payload
             if not fut.done():
                 try:
-                    await asyncio.wait_for(asyncio.shield(fut), lb.cfg.queue.timeout_s)
+                    await asyncio.wait_for(asyncio.shield(fut), self.queue_timeout_s)
                 except TimeoutError:
-                    lb.dispatcher.cancel(new)
+                    self.core.dispatcher.cancel(new)
                     await resp.write(broken("no replica could take the migrated request",
                                             "no_capacity"))
                     return False
@@ -209,7 +215,8 @@ class Mover:
                 detail = str(exc) or type(exc).__name__
                 log.warning("migrating %s to %s failed: %s", new.route.request_id, target,
                             detail)
-                lb.dispatcher.complete(new, lb.now(), ok=False, replica_fault=True)
+                self.core.dispatcher.complete(new, self.core.now(), ok=False,
+                                              replica_fault=True)
                 if st.upstream is not None:
                     st.upstream.close()
                     st.upstream = None
@@ -222,9 +229,8 @@ class Mover:
                            st: LiveStream, target: str
                            ) -> tuple[AsyncIterator[bytes], bytes] | bool:
         """One attempt of :meth:`_cut_over` on ``target`` (its ticket is dispatched)."""
-        lb = self.lb
         new = st.ticket
-        headers = lb.forwarder.upstream_headers(request)
+        headers = self.headers.for_request(request)
         headers["Content-Type"] = "application/json"
         prompt_req, gen_req = tokenize_requests(st.body, st.kind, st.generated_text)
         if st.prompt_ids is None:
@@ -233,52 +239,51 @@ class Mover:
         gen_ids = await self._tokenize(target, gen_req, headers) if st.texts else []
         body = continuation_body(st.body, st.kind, st.prompt_ids, gen_ids)
         if body is None:  # every token the request may have is with the client
-            lb.dispatcher.complete(new, lb.now(), ok=False)
+            self.core.dispatcher.complete(new, self.core.now(), ok=False)
             await resp.write(sse(st.client_chunk("", "length")) + b"data: [DONE]\n\n")
             st.finished = st.done = True
             return True
-        sent = lb.now()  # the replica's time to first token counts from here
-        up = await lb.session.post(target + "/v1/completions", json=body, headers=headers)
+        sent = self.core.now()  # the replica's time to first token counts from here
+        up = await self.session().post(target + "/v1/completions", json=body, headers=headers)
         st.upstream = up
         if up.status != 200:
             detail = (await read_head(up, 200)).decode(errors="replace")
             raise ReplicaFault(f"HTTP {up.status}: {detail}")
         chunks: AsyncIterator[bytes] = up.content.iter_any()
         first = await chunks.__anext__()
-        now = lb.now()
+        now = self.core.now()
         st.spliced = True
         st.generated_ids = len(gen_ids)
         st.attempt_tokens = 0
         st.dispatched_at = sent
         st.first_at = now
         st.moving_to = None
-        lb.dispatcher.first_byte(new)
-        lb.pump()
-        lb.dispatcher.policy.on_timing(new.route, target, st.timing(now))
+        self.core.dispatcher.first_byte(new)
+        self.core.pump()
+        self.core.dispatcher.policy.on_timing(new.route, target, st.timing(now))
         return chunks, first
 
     def _retry_move(self, st: LiveStream, failed: str, attempts: int) -> bool:
         """Re-offer a continuation whose target failed, never to that target again; False
         when no attempt or replica is left (or the balancer is closing)."""
-        lb = self.lb
         old = st.ticket
         excluded = old.excluded | {failed}
-        if (lb.closing or attempts >= lb.cfg.retry.max_attempts
-                or not lb.dispatcher.serves_beyond(old.route.model, excluded)):
+        if (self.core.switches.closing or attempts >= self.retry.max_attempts
+                or not self.core.dispatcher.serves_beyond(old.route.model, excluded)):
             return False
-        now = lb.now()
+        now = self.core.now()
         new = Ticket(old.route_at(now), now)
         new.excluded = excluded
         new.payload = asyncio.get_running_loop().create_future()
-        lb.dispatcher.offer(new, now, front=True)
+        self.core.dispatcher.offer(new, now, front=True)
         st.ticket = new
-        lb.metrics.retries.labels(failed).inc()
-        lb.pump()
+        self.core.metrics.retries.labels(failed).inc()
+        self.core.pump()
         return True
 
     async def _tokenize(self, target: str, body: dict[str, Any], headers: dict[str, str]
                         ) -> list[int]:
-        async with self.lb.session.post(target + "/tokenize", json=body,
+        async with self.session().post(target + "/tokenize", json=body,
                                         headers=headers) as r:
             if r.status != 200:
                 detail = (await read_head(r, 200)).decode(errors="replace")
@@ -291,18 +296,17 @@ class Mover:
 
     async def _recheck_loop(self) -> None:
         """GoodServe's periodic re-check; runs while migratable streams are open."""
-        lb = self.lb
         while self.live:
-            await asyncio.sleep(lb.dispatcher.policy.migration_interval_s)
+            await asyncio.sleep(self.core.dispatcher.policy.migration_interval_s)
             try:
-                self.recheck(lb.now())
+                self.recheck(self.core.now())
             except Exception:  # a bug here must not stop re-checking for good
                 log.exception("migration re-check failed")
 
     def recheck(self, now: float) -> int:
         """Ask the policy about every open migratable stream that has produced a token;
         start moving those it wants elsewhere. Returns how many move."""
-        d = self.lb.dispatcher
+        d = self.core.dispatcher
         policy = d.policy
         if not policy.wants_migration:
             return 0
@@ -322,19 +326,18 @@ class Mover:
             self._begin_move(st, source, dest, now)
             moved += 1
         if moved:
-            self.lb.pump()  # dispatches the re-offered tickets (the policy picks ``dest``)
+            self.core.pump()  # dispatches the re-offered tickets (the policy picks ``dest``)
         return moved
 
     def resume(self, st: LiveStream, exc: BaseException) -> bool:
         """``retry.resume_streams``: the replica broke mid-stream; start continuing the
         request elsewhere (False: the stream ends with an error event instead)."""
-        lb = self.lb
         source = st.ticket.target
-        if (not lb.cfg.retry.resume_streams or lb.closing or source is None
+        if (not self.retry.resume_streams or self.core.switches.closing or source is None
                 or st.ticket.to_peer or st.finished or st.moving_to is not None
-                or st.resumes + 1 >= lb.cfg.retry.max_attempts):
+                or st.resumes + 1 >= self.retry.max_attempts):
             return False
-        if not lb.dispatcher.serves_beyond(st.ticket.route.model,
+        if not self.core.dispatcher.serves_beyond(st.ticket.route.model,
                                            st.ticket.excluded | {source}):
             return False
         log.warning("upstream %s broke mid-stream after %d tokens (%s): resuming %s on "
@@ -344,9 +347,9 @@ class Mover:
         self.resumed_streams += 1
         self.recent_resumes.append({"request_id": st.ticket.route.request_id,
                                     "source": source, "tokens_streamed": st.tokens})
-        lb.metrics.retries.labels(source).inc()
-        self._begin_move(st, source, RESUME_ANYWHERE, lb.now(), fault=True)
-        lb.pump()
+        self.core.metrics.retries.labels(source).inc()
+        self._begin_move(st, source, RESUME_ANYWHERE, self.core.now(), fault=True)
+        self.core.pump()
         return True
 
     def _begin_move(self, st: LiveStream, source: str, dest: str, now: float, *,
@@ -356,7 +359,7 @@ class Mover:
         head of the queue (never back to ``source``), and the old upstream is closed,
         which aborts it on the replica and wakes the relay. ``fault``: ``source`` broke
         (a resumed stream, not a migration): it counts against its breaker."""
-        d = self.lb.dispatcher
+        d = self.core.dispatcher
         old = st.ticket
         route = migrated_route(old.route, st.attempt_tokens, now - st.dispatched_at)
         d.complete(old, now, ok=False, replica_fault=fault)
@@ -373,7 +376,7 @@ class Mover:
             return
         st.migrations += 1
         self.migrations += 1
-        self.lb.metrics.migrations.labels(source, dest).inc()
+        self.core.metrics.migrations.labels(source, dest).inc()
         self.recent_migrations.append({
             "request_id": route.request_id, "source": source, "target": dest,
             "tokens_streamed": st.tokens, "after_s": round(now - st.dispatched_at, 4)})

@@ -21,13 +21,16 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
-from skymesh.balancer.health import ReplicaHealth
-from skymesh.balancer.upstream import ReplyTooLarge, read_capped
+from skymesh.balancer.config import BalancerConfig, PushingConfig
+from skymesh.balancer.health import HealthTracker, ReplicaHealth
+from skymesh.balancer.relay import RequestCore
+from skymesh.balancer.upstream import ReplyTooLarge, Upstream, read_capped
 from skymesh.common.probe import (
     ProbeParseError,
     ProbeResult,
@@ -36,20 +39,27 @@ from skymesh.common.probe import (
     parse_sglang_load,
 )
 
-if TYPE_CHECKING:
-    from skymesh.balancer.server import Balancer
-
 log = logging.getLogger("skymesh.lb")
 
 
 class Prober:
-    def __init__(self, lb: Balancer) -> None:
-        self.lb = lb
+    def __init__(self, core: RequestCore, cfg: BalancerConfig, health: HealthTracker,
+                 upstream: Callable[[], Upstream], auth: dict[str, str],
+                 pushing: Callable[[], PushingConfig],
+                 on_down: Callable[[set[str], float, float], object]) -> None:
+        self.core = core
+        self.cfg = cfg
+        self.health = health  # the one owner of replica state: probes report to it
+        self.upstream = upstream  # the request path's client, once the balancer started
+        self.auth = auth  # the replicas' key, when the balancer has one
+        self.pushing = pushing  # read at each probe: a reload changes it live
+        # Streams on replicas marked down that have sent nothing for a while: ended there.
+        self.on_down = on_down
         self.gates: dict[str, ParseGate] = {}  # /metrics parsing, per replica URL
         self.logged: dict[str, float] = {}  # when a probe over a limit was last logged
 
     async def loop(self) -> None:
-        interval = self.lb.cfg.probe.interval_s
+        interval = self.cfg.probe.interval_s
         while True:
             await asyncio.sleep(interval)
             try:
@@ -58,10 +68,9 @@ class Prober:
                 log.exception("probe round failed")
 
     async def probe_all(self) -> None:
-        lb = self.lb
-        await asyncio.gather(*(self.probe(h) for h in lb.health.replicas.values()))
-        lb.pump()
-        replicas = lb.health.replicas
+        await asyncio.gather(*(self.probe(h) for h in self.health.replicas.values()))
+        self.core.pump()
+        replicas = self.health.replicas
         for url in [u for u in self.gates if u not in replicas]:
             del self.gates[url]
         for url in [u for u in self.logged if u not in replicas]:
@@ -70,11 +79,10 @@ class Prober:
         # not after upstream.read_timeout_s.
         down = {url for url, h in replicas.items() if not h.healthy}
         if down:
-            lb.streams.cut_stalled(down, lb.now(), lb.cfg.upstream.stalled_stream_s)
+            self.on_down(down, self.core.now(), self.cfg.upstream.stalled_stream_s)
 
     async def probe(self, h: ReplicaHealth) -> None:
-        lb = self.lb
-        health, url = lb.health, h.url
+        health, url = self.health, h.url
         sent = health.clock()  # the probe shows state as of about now: pushes after it count
         try:
             if h.cfg.kind == "sglang":
@@ -92,19 +100,19 @@ class Prober:
             if isinstance(exc, ReplyTooLarge | ParseOverBudget):
                 self.over_limit(url, exc)
             health.probe_failed(h, str(exc) or type(exc).__name__)
-            for gauge in (lb.metrics.replica_waiting, lb.metrics.replica_running):
+            for gauge in (self.core.metrics.replica_waiting, self.core.metrics.replica_running):
                 with contextlib.suppress(KeyError):
                     gauge.remove(url)
-            lb.metrics.replica_healthy.labels(url).set(1 if h.healthy else 0)
+            self.core.metrics.replica_healthy.labels(url).set(1 if h.healthy else 0)
             return
         health.probe_ok(h, res, sent)
         # Read at each probe: pushing is one of the sections a reload changes live.
-        seqs, lag = h.cfg.pushing_limits(lb.cfg.pushing, res.max_num_seqs)
-        lb.dispatcher.on_probe(url, sent, res.waiting, res.running, res.kv_usage,
+        seqs, lag = h.cfg.pushing_limits(self.pushing(), res.max_num_seqs)
+        self.core.dispatcher.on_probe(url, sent, res.waiting, res.running, res.kv_usage,
                                res.kv_capacity_tokens, max_num_seqs=seqs, metrics_lag_s=lag,
-                               engine_queue=h.cfg.engine_queue(lb.cfg.pushing),
-                               prefer_queue=h.cfg.prefer_queue(lb.cfg.pushing))
-        m = lb.metrics
+                               engine_queue=h.cfg.engine_queue(self.pushing()),
+                               prefer_queue=h.cfg.prefer_queue(self.pushing()))
+        m = self.core.metrics
         m.replica_waiting.labels(url).set(res.waiting)
         m.replica_running.labels(url).set(res.running)
         m.replica_healthy.labels(url).set(1 if h.healthy else 0)
@@ -113,13 +121,12 @@ class Prober:
         """A probe's GET, whole, within the probe timeout, on the request path's own lean
         keep-alive pool (aiohttp's client costs several times its CPU per exchange); a
         body over ``probe.max_metrics_bytes`` is refused and its connection dropped."""
-        lb = self.lb
-        async with asyncio.timeout(lb.cfg.probe.timeout_s):
-            reply = await lb.upstream.get(url, path, lb.upstream_auth)
+        async with asyncio.timeout(self.cfg.probe.timeout_s):
+            reply = await self.upstream().get(url, path, self.auth)
             try:
                 if not 200 <= reply.status < 300:
                     raise ProbeStatusError(f"{path} answered HTTP {reply.status}")
-                return await read_capped(reply, lb.cfg.probe.max_metrics_bytes, what)
+                return await read_capped(reply, self.cfg.probe.max_metrics_bytes, what)
             finally:
                 reply.release()
 
@@ -130,23 +137,22 @@ class Prober:
         not parsed again until ``QUIET_FACTOR`` times that cost has passed (one parse at
         a time per replica), so a replica serving costly text gets at most about a
         tenth of a core, however often it is probed."""
-        lb = self.lb
-        now = lb.health.clock()
+        now = self.health.clock()
         gate = self.gates.setdefault(url, ParseGate())
         if (why := gate.refuses(now)) is not None:
             raise ParseOverBudget(why)
         task = asyncio.get_running_loop().run_in_executor(None, _timed_parse, body)
         gate.running = task
-        budget = lb.cfg.probe.max_parse_s
+        budget = self.cfg.probe.max_parse_s
 
         def settle(t: asyncio.Future[tuple[ProbeResult | Exception, float]]) -> None:
             if not t.cancelled() and t.exception() is None:
-                gate.finished(t.result()[1], budget, lb.health.clock())
+                gate.finished(t.result()[1], budget, self.health.clock())
 
         task.add_done_callback(settle)
-        done, _ = await asyncio.wait({task}, timeout=lb.cfg.probe.timeout_s)
+        done, _ = await asyncio.wait({task}, timeout=self.cfg.probe.timeout_s)
         if not done:
-            raise ParseOverBudget(f"/metrics takes over {lb.cfg.probe.timeout_s:g} s to "
+            raise ParseOverBudget(f"/metrics takes over {self.cfg.probe.timeout_s:g} s to "
                                   "parse")
         res, cpu = task.result()
         if cpu > budget:
@@ -158,9 +164,9 @@ class Prober:
 
     def over_limit(self, url: str, exc: Exception) -> None:
         what = exc.what if isinstance(exc, ReplyTooLarge) else "metrics_parse"
-        self.lb.metrics.replica_limits.labels(url, what).inc()
+        self.core.metrics.replica_limits.labels(url, what).inc()
         # Every probe of such a replica fails the same way: one line per LOG_EVERY_S.
-        now = self.lb.health.clock()
+        now = self.health.clock()
         if now - self.logged.get(url, -math.inf) >= LOG_EVERY_S:
             self.logged[url] = now
             log.warning("probe of %s over a limit: %s", url, exc)

@@ -6,12 +6,15 @@ connections and 20 SSE chunks per response, aiohttp server + client proxied 3,00
 FastAPI + aiohttp client 1,710, FastAPI + httpx 253 (httpx's pool bookkeeping), so httpx
 stays off the streaming path.
 
-Where things are (each module opens with the details):
+Where things are (each module opens with the details). The rooms of the request path are
+built here, each given only the collaborators it uses, never the ``Balancer``; a request
+flows one way through them, handlers -> forwarding -> streaming -> moves, and what they
+share lives below them all in ``skymesh.balancer.relay``:
 
 - ``skymesh.balancer.handlers``: the HTTP edge: the generation handler (body, parse,
   checks, queue), ``/health``, ``/ready``, client keys;
 - ``skymesh.balancer.forwarding``: waiting for a dispatch, forwarding to a replica or a
-  peer region, retries before the first byte, the headers sent upstream;
+  peer region, retries before the first byte;
 - ``skymesh.balancer.streaming``: relaying a streamed response, and shutdown's cut-off;
 - ``skymesh.balancer.moves``: a stream moved to another replica mid-response (policy
   migration, ``retry.resume_streams``);
@@ -32,7 +35,6 @@ import contextlib
 import logging
 import random
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -44,7 +46,7 @@ from skymesh.balancer.config import BalancerConfig, ReplicaConfig
 from skymesh.balancer.controller_link import ControllerLink, Tally, fetch_resolver
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.edge import OwnedRoutes, request_id, stamp_request_id
-from skymesh.balancer.forwarding import FORWARD_HEADERS, Forwarder
+from skymesh.balancer.forwarding import Forwarder
 from skymesh.balancer.handlers import Handlers
 from skymesh.balancer.health import HealthTracker
 from skymesh.balancer.mesh_link import FORWARDED_HEADER, MeshLink
@@ -54,6 +56,13 @@ from skymesh.balancer.overload import DrainMeter, outage, retry_after_s, strande
 from skymesh.balancer.passthrough import Passthrough
 from skymesh.balancer.prediction import LivePredictor
 from skymesh.balancer.probing import Prober
+from skymesh.balancer.relay import (
+    FORWARD_HEADERS,
+    PolicyFlags,
+    RequestCore,
+    Switches,
+    UpstreamHeaders,
+)
 from skymesh.balancer.status import Status
 from skymesh.balancer.streaming import Streams
 from skymesh.balancer.upstream import Upstream
@@ -61,7 +70,6 @@ from skymesh.common.health import HealthRule
 from skymesh.obs.access import install as install_obs
 from skymesh.obs.tracing import from_config as tracing_from_config
 from skymesh.policies import build_policy
-from skymesh.policies.base import Policy
 from skymesh.policies.peers import DEFAULT_FORWARDING_RULE
 
 log = logging.getLogger("skymesh.lb")
@@ -69,39 +77,6 @@ log = logging.getLogger("skymesh.lb")
 # Open streams get this long to finish at shutdown, inside the server's 5 s shutdown
 # timeout (skymesh.net.serving), so the rest still get their error event before handlers stop.
 STREAM_GRACE_S = 3.5
-
-
-def _records_output(policy: Policy) -> bool:
-    return type(policy).on_cached is not Policy.on_cached
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyFlags:
-    """What the request path does for the running policy, decided once per policy: the
-    request path of a policy that uses none of these pays one attribute test for each."""
-
-    predicts: bool  # a predicted output length (uses_length_prediction)
-    timed: bool  # Policy.on_timing is overridden
-    migrates: bool  # wants_migration
-    resumes: bool  # retry.resume_streams
-    keys: bool  # uses_prefix_keys
-    # Policies that record what a replica caches after a request get its output too (the
-    # reply is kept while relayed, and keyed after the client has it).
-    records: bool
-    records_peer: bool
-
-    @classmethod
-    def of(cls, policy: Policy, peer: Policy | None, cfg: BalancerConfig) -> PolicyFlags:
-        keys = policy.uses_prefix_keys
-        return cls(
-            predicts=policy.uses_length_prediction and cfg.prediction.predictor != "none",
-            timed=type(policy).on_timing is not Policy.on_timing,
-            migrates=policy.wants_migration,
-            resumes=cfg.retry.resume_streams,
-            keys=keys,
-            records=keys and _records_output(policy),
-            records_peer=keys and peer is not None and _records_output(peer),
-        )
 
 
 class Balancer:
@@ -149,8 +124,7 @@ class Balancer:
         self.metrics = BalancerMetrics()
         self._decision_counters: dict[str, Any] = {}
         self.predictor = LivePredictor(cfg.prediction)
-        self.closing = False
-        self.flags = PolicyFlags.of(policy, peer_policy, cfg)
+        self.switches = Switches(PolicyFlags.of(policy, peer_policy, cfg))
         self._policy_params: dict[str, Any] | None = None  # as set_policy last installed
         self.drain = DrainMeter(self.now())  # completions per model: Retry-After
         self.rng = random.Random()
@@ -166,15 +140,35 @@ class Balancer:
             if self.mesh.node.server.guard is not None:  # the peering port's caps
                 self.metrics.registry.register(self.mesh.node.server.guard)
         self.tally = Tally()
-        self.controller: ControllerLink | None = (ControllerLink(cfg.controller, self)
-                                                  if cfg.controller is not None else None)
-        # The rooms (see the module docstring); each reads the shared state above.
-        self.prober = Prober(self)
-        self.handlers = Handlers(self)
-        self.forwarder = Forwarder(self)
-        self.streams = Streams(self)
-        self.moves = Mover(self)
-        self.status = Status(self)
+        self.controller: ControllerLink | None = (
+            ControllerLink(cfg.controller, lambda: self.cfg, self.dispatcher, self.health,
+                           self.mesh, self.tally, self.set_replicas, self.set_policy)
+            if cfg.controller is not None else None)
+        # The rooms (see the module docstring), each given only what it uses; a request
+        # flows one way: handlers -> forwarder -> streams -> moves.
+        core = self.core = RequestCore(self.dispatcher, self.metrics, self.now, self.pump,
+                                       self.switches)
+        headers = UpstreamHeaders(self.forward_headers, self.upstream_auth)
+        self.moves = Mover(core, cfg.retry, cfg.queue.timeout_s, headers, lambda: self.session)
+        self.streams = Streams(core, self.moves)
+        self.forwarder = Forwarder(core, cfg, headers, lambda: self.upstream, self.mesh,
+                                   self.streams, self.moves, self.failfast, self.drain_retry_s)
+        self.handlers = Handlers(core, cfg, self.edge, self.forwarder, self.health,
+                                 self.mesh.secret if self.mesh is not None else None,
+                                 self.predictor, self.tally, self.drain, self.drain_retry_s)
+        self.prober = Prober(core, cfg, self.health, lambda: self.upstream, self.upstream_auth,
+                             lambda: self.cfg.pushing, self.streams.cut_stalled)
+        self.status = Status(core, cfg.region, self.health, self.edge, self.handlers,
+                             self.predictor, self.moves, self.mesh, self.controller)
+
+    # What the rooms read as it is now (a live policy switch, shutdown).
+    @property
+    def flags(self) -> PolicyFlags:
+        return self.switches.flags
+
+    @property
+    def closing(self) -> bool:
+        return self.switches.closing
 
     # -- lifecycle -----------------------------------------------------------------------
     @property
@@ -223,7 +217,7 @@ class Balancer:
             await self.controller.start(url)
 
     def begin_shutdown(self, grace_s: float) -> None:
-        self.closing = True
+        self.switches.closing = True
         self.streams.cut_after(grace_s)
 
     async def stop(self) -> None:
@@ -276,8 +270,8 @@ class Balancer:
         d.policy = policy
         d.hold_s = d.hold_s  # re-evaluates whether the new policy can hold requests
         policy.on_membership(sorted(d.targets))
-        self.flags = PolicyFlags.of(policy, d.peer_policy, self.cfg)
-        if self.flags.predicts and self._session is not None:
+        self.switches.flags = PolicyFlags.of(policy, d.peer_policy, self.cfg)
+        if self.switches.flags.predicts and self._session is not None:
             self.predictor.start()
         self._policy_params = dict(params)
         self._decision_counters.clear()

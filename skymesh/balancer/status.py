@@ -8,72 +8,89 @@ last good one and the error.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
-if TYPE_CHECKING:
-    from skymesh.balancer.server import Balancer
+from skymesh.balancer.auth import EdgeFiles
+from skymesh.balancer.controller_link import ControllerLink
+from skymesh.balancer.handlers import Handlers
+from skymesh.balancer.health import HealthTracker
+from skymesh.balancer.mesh_link import MeshLink
+from skymesh.balancer.moves import Mover
+from skymesh.balancer.prediction import LivePredictor
+from skymesh.balancer.relay import RequestCore
 
 
 class Status:
-    def __init__(self, lb: Balancer) -> None:
-        self.lb = lb
+    """Reads every room's state; nothing reads this one's."""
+
+    def __init__(self, core: RequestCore, region: str, health: HealthTracker,
+                 edge: EdgeFiles, handlers: Handlers, predictor: LivePredictor,
+                 mover: Mover, mesh: MeshLink | None, controller: ControllerLink | None
+                 ) -> None:
+        self.core = core
+        self.region = region
+        self.health = health
+        self.edge = edge
+        self.handlers = handlers  # the 401 of a guarded route, and keys in flight
+        self.predictor = predictor
+        self.mover = mover
+        self.mesh = mesh
+        self.controller = controller
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         self._refresh_gauges()
-        return web.Response(body=self.lb.metrics.render(),
+        return web.Response(body=self.core.metrics.render(),
                             headers={"Content-Type": "text/plain; version=0.0.4"})
 
     def _refresh_gauges(self) -> None:
         """Dispatcher state into gauges, at scrape time: off the request path."""
-        lb = self.lb
-        d, m = lb.dispatcher, lb.metrics
+        d, m = self.core.dispatcher, self.core.metrics
         for tid, t in d.targets.items():
             m.replica_in_flight.labels(tid).set(t.load.in_flight)
             m.breaker_state.labels(tid).set(int(t.breaker.state))
         for model, q in d.queues.items():
             m.queue_length.labels(model).set(len(q))
-        if lb.mesh is not None:
+        if self.mesh is not None:
             states = {"alive": 0, "suspected": 1, "down": 2}
-            for v in lb.mesh.peer_views():
+            for v in self.mesh.peer_views():
                 m.peer_state.labels(v["id"]).set(states.get(v["liveness"], 2))
                 if v["rtt_s"] is not None:
                     m.peer_rtt.labels(v["id"]).set(v["rtt_s"])
 
     async def handle_status(self, request: web.Request) -> web.Response:
-        lb = self.lb
-        if (refused := lb.handlers.refused(request)) is not None:
+        if (refused := self.handlers.refused(request)) is not None:
             return refused
-        d, moves = lb.dispatcher, lb.moves
+        d, moves = self.core.dispatcher, self.mover
         mesh = None
-        if lb.mesh is not None:
-            mesh = {"id": lb.mesh.mesh.id, "address": lb.mesh.node.address,
-                    "forwarding": d.forwarding, "forwarded_out": lb.mesh.forwarded_out,
-                    "forwarded_in": lb.mesh.forwarded_in, "peers": lb.mesh.peer_views(),
+        if self.mesh is not None:
+            mesh = {"id": self.mesh.mesh.id, "address": self.mesh.node.address,
+                    "forwarding": d.forwarding, "forwarded_out": self.mesh.forwarded_out,
+                    "forwarded_in": self.mesh.forwarded_in, "peers": self.mesh.peer_views(),
                     "outlook": None if d.outlook is None else d.outlook.status()}
-        ctl = lb.controller
+        ctl = self.controller
         return web.json_response({
-            "region": lb.cfg.region,
+            "region": self.region,
             "mesh": mesh,
             "controller": None if ctl is None else {
                 "url": ctl.cfg.url, "balancer_id": ctl.balancer_id,
                 "registered": ctl.registered, "revision": ctl.revision,
                 "error": ctl.last_error},
-            "auth": {"keys": len(lb.edge.keys.digests),
-                     "keys_in_flight": len(lb.handlers.in_flight_by_key),
-                     "reloads": lb.edge.reloads, "reload_errors": lb.edge.errors},
+            "auth": {"keys": len(self.edge.keys.digests),
+                     "keys_in_flight": len(self.handlers.in_flight_by_key),
+                     "reloads": self.edge.reloads, "reload_errors": self.edge.errors},
             "policy": d.policy.name,
             "pushing": d.mode.value,
             "balancers_per_region": d.balancers_per_region,  # sp-p's n x margin
             "queued": d.queue_length(),
-            "prediction": {**lb.predictor.status(), "in_use": lb.flags.predicts},
+            "prediction": {**self.predictor.status(), "in_use": self.core.switches.flags.predicts},
             "migrations": {"total": moves.migrations, "open_streams": len(moves.live),
                            "recent": list(moves.recent_migrations),
                            "resumed": moves.resumed_streams,
                            "recent_resumes": list(moves.recent_resumes)},
             "replicas": {
-                tid: {"healthy": lb.health.is_healthy(tid), "models": sorted(t.models),
+                tid: {"healthy": self.health.is_healthy(tid), "models": sorted(t.models),
                       **self.replica_figures(tid),
                       "in_flight": t.load.in_flight, "breaker": t.breaker.state.name.lower()}
                 for tid, t in d.targets.items()},
@@ -82,11 +99,11 @@ class Status:
     def replica_figures(self, url: str) -> dict[str, Any]:
         """One replica's probe figures (the health tracker's) and pushing state (the
         dispatcher's load)."""
-        load = self.lb.dispatcher.targets[url].load
-        return {**self.lb.health.figures(url),
+        load = self.core.dispatcher.targets[url].load
+        return {**self.health.figures(url),
                 "unadmitted": load.unadmitted, "max_num_seqs": load.max_num_seqs,
                 "engine_queue": load.engine_queue,
-                "prefer_queue": self.lb.dispatcher.prefer_queue_of(load),
+                "prefer_queue": self.core.dispatcher.prefer_queue_of(load),
                 "metrics_lag_s": load.metrics_lag_s}
 
 

@@ -13,28 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 import aiohttp
 from aiohttp import web
 
 from skymesh.balancer.dispatch import Ticket
-from skymesh.balancer.forwarding import (
-    OUTPUT_TOKENS_KEY,
-    CoalescedStream,
-    ReplicaFault,
-    broken,
-    copy_headers,
-)
 from skymesh.balancer.intake import Intake
 from skymesh.balancer.migration import SSEFramer, migratable
+from skymesh.balancer.moves import Mover
 from skymesh.balancer.output_text import OutputCapture, sse_output_text
+from skymesh.balancer.relay import (
+    OUTPUT_TOKENS_KEY,
+    CoalescedStream,
+    RequestCore,
+    copy_headers,
+    first_chunk,
+)
 from skymesh.balancer.upstream import Reply, UpstreamReply
 from skymesh.policies.base import RequestTiming
-
-if TYPE_CHECKING:
-    from skymesh.balancer.server import Balancer
 
 log = logging.getLogger("skymesh.lb")
 # retry.resume_streams: the most bytes of one stream kept to resume it (a 4,096-token
@@ -43,23 +40,12 @@ RESUME_BYTES = 2 << 20
 
 
 class Streams:
-    def __init__(self, lb: Balancer) -> None:
-        self.lb = lb
+    def __init__(self, core: RequestCore, mover: Mover) -> None:
+        self.core = core
+        self.mover = mover  # continues a stream whose replica broke (resume_streams)
         # Open streams that are not migratable, and the replica each is on.
         self.open: dict[Reply, str] = {}
         self._shutdown_task: asyncio.Task[None] | None = None
-
-    async def first_chunk(self, up: Reply) -> tuple[AsyncIterator[bytes], bytes, float]:
-        """The upstream's first bytes (a failure before them is the replica's: retry), and
-        when they came."""
-        chunks: AsyncIterator[bytes] = up.content.iter_any()
-        try:
-            first = await chunks.__anext__()
-        except StopAsyncIteration:
-            raise ReplicaFault("empty response") from None
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise ReplicaFault(str(exc) or type(exc).__name__) from exc
-        return chunks, first, self.lb.now()
 
     async def _open_stream(self, request: web.Request, ticket: Ticket,
                              up: Reply, first: bytes, first_at: float, t0: float
@@ -73,26 +59,19 @@ class Streams:
         resp = CoalescedStream(status=up.status, headers=copy_headers(up))
         await resp.prepare(request)
         await resp.write(first)
-        self.started(ticket, first_at, t0)
+        self.core.started(ticket, first_at, t0)
         return resp
-
-    def started(self, ticket: Ticket, first_at: float, t0: float) -> None:
-        """The replica has answered: the request no longer waits to be admitted there."""
-        lb = self.lb
-        lb.dispatcher.first_byte(ticket)
-        lb.pump()  # a no-op unless requests wait for exactly this
-        lb.metrics.ttft.labels(ticket.route.model).observe(first_at - t0)
 
     async def stream(self, request: web.Request, ticket: Ticket, up: Reply,
                      t0: float, sent: float, intake: Intake
                      ) -> tuple[web.StreamResponse, str]:
-        lb = self.lb
-        flags = lb.flags
-        chunks, first, first_at = await self.first_chunk(up)
+        flags = self.core.switches.flags
+        chunks, first = await first_chunk(up)
+        first_at = self.core.now()
         resp = await self._open_stream(request, ticket, up, first, first_at, t0)
         target = ticket.target or ""
         if flags.timed:
-            lb.dispatcher.policy.on_timing(ticket.route, target, RequestTiming(
+            self.core.dispatcher.policy.on_timing(ticket.route, target, RequestTiming(
                 first_at, sent, first_at, 0, False, ticket.route.prompt_len))
         ok = True
         # One SSE event per generated token in vLLM's and SGLang's streams (bar the role
@@ -118,13 +97,13 @@ class Streams:
                     if len(relayed) > RESUME_BYTES:
                         relayed = None
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-            st = None if relayed is None else lb.moves.resumable(
+            st = None if relayed is None else self.mover.resumable(
                 ticket, intake, sent, first_at, up, bytes(relayed), exc)
             if st is not None:
                 self.open.pop(up, None)
-                return await lb.moves.live_loop(request, resp, st, up, chunks, SSEFramer(), [])
+                return await self.mover.live_loop(request, resp, st, up, chunks, SSEFramer(), [])
             ok = False
-            await resp.write(self.broken_stream(ticket.target, exc))
+            await resp.write(self.core.broken_stream(ticket.target, exc))
         finally:
             self.open.pop(up, None)
         # Events that carry no token: [DONE], the chat role chunk, the usage chunk.
@@ -134,35 +113,29 @@ class Streams:
         tokens = max(0, events - extra)
         request[OUTPUT_TOKENS_KEY] = tokens
         if ok and flags.timed:
-            lb.dispatcher.policy.on_timing(ticket.route, target, RequestTiming(
-                lb.now(), sent, first_at, tokens, True, ticket.route.prompt_len))
-        lb.dispatcher.complete(ticket, lb.now(), ok=ok,
-                               replica_fault=not ok and not lb.closing)
+            self.core.dispatcher.policy.on_timing(ticket.route, target, RequestTiming(
+                self.core.now(), sent, first_at, tokens, True, ticket.route.prompt_len))
+        self.core.dispatcher.complete(ticket, self.core.now(), ok=ok,
+                               replica_fault=not ok and not self.core.switches.closing)
         await resp.write_eof()
         if ok and cap is not None:
-            lb.forwarder.record_cached(ticket.route, target, intake,
+            self.core.record_cached(ticket.route, target, intake,
                                        sse_output_text(cap.raw(), intake.kind))
         return resp, "ok" if ok else "upstream_broken"
-
-    def broken_stream(self, target: str | None, exc: BaseException) -> bytes:
-        if self.lb.closing:
-            return broken("the balancer is shutting down; retry the request", "shutting_down")
-        log.warning("upstream %s broke mid-stream: %s", target, exc)
-        return broken(f"the replica failed mid-response: {exc}")
 
     def cut_stalled(self, down: set[str], now: float, idle_s: float) -> int:
         """End the open streams (plain and migratable) on the replicas in ``down`` that
         have had no bytes for ``idle_s``: closing the upstream wakes the relay, which
         sends the error event or resumes elsewhere. Returns how many were cut."""
         on = [*self.open.items(),
-              *((st.upstream, st.ticket.target or "") for st in self.lb.moves.live.values()
+              *((st.upstream, st.ticket.target or "") for st in self.mover.live.values()
                 if st.upstream is not None)]
         cut = stalled(((up, target, _last_bytes(up, now)) for up, target in on),
                       down, now, idle_s)
         why = f"the replica is marked down and sent nothing for {idle_s:g} s"
         for up, target in cut:
             log.warning("ending a stream on %s: %s", target, why)
-            self.lb.metrics.replica_limits.labels(target, "stalled_stream").inc()
+            self.core.metrics.replica_limits.labels(target, "stalled_stream").inc()
             if isinstance(up, UpstreamReply):
                 up.close(why)
             else:
@@ -176,7 +149,7 @@ class Streams:
 
         async def cut() -> None:
             await asyncio.sleep(grace_s)
-            ups = [*self.open, *self.lb.moves.upstreams()]
+            ups = [*self.open, *self.mover.upstreams()]
             if ups:
                 log.warning("shutting down: ending %d open stream(s)", len(ups))
             for up in ups:

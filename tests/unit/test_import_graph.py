@@ -52,12 +52,6 @@ LAZY_BACK_EDGES: dict[tuple[str, str], str] = {}
 # Cycles that close only through ``if TYPE_CHECKING:`` imports (rule 5), each with why it
 # is still there; an entry that no longer matches a cycle fails too, so the list shrinks.
 TYPE_ONLY_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"skymesh.balancer.controller_link", "skymesh.balancer.forwarding",
-               "skymesh.balancer.handlers", "skymesh.balancer.moves",
-               "skymesh.balancer.probing", "skymesh.balancer.server",
-               "skymesh.balancer.status", "skymesh.balancer.streaming"}):
-        "the balancer's parts still take the whole Balancer (issue #32, item 4: one-way "
-        "rooms, each part given only its collaborators)",
     frozenset({"skymesh_controller.autopilot.planner", "skymesh_controller.autopilot.strategy"}):
         "the strategy stepper is typed by the Planner that runs it (issue #32, item 4)",
 }

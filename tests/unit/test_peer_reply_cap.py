@@ -15,6 +15,7 @@ from skymesh.balancer.config import UpstreamConfig
 from skymesh.balancer.errors import UpstreamFailed
 from skymesh.balancer.forwarding import Forwarder
 from skymesh.balancer.metrics import BalancerMetrics
+from skymesh.balancer.relay import RequestCore, Switches
 from skymesh.mesh import pb
 
 MB = 1 << 20
@@ -54,15 +55,16 @@ def reply(status: int, parts: int) -> Iterator[Any]:
 
 
 def forwarder(call: ScriptedCall, cap: int) -> tuple[Forwarder, BalancerMetrics]:
+    """A forwarder whose collaborators are the few pieces ``forward_peer`` uses."""
     metrics = BalancerMetrics()
-    lb = SimpleNamespace(
-        mesh=SimpleNamespace(forward=lambda *args: call),
-        dispatcher=SimpleNamespace(first_byte=lambda ticket: None,
-                                   complete=lambda *a, **k: None),
-        metrics=metrics, now=lambda: 0.0,
-        cfg=SimpleNamespace(upstream=UpstreamConfig(max_response_body_bytes=cap)),
-        flags=SimpleNamespace(records_peer=False))
-    return Forwarder(lb), metrics  # type: ignore[arg-type]
+    dispatcher = SimpleNamespace(first_byte=lambda ticket: None,
+                                 complete=lambda *a, **k: None)
+    core = RequestCore(dispatcher, metrics, lambda: 0.0, lambda: None,  # type: ignore[arg-type]
+                       Switches(SimpleNamespace(records_peer=False)))  # type: ignore[arg-type]
+    cfg = SimpleNamespace(upstream=UpstreamConfig(max_response_body_bytes=cap))
+    mesh = SimpleNamespace(forward=lambda *args: call)
+    return Forwarder(core, cfg, None, None, mesh, None, None, {},  # type: ignore[arg-type]
+                     lambda model: 1.0), metrics
 
 
 def request_parts() -> tuple[Any, Any, Any]:

@@ -1,0 +1,188 @@
+"""What the rooms of the request path share, below all of them.
+
+The request flows one way: the edge (``handlers``) offers it to the dispatcher, the
+forwarder (``forwarding``) sends it to a replica or a peer region, the relay
+(``streaming``) passes a stream on, and the mover (``moves``) continues a stream
+elsewhere. Each room gets only the collaborators it uses; what several of them need
+lives here: :class:`RequestCore` (the dispatcher, the metrics, the clock, the pump, and
+the steps every room takes the same way), :class:`Switches` (what changes while the
+balancer runs: the running policy's flags, shutdown), :class:`UpstreamHeaders`, and the
+pieces of a response to the client (the coalesced stream, the hop-by-hop filter, the SSE
+error event, the replica's first bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from skymesh.balancer.config import BalancerConfig
+from skymesh.balancer.dispatch import Dispatcher, Ticket
+from skymesh.balancer.edge import request_id
+from skymesh.balancer.intake import Intake
+from skymesh.balancer.metrics import BalancerMetrics
+from skymesh.balancer.output_text import cached_text
+from skymesh.balancer.upstream import Reply, ReplyTooLarge
+from skymesh.obs.access import inject_trace
+from skymesh.policies.base import Policy, RouteRequest
+from skymesh.prefix.keys import text_prefix_keys
+
+log = logging.getLogger("skymesh.lb")
+
+FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
+                "content-encoding", "date", "server"}
+OUTPUT_TOKENS_KEY = "skymesh.output_tokens"  # per-request output count, for telemetry
+TICKET_KEY = "skymesh.ticket"  # the request's current ticket, once a migration replaced it
+
+
+class ReplicaFault(Exception):
+    """The attempt failed in a way that is the replica's fault (retry elsewhere)."""
+
+
+class CoalescedStream(web.StreamResponse):
+    """A streamed response whose headers leave with its first chunk, in one write.
+
+    aiohttp's StreamResponse sends headers on ``prepare``; we prepare only once the
+    upstream's first bytes are here, so a separate send would cost a system call and a
+    wake-up of the client for nothing. aiohttp's own ``Response`` buffers them this way
+    (the same class attribute); if a later aiohttp drops it, headers go out on
+    ``prepare`` again, which is only slower."""
+
+    _send_headers_immediately = False
+
+
+def copy_headers(up: Reply) -> dict[str, str]:
+    return {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+def broken(message: str, code: str = "upstream_failed") -> bytes:
+    """The SSE error event and end a client gets after its first byte."""
+    err = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+
+
+async def first_chunk(up: Reply) -> tuple[AsyncIterator[bytes], bytes]:
+    """The upstream's first bytes (a failure before them is the replica's: retry)."""
+    chunks: AsyncIterator[bytes] = up.content.iter_any()
+    try:
+        first = await chunks.__anext__()
+    except StopAsyncIteration:
+        raise ReplicaFault("empty response") from None
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise ReplicaFault(str(exc) or type(exc).__name__) from exc
+    return chunks, first
+
+
+def _records_output(policy: Policy) -> bool:
+    return type(policy).on_cached is not Policy.on_cached
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyFlags:
+    """What the request path does for the running policy, decided once per policy: the
+    request path of a policy that uses none of these pays one attribute test for each."""
+
+    predicts: bool  # a predicted output length (uses_length_prediction)
+    timed: bool  # Policy.on_timing is overridden
+    migrates: bool  # wants_migration
+    resumes: bool  # retry.resume_streams
+    keys: bool  # uses_prefix_keys
+    # Policies that record what a replica caches after a request get its output too (the
+    # reply is kept while relayed, and keyed after the client has it).
+    records: bool
+    records_peer: bool
+
+    @classmethod
+    def of(cls, policy: Policy, peer: Policy | None, cfg: BalancerConfig) -> PolicyFlags:
+        keys = policy.uses_prefix_keys
+        return cls(
+            predicts=policy.uses_length_prediction and cfg.prediction.predictor != "none",
+            timed=type(policy).on_timing is not Policy.on_timing,
+            migrates=policy.wants_migration,
+            resumes=cfg.retry.resume_streams,
+            keys=keys,
+            records=keys and _records_output(policy),
+            records_peer=keys and peer is not None and _records_output(peer),
+        )
+
+
+@dataclass(slots=True)
+class Switches:
+    """What changes while the balancer runs, read by the rooms when they act: the running
+    policy's flags (a live policy switch replaces them) and whether it is shutting down."""
+
+    flags: PolicyFlags
+    closing: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamHeaders:
+    """What a request to a replica carries from the client's, plus our own key."""
+
+    forwarded: tuple[str, ...]  # client headers passed on
+    auth: dict[str, str]  # the replicas' key, when the balancer has one
+
+    def for_request(self, request: web.Request) -> dict[str, str]:
+        headers = {k: v for k in self.forwarded if (v := request.headers.get(k))}
+        headers["X-Request-Id"] = request_id(request)
+        headers.update(self.auth)
+        inject_trace(request, headers)  # the attempt's traceparent, when tracing
+        return headers
+
+
+class RequestCore:
+    """The dispatcher, the metrics, the clock and the pump, which every room of the
+    request path uses, and the steps they all take the same way."""
+
+    def __init__(self, dispatcher: Dispatcher, metrics: BalancerMetrics,
+                 now: Callable[[], float], pump: Callable[[], None],
+                 switches: Switches) -> None:
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.now = now
+        self.pump = pump
+        self.switches = switches
+
+    def started(self, ticket: Ticket, first_at: float, t0: float) -> None:
+        """The replica has answered: the request no longer waits to be admitted there."""
+        self.dispatcher.first_byte(ticket)
+        self.pump()  # a no-op unless requests wait for exactly this
+        self.metrics.ttft.labels(ticket.route.model).observe(first_at - t0)
+
+    def broken_stream(self, target: str | None, exc: BaseException) -> bytes:
+        """The error event of a stream whose upstream broke after the client's first byte."""
+        if self.switches.closing:
+            return broken("the balancer is shutting down; retry the request", "shutting_down")
+        log.warning("upstream %s broke mid-stream: %s", target, exc)
+        return broken(f"the replica failed mid-response: {exc}")
+
+    def refused(self, target: str, exc: ReplyTooLarge) -> None:
+        """A reply from ``target`` went over a cap: counted, logged, not read further."""
+        log.warning("refused a reply from %s: %s", target, exc)
+        self.metrics.replica_limits.labels(target, exc.what).inc()
+
+    def record_cached(self, route: RouteRequest, target: str, intake: Intake,
+                      output: str) -> None:
+        """``target`` now caches the request's prompt and ``output``: tell the policy."""
+        text = cached_text(intake.prompt_text, intake.body, output)
+        if text is not None:
+            self.dispatcher.cached(route, target, text_prefix_keys(text))
+
+    def record_later(self, route: RouteRequest, target: str, intake: Intake,
+                     output: str) -> None:
+        """:meth:`record_cached` once the response in hand has been written: keying the
+        text is not the client's wait."""
+        asyncio.get_running_loop().call_soon(self.record_cached, route, target, intake, output)
+
+
+
+__all__ = ["FORWARD_HEADERS", "OUTPUT_TOKENS_KEY", "TICKET_KEY", "CoalescedStream",
+           "PolicyFlags", "ReplicaFault", "RequestCore", "Switches", "UpstreamHeaders",
+           "broken", "copy_headers", "first_chunk"]
