@@ -47,8 +47,10 @@ from skymesh_controller.autopilot.guard import Cooldowns
 from skymesh_controller.autopilot.metrics import Stats, families
 from skymesh_controller.autopilot.moves import MoveResult, MoveRunner
 from skymesh_controller.autopilot.strategy import StrategyStepper
+from skymesh_controller.errors import ApiError
 from skymesh_controller.planning.actuate import ApplyReport
 from skymesh_controller.planning.ilp import Key
+from skymesh_controller.service import Controller
 from skymesh_controller.store import Obj, StoreError
 
 log = logging.getLogger("skymesh.controller.planner")
@@ -65,8 +67,8 @@ def obj_key(o: Obj) -> Key:
 
 
 class Planner:
-    def __init__(self, cfg: PlannerConfig, ctl: Any, *, clock: Callable[[], float] = time.time,
-                 backend: Backend | None = None,
+    def __init__(self, cfg: PlannerConfig, ctl: Controller, *,
+                 clock: Callable[[], float] = time.time, backend: Backend | None = None,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.cfg, self.ctl = cfg, ctl
         self.clock, self.sleep = clock, sleep  # sleep: between a drain's idle checks
@@ -81,7 +83,7 @@ class Planner:
         # its thread running, and close() at shutdown must not race it.
         self._backend_lock = threading.Lock()
         self._task: asyncio.Task[None] | None = None
-        self.stepper = StrategyStepper(self) if cfg.strategy else None
+        self.stepper = StrategyStepper(cfg, self, ctl.store) if cfg.strategy else None
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self, loop_task: bool = True) -> None:
@@ -146,6 +148,12 @@ class Planner:
 
         return await asyncio.to_thread(locked)
 
+    async def apply_counts(self, counts: dict[Key, int], registered: dict[Key, int]
+                           ) -> ApplyReport:
+        """The actuator's ``apply_counts``, in its worker thread."""
+        assert self.backend is not None
+        return await self.actuate(self.backend.apply_counts, counts, registered)
+
     async def _loop(self) -> None:
         while True:
             try:
@@ -162,7 +170,8 @@ class Planner:
             return
         await self.retry_due()
         if self.stepper is not None and self.cfg.mode == "auto" and self._acts():
-            await self.stepper.step()
+            async with self._lock:
+                await self.stepper.step()
 
     def _acts(self) -> bool:
         return self.backend is not None and self.backend.kind != "none"
@@ -323,8 +332,6 @@ class Planner:
 
     # -- applying --------------------------------------------------------------------------
     async def approve(self, pid: str, who: str) -> Obj:
-        from skymesh_controller.service import ApiError
-
         async with self._lock:
             rec = await self.record(pid)
             if rec is None:
@@ -400,7 +407,7 @@ class Planner:
         mover = mover_of(self.backend)
         if not pending or mover is None:
             return [], {}
-        runner = MoveRunner(self.ctl, mover, self.actuate, clock=self.clock,
+        runner = MoveRunner(self.ctl.moves, mover, self.actuate, clock=self.clock,
                             timeout_s=self.cfg.drain_timeout_s, poll_s=self.cfg.drain_poll_s,
                             sleep=self.sleep)
         taken: set[str] = set()
