@@ -91,9 +91,6 @@ class Controller:
         await self.dns.stop()
         await self.store.close()
 
-    async def drain(self, rid: str, on: bool) -> Obj:
-        return (await self.replicas.drain(rid, on))[0]
-
     async def membership(self, bid: str) -> Obj:
         return await self.members.view(bid)
 
