@@ -30,6 +30,8 @@ from skymesh_controller.auth import Principal, TokenBook, allowed
 from skymesh_controller.autopilot.routes import mount_planner
 from skymesh_controller.config import ControllerConfig, Role
 from skymesh_controller.dashboard import mount_dashboard
+from skymesh_controller.dns_sync import DnsHook
+from skymesh_controller.errors import ApiError
 from skymesh_controller.forecasting import walk_forward
 from skymesh_controller.intake import BodyGate
 from skymesh_controller.metrics import install_metrics
@@ -47,16 +49,11 @@ from skymesh_controller.models import (
     ReplicaUpdate,
     TelemetryIn,
 )
+from skymesh_controller.records import given_policy, may_modify, not_owner
 from skymesh_controller.series import telemetry_series as telemetry_series_of
 from skymesh_controller.series import to_csv as series_csv
-from skymesh_controller.service import (
-    ApiError,
-    Controller,
-    DnsHook,
-    given_policy,
-    may_modify,
-    not_owner,
-)
+from skymesh_controller.service import Controller
+from skymesh_controller.status import mesh_status
 from skymesh_controller.store import Obj, Store, StoreError, open_store
 
 MAX_FORECAST_SERIES = 24
@@ -103,6 +100,10 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
     tokens = TokenBook(list(cfg.tokens), os.environ.get("SKYMESH_ADMIN_TOKEN"))
     ctl = Controller(cfg, store if store is not None else open_store(cfg.store), dns,
                      resolver=resolver)
+    # Each route calls the part it needs (service.py lists them).
+    records, balancers, replicas = ctl.records, ctl.balancers, ctl.replicas
+    members, reports, changes = ctl.members, ctl.telemetry, ctl.changes
+    dns_syncer = ctl.dns
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -189,53 +190,53 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
     # -- regions ---------------------------------------------------------------------------
     @app.get("/v1/regions", tags=["regions"], responses=ERRORS, dependencies=[read])
     async def list_regions() -> list[Obj]:
-        return await ctl.list_kind("regions")
+        return await records.list_kind("regions")
 
     @app.post("/v1/regions", tags=["regions"], status_code=201, responses=ERRORS,
               dependencies=[admin])
     async def put_region(body: RegionIn) -> Obj:
-        return await ctl.put_region(body)
+        return await records.put_region(body)
 
     @app.get("/v1/regions/{name}", tags=["regions"], responses=ERRORS, dependencies=[read])
     async def get_region(name: str) -> Obj:
-        return await ctl.read("regions", name, "region")
+        return await records.read("regions", name, "region")
 
     @app.delete("/v1/regions/{name}", tags=["regions"], status_code=204, responses=ERRORS,
                 dependencies=[admin])
     async def delete_region(name: str) -> None:
-        await ctl.delete_region(name)
+        await records.delete_region(name)
 
     # -- balancers -------------------------------------------------------------------------
     @app.get("/v1/balancers", tags=["balancers"], responses=ERRORS, dependencies=[read])
     async def list_balancers() -> list[Obj]:
-        return await ctl.list_kind("balancers")
+        return await records.list_kind("balancers")
 
     @app.post("/v1/balancers", tags=["balancers"], status_code=201, responses=ERRORS)
     async def register_balancer(body: BalancerIn, who: Principal = agent) -> Obj:
         """Register a balancer, or re-register one the token owns (a restart)."""
-        return await ctl.register_balancer(body, who)
+        return await balancers.register(body, who)
 
     @app.put("/v1/balancers/{bid}", tags=["balancers"], responses=ERRORS)
     async def replace_balancer(bid: str, body: BalancerUpdate, who: Principal = agent) -> Obj:
-        return await ctl.update_balancer(bid, given_policy(body, body.model_dump()), who)
+        return await balancers.update(bid, given_policy(body, body.model_dump()), who)
 
     @app.patch("/v1/balancers/{bid}", tags=["balancers"], responses=ERRORS)
     async def patch_balancer(bid: str, body: BalancerPatch, who: Principal = agent) -> Obj:
-        return await ctl.update_balancer(bid, body.model_dump(exclude_unset=True), who)
+        return await balancers.update(bid, body.model_dump(exclude_unset=True), who)
 
     @app.get("/v1/balancers/{bid}", tags=["balancers"], responses=ERRORS, dependencies=[read])
     async def get_balancer(bid: str) -> Obj:
-        return await ctl.read("balancers", bid, "balancer")
+        return await records.read("balancers", bid, "balancer")
 
     @app.delete("/v1/balancers/{bid}", tags=["balancers"], status_code=204, responses=ERRORS,
                 dependencies=[admin])
     async def delete_balancer(bid: str) -> None:
-        await ctl.delete_balancer(bid)
+        await balancers.delete(bid)
 
     @app.put("/v1/balancers/{bid}/policy", tags=["balancers"], responses=ERRORS,
              dependencies=[admin])
     async def set_policy(bid: str, body: PolicyIn) -> Obj:
-        return await ctl.set_policy(bid, body)
+        return await balancers.set_policy(bid, body)
 
     @app.get("/v1/balancers/{bid}/membership", tags=["balancers"], responses=ERRORS)
     async def membership(
@@ -245,83 +246,84 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
         wait: Annotated[float, Query(ge=0, le=300, description="seconds to wait")] = 0.0,
         who: Principal = agent,
     ) -> Obj:
-        me = await ctl.read("balancers", bid, "balancer")
+        me = await records.read("balancers", bid, "balancer")
         if not may_modify(me, who):  # only its own balancer: `after` is a drain's ack
             raise not_owner("balancer", bid, me)
         # It applied `after` (what a move's drain waits for), but no revision not yet made.
-        ctl.note_poll(bid, min(after, await ctl.store.revision()))
+        members.note_poll(bid, min(after, await changes.store.revision()))
         if after >= 0 and wait > 0:
-            await ctl.wait_change(after, wait)
-        return await ctl.membership(bid)
+            await changes.wait(after, wait)
+        return await members.view(bid)
 
     @app.post("/v1/balancers/{bid}/telemetry", tags=["balancers"], status_code=204,
               responses=ERRORS)
     async def telemetry_in(bid: str, body: TelemetryIn, who: Principal = agent) -> None:
-        await ctl.report(bid, body, who)
+        await reports.report(bid, body, who)
 
     # -- replicas --------------------------------------------------------------------------
     @app.get("/v1/replicas", tags=["replicas"], responses=ERRORS, dependencies=[read])
     async def list_replicas() -> list[Obj]:
-        return await ctl.list_kind("replicas")
+        return await records.list_kind("replicas")
 
     @app.post("/v1/replicas", tags=["replicas"], status_code=201, responses=ERRORS)
     async def add_replica(body: ReplicaIn, who: Principal = agent) -> Obj:
         """Register a replica, or re-register one the token may change."""
-        return await ctl.add_replica(body, who)
+        return await replicas.add(body, who)
 
     @app.put("/v1/replicas/{rid}", tags=["replicas"], responses=ERRORS)
     async def replace_replica(rid: str, body: ReplicaUpdate, who: Principal = agent) -> Obj:
-        return await ctl.update_replica(rid, body.model_dump(), who)
+        return await replicas.update(rid, body.model_dump(), who)
 
     @app.patch("/v1/replicas/{rid}", tags=["replicas"], responses=ERRORS)
     async def patch_replica(rid: str, body: ReplicaPatch, who: Principal = agent) -> Obj:
-        return await ctl.update_replica(rid, body.model_dump(exclude_unset=True), who)
+        return await replicas.update(rid, body.model_dump(exclude_unset=True), who)
 
     @app.get("/v1/replicas/{rid}", tags=["replicas"], responses=ERRORS, dependencies=[read])
     async def get_replica(rid: str) -> Obj:
-        return await ctl.read("replicas", rid, "replica")
+        return await records.read("replicas", rid, "replica")
 
     @app.delete("/v1/replicas/{rid}", tags=["replicas"], status_code=204, responses=ERRORS,
                 dependencies=[admin])
     async def remove_replica(rid: str) -> None:
-        await ctl.remove_replica(rid)
+        await replicas.remove(rid)
 
     @app.post("/v1/replicas/{rid}/drain", tags=["replicas"], responses=ERRORS,
               dependencies=[admin])
     async def drain(rid: str) -> Obj:
-        return await ctl.drain(rid, True)
+        return (await replicas.drain(rid, True))[0]
 
     @app.post("/v1/replicas/{rid}/undrain", tags=["replicas"], responses=ERRORS,
               dependencies=[admin])
     async def undrain(rid: str) -> Obj:
-        return await ctl.drain(rid, False)
+        return (await replicas.drain(rid, False))[0]
 
     # -- models ----------------------------------------------------------------------------
     @app.get("/v1/models", tags=["models"], responses=ERRORS, dependencies=[read])
     async def list_models() -> list[Obj]:
-        return await ctl.models()
+        return await records.models()
 
     @app.post("/v1/models", tags=["models"], status_code=201, responses=ERRORS,
               dependencies=[admin])
     async def put_model(body: ModelIn) -> Obj:
-        return await ctl.put_model(body)
+        return await records.put_model(body)
 
     @app.delete("/v1/models/{name}", tags=["models"], status_code=204, responses=ERRORS,
                 dependencies=[admin])
     async def delete_model(name: str) -> None:
-        await ctl.delete_model(name)
+        await records.delete_model(name)
 
     # -- status and telemetry --------------------------------------------------------------
     @app.get("/v1/status", tags=["status"], responses=ERRORS, dependencies=[read])
     async def status() -> Obj:
-        return await ctl.status()
+        return await mesh_status(ctl.store, reports.latest, dns_syncer.last,
+                                 ctl.started)
 
     @app.get("/v1/telemetry", tags=["status"], responses=ERRORS, dependencies=[read])
     async def telemetry(
         balancer: str | None = None, region: str | None = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 500,
     ) -> list[Obj]:
-        return await ctl.telemetry(balancer, region, limit)
+        return await reports.samples(balancer, region, limit)
 
     @app.get("/v1/telemetry/series", tags=["status"], dependencies=[read], responses={
         **ERRORS, 200: {"content": {"text/csv": {"schema": {"type": "string"}}},
@@ -331,7 +333,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
         window: Annotated[int, Query(ge=1, le=86_400, description="seconds")] = 600,
         format: Annotated[Literal["json", "csv"], Query()] = "json",
     ) -> Any:
-        samples = await ctl.telemetry(None, region, limit=cfg.telemetry_keep)
+        samples = await reports.samples(None, region, limit=cfg.telemetry_keep)
         series = telemetry_series_of(samples, window, model=model, region=region)
         if format == "csv":
             return PlainTextResponse(series_csv(series), media_type="text/csv")
@@ -348,7 +350,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
         horizon: Annotated[int, Query(ge=0, le=288)] = 6,
     ) -> Obj:
         """Forecast versus actual demand per (model, region), from balancer telemetry."""
-        samples = await ctl.telemetry(None, region, limit=cfg.telemetry_keep)
+        samples = await reports.samples(None, region, limit=cfg.telemetry_keep)
         pairs = sorted({(m, s["region"]) for s in samples for m in s.get("models", {})})
         pairs = [(m, r) for m, r in pairs if model in (None, m)][:MAX_FORECAST_SERIES]
         out = []
@@ -372,14 +374,15 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
 
     @app.post("/v1/dns/sync", tags=["dns"], responses=ERRORS, dependencies=[admin])
     async def dns_sync(body: Annotated[DnsSyncIn | None, Body()] = None) -> Obj:
-        return await ctl.dns_sync(body.dry_run if body is not None else False)
+        return await dns_syncer.sync(body.dry_run if body is not None else False)
 
     mount_planner(app, cfg, ctl)  # /v1/plans; the planner itself when configured
-    install_metrics(app)
+    install_metrics(app, ctl.store, reports.latest, ctl.prober.counts,
+                    ctl.refusals.counts)
     mount_dashboard(app)
     # The token and the size cap before any body byte is read (skymesh_controller.intake).
     app.add_middleware(BodyGate, known=lambda token: tokens.lookup(token) is not None,
-                       max_bytes=cfg.max_body_bytes, refused=ctl.refused)
+                       max_bytes=cfg.max_body_bytes, refused=ctl.refusals)
     # Added last, so outermost: one access line (and span) per request, a 413 included.
     app.add_middleware(AccessLogMiddleware, access_log=cfg.logging.access_log,
                        tracing=tracing_from_config(cfg.tracing, "skymesh-controller"))

@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from skymesh_controller.config import ControllerConfig
-from skymesh_controller.service import DnsHook
+from skymesh_controller.dns_sync import DnsHook
 from skymesh_controller.store import Obj
 
 

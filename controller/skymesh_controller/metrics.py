@@ -23,7 +23,7 @@ client cannot grow the series set; unmatched paths count as ``(unmatched)``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI
@@ -37,7 +37,7 @@ from prometheus_client.core import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from skymesh_controller.store import Obj, StoreError
+from skymesh_controller.store import Obj, Store, StoreError
 
 BALANCER_STATES = ("up", "down", "unknown")
 REPLICA_STATES = ("healthy", "unhealthy", "draining", "unknown")
@@ -108,12 +108,15 @@ class _MetricsMiddleware:
 class _State:
     """The last snapshot the /metrics handler read, as metric families."""
 
-    def __init__(self, ctl: Any, http: _Http) -> None:
-        self.ctl, self.http = ctl, http
+    def __init__(self, store: Store, latest: Mapping[str, Obj],
+                 probes: Mapping[tuple[str, bool], int], refusals: Mapping[str, int],
+                 http: _Http) -> None:
+        self.store, self.latest, self.probes, self.refusals = store, latest, probes, refusals
+        self.http = http
         self.snapshot: dict[str, Any] = {}
 
     async def refresh(self) -> None:
-        store = self.ctl.store
+        store = self.store
         try:
             self.snapshot = {"regions": await store.all("regions"),
                              "balancers": await store.all("balancers"),
@@ -134,13 +137,13 @@ class _State:
                                 "Seconds since the balancer's last telemetry report",
                                 labels=["balancer"])
         now = time.time()
-        for bid, sample in sorted(self.ctl.latest.items()):
+        for bid, sample in sorted(self.latest.items()):
             age.add_metric([bid], max(0.0, now - sample["ts"]))
         yield age
         probes = CounterMetricFamily("skymesh_controller_probes",
                                      "Health probes of balancers and replicas, by result",
                                      labels=["kind", "result"])
-        counts = getattr(self.ctl, "probe_counts", {})
+        counts = self.probes
         for kind in ("balancer", "replica"):
             for ok, result in ((True, "ok"), (False, "failed")):
                 probes.add_metric([kind, result], counts.get((kind, ok), 0))
@@ -148,7 +151,7 @@ class _State:
         refused = CounterMetricFamily("skymesh_controller_refused",
                                       "Requests a limit refused, by reason",
                                       labels=["reason"])
-        for reason, n in sorted(getattr(self.ctl, "refusals", {}).items()):
+        for reason, n in sorted(self.refusals.items()):
             refused.add_metric([reason], n)
         yield refused
         yield from self.http.families()
@@ -179,10 +182,14 @@ def _inventory(regions: dict[str, Obj], balancers: dict[str, Obj],
     yield rep
 
 
-def install_metrics(app: FastAPI) -> None:
-    """Serve ``GET /metrics`` and count every HTTP request (call before the app starts)."""
+def install_metrics(app: FastAPI, store: Store, latest: Mapping[str, Obj],
+                    probes: Mapping[tuple[str, bool], int], refusals: Mapping[str, int]
+                    ) -> None:
+    """Serve ``GET /metrics`` and count every HTTP request (call before the app starts):
+    the records from ``store`` at each scrape, the newest telemetry per balancer
+    (``latest``), probe results by (kind, ok) and refusals by reason as they stand."""
     http = _Http()
-    state = _State(app.state.controller, http)
+    state = _State(store, latest, probes, refusals, http)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(state)
     planner = getattr(app.state, "planner", None)  # skymesh_controller.autopilot

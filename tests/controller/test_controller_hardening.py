@@ -114,8 +114,9 @@ def test_failover_never_hands_a_replica_to_another_owners_balancer(
 
 async def test_a_planner_move_homes_the_replica_only_where_its_owner_may() -> None:
     from skymesh_controller.auth import Principal
+    from skymesh_controller.errors import ApiError
     from skymesh_controller.models import BalancerIn, RegionIn, ReplicaIn
-    from skymesh_controller.service import ApiError, Controller
+    from skymesh_controller.service import Controller
     from skymesh_controller.store import MemoryStore
 
     a, b = Principal("lbs", "agent"), Principal("lbs-2", "agent")

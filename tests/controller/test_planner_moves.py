@@ -295,7 +295,7 @@ def test_a_restart_undrains_the_replica_of_a_move_it_cut_short(
 def test_the_controller_re_registers_a_drained_replica_in_one_step(
         world: tuple[TestClient, Planner, FakeMovingActuator, FakeClock]) -> None:
     """A model change's re-registration (new URL, new model) and its refusals."""
-    from skymesh_controller.service import ApiError
+    from skymesh_controller.errors import ApiError
 
     c, p, _, _ = world
     ctl = p.ctl

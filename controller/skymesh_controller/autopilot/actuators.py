@@ -87,8 +87,8 @@ class InProcessClient:
         self.ctl, self.loop = ctl, loop
 
     def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        from skymesh_controller.errors import ApiError
         from skymesh_controller.planning.actuate_local import ControllerError
-        from skymesh_controller.service import ApiError
 
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:

@@ -38,6 +38,7 @@ from typing import Any
 
 from skymesh_controller.autopilot.actuators import Mover
 from skymesh_controller.planning.ilp import Key
+from skymesh_controller.relocation import Relocations
 
 log = logging.getLogger("skymesh.controller.planner")
 
@@ -91,18 +92,19 @@ def _obj(key: Key) -> dict[str, str]:
 
 
 class MoveRunner:
-    """Runs moves against the controller (``ctl``) and the actuator's mover."""
+    """Runs moves against the controller's relocation part (``moves``) and the
+    actuator's mover."""
 
-    def __init__(self, ctl: Any, mover: Mover, actuate: Actuate, *,
+    def __init__(self, moves: Relocations, mover: Mover, actuate: Actuate, *,
                  clock: Callable[[], float], timeout_s: float, poll_s: float,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
-        self.ctl, self.mover, self.actuate = ctl, mover, actuate
+        self.moves, self.mover, self.actuate = moves, mover, actuate
         self.clock, self.sleep = clock, sleep
         self.timeout_s, self.poll_s = timeout_s, poll_s
 
     async def pick(self, src: Key, taken: set[str]) -> str | None:
         """A replica of ``src`` to move: the actuator's order, serving, not yet taken."""
-        replicas = await self.ctl.store.all("replicas")
+        replicas = await self.moves.store.all("replicas")
         for rid in await self.actuate(self.mover.movable, src):
             rec = replicas.get(rid)
             if rid not in taken and rec is not None and rec.get("state") != "draining":
@@ -114,11 +116,11 @@ class MoveRunner:
         t0 = time.perf_counter()
         res = MoveResult(src, dst, rid, "failed")
         try:
-            if await self.ctl.move_home(rid, dst[1]) is None:
+            if await self.moves.move_home(rid, dst[1]) is None:
                 # Checked before the drain too: no point emptying a replica for nowhere.
                 res.error = f"region {dst[1]!r} has no balancer that may serve it"
                 return res
-            rev = await self.ctl.begin_drain(rid)
+            rev = await self.moves.begin_drain(rid)
             log.info("move %s %s -> %s: draining (revision %d)", rid, src, dst, rev)
             if await self._wait_idle(rid, rev, res):
                 await self._reregister(rid, src, dst, res)
@@ -134,13 +136,13 @@ class MoveRunner:
     async def _wait_idle(self, rid: str, rev: int, res: MoveResult) -> bool:
         watch = DrainWatch(self.clock() + self.timeout_s)
         while True:
-            rec = await self.ctl.store.get("replicas", rid)
+            rec = await self.moves.store.get("replicas", rid)
             if rec is None:
                 res.error = "the replica was deregistered while it drained"
                 return False
-            acked = await self.ctl.drain_applied(rid, rev)
+            acked = await self.moves.drain_applied(rid, rev)
             # The replica is asked only once no balancer can send it anything new.
-            busy = await self.ctl.replica_busy(rec["url"]) if acked else None
+            busy = await self.moves.replica_busy(rec["url"]) if acked else None
             res.last_busy = busy
             state = watch.observe(self.clock(), acked, busy)
             if state == IDLE:
@@ -156,7 +158,7 @@ class MoveRunner:
     async def _reregister(self, rid: str, src: Key, dst: Key, res: MoveResult) -> None:
         url = await self.actuate(self.mover.prepare_move, rid, src, dst)
         try:
-            await self.ctl.move_replica(rid, model=dst[0], region=dst[1], url=url)
+            await self.moves.move_replica(rid, model=dst[0], region=dst[1], url=url)
         except BaseException:
             await self.actuate(self.mover.abort_move, rid)
             raise
@@ -171,8 +173,8 @@ class MoveRunner:
 
     async def _undrain(self, rid: str) -> None:
         try:
-            rec = await self.ctl.store.get("replicas", rid)
+            rec = await self.moves.store.get("replicas", rid)
             if rec is not None and rec.get("state") == "draining":
-                await self.ctl.drain(rid, False)
+                await self.moves.undrain(rid)
         except Exception:
             log.exception("undrain of %s after a failed move failed", rid)

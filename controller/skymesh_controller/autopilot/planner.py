@@ -47,8 +47,10 @@ from skymesh_controller.autopilot.guard import Cooldowns
 from skymesh_controller.autopilot.metrics import Stats, families
 from skymesh_controller.autopilot.moves import MoveResult, MoveRunner
 from skymesh_controller.autopilot.strategy import StrategyStepper
+from skymesh_controller.errors import ApiError
 from skymesh_controller.planning.actuate import ApplyReport
 from skymesh_controller.planning.ilp import Key
+from skymesh_controller.service import Controller
 from skymesh_controller.store import Obj, StoreError
 
 log = logging.getLogger("skymesh.controller.planner")
@@ -65,10 +67,15 @@ def obj_key(o: Obj) -> Key:
 
 
 class Planner:
-    def __init__(self, cfg: PlannerConfig, ctl: Any, *, clock: Callable[[], float] = time.time,
-                 backend: Backend | None = None,
+    def __init__(self, cfg: PlannerConfig, ctl: Controller, *,
+                 clock: Callable[[], float] = time.time, backend: Backend | None = None,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        # The parts of the controller it uses: the store (telemetry, records, its own
+        # rounds), the moves (relocation.py), and the whole as the local actuator's client
+        # (it registers replicas as an operator would: actuators.InProcessClient).
         self.cfg, self.ctl = cfg, ctl
+        self.store, self.moves = ctl.store, ctl.moves
+        self.telemetry_keep = ctl.cfg.telemetry_keep
         self.clock, self.sleep = clock, sleep  # sleep: between a drain's idle checks
         self.backend = backend
         self.book = ForecastBook(cfg)
@@ -81,7 +88,7 @@ class Planner:
         # its thread running, and close() at shutdown must not race it.
         self._backend_lock = threading.Lock()
         self._task: asyncio.Task[None] | None = None
-        self.stepper = StrategyStepper(self) if cfg.strategy else None
+        self.stepper = StrategyStepper(cfg, self, self.store) if cfg.strategy else None
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self, loop_task: bool = True) -> None:
@@ -121,9 +128,9 @@ class Planner:
             return
         for m in cut:
             m["state"] = "planned"
-            rep = await self.ctl.store.get("replicas", m["replica"])
+            rep = await self.store.get("replicas", m["replica"])
             if rep is not None and rep.get("state") == "draining":
-                await self.ctl.drain(m["replica"], False)
+                await self.moves.undrain(m["replica"])
         if rec["status"] == "applying":
             rec["status"] = "failed"
         rec["reason"] = "the controller stopped while its moves drained; undrained"
@@ -146,6 +153,12 @@ class Planner:
 
         return await asyncio.to_thread(locked)
 
+    async def apply_counts(self, counts: dict[Key, int], registered: dict[Key, int]
+                           ) -> ApplyReport:
+        """The actuator's ``apply_counts``, in its worker thread."""
+        assert self.backend is not None
+        return await self.actuate(self.backend.apply_counts, counts, registered)
+
     async def _loop(self) -> None:
         while True:
             try:
@@ -162,24 +175,25 @@ class Planner:
             return
         await self.retry_due()
         if self.stepper is not None and self.cfg.mode == "auto" and self._acts():
-            await self.stepper.step()
+            async with self._lock:
+                await self.stepper.step()
 
     def _acts(self) -> bool:
         return self.backend is not None and self.backend.kind != "none"
 
     # -- reading the store -----------------------------------------------------------------
     async def samples(self) -> list[Obj]:
-        store = self.ctl.store
+        store = self.store
         out: list[Obj] = []
         for name in await store.series():
             if name.startswith("balancer:"):
-                out += await store.tail(name, self.ctl.cfg.telemetry_keep)
+                out += await store.tail(name, self.telemetry_keep)
         out.sort(key=lambda s: s["ts"])
         return out
 
     async def registered(self) -> dict[Key, int]:
         counts: dict[Key, int] = {}
-        for r in (await self.ctl.store.all("replicas")).values():
+        for r in (await self.store.all("replicas")).values():
             if r.get("state") != "draining" and r["model"] in self.cfg.capacity:
                 k = (r["model"], r["region"], r["gpu"])
                 counts[k] = counts.get(k, 0) + 1
@@ -188,7 +202,7 @@ class Planner:
     async def world(self) -> tuple[list[str], dict[Key, int], dict[Key, int]]:
         """Regions, registered replicas per key, and what the actuator runs per key."""
         assert self.backend is not None
-        regions = sorted(await self.ctl.store.all("regions"))
+        regions = sorted(await self.store.all("regions"))
         registered = await self.registered()
         keys = [(m, r, g) for m in self.cfg.capacity for r in regions
                 for g in self.cfg.capacity[m]]
@@ -204,11 +218,11 @@ class Planner:
 
     # -- records ---------------------------------------------------------------------------
     async def save(self, rec: Obj) -> None:
-        await self.ctl.store.append(SERIES, rec, self.cfg.keep_rounds * VERSIONS_PER_ROUND)
+        await self.store.append(SERIES, rec, self.cfg.keep_rounds * VERSIONS_PER_ROUND)
 
     async def records(self) -> list[Obj]:
         """Newest round first, each at its latest copy."""
-        raw = await self.ctl.store.tail(SERIES, self.cfg.keep_rounds * VERSIONS_PER_ROUND)
+        raw = await self.store.tail(SERIES, self.cfg.keep_rounds * VERSIONS_PER_ROUND)
         latest: dict[str, Obj] = {}
         for rec in raw:
             latest[rec["id"]] = rec
@@ -223,7 +237,7 @@ class Planner:
             t0 = time.perf_counter()
             now = self.clock()
             regions, _, current = await self.world()
-            declared = await self.ctl.store.all("models")
+            declared = await self.store.all("models")
             limits = {m: (int(d.get("min_replicas", 0)), d.get("max_replicas"))
                       for m, d in declared.items()}
             samples = await self.samples()
@@ -323,8 +337,6 @@ class Planner:
 
     # -- applying --------------------------------------------------------------------------
     async def approve(self, pid: str, who: str) -> Obj:
-        from skymesh_controller.service import ApiError
-
         async with self._lock:
             rec = await self.record(pid)
             if rec is None:
@@ -400,7 +412,7 @@ class Planner:
         mover = mover_of(self.backend)
         if not pending or mover is None:
             return [], {}
-        runner = MoveRunner(self.ctl, mover, self.actuate, clock=self.clock,
+        runner = MoveRunner(self.moves, mover, self.actuate, clock=self.clock,
                             timeout_s=self.cfg.drain_timeout_s, poll_s=self.cfg.drain_poll_s,
                             sleep=self.sleep)
         taken: set[str] = set()

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from skymesh_controller.auth import Principal, TokenBook, allowed
 from skymesh_controller.config import ControllerConfig
+from skymesh_controller.errors import ApiError
 from skymesh_controller.models import ERRORS
 from skymesh_controller.store import Obj
 
@@ -40,8 +41,6 @@ class RoundIn(BaseModel):
 
 def mount_planner(app: FastAPI, cfg: ControllerConfig, ctl: Any) -> None:
     """Add the routes, and start and stop the planner with the app (when configured)."""
-    from skymesh_controller.service import ApiError
-
     planner = None
     if cfg.planner is not None:
         from skymesh_controller.autopilot.planner import Planner

@@ -20,26 +20,50 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
+from skymesh_controller.autopilot.config import PlannerConfig
+from skymesh_controller.autopilot.guard import Cooldowns
+from skymesh_controller.autopilot.metrics import Stats
+from skymesh_controller.planning.actuate import ApplyReport
+from skymesh_controller.planning.ilp import Key
 from skymesh_controller.planning.strategies import Observation, make_strategy
-
-if TYPE_CHECKING:
-    from skymesh_controller.autopilot.planner import Planner
+from skymesh_controller.store import Obj, Store
 
 log = logging.getLogger("skymesh.controller.planner")
 
 
+class Host(Protocol):
+    """What a step needs of the planner that runs it (planner.Planner): its clock,
+    cooldowns and counters, its view of the world and its records, and its actuator."""
+
+    clock: Callable[[], float]
+    guard: Cooldowns
+    stats: Stats
+
+    async def world(self) -> tuple[list[str], dict[Key, int], dict[Key, int]]: ...
+
+    async def records(self) -> list[Obj]: ...
+
+    async def registered(self) -> dict[Key, int]: ...
+
+    async def apply_counts(self, counts: dict[Key, int], registered: dict[Key, int]
+                           ) -> ApplyReport: ...
+
+
 class StrategyStepper:
-    def __init__(self, planner: Planner) -> None:
-        assert planner.cfg.strategy is not None
-        self.planner = planner
-        cooldown = planner.cfg.strategy_cooldown_s
-        self.strategy = make_strategy(planner.cfg.strategy) if cooldown is None \
-            else make_strategy(planner.cfg.strategy, cooldown_s=cooldown)
+    """Steps every endpoint once per ``step``; the caller holds the planner's lock."""
+
+    def __init__(self, cfg: PlannerConfig, host: Host, store: Store) -> None:
+        assert cfg.strategy is not None
+        self.cfg, self.host, self.store = cfg, host, store
+        cooldown = cfg.strategy_cooldown_s
+        self.strategy = make_strategy(cfg.strategy) if cooldown is None \
+            else make_strategy(cfg.strategy, cooldown_s=cooldown)
 
     async def live_load(self, now: float) -> dict[tuple[str, str], float]:
-        store = self.planner.ctl.store
+        store = self.store
         load: dict[tuple[str, str], float] = {}
         for name in await store.series():
             if not name.startswith("balancer:"):
@@ -54,45 +78,43 @@ class StrategyStepper:
         return load
 
     async def last_plan(self) -> dict[str, Any] | None:
-        for rec in await self.planner.records():
+        for rec in await self.host.records():
             if rec["status"] in ("applied", "partial") and rec.get("plan"):
                 return rec
         return None
 
     async def step(self) -> None:
-        p = self.planner
-        async with p._lock:
-            now = p.clock()
-            regions, _, current = await p.world()
-            load = await self.live_load(now)
-            plan = await self.last_plan()
-            targets: dict[tuple[str, str], int] = {}
-            forecasts: dict[tuple[str, str], float] = {}
-            if plan is not None:
-                for c in plan["plan"]["counts"]:
-                    k = (c["model"], c["region"])
-                    targets[k] = targets.get(k, 0) + c["count"]
-                w = p.cfg.schedule.window_s
-                for f in plan["forecast"]:
-                    i = math.floor((now - f["start"]) / w)
-                    if 0 <= i < len(f["tokens_per_s"]):
-                        forecasts[f["model"], f["region"]] = f["tokens_per_s"][i]
-            for model, per_gpu in sorted(p.cfg.capacity.items()):
-                for region in regions:
-                    await self._one(model, region, per_gpu, current, load, targets,
-                                    forecasts, now)
+        now = self.host.clock()
+        regions, _, current = await self.host.world()
+        load = await self.live_load(now)
+        plan = await self.last_plan()
+        targets: dict[tuple[str, str], int] = {}
+        forecasts: dict[tuple[str, str], float] = {}
+        if plan is not None:
+            for c in plan["plan"]["counts"]:
+                k = (c["model"], c["region"])
+                targets[k] = targets.get(k, 0) + c["count"]
+            w = self.cfg.schedule.window_s
+            for f in plan["forecast"]:
+                i = math.floor((now - f["start"]) / w)
+                if 0 <= i < len(f["tokens_per_s"]):
+                    forecasts[f["model"], f["region"]] = f["tokens_per_s"][i]
+        for model, per_gpu in sorted(self.cfg.capacity.items()):
+            for region in regions:
+                await self._one(model, region, per_gpu, current, load, targets,
+                                forecasts, now)
 
     async def _one(self, model: str, region: str, per_gpu: dict[str, float],
                    current: dict[Any, int], load: dict[tuple[str, str], float],
                    targets: dict[tuple[str, str], int],
                    forecasts: dict[tuple[str, str], float], now: float) -> None:
-        p = self.planner
+        p = self.host
         counts = {g: current.get((model, region, g), 0) for g in per_gpu}
         ready = sum(counts.values())
         serves = sum(per_gpu[g] * n for g, n in counts.items())
         tps = load.get((model, region), 0.0)
         util = min(1.0, tps / serves) if serves > 0 else (1.0 if tps > 0 else 0.0)
-        bound = p.cfg.bound(model, region)
+        bound = self.cfg.bound(model, region)
         obs = Observation(
             now=now, utilisation=util, load_tps=tps, ready=ready,
             target=targets.get((model, region)), forecast_tps=forecasts.get((model, region)),
@@ -112,8 +134,7 @@ class StrategyStepper:
             return
         registered = await p.registered()
         try:
-            report = await p.actuate(p.backend.apply_counts,  # type: ignore[union-attr]
-                                     {key: after}, registered)
+            report = await p.apply_counts({key: after}, registered)
         except Exception as exc:
             log.warning("strategy step %s failed: %s", key, exc)
             report = None

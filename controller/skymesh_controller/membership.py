@@ -1,0 +1,77 @@
+"""Which balancer serves which replica, what each balancer is told, and what it applied.
+
+``reassign`` turns a change of balancers or replicas into the replica records to rewrite
+(placement.py decides: home balancer, else failover by distance, within what owners
+trust); ``view`` is one balancer's membership, the answer to its long poll; ``note_poll``
+and ``applied`` keep the newest revision each balancer long-polled after, which is the
+membership it has applied (a move waits for it before it trusts a replica's idle count).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from skymesh_controller import placement
+from skymesh_controller.records import Records
+from skymesh_controller.store import Obj, Put, Store
+
+log = logging.getLogger("skymesh.controller")
+
+
+class Membership:
+    def __init__(self, store: Store, records: Records, trust: placement.Trust) -> None:
+        self.store, self.records, self.trust = store, records, trust
+        self.polled: dict[str, int] = {}
+
+    async def reassign(self, balancers: dict[str, Obj],
+                       replicas: dict[str, Obj] | None = None) -> list[Put]:
+        """The replica records whose serving balancer changes with ``balancers`` (and
+        ``replicas``, the stored ones when not given), updated in place."""
+        if replicas is None:
+            replicas = await self.store.all("replicas")
+        regions = await self.store.all("regions")
+        puts: list[Put] = []
+        for rid, target in placement.assignments(balancers, replicas, regions,
+                                                 self.trust).items():
+            rep = replicas[rid]
+            if rep.get("assigned") != target:
+                log.info("replica %s (%s): balancer %s -> %s", rid, rep["url"],
+                         rep.get("assigned"), target)
+                rep["assigned"] = target
+                puts.append(("replicas", rid, rep))
+        return puts
+
+    async def view(self, bid: str) -> Obj:
+        rev = await self.store.revision()
+        me = await self.records.read("balancers", bid, "balancer")
+        balancers = await self.store.all("balancers")
+        replicas = await self.store.all("replicas")
+        mine = [{k: r[k] for k in ("id", "url", "model", "gpu", "kind", "region", "balancer")}
+                for r in sorted(replicas.values(), key=lambda r: r["id"])
+                if placement.shares(bid, r.get("assigned"), balancers) and placement.serving(r)]
+        peers = [{"id": b["id"], "region": b["region"], "url": b["url"],
+                  "peer_address": b.get("peer_address")}
+                 for b in sorted(balancers.values(), key=lambda b: b["id"])
+                 if b["id"] != bid and placement.live(b)]
+        # Live balancers sharing this one's replicas, itself included: sp-p's n x margin
+        # (pushing.balancers_per_region: auto).
+        siblings = sum(1 for b in balancers.values() if b["id"] != bid and placement.live(b)
+                       and b["region"] == me["region"] and b.get("owner") == me.get("owner"))
+        return {"revision": rev, "balancer": bid, "state": me.get("state", "unknown"),
+                "policy": me.get("policy"), "policy_params": me.get("policy_params", {}),
+                "replicas": mine, "peers": peers, "region_balancers": 1 + siblings}
+
+    def note_poll(self, bid: str, after: int) -> None:
+        self.polled[bid] = max(after, self.polled.get(bid, -1))
+
+    async def applied(self, rid: str, rev: int) -> bool:
+        """Whether every live balancer serving ``rid`` has applied membership ``rev`` or
+        later. Balancers that never long-polled this process do not follow membership
+        from it (or have not since it started) and are not waited for."""
+        rep = await self.store.get("replicas", rid)
+        if rep is None:
+            return True
+        balancers = await self.store.all("balancers")
+        return all(self.polled[bid] >= rev for bid, b in balancers.items()
+                   if bid in self.polled and placement.live(b)
+                   and placement.shares(bid, rep.get("assigned"), balancers))
