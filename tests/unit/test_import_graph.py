@@ -51,10 +51,7 @@ LAZY_BACK_EDGES: dict[tuple[str, str], str] = {}
 
 # Cycles that close only through ``if TYPE_CHECKING:`` imports (rule 5), each with why it
 # is still there; an entry that no longer matches a cycle fails too, so the list shrinks.
-TYPE_ONLY_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"skymesh_controller.autopilot.planner", "skymesh_controller.autopilot.strategy"}):
-        "the strategy stepper is typed by the Planner that runs it (issue #32, item 4)",
-}
+TYPE_ONLY_CYCLES: dict[frozenset[str], str] = {}
 
 
 # -- the graph ----------------------------------------------------------------------------
