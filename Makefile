@@ -8,7 +8,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 
-.PHONY: install demo test lint typecheck bench system-deps clean protos lock
+.PHONY: install wheels demo test lint typecheck bench system-deps clean protos lock
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,14 @@ $(STAMP): $(PYPROJECTS) $(LOCK) | $(BIN)/python
 	touch $@
 
 install: $(STAMP)
+
+# The four distributions as wheels in dist/ (docs/development.md#the-four-distributions):
+# skymesh (with its generated peering stubs), skymesh-controller, skymesh-replica and
+# skymesh-lab, built offline from the installed build tools.
+wheels: install
+	rm -rf dist && $(BIN)/pip wheel -q --no-deps --no-build-isolation -w dist \
+	  . ./controller ./replica ./lab
+	@ls dist
 
 # Peering stubs (protos/ -> skymesh/mesh/gen/, gitignored). Importing skymesh.mesh's
 # peering API also regenerates them when they are missing or stale.
