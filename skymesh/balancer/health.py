@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from skymesh.balancer.config import ReplicaConfig
+from skymesh.balancer.seqcap import CapLearner, Source
 from skymesh.common.health import HealthRule, Streak
 from skymesh.common.probe import ProbeResult
 
@@ -57,8 +58,8 @@ class ReplicaHealth:
     """One replica's state: its probe streak, whether it is up, the models it serves and
     what its last probe read (None once a probe failed: /status shows no stale figures)."""
 
-    __slots__ = ("cfg", "error", "healthy", "last", "last_ok_at", "models", "models_at",
-                 "streak")
+    __slots__ = ("cap", "cfg", "error", "healthy", "last", "last_ok_at", "models", "models_at",
+                 "seqs_source", "streak")
 
     def __init__(self, cfg: ReplicaConfig) -> None:
         self.cfg = cfg
@@ -69,6 +70,10 @@ class ReplicaHealth:
         self.last: ProbeResult | None = None
         self.last_ok_at: float | None = None  # when the last good probe was sent
         self.error: str | None = None  # why the last probe failed
+        # Its admission limit when nobody tells it (skymesh.balancer.seqcap), and where
+        # the limit in force came from.
+        self.cap = CapLearner()
+        self.seqs_source: Source = "unknown"
 
     @property
     def url(self) -> str:
@@ -172,6 +177,7 @@ class HealthTracker:
             "kv_usage": res.kv_usage if res is not None else None,
             "probe_age_s": None if ok_at is None else round(self.clock() - ok_at, 3),
             "probe_error": h.error if h is not None else None,
+            "max_num_seqs_source": h.seqs_source if h is not None else "unknown",
         }
 
 

