@@ -92,7 +92,8 @@ class Handlers:
             try:
                 lb.dispatcher.offer(ticket, t0)
             except Overloaded as exc:  # the queue is full: back when it has drained
-                raise Overloaded(str(exc), retry_after_s=lb.drain_retry_s(model)) from None
+                if not self._booked_back(ticket, t0):
+                    raise Overloaded(str(exc), retry_after_s=lb.drain_retry_s(model)) from None
             resp, outcome = await lb.forwarder.serve(request, ticket, raw, intake, t0, timeout)
             return resp
         except SkyMeshError as exc:
@@ -111,8 +112,6 @@ class Handlers:
                     outcome = "cancelled"
                 if cur.target is not None:  # still attributed: client went away
                     lb.dispatcher.complete(cur, lb.now(), ok=False)
-                if cur.attempts:  # it left the queue: the drain rate counts it
-                    lb.drain.record(model, lb.now())
                 lb.pump()
             lb.metrics.requests.labels(model, outcome).inc()
             lb.metrics.e2e.labels(model).observe(lb.now() - t0)
@@ -121,6 +120,18 @@ class Handlers:
                 lb.tally.add(model, ticket.route.prompt_len, out_tokens)
                 if lb.flags.predicts and outcome == "ok":
                     lb.predictor.observe(ticket.route.prompt_len, out_tokens)
+
+    def _booked_back(self, ticket: Ticket, now: float) -> bool:
+        """Queue, past the queue's cap (by at most the cap again), a request that found it
+        full when a client booked to come back is due (``overload.RetryBook``): the
+        Retry-After it was given is kept even when the drain rate was read high."""
+        lb = self.lb
+        d = lb.dispatcher
+        if d.queued >= 2 * d.max_queue or not lb.retry_book.claim(now):
+            return False
+        d.offer(ticket, now, beyond=d.max_queue)
+        lb.metrics.booked_admits.inc()
+        return True
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "region": self.lb.cfg.region})
