@@ -16,7 +16,9 @@ queue:
   once the queue has drained to half its capacity at the measured rate, one drain
   interval after the client booked before it, and after the clients told a cold wait.
   The clients a burst turned away thus come back one by one as fast as the queue takes
-  them: not all at once, and not long after it has emptied.
+  them: not all at once, and not long after it has emptied. A booked client that comes
+  back when told and finds the queue full anyway (the rate was read high) is queued past
+  the cap, up to twice it (:meth:`RetryBook.claim`, used by the HTTP edge).
 
   The drain rate (:class:`DrainMeter`) counts the requests that leave the queue while it
   holds some, over the time it holds some: with a queue, that is the replicas' capacity;
@@ -46,11 +48,15 @@ Parameters (module constants; defaults in brackets):
   are ``base * (1 + JITTER * u)``, ``u`` uniform in [0, 1), so the clients they turn away
   do not all come back in the same instant.
 * ``COLD_RETRY_S`` [2 s]: the shortest wait while nothing has drained yet.
+* ``CLAIM_WINDOW_S`` [10 s]: a booked place not claimed this long after it fell due is
+  dropped (its client gave up).
+* ``MAX_BOOKED`` [100,000]: booked places remembered at once (a float each); past it the
+  wait is the ceiling, spread, and not booked.
 * ``OUTAGE_RETRY_S`` [2 s]: the base wait when no replica is up: nothing measures when one
   comes back; two seconds is a few probe rounds, and the SDK's two default retries then
   give up within about 7 s instead of three 60 s queue timeouts.
 
-Pure: the clock and the random draw are the caller's.
+No I/O and no clock of its own: the time and the random draw are the caller's.
 """
 
 from __future__ import annotations
