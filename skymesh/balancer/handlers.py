@@ -48,6 +48,9 @@ from skymesh.obs.access import note
 if TYPE_CHECKING:
     from skymesh.balancer.server import Balancer
 
+# The OpenAI SDKs' (Python, Node) count of the retries a request is on: 0 on the first try.
+RETRY_COUNT_HEADER = "x-stainless-retry-count"
+
 
 class Handlers:
     def __init__(self, lb: Balancer) -> None:
@@ -92,7 +95,7 @@ class Handlers:
             try:
                 lb.dispatcher.offer(ticket, t0)
             except Overloaded as exc:  # the queue is full: back when it has drained
-                if not self._booked_back(ticket, t0):
+                if not self._booked_back(request, ticket, t0):
                     raise Overloaded(str(exc), retry_after_s=lb.drain_retry_s(model)) from None
             resp, outcome = await lb.forwarder.serve(request, ticket, raw, intake, t0, timeout)
             return resp
@@ -121,13 +124,19 @@ class Handlers:
                 if lb.flags.predicts and outcome == "ok":
                     lb.predictor.observe(ticket.route.prompt_len, out_tokens)
 
-    def _booked_back(self, ticket: Ticket, now: float) -> bool:
-        """Queue, past the queue's cap (by at most the cap again), a request that found it
+    def _booked_back(self, request: web.Request, ticket: Ticket, now: float) -> bool:
+        """Queue, past the queue's cap (by at most the cap again), a retry that found it
         full when a client booked to come back is due (``overload.RetryBook``): the
-        Retry-After it was given is kept even when the drain rate was read high."""
+        Retry-After it was given is kept even when the drain rate was read high.
+
+        A retry is what the OpenAI SDKs mark as one (``x-stainless-retry-count`` >= 1), so
+        that new requests under sustained overload do not take the places booked for the
+        clients told to come back. A client can claim to be a retry; it then takes at most
+        a place booked for another, never more than the bookings."""
         lb = self.lb
         d = lb.dispatcher
-        if d.queued >= 2 * d.max_queue or not lb.retry_book.claim(now):
+        if not _is_retry(request) or d.queued >= 2 * d.max_queue \
+                or not lb.retry_book.claim(now):
             return False
         d.offer(ticket, now, beyond=d.max_queue)
         lb.metrics.booked_admits.inc()
@@ -209,6 +218,11 @@ class Handlers:
         if not raw:
             raise BadRequest("request body is empty")
         return raw
+
+
+def _is_retry(request: web.Request) -> bool:
+    count = request.headers.get(RETRY_COUNT_HEADER, "")
+    return count.isascii() and count.isdigit() and count.lstrip("0") != ""  # >= 1
 
 
 __all__ = ["Handlers"]

@@ -18,7 +18,8 @@ queue:
   The clients a burst turned away thus come back one by one as fast as the queue takes
   them: not all at once, and not long after it has emptied. A booked client that comes
   back when told and finds the queue full anyway (the rate was read high) is queued past
-  the cap, up to twice it (:meth:`RetryBook.claim`, used by the HTTP edge).
+  the cap, up to twice it (:meth:`RetryBook.claim`; the HTTP edge lets only requests
+  marked as retries claim, ``skymesh.balancer.handlers``).
 
   The drain rate (:class:`DrainMeter`) counts the requests that leave the queue while it
   holds some, over the time it holds some: with a queue, that is the replicas' capacity;

@@ -7,9 +7,11 @@ import itertools
 import math
 
 import pytest
+from aiohttp.test_utils import make_mocked_request
 
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.errors import NoCapacity, Overloaded
+from skymesh.balancer.handlers import RETRY_COUNT_HEADER, _is_retry
 from skymesh.balancer.overload import (
     CLAIM_WINDOW_S,
     COLD_RETRY_S,
@@ -230,3 +232,16 @@ def test_unlisted_replicas_are_those_whose_models_are_unknown() -> None:
     assert unlisted_replicas(d) == 1
     d.set_models("a", ["m"])
     assert unlisted_replicas(d) == 0
+
+
+@pytest.mark.parametrize(("value", "retry"), [
+    (None, False), ("", False), ("0", False), ("00", False), ("1", True), ("02", True),
+    ("17", True), ("-1", False), ("1.0", False), ("²", False), ("9" * 5000, True),
+])
+def test_only_a_request_marked_as_a_retry_may_claim_a_booked_place(
+        value: str | None, retry: bool) -> None:
+    """The OpenAI SDKs mark their retries; new requests under sustained overload must not
+    take the places booked for the clients told to come back (nor crash on the header)."""
+    headers = {} if value is None else {RETRY_COUNT_HEADER: value}
+    request = make_mocked_request("POST", "/v1/chat/completions", headers=headers)
+    assert _is_retry(request) is retry
