@@ -271,9 +271,11 @@ class Dispatcher:
             model in p.models for p in self.peers.values()))
 
     # -- queue ---------------------------------------------------------------------------
-    def offer(self, ticket: Ticket, now: float, *, front: bool = False) -> None:
-        """Queue a request; a retry goes to the front. Raises Overloaded when full."""
-        if not front and self.queued >= self.max_queue:
+    def offer(self, ticket: Ticket, now: float, *, front: bool = False,
+              beyond: int = 0) -> None:
+        """Queue a request; a retry goes to the front. Raises Overloaded when full
+        (``beyond``: places past ``max_queue`` this request may take)."""
+        if not front and self.queued >= self.max_queue + beyond:
             raise Overloaded(
                 f"the balancer's queue is full ({self.max_queue} requests waiting)",
                 retry_after_s=1.0,

@@ -47,16 +47,19 @@ from skymesh.balancer.health import HealthTracker
 from skymesh.balancer.intake import parse_request, prediction_input, request_deadline, route_request
 from skymesh.balancer.mesh_link import FORWARDED_HEADER
 from skymesh.balancer.migration import max_output
-from skymesh.balancer.overload import DrainMeter, check_servable
+from skymesh.balancer.overload import RetryBook, check_servable
 from skymesh.balancer.prediction import LivePredictor
 from skymesh.balancer.relay import OUTPUT_TOKENS_KEY, TICKET_KEY, RequestCore
 from skymesh.obs.access import note
+
+# The OpenAI SDKs' (Python, Node) count of the retries a request is on: 0 on the first try.
+RETRY_COUNT_HEADER = "x-stainless-retry-count"
 
 
 class Handlers:
     def __init__(self, core: RequestCore, cfg: BalancerConfig, edge: EdgeFiles,
                  forwarder: Forwarder, health: HealthTracker, peer_secret: str | None,
-                 predictor: LivePredictor, tally: Tally, drain: DrainMeter,
+                 predictor: LivePredictor, tally: Tally, retry_book: RetryBook,
                  drain_retry_s: Callable[[str], float]) -> None:
         self.core = core
         self.cfg = cfg
@@ -67,7 +70,7 @@ class Handlers:
         self.peer_secret = peer_secret
         self.predictor = predictor
         self.tally = tally  # requests and tokens per model, for the controller
-        self.drain = drain  # completions per model: Retry-After
+        self.retry_book = retry_book  # the times promised to clients turned away
         self.drain_retry_s = drain_retry_s
         self.rng = random.Random()
         self.in_flight_by_key: dict[bytes, int] = {}  # key digest -> requests here
@@ -111,7 +114,9 @@ class Handlers:
             try:
                 d.offer(ticket, t0)
             except Overloaded as exc:  # the queue is full: back when it has drained
-                raise Overloaded(str(exc), retry_after_s=self.drain_retry_s(model)) from None
+                if not self._booked_back(request, ticket, t0):
+                    raise Overloaded(str(exc), retry_after_s=self.drain_retry_s(model)
+                                     ) from None
             resp, outcome = await self.forwarder.serve(request, ticket, raw, intake, t0, timeout)
             return resp
         except SkyMeshError as exc:
@@ -130,8 +135,6 @@ class Handlers:
                     outcome = "cancelled"
                 if cur.target is not None:  # still attributed: client went away
                     d.complete(cur, core.now(), ok=False)
-                if cur.attempts:  # it left the queue: the drain rate counts it
-                    self.drain.record(model, core.now())
                 core.pump()
             core.metrics.requests.labels(model, outcome).inc()
             core.metrics.e2e.labels(model).observe(core.now() - t0)
@@ -140,6 +143,23 @@ class Handlers:
                 self.tally.add(model, ticket.route.prompt_len, out_tokens)
                 if core.switches.flags.predicts and outcome == "ok":
                     self.predictor.observe(ticket.route.prompt_len, out_tokens)
+
+    def _booked_back(self, request: web.Request, ticket: Ticket, now: float) -> bool:
+        """Queue, past the queue's cap (by at most the cap again), a retry that found it
+        full when a client booked to come back is due (``overload.RetryBook``): the
+        Retry-After it was given is kept even when the drain rate was read high.
+
+        A retry is what the OpenAI SDKs mark as one (``x-stainless-retry-count`` >= 1), so
+        that new requests under sustained overload do not take the places booked for the
+        clients told to come back. A client can claim to be a retry; it then takes at most
+        a place booked for another, never more than the bookings."""
+        d = self.core.dispatcher
+        if not _is_retry(request) or d.queued >= 2 * d.max_queue \
+                or not self.retry_book.claim(now):
+            return False
+        d.offer(ticket, now, beyond=d.max_queue)
+        self.core.metrics.booked_admits.inc()
+        return True
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "region": self.cfg.region})
@@ -215,6 +235,11 @@ class Handlers:
         if not raw:
             raise BadRequest("request body is empty")
         return raw
+
+
+def _is_retry(request: web.Request) -> bool:
+    count = request.headers.get(RETRY_COUNT_HEADER, "")
+    return count.isascii() and count.isdigit() and count.lstrip("0") != ""  # >= 1
 
 
 __all__ = ["Handlers"]

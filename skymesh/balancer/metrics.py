@@ -41,6 +41,10 @@ class BalancerMetrics:
         self.migrations = Counter("skymesh_migrations_total",
                                   "Streaming requests moved to another replica mid-response "
                                   "(GoodServe's migration)", ["source", "target"], registry=r)
+        self.booked_admits = Counter(
+            "skymesh_booked_retries_admitted_total",
+            "Clients back when their Retry-After said, queued past a full queue's cap",
+            registry=r)
         self.replica_waiting = Gauge("skymesh_replica_pending_requests",
                                      "Waiting requests reported by the replica's last probe",
                                      ["replica"], registry=r)

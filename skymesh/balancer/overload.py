@@ -10,51 +10,99 @@ queue:
   the answer is no, the request gets a 503 ``no_healthy_replica`` at once instead of
   waiting out the queue timeout, and :func:`stranded` finds the queued requests that the
   last replica's fall left with nowhere to go.
-* **When should a turned-away client come back?** (:func:`retry_after_s`) The time the
-  model's queue needs to drain at its measured rate (queue length / completions per
-  second over the last ``DRAIN_WINDOW_S``, :class:`DrainMeter`), clamped to
-  [``RETRY_MIN_S``, ``RETRY_MAX_S``] and spread by up to ``JITTER`` so that the clients a
-  burst turned away do not all come back in the same instant (the OpenAI SDK sleeps
-  exactly what ``Retry-After`` says when it is at most 60 s).
+* **When should a turned-away client come back?** (:class:`RetryBook`) When the queue
+  will have room for it, so that a client that honours ``Retry-After`` is served. Each
+  429 (queue full) or queue-timeout 503 books a time to come back (:func:`next_slot`):
+  once the queue has drained to half its capacity at the measured rate, one drain
+  interval after the client booked before it, and after the clients told a cold wait.
+  The clients a burst turned away thus come back one by one as fast as the queue takes
+  them: not all at once, and not long after it has emptied. A booked client that comes
+  back when told and finds the queue full anyway (the rate was read high) is queued past
+  the cap, up to twice it (:meth:`RetryBook.claim`; the HTTP edge lets only requests
+  marked as retries claim, ``skymesh.balancer.handlers``).
+
+  The drain rate (:class:`DrainMeter`) counts the requests that leave the queue while it
+  holds some, over the time it holds some: with a queue, that is the replicas' capacity;
+  without one it would only be the arrival rate, and idle time would read as a slow
+  queue. It is exponentially weighted over that backlogged time, so the first seconds of
+  a burst after a quiet hour read as they are. Before it is measured (the first second of
+  the first backlog), nothing says when there will be room: the wait is the backlog's age,
+  at least ``COLD_RETRY_S`` (:func:`cold_retry_s`), so a client that comes back early
+  meets a measured answer on its next try.
 
 Parameters (module constants; defaults in brackets):
 
-* ``DRAIN_WINDOW_S`` [10 s]: the completions counted for the drain rate. Long enough to
-  hold several completions of minute-long generations at low rates, short enough to
-  follow a replica's fall or return.
-* ``RETRY_MIN_S`` / ``RETRY_MAX_S`` [1 s / 60 s]: HTTP's Retry-After is in whole seconds,
-  and 60 s is the longest the OpenAI SDK honours (it falls back to its own back-off above).
-* ``JITTER`` [0.5]: the wait is ``base * (1 + JITTER * u)``, ``u`` uniform in [0, 1).
+* ``DRAIN_TAU_S`` [10 s of backlog]: the drain rate's time constant. Long enough to hold
+  several completions of minute-long generations, short enough to follow a replica's fall
+  or return.
+* ``DRAIN_MIN_SPAN_S`` [1 s]: backlogged time before the rate counts as measured. The
+  first requests to leave a queue that filled at once are the short ones: less would read
+  the rate high.
+* ``RETRY_MIN_S`` / ``RETRY_MAX_S`` [1 s / 60 s]: HTTP's Retry-After is in whole seconds
+  (``retry-after-ms`` carries the fraction); the OpenAI Python SDK sleeps what the server
+  says up to a limit (60 s in 1.x, 120 s in later releases) and above it falls back to its
+  own back-off or gives up, so a wait over 60 s is no promise: it is not booked.
+* ``PLAN_FRACTION`` [0.75]: bookings are spaced at this share of the measured rate. A
+  client that comes back early finds the queue full and has spent a retry; one that comes
+  back late only leaves a replica slot idle for a moment.
+* ``JITTER`` [0.5]: waits that are not a place in line (cold, at the ceiling, outages)
+  are ``base * (1 + JITTER * u)``, ``u`` uniform in [0, 1), so the clients they turn away
+  do not all come back in the same instant.
+* ``COLD_RETRY_S`` [2 s]: the shortest wait while nothing has drained yet.
+* ``CLAIM_WINDOW_S`` [10 s]: a booked place not claimed this long after it fell due is
+  dropped (its client gave up).
+* ``MAX_BOOKED`` [100,000]: booked places remembered at once (a float each); past it the
+  wait is the ceiling, spread, and not booked.
 * ``OUTAGE_RETRY_S`` [2 s]: the base wait when no replica is up: nothing measures when one
   comes back; two seconds is a few probe rounds, and the SDK's two default retries then
   give up within about 7 s instead of three 60 s queue timeouts.
 
-Pure: the clock and the random draw are the caller's.
+No I/O and no clock of its own: the time and the random draw are the caller's.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Collection, Iterator
 
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.errors import ModelNotFound, NoHealthyReplica
 
-DRAIN_WINDOW_S = 10.0
+DRAIN_TAU_S = 10.0
+DRAIN_MIN_SPAN_S = 1.0
 RETRY_MIN_S = 1.0
 RETRY_MAX_S = 60.0
+PLAN_FRACTION = 0.9
 JITTER = 0.5
+COLD_RETRY_S = 2.0
 OUTAGE_RETRY_S = 2.0
+CLAIM_WINDOW_S = 10.0
+MAX_BOOKED = 100_000
 
 
-def retry_after_s(queued: int, drain_per_s: float, u: float) -> float:
-    """Seconds a client should wait before retrying: ``queued`` requests ahead of it, a
-    queue that drains ``drain_per_s`` requests per second (0: not draining), ``u`` a
-    uniform draw in [0, 1). In [RETRY_MIN_S, RETRY_MAX_S]."""
-    base = queued / drain_per_s if drain_per_s > 0 else RETRY_MAX_S
-    # Room for the jitter under the cap: waits at the cap are spread too.
-    base = min(max(base, RETRY_MIN_S), RETRY_MAX_S / (1 + JITTER))
-    return base * (1 + JITTER * u)
+def next_slot(now: float, queued: int, capacity: int, ahead: int, drain_per_s: float,
+              last_due: float, cold_until: float) -> float:
+    """When a client turned away at ``now`` should come back, for the queue to have room
+    for it (a pure rule, see the module docstring): once the ``queued`` requests have
+    drained to ``ahead`` at ``drain_per_s`` (> 0); one drain interval after the last client
+    promised a place (due at ``last_due``), so that promised clients come back no faster
+    than the queue drains; and after the clients told a cold wait (the last one due at
+    ``cold_until``): they take whatever room opens until then, so the queue is taken to be
+    full (``capacity``) at ``cold_until``."""
+    return max(now + (queued - ahead) / drain_per_s, last_due + 1 / drain_per_s,
+               cold_until + (capacity - ahead) / drain_per_s)
+
+
+def jittered(base: float, u: float) -> float:
+    """``base`` spread by up to JITTER (``u`` in [0, 1)), within RETRY_MAX_S."""
+    return min(base, RETRY_MAX_S / (1 + JITTER)) * (1 + JITTER * u)
+
+
+def cold_retry_s(backlog_age_s: float, u: float) -> float:
+    """The wait while nothing has drained in a backlog ``backlog_age_s`` old: as long
+    again, at least COLD_RETRY_S (see the module docstring)."""
+    return jittered(max(COLD_RETRY_S, backlog_age_s), u)
 
 
 def outage_retry_s(u: float) -> float:
@@ -64,40 +112,97 @@ def outage_retry_s(u: float) -> float:
 
 
 class DrainMeter:
-    """Completions per second, per model, over the last ``window_s``: one-second buckets,
-    so recording is a dict lookup and an add whatever the request rate."""
+    """Requests per second that leave the queue while it holds some: dispatches out of a
+    backlogged queue weighted by ``exp(-age / tau_s)``, age counted in backlogged time,
+    over the backlogged time weighted the same way. Idle time neither counts nor ages the
+    estimate: a burst after a quiet hour reads its first seconds as they are."""
 
-    def __init__(self, now: float, window_s: float = DRAIN_WINDOW_S) -> None:
-        self.window_s = window_s
-        self._started = now
-        self._buckets: dict[str, deque[list[int]]] = {}  # model -> [second, count]
+    def __init__(self, tau_s: float = DRAIN_TAU_S,
+                 min_span_s: float = DRAIN_MIN_SPAN_S) -> None:
+        self.tau_s = tau_s
+        self.min_span_s = min_span_s
+        self._events = 0.0  # weighted dispatches
+        self._span = 0.0    # weighted backlogged seconds
+        self._at: float | None = None  # the backlog's clock, last read; None: no backlog
+        self.backlog_since: float | None = None
 
-    def record(self, model: str, now: float) -> None:
-        sec = int(now)
-        b = self._buckets.get(model)
-        if b is None:
-            b = self._buckets[model] = deque()
-        if b and b[-1][0] == sec:
-            b[-1][1] += 1
-            return
-        b.append([sec, 1])
-        self._prune(b, now)
+    def observe(self, now: float, dispatched: int, queued: int) -> None:
+        """A pass of the dispatcher at ``now`` sent ``dispatched`` requests and left
+        ``queued``. Dispatches count only out of a backlog that was there before the
+        pass; the backlog's clock runs while requests stay queued."""
+        if self._at is not None:
+            self._events, self._span = self._aged(now)
+            self._events += dispatched
+            self._at = now
+        elif queued:
+            self._at = self.backlog_since = now
+        if not queued:
+            self._at = self.backlog_since = None
 
-    def rate(self, model: str, now: float) -> float:
-        """Completions per second of ``model`` over the window (0.0: none)."""
-        b = self._buckets.get(model)
-        if not b:
-            return 0.0
-        self._prune(b, now)
-        # A meter younger than its window divides by its age (at least 1 s: one early
-        # completion is not a rate of thousands).
-        span = max(1.0, min(self.window_s, now - self._started))
-        return sum(n for _, n in b) / span
+    def rate(self, now: float) -> float | None:
+        """Requests drained per second, or None before it is measured (too little
+        backlogged time yet, or nothing drained in it)."""
+        events, span = self._aged(now)
+        if span < self.min_span_s or events <= 0:
+            return None
+        return events / span
 
-    def _prune(self, b: deque[list[int]], now: float) -> None:
-        oldest = int(now - self.window_s)
-        while b and b[0][0] < oldest:
-            b.popleft()
+    def _aged(self, now: float) -> tuple[float, float]:
+        if self._at is None or now <= self._at:
+            return self._events, self._span
+        decay = math.exp(-(now - self._at) / self.tau_s)
+        # The weighted span grows by the integral of the weight over the new interval.
+        return self._events * decay, self._span * decay + self.tau_s * (1 - decay)
+
+
+class RetryBook:
+    """The clients told to come back: when each booked client is due, and when the last
+    one told a cold wait is. A booked client that comes back when told is let in even
+    over the queue's cap (:meth:`claim`): a drain rate read high must not cost it its
+    retry."""
+
+    def __init__(self) -> None:
+        self.last_due = -math.inf
+        self.cold_until = -math.inf
+        self._due: deque[float] = deque()  # booked and not claimed yet, in order
+
+    def promise(self, now: float, queued: int, capacity: int, meter: DrainMeter,
+                u: float) -> float:
+        """The Retry-After for a request turned away at ``now`` with ``queued`` requests
+        queued (of ``capacity``); ``u``: a uniform draw for the waits that are not a place
+        in line. In [RETRY_MIN_S, RETRY_MAX_S]."""
+        rate = meter.rate(now)
+        if rate is None:
+            since = meter.backlog_since
+            wait = cold_retry_s(0.0 if since is None else now - since, u)
+            self.cold_until = max(self.cold_until, now + wait)
+            return wait
+        due = next_slot(now, queued, capacity, capacity // 2, rate * PLAN_FRACTION,
+                        self.last_due, self.cold_until)
+        due = max(due, now + RETRY_MIN_S)
+        self._expire(now)
+        if due - now > RETRY_MAX_S or len(self._due) >= MAX_BOOKED:
+            return jittered(RETRY_MAX_S, u)  # not a place in line: not booked
+        self.last_due = due
+        self._due.append(due)
+        return due - now
+
+    def claim(self, now: float) -> bool:
+        """Whether a booked client is due at ``now`` (the place is taken: once each)."""
+        self._expire(now)
+        if self._due and self._due[0] <= now:
+            self._due.popleft()
+            return True
+        return False
+
+    def booked(self, now: float) -> int:
+        self._expire(now)
+        return len(self._due)
+
+    def _expire(self, now: float) -> None:
+        due = self._due
+        while due and due[0] < now - CLAIM_WINDOW_S:  # never came back: gave up
+            due.popleft()
 
 
 def can_serve(d: Dispatcher, model: str, excluded: Collection[str] = (), *,
@@ -158,3 +263,4 @@ def check_servable(d: Dispatcher, model: str, u: float, *, forwarded: bool = Fal
                             param="model")
     if not can_serve(d, model, forwarded=forwarded):
         raise outage(d, model, u)
+

@@ -52,7 +52,7 @@ from skymesh.balancer.health import HealthTracker
 from skymesh.balancer.mesh_link import FORWARDED_HEADER, MeshLink
 from skymesh.balancer.metrics import BalancerMetrics
 from skymesh.balancer.moves import Mover
-from skymesh.balancer.overload import DrainMeter, outage, retry_after_s, stranded
+from skymesh.balancer.overload import DrainMeter, RetryBook, outage, stranded
 from skymesh.balancer.passthrough import Passthrough
 from skymesh.balancer.prediction import LivePredictor
 from skymesh.balancer.probing import Prober
@@ -126,7 +126,8 @@ class Balancer:
         self.predictor = LivePredictor(cfg.prediction)
         self.switches = Switches(PolicyFlags.of(policy, peer_policy, cfg))
         self._policy_params: dict[str, Any] | None = None  # as set_policy last installed
-        self.drain = DrainMeter(self.now())  # completions per model: Retry-After
+        self.drain = DrainMeter()  # the queue's drain rate, and the promises made
+        self.retry_book = RetryBook()  # to the clients it turned away: Retry-After
         self.rng = random.Random()
         self.failfast: dict[str, Ticket] = {}  # queued requests that may fail fast, by key
         self._session: aiohttp.ClientSession | None = None
@@ -155,7 +156,8 @@ class Balancer:
                                    self.streams, self.moves, self.failfast, self.drain_retry_s)
         self.handlers = Handlers(core, cfg, self.edge, self.forwarder, self.health,
                                  self.mesh.secret if self.mesh is not None else None,
-                                 self.predictor, self.tally, self.drain, self.drain_retry_s)
+                                 self.predictor, self.tally, self.retry_book,
+                                 self.drain_retry_s)
         self.prober = Prober(core, cfg, self.health, lambda: self.upstream, self.upstream_auth,
                              lambda: self.cfg.pushing, self.streams.cut_stalled)
         self.status = Status(core, cfg.region, self.health, self.edge, self.handlers,
@@ -281,9 +283,14 @@ class Balancer:
     def pump(self) -> None:
         d = self.dispatcher
         if not d.queued:
+            if self.drain.backlog_since is not None:  # emptied by cancels: the clock stops
+                self.drain.observe(self.now(), 0, 0)
             return
         loop = asyncio.get_running_loop()
-        for ticket in d.pump(self.now()):
+        now = self.now()
+        sent = d.pump(now)
+        self.drain.observe(now, len(sent), d.queued)
+        for ticket in sent:
             fut: asyncio.Future[None] = ticket.payload
             if not fut.done():
                 fut.set_result(None)
@@ -304,11 +311,12 @@ class Balancer:
                 fut.set_exception(outage(d, ticket.route.model, self.rng.random()))
 
     def drain_retry_s(self, model: str) -> float:
-        """Retry-After for a request turned away from ``model``'s queue: how long the
-        queue takes to drain at its measured rate, jittered."""
-        now = self.now()
-        return retry_after_s(self.dispatcher.queue_length(model), self.drain.rate(model, now),
-                             self.rng.random())
+        """Retry-After for a request turned away from the queue (full, or its timeout):
+        when the queue will have room for it (``skymesh.balancer.overload.RetryBook``).
+        The queue is one for all models (``queue.max_length``): so is its drain rate."""
+        d = self.dispatcher
+        return self.retry_book.promise(self.now(), d.queued, d.max_queue, self.drain,
+                                       self.rng.random())
 
     def _count_decision(self, target: str) -> None:
         c = self._decision_counters.get(target)

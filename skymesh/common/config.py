@@ -44,10 +44,15 @@ class ConnectionLimitsConfig(StrictModel):
     header_timeout_s: float = Field(_CONN.header_timeout_s, gt=0)
     body_timeout_s: float = Field(_CONN.body_timeout_s, gt=0)
     idle_timeout_s: float = Field(_CONN.idle_timeout_s, gt=0)
+    # The top of max_connections kept from addresses that already hold many, and the
+    # share of what is free there one address may take (skymesh.net.limits.admission).
+    reserved_fraction: float = Field(_CONN.reserved_fraction, ge=0, lt=1)
+    reserve_share: float = Field(_CONN.reserve_share, gt=0, le=1)
 
     def connections(self) -> ConnLimits:
         return ConnLimits(self.max_connections, self.max_connections_per_client,
-                          self.header_timeout_s, self.body_timeout_s, self.idle_timeout_s)
+                          self.header_timeout_s, self.body_timeout_s, self.idle_timeout_s,
+                          self.reserved_fraction, self.reserve_share)
 
 
 def _format(exc: ValidationError) -> str:

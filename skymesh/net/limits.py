@@ -11,6 +11,13 @@ level, in front of the server's own protocol, which it wraps:
   cap gets one short HTTP error (503 for the process cap, 429 for the client's) and is
   closed; a rate-limited warning names the cap, ``skymesh_connections_refused_total
   {reason}`` counts it;
+- a reserve at the top of the process cap, so that a few addresses cannot take it all
+  (:func:`admission`): past ``1 - reserved_fraction`` of ``max_connections``, an address
+  may open another connection only while it holds fewer than ``reserve_share`` of the
+  connections still free (429, reason ``fair_share``). K addresses that keep opening
+  connections leave about ``1 / (1 + K * reserve_share)`` of the reserve free (half of it
+  for ten addresses at the default), and an address that holds none is let in as long as
+  one place is free;
 - a header timeout, from the connection's (or the next request's) first byte until the
   server hands the request to the application; a body timeout from there until the body
   has arrived; closed connections count in ``skymesh_connections_closed_total{reason}``;
@@ -25,7 +32,9 @@ middleware (aiohttp) or ASGI wrapper (uvicorn), which finds its connection throu
 context variable set while the server's protocol creates the request's task.
 
 Defaults (``ConnLimits``): 10,000 connections per process, 1,000 per client address,
-10 s header timeout, 60 s body timeout, 75 s idle (keep-alive and write stall).
+the last 20% of the process cap held in reserve (an address may take a tenth of what is
+free there), 10 s header timeout, 60 s body timeout, 75 s idle (keep-alive and write
+stall).
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ LOG_EVERY_S = 10.0
 
 PROCESS_LIMIT = "process_limit"
 CLIENT_LIMIT = "client_limit"
+FAIR_SHARE = "fair_share"
 HEADER_TIMEOUT = "header_timeout"
 BODY_TIMEOUT = "body_timeout"
 WRITE_STALL = "write_stall"
@@ -65,9 +75,28 @@ class ConnLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     idle_timeout_s: float = 75.0
+    reserved_fraction: float = 0.2
+    reserve_share: float = 0.1
+
+    def shared(self) -> int:
+        """Connections any address may take (up to its own cap) before the reserve."""
+        return self.max_connections - int(self.max_connections * self.reserved_fraction)
 
 
 DEFAULT_LIMITS = ConnLimits()
+
+
+def admission(limits: ConnLimits, open_: int, held: int) -> str | None:
+    """Why a new connection from an address holding ``held`` of the ``open_`` ones is
+    refused, or None (see the module docstring)."""
+    if open_ >= limits.max_connections:
+        return PROCESS_LIMIT
+    if held >= limits.max_connections_per_client:
+        return CLIENT_LIMIT
+    if open_ >= limits.shared() and held >= (limits.max_connections - open_) * \
+            limits.reserve_share:
+        return FAIR_SHARE
+    return None
 
 # The connection whose protocol is creating tasks right now (see the module docstring).
 _CURRENT: contextvars.ContextVar[_GuardedConnection | None] = contextvars.ContextVar(
@@ -100,11 +129,9 @@ class ConnectionGuard(Collector):
     # -- admission -------------------------------------------------------------------
     def admit(self, client: str) -> str | None:
         """Count a new connection from ``client`` in, or return why it is refused."""
-        lim = self.limits
-        if self.open >= lim.max_connections:
-            return PROCESS_LIMIT
-        if self.by_client[client] >= lim.max_connections_per_client:
-            return CLIENT_LIMIT
+        reason = admission(self.limits, self.open, self.by_client[client])
+        if reason is not None:
+            return reason
         self.open += 1
         self.by_client[client] += 1
         return None
@@ -119,8 +146,14 @@ class ConnectionGuard(Collector):
 
     def note_refused(self, reason: str, client: str) -> None:
         self.refused[reason] += 1
+        lim = self.limits
         if reason == PROCESS_LIMIT:
-            why = f"{self.open} connections open (max_connections {self.limits.max_connections})"
+            why = f"{self.open} connections open (max_connections {lim.max_connections})"
+        elif reason == FAIR_SHARE:
+            why = (f"it holds {self.by_client[client]} of {self.open} open connections, and "
+                   f"past {lim.shared()} an address may take only {lim.reserve_share:g} of "
+                   f"the {lim.max_connections - self.open} still free (reserved_fraction "
+                   f"{lim.reserved_fraction:g} of max_connections {lim.max_connections})")
         else:
             why = (f"{self.by_client[client]} connections open from {client} "
                    f"(max_connections_per_client {self.limits.max_connections_per_client})")
@@ -214,7 +247,7 @@ class ConnectionGuard(Collector):
         refused = CounterMetricFamily(
             "skymesh_connections_refused", "Connections refused at a connection cap",
             labels=["reason"])
-        for reason in (PROCESS_LIMIT, CLIENT_LIMIT):
+        for reason in (PROCESS_LIMIT, CLIENT_LIMIT, FAIR_SHARE):
             refused.add_metric([reason], self.refused[reason])
         yield refused
         closed = CounterMetricFamily(
@@ -226,8 +259,9 @@ class ConnectionGuard(Collector):
 
 
 def _refusal(reason: str) -> bytes:
-    status = "429 Too Many Requests" if reason == CLIENT_LIMIT else "503 Service Unavailable"
-    which = "from your address" if reason == CLIENT_LIMIT else "on this server"
+    mine = reason in (CLIENT_LIMIT, FAIR_SHARE)
+    status = "429 Too Many Requests" if mine else "503 Service Unavailable"
+    which = "from your address" if mine else "on this server"
     body = json.dumps({"error": {
         "message": f"too many open connections {which}; retry later or reuse a connection",
         "type": "server_error", "param": None, "code": "too_many_connections"}}).encode()
@@ -437,4 +471,4 @@ def fit_file_limit(limits: ConnLimits, name: str, reserve: int = FD_RESERVE) -> 
                    max_connections_per_client=min(limits.max_connections_per_client, fitted))
 
 
-__all__ = ["DEFAULT_LIMITS", "ConnLimits", "ConnectionGuard", "fit_file_limit"]
+__all__ = ["DEFAULT_LIMITS", "ConnLimits", "ConnectionGuard", "admission", "fit_file_limit"]

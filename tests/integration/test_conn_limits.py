@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -254,6 +255,36 @@ async def test_the_process_cap_refuses_with_a_503() -> None:
         await wait_until(lambda: guard.open == 0, "the gauge back to 0")
 
 
+async def test_ten_addresses_cannot_take_the_whole_process(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue #33, item 11: connections from a few addresses filled the process cap and
+    every other client got 503 for as long as they were held. Ten source addresses
+    (127.0.0.2-11) each try to hold 40 idle connections under a cap of 200."""
+    limits = replace(SMALL, max_connections=200, max_connections_per_client=40,
+                     header_timeout_s=60.0, idle_timeout_s=60.0)
+    async with serving(limits) as (port, guard, registry):
+        attackers = [f"127.0.0.{i}" for i in range(2, 12)]
+        with caplog.at_level(logging.WARNING, logger="skymesh.net.limits"):
+            held = [await connect(port, local=a) for a in attackers for _ in range(40)]
+            await wait_until(lambda: guard.open + sum(guard.refused.values()) == len(held),
+                             "every attempt admitted or refused")
+        assert guard.open < limits.max_connections
+        assert metric(registry, "skymesh_connections_refused_total", reason="fair_share") > 0
+        assert metric(registry, "skymesh_connections_refused_total",
+                      reason="process_limit") == 0
+        assert any("refused a connection from 127.0.0." in r.getMessage()
+                   and "reserved_fraction" in r.getMessage() for r in caplog.records)
+        # Other clients are still served while the ten hold what they got.
+        for other in ("127.0.0.12", "127.0.0.13", "127.0.0.1"):
+            reader, writer = await connect(port, local=other)
+            writer.write(request("/ok", "Connection: close\r\n"))
+            assert (await read_response(reader))[::2] == (200, b"ok"), other
+            writer.close()
+        for _, w in held:
+            w.close()
+        await wait_until(lambda: guard.open == 0, "the gauge back to 0")
+
+
 # -- the daemons -----------------------------------------------------------------------------
 def hostport(d: Daemon) -> int:
     port = urlsplit(d.url).port
@@ -285,7 +316,8 @@ def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         d.stop()
 
 
-LIMITS = {"max_connections_per_client": 2, "header_timeout_s": 0.5, "idle_timeout_s": 0.5}
+LIMITS = {"max_connections_per_client": 2, "header_timeout_s": 0.5, "idle_timeout_s": 0.5,
+          "reserved_fraction": 0.25, "reserve_share": 0.2}
 
 
 async def test_skymesh_lb_applies_its_configured_limits(tmp_path: Path, replica: Daemon) -> None:

@@ -10,10 +10,13 @@ import pytest
 
 from skymesh.net.limits import (
     CLIENT_LIMIT,
+    DEFAULT_LIMITS,
+    FAIR_SHARE,
     FD_RESERVE,
     PROCESS_LIMIT,
     ConnectionGuard,
     ConnLimits,
+    admission,
     fit_file_limit,
 )
 
@@ -74,6 +77,45 @@ def test_admission_counts_per_process_and_per_client() -> None:
     assert guard.open == 0 and not guard.by_client
 
 
+FAIR = ConnLimits(max_connections=100, max_connections_per_client=50,
+                  reserved_fraction=0.2, reserve_share=0.1)
+
+
+@pytest.mark.parametrize(("open_", "held", "reason"), [
+    (0, 0, None),
+    (79, 49, None),            # below the reserve: only the per-address cap
+    (79, 50, CLIENT_LIMIT),
+    (80, 1, None),             # in the reserve: 20 free, a tenth is 2
+    (80, 2, FAIR_SHARE),
+    (95, 0, None),             # 5 free: an address holding none still gets in
+    (95, 1, FAIR_SHARE),
+    (99, 0, None),
+    (100, 0, PROCESS_LIMIT),
+])
+def test_admission_keeps_a_reserve_for_addresses_that_hold_few(
+        open_: int, held: int, reason: str | None) -> None:
+    assert admission(FAIR, open_, held) == reason
+
+
+@pytest.mark.parametrize("addresses", [1, 2, 10, 50])
+def test_a_few_greedy_addresses_never_take_the_whole_process(addresses: int) -> None:
+    """Issue #33, item 11: 10 addresses at 1,000 connections each took all of the 10,000
+    (every other client got 503 while they held them)."""
+    guard = ConnectionGuard(DEFAULT_LIMITS, "t")
+    greedy = [f"10.0.0.{i}" for i in range(addresses)]
+    progress = True
+    while progress:  # round after round, each opens one more until all are refused
+        progress = False
+        for a in greedy:
+            progress |= guard.admit(a) is None
+    lim = DEFAULT_LIMITS
+    free = lim.max_connections - guard.open
+    assert free >= (lim.max_connections - lim.shared()) / (1 + addresses * lim.reserve_share) - 1
+    assert all(guard.by_client[a] <= lim.max_connections_per_client for a in greedy)
+    # Whoever else comes is let in.
+    assert guard.admit("192.0.2.1") is None and guard.admit("192.0.2.2") is None
+
+
 def test_refusals_log_one_line_per_window_with_the_count_between(
         caplog: pytest.LogCaptureFixture) -> None:
     now = [100.0]
@@ -90,3 +132,18 @@ def test_refusals_log_one_line_per_window_with_the_count_between(
     assert "max_connections_per_client 1" in lines[0]
     assert lines[1].endswith("(4 more since the last such line)")
     assert guard.refused[CLIENT_LIMIT] == 6
+
+
+def test_a_fair_share_refusal_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    guard = ConnectionGuard(FAIR, "lb")
+    for _ in range(50):
+        assert guard.admit("10.0.0.1") is None
+    for _ in range(30):
+        assert guard.admit("10.0.0.2") is None
+    assert guard.admit("10.0.0.2") == FAIR_SHARE
+    with caplog.at_level(logging.WARNING, logger="skymesh.net.limits"):
+        guard.note_refused(FAIR_SHARE, "10.0.0.2")
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "refused a connection from 10.0.0.2: it holds 30 of 80" in line
+    assert "reserved_fraction 0.2 of max_connections 100" in line
+    assert guard.refused[FAIR_SHARE] == 1

@@ -1,20 +1,29 @@
-"""Overload and outage answers: Retry-After from the drain rate, fail-fast checks."""
+"""Overload and outage answers: Retry-After from the drain rate and the place a retry
+would take (fake clock), fail-fast checks."""
 
 from __future__ import annotations
 
-import random
+import itertools
+import math
 
 import pytest
+from aiohttp.test_utils import make_mocked_request
 
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.errors import NoCapacity, Overloaded
+from skymesh.balancer.handlers import RETRY_COUNT_HEADER, _is_retry
 from skymesh.balancer.overload import (
+    CLAIM_WINDOW_S,
+    COLD_RETRY_S,
     JITTER,
+    PLAN_FRACTION,
     RETRY_MAX_S,
     RETRY_MIN_S,
     DrainMeter,
+    RetryBook,
     can_serve,
-    retry_after_s,
+    cold_retry_s,
+    next_slot,
     stranded,
     unlisted_replicas,
 )
@@ -23,50 +32,148 @@ from skymesh.policies.load import PushMode
 from skymesh.policies.peers import ModelLoad
 
 
-@pytest.mark.parametrize(("queued", "rate", "base"), [
-    (0, 5.0, RETRY_MIN_S),      # nothing ahead: the floor
-    (3, 10.0, RETRY_MIN_S),     # drains in 0.3 s: the floor
-    (20, 4.0, 5.0),             # 20 ahead at 4/s: 5 s
-    (90, 3.0, 30.0),
-    (10_000, 1.0, RETRY_MAX_S / (1 + JITTER)),  # the cap, with room for the jitter
-    (5, 0.0, RETRY_MAX_S / (1 + JITTER)),       # not draining at all: the cap
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def drained(meter: DrainMeter, clock: Clock, per_s: float, seconds: float,
+            queued: int = 16) -> None:
+    """``per_s`` requests a second leave a queue that keeps ``queued`` waiting."""
+    step = 1 / per_s
+    for _ in range(round(seconds * per_s)):
+        clock.t += step
+        meter.observe(clock.t, 1, queued)
+
+
+def test_the_meter_reads_dispatches_over_backlogged_time_only() -> None:
+    clock, m = Clock(), DrainMeter(tau_s=10.0, min_span_s=1.0)
+    assert m.rate(clock.t) is None
+    m.observe(clock.t, 3, 0)  # dispatched at once, nothing left waiting: no backlog
+    assert m.rate(clock.t) is None and m.backlog_since is None
+    m.observe(clock.t, 2, 5)  # five left waiting: the backlog starts now
+    assert m.backlog_since == clock.t
+    drained(m, clock, 8.0, 0.5)
+    assert m.rate(clock.t) is None  # half a second of backlog: not measured yet
+    drained(m, clock, 8.0, 2.5)
+    assert m.rate(clock.t) == pytest.approx(8.0, rel=0.02)
+    # The queue empties; an idle hour later a burst is read as it is, not divided by the
+    # hour (a window over wall time read a cold burst 10x too slow).
+    clock.t += 0.1
+    m.observe(clock.t, 1, 0)
+    assert m.backlog_since is None
+    clock.t += 3600
+    assert m.rate(clock.t) == pytest.approx(8.0, rel=0.05)
+    m.observe(clock.t, 0, 16)
+    drained(m, clock, 20.0, 30.0)  # three time constants: the new rate dominates
+    assert m.rate(clock.t) == pytest.approx(20.0, rel=0.1)
+
+
+def test_a_cold_wait_is_the_backlog_s_age_at_least_the_floor_and_jittered() -> None:
+    assert cold_retry_s(0.0, 0.0) == COLD_RETRY_S
+    assert cold_retry_s(0.0, 0.999) == pytest.approx(COLD_RETRY_S * (1 + JITTER * 0.999))
+    assert cold_retry_s(10.0, 0.0) == 10.0
+    assert cold_retry_s(1e6, 0.999) <= RETRY_MAX_S
+
+
+@pytest.mark.parametrize(("queued", "last_due", "cold_until", "due"), [
+    (16, -math.inf, -math.inf, 100.0 + (16 - 8) / 4),  # drains to half the queue
+    (4, -math.inf, -math.inf, 100.0 - 1.0),            # already below half: (the floor)
+    (16, 110.0, -math.inf, 110.25),                    # one interval after the last
+    (16, -math.inf, 103.0, 103.0 + (16 - 8) / 4),      # the cold clients fill it first
 ])
-def test_retry_after_is_the_drain_time_clamped(queued: int, rate: float, base: float) -> None:
-    assert retry_after_s(queued, rate, 0.0) == pytest.approx(base)
-    assert retry_after_s(queued, rate, 0.999) == pytest.approx(base * (1 + JITTER * 0.999))
+def test_next_slot(queued: int, last_due: float, cold_until: float, due: float) -> None:
+    assert next_slot(100.0, queued, 16, 8, 4.0, last_due, cold_until) == pytest.approx(due)
 
 
-def test_retry_after_spreads_the_clients_a_burst_turned_away() -> None:
-    rng = random.Random(7)
-    for queued, rate in ((0, 1.0), (40, 2.0), (10_000, 0.5)):
-        waits = [retry_after_s(queued, rate, rng.random()) for _ in range(200)]
-        assert all(RETRY_MIN_S <= w <= RETRY_MAX_S for w in waits)
-        # Spread over at least a third of a second even at the floor and at the cap.
-        assert max(waits) - min(waits) > 0.3 * min(waits) * JITTER
-        assert len({round(w, 3) for w in waits}) > 100
+def measured(clock: Clock, per_s: float) -> DrainMeter:
+    m = DrainMeter(tau_s=10.0, min_span_s=1.0)
+    m.observe(clock.t, 0, 16)
+    drained(m, clock, per_s, 5.0)
+    return m
+
+
+def test_a_burst_is_booked_one_drain_interval_apart_at_the_measured_rate() -> None:
+    """The defect (issue #33, item 9): every client a cold burst turned away was told the
+    same 40-60 s, long after the queue had drained. Now each is booked a place: the k-th
+    comes back when the queue has room for it, and no faster than it drains."""
+    clock = Clock()
+    meter, book = measured(clock, 5.0), RetryBook()
+    plan = 5.0 * PLAN_FRACTION
+    waits = [book.promise(clock.t, 16, 16, meter, 0.5) for _ in range(150)]
+    assert waits[0] == pytest.approx(8 / plan, rel=0.02)  # the queue down to half
+    gaps = [b - a for a, b in itertools.pairwise(waits)]
+    assert all(g == pytest.approx(1 / plan, rel=0.02) for g in gaps)
+    assert waits[-1] == pytest.approx((8 + 149) / plan, rel=0.02)  # all within the SDK's
+    assert waits[-1] < RETRY_MAX_S                                   # limit: all booked
+    assert book.booked(clock.t) == 150
+    # Their return rate never exceeds what the queue drains (at the planned share).
+    t = clock.t
+    for lo in range(0, 40):
+        back = sum(1 for w in waits if lo <= w < lo + 1)
+        assert back <= plan + 1
+    # Time passes: a client turned away later is booked after them.
+    clock.t = t + 5.0
+    later = book.promise(clock.t, 16, 16, meter, 0.5)
+    assert later == pytest.approx(waits[-1] - 5.0 + 1 / plan, rel=0.02)
+
+
+def test_a_wait_past_the_ceiling_is_not_booked_and_is_spread() -> None:
+    clock = Clock()
+    meter, book = measured(clock, 1.0), RetryBook()
+    plan = meter.rate(clock.t) * PLAN_FRACTION  # type: ignore[operator]
+    waits = [book.promise(clock.t, 16, 16, meter, u / 100) for u in range(100)]
+    assert all(RETRY_MIN_S <= w <= RETRY_MAX_S for w in waits)
+    n = math.floor((RETRY_MAX_S - 8 / plan) * plan) + 1  # places within the ceiling
+    assert all(b - a == pytest.approx(1 / plan) for a, b in itertools.pairwise(waits[:n]))
+    assert waits[n - 1] <= RETRY_MAX_S
+    # Past it: no place in line (the book did not move), the ceiling spread by the jitter.
+    rest = waits[n:]
+    assert all(RETRY_MAX_S / (1 + JITTER) <= w <= RETRY_MAX_S for w in rest)
+    assert max(rest) - min(rest) > 0.3 * (RETRY_MAX_S - RETRY_MAX_S / (1 + JITTER))
+    assert book.last_due == pytest.approx(clock.t + waits[n - 1])
+
+
+def test_before_the_rate_is_measured_the_wait_is_cold_and_delays_the_first_booking(
+        ) -> None:
+    clock = Clock()
+    meter, book = DrainMeter(tau_s=10.0, min_span_s=1.0), RetryBook()
+    meter.observe(clock.t, 0, 16)  # a cold burst: the queue fills at once
+    cold = [book.promise(clock.t, 16, 16, meter, u / 10) for u in range(10)]
+    assert all(COLD_RETRY_S <= w <= COLD_RETRY_S * (1 + JITTER) for w in cold)
+    drained(meter, clock, 10.0, 1.2)
+    first = book.promise(clock.t, 16, 16, meter, 0.0)
+    # After the last cold client is due, and the queue they refill has drained to half.
+    assert clock.t + first == pytest.approx(
+        1000.0 + max(cold) + 8 / (meter.rate(clock.t) * PLAN_FRACTION), rel=1e-6)
+
+
+def test_a_booked_client_back_when_told_claims_its_place_once() -> None:
+    """A drain rate read high must not cost a client that came back when told its retry:
+    the edge queues it past the cap when it claims a booked place."""
+    clock = Clock()
+    meter, book = measured(clock, 10.0), RetryBook()
+    t0 = clock.t
+    waits = [book.promise(t0, 16, 16, meter, 0.0) for _ in range(3)]
+    assert book.booked(t0) == 3
+    assert not book.claim(t0 + waits[0] - 0.01)  # nobody is due yet
+    assert book.claim(t0 + waits[0])
+    assert not book.claim(t0 + waits[0])  # that place is taken
+    assert book.claim(t0 + waits[2]) and book.claim(t0 + waits[2])  # two due by then
+    assert not book.claim(t0 + waits[2] + 1)
+    # A booked client that never comes back frees its place after CLAIM_WINDOW_S.
+    late = book.promise(t0, 16, 16, meter, 0.0)
+    assert book.booked(t0 + late + CLAIM_WINDOW_S + 0.01) == 0
+    assert not book.claim(t0 + late + CLAIM_WINDOW_S + 0.01)
 
 
 def test_headers_round_up_and_carry_milliseconds() -> None:
     h = NoCapacity("x", retry_after_s=1.2).headers()
     assert h == {"Retry-After": "2", "retry-after-ms": "1200"}
     assert Overloaded("x", retry_after_s=59.01).headers()["Retry-After"] == "60"
-
-
-def test_drain_meter_counts_completions_per_second_over_its_window() -> None:
-    m = DrainMeter(now=100.0, window_s=10.0)
-    assert m.rate("m", 100.0) == 0.0
-    for i in range(20):  # 20 completions over 4 s
-        m.record("m", 100.0 + i * 0.2)
-    assert m.rate("m", 104.0) == pytest.approx(20 / 4.0)  # younger than its window
-    assert m.rate("other", 104.0) == 0.0
-    # Past the window the old completions no longer count (to the second): at 113.5 the
-    # window holds only second 103's five.
-    assert m.rate("m", 113.5) == pytest.approx(5 / 10.0)
-    assert m.rate("m", 130.0) == 0.0
-    # A meter a fraction of a second old does not divide by that fraction.
-    young = DrainMeter(now=0.0)
-    young.record("m", 0.1)
-    assert young.rate("m", 0.1) == pytest.approx(1.0)
 
 
 def _dispatcher() -> Dispatcher:
@@ -125,3 +232,16 @@ def test_unlisted_replicas_are_those_whose_models_are_unknown() -> None:
     assert unlisted_replicas(d) == 1
     d.set_models("a", ["m"])
     assert unlisted_replicas(d) == 0
+
+
+@pytest.mark.parametrize(("value", "retry"), [
+    (None, False), ("", False), ("0", False), ("00", False), ("1", True), ("02", True),
+    ("17", True), ("-1", False), ("1.0", False), ("²", False), ("9" * 5000, True),
+])
+def test_only_a_request_marked_as_a_retry_may_claim_a_booked_place(
+        value: str | None, retry: bool) -> None:
+    """The OpenAI SDKs mark their retries; new requests under sustained overload must not
+    take the places booked for the clients told to come back (nor crash on the header)."""
+    headers = {} if value is None else {RETRY_COUNT_HEADER: value}
+    request = make_mocked_request("POST", "/v1/chat/completions", headers=headers)
+    assert _is_retry(request) is retry
