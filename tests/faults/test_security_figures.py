@@ -65,7 +65,9 @@ def check_bad_replica(bad: dict[str, Any]) -> None:
     assert bad["alive"]
     for mode in ("huge_body", "huge_headers"):
         r = bad[mode]
-        assert r["attack_statuses"] and set(r["attack_statuses"]) == {"502"}, (mode, r)
+        # 502 for the reply over its cap; 503 while the failed replica is held back
+        assert r["attack_statuses"].get("502", 0) > 0, (mode, r)
+        assert set(r["attack_statuses"]) <= {"502", "503"}, (mode, r)
         assert r["limit_hits"] > 0
         # Each reply is cut at its cap (16 MiB, 64 KiB), not read whole.
         assert r["rss_mb"]["peak"] - r["rss_mb"]["before"] < 64, (mode, r["rss_mb"])

@@ -47,7 +47,8 @@ def mesh_row(m: dict[str, Any]) -> list[str]:
     return [f"peering port: {num(m.get('slots'), ',d')} plain TCP connects held open from "
             f"{num(m.get('sources'), 'd')} addresses, each re-opened "
             f"{num(m.get('reconnect_s'), '.1f')} s after it is cut "
-            f"({num(m.get('connects'), ',d')} in {num(m.get('flood_seconds'), '.0f')} s)",
+            f"({num(m.get('connects'), ',d')} connects tried in "
+            f"{num(m.get('flood_seconds'), '.0f')} s)",
             f"{num(m.get('refused'), ',d')} refused at a cap; at most "
             f"{num(m.get('held_peak'), ',d')} held at once, {num(m.get('held_after'), ',d')} "
             f"after", "fds " + _held(fds.get("before"), fds.get("after"), fds.get("peak")),

@@ -167,13 +167,13 @@ async def _mesh_flood(lb: Daemon, port: int, healthy: Healthy, slots: int,
 
     async def slot(i: int) -> None:
         while True:
+            counts["connects"] += 1  # attempted: one cancelled mid-connect counts too
             try:
                 r, w = await asyncio.open_connection("127.0.0.1", port,
                                                      local_addr=(SOURCES[i % len(SOURCES)], 0))
             except OSError:
                 counts["connect_failed"] += 1
             else:
-                counts["connects"] += 1
                 held.add(w)
                 with contextlib.suppress(OSError):
                     while await r.read(65536):  # until the guard cuts it
