@@ -53,10 +53,11 @@ def check_mesh_flood(m: dict[str, Any]) -> None:
     assert m["alive"] and m["connects"] > m["slots"]  # cut and re-opened
     assert m["refused"] > 0
     # A flood that never handshakes holds at most max_handshakes (64) connections, each
-    # costing the balancer 3 descriptors, and leaves none behind.
+    # costing the balancer 3 descriptors, and leaves none behind. (The slack: the healthy
+    # client's and the scrapes' connections; the old code held one per connect.)
     assert 0 < m["held_peak"] <= 64 and m["held_after"] == 0
     fds = m["fds"]
-    assert fds["peak"] - fds["before"] <= 3 * 64 + 20, fds
+    assert fds["peak"] - fds["before"] <= 3 * 64 + 50, fds
     assert fds["after"] - fds["before"] < 20, fds
     no_healthy_request_failed(m)
 

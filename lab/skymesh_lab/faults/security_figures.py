@@ -59,7 +59,7 @@ SIZES: dict[str, dict[str, Any]] = {
     # a second, and the first ones were closed as idle before the gauge was read
     "short": {"fuzz": 40, "connections": 200, "idle_timeout_s": 3.0,
               "healthy": (30, 20.0), "mesh_slots": 300, "reconnect_s": 0.5,
-              "body_mb": 50, "telemetry": (2, 20), "bad_replica_mb": (100, 20, 20)},
+              "body_mb": 50, "telemetry": (2, 80), "bad_replica_mb": (100, 20, 20)},
     "full": {"fuzz": 300, "connections": 2000, "idle_timeout_s": 5.0,
              "healthy": (100, 20.0), "mesh_slots": 3000, "reconnect_s": 1.0,
              "body_mb": 50, "telemetry": (8, 100), "bad_replica_mb": (300, 100, 20)}}
