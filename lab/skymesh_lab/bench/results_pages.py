@@ -24,7 +24,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from skymesh_lab.bench import autopilot_live_page, forecast_peers_page, ha_region_page
+from skymesh_lab.bench import (
+    autopilot_live_page,
+    forecast_peers_page,
+    ha_region_page,
+    security_page,
+)
 from skymesh_lab.bench import pushing_rule_page as rule_page
 from skymesh_lab.bench import results_faithful as faithful
 from skymesh_lab.bench import results_tables as tables
@@ -187,9 +192,14 @@ SOURCES: tuple[Source, ...] = (
            "admin API) from a seeded RNG; never-allowed URLs in the spellings the pass "
            "tried, registered with an agent token; another agent re-posting, updating and "
            "re-homing the first one's records; one client opening keep-alive connections "
-           "and leaving them idle. See [the security page](../security.md).",
+           "and leaving them idle. Then issue #33's floods and bad replicas, each against "
+           "its own real process: plain connects on a balancer's peering port (mesh "
+           "certificates, no peer), a stand-in replica (an in-process aiohttp app) beside a "
+           "healthy `skymesh-replica` behind one balancer, chunked bodies and telemetry "
+           "reports at the controller (memory store). See [the security page]"
+           "(../security.md).",
            (".venv/bin/python", "-m", "skymesh_lab.faults.security_figures", "--json", "{json}"),
-           tables.security),
+           security_page.security),
     Source("ha-region", "Two balancers per region: selective pushing and a SIGKILL",
            "Region us served by one or two `skymesh-lb` sharing three emulated replicas "
            "(least load), real processes over loopback. Burst: streams fired at once, split "

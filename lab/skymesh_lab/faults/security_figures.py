@@ -13,10 +13,15 @@ tokens. It writes one JSON object (``docs/results/data/security.json``, rendered
 - ``takeover``: another agent re-posting, updating or re-homing the first one's records,
   and how many were refused (409/403);
 - ``idle``: one client opening ``connections`` keep-alive connections, how many the
-  balancer still holds after its idle timeout, and its RSS before, while holding, after.
+  balancer still holds after its idle timeout, and its RSS before, while holding, after;
+- ``mesh_flood``, ``controller_bodies``, ``telemetry_flood``
+  (:mod:`skymesh_lab.faults.security_floods`) and ``bad_replica``
+  (:mod:`skymesh_lab.faults.security_replica`): issue #33's floods and bad replicas, each
+  with what the attacked process held and a healthy client's p50 measured in the same
+  run with no attack and while the attack runs.
 
 Cases are drawn from a seeded RNG, so two runs send the same bodies. ``--short`` is the
-test's size (well under 30 s); the default is the page's (under a minute).
+test's size (under a minute); the default is the page's (a few minutes).
 """
 
 from __future__ import annotations
@@ -37,6 +42,14 @@ import yaml
 
 from skymesh.util.procs import Daemon, start_daemon
 from skymesh_lab.faults.cluster import MODEL, parse_metrics, rss_bytes, start_lb, start_replicas
+from skymesh_lab.faults.security_floods import (
+    MB,
+    Healthy,
+    controller_bodies,
+    mesh_flood,
+    telemetry_flood,
+)
+from skymesh_lab.faults.security_replica import bad_replica
 
 ADMIN, AGENT, AGENT2 = "figs-admin", "figs-agent", "figs-agent-2"
 # connections: what the per-client cap allows; one client opens EXTRA more. The idle
@@ -44,8 +57,12 @@ ADMIN, AGENT, AGENT2 = "figs-admin", "figs-agent", "figs-agent-2"
 SIZES: dict[str, dict[str, Any]] = {
     # 3 s, not less: on a loaded machine opening the short pass's 300 connections took over
     # a second, and the first ones were closed as idle before the gauge was read
-    "short": {"fuzz": 40, "connections": 200, "idle_timeout_s": 3.0},
-    "full": {"fuzz": 300, "connections": 2000, "idle_timeout_s": 5.0}}
+    "short": {"fuzz": 40, "connections": 200, "idle_timeout_s": 3.0,
+              "healthy": (30, 20.0), "mesh_slots": 300, "reconnect_s": 0.5,
+              "body_mb": 50, "telemetry": (2, 80), "bad_replica_mb": (100, 20, 20)},
+    "full": {"fuzz": 300, "connections": 2000, "idle_timeout_s": 5.0,
+             "healthy": (100, 20.0), "mesh_slots": 3000, "reconnect_s": 1.0,
+             "body_mb": 50, "telemetry": (8, 100), "bad_replica_mb": (300, 100, 20)}}
 EXTRA = 100
 # lb-a's registered URL: nothing listens there. Not the balancer's own, whose keep-alive
 # probe connection from the controller would count among the idle client's.
@@ -247,7 +264,8 @@ def _start_controller(work: Path) -> Daemon:
 
 
 async def run(work: Path, size: str = "full", seed: int = 23) -> dict[str, Any]:
-    n_conn, idle_s = SIZES[size]["connections"], SIZES[size]["idle_timeout_s"]
+    sz = SIZES[size]
+    n_conn, idle_s = sz["connections"], sz["idle_timeout_s"]
     started = time.monotonic()
     replica = (await start_replicas(work, 1, time_scale=0.01))[0]
     lb = await start_lb(work, [replica], overrides={"limits": {
@@ -261,21 +279,32 @@ async def run(work: Path, size: str = "full", seed: int = 23) -> dict[str, Any]:
             figures = await fuzz(s, lb, replica, ctl, SIZES[size]["fuzz"], seed)
             urls, takeover = await controller_checks(s, ctl)
         idle = await idle_flood(lb, n_conn, idle_s)
+        healthy = Healthy(*sz["healthy"])
+        try:
+            mesh = await mesh_flood(work, replica, healthy, sz["mesh_slots"],
+                                    sz["reconnect_s"])
+            bad = await bad_replica(work, replica, healthy, *sz["bad_replica_mb"])
+            bodies = await controller_bodies(ctl, healthy, ADMIN, AGENT, sz["body_mb"] * MB)
+            telemetry = await telemetry_flood(ctl, healthy, ADMIN, AGENT, *sz["telemetry"])
+        finally:
+            healthy.close()
         alive = {"lb": lb.alive(), "replica": replica.alive(), "controller": ctl.alive()}
     finally:
         for d in (ctl, lb, replica):
             d.stop()
     return {"size": size, "seed": seed, "fuzz": figures,
             "fuzz_5xx": sum(f["5xx"] for f in figures.values()), "urls": urls,
-            "takeover": takeover, "idle": idle, "alive": alive,
-            "wall_seconds": time.monotonic() - started}
+            "takeover": takeover, "idle": idle, "mesh_flood": mesh, "bad_replica": bad,
+            "controller_bodies": bodies, "telemetry_flood": telemetry,
+            "healthy_client": {"requests": sz["healthy"][0], "rate_per_s": sz["healthy"][1]},
+            "alive": alive, "wall_seconds": time.monotonic() - started}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m skymesh_lab.faults.security_figures",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True, metavar="PATH")
-    ap.add_argument("--short", action="store_true", help="the test's size (< 30 s)")
+    ap.add_argument("--short", action="store_true", help="the test's size (under a minute)")
     ap.add_argument("--seed", type=int, default=23)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="skymesh-secfigs-") as tmp:
