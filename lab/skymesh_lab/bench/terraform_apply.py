@@ -12,8 +12,9 @@ built-in AMIs (``ami_id``: no Debian lookup), ``detailed_monitoring = false`` (m
 ``monitor_instances``), the operator's wheels by URL and SHA-256.
 
 :func:`deploy` applies, reads back what moto holds (:class:`Created`), destroys, and
-returns both; ``tests/deploy/test_terraform_apply.py`` asserts on them and
-``docs/results/terraform-apply.md`` shows the counts and times.
+returns both; ``tests/deploy/test_terraform_apply.py`` asserts on them (with real wheels in
+moto's S3, and a replica's user data run against them while the deployment stands) and
+``docs/results/terraform-apply.md`` shows the counts and times (wheels named, not built).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import base64
 import binascii
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -32,7 +34,7 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,10 +50,29 @@ KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 # One of moto's built-in images (its amis.json), present in every region it emulates.
 MOTO_AMI = "ami-12c6146b"
 ZONE, RECORD = "skymesh-moto.example.com", "api.skymesh-moto.example.com"
-WHEEL = "https://releases.example.com/skymesh/skymesh-0.1.0-py3-none-any.whl"
-REPLICA_WHEEL = "s3://skymesh-releases/wheels/skymesh_replica-0.1.0-py3-none-any.whl"
-WHEEL_SHA256, REPLICA_WHEEL_SHA256 = "a" * 64, "b" * 64
+BUCKET = "skymesh-releases"
 TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Wheel:
+    """A wheel the operator names: its URL and SHA-256, and, to have it fetchable from
+    moto's S3 (``s3://BUCKET/KEY``), the file to upload there before the apply."""
+
+    url: str
+    sha256: str
+    path: Path | None = None
+
+    @classmethod
+    def in_s3(cls, path: Path) -> Wheel:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        return cls(f"s3://{BUCKET}/wheels/{path.name}", digest, path)
+
+
+# Named, never fetched: enough for the figures (no instance boots under moto).
+WHEELS = (Wheel("https://releases.example.com/skymesh/skymesh-0.1.0-py3-none-any.whl",
+                "a" * 64),
+          Wheel(f"s3://{BUCKET}/wheels/skymesh_replica-0.1.0-py3-none-any.whl", "b" * 64))
 
 
 class TerraformError(RuntimeError):
@@ -82,12 +103,20 @@ def override_tf(endpoint: str) -> str:
         for alias, region in zip(ALIASES, REGIONS, strict=True))
 
 
-def tf_vars(replicas: int) -> dict[str, Any]:
+def tf_vars(replicas: int, wheels: tuple[Wheel, Wheel]) -> dict[str, Any]:
+    data_plane, replica = wheels
     return {"zone_name": ZONE, "record_name": RECORD, "ami_id": MOTO_AMI,
             "detailed_monitoring": False, "emulated_replicas": replicas,
-            "skymesh_wheel_url": WHEEL, "skymesh_wheel_sha256": WHEEL_SHA256,
-            "skymesh_replica_wheel_url": REPLICA_WHEEL,
-            "skymesh_replica_wheel_sha256": REPLICA_WHEEL_SHA256}
+            "skymesh_wheel_url": data_plane.url, "skymesh_wheel_sha256": data_plane.sha256,
+            "skymesh_replica_wheel_url": replica.url,
+            "skymesh_replica_wheel_sha256": replica.sha256}
+
+
+def client(endpoint: str, service: str, region: str = "us-east-1") -> Any:
+    import boto3  # only the runs against moto pay for the import
+
+    return boto3.client(service, endpoint_url=endpoint, region_name=region,
+                        aws_access_key_id="testing", aws_secret_access_key="testing")
 
 
 @contextmanager
@@ -146,21 +175,15 @@ class Created:
 
 
 def read_back(endpoint: str) -> Created:
-    import boto3
-
-    def client(service: str, region: str = "us-east-1") -> Any:
-        return boto3.client(service, endpoint_url=endpoint, region_name=region,
-                            aws_access_key_id="testing", aws_secret_access_key="testing")
-
     got = Created()
-    r53 = client("route53")
+    r53 = client(endpoint, "route53")
     (zone,) = [z for z in r53.list_hosted_zones()["HostedZones"] if z["Name"] == f"{ZONE}."]
     sets = r53.list_resource_record_sets(HostedZoneId=zone["Id"])["ResourceRecordSets"]
     got.records = [s for s in sets if s.get("Region")]
     got.health_checks = [h["HealthCheckConfig"] | {"Id": h["Id"]}
                          for h in r53.list_health_checks()["HealthChecks"]]
     for region in REGIONS:
-        ec2, asg = client("ec2", region), client("autoscaling", region)
+        ec2, asg = client(endpoint, "ec2", region), client(endpoint, "autoscaling", region)
         got.groups[region] = asg.describe_auto_scaling_groups()["AutoScalingGroups"]
         got.templates[region] = {}
         for t in ec2.describe_launch_templates()["LaunchTemplates"]:
@@ -211,6 +234,7 @@ class Deployment:
     left_after_destroy: int  # resources in the state after destroy
     after_destroy: Created  # what moto still held then
     setup: dict[str, Any]
+    while_applied: Any = None  # what deploy's while_applied hook returned
 
     def figures(self) -> dict[str, Any]:
         return {"setup": self.setup, "planned": self.planned, "applied": self.applied,
@@ -225,8 +249,14 @@ class Deployment:
                 "replica_instances": sum(len(r) for r in self.created.replicas.values())}
 
 
-def deploy(replicas: int = 1, terraform: str | None = None) -> Deployment:
-    """Apply the example against a fresh moto, read back what it made, destroy it."""
+def deploy(replicas: int = 1, wheels: tuple[Wheel, Wheel] = WHEELS,
+           while_applied: Callable[[str, Created], Any] | None = None,
+           terraform: str | None = None) -> Deployment:
+    """Apply the example against a fresh moto, read back what it made, destroy it.
+
+    ``wheels``: the data plane's and skymesh-replica's; those with a file are uploaded to
+    moto's S3 first. ``while_applied(endpoint, created)`` runs before the destroy, with
+    moto still up (e.g. to run the user data's installer against its S3)."""
     exe = terraform or shutil.which("terraform")
     if exe is None:
         raise TerraformError("terraform is not on the PATH")
@@ -239,7 +269,7 @@ def deploy(replicas: int = 1, terraform: str | None = None) -> Deployment:
                             ignore=shutil.ignore_patterns(".terraform*", "*.tfstate*"))
         work = tmp / EXAMPLE
         (work / "moto_override.tf").write_text(override_tf(url))
-        (work / "moto.auto.tfvars.json").write_text(json.dumps(tf_vars(replicas)))
+        (work / "moto.auto.tfvars.json").write_text(json.dumps(tf_vars(replicas, wheels)))
         cli = tmp / "cli.tfrc"
         cli.write_text('provider_installation {\n  filesystem_mirror {\n'
                        f'    path    = "{mirror}"\n'
@@ -255,11 +285,12 @@ def deploy(replicas: int = 1, terraform: str | None = None) -> Deployment:
                 raise TerraformError(f"terraform {args[0]} failed:\n{out.stdout}\n{out.stderr}")
             return out.stdout
 
-        import boto3
-
-        boto3.client("route53", endpoint_url=url, region_name="us-east-1",
-                     aws_access_key_id="testing", aws_secret_access_key="testing"
-                     ).create_hosted_zone(Name=ZONE, CallerReference="skymesh-moto")
+        client(url, "route53").create_hosted_zone(Name=ZONE, CallerReference="skymesh-moto")
+        s3 = client(url, "s3")
+        s3.create_bucket(Bucket=BUCKET)
+        for wheel in wheels:
+            if wheel.path is not None:
+                s3.upload_file(str(wheel.path), BUCKET, wheel.url.split(f"{BUCKET}/", 1)[1])
         tf("init", "-backend=false", "-input=false")
         plan = tf("plan", "-input=false", "-out=tfplan")
         planned = _count(r"Plan: (\d+) to add", plan)
@@ -270,6 +301,7 @@ def deploy(replicas: int = 1, terraform: str | None = None) -> Deployment:
         by_type = state_resources(json.loads(tf("show", "-json")))
         created = read_back(url)
         created.outputs = {k: v["value"] for k, v in json.loads(tf("output", "-json")).items()}
+        hooked = while_applied(url, created) if while_applied is not None else None
         t0 = time.monotonic()
         destroyed = _count(r"Destroy complete! Resources: (\d+) destroyed", tf(
             "destroy", "-input=false", "-auto-approve"))
@@ -283,7 +315,7 @@ def deploy(replicas: int = 1, terraform: str | None = None) -> Deployment:
                               r"Version: (\S+)"),
              "cpus": os.cpu_count()}
     return Deployment(planned, applied, destroyed, dict(by_type), apply_s, destroy_s,
-                      created, left, after, setup)
+                      created, left, after, setup, hooked)
 
 
 def _count(pattern: str, text: str) -> int:
