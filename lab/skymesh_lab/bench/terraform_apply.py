@@ -228,6 +228,7 @@ class Deployment:
     applied: int
     destroyed: int
     by_type: dict[str, int]
+    plan_s: float  # init + plan
     apply_s: float
     destroy_s: float
     created: Created
@@ -240,6 +241,7 @@ class Deployment:
         return {"setup": self.setup, "planned": self.planned, "applied": self.applied,
                 "destroyed": self.destroyed, "left_after_destroy": self.left_after_destroy,
                 "by_type": dict(sorted(self.by_type.items())),
+                "init_plan_seconds": round(self.plan_s, 1),
                 "apply_seconds": round(self.apply_s, 1),
                 "destroy_seconds": round(self.destroy_s, 1),
                 "latency_records": len(self.created.records),
@@ -291,8 +293,10 @@ def deploy(replicas: int = 1, wheels: tuple[Wheel, Wheel] = WHEELS,
         for wheel in wheels:
             if wheel.path is not None:
                 s3.upload_file(str(wheel.path), BUCKET, wheel.url.split(f"{BUCKET}/", 1)[1])
+        t0 = time.monotonic()
         tf("init", "-backend=false", "-input=false")
         plan = tf("plan", "-input=false", "-out=tfplan")
+        plan_s = time.monotonic() - t0
         planned = _count(r"Plan: (\d+) to add", plan)
         t0 = time.monotonic()
         applied = _count(r"Apply complete! Resources: (\d+) added", tf(
@@ -314,7 +318,7 @@ def deploy(replicas: int = 1, wheels: tuple[Wheel, Wheel] = WHEELS,
              "moto": _version([sys.executable, "-m", "pip", "show", "moto"],
                               r"Version: (\S+)"),
              "cpus": os.cpu_count()}
-    return Deployment(planned, applied, destroyed, dict(by_type), apply_s, destroy_s,
+    return Deployment(planned, applied, destroyed, dict(by_type), plan_s, apply_s, destroy_s,
                       created, left, after, setup, hooked)
 
 

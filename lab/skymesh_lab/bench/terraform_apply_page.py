@@ -27,7 +27,8 @@ def terraform_apply(data: dict[str, Any]) -> str:
            f"{setup.get('moto', '?')}; {len(regions)} regions ({', '.join(regions)}), "
            f"`emulated_replicas = {setup.get('emulated_replicas', '?')}`, "
            "`detailed_monitoring = false`, `ami_id` = one of moto's built-in images.", ""]
-    rows = [["planned", num(data.get("planned"), "d"), "-"],
+    rows = [["planned (`init` + `plan`)", num(data.get("planned"), "d"),
+             secs(data.get("init_plan_seconds"), 1)],
             ["applied", num(data.get("applied"), "d"), secs(data.get("apply_seconds"), 1)],
             ["destroyed", num(data.get("destroyed"), "d"),
              secs(data.get("destroy_seconds"), 1)],
