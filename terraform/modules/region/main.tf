@@ -44,10 +44,9 @@ locals {
   wheel_s3_arn = "arn:aws:s3:::${trimprefix(var.skymesh_wheel_url, "s3://")}"
   # An emulated replica installs two wheels, the data plane's and skymesh-replica's
   # (install-skymesh.sh takes them space-separated, with one hash per wheel or none).
-  replica_wheels = compact([var.skymesh_wheel_url, var.skymesh_replica_wheel_url])
-  replica_sha256 = join(" ", compact([var.skymesh_wheel_sha256, var.skymesh_replica_wheel_sha256]))
-  replica_s3_arns = [for u in local.replica_wheels :
-  "arn:aws:s3:::${trimprefix(u, "s3://")}" if startswith(u, "s3://")]
+  replica_wheels  = compact([var.skymesh_wheel_url, var.skymesh_replica_wheel_url])
+  replica_sha256  = join(" ", compact([var.skymesh_wheel_sha256, var.skymesh_replica_wheel_sha256]))
+  replica_s3_arns = [for u in local.replica_wheels : "arn:aws:s3:::${trimprefix(u, "s3://")}" if startswith(u, "s3://")]
 
   # Emulated replicas sit on fixed addresses of their (private) subnet, so the balancers'
   # configuration can list them.
