@@ -496,3 +496,45 @@ def test_the_watchdog_marks_a_balancer_that_fails_health_unhealthy(
     finally:
         server.shutdown()
         server.server_close()
+
+
+# -- what an AWS API emulator needs (tests/deploy/test_terraform_apply.py applies it) -------
+
+def test_a_named_ami_skips_the_debian_lookup() -> None:
+    region = load_module(TF / "modules" / "region")
+    assert region.data[("aws_ami", "debian")]["count"] == "${var.ami_id == null ? 1 : 0}"
+    assert "var.ami_id" in str(region.locals["ami_id"])
+    example = load_module(ROOT_EXAMPLE)
+    assert "default" in example.variables["ami_id"]
+    for name, call in example.modules.items():
+        if name != "dns":
+            assert call["ami_id"] == "${var.ami_id}", name
+
+
+def test_detailed_monitoring_is_a_variable_of_the_example() -> None:
+    (monitoring,) = region_resource("aws_launch_template", "lb")["monitoring"]
+    assert monitoring["enabled"] == "${var.detailed_monitoring}"
+    assert region_resource("aws_instance", "replica")["monitoring"] == (
+        "${var.detailed_monitoring}")
+    example = load_module(ROOT_EXAMPLE)
+    assert example.variables["detailed_monitoring"]["default"] is True
+    for name, call in example.modules.items():
+        if name != "dns":
+            assert call["detailed_monitoring"] == "${var.detailed_monitoring}", name
+
+
+def test_emulated_replicas_install_the_replica_wheel_beside_the_data_planes() -> None:
+    region = load_module(TF / "modules" / "region")
+    assert "var.skymesh_replica_wheel_url" in str(region.locals["replica_wheels"])
+    user_data = str(region_resource("aws_instance", "replica")["user_data_base64"])
+    assert 'join(" ", local.replica_wheels)' in user_data
+    assert "local.replica_sha256" in user_data
+    condition = str(region.variables["skymesh_replica_wheel_url"]["validation"][0]["condition"])
+    pattern = re.search(r'regex\("(.+?)",', condition)
+    assert pattern is not None
+    regex = re.compile(pattern.group(1).replace("\\\\", "\\"))
+    assert regex.search("s3://releases/w/skymesh_replica-0.1.0-py3-none-any.whl")
+    assert not regex.search("s3://releases/w/skymesh-0.1.0-py3-none-any.whl")
+    example = load_module(ROOT_EXAMPLE)
+    assert {"skymesh_replica_wheel_url", "skymesh_replica_wheel_sha256"} <= set(
+        example.variables)

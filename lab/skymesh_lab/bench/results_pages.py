@@ -29,6 +29,7 @@ from skymesh_lab.bench import (
     forecast_peers_page,
     ha_region_page,
     security_page,
+    terraform_apply_page,
 )
 from skymesh_lab.bench import pushing_rule_page as rule_page
 from skymesh_lab.bench import results_faithful as faithful
@@ -241,6 +242,18 @@ SOURCES: tuple[Source, ...] = (
             "--seeds", "23,24,25,26,27,28,29,30", "--prefer-queue", "vllm=3,sglang=8",
             "--hold-queue-max", "48", "--json", "{json}"),
            rule_page.pushing_rule),
+    Source("terraform-apply", "Terraform applied against an AWS API emulator",
+           "`terraform init`, `plan`, `apply` and `destroy` of "
+           "`terraform/examples/three-region`, offline: the AWS provider from the local "
+           "mirror, moto's server on loopback as the AWS API (the providers' `endpoints` "
+           "set by an override file in a temporary copy of the tree). The hosted zone is "
+           "created first; the wheels are named by URL and SHA-256 and never fetched (no "
+           "instance boots). Counted from `terraform show -json` and read back through the "
+           "AWS API; `tests/deploy/test_terraform_apply.py` makes the same run and checks "
+           "what it created. See [deploy](../deploy.md#applied-against-moto).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.terraform_apply", "--json",
+            "{json}"),
+           terraform_apply_page.terraform_apply),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 

@@ -34,7 +34,12 @@ module "us_east" {
   skymesh_wheel_url    = var.skymesh_wheel_url
   skymesh_wheel_sha256 = var.skymesh_wheel_sha256
   pip_index_url        = var.pip_index_url
-  tags                 = local.tags
+  ami_id               = var.ami_id
+  detailed_monitoring  = var.detailed_monitoring
+
+  skymesh_replica_wheel_url    = var.skymesh_replica_wheel_url
+  skymesh_replica_wheel_sha256 = var.skymesh_replica_wheel_sha256
+  tags                         = local.tags
 }
 
 module "eu_west" {
@@ -54,7 +59,12 @@ module "eu_west" {
   skymesh_wheel_url    = var.skymesh_wheel_url
   skymesh_wheel_sha256 = var.skymesh_wheel_sha256
   pip_index_url        = var.pip_index_url
-  tags                 = local.tags
+  ami_id               = var.ami_id
+  detailed_monitoring  = var.detailed_monitoring
+
+  skymesh_replica_wheel_url    = var.skymesh_replica_wheel_url
+  skymesh_replica_wheel_sha256 = var.skymesh_replica_wheel_sha256
+  tags                         = local.tags
 }
 
 module "ap_northeast" {
@@ -74,7 +84,12 @@ module "ap_northeast" {
   skymesh_wheel_url    = var.skymesh_wheel_url
   skymesh_wheel_sha256 = var.skymesh_wheel_sha256
   pip_index_url        = var.pip_index_url
-  tags                 = local.tags
+  ami_id               = var.ami_id
+  detailed_monitoring  = var.detailed_monitoring
+
+  skymesh_replica_wheel_url    = var.skymesh_replica_wheel_url
+  skymesh_replica_wheel_sha256 = var.skymesh_replica_wheel_sha256
+  tags                         = local.tags
 }
 
 # Route53 is global; its API lives in us-east-1.

@@ -55,6 +55,30 @@ variable "skymesh_wheel_sha256" {
   default     = null
 }
 
+variable "skymesh_replica_wheel_url" {
+  description = "The skymesh-replica wheel the emulated replicas install beside skymesh_wheel_url (needed when emulated_replicas > 0)."
+  type        = string
+  default     = null
+}
+
+variable "skymesh_replica_wheel_sha256" {
+  description = "SHA-256 of that wheel; give it with skymesh_wheel_sha256, or neither (null: no check)."
+  type        = string
+  default     = null
+}
+
+variable "ami_id" {
+  description = "AMI for every instance in all three regions (one id must exist in each; null looks up the latest Debian 12 per region)."
+  type        = string
+  default     = null
+}
+
+variable "detailed_monitoring" {
+  description = "CloudWatch detailed (1-minute) monitoring of every instance (extra cost per instance)."
+  type        = bool
+  default     = true
+}
+
 variable "pip_index_url" {
   description = "Package index for the wheel's dependencies (your mirror); null: PyPI through each region's NAT gateway."
   type        = string

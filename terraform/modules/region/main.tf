@@ -16,7 +16,10 @@ data "aws_availability_zones" "available" {
 
 data "aws_caller_identity" "current" {}
 
+# Looked up only when the operator names no AMI (an AWS API emulator, or a region without
+# Debian's images, has none to find).
 data "aws_ami" "debian" {
+  count       = var.ami_id == null ? 1 : 0
   most_recent = true
   owners      = [var.ami_owner]
   filter {
@@ -29,7 +32,7 @@ locals {
   create_vpc   = var.vpc_id == null
   vpc_id       = local.create_vpc ? aws_vpc.this[0].id : var.vpc_id
   subnet_ids   = local.create_vpc ? aws_subnet.public[*].id : var.subnet_ids
-  ami_id       = coalesce(var.ami_id, data.aws_ami.debian.id)
+  ami_id       = var.ami_id != null ? var.ami_id : data.aws_ami.debian[0].id
   mesh         = var.certs_ssm_prefix != null
   tls          = var.tls_ssm_prefix != null
   balancer_id  = [for i in range(var.balancer_count) : "lb-${var.name}-${i}"]
@@ -39,6 +42,11 @@ locals {
   pip_args     = var.pip_index_url != null ? "--index-url ${var.pip_index_url}" : ""
   # arn:aws:s3:::bucket/key from s3://bucket/key (only read when the wheel is in S3).
   wheel_s3_arn = "arn:aws:s3:::${trimprefix(var.skymesh_wheel_url, "s3://")}"
+  # An emulated replica installs two wheels, the data plane's and skymesh-replica's
+  # (install-skymesh.sh takes them space-separated, with one hash per wheel or none).
+  replica_wheels  = compact([var.skymesh_wheel_url, var.skymesh_replica_wheel_url])
+  replica_sha256  = join(" ", compact([var.skymesh_wheel_sha256, var.skymesh_replica_wheel_sha256]))
+  replica_s3_arns = [for u in local.replica_wheels : "arn:aws:s3:::${trimprefix(u, "s3://")}" if startswith(u, "s3://")]
 
   # Emulated replicas sit on fixed addresses of their (private) subnet, so the balancers'
   # configuration can list them.
@@ -400,7 +408,7 @@ resource "aws_launch_template" "lb" {
   }
 
   monitoring {
-    enabled = true
+    enabled = var.detailed_monitoring
   }
 
   block_device_mappings {
@@ -497,12 +505,12 @@ resource "aws_iam_role" "replica" {
 
 # Emulated replicas call no AWS API but S3, for the wheel.
 resource "aws_iam_role_policy" "replica" {
-  count = var.replica_count > 0 && local.wheel_in_s3 ? 1 : 0
+  count = var.replica_count > 0 && length(local.replica_s3_arns) > 0 ? 1 : 0
   name  = "read-wheel"
   role  = aws_iam_role.replica[0].id
   policy = jsonencode({
     Version   = "2012-10-17"
-    Statement = [{ Effect = "Allow", Action = ["s3:GetObject"], Resource = local.wheel_s3_arn }]
+    Statement = [{ Effect = "Allow", Action = ["s3:GetObject"], Resource = local.replica_s3_arns }]
   })
 }
 
@@ -520,7 +528,7 @@ resource "aws_instance" "replica" {
   subnet_id              = local.replica_subnet_id
   private_ip             = local.replica_ips[count.index]
   vpc_security_group_ids = [aws_security_group.replica[0].id]
-  monitoring             = true
+  monitoring             = var.detailed_monitoring
   ebs_optimized          = true
 
   metadata_options {
@@ -537,11 +545,22 @@ resource "aws_instance" "replica" {
   # endpoint (the wheel) in place.
   depends_on = [aws_route_table_association.private, aws_vpc_endpoint.s3]
 
+  lifecycle {
+    precondition {
+      condition     = var.skymesh_replica_wheel_url != null
+      error_message = "Emulated replicas (replica_count > 0) install skymesh_replica_wheel_url too: set it."
+    }
+    precondition {
+      condition     = (var.skymesh_wheel_sha256 == null) == (var.skymesh_replica_wheel_sha256 == null)
+      error_message = "Give skymesh_wheel_sha256 and skymesh_replica_wheel_sha256 both, or neither: the installer checks every wheel or none."
+    }
+  }
+
   # gzip, as the balancers' (EC2's 16 KiB limit; cloud-init unpacks it).
   user_data_base64 = base64gzip(templatefile("${path.module}/user_data.sh.tftpl", {
     roles          = "replica"
-    wheel_url      = var.skymesh_wheel_url
-    wheel_sha256   = local.wheel_sha256
+    wheel_url      = join(" ", local.replica_wheels)
+    wheel_sha256   = local.replica_sha256
     pip_args       = local.pip_args
     watchdog_url   = ""
     asg_name       = ""

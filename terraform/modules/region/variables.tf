@@ -34,7 +34,7 @@ variable "instance_type" {
 }
 
 variable "ami_id" {
-  description = "AMI for balancers and replicas; null picks the latest Debian 12 (Python 3.11)."
+  description = "AMI for balancers and replicas; null looks up the latest Debian 12 (Python 3.11) published by ami_owner."
   type        = string
   default     = null
 }
@@ -154,6 +154,34 @@ variable "skymesh_wheel_sha256" {
     condition     = var.skymesh_wheel_sha256 == null || can(regex("^[0-9a-f]{64}$", var.skymesh_wheel_sha256))
     error_message = "skymesh_wheel_sha256 must be 64 lower-case hex digits."
   }
+}
+
+variable "skymesh_replica_wheel_url" {
+  description = "The skymesh-replica wheel the emulated replicas install beside skymesh_wheel_url (s3://bucket/key.whl or https://.../skymesh_replica-VERSION-....whl); needed when replica_count > 0. Build it with `pip wheel --no-deps -w dist ./replica`."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.skymesh_replica_wheel_url == null || can(regex("^(s3|https)://[^ ]+/skymesh_replica-[^/ ]+\\.whl$", var.skymesh_replica_wheel_url))
+    error_message = "skymesh_replica_wheel_url must be s3://BUCKET/KEY/skymesh_replica-VERSION-....whl or https://HOST/PATH/skymesh_replica-VERSION-....whl."
+  }
+}
+
+variable "skymesh_replica_wheel_sha256" {
+  description = "SHA-256 of the skymesh-replica wheel (hex); give it with skymesh_wheel_sha256, or neither. null skips the check."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.skymesh_replica_wheel_sha256 == null || can(regex("^[0-9a-f]{64}$", var.skymesh_replica_wheel_sha256))
+    error_message = "skymesh_replica_wheel_sha256 must be 64 lower-case hex digits."
+  }
+}
+
+variable "detailed_monitoring" {
+  description = "CloudWatch detailed (1-minute) monitoring of balancers and replicas; it costs extra per instance (false: 5-minute basic monitoring)."
+  type        = bool
+  default     = true
 }
 
 variable "pip_index_url" {
