@@ -24,7 +24,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from skymesh_lab.bench import autopilot_live_page, forecast_peers_page, ha_region_page
+from skymesh_lab.bench import (
+    autopilot_live_page,
+    forecast_peers_page,
+    ha_region_page,
+    image_sizes_page,
+)
 from skymesh_lab.bench import pushing_rule_page as rule_page
 from skymesh_lab.bench import results_faithful as faithful
 from skymesh_lab.bench import results_tables as tables
@@ -231,6 +236,17 @@ SOURCES: tuple[Source, ...] = (
             "--seeds", "23,24,25,26,27,28,29,30", "--prefer-queue", "vllm=3,sglang=8",
             "--hold-queue-max", "48", "--json", "{json}"),
            rule_page.pushing_rule),
+    Source("image-sizes", "Container image sizes per role",
+           "Each role's image (`make image ROLE=balancer|controller|replica`, "
+           "deploy/docker/Dockerfile) built on the local Debian base "
+           "(`tools/image/make_base.sh`), then read: the engine's stored size, and from "
+           "inside the image the venv's Python packages and site-packages on disk. The "
+           "balancer carries the data plane only, the controller adds the control plane, "
+           "the replica the emulated engine; none carries the lab. See "
+           "[the image page](../image.md).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.image_sizes", "--build",
+            "--json", "{json}"),
+           image_sizes_page.image_sizes),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 
