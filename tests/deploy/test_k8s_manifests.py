@@ -192,7 +192,7 @@ def test_checkov_finds_nothing_in_the_rendered_manifests(example: Objects, produ
     for name, objs in (("example", example), ("production", production)):
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump_all(objs, sort_keys=False))
     # Skipped, and why: CKV_K8S_43 (image by digest) is the operator's release pinning
-    # (`images: [{name: skymesh, digest: ...}]` in an overlay); CKV_K8S_15 wants
+    # (`images: [{name: skymesh-balancer, digest: ...}, ...]` in an overlay); CKV_K8S_15 wants
     # imagePullPolicy Always, which breaks images loaded into the nodes (`make image`,
     # then `kind load`). CKV_K8S_35 (secrets in env) is skipped per object, by annotation.
     proc = subprocess.run(
