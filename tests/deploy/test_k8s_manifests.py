@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -42,6 +43,9 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 SCRIPTS = {name for folder in (REPO, REPO / "controller", REPO / "replica")
            for name in tomllib.loads((folder / "pyproject.toml").read_text())["project"][
                "scripts"]}
+# The image role (deploy/docker/requirements.py) each daemon's pods run.
+ROLE_OF = {"skymesh-lb": "balancer", "skymesh-controller": "controller",
+           "skymesh-replica": "replica"}
 PARSERS = {"skymesh-lb": "skymesh.balancer.cli", "skymesh-replica": "skymesh_replica.cli",
            "skymesh-controller": "skymesh_controller.cli"}
 # What the operator puts in the production overlay's secrets/ (never in git), besides the
@@ -57,6 +61,22 @@ MESH_IDS = [f"eu-west-skymesh-lb-{i}" for i in range(3)]
 OLD_HASH = "a57dc21a5a080e90e7df96108954414da40039b3f7f9235ca63435938c0c1159"
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # Prometheus Operator: no schema here
 Objects = list[dict[str, Any]]
+
+
+def image_roles() -> dict[str, list[tuple[str, tuple[str, ...]]]]:
+    """deploy/docker/requirements.py's ROLES: role -> (distribution folder, extras)."""
+    spec = importlib.util.spec_from_file_location(
+        "image_requirements", REPO / "deploy" / "docker" / "requirements.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return dict(module.ROLES)
+
+
+def scripts(folder: str) -> set[str]:
+    """Console scripts of the distribution in ``folder`` (requirements.py's naming)."""
+    home = REPO if folder == "skymesh" else REPO / folder
+    return set(tomllib.loads((home / "pyproject.toml").read_text())["project"]["scripts"])
 
 
 def kubectl() -> str:
@@ -172,7 +192,7 @@ def test_checkov_finds_nothing_in_the_rendered_manifests(example: Objects, produ
     for name, objs in (("example", example), ("production", production)):
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump_all(objs, sort_keys=False))
     # Skipped, and why: CKV_K8S_43 (image by digest) is the operator's release pinning
-    # (`images: [{name: skymesh, digest: ...}]` in an overlay); CKV_K8S_15 wants
+    # (`images: [{name: skymesh-balancer, digest: ...}, ...]` in an overlay); CKV_K8S_15 wants
     # imagePullPolicy Always, which breaks images loaded into the nodes (`make image`,
     # then `kind load`). CKV_K8S_35 (secrets in env) is skipped per object, by annotation.
     proc = subprocess.run(
@@ -216,15 +236,24 @@ def test_balancers_survive_rollouts_and_drains(overlay: str, count: int,
     assert any(p["targetPort"] == "http" for p in service["spec"]["ports"])
 
 
-def test_the_image_defaults_to_the_package_version(example: Objects,
-                                                   production: Objects) -> None:
-    def images(objs: Objects) -> set[str]:
-        return {c["image"] for w in workloads(objs) for c in w["spec"]["template"]["spec"]
-                ["containers"] if w["metadata"]["name"] != "skymesh-redis"}
+def test_each_daemon_runs_its_roles_image_at_the_package_version(
+        example: Objects, production: Objects) -> None:
+    def images(objs: Objects) -> dict[str, str]:
+        """command -> image of every SkyMesh container."""
+        return {c["command"][0]: c["image"] for w in workloads(objs)
+                for c in w["spec"]["template"]["spec"]["containers"]
+                if w["metadata"]["name"] != "skymesh-redis"}
 
-    assert images(example) == {f"skymesh:{PYPROJECT['version']}"}, (
+    version = PYPROJECT["version"]
+    assert images(example) == {daemon: f"skymesh-{role}:{version}"
+                               for daemon, role in ROLE_OF.items()}, (
         "images.newTag of deploy/k8s/base/kustomization.yaml must follow pyproject.toml")
-    assert images(production) == {f"registry.example.com/ml/skymesh:{PYPROJECT['version']}"}
+    assert images(production) == {daemon: f"registry.example.com/ml/skymesh-{role}:{version}"
+                                  for daemon, role in ROLE_OF.items()}
+    # The role's image installs the distribution whose console script the pod runs.
+    for daemon, role in ROLE_OF.items():
+        folders = {folder for folder, _ in image_roles()[role]}
+        assert any(daemon in scripts(folder) for folder in folders), (daemon, role)
 
 
 # -- pods: hardened, and able to read their Secrets -----------------------------------------

@@ -1,21 +1,31 @@
-"""The container image (deploy/docker/Dockerfile), built here with buildah and run.
+"""The container images (deploy/docker/Dockerfile), one per role, built here with buildah
+and run.
 
-A replica and two balancers run from the SAME image, each in its own buildah container on
-the host's network (loopback ports): a chat completion through one balancer, and two
-balancers peering over mutual TLS (certificates made by ``skymesh certs`` in the image)
-with a request forwarded from the one with no replicas to the other. The image's own
+Each role's image (``ROLE=balancer|controller|replica tools/image/build.sh``) is checked
+for its configuration (uid 10001, the entrypoint, the HEALTHCHECK, its role) and its
+content: the role's packages and never the lab (``import skymesh_lab`` fails in all three;
+the balancer's holds no control plane: no ``skymesh_controller``, FastAPI or pandas). The
+controller's image serves ``/health`` and passes its own health check. A replica from the
+replica image and two balancers from the balancer image, each in its own buildah
+container on the host's network (loopback ports): a chat completion through one balancer,
+and two balancers peering over mutual TLS (certificates made by ``skymesh certs`` in the
+balancer image) with a request forwarded from the one with no replicas to the other. The
 health check probes each daemon on the port its command line names, and the daemons run
 as uid 10001, which can write nothing in the installed package (stubs baked in).
 
-The build takes minutes (the first one more: tools/image/make_base.sh debootstraps the
-base), so this runs in ``make e2e`` with ``SKYMESH_IMAGE_TEST=1``, as root, where buildah
-is installed (``apt-get install buildah debootstrap``); otherwise it is skipped. The
-image and buildah's layer cache stay in /var/lib/containers (vfs: GBs) for the next run;
-the test's containers are removed.
+The builds take minutes each (the first one more: tools/image/make_base.sh debootstraps
+the base), so this runs in ``make e2e`` with ``SKYMESH_IMAGE_TEST=1``, as root, where
+buildah is installed (``apt-get install buildah debootstrap``); otherwise it is skipped::
+
+    SKYMESH_IMAGE_TEST=1 .venv/bin/pytest -q -p no:cacheprovider -n 0 tests/e2e/test_image.py
+
+The images and buildah's layer cache stay in /var/lib/containers (vfs: GBs) for the next
+run; the test's containers are removed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -23,8 +33,8 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +46,7 @@ from support import until
 from skymesh.util.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-TAG = "localhost/skymesh:image-test"
+ROLES = ("balancer", "controller", "replica")
 BUILDAH = ["buildah", "--storage-driver", "vfs"]
 RUN_OPTS = ["--isolation", "chroot", "--network", "host"]
 HEALTHCHECK = ["/opt/skymesh/bin/python", "/usr/local/lib/skymesh/healthcheck.py"]
@@ -55,8 +65,9 @@ pytestmark = [
 ]
 
 
-def _run(cmd: list[str], timeout: float = 120) -> str:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+def _run(cmd: list[str], timeout: float = 120, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
     assert done.returncode == 0, f"{cmd} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
 
@@ -67,9 +78,12 @@ class Container:
 
     name: str
     cfg: Path
+    env: dict[str, str] = field(default_factory=dict)
 
     def run_args(self, *cmd: str) -> list[str]:
-        return [*BUILDAH, "run", *RUN_OPTS, "-v", f"{self.cfg}:/cfg", self.name, "--", *cmd]
+        env = [f"--env={k}={v}" for k, v in self.env.items()]
+        return [*BUILDAH, "run", *RUN_OPTS, *env, "-v", f"{self.cfg}:/cfg", self.name, "--",
+                *cmd]
 
     def run(self, *cmd: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(self.run_args(*cmd), capture_output=True, text=True, timeout=120)
@@ -110,47 +124,112 @@ def _start(ctr: Container, argv: list[str], log: Path) -> Running:
     raise AssertionError(f"{argv[0]} did not start:\n{log.read_text(errors='replace')}")
 
 
-@pytest.fixture(scope="module")
-def image() -> str:
-    _run([str(ROOT / "tools" / "image" / "build.sh"), TAG], timeout=3000)
-    return TAG
+@functools.cache
+def image(role: str) -> str:
+    """``role``'s image, built once per session (buildah's layer cache makes a rebuild of
+    an unchanged tree a matter of seconds)."""
+    tag = f"localhost/skymesh-{role}:image-test"
+    _run([str(ROOT / "tools" / "image" / "build.sh"), tag], timeout=3000, env={"ROLE": role})
+    return tag
 
 
 @pytest.fixture
-def containers(image: str, tmp_path: Path) -> Iterator[dict[str, Container]]:
+def make_container(tmp_path: Path) -> Iterator[Callable[[str, str], Container]]:
+    """Working containers of the images (removed after), sharing one /cfg folder."""
     cfg = tmp_path / "cfg"
     cfg.mkdir()
     os.chown(cfg, 10001, 10001)  # the image's user writes the certificates here
-    made: dict[str, Container] = {}
+    made: list[Container] = []
+
+    def make(role: str, name: str) -> Container:
+        ctr = Container(f"skymesh-image-test-{name}-{os.getpid()}", cfg)
+        _run([*BUILDAH, "from", "--pull-never", "--name", ctr.name, image(role)])
+        made.append(ctr)
+        return ctr
+
     try:
-        for role in ("replica", "lb-eu", "lb-us"):
-            name = f"skymesh-image-test-{role}-{os.getpid()}"
-            _run([*BUILDAH, "from", "--name", name, image])
-            made[role] = Container(name, cfg)
-        yield made
+        yield make
     finally:
-        for ctr in made.values():
+        for ctr in made:
             subprocess.run([*BUILDAH, "rm", ctr.name], capture_output=True, timeout=120)
 
 
-def test_the_image_is_non_root_with_a_healthcheck_and_baked_stubs(image: str) -> None:
-    config = json.loads(_run([*BUILDAH, "inspect", "--type", "image", image]))["Docker"]["config"]
+# What imports in each role's image: the lab never; the control plane only in its own.
+MODULES = ("skymesh", "skymesh_controller", "skymesh_replica", "skymesh_lab", "fastapi",
+           "pandas", "statsmodels", "torch")
+IMPORTS = {"balancer": {"skymesh"},
+           "controller": {"skymesh", "skymesh_controller", "fastapi", "pandas", "statsmodels"},
+           "replica": {"skymesh", "skymesh_replica"}}
+DAEMON = {"balancer": "skymesh-lb", "controller": "skymesh-controller",
+          "replica": "skymesh-replica"}
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_each_image_is_non_root_with_a_healthcheck_and_its_role(role: str) -> None:
+    out = json.loads(_run([*BUILDAH, "inspect", "--type", "image", image(role)]))
+    config = out["Docker"]["config"]
     assert config["User"] == "10001:10001"
     assert config["Entrypoint"] == ["/usr/local/lib/skymesh/entrypoint.sh"]
     assert config["Healthcheck"]["Test"] == ["CMD", *HEALTHCHECK]
+    assert f"SKYMESH_ROLE={role}" in config["Env"]
+    assert not config.get("Cmd"), "the entrypoint picks the role's daemon itself"
 
 
-async def test_a_replica_and_two_peered_balancers_from_one_image(
-        containers: dict[str, Container], tmp_path: Path) -> None:
-    cfg = containers["replica"].cfg
-    probe = containers["replica"].run(
-        "python", "-c", "import os, skymesh.mesh.proto as p; "
-        "print(os.getuid(), os.access(os.path.dirname(p.__file__), os.W_OK), p.pb.__file__)")
+@pytest.mark.parametrize("role", ROLES)
+def test_each_image_holds_its_role_and_never_the_lab(
+        role: str, make_container: Callable[[str, str], Container]) -> None:
+    ctr = make_container(role, role)
+    probe = ctr.run("python", "-c", "import importlib.util as u, json, os, sys; "
+                    "import skymesh.mesh.proto as p; print(json.dumps({"
+                    "'uid': os.getuid(), 'stubs': p.pb.__file__, "
+                    "'writable': os.access(os.path.dirname(p.__file__), os.W_OK), "
+                    "'imports': [m for m in sys.argv[1:] if u.find_spec(m)]}))", *MODULES)
     assert probe.returncode == 0, probe.stderr
-    uid, writable, stubs = probe.stdout.split()
-    assert (uid, writable) == ("10001", "False")
-    assert stubs.startswith("/opt/skymesh/lib/")
+    found = json.loads(probe.stdout)
+    assert set(found["imports"]) == IMPORTS[role]
+    assert (found["uid"], found["writable"]) == (10001, False)
+    assert found["stubs"].startswith("/opt/skymesh/lib/")
+    lab = ctr.run("python", "-c", "import skymesh_lab")
+    assert lab.returncode == 1 and "No module named 'skymesh_lab'" in lab.stderr
 
+    version = ctr.run("skymesh", "--version")
+    assert version.returncode == 0 and "0.1.0" in version.stdout + version.stderr, version
+    # With no command, the entrypoint prints the role's daemon's help.
+    default = ctr.run("/usr/local/lib/skymesh/entrypoint.sh")
+    assert default.returncode == 0, default.stderr
+    assert f"usage: {DAEMON[role]}" in default.stdout
+    for other in set(DAEMON.values()) - {DAEMON[role], "skymesh-lb"}:
+        refused = ctr.run("/usr/local/lib/skymesh/entrypoint.sh", other, "--port", "1")
+        assert refused.returncode == 64, (other, refused.stderr)
+        assert f"{other} is not in this image (the {role} image" in refused.stderr
+
+
+async def test_the_controller_image_serves_health(
+        make_container: Callable[[str, str], Container], tmp_path: Path) -> None:
+    ctr = make_container("controller", "controller")
+    ctr.env["SKYMESH_ADMIN_TOKEN"] = "image-test-admin-token"
+    argv = ["skymesh-controller", "--host", "127.0.0.1", "--port", str(free_port())]
+    daemon = _start(ctr, argv, tmp_path / "controller.log")
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(daemon.url + "/health") as r:
+                assert r.status == 200, await r.text()
+            async with s.get(daemon.url + "/v1/balancers") as r:
+                assert r.status == 401  # everything but /health needs the token
+        check = ctr.run(*HEALTHCHECK, *argv)
+        assert check.returncode == 0, check.stderr
+    finally:
+        daemon.stop()
+    check = ctr.run(*HEALTHCHECK, *argv)
+    assert check.returncode == 1 and "unhealthy" in check.stderr
+
+
+async def test_a_replica_and_two_peered_balancers_from_their_images(
+        make_container: Callable[[str, str], Container], tmp_path: Path) -> None:
+    containers = {"replica": make_container("replica", "replica"),
+                  "lb-eu": make_container("balancer", "lb-eu"),
+                  "lb-us": make_container("balancer", "lb-us")}
+    cfg = containers["replica"].cfg
     made = containers["lb-eu"].run("skymesh", "certs", "--out", "/cfg/pki", "--ca",
                                    "--name", "lb-us", "--name", "lb-eu")
     assert made.returncode == 0, made.stderr

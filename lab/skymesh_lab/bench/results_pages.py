@@ -28,6 +28,7 @@ from skymesh_lab.bench import (
     autopilot_live_page,
     forecast_peers_page,
     ha_region_page,
+    image_sizes_page,
     security_page,
     terraform_apply_page,
 )
@@ -254,6 +255,17 @@ SOURCES: tuple[Source, ...] = (
            (".venv/bin/python", "-m", "skymesh_lab.bench.terraform_apply", "--json",
             "{json}"),
            terraform_apply_page.terraform_apply),
+    Source("image-sizes", "Container image sizes per role",
+           "Each role's image (`make image ROLE=balancer|controller|replica`, "
+           "deploy/docker/Dockerfile) built on the local Debian base "
+           "(`tools/image/make_base.sh`), then read: the engine's stored size, and from "
+           "inside the image the venv's Python packages and site-packages on disk. The "
+           "balancer carries the data plane only, the controller adds the control plane, "
+           "the replica the emulated engine; none carries the lab. See "
+           "[the image page](../image.md).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.image_sizes", "--build",
+            "--json", "{json}"),
+           image_sizes_page.image_sizes),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 
