@@ -1,4 +1,5 @@
-"""Build hook: every wheel carries the generated peering stubs (skymesh/mesh/gen).
+"""Build hook: every wheel carries the generated peering stubs (skymesh/mesh/gen) and the
+lock its dependencies were tested with (skymesh/constraints.txt, from requirements/lock.txt).
 
 ``build_py`` copies the packages, then runs protoc (grpcio-tools, a build requirement)
 on ``protos/`` into the build directory. The sdist ships ``protos/`` (MANIFEST.in), so a
@@ -37,6 +38,10 @@ class BuildPyWithStubs(build_py):
             return
         _codegen().generate_into(Path(self.build_lib) / "skymesh" / "mesh" / "gen",
                                  ROOT / "protos")
+        # The lock travels with the release: the installer pins a host's dependencies to
+        # what was tested (pip constraints), whenever the host is built.
+        lock = ROOT / "requirements" / "lock.txt"
+        (Path(self.build_lib) / "skymesh" / "constraints.txt").write_bytes(lock.read_bytes())
 
 
 setup(cmdclass={"build_py": BuildPyWithStubs})

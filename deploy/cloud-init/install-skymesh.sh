@@ -12,12 +12,18 @@
 #   SKYMESH_STAGE      dir holding systemd/*.service and config/* to install (this checkout's deploy/)
 #   SKYMESH_PYTHON     interpreter to build the venv with                    (python3)
 #   SKYMESH_WHEEL_URL  the operator's wheels, space-separated: s3://BUCKET/KEY.whl,
-#                      https://...whl or local paths; fetched, checked, installed (replaces
-#                      SKYMESH_PIP_SPEC). The data plane's (skymesh-*.whl), and for the
-#                      replica and controller roles skymesh_replica-*.whl and
-#                      skymesh_controller-*.whl (installed with its `planning` extra)
-#   SKYMESH_WHEEL_SHA256  hex SHA-256 of each wheel, space-separated, in order  (no check)
-#   SKYMESH_PIP_SPEC   what to pip-install, words split (e.g. "-e /src/skymesh") (skymesh)
+#                      https://...whl or local paths; fetched, checked, installed. The data
+#                      plane's (skymesh-*.whl), and for the replica and controller roles
+#                      skymesh_replica-*.whl and skymesh_controller-*.whl (installed with
+#                      its `planning` extra)
+#   SKYMESH_WHEEL_SHA256  hex SHA-256 of each wheel, space-separated, in order: required
+#                      for every s3:// or https:// wheel (a local path may go without)
+#   SKYMESH_PIP_SPEC   instead of wheels: local paths only, words split (e.g. "-e /src/skymesh
+#                      /src/skymesh/replica"). A package name is refused: nothing is ever
+#                      installed from an index by name
+# Either SKYMESH_WHEEL_URL or SKYMESH_PIP_SPEC must be given: there is no default. The
+# dependencies are pinned by the lock that ships inside the data plane's wheel
+# (skymesh/constraints.txt), or a checkout's requirements/lock.txt, as pip constraints.
 #   SKYMESH_PIP_ARGS   extra pip flags, words split                          (none)
 #   SKYMESH_USER       the service account                                   (skymesh)
 #   SKYMESH_EIP_ALLOCATION_ID   on EC2: associate this Elastic IP with the instance
@@ -40,7 +46,7 @@ ROOT="${SKYMESH_ROOT:-}"
 STAGE="${SKYMESH_STAGE:-$(dirname "$here")}"
 PYTHON="${SKYMESH_PYTHON:-python3}"
 SVC_USER="${SKYMESH_USER:-skymesh}"
-read -r -a PIP_SPEC <<< "${SKYMESH_PIP_SPEC:-skymesh}"
+read -r -a PIP_SPEC <<< "${SKYMESH_PIP_SPEC:-}"
 read -r -a PIP_ARGS <<< "${SKYMESH_PIP_ARGS:-}"
 ETC_DIR="$ROOT/etc/skymesh"
 UNIT_DIR="$ROOT/etc/systemd/system"
@@ -71,6 +77,10 @@ fetch_wheel() {  # URL SHA256 -> the checked local file, on stdout
   dir="$(mktemp -d)"
   wheel="$dir/${url##*/}"
   [[ "$wheel" == *.whl ]] || die "SKYMESH_WHEEL_URL must name .whl files: $url"
+  case "$url" in  # what is fetched is checked: a changed file is never installed
+    s3://* | https://* | http://*) [[ -n "$sum" ]] ||
+      die "$url: a fetched wheel needs its SHA-256 (SKYMESH_WHEEL_SHA256)" ;;
+  esac
   case "$url" in
     s3://*)
       "$PYTHON" - "$url" "$wheel" <<'PY' || die "cannot fetch $url"
@@ -97,6 +107,25 @@ PY
   printf '%s\n' "$wheel"
 }
 
+constraints_of() {  # WHEEL_OR_DIR -> a file of pip constraints (the release's lock), or nothing
+  local src="$1" out
+  out="$(mktemp)"
+  if [[ -d "$src" && -f "$src/requirements/lock.txt" ]]; then
+    cp -- "$src/requirements/lock.txt" "$out"
+  elif [[ -f "$src" ]] && "$PYTHON" - "$src" "$out" <<'PY' 2>/dev/null; then
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as whl, open(sys.argv[2], "wb") as f:
+    f.write(whl.read("skymesh/constraints.txt"))
+PY
+    :
+  else
+    rm -f "$out"
+    return 0
+  fi
+  printf '%s\n' "$out"
+}
+
+CONSTRAINTS=""
 if [[ -n "${SKYMESH_WHEEL_URL:-}" ]]; then
   read -r -a urls <<< "$SKYMESH_WHEEL_URL"
   read -r -a sums <<< "${SKYMESH_WHEEL_SHA256:-}"
@@ -105,11 +134,33 @@ if [[ -n "${SKYMESH_WHEEL_URL:-}" ]]; then
   PIP_SPEC=()
   for i in "${!urls[@]}"; do
     wheel="$(fetch_wheel "${urls[$i]}" "${sums[$i]:-}")"
+    [[ "${wheel##*/}" == skymesh-[0-9]* ]] && CONSTRAINTS="$(constraints_of "$wheel")"
     # The controller's planner (forecasts, the ILP) is its `planning` extra.
     [[ "${wheel##*/}" == skymesh_controller-* ]] && wheel="$wheel[planning]"
     PIP_SPEC+=("$wheel")
     log "fetched ${urls[$i]}; installing ${wheel##*/}"
   done
+elif (( ${#PIP_SPEC[@]} )); then
+  for word in "${PIP_SPEC[@]}"; do
+    case "$word" in
+      -*) ;;  # a pip flag (-e, --no-deps ...)
+      /* | ./* | ../*)
+        [[ -e "${word%%\[*}" ]] || die "SKYMESH_PIP_SPEC: no such path: $word"
+        [[ -z "$CONSTRAINTS" ]] && CONSTRAINTS="$(constraints_of "${word%%\[*}")" ;;
+      *) die "SKYMESH_PIP_SPEC: '$word' is not a local path; name the operator's wheel \
+(SKYMESH_WHEEL_URL with SKYMESH_WHEEL_SHA256) or a path, never a package name" ;;
+    esac
+  done
+else
+  die "name what to install: SKYMESH_WHEEL_URL (with SKYMESH_WHEEL_SHA256) or \
+SKYMESH_PIP_SPEC (local paths); nothing is installed from a package index by name"
+fi
+if [[ -n "$CONSTRAINTS" ]]; then
+  PIP_ARGS+=(-c "$CONSTRAINTS")
+  log "dependencies pinned by the release's lock ($(grep -c '==' "$CONSTRAINTS") pins)"
+else
+  log "warning: no lock found with what was named (skymesh/constraints.txt in the wheel, \
+or requirements/lock.txt in a checkout): dependencies resolve afresh"
 fi
 
 # 3. The venv. Re-running upgrades in place.

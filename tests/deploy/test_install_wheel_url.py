@@ -120,7 +120,7 @@ def test_bad_urls_are_refused_with_a_reason(tmp_path: Path, url: str, message: s
 
 
 def test_a_missing_wheel_is_a_clear_error(tmp_path: Path, served: str) -> None:
-    proc = install(tmp_path, f"{served}/skymesh-0.0.0-py3-none-any.whl")
+    proc = install(tmp_path, f"{served}/skymesh-0.0.0-py3-none-any.whl", "0" * 64)
     assert proc.returncode == 2
     assert f"cannot fetch {served}/skymesh-0.0.0-py3-none-any.whl" in proc.stderr
 
@@ -140,5 +140,34 @@ def test_fetches_the_wheel_from_s3(tmp_path: Path, moto_url: str) -> None:
     # is of another file. A full install is the HTTP test's job.
     proc = install(tmp_path, url, hashlib.sha256(b"the real wheel").hexdigest(), **aws)
     assert proc.returncode == 2 and "does not have SHA-256" in proc.stderr, proc.stderr
-    proc = install(tmp_path, f"s3://{bucket}/skymesh/skymesh-9.9.9-py3-none-any.whl", **aws)
+    proc = install(tmp_path, f"s3://{bucket}/skymesh/skymesh-9.9.9-py3-none-any.whl",
+                   "0" * 64, **aws)
     assert proc.returncode == 2 and "cannot fetch s3://" in proc.stderr, proc.stderr
+
+
+def test_a_fetched_wheel_without_its_hash_is_refused_before_the_fetch(
+        tmp_path: Path, wheel: Path, served: str) -> None:
+    proc = install(tmp_path, f"{served}/{wheel.name}")
+    assert proc.returncode == 2, proc.stderr
+    assert "a fetched wheel needs its SHA-256" in proc.stderr
+    assert not (tmp_path / "opt").exists()
+
+
+@pytest.mark.parametrize("spec", ["", "skymesh", "skymesh==0.1.0", "/no/such/skymesh.whl"])
+def test_nothing_is_installed_from_an_index_by_name(tmp_path: Path, spec: str) -> None:
+    """No wheel URL, and a package spec that is not a local path: refused, nothing built.
+    The name ``skymesh`` on a public index is not this project's to vouch for."""
+    proc = install(tmp_path, "", SKYMESH_PIP_SPEC=spec)
+    assert proc.returncode == 2, proc.stderr
+    assert ("not a local path" in proc.stderr or "name what to install" in proc.stderr
+            or "no such path" in proc.stderr), proc.stderr
+    assert not (tmp_path / "opt").exists()
+
+
+def test_the_releases_lock_pins_the_dependencies(tmp_path: Path, wheel: Path,
+                                                 served: str) -> None:
+    proc = install(tmp_path, f"{served}/{wheel.name}", sha(wheel))
+    assert proc.returncode == 0, proc.stderr
+    pins = sum("==" in line for line in (REPO / "requirements" / "lock.txt").read_text()
+               .splitlines())
+    assert f"dependencies pinned by the release's lock ({pins} pins)" in proc.stderr

@@ -538,3 +538,14 @@ def test_emulated_replicas_install_the_replica_wheel_beside_the_data_planes() ->
     example = load_module(ROOT_EXAMPLE)
     assert {"skymesh_replica_wheel_url", "skymesh_replica_wheel_sha256"} <= set(
         example.variables)
+
+
+def test_the_wheels_hash_is_required_never_optional() -> None:
+    """An instance installs only the wheel the operator pinned (issue #34): the data
+    plane's SHA-256 has no default in the module or the example, and is 64 hex digits."""
+    for path in (ROOT_EXAMPLE, REPO / "terraform" / "modules" / "region"):
+        sha = load_module(path).variables["skymesh_wheel_sha256"]
+        assert "default" not in sha, f"{path}: skymesh_wheel_sha256 must be required"
+    module = load_module(REPO / "terraform" / "modules" / "region")
+    condition = str(module.variables["skymesh_wheel_sha256"]["validation"][0]["condition"])
+    assert "null" not in condition and "[0-9a-f]{64}" in condition

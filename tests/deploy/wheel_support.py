@@ -9,8 +9,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # What `pip wheel` needs of the checkout: the metadata, the build hook that generates the
-# peering stubs from protos/, and the data plane's package.
-SOURCES = ("pyproject.toml", "README.md", "setup.py", "MANIFEST.in", "protos", "skymesh")
+# peering stubs from protos/, the lock it ships, and the data plane's package.
+SOURCES = ("pyproject.toml", "README.md", "setup.py", "MANIFEST.in", "protos", "requirements",
+           "skymesh")
 
 
 def build_wheel(out: Path) -> Path:

@@ -67,7 +67,7 @@ def _clean_env() -> dict[str, str]:
 def _copy_source(dest: Path) -> None:
     """The files an sdist is built from, as they are in the work tree (no build output)."""
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".lock", ".gen-*")
-    for name in ("skymesh", "protos"):
+    for name in ("skymesh", "protos", "requirements"):
         shutil.copytree(ROOT / name, dest / name, ignore=skip)
     shutil.rmtree(dest / "skymesh" / "mesh" / "gen", ignore_errors=True)
     for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "LICENSE"):
@@ -102,8 +102,12 @@ def test_the_sdist_carries_the_protos_and_the_wheel_the_stubs(installed: Install
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     assert "protos/skymesh/v1/peering.proto" in names and "setup.py" in names
     assert not any(n.startswith("skymesh/mesh/gen/") for n in names)
+    assert "requirements/lock.txt" in names
     with zipfile.ZipFile(installed.wheel) as whl:
         assert set(STUBS) <= set(whl.namelist())
+        # The lock travels with the release, for the installer's pip constraints.
+        assert whl.read("skymesh/constraints.txt") == (ROOT / "requirements" /
+                                                       "lock.txt").read_bytes()
 
 
 def _snapshot(package: Path) -> dict[str, int]:

@@ -50,9 +50,8 @@ variable "skymesh_wheel_url" {
 }
 
 variable "skymesh_wheel_sha256" {
-  description = "SHA-256 of that wheel; instances refuse a different file (null: no check)."
+  description = "SHA-256 of that wheel (required); instances refuse a different file."
   type        = string
-  default     = null
 }
 
 variable "skymesh_replica_wheel_url" {
@@ -62,7 +61,7 @@ variable "skymesh_replica_wheel_url" {
 }
 
 variable "skymesh_replica_wheel_sha256" {
-  description = "SHA-256 of that wheel; give it with skymesh_wheel_sha256, or neither (null: no check)."
+  description = "SHA-256 of that wheel (required with skymesh_replica_wheel_url)."
   type        = string
   default     = null
 }

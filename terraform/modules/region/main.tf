@@ -551,8 +551,8 @@ resource "aws_instance" "replica" {
       error_message = "Emulated replicas (replica_count > 0) install skymesh_replica_wheel_url too: set it."
     }
     precondition {
-      condition     = (var.skymesh_wheel_sha256 == null) == (var.skymesh_replica_wheel_sha256 == null)
-      error_message = "Give skymesh_wheel_sha256 and skymesh_replica_wheel_sha256 both, or neither: the installer checks every wheel or none."
+      condition     = var.skymesh_replica_wheel_sha256 != null
+      error_message = "Emulated replicas install skymesh_replica_wheel_url: give its skymesh_replica_wheel_sha256 too (a fetched wheel is installed only when its hash matches)."
     }
   }
 

@@ -136,7 +136,7 @@ variable "certs_ssm_prefix" {
 }
 
 variable "skymesh_wheel_url" {
-  description = "The SkyMesh wheel every instance installs: s3://bucket/key.whl (read with the instance role) or https://.../name.whl. Build it with `python -m build --wheel`; pin it per release."
+  description = "The SkyMesh wheel every instance installs: s3://bucket/key.whl (read with the instance role) or https://.../name.whl. Build it with `make wheels` (or `pip wheel --no-deps -w dist .`); pin it per release."
   type        = string
 
   validation {
@@ -146,13 +146,12 @@ variable "skymesh_wheel_url" {
 }
 
 variable "skymesh_wheel_sha256" {
-  description = "SHA-256 of the wheel (hex); the instance refuses a wheel that does not match. null skips the check."
+  description = "SHA-256 of the wheel (hex, required); the instance refuses a wheel that does not match, so a changed file in the bucket is never installed."
   type        = string
-  default     = null
 
   validation {
-    condition     = var.skymesh_wheel_sha256 == null || can(regex("^[0-9a-f]{64}$", var.skymesh_wheel_sha256))
-    error_message = "skymesh_wheel_sha256 must be 64 lower-case hex digits."
+    condition     = can(regex("^[0-9a-f]{64}$", var.skymesh_wheel_sha256))
+    error_message = "skymesh_wheel_sha256 must be the wheel's SHA-256: 64 lower-case hex digits."
   }
 }
 
@@ -168,7 +167,7 @@ variable "skymesh_replica_wheel_url" {
 }
 
 variable "skymesh_replica_wheel_sha256" {
-  description = "SHA-256 of the skymesh-replica wheel (hex); give it with skymesh_wheel_sha256, or neither. null skips the check."
+  description = "SHA-256 of the skymesh-replica wheel (hex); required with skymesh_replica_wheel_url."
   type        = string
   default     = null
 
