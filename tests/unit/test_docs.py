@@ -5,6 +5,7 @@ configuration reference lists every key of both daemons' configs with its real d
 from __future__ import annotations
 
 import functools
+import importlib.util
 import re
 import typing
 from collections.abc import Iterator
@@ -263,3 +264,67 @@ def test_every_doc_section_the_code_cites_exists(path: Path) -> None:
         return
     stale = list(citations(text, path))
     assert not stale, f"{path.relative_to(REPO)} cites what the docs lack: {stale}"
+
+
+# -- the container images: what the docs say against the Dockerfile and its role list ----
+DOCKER = REPO / "deploy" / "docker"
+IMAGE_DOCS = [REPO / "README.md", REPO / "deploy" / "README.md",
+              *sorted(p for p in (REPO / "docs").rglob("*.md") if "notes" not in p.parts)]
+OUR_IMAGE = re.compile(r"(?<![\w/-])skymesh(?:-[a-z]+)?:\d[\w.]*")
+# Public base images a doc might still name from before the local Debian base.
+OTHER_BASE = re.compile(r"(?<![\w/-])(?:python|debian|ubuntu|alpine|busybox)(?:/[\w.-]+)?:[\w.-]+")
+DISTRIBUTION = {"skymesh": "skymesh", "controller": "skymesh-controller",
+                "replica": "skymesh-replica"}  # folder under the deps dir -> its name
+
+
+def image_roles() -> dict[str, list[tuple[str, tuple[str, ...]]]]:
+    """deploy/docker/requirements.py's ROLES: role -> (folder, extras) it installs."""
+    spec = importlib.util.spec_from_file_location("image_requirements",
+                                                  DOCKER / "requirements.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ROLES  # type: ignore[no-any-return]
+
+
+def base_image() -> str:
+    m = re.search(r"^ARG BASE_IMAGE=(\S+)$", (DOCKER / "Dockerfile").read_text(), re.M)
+    assert m, "deploy/docker/Dockerfile has no ARG BASE_IMAGE= default"
+    return m.group(1)
+
+
+def test_the_docs_name_the_dockerfiles_base_and_no_other() -> None:
+    base = base_image()
+    for doc in (REPO / "docs" / "image.md", REPO / "deploy" / "README.md"):
+        assert f"`{base}`" in doc.read_text(), f"{doc.relative_to(REPO)} does not name {base}"
+    others = {str(d.relative_to(REPO)): found for d in IMAGE_DOCS
+              if (found := OTHER_BASE.findall(d.read_text()))}
+    assert not others, f"the Dockerfile builds on {base}; the docs name {others}"
+
+
+def test_the_docs_name_one_image_per_role_as_make_image_tags_it() -> None:
+    version = re.search(r'^version = "(.*)"$', (REPO / "pyproject.toml").read_text(),
+                        re.M).group(1)  # type: ignore[union-attr]
+    tags = {f"skymesh-{role}:{version}" for role in image_roles()}
+    wrong = {str(d.relative_to(REPO)): found for d in IMAGE_DOCS
+             if (found := sorted(set(OUR_IMAGE.findall(d.read_text())) - tags))}
+    assert not wrong, f"`make image` tags {sorted(tags)}; the docs name {wrong}"
+
+
+def test_the_image_docs_list_the_roles_and_what_each_installs() -> None:
+    roles = image_roles()
+    text = (REPO / "docs" / "image.md").read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)`.*$", text, re.M)}
+    assert set(rows) == set(roles), f"docs/image.md's role table: {sorted(rows)}, " \
+                                    f"requirements.py's ROLES: {sorted(roles)}"
+    # A role's row names what it adds to the balancer's ("+ ..."), the balancer's its own.
+    for role, dists in roles.items():
+        added = dists if role == "balancer" else [d for d in dists
+                                                  if d not in roles["balancer"]]
+        for folder, extras in added:
+            for word in (DISTRIBUTION[folder], *extras):
+                assert word in rows[role], f"docs/image.md, role {role}: no {word}"
+    row = next(line for line in (REPO / "deploy" / "README.md").read_text().splitlines()
+               if line.startswith("| `docker/Dockerfile`"))
+    missing = [role for role in roles if role not in row]
+    assert not missing, f"deploy/README.md's Dockerfile row does not name roles {missing}"
