@@ -7,8 +7,9 @@ child yet still has its ``# HELP``/``# TYPE`` lines, so no traffic is needed.
 
 Scanned: README.md and docs/**/*.md (names in inline code and code blocks), except
 docs/notes/, which are dated working notes that record names as they stood then; and
-deploy/prometheus/*.yml and deploy/grafana/*.json (their PromQL). A counter is named by
-its sample, ``x_total``; a histogram by its family ``x`` or a sample (``x_bucket`` ...).
+deploy/prometheus/*.yml, deploy/grafana/*.json and deploy/k8s/**/*.yaml (the
+PrometheusRule): their PromQL. A counter is named by its sample, ``x_total``; a histogram
+by its family ``x`` or a sample (``x_bucket`` ...).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCANNED = [REPO / "README.md",
            *sorted(p for p in (REPO / "docs").rglob("*.md") if "notes" not in p.parts),
            *sorted((REPO / "deploy" / "prometheus").glob("*.yml")),
-           *sorted((REPO / "deploy" / "grafana").glob("*.json"))]
+           *sorted((REPO / "deploy" / "grafana").glob("*.json")),
+           *sorted((REPO / "deploy" / "k8s").rglob("*.yaml"))]
 # A name ends where a word does; a path (docs/skymesh_x), a module (skymesh_lab.bench), a
 # wheel file (skymesh_replica-0.1.0), a glob (skymesh_controller_*) or an assignment
 # (-var skymesh_wheel_url=...) is not a metric.
