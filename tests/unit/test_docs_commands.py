@@ -1,9 +1,10 @@
 """The commands the README and docs/ show still work as written: every ``make TARGET`` is a
 target of the Makefile; in shell code blocks, every ``skymesh ...``, ``skymesh-lb``,
 ``skymesh-controller`` and ``skymesh-replica`` command line parses with that program's own
-argparse parser (parsed only, never run), every ``python -m MODULE`` names a module that
-exists and every ``python SCRIPT.py`` a file that does. docs/notes/ is left out: dated
-working notes keep commands as they were then."""
+argparse parser (parsed only, never run), every ``python -m MODULE`` (also our own modules
+named in prose) names a module that exists, its arguments parsed when it has a
+``build_parser``, and every ``python SCRIPT.py`` names a file that does. docs/notes/ is
+left out: dated working notes keep commands as they were then."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ DOCS = [REPO / "README.md",
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 SHELL = {"sh", "bash", "shell", "console"}
 INLINE_MAKE = re.compile(r"`((?:[A-Z_]+=\S+ )*make [^`\n]*)`")
+# `python -m skymesh_lab.bench.fidelity` in prose: our modules only (vllm's lives in the
+# real-engine lane's own venv).
+INLINE_MODULE = re.compile(r"`(?:\.venv/bin/)?(python3? -m (?:skymesh|skymesh_controller|"
+                           r"skymesh_replica|skymesh_lab)\b[^`\n]*)`")
 COMMENT = re.compile(r"(?:^|\s)#.*$")
 OPERATORS = {"|", "||", "&", "&&", ";", "(", ")"}
 ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
@@ -177,7 +182,9 @@ def test_every_make_target_the_docs_name_exists(doc: Path) -> None:
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_documented_command_line_parses(doc: Path) -> None:
-    wrong = {" ".join(argv): why for argv in shell_commands(doc.read_text())
+    text = doc.read_text()
+    inline = [shlex.split(m) for m in INLINE_MODULE.findall(text)]
+    wrong = {" ".join(argv): why for argv in [*shell_commands(text), *inline]
              if (why := problem(argv))}
     assert not wrong, f"{doc.relative_to(REPO)}: commands that do not work as written: {wrong}"
 
@@ -187,3 +194,4 @@ def test_the_checks_see_the_docs_commands() -> None:
     seen = [argv[0] for doc in DOCS for argv in shell_commands(doc.read_text())]
     assert {"skymesh", "skymesh-lb", "skymesh-controller", "skymesh-replica"} <= set(seen)
     assert "demo" in set(make_targets_named((REPO / "README.md").read_text()))
+    assert INLINE_MODULE.findall((REPO / "docs" / "lab.md").read_text())
