@@ -35,16 +35,15 @@ ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z_]+$")
 
 
+# Each program's module with its ``build_parser`` (for ``skymesh``, the one that also loads
+# the subcommands the controller and the lab plug in through entry points).
+PROGRAMS = {"skymesh": "skymesh.cli", "skymesh-lb": "skymesh.balancer.cli",
+            "skymesh-controller": "skymesh_controller.cli",
+            "skymesh-replica": "skymesh_replica.cli"}
+
+
 def parser_of(program: str) -> Callable[[], argparse.ArgumentParser]:
-    """The program's own ``build_parser`` (for ``skymesh``, the one that also loads the
-    subcommands the controller and the lab plug in through entry points)."""
-    module = {"skymesh": "skymesh.cli", "skymesh-lb": "skymesh.balancer.cli",
-              "skymesh-controller": "skymesh_controller.cli",
-              "skymesh-replica": "skymesh_replica.cli"}[program]
-    return importlib.import_module(module).build_parser  # type: ignore[no-any-return]
-
-
-PROGRAMS = ("skymesh", "skymesh-lb", "skymesh-controller", "skymesh-replica")
+    return importlib.import_module(PROGRAMS[program]).build_parser  # type: ignore[no-any-return]
 
 
 def shell_commands(text: str) -> Iterator[list[str]]:
