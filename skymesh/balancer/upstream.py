@@ -3,7 +3,7 @@
 Why not aiohttp's ``ClientSession`` here: it does general work per request (URL objects,
 timeouts, tracing hooks, cookie and redirect handling, a ``ClientResponse`` with its
 stream reader) that costs 75-100 us of CPU on this machine, against 14 us for the same
-exchange on a bare connection (README, "Overhead, measured"). A
+exchange on a bare connection (docs/notes/lab-diary.md, "Overhead, measured"). A
 balancer pays it on every request, and at low request rates that Python runs cold and
 shows in TTFT. This client does only what the proxy needs: keep-alive connections per
 replica, one request written in one call, the reply parsed by ``httptools`` (llhttp, the

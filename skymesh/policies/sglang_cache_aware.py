@@ -40,7 +40,8 @@ in ``sgl-router/src/policies/mod.rs`` has the older 0.5 / 32 / 1.1):
   among the smallest trees, the RNG. ``"first"`` takes the first as sglang does: the
   target recorded first at the deepest match, the first candidate (configuration order)
   among the smallest trees. An experiment: live, sglang-router keeps far more requests on
-  the replicas listed first than this port does (README, Results).
+  the replicas listed first than this port does (docs/notes/lab-diary.md, "Results:
+  SkyLB's evaluation, reproduced").
 """
 
 from __future__ import annotations

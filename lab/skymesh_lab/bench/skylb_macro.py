@@ -60,7 +60,8 @@ Load calibration (sim only): ``--load-scale X`` multiplies every region's client
 :data:`CALIBRATED_LOAD_SCALE`). At the paper's counts our 12 L4 replicas are not
 saturated (the single balancers' P90 TTFT is 0.35-1.0 s, the paper's reaches seconds);
 :data:`CALIBRATED_LOAD_SCALE` is, per workload, the smallest multiplier of a sweep at which
-the single balancers' P90 TTFT reaches seconds (docs/notes/bench.md, "Calibration").
+the single balancers' P90 TTFT reaches seconds (docs/notes/bench.md, "Calibration
+(session 2, later)").
 Only client counts change: request sizes, think time (none, closed loop) and the systems
 stay as they are. The JSON's ``setup`` records ``load_scale`` and the scaled counts.
 

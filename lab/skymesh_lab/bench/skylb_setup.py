@@ -134,7 +134,8 @@ SINGLE = ("single-rr", "single-ll", "single-ch", "single-sgl")
 MESH = "skymesh-prefix"
 
 # Per workload, the client multiplier at which the single US balancers' P90 TTFT reaches
-# seconds, as in SkyLB's Figure 8 (sweep in docs/notes/bench.md, "Calibration").
+# seconds, as in SkyLB's Figure 8 (sweep in docs/notes/bench.md, "Calibration (session 2,
+# later)").
 CALIBRATED_LOAD_SCALE: dict[str, float] = {"chat-arena": 2.0, "chat-wildchat": 3.0,
                                            "tot": 3.0, "mixed-tree": 5.0}
 

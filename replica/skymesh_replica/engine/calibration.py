@@ -1,7 +1,7 @@
 """Print each profile's headline figures next to the published ones they are calibrated to.
 
-``python -m skymesh_replica.engine.calibration`` regenerates the README's calibration table, so the
-numbers there always come from the code.
+``python -m skymesh_replica.engine.calibration`` prints the calibration table (the last run is in
+docs/notes/lab-diary.md, "Calibration"), so the numbers there always come from the code.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Small decode batches are memory bound (weights dominate, batching is nearly free
 prefills are compute bound: the two effects that make continuous batching and prefix reuse
 matter to a router.
 
-Calibration (the figures each profile reproduces are in the README's calibration table):
+Calibration (the figures each profile reproduces: docs/notes/lab-diary.md, "Calibration"):
 
 - Weights and KV bytes per token from the model configs: Llama-3.1-8B has 8.03 B
   parameters (16.1 GB in bf16), 32 layers, 8 KV heads x 128 dims, so 128 KiB of KV per
