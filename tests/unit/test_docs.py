@@ -192,10 +192,13 @@ def test_every_link_into_a_page_names_one_of_its_headings(doc: Path) -> None:
 
 
 # Code and comments that cite the docs: skymesh/, controller/, replica/, lab/, and the
-# Makefile, deploy/ and tools/ around them.
+# Makefile, deploy/ and tools/ around them; the sources, not build output (a wheel's
+# build/ copy, generated stubs, caches).
+_NOT_SOURCE = {"gen", "__pycache__", "build", "dist"}
 CITING = [p for top in ("skymesh", "controller", "replica", "lab", "deploy", "tools")
           for p in sorted((REPO / top).rglob("*"))
-          if p.is_file() and "gen" not in p.parts and "__pycache__" not in p.parts
+          if p.is_file() and not _NOT_SOURCE & set(p.relative_to(REPO).parts)
+          and not any(part.endswith(".egg-info") for part in p.parts)
           and (p.suffix in {".py", ".sh", ".yml", ".yaml", ".tf", ".toml"}
                or p.name == "Dockerfile")] + [REPO / "Makefile"]
 # A page (docs/x.md, ../x.md, README.md), then maybe #anchor or `, "Section"`.
