@@ -145,11 +145,13 @@ def test_a_dead_replica_shows_null_figures_not_its_last_good_ones() -> None:
     sent = clock()
     health.probe_ok(h, LOAD, sent)
     assert health.figures(A) == {"waiting": 3, "running": 2, "kv_usage": 0.25,
-                                 "probe_age_s": 0.0, "probe_error": None}
+                                 "probe_age_s": 0.0, "probe_error": None,
+                                 "max_num_seqs_source": "unknown"}
     clock.t += 1.0
     health.probe_failed(h, "connection refused")
     assert health.figures(A) == {"waiting": None, "running": None, "kv_usage": None,
-                                 "probe_age_s": 1.0, "probe_error": "connection refused"}
+                                 "probe_age_s": 1.0, "probe_error": "connection refused",
+                                 "max_num_seqs_source": "unknown"}
     # A good probe clears the error and shows fresh figures again.
     health.probe_ok(h, ProbeResult(waiting=0, running=1, kv_usage=0.1), clock())
     assert health.figures(A)["probe_error"] is None
