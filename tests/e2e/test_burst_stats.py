@@ -4,6 +4,7 @@ vLLM needed: runs in ``make test`` too)."""
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
 import burst_bench
@@ -173,3 +174,20 @@ def test_results_page_shows_the_balancers_limit_told_or_learned_beside_vllms_wai
     assert "sp-p-learned/sp-p-told" in doc["paired"]
     # A page from runs that recorded no limit (the committed ones) has no such table.
     assert "limit at start" not in vllm_burst(burst_bench.build_doc({}, ROUNDS))
+
+
+def test_a_server_whose_metrics_never_answered_has_no_figures_rather_than_zeros() -> None:
+    urls = ["http://a", "http://b"]
+    status = json.dumps({"queued": 3, "replicas": {}}).encode()
+    metrics = (b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 5.0\n"
+               b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 4.0\n")
+    samples = burst_bench.Samples()
+    for _ in range(2):  # b's /metrics timed out both times (status 0)
+        burst_bench._take_sample(urls, [(200, status), (200, metrics), (0, b"")], samples,
+                                 0.5)
+    a, b = (burst_bench.server_summary(u, samples) for u in urls)
+    assert (a["metrics_samples"], a["waiting_mean"], a["waiting_max"]) == (2, 5.0, 5.0)
+    assert a["running_when_backlogged_mean"] == 4.0
+    assert (b["metrics_samples"], b["waiting_mean"], b["waiting_max"],
+            b["running_mean"]) == (0, None, None, None)
+    assert samples.queued == [3.0, 3.0]

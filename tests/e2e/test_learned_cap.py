@@ -49,6 +49,7 @@ def test_the_burst_queues_at_the_balancer_with_the_limit_learned(cluster: Cluste
     assert result["completed"] == BURST.requests, result["errors"]
     waiting = {s["url"]: (s["waiting_mean"], s["waiting_max"])
                for s in result["servers"].values()}
+    assert all(s["metrics_samples"] > 0 for s in result["servers"].values()), waiting
     assert all(mean <= WAITING_MEAN_MAX for mean, _ in waiting.values()), waiting
     assert final == {u: (MAX_NUM_SEQS, "learned") for u in urls}, (final, waiting)
     # The queue formed at the balancer, not inside vLLM.

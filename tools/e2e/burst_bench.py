@@ -66,6 +66,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,27 +151,37 @@ def gauges(text: str) -> dict[str, float]:
 def sample(servers: list[str], lb: str, into: Samples, every_s: float,
            stop: threading.Event) -> None:
     """The sampler, on a thread of its own: parsing two 55 KB scrapes every 0.2 s on the
-    client's event loop would delay the streams it times."""
+    client's event loop would delay the streams it times. The three GETs of a sample go
+    out together: on loaded cores each server's /metrics may take a second to answer, and
+    one after the other a 10 s burst got a handful of samples, some servers none."""
     t0 = time.monotonic()
-    while not stop.is_set():
-        status, body = http_get(lb + "/status")
-        doc = json.loads(body) if status == 200 else {}
-        queued = float(doc.get("queued", 0)) if status == 200 else None
-        if queued is not None:
-            into.queued.append(queued)
-            note_caps(into, doc.get("replicas", {}), servers, time.monotonic() - t0)
-        for url in servers:
-            status, body = http_get(url + "/metrics")
-            if status == 200:
-                g = gauges(body.decode())
-                into.waiting.setdefault(url, []).append(g[WAITING])
-                into.running.setdefault(url, []).append(g[RUNNING])
-                if queued is not None and (queued > 0 or g[WAITING] > 0):
-                    into.backlogged_running.setdefault(url, []).append(g[RUNNING])
-        into.loadavg.append(os.getloadavg()[0])
-        if (n := procstat.runnable()) is not None:
-            into.runnable.append(float(n))
-        stop.wait(every_s)
+    with ThreadPoolExecutor(max_workers=len(servers) + 1) as pool:
+        while not stop.is_set():
+            replies = list(pool.map(http_get, [lb + "/status",
+                                               *(url + "/metrics" for url in servers)]))
+            _take_sample(servers, replies, into, time.monotonic() - t0)
+            stop.wait(every_s)
+
+
+def _take_sample(servers: list[str], replies: list[tuple[int, bytes]], into: Samples,
+                 elapsed_s: float) -> None:
+    """One sample: the balancer's /status and each server's /metrics, as answered."""
+    (status, body), metrics = replies[0], replies[1:]
+    doc = json.loads(body) if status == 200 else {}
+    queued = float(doc.get("queued", 0)) if status == 200 else None
+    if queued is not None:
+        into.queued.append(queued)
+        note_caps(into, doc.get("replicas", {}), servers, elapsed_s)
+    for url, (status, body) in zip(servers, metrics, strict=True):
+        if status == 200:
+            g = gauges(body.decode())
+            into.waiting.setdefault(url, []).append(g[WAITING])
+            into.running.setdefault(url, []).append(g[RUNNING])
+            if queued is not None and (queued > 0 or g[WAITING] > 0):
+                into.backlogged_running.setdefault(url, []).append(g[RUNNING])
+    into.loadavg.append(os.getloadavg()[0])
+    if (n := procstat.runnable()) is not None:
+        into.runnable.append(float(n))
 
 
 def note_caps(into: Samples, replicas: dict[str, Any], servers: list[str],
@@ -231,11 +242,14 @@ def _r(x: float | None) -> float | None:
 
 
 def server_summary(url: str, samples: Samples) -> dict[str, Any]:
-    waiting, running = samples.waiting.get(url, [0.0]), samples.running.get(url, [0.0])
+    # A server whose /metrics never answered in time has no figures, not zeros.
+    waiting, running = samples.waiting.get(url, []), samples.running.get(url, [])
     busy = samples.backlogged_running.get(url)
     cap, source = samples.cap_at_start.get(url, (None, None))
-    return {"url": url, "waiting_mean": _r(statistics.fmean(waiting)),
-            "waiting_max": max(waiting), "running_mean": _r(statistics.fmean(running)),
+    return {"url": url, "metrics_samples": len(waiting),
+            "waiting_mean": _r(statistics.fmean(waiting)) if waiting else None,
+            "waiting_max": max(waiting, default=None),
+            "running_mean": _r(statistics.fmean(running)) if running else None,
             "running_when_backlogged_mean": _r(statistics.fmean(busy)) if busy else None,
             "backlogged_samples": len(busy or []),
             # The balancer's limit for this server as the burst began (after the warm-up)
