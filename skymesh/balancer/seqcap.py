@@ -12,8 +12,11 @@ chosen, not inside the engine. vLLM does not publish that limit, but its probes 
   either way what it admits now), and a probe that shows more running than the cap
   drops it for a new round of learning (restarted with a larger limit).
 - **until learned** sp-p is conservative: it never pushes past what it has seen the
-  engine run (at least 1), plus the engine queue sp-p allows anyway (``engine_queue``, 1
-  on vLLM); each probe that shows more running raises that, one step per probe.
+  engine run (at least 1), plus one: the engine queue sp-p allows anyway
+  (``engine_queue``, 1 on vLLM), or, with none (``engine_queue: 0``), one more in the
+  limit itself, or the engine would never show more than it runs and sp-p would stay at
+  one request per replica. Each probe that shows more running raises that, one step per
+  probe.
 
 A cap the configuration gives (``max_num_seqs``), or one the engine publishes (the
 emulated replica's ``skymesh_engine_max_num_seqs``, SGLang's ``max_running_requests``),
@@ -69,14 +72,17 @@ class CapLearner:
         return "learned" if self.learned is not None else "unknown"
 
 
-def admission_limit(told: int | None, learner: CapLearner, running: int, waiting: int
-                    ) -> tuple[int, Source]:
+def admission_limit(told: int | None, learner: CapLearner, running: int, waiting: int,
+                    engine_queue: int) -> tuple[int, Source]:
     """The limit sp-p applies to a replica after a probe, and where it came from: the one
     it was told (configured, or published by the engine), else the learner's, fed with
-    this probe."""
+    this probe. sp-p fills a replica to this limit plus ``engine_queue``; while learning
+    that must pass what the engine has been seen to run (see the header)."""
     if told:
         return told, "told"
     learner.observe(running, waiting)
+    if learner.learned is None and engine_queue < 1:
+        return learner.cap + 1, learner.source
     return learner.cap, learner.source
 
 

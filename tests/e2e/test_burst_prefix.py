@@ -164,3 +164,46 @@ def test_what_a_burst_added_is_counted_per_server_from_vllms_counters() -> None:
     assert out["per_server"]["s0"] == {"served": 30.0, "prefix_query_tokens": 1000.0,
                                        "prefix_hit_tokens": 512.0}
     assert out["per_server"]["s1"]["served"] == 0.0
+
+
+def test_told_and_learned_run_the_balancers_defaults_with_and_without_the_limit() -> None:
+    not_told = argparse.Namespace(sp_p_max_num_seqs=False, queue_timeout_s=600.0)
+    for args in (ARGS, not_told):  # whatever --sp-p-max-num-seqs says
+        told = burst_modes.lb_config("sp-p-told", args)["pushing"]
+        learned = burst_modes.lb_config("sp-p-learned", args)["pushing"]
+        assert told == {"mode": "sp-p", "max_num_seqs": 4}
+        assert learned == {"mode": "sp-p"}
+    eff_told = burst_modes.effective_pushing(burst_modes.lb_config("sp-p-told", ARGS))
+    eff_learned = burst_modes.effective_pushing(burst_modes.lb_config("sp-p-learned", ARGS))
+    assert (eff_told["max_num_seqs"], eff_told["max_num_seqs_source"]) == (4, "told")
+    assert (eff_learned["max_num_seqs"], eff_learned["max_num_seqs_source"]) == (None,
+                                                                                 "learned")
+    # The same defaults otherwise: a vllm replica's engine queue of 1.
+    assert {k: v for k, v in eff_told.items() if not k.startswith("max_num_seqs")} == {
+        k: v for k, v in eff_learned.items() if not k.startswith("max_num_seqs")}
+    assert eff_learned["engine_queue"] == 1
+    # The old names keep their meaning: sp-p without the flag is not told either.
+    assert burst_modes.lb_config("sp-p", not_told)["pushing"] == {"mode": "sp-p",
+                                                                  "engine_queue": 0}
+    assert burst_modes.parse_modes("bp,sp-p-told,sp-p-learned") == ["bp", "sp-p-told",
+                                                                     "sp-p-learned"]
+    assert ("sp-p-learned", "sp-p-told") in burst_modes.paired_modes(
+        ["bp", "sp-p-told", "sp-p-learned"])
+
+
+def test_the_balancers_limit_per_server_is_recorded_as_the_burst_begins_and_learns() -> None:
+    samples = burst_bench.Samples()
+    urls = ["http://a", "http://b"]
+
+    def status(a: tuple[Any, str], b: tuple[Any, str]) -> dict[str, Any]:
+        return {u: {"max_num_seqs": c, "max_num_seqs_source": s}
+                for u, (c, s) in zip(urls, (a, b), strict=True)}
+
+    burst_bench.note_caps(samples, status((1, "unknown"), (4, "told")), urls, 0.1)
+    burst_bench.note_caps(samples, status((4, "learned"), (4, "told")), urls, 3.25)
+    burst_bench.note_caps(samples, status((4, "learned"), (4, "told")), urls, 3.5)
+    a, b = (burst_bench.server_summary(u, samples) for u in urls)
+    assert (a["lb_max_num_seqs_at_start"], a["lb_max_num_seqs_source_at_start"]) == (
+        1, "unknown")
+    assert a["learned_after_s"] == 3.25
+    assert (b["lb_max_num_seqs_source_at_start"], b["learned_after_s"]) == ("told", None)

@@ -4,6 +4,7 @@ vLLM needed: runs in ``make test`` too)."""
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
 import burst_bench
@@ -148,3 +149,45 @@ def test_resume_keeps_the_first_parts_rounds_and_setup_and_notes_the_new_part() 
     assert setup["resumed"] == [{"at": "T1", "from_round": 2, "loadavg_at_start": [9.0]}]
     with pytest.raises(ValueError, match="other modes"):
         burst_bench.resume(done, setup, ["bp", "sp-o"])
+
+
+def test_results_page_shows_the_balancers_limit_told_or_learned_beside_vllms_waiting() -> None:
+    def run(cap_start: tuple[Any, Any], cap_end: tuple[Any, Any],
+            learned_after: float | None, waiting: float) -> dict[str, Any]:
+        r = _run(50.0, 10.0, waiting)
+        server = {**r["servers"]["s0"], "lb_max_num_seqs_at_start": cap_start[0],
+                  "lb_max_num_seqs_source_at_start": cap_start[1],
+                  "lb_max_num_seqs": cap_end[0], "lb_max_num_seqs_source": cap_end[1],
+                  "learned_after_s": learned_after}
+        return {**r, "servers": {"s0": server, "s1": server}}
+
+    rounds = [{"round": 1, "order": ["bp", "sp-p-told", "sp-p-learned"], "runs": {
+        "bp": run((None, None), (None, None), None, 8.0),
+        "sp-p-told": run((4, "told"), (4, "told"), None, 0.5),
+        "sp-p-learned": run((1, "unknown"), (4, "learned"), 3.2, 0.25)}}]
+    doc = burst_bench.build_doc({"servers": 2, "max_num_seqs": 4}, rounds)
+    page = vllm_burst(doc)
+    assert "| 1 | sp-p-learned | s0 | 0.25 | 0.5 | 1 unknown | 4 learned | 3.2 s |" in page
+    assert "| 1 | sp-p-told | s1 | 0.50 | 1 | 4 told | 4 told | - |" in page
+    assert "| 1 | bp | s0 | 8.00 | 16 | - | - | - |" in page
+    assert "`sp-p-told` and `sp-p-learned` run the balancer's defaults" in page
+    assert "sp-p-learned/sp-p-told" in doc["paired"]
+    # A page from runs that recorded no limit (the committed ones) has no such table.
+    assert "limit at start" not in vllm_burst(burst_bench.build_doc({}, ROUNDS))
+
+
+def test_a_server_whose_metrics_never_answered_has_no_figures_rather_than_zeros() -> None:
+    urls = ["http://a", "http://b"]
+    status = json.dumps({"queued": 3, "replicas": {}}).encode()
+    metrics = (b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 5.0\n"
+               b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 4.0\n")
+    samples = burst_bench.Samples()
+    for _ in range(2):  # b's /metrics timed out both times (status 0)
+        burst_bench._take_sample(urls, [(200, status), (200, metrics), (0, b"")], samples,
+                                 0.5)
+    a, b = (burst_bench.server_summary(u, samples) for u in urls)
+    assert (a["metrics_samples"], a["waiting_mean"], a["waiting_max"]) == (2, 5.0, 5.0)
+    assert a["running_when_backlogged_mean"] == 4.0
+    assert (b["metrics_samples"], b["waiting_mean"], b["waiting_max"],
+            b["running_mean"]) == (0, None, None, None)
+    assert samples.queued == [3.0, 3.0]

@@ -10,6 +10,7 @@ import pytest
 
 from skymesh.balancer.seqcap import CapLearner, admission_limit
 from skymesh.common.probe import ProbeResult, parse_metrics
+from skymesh.policies.load import PushMode, ReplicaLoad, is_available
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_metrics"
 
@@ -19,7 +20,7 @@ def snapshot(name: str) -> ProbeResult:
 
 
 def feed(learner: CapLearner, probes: list[tuple[int, int]]) -> list[tuple[int, str]]:
-    return [admission_limit(None, learner, r, w) for r, w in probes]
+    return [admission_limit(None, learner, r, w, engine_queue=1) for r, w in probes]
 
 
 def test_the_real_snapshots_read_as_a_queue_at_four() -> None:
@@ -74,5 +75,42 @@ def test_a_restart_with_a_smaller_limit_lowers_the_cap() -> None:
 @pytest.mark.parametrize("told", [4, 16])
 def test_a_cap_it_is_told_always_wins(told: int) -> None:
     learner = CapLearner()
-    assert admission_limit(told, learner, 2, 9) == (told, "told")
+    assert admission_limit(told, learner, 2, 9, engine_queue=0) == (told, "told")
     assert learner.seen_max == 0  # not even observed: nothing to learn
+
+
+def fill(engine_queue: int, cap: int = 4, probes: int = 20) -> tuple[list[int], str, int]:
+    """sp-p's own admission (``is_available`` on a ``ReplicaLoad``) against an engine that
+    runs ``cap`` and queues the rest, the limit from the learner at every probe, which runs
+    from the balancer's start (the first sees the engine idle); long requests, none ends.
+    Returns (running after each probe, the final source, the most that waited)."""
+    load, learner = ReplicaLoad("r"), CapLearner()
+    running = waiting = most_waiting = n = 0
+    seen = []
+    for t in range(probes):
+        seqs, source = admission_limit(None, learner, running, waiting,
+                                       engine_queue=engine_queue)
+        load.on_probe(float(t), waiting, running, 0.0, max_num_seqs=seqs,
+                      metrics_lag_s=0.0, engine_queue=engine_queue)
+        seen.append(running)
+        while is_available(load, PushMode.SP_P):  # a backlog at the balancer
+            n += 1
+            load.on_dispatch(f"q{n}", t + 0.5)
+            if running < cap:
+                running += 1
+                load.on_first_byte(f"q{n}")
+            else:
+                waiting += 1
+        most_waiting = max(most_waiting, waiting)
+    return seen, source, most_waiting
+
+
+@pytest.mark.parametrize("engine_queue", [0, 1])
+def test_sp_p_fills_the_engine_to_its_cap_and_learns_it_whatever_the_engine_queue(
+        engine_queue: int) -> None:
+    # With no engine queue (pushing.engine_queue: 0) sp-p must still push one past what it
+    # has seen run while learning, or the engine never shows more and sp-p stays at 1.
+    seen, source, most_waiting = fill(engine_queue)
+    assert seen[-1] == 4 and source == "learned"
+    assert most_waiting <= max(engine_queue, 1)
+    assert seen[:5] == [0, 2, 3, 4, 4]  # one more each probe, from the first request on

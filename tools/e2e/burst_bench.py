@@ -12,8 +12,10 @@ started once. Each run of a push mode gets a fresh ``skymesh-lb --policy P --pus
 and ``engine_queue`` 0; ``sp-p+K`` is ``sp-p`` with ``engine_queue`` K; ``sp-p-strict`` is
 ``sp-p`` with ``prefer_queue`` 0 and ``hold_queue_max`` null, SkyLB's strict rule, where
 ``sp-p`` and ``sp-p+K`` keep the balancer's defaults for the replica holding a request's
-prefix; all from a config file, and the setup records each mode's file and the figures the
-balancer's config code resolves it to), a warm-up burst through it (the same prompts,
+prefix; ``sp-p-told`` and ``sp-p-learned`` run the balancer's defaults, told
+``max_num_seqs`` 4 or left to learn it from the probes; all from a config file, and the
+setup records each mode's file and the figures the balancer's config code resolves it
+to), a warm-up burst through it (the same prompts,
 ``--warmup-max-tokens`` each), and then the measured burst: ``--requests`` long streaming
 chat requests fired at once (``max_tokens`` drawn seeded from
 ``--min-tokens``..``--max-tokens``, ``ignore_eos`` so each runs to its length; prompts are
@@ -38,7 +40,10 @@ failures, the 1-minute load average and runnable tasks during the burst, and wha
 burst cost each part in CPU seconds (``procstat.py``: each server's process group, the
 balancer, this benchmark, everything else on the machine), the servers' memory after it,
 their prefix-cache hits (in all, ``prefix_hit_rate``, and per server), the requests each
-server finished (``served``) and where the parents went. ``--json`` (default
+server finished (``served``) and where the parents went; per server, the balancer's
+admission limit from ``/status`` (``max_num_seqs`` and ``max_num_seqs_source``: told,
+learned or unknown) as the burst began and at its end, and when a sample first showed it
+learned. ``--json`` (default
 ``docs/results/data/vllm_burst.json``, written after every round) gets ``{"setup",
 "rounds": [{"round", "order", "runs": {MODE: ...}}], "modes": per-mode mean and spread,
 "paired": {"MODE/bp": per-round ratios; with ``sp-p-strict``, also
@@ -61,6 +66,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,6 +132,11 @@ class Samples:
     # balancer or inside that server): how fast freed slots are refilled, whatever the
     # machine's speed (``max_num_seqs`` when refill is instant).
     backlogged_running: dict[str, list[float]] = field(default_factory=dict)
+    # The balancer's admission limit per server as /status showed it: (max_num_seqs,
+    # max_num_seqs_source) at the first sample, and when a sample first showed it learned
+    # (seconds after the sampler started).
+    cap_at_start: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    learned_after_s: dict[str, float] = field(default_factory=dict)
 
 
 def gauges(text: str) -> dict[str, float]:
@@ -140,24 +151,59 @@ def gauges(text: str) -> dict[str, float]:
 def sample(servers: list[str], lb: str, into: Samples, every_s: float,
            stop: threading.Event) -> None:
     """The sampler, on a thread of its own: parsing two 55 KB scrapes every 0.2 s on the
-    client's event loop would delay the streams it times."""
-    while not stop.is_set():
-        status, body = http_get(lb + "/status")
-        queued = float(json.loads(body).get("queued", 0)) if status == 200 else None
-        if queued is not None:
-            into.queued.append(queued)
-        for url in servers:
-            status, body = http_get(url + "/metrics")
-            if status == 200:
-                g = gauges(body.decode())
-                into.waiting.setdefault(url, []).append(g[WAITING])
-                into.running.setdefault(url, []).append(g[RUNNING])
-                if queued is not None and (queued > 0 or g[WAITING] > 0):
-                    into.backlogged_running.setdefault(url, []).append(g[RUNNING])
-        into.loadavg.append(os.getloadavg()[0])
-        if (n := procstat.runnable()) is not None:
-            into.runnable.append(float(n))
-        stop.wait(every_s)
+    client's event loop would delay the streams it times. The three GETs of a sample go
+    out together: on loaded cores each server's /metrics may take a second to answer, and
+    one after the other a 10 s burst got a handful of samples, some servers none."""
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=len(servers) + 1) as pool:
+        while not stop.is_set():
+            replies = list(pool.map(http_get, [lb + "/status",
+                                               *(url + "/metrics" for url in servers)]))
+            _take_sample(servers, replies, into, time.monotonic() - t0)
+            stop.wait(every_s)
+
+
+def _take_sample(servers: list[str], replies: list[tuple[int, bytes]], into: Samples,
+                 elapsed_s: float) -> None:
+    """One sample: the balancer's /status and each server's /metrics, as answered."""
+    (status, body), metrics = replies[0], replies[1:]
+    doc = json.loads(body) if status == 200 else {}
+    queued = float(doc.get("queued", 0)) if status == 200 else None
+    if queued is not None:
+        into.queued.append(queued)
+        note_caps(into, doc.get("replicas", {}), servers, elapsed_s)
+    for url, (status, body) in zip(servers, metrics, strict=True):
+        if status == 200:
+            g = gauges(body.decode())
+            into.waiting.setdefault(url, []).append(g[WAITING])
+            into.running.setdefault(url, []).append(g[RUNNING])
+            if queued is not None and (queued > 0 or g[WAITING] > 0):
+                into.backlogged_running.setdefault(url, []).append(g[RUNNING])
+    into.loadavg.append(os.getloadavg()[0])
+    if (n := procstat.runnable()) is not None:
+        into.runnable.append(float(n))
+
+
+def note_caps(into: Samples, replicas: dict[str, Any], servers: list[str],
+              elapsed_s: float) -> None:
+    """The balancer's admission limit per server in one /status sample."""
+    for url in servers:
+        rep = replicas.get(url) or {}
+        into.cap_at_start.setdefault(url, (rep.get("max_num_seqs"),
+                                           rep.get("max_num_seqs_source")))
+        if rep.get("max_num_seqs_source") == "learned":
+            into.learned_after_s.setdefault(url, round(elapsed_s, 2))
+
+
+def lb_caps(lb: str, servers: list[str]) -> dict[str, dict[str, Any]]:
+    """The balancer's admission limit per server (``s0``, ``s1``) and where it came from,
+    as ``/status`` shows it now."""
+    status, body = http_get(lb + "/status")
+    replicas = json.loads(body).get("replicas", {}) if status == 200 else {}
+    return {f"s{i}": {"max_num_seqs": (replicas.get(url) or {}).get("max_num_seqs"),
+                      "max_num_seqs_source": (replicas.get(url) or {}).get(
+                          "max_num_seqs_source")}
+            for i, url in enumerate(servers)}
 
 
 async def one_stream(http: aiohttp.ClientSession, lb: str, prompt: str, max_tokens: int,
@@ -196,12 +242,20 @@ def _r(x: float | None) -> float | None:
 
 
 def server_summary(url: str, samples: Samples) -> dict[str, Any]:
-    waiting, running = samples.waiting.get(url, [0.0]), samples.running.get(url, [0.0])
+    # A server whose /metrics never answered in time has no figures, not zeros.
+    waiting, running = samples.waiting.get(url, []), samples.running.get(url, [])
     busy = samples.backlogged_running.get(url)
-    return {"url": url, "waiting_mean": _r(statistics.fmean(waiting)),
-            "waiting_max": max(waiting), "running_mean": _r(statistics.fmean(running)),
+    cap, source = samples.cap_at_start.get(url, (None, None))
+    return {"url": url, "metrics_samples": len(waiting),
+            "waiting_mean": _r(statistics.fmean(waiting)) if waiting else None,
+            "waiting_max": max(waiting, default=None),
+            "running_mean": _r(statistics.fmean(running)) if running else None,
             "running_when_backlogged_mean": _r(statistics.fmean(busy)) if busy else None,
-            "backlogged_samples": len(busy or [])}
+            "backlogged_samples": len(busy or []),
+            # The balancer's limit for this server as the burst began (after the warm-up)
+            # and when it first showed it learned, if it did during the burst.
+            "lb_max_num_seqs_at_start": cap, "lb_max_num_seqs_source_at_start": source,
+            "learned_after_s": samples.learned_after_s.get(url)}
 
 
 async def fire(lb: str, texts: list[str], lengths: list[int],
@@ -235,13 +289,18 @@ async def burst(servers: list[str], lb: str, args: argparse.Namespace,
         sampler.join()
     ok = [s for s in streams if s.error is None and s.first is not None and s.done]
     ttft = [s.first - s.sent for s in ok if s.first is not None]
+    servers_out = {f"s{i}": server_summary(url, samples) for i, url in enumerate(servers)}
+    for name, cap in lb_caps(lb, servers).items():
+        # The balancer's final view: the limit it applied to the server by the burst's end.
+        servers_out[name].update({"lb_max_num_seqs": cap["max_num_seqs"],
+                                  "lb_max_num_seqs_source": cap["max_num_seqs_source"]})
     return {
         "requests": args.requests, "completed": len(ok),
         "failed": args.requests - len(ok),
         "errors": sorted({s.error for s in streams if s.error})[:5],
         "ttft_p50_s": _r(pct(ttft, 0.5)), "ttft_p90_s": _r(pct(ttft, 0.9)),
         "completion_s": _r(end - t0),
-        "servers": {f"s{i}": server_summary(url, samples) for i, url in enumerate(servers)},
+        "servers": servers_out,
         "lb_queue_mean": _r(statistics.fmean(samples.queued or [0])),
         "lb_queue_max": max(samples.queued or [0]),
         "samples": len(samples.queued),
@@ -370,7 +429,9 @@ def print_round(rnd: dict[str, Any]) -> None:
         print(f"round {rnd['round']} {mode:7} wait mean "
               f"{'/'.join(str(s['waiting_mean']) for s in srv):11} lbq {r['lb_queue_mean']:>6} "
               f"ttft {r['ttft_p50_s']}/{r['ttft_p90_s']} done {r['completion_s']} "
-              f"failed {r['failed']} load {r['loadavg_mean']} cpu {cpu}", flush=True)
+              f"failed {r['failed']} load {r['loadavg_mean']} cpu {cpu} cap "
+              f"{'/'.join(str(s.get('lb_max_num_seqs')) for s in srv)} "
+              f"{'/'.join(str(s.get('lb_max_num_seqs_source')) for s in srv)}", flush=True)
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -429,8 +490,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--env", help="built env folder (venv/ and model/)")
     ap.add_argument("--modes", default="sp-p,bp,sp-o",
-                    help="push modes, of sp-p, sp-p-strict, bp, sp-o and sp-p+K (sp-p told "
-                         "max_num_seqs + K)")
+                    help="push modes, of sp-p, sp-p-strict, bp, sp-o, sp-p+K (sp-p told "
+                         "max_num_seqs + K), sp-p-told and sp-p-learned (the balancer's "
+                         "defaults, told max_num_seqs or not)")
     ap.add_argument("--policy", default="least-load", choices=policy_names(),
                     help="the balancer's routing policy")
     ap.add_argument("--prefix-groups", type=int, default=0, metavar="G",

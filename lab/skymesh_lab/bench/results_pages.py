@@ -177,6 +177,18 @@ SOURCES: tuple[Source, ...] = (
             "--prefix-groups", "6", "--modes", "bp,sp-p-strict,sp-p", "--repeats", "12",
             "--sp-p-max-num-seqs", "--json", "{json}"),
            vllm_burst_page.vllm_burst),
+    Source("vllm_burst_learned", "Real vLLM: sp-p told the servers' max_num_seqs or "
+           "learning it",
+           "The burst on real vLLM (two vLLM-CPU servers, a tiny random-weight model, "
+           "`--max-num-seqs 4`) behind `skymesh-lb` with least load: blind pushing, and "
+           "sp-p on the balancer's defaults told the servers' `max_num_seqs` or not, so "
+           "that it learns it from the probes (issue #34); every mode once per round, "
+           "rounds in a balanced order, sampling each server's waiting and running gauges "
+           "and the balancer's queue and admission limit per server during the burst. "
+           "Needs the `make e2e` environment ([engines](../engines.md)).",
+           (".venv/bin/python", "tools/e2e/burst_bench.py", "--modes",
+            "bp,sp-p-told,sp-p-learned", "--repeats", "6", "--json", "{json}"),
+           vllm_burst_page.vllm_burst),
     Source("vllm_fidelity", "Emulator fidelity: real vLLM against skymesh-replica",
            "One real vLLM server (the CPU build, a tiny random-weight model, "
            "`--max-num-seqs 4`) is measured (decode step at 1 and 4 sequences, a short and "

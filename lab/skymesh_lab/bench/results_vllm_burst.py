@@ -106,6 +106,40 @@ def _hits(pc: dict[str, Any] | None) -> str:
     return f"{num(pc.get('hit_tokens'), ',.0f')} of {num(pc['query_tokens'], ',.0f')}"
 
 
+def _limit(cap: Any, source: Any) -> str:
+    return "-" if cap is None and source is None else f"{num(cap, 'd')} {source or '?'}"
+
+
+def _caps(data: dict[str, Any]) -> list[str]:
+    """Per run and server, the balancer's admission limit from ``/status`` (told, learned
+    or unknown) beside vLLM's own waiting, when the run recorded it (``sp-p-told`` and
+    ``sp-p-learned``): where the queue formed, told the limit or learning it."""
+    rows = []
+    for rnd in data.get("rounds", []):
+        for mode in rnd.get("order", []):
+            for name, srv in sorted(rnd["runs"][mode].get("servers", {}).items()):
+                if "lb_max_num_seqs_source" not in srv:
+                    continue
+                rows.append([str(rnd.get("round")), mode, name,
+                             num(srv.get("waiting_mean"), ".2f"),
+                             num(srv.get("waiting_max"), "g"),
+                             _limit(srv.get("lb_max_num_seqs_at_start"),
+                                    srv.get("lb_max_num_seqs_source_at_start")),
+                             _limit(srv.get("lb_max_num_seqs"),
+                                    srv.get("lb_max_num_seqs_source")),
+                             secs(srv.get("learned_after_s"), 1)])
+    if not rows:
+        return []
+    return ["", "The balancer's admission limit per server (`/status`: `max_num_seqs` and "
+            "`max_num_seqs_source`) as each measured burst began (after its warm-up) and "
+            "at its end, with vLLM's own waiting in that burst; \"learned after\": the "
+            "first sample in the burst that showed it learned (under `bp` the limit is "
+            "not used):", "",
+            table(["round", "mode", "server", "vLLM waiting, mean", "max",
+                   "limit at start", "limit at end", "learned after"], rows,
+                  [True, False, False, True, True, False, False, True])]
+
+
 def _control(ctl: dict[str, Any] | None) -> list[str]:
     """The control run, when attached: one mode repeated in a fixed order on the same
     servers, no warm-up. A burst that costs more or runs slower the later it comes would
@@ -161,6 +195,16 @@ def _prefix_groups(st: dict[str, Any]) -> str:
             "about two thirds of the prompt tokens.")
 
 
+def _told_learned(data: dict[str, Any]) -> str:
+    modes = {m for r in data.get("rounds", []) for m in r.get("order", [])}
+    if not modes & {"sp-p-told", "sp-p-learned"}:
+        return ""
+    return (" `sp-p-told` and `sp-p-learned` run the balancer's defaults for a `kind: vllm` "
+            "replica (`engine_queue` 1), told `max_num_seqs` 4 (`pushing.max_num_seqs`) or "
+            "not: then sp-p learns it from the probes (`skymesh.balancer.seqcap`), afresh "
+            "in every run, since each run has a balancer of its own.")
+
+
 def vllm_burst(data: dict[str, Any]) -> str:
     st = data.get("setup", {})
     n_rounds = len(data.get("rounds", []))
@@ -183,13 +227,14 @@ def vllm_burst(data: dict[str, Any]) -> str:
                "round" if st.get("servers_started_here") is False else "")
             + ". `sp-p+K` is `sp-p` letting K requests wait inside each server "
               "(`pushing.engine_queue` K, a vLLM replica's default being 1; these rounds "
-              "set it as `max_num_seqs` 4 + K, the same rule).")
+              "set it as `max_num_seqs` 4 + K, the same rule)."
+            + _told_learned(data))
     return "\n".join([
         head, "", "Per mode, mean over rounds (min-max):", "", _modes_table(data), "",
         *_hit_rates(data),
         "Paired: one mode's figure over the other's in the same round (below 1: the first "
         "is better; an interval that holds 1.00: these rounds cannot tell the two apart):",
-        "", _paired_table(data), "",
+        "", _paired_table(data), *_caps(data), "",
         "The order effect: each run's figure over its mode's mean, by its position in the "
         "round (1.00 everywhere: no order effect):", "", _position_table(data), "",
         "Every run, with what its burst cost in CPU seconds (each server's API server and "
