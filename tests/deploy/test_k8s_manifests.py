@@ -391,6 +391,9 @@ def test_a_mesh_has_one_controller_that_every_regions_balancers_use(
         # Every balancer of every region names the same controller: the control plane's
         # Service (a name resolvable from the region's namespace).
         assert {c.controller.url for c in cfgs} == {url}, region
+        # The region the balancers run as is the overlay's value (the mesh-id prefix and
+        # the monitoring label), also where an overlay replaces lb.yaml whole.
+        assert {c.region for c in cfgs} == {values(region)["region"]}
         regions |= {c.region for c in cfgs}
         ids |= {c.mesh.id for c in cfgs}
         namespaces.add(namespace(one(objs, "StatefulSet", "skymesh-lb")))
