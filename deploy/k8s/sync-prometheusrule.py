@@ -1,5 +1,5 @@
 """Copy the alert groups of deploy/prometheus/alerts.yml into the PrometheusRule of
-components/monitoring, so both Prometheus set-ups alert on the same rules.
+components/monitoring-control, so both Prometheus set-ups alert on the same rules.
 
     python3 deploy/k8s/sync-prometheusrule.py          # rewrite prometheusrule.yaml
     python3 deploy/k8s/sync-prometheusrule.py --check  # exit 1 if it is out of date
@@ -17,7 +17,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 ALERTS = HERE.parent / "prometheus" / "alerts.yml"
-TARGET = HERE / "components" / "monitoring" / "prometheusrule.yaml"
+TARGET = HERE / "components" / "monitoring-control" / "prometheusrule.yaml"
 HEADER = ("# Generated from deploy/prometheus/alerts.yml by deploy/k8s/sync-prometheusrule.py:"
           "\n# edit alerts.yml, then run the script.\n")
 

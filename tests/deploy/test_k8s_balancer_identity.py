@@ -3,7 +3,8 @@
 The balancer and controller config files are taken from the rendered example overlay
 (``kubectl kustomize``) and run by real ``skymesh-lb`` and ``skymesh-controller``
 processes with the environment the pod spec gives them: ``POD_NAME`` and ``POD_IP`` from
-the downward API, the agent token's hash from a Secret. Only what cannot exist here is
+the downward API, ``REGION`` from the overlay's values, the agent token's hash from a
+Secret. Only what cannot exist here is
 swapped: cluster names for loopback URLs, mounted Secret paths for temporary files, and
 one mesh port per process (the pods each have their own IP; here all share 127.0.0.1).
 
@@ -64,12 +65,16 @@ def test_an_unset_variable_is_refused_naming_the_key(tmp_path: Path) -> None:
     lb, _ = config_files()
     path = tmp_path / "lb.yaml"
     path.write_text(yaml.safe_dump(lb, sort_keys=False))
+    env = {"REGION": "us-east", "CONTROLLER_URL": "http://skymesh-controller.skymesh-control:8080",
+           "POD_NAMESPACE": "skymesh", "POD_IP": "10.0.0.1"}
     with pytest.raises(ConfigError, match=r"^mesh\.id: \$\{POD_NAME\} is not set"):
-        parse_config(load_yaml(path, {"POD_IP": "10.0.0.1"}))
-    cfg = parse_config(load_yaml(path, {"POD_IP": "10.0.0.7", "POD_NAME": "skymesh-lb-3"}))
+        parse_config(load_yaml(path, env))
+    cfg = parse_config(load_yaml(path, {**env, "POD_IP": "10.0.0.7",
+                                        "POD_NAME": "skymesh-lb-3"}))
     assert cfg.mesh is not None and cfg.controller is not None
     assert (cfg.mesh.id, cfg.mesh.listen_host) == ("us-east-skymesh-lb-3", "10.0.0.7")
-    assert cfg.controller.advertise_url == "http://skymesh-lb-3.skymesh-lb-mesh:8080"
+    assert cfg.controller.advertise_url == "http://skymesh-lb-3.skymesh-lb-mesh.skymesh.svc:8080"
+    assert cfg.controller.url == env["CONTROLLER_URL"]
     # $$ escapes; only strings are touched.
     assert expand_env({"a": ["$${POD_NAME}", 1]}, {}) == {"a": ["${POD_NAME}", 1]}
 
@@ -106,9 +111,8 @@ def region_pods(tmp_path: Path) -> Iterator[dict[str, Any]]:
         mesh_id = f"{region}-{pod}"
         certs.issue_cert(pki, mesh_id)
         cfg = json.loads(json.dumps(lb_raw))  # a deep copy
-        # The eu-west region's own file: the same but for its name and replicas.
-        cfg["region"] = region
-        cfg["mesh"]["id"] = cfg["mesh"]["id"].replace("us-east-", f"{region}-")
+        # The eu-west region's own file: the same but for its replicas (the region and
+        # the mesh id's prefix come from REGION).
         cfg["replicas"] = ([{"url": replica_url, "kind": "skymesh"}]
                            if region == "us-east" else [])
         cfg["listen"] = {"host": "127.0.0.1", "port": 0}
@@ -122,7 +126,8 @@ def region_pods(tmp_path: Path) -> Iterator[dict[str, Any]]:
         path = tmp_path / f"{mesh_id}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         runs[mesh_id] = ("skymesh-lb", ["--config", str(path)],
-                         {**_base_env(), "POD_NAME": pod, "POD_IP": "127.0.0.1"})
+                         {**_base_env(), "REGION": region, "POD_NAME": pod,
+                          "POD_IP": "127.0.0.1"})
     with ThreadPoolExecutor(len(runs)) as pool:
         futures = {name: pool.submit(start_daemon, script, args, env=env,
                                      log_path=tmp_path / f"{name}.log", timeout=120)
