@@ -46,6 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from skymesh.mesh.limits import DEFAULT_GUARD_LIMITS, GuardLimits
+from skymesh.obs.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +124,7 @@ class PortGuard(Collector):
         self.admission = Admission(limits)
         self.refused: Counter[str] = Counter()
         self.closed: Counter[str] = Counter()
-        self._clock = clock  # paces the log lines only
-        self._last_log: dict[str, float] = {}
-        self._unlogged: Counter[str] = Counter()
+        self._log = RateLimitedLog(log, LOG_EVERY_S, clock)
         self._server: asyncio.Server | None = None
         self._dir: str | None = None
         self._conns: set[_ClientSide] = set()
@@ -191,17 +190,6 @@ class PortGuard(Collector):
                                         f"no TLS handshake within "
                                         f"{self.limits.handshake_timeout_s:g} s")
 
-    def _log(self, level: int, key: str, message: str) -> None:
-        """At most one line per ``key`` every LOG_EVERY_S, with the count it stood for."""
-        now = self._clock()
-        last = self._last_log.get(key)
-        if last is not None and now - last < LOG_EVERY_S:
-            self._unlogged[key] += 1
-            return
-        self._last_log[key] = now
-        more = self._unlogged.pop(key, 0)
-        log.log(level, "%s%s", message, f" ({more} more since the last such line)" if more
-                else "")
 
     # -- metrics -----------------------------------------------------------------------
     def collect(self) -> Iterator[Metric]:

@@ -53,6 +53,8 @@ from typing import Any, cast
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from skymesh.obs.ratelog import RateLimitedLog
+
 log = logging.getLogger("skymesh.net.limits")
 
 # File descriptors a process needs besides client sockets: the listener, upstream and
@@ -122,9 +124,7 @@ class ConnectionGuard(Collector):
         self.by_client: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
         self.closed: Counter[str] = Counter()
-        self._clock = clock
-        self._last_log: dict[str, float] = {}
-        self._unlogged: Counter[str] = Counter()
+        self._log = RateLimitedLog(log, LOG_EVERY_S, clock)
 
     # -- admission -------------------------------------------------------------------
     def admit(self, client: str) -> str | None:
@@ -165,17 +165,6 @@ class ConnectionGuard(Collector):
         self._log(logging.INFO, reason, f"{self.name}: closed a connection from {client}: "
                                         f"{reason.replace('_', ' ')}")
 
-    def _log(self, level: int, key: str, message: str) -> None:
-        """At most one line per ``key`` every LOG_EVERY_S, with the count it stood for."""
-        now = self._clock()
-        last = self._last_log.get(key)
-        if last is not None and now - last < LOG_EVERY_S:
-            self._unlogged[key] += 1
-            return
-        self._last_log[key] = now
-        more = self._unlogged.pop(key, 0)
-        tail = f" ({more} more since the last such line)" if more else ""
-        log.log(level, "%s%s", message, tail)
 
     # -- wiring ----------------------------------------------------------------------
     def protocol_factory(self, inner: Callable[..., asyncio.Protocol], *,
