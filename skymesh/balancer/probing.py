@@ -111,12 +111,15 @@ class Prober:
         told, lag = h.cfg.pushing_limits(self.pushing(), res.max_num_seqs)
         engine_queue = h.cfg.engine_queue(self.pushing())
         # Not told (vLLM does not publish it): learned from the probes, conservatively.
-        seqs, h.seqs_source = admission_limit(told, h.cap, res.running, res.waiting,
+        # Ours that have started run there now, whatever its (lagging) gauges show.
+        target = self.core.dispatcher.targets.get(url)
+        running = max(res.running, target.load.started if target is not None else 0)
+        seqs, h.seqs_source = admission_limit(told, h.cap, running, res.waiting,
                                               engine_queue)
         self.core.dispatcher.on_probe(url, sent, res.waiting, res.running, res.kv_usage,
-                               res.kv_capacity_tokens, max_num_seqs=seqs, metrics_lag_s=lag,
-                               engine_queue=engine_queue,
-                               prefer_queue=h.cfg.prefer_queue(self.pushing()))
+                                      res.kv_capacity_tokens, max_num_seqs=seqs,
+                                      metrics_lag_s=lag, engine_queue=engine_queue,
+                                      prefer_queue=h.cfg.prefer_queue(self.pushing()))
         m = self.core.metrics
         m.replica_waiting.labels(url).set(res.waiting)
         m.replica_running.labels(url).set(res.running)

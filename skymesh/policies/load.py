@@ -243,6 +243,12 @@ class ReplicaLoad:
         self._recount()
 
     @property
+    def started(self) -> int:
+        """Ours on the target that have started (a first byte) and not completed: the
+        engine runs at least this many at once, whatever its gauges say."""
+        return self.in_flight - len(self._unstarted)
+
+    @property
     def freed_since_probe(self) -> int:
         """Our requests the last probe still shows that have completed since."""
         return len(self._freed_at)

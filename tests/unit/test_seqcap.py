@@ -114,3 +114,22 @@ def test_sp_p_fills_the_engine_to_its_cap_and_learns_it_whatever_the_engine_queu
     assert seen[-1] == 4 and source == "learned"
     assert most_waiting <= max(engine_queue, 1)
     assert seen[:5] == [0, 2, 3, 4, 4]  # one more each probe, from the first request on
+
+
+def test_what_has_started_there_counts_as_seen_running_when_the_gauges_read_zero() -> None:
+    """The prober feeds the learner the larger of the gauge and ``ReplicaLoad.started``:
+    an engine whose gauges stay at 0 still lets the limit grow with what it answers."""
+    load, learner = ReplicaLoad("r"), CapLearner()
+    caps = []
+    for t in range(4):
+        running = max(0, load.started)  # the gauge reads 0 throughout
+        seqs, _ = admission_limit(None, learner, running, 0, engine_queue=1)
+        load.on_probe(float(t), 0, 0, 0.0, max_num_seqs=seqs, metrics_lag_s=0.0,
+                      engine_queue=1)
+        caps.append(seqs)
+        while is_available(load, PushMode.SP_P) and load.in_flight < 4:
+            rid = f"q{t}-{load.in_flight}"
+            load.on_dispatch(rid, t + 0.5)
+            load.on_first_byte(rid)  # the engine answers: it runs them
+    assert load.started == 4
+    assert caps == [1, 2, 3, 4]  # without the started count it stays at 1
