@@ -39,6 +39,7 @@ from skymesh.common.probe import (
     parse_metrics,
     parse_sglang_load,
 )
+from skymesh.obs.ratelog import RateLimitedLog
 
 log = logging.getLogger("skymesh.lb")
 
@@ -57,7 +58,8 @@ class Prober:
         # Streams on replicas marked down that have sent nothing for a while: ended there.
         self.on_down = on_down
         self.gates: dict[str, ParseGate] = {}  # /metrics parsing, per replica URL
-        self.logged: dict[str, float] = {}  # when a probe over a limit was last logged
+        # Every probe of a replica over a limit fails the same way: a line per LOG_EVERY_S.
+        self._log = RateLimitedLog(log, LOG_EVERY_S, health.clock)
 
     async def loop(self) -> None:
         interval = self.cfg.probe.interval_s
@@ -74,8 +76,7 @@ class Prober:
         replicas = self.health.replicas
         for url in [u for u in self.gates if u not in replicas]:
             del self.gates[url]
-        for url in [u for u in self.logged if u not in replicas]:
-            del self.logged[url]
+        self._log.forget(lambda url: url in replicas)
         # Streams on a replica now marked down that have stalled end (or resume) here,
         # not after upstream.read_timeout_s.
         down = {url for url, h in replicas.items() if not h.healthy}
@@ -173,11 +174,7 @@ class Prober:
     def over_limit(self, url: str, exc: Exception) -> None:
         what = exc.what if isinstance(exc, ReplyTooLarge) else "metrics_parse"
         self.core.metrics.replica_limits.labels(url, what).inc()
-        # Every probe of such a replica fails the same way: one line per LOG_EVERY_S.
-        now = self.health.clock()
-        if now - self.logged.get(url, -math.inf) >= LOG_EVERY_S:
-            self.logged[url] = now
-            log.warning("probe of %s over a limit: %s", url, exc)
+        self._log(logging.WARNING, url, f"probe of {url} over a limit: {exc}")
 
 
 LOG_EVERY_S = 10.0

@@ -38,5 +38,11 @@ class RateLimitedLog:
         self.logger.log(level, "%s%s", message,
                         f" ({more} more since the last such line)" if more else "")
 
+    def forget(self, keep: Callable[[str], bool]) -> None:
+        """Drop the keys ``keep`` rejects (a replica that left), so the table stays bounded."""
+        for key in [k for k in self._last if not keep(k)]:
+            del self._last[key]
+            self._unlogged.pop(key, None)
+
 
 __all__ = ["DEFAULT_EVERY_S", "RateLimitedLog"]
