@@ -81,8 +81,14 @@ lint: install
 
 typecheck: lint
 
+# The router-overhead benchmark (docs/results/router-overhead.md) needs wrk and gcc; it
+# installs sglang-router and vllm-router into venvs under /tmp and skips those that fail.
+# Optional: a missing tool or router does not fail `make bench`.
+BENCH_SYSTEM_PKGS := wrk:wrk gcc:gcc
 bench: install
 	$(BIN)/python -m skymesh_lab.bench
+	-$(MAKE) -s system-deps SYSTEM_PKGS="$(BENCH_SYSTEM_PKGS)"
+	-$(BIN)/skymesh bench router-overhead --json out/bench/router-overhead.json
 
 # Refresh the lock: resolve pyproject.toml's ranges afresh in a scratch venv and freeze.
 # torch stays at the contract's exact pin (2.13.0, the CPU build on this machine's disk).

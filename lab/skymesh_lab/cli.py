@@ -149,6 +149,11 @@ BENCH_EXPERIMENTS: dict[str, str] = {
     "capacity-week": "skymesh_lab.planning.capacity_week",
     "plan-ilp": "skymesh_controller.planning.ilp_bench",
 }
+# Live-only experiments (real processes, minutes of machine time): reachable from
+# ``skymesh bench`` but not in ``make bench``'s loop over the experiments in sim mode.
+LIVE_BENCH_EXPERIMENTS: dict[str, str] = {
+    "router-overhead": "skymesh_lab.bench.router_overhead",
+}
 
 # Modules adding their own subcommands through ``register(subparsers)``.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -164,8 +169,10 @@ COMMAND_MODULES: tuple[str, ...] = (
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    module = importlib.import_module(BENCH_EXPERIMENTS[args.experiment])
+    module = importlib.import_module({**BENCH_EXPERIMENTS,
+                                      **LIVE_BENCH_EXPERIMENTS}[args.experiment])
     modes = getattr(module, "MODES", ("sim",))
+    args.mode = args.mode or modes[0]
     if args.mode not in modes:
         print(f"skymesh bench {args.experiment}: --mode {args.mode} is not available "
               f"(this experiment runs with --mode {'|'.join(modes)})", file=sys.stderr)
@@ -253,8 +260,10 @@ def register_sim(sub: Any) -> None:
 
 def register_bench(sub: Any) -> None:
     bp = sub.add_parser("bench", help="reproduce an experiment and print its figures")
-    bp.add_argument("experiment", choices=sorted(BENCH_EXPERIMENTS))
-    bp.add_argument("--mode", choices=["sim", "live"], default="sim")
+    bp.add_argument("experiment", choices=sorted({**BENCH_EXPERIMENTS,
+                                                  **LIVE_BENCH_EXPERIMENTS}))
+    bp.add_argument("--mode", choices=["sim", "live"], default=None,
+                    help="default: sim, or live for a live-only experiment")
     bp.add_argument("--json", default=None, metavar="PATH")
     bp.add_argument("--duration", type=float, default=None,
                     help="simulated seconds of client activity per run")
@@ -278,6 +287,8 @@ def register_bench(sub: Any) -> None:
     bp.add_argument("--predictor", action=PredictorFlag, choices=BENCH_PREDICTORS,
                     default=None, help="length predictor of goodput and preserve-router "
                                        "(default moe; else $SKYMESH_LENGTH_PREDICTOR)")
+    from skymesh_lab.bench.router_overhead import add_arguments as router_overhead_args
+    router_overhead_args(bp)
     bp.set_defaults(fn=cmd_bench)
 
 

@@ -29,6 +29,7 @@ from skymesh_lab.bench import (
     forecast_peers_page,
     ha_region_page,
     image_sizes_page,
+    router_overhead_page,
     security_page,
     terraform_apply_page,
 )
@@ -278,6 +279,17 @@ SOURCES: tuple[Source, ...] = (
            (".venv/bin/python", "-m", "skymesh_lab.bench.image_sizes", "--build",
             "--json", "{json}"),
            image_sizes_page.image_sizes),
+    Source("router-overhead", "Router overhead: skymesh-lb beside sglang-router and vllm-router",
+           "Each router in front of the same two C stub backends (epoll, an answer in "
+           "microseconds), driven by wrk (closed loop) on this machine, interleaved rounds: "
+           "non-streaming at round-robin and at each router's default (cache-aware) "
+           "configuration with shared-prefix bodies, streaming (64 events), the added "
+           "latency of one streamed request, and the tail at 256 connections; router CPU "
+           "per 1,000 requests from /proc, RSS. `lab/skymesh_lab/bench/router_overhead.py` "
+           "says how; issue 35 is what it measures.",
+           (".venv/bin/skymesh", "bench", "router-overhead", "--rounds", "3", "--duration",
+            "5", "--json", "{json}"),
+           router_overhead_page.router_overhead),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 
