@@ -233,3 +233,19 @@ def test_skymesh_bench_knows_router_overhead_as_live_only(capsys: pytest.Capture
     assert "router-overhead" not in BENCH_EXPERIMENTS
     assert main(["bench", "router-overhead", "--mode", "sim", "--rounds", "1"]) == 2
     assert "runs with --mode live" in capsys.readouterr().err
+
+
+def test_tail_instruments_time_collections_per_generation_and_reset() -> None:
+    from skymesh_lab.bench import router_overhead_tail as tail
+
+    inst = tail.Instruments()
+    inst.on_gc("start", {"generation": 2})
+    inst.on_gc("stop", {"generation": 2})
+    inst.add(inst.handler, 0.001)
+    inst.add(inst.handler, 0.003)
+    snap = inst.snapshot()
+    assert snap["gc"]["2"]["n"] == 1 and snap["gc"]["0"] == {}
+    assert snap["handler"]["p50_ms"] == pytest.approx(3.0)  # upper median of two
+    assert snap["handler"]["max_ms"] == pytest.approx(3.0)
+    inst.reset()
+    assert inst.snapshot()["handler"] == {}

@@ -188,7 +188,7 @@ def start_peer(name: str, py: Path, config: str, stubs: Sequence[str], workdir: 
     return Daemon(name, proc, f"http://127.0.0.1:{port}", log_path)
 
 
-def _http(url: str, method: str, path: str, body: bytes | None = None,
+def http_request(url: str, method: str, path: str, body: bytes | None = None,
           timeout: float = 5.0) -> tuple[int, bytes]:
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
@@ -210,7 +210,7 @@ def wait_ready(d: Daemon) -> None:
         if not d.alive():
             break
         try:
-            status, text = _http(d.url, "POST", "/v1/chat/completions", body)
+            status, text = http_request(d.url, "POST", "/v1/chat/completions", body)
             if status == 200:
                 return
             last = f"HTTP {status}: {text[:200]!r}"
@@ -249,7 +249,7 @@ def prefix_metrics(inst: Instance) -> dict[str, float]:
     if inst.router != SKYMESH:
         return {}
     with contextlib.suppress(OSError):
-        status, text = _http(inst.daemon.url, "GET", "/metrics")
+        status, text = http_request(inst.daemon.url, "GET", "/metrics")
         if status == 200:
             return st.prefix_samples(text.decode(errors="replace"))
     return {}

@@ -1,0 +1,271 @@
+"""Where skymesh-lb's c=256 tail goes: an instrumented skymesh-lb under wrk.
+
+    python -m skymesh_lab.bench.router_overhead_tail --rounds 3 --duration 5 --json OUT.json
+
+The product is not changed: each skymesh-lb runs in a wrapper process (``--serve``) that
+imports it, installs the instruments and then calls its own ``main``:
+
+* a middleware in front of every other one times the handler (aiohttp has parsed the
+  request when it starts; the response is written when it returns);
+* an asyncio task measures the event loop's lag (a 2 ms sleep's overshoot);
+* ``gc.callbacks`` time every collection, per generation;
+* skymesh-lb's own ``skymesh_connections_closed_total`` tells keep-alive churn.
+
+wrk's latency minus the handler's time is what is spent outside the handler: in the
+kernel's queues, waiting for the loop, parsing, writing. Variants, interleaved in every
+round: the product as it runs (``tuned``: its gc.freeze + threshold 20,000), the cyclic
+GC switched off (``nogc``), at 64 and at 256 connections, round-robin + bp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from skymesh.util.procs import Daemon
+from skymesh_lab.bench import router_overhead as ro
+from skymesh_lab.bench import router_overhead_stats as st
+
+RING = 200_000  # samples kept per instrument (newest), so memory stays bounded
+LAG_TICK_S = 0.002
+
+
+def _pcts(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    s = sorted(xs)
+
+    def q(p: float) -> float:
+        return s[min(len(s) - 1, int(p * len(s)))]
+
+    return {"n": float(len(s)), "p50_ms": q(0.5) * 1e3, "p99_ms": q(0.99) * 1e3,
+            "max_ms": s[-1] * 1e3, "sum_ms": sum(s) * 1e3}
+
+
+class Instruments:
+    """Handler times, loop lags and GC pauses since the last ``reset``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.handler: list[float] = []
+        self.lag: list[float] = []
+        self.gc: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._gc_t0 = 0.0
+
+    def reset(self) -> None:
+        with self.lock:
+            self.handler, self.lag = [], []
+            self.gc = {0: [], 1: [], 2: []}
+
+    def add(self, xs: list[float], v: float) -> None:
+        if len(xs) < RING:
+            xs.append(v)
+
+    def on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.add(self.gc[info["generation"]], time.perf_counter() - self._gc_t0)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return {"handler": _pcts(self.handler), "loop_lag": _pcts(self.lag),
+                    "gc": {str(g): _pcts(v) for g, v in self.gc.items()}}
+
+
+def serve(stats_path: Path, control_path: Path, gc_mode: str, lb_argv: list[str]) -> int:
+    """Run skymesh-lb with the instruments; every 0.2 s, a ``reset`` written to
+    ``control_path`` clears them and the current figures go to ``stats_path``."""
+    from aiohttp import web
+
+    import skymesh.balancer.server as server
+    import skymesh.net.serving as serving
+    from skymesh.balancer.cli import main as lb_main
+
+    inst = Instruments()
+    gc.callbacks.append(inst.on_gc)
+
+    build_app = server.build_app
+
+    def build_app_timed(cfg: Any) -> web.Application:
+        app = build_app(cfg)
+
+        @web.middleware
+        async def timed(request: web.Request,
+                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                        ) -> web.StreamResponse:
+            t0 = time.perf_counter()
+            try:
+                return await handler(request)
+            finally:
+                inst.add(inst.handler, time.perf_counter() - t0)
+
+        app.middlewares.insert(0, timed)
+        return app
+
+    server.build_app = build_app_timed
+    run = serving.run
+
+    async def lag_monitor() -> None:
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(LAG_TICK_S)
+            inst.add(inst.lag, max(0.0, time.perf_counter() - t0 - LAG_TICK_S))
+
+    async def reporter() -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            if control_path.exists() and control_path.read_text() == "reset":
+                control_path.write_text("")
+                inst.reset()
+            stats_path.write_text(json.dumps(inst.snapshot()))
+
+    def run_instrumented(main: Coroutine[Any, Any, None]) -> None:
+        async def wrapped() -> None:
+            tasks = [asyncio.create_task(lag_monitor()), asyncio.create_task(reporter())]
+            try:
+                await main
+            finally:
+                for t in tasks:
+                    t.cancel()
+
+        if gc_mode == "nogc":
+            # After the product's tune_gc (it runs once serving): off for good.
+            def off() -> None:
+                time.sleep(3.0)
+                gc.disable()
+            threading.Thread(target=off, daemon=True).start()
+        run(wrapped())
+
+    serving.run = run_instrumented
+    return lb_main(lb_argv)
+
+
+# -- the measurement -------------------------------------------------------------------
+_LISTENING = re.compile(r"listening on (http://\S+)")
+
+
+def start_wrapped(name: str, cmd: list[str], workdir: Path) -> Daemon:
+    """``cmd`` (a wrapped skymesh-lb), once it printed where it listens."""
+    log_path = workdir / f"{name}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + ro.READY_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        m = _LISTENING.search(log_path.read_text(errors="replace"))
+        if m:
+            return Daemon(name, proc, m.group(1), log_path)
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"{name} did not start:\n{log_path.read_text()[-2000:]}")
+
+
+VARIANTS = (("tuned", 64), ("tuned", 256), ("nogc", 256))
+
+
+def _closed(url: str) -> float:
+    _, text = ro.http_request(url, "GET", "/metrics")
+    total = 0.0
+    for line in text.decode(errors="replace").splitlines():
+        if line.startswith("skymesh_connections_closed_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def measure(rounds: int, duration_s: float, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    out: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="c256-tail-") as tmp:
+        work = Path(tmp)
+        binary = ro.build_stub(work)
+        stubs = [ro.start_stub(binary, ro.STREAM_EVENTS, work, i) for i in range(2)]
+        lbs: dict[str, tuple[Any, Path, Path]] = {}
+        try:
+            for mode in sorted({m for m, _ in VARIANTS}):
+                stats, control = work / f"{mode}.stats", work / f"{mode}.control"
+                argv = ["--port", "0", "--replicas", ",".join(d.url for d in stubs),
+                        *ro.CONFIG_FLAGS[ro.SKYMESH]["rr"]]
+                d = start_wrapped(
+                    f"skymesh-lb-{mode}",
+                    [sys.executable, "-m", "skymesh_lab.bench.router_overhead_tail",
+                     "--serve", str(stats), "--control", str(control), "--gc", mode,
+                     "--", *argv], work)
+                lbs[mode] = (d, stats, control)
+            for d, _, _ in lbs.values():
+                ro.wait_ready(d)
+                ro.run_wrk(d.url, ro.Case("warmup", "rr", 64, False, "fixed"), 1.0)
+            time.sleep(3.5)  # nogc's switch
+            for rnd in range(rounds):
+                plan = list(VARIANTS)
+                rng.shuffle(plan)
+                for mode, conns in plan:
+                    d, stats, control = lbs[mode]
+                    control.write_text("reset")
+                    deadline = time.monotonic() + 5
+                    while control.read_text() == "reset" and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    closed0 = _closed(d.url)
+                    case = ro.Case(f"c{conns}", "rr", conns, False, "fixed")
+                    wrk = st.parse_wrk(ro.run_wrk(d.url, case, duration_s))
+                    time.sleep(0.5)  # one more report from the wrapper
+                    inst = json.loads(stats.read_text())
+                    row = {"round": rnd, "gc": mode, "connections": conns, "wrk": wrk,
+                           "closed_connections": _closed(d.url) - closed0, **inst}
+                    out.append(row)
+                    h, lag = inst["handler"], inst["loop_lag"]
+                    print(f"r{rnd} {mode:<5} c={conns:<3} wrk p50 {wrk['p50_ms']:.1f} "
+                          f"p99 {wrk['p99_ms']:.1f} ms | handler p50 {h.get('p50_ms', 0):.2f}"
+                          f" p99 {h.get('p99_ms', 0):.2f} | lag p99 "
+                          f"{lag.get('p99_ms', 0):.1f} max {lag.get('max_ms', 0):.1f} | gc "
+                          + " ".join(f"g{g}:{v.get('n', 0):.0f}/{v.get('max_ms', 0):.1f}ms"
+                                     for g, v in inst["gc"].items())
+                          + f" | closed {row['closed_connections']:.0f}", flush=True)
+        finally:
+            for d, _, _ in lbs.values():
+                d.stop()
+            for s in stubs:
+                s.stop()
+    return {"setup": {"rounds": rounds, "duration_s": duration_s, "variants": VARIANTS,
+                      "loadavg": list(os.getloadavg()), "cores": os.cpu_count()},
+            "rows": out}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--serve" in argv:
+        cut = argv.index("--")
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--serve", type=Path)
+        ap.add_argument("--control", type=Path)
+        ap.add_argument("--gc", default="tuned", choices=["tuned", "nogc"])
+        a = ap.parse_args(argv[:cut])
+        return serve(a.serve, a.control, a.gc, argv[cut + 1:])
+    ap = argparse.ArgumentParser(prog="python -m skymesh_lab.bench.router_overhead_tail",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    res = measure(a.rounds, a.duration, a.seed)
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
