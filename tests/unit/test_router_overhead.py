@@ -249,3 +249,22 @@ def test_tail_instruments_time_collections_per_generation_and_reset() -> None:
     assert snap["handler"]["max_ms"] == pytest.approx(3.0)
     inst.reset()
     assert inst.snapshot()["handler"] == {}
+
+
+def test_tail_table_takes_medians_per_variant() -> None:
+    from skymesh_lab.bench import router_overhead_tail as tail
+
+    def row(rnd: int, p99: float, closed: int) -> dict[str, object]:
+        return {"round": rnd, "lb": "tuned-2", "connections": 256,
+                "wrk": {"rps": 4000.0, "p50_ms": 50.0, "p99_ms": p99},
+                "handler": {"p50_ms": 0.2, "p99_ms": 1.0}, "loop_lag": {"p99_ms": 3.0,
+                                                                       "max_ms": 9.0},
+                "gc": {"0": {}, "1": {}, "2": {"n": 2.0, "max_ms": 30.0}},
+                "client_conns_closed": 0.0, "upstream_conns_closed": closed}
+
+    res = {"setup": {"variants": [["tuned-2", 256], ["nogc-2", 256]]},
+           "rows": [row(0, 500.0, 900), row(1, 700.0, 1100), row(2, 600.0, 1000)]}
+    text = tail.table(res)
+    assert "| tuned, 2 | 256 | 4,000 | 50.0 | 600.0 | 12.0 | 0.20 | 1.00 | 3.0 | 9.0 " \
+           "| 2 / 30.0 | 0 | 1,000 |" in text
+    assert "nogc" not in text  # no rows, no line

@@ -13,8 +13,12 @@ imports it, installs the instruments and then calls its own ``main``:
 
 wrk's latency minus the handler's time is what is spent outside the handler: in the
 kernel's queues, waiting for the loop, parsing, writing. Variants, interleaved in every
-round: the product as it runs (``tuned``: its gc.freeze + threshold 20,000), the cyclic
-GC switched off (``nogc``), at 64 and at 256 connections, round-robin + bp.
+round: the product as it runs (``tuned``: its gc.freeze + threshold 20,000) at 64 and
+256 connections, the cyclic GC switched off (``nogc``), and the same 256 connections
+spread over 4 stubs instead of 2 (fewer in flight per replica: the balancer keeps at most
+128 idle connections per replica, ``skymesh.balancer.upstream.MAX_IDLE_PER_TARGET``);
+round-robin + bp. Connections the balancer closed to the stubs are counted from the
+TIME_WAIT sockets towards their ports.
 """
 
 from __future__ import annotations
@@ -173,7 +177,25 @@ def start_wrapped(name: str, cmd: list[str], workdir: Path) -> Daemon:
     raise RuntimeError(f"{name} did not start:\n{log_path.read_text()[-2000:]}")
 
 
-VARIANTS = (("tuned", 64), ("tuned", 256), ("nogc", 256))
+# (skymesh-lb instance "GC mode-replicas", connections)
+VARIANTS = (("tuned-2", 64), ("tuned-2", 256), ("tuned-4", 256), ("nogc-2", 256))
+
+
+def time_wait_to(ports: set[int]) -> int:
+    """Sockets in TIME_WAIT towards ``ports``: connections the balancer closed to the
+    stubs (the side that closes first keeps TIME_WAIT for a minute)."""
+    n = 0
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if parts[3] == "06" and int(parts[2].rsplit(":", 1)[1], 16) in ports:
+                        n += 1
+        except OSError:
+            continue
+    return n
 
 
 def _closed(url: str) -> float:
@@ -191,19 +213,22 @@ def measure(rounds: int, duration_s: float, seed: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="c256-tail-") as tmp:
         work = Path(tmp)
         binary = ro.build_stub(work)
-        stubs = [ro.start_stub(binary, ro.STREAM_EVENTS, work, i) for i in range(2)]
-        lbs: dict[str, tuple[Any, Path, Path]] = {}
+        stubs = [ro.start_stub(binary, ro.STREAM_EVENTS, work, i) for i in range(4)]
+        ports = {int(d.url.rsplit(":", 1)[1]) for d in stubs}
+        lbs: dict[str, tuple[Daemon, Path, Path]] = {}
         try:
-            for mode in sorted({m for m, _ in VARIANTS}):
-                stats, control = work / f"{mode}.stats", work / f"{mode}.control"
-                argv = ["--port", "0", "--replicas", ",".join(d.url for d in stubs),
+            for name in sorted({m for m, _ in VARIANTS}):
+                gc_mode, n_replicas = name.split("-")
+                stats, control = work / f"{name}.stats", work / f"{name}.control"
+                argv = ["--port", "0", "--replicas",
+                        ",".join(d.url for d in stubs[:int(n_replicas)]),
                         *ro.CONFIG_FLAGS[ro.SKYMESH]["rr"]]
                 d = start_wrapped(
-                    f"skymesh-lb-{mode}",
+                    f"skymesh-lb-{name}",
                     [sys.executable, "-m", "skymesh_lab.bench.router_overhead_tail",
-                     "--serve", str(stats), "--control", str(control), "--gc", mode,
+                     "--serve", str(stats), "--control", str(control), "--gc", gc_mode,
                      "--", *argv], work)
-                lbs[mode] = (d, stats, control)
+                lbs[name] = (d, stats, control)
             for d, _, _ in lbs.values():
                 ro.wait_ready(d)
                 ro.run_wrk(d.url, ro.Case("warmup", "rr", 64, False, "fixed"), 1.0)
@@ -211,28 +236,23 @@ def measure(rounds: int, duration_s: float, seed: int) -> dict[str, Any]:
             for rnd in range(rounds):
                 plan = list(VARIANTS)
                 rng.shuffle(plan)
-                for mode, conns in plan:
-                    d, stats, control = lbs[mode]
+                for name, conns in plan:
+                    d, stats, control = lbs[name]
                     control.write_text("reset")
                     deadline = time.monotonic() + 5
                     while control.read_text() == "reset" and time.monotonic() < deadline:
                         time.sleep(0.05)
-                    closed0 = _closed(d.url)
+                    closed0, tw0 = _closed(d.url), time_wait_to(ports)
                     case = ro.Case(f"c{conns}", "rr", conns, False, "fixed")
                     wrk = st.parse_wrk(ro.run_wrk(d.url, case, duration_s))
+                    tw1 = time_wait_to(ports)
                     time.sleep(0.5)  # one more report from the wrapper
                     inst = json.loads(stats.read_text())
-                    row = {"round": rnd, "gc": mode, "connections": conns, "wrk": wrk,
-                           "closed_connections": _closed(d.url) - closed0, **inst}
+                    row = {"round": rnd, "lb": name, "connections": conns, "wrk": wrk,
+                           "client_conns_closed": _closed(d.url) - closed0,
+                           "upstream_conns_closed": tw1 - tw0, **inst}
                     out.append(row)
-                    h, lag = inst["handler"], inst["loop_lag"]
-                    print(f"r{rnd} {mode:<5} c={conns:<3} wrk p50 {wrk['p50_ms']:.1f} "
-                          f"p99 {wrk['p99_ms']:.1f} ms | handler p50 {h.get('p50_ms', 0):.2f}"
-                          f" p99 {h.get('p99_ms', 0):.2f} | lag p99 "
-                          f"{lag.get('p99_ms', 0):.1f} max {lag.get('max_ms', 0):.1f} | gc "
-                          + " ".join(f"g{g}:{v.get('n', 0):.0f}/{v.get('max_ms', 0):.1f}ms"
-                                     for g, v in inst["gc"].items())
-                          + f" | closed {row['closed_connections']:.0f}", flush=True)
+                    print(describe(row), flush=True)
         finally:
             for d, _, _ in lbs.values():
                 d.stop()
@@ -241,6 +261,50 @@ def measure(rounds: int, duration_s: float, seed: int) -> dict[str, Any]:
     return {"setup": {"rounds": rounds, "duration_s": duration_s, "variants": VARIANTS,
                       "loadavg": list(os.getloadavg()), "cores": os.cpu_count()},
             "rows": out}
+
+
+def describe(row: dict[str, Any]) -> str:
+    wrk, h, lag = row["wrk"], row["handler"], row["loop_lag"]
+    gcs = " ".join(f"g{g}:{v.get('n', 0):.0f}/{v.get('max_ms', 0):.1f}ms"
+                   for g, v in row["gc"].items())
+    return (f"r{row['round']} {row['lb']:<7} c={row['connections']:<3} {wrk['rps']:>6.0f} "
+            f"req/s wrk p50 {wrk['p50_ms']:.1f} p99 {wrk['p99_ms']:.1f} ms | handler p50 "
+            f"{h.get('p50_ms', 0):.2f} p99 {h.get('p99_ms', 0):.2f} | loop lag p99 "
+            f"{lag.get('p99_ms', 0):.1f} max {lag.get('max_ms', 0):.1f} | gc {gcs} | "
+            f"closed: client {row['client_conns_closed']:.0f}, upstream "
+            f"{row['upstream_conns_closed']}")
+
+
+def table(res: dict[str, Any]) -> str:
+    """Medians over the rounds per variant, as markdown (docs/notes/c256-tail.md)."""
+    import statistics
+
+    def med(rows: list[dict[str, Any]], get: Callable[[dict[str, Any]], float]) -> float:
+        return statistics.median(get(r) for r in rows)
+
+    out = ["| skymesh-lb (GC, replicas) | conns | req/s | wrk p50 ms | wrk p99 ms | p99/p50 "
+           "| handler p50 ms | handler p99 ms | loop lag p99 ms | loop lag max ms "
+           "| GC gen2 runs / max ms | client conns closed | upstream conns closed |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, conns in res["setup"]["variants"]:
+        rows = [r for r in res["rows"] if r["lb"] == name and r["connections"] == conns]
+        if not rows:
+            continue
+        gc_mode, reps = name.split("-")
+        out.append(
+            f"| {gc_mode}, {reps} | {conns} | {med(rows, lambda r: r['wrk']['rps']):,.0f} "
+            f"| {med(rows, lambda r: r['wrk']['p50_ms']):.1f} "
+            f"| {med(rows, lambda r: r['wrk']['p99_ms']):.1f} "
+            f"| {med(rows, lambda r: r['wrk']['p99_ms'] / r['wrk']['p50_ms']):.1f} "
+            f"| {med(rows, lambda r: r['handler'].get('p50_ms', 0.0)):.2f} "
+            f"| {med(rows, lambda r: r['handler'].get('p99_ms', 0.0)):.2f} "
+            f"| {med(rows, lambda r: r['loop_lag'].get('p99_ms', 0.0)):.1f} "
+            f"| {med(rows, lambda r: r['loop_lag'].get('max_ms', 0.0)):.1f} "
+            f"| {med(rows, lambda r: r['gc']['2'].get('n', 0.0)):.0f} / "
+            f"{med(rows, lambda r: r['gc']['2'].get('max_ms', 0.0)):.1f} "
+            f"| {med(rows, lambda r: r['client_conns_closed']):,.0f} "
+            f"| {med(rows, lambda r: r['upstream_conns_closed']):,.0f} |")
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,8 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--markdown", type=Path, default=None, metavar="JSON",
+                    help="print the table of a run's JSON instead of running")
     a = ap.parse_args(argv)
+    if a.markdown:
+        print(table(json.loads(a.markdown.read_text())))
+        return 0
     res = measure(a.rounds, a.duration, a.seed)
+    print(table(res))
     if a.json:
         a.json.write_text(json.dumps(res, indent=1) + "\n")
     return 0
