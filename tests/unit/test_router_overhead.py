@@ -259,12 +259,29 @@ def test_tail_table_takes_medians_per_variant() -> None:
                 "wrk": {"rps": 4000.0, "p50_ms": 50.0, "p99_ms": p99},
                 "handler": {"p50_ms": 0.2, "p99_ms": 1.0}, "loop_lag": {"p99_ms": 3.0,
                                                                        "max_ms": 9.0},
-                "gc": {"0": {}, "1": {}, "2": {"n": 2.0, "max_ms": 30.0}},
-                "client_conns_closed": 0.0, "upstream_conns_closed": closed}
+                "gc": {"0": {"n": 5.0, "max_ms": 3.0}, "1": {},
+                       "2": {"n": 2.0, "max_ms": 30.0}},
+                "accept_to_first_handler": {"p50_ms": 100.0, "max_ms": 900.0},
+                "client_conns_closed": 0.0, "upstream_connects": closed,
+                "unread_request_s": {"p99_ms": 20.0, "max_ms": 40.0},
+                "unread_answer_s": {"p99_ms": 700.0, "max_ms": 1500.0}}
 
     res = {"setup": {"variants": [["tuned-2", 256], ["nogc-2", 256]]},
            "rows": [row(0, 500.0, 900), row(1, 700.0, 1100), row(2, 600.0, 1000)]}
     text = tail.table(res)
     assert "| tuned, 2 | 256 | 4,000 | 50.0 | 600.0 | 12.0 | 0.20 | 1.00 | 3.0 | 9.0 " \
-           "| 2 / 30.0 | 0 | 1,000 |" in text
+           "| 7 / 30.0 | 100.0 / 900.0 | 0 | 1,000 | 20 / 40 | 700 / 1500 |" in text
     assert "nogc" not in text  # no rows, no line
+
+
+def test_tail_reads_the_age_of_unread_bytes_from_ss() -> None:
+    from skymesh_lab.bench import router_overhead_tail as tail
+
+    text = ("0      66     127.0.0.1:1000 127.0.0.1:5000\n"
+            "\t bbr rto:204 lastsnd:3 lastack:3 busy:6ms\n"
+            "160    0      127.0.0.1:1000 127.0.0.1:5001\n"
+            "\t bbr rto:204 lastsnd:900 lastrcv:850 lastack:850\n"
+            "160    0      127.0.0.1:1000 127.0.0.1:5002\n"
+            "\t bbr rto:204 busy:1ms\n")
+    assert tail.parse_ss(text) == {("127.0.0.1:1000", "127.0.0.1:5001"): 0.85,
+                                   ("127.0.0.1:1000", "127.0.0.1:5002"): 0.0}

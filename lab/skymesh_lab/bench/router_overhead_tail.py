@@ -9,16 +9,22 @@ imports it, installs the instruments and then calls its own ``main``:
   request when it starts; the response is written when it returns);
 * an asyncio task measures the event loop's lag (a 2 ms sleep's overshoot);
 * ``gc.callbacks`` time every collection, per generation;
-* skymesh-lb's own ``skymesh_connections_closed_total`` tells keep-alive churn.
+* skymesh-lb's own ``skymesh_connections_closed_total`` tells keep-alive churn with
+  the client, a count of ``Upstream._connect`` calls the churn towards the stubs.
 
 wrk's latency minus the handler's time is what is spent outside the handler: in the
 kernel's queues, waiting for the loop, parsing, writing. Variants, interleaved in every
-round: the product as it runs (``tuned``: its gc.freeze + threshold 20,000) at 64 and
+round (``--variants``): the product as it runs (``tuned``: uvloop, its gc.freeze +
+threshold 20,000) at 64 and
 256 connections, the cyclic GC switched off (``nogc``), and the same 256 connections
 spread over 4 stubs instead of 2 (fewer in flight per replica: the balancer keeps at most
-128 idle connections per replica, ``skymesh.balancer.upstream.MAX_IDLE_PER_TARGET``);
-round-robin + bp. Connections the balancer closed to the stubs are counted from the
-TIME_WAIT sockets towards their ports.
+128 idle connections per replica, ``skymesh.balancer.upstream.MAX_IDLE_PER_TARGET``),
+and ``asyncio``: the standard library's event loop instead of uvloop;
+round-robin + bp. New connections to the stubs are counted in the wrapper; every 20 ms
+the harness asks ``ss -tin`` how long the bytes waiting in each connection's receive
+queue have waited (``lastrcv`` while the queue is not empty): on the balancer's end (a
+request it has not read yet) and on wrk's end (an answer wrk has not read yet), and
+reports per connection the oldest seen; only connections seen with bytes waiting count.
 """
 
 from __future__ import annotations
@@ -68,10 +74,16 @@ class Instruments:
         self.lag: list[float] = []
         self.gc: dict[int, list[float]] = {0: [], 1: [], 2: []}
         self._gc_t0 = 0.0
+        # From a connection's accept to its first request's handler (id(protocol) ->
+        # accept time, taken out at that request).
+        self.opened: dict[int, float] = {}
+        self.first_wait: list[float] = []
+        self.upstream_connects = 0
 
     def reset(self) -> None:
         with self.lock:
-            self.handler, self.lag = [], []
+            self.handler, self.lag, self.first_wait = [], [], []
+            self.upstream_connects = 0
             self.gc = {0: [], 1: [], 2: []}
 
     def add(self, xs: list[float], v: float) -> None:
@@ -87,6 +99,8 @@ class Instruments:
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
             return {"handler": _pcts(self.handler), "loop_lag": _pcts(self.lag),
+                    "accept_to_first_handler": _pcts(self.first_wait),
+                    "upstream_connects": self.upstream_connects,
                     "gc": {str(g): _pcts(v) for g, v in self.gc.items()}}
 
 
@@ -94,14 +108,31 @@ def serve(stats_path: Path, control_path: Path, gc_mode: str, lb_argv: list[str]
     """Run skymesh-lb with the instruments; every 0.2 s, a ``reset`` written to
     ``control_path`` clears them and the current figures go to ``stats_path``."""
     from aiohttp import web
+    from aiohttp.web_protocol import RequestHandler
 
     import skymesh.balancer.server as server
+    import skymesh.balancer.upstream as upstream
     import skymesh.net.serving as serving
     from skymesh.balancer.cli import main as lb_main
 
     inst = Instruments()
     gc.callbacks.append(inst.on_gc)
 
+    made = RequestHandler.connection_made
+
+    def connection_made(self: RequestHandler, transport: asyncio.BaseTransport) -> None:
+        if len(inst.opened) < RING:
+            inst.opened[id(self)] = time.perf_counter()
+        made(self, transport)
+
+    RequestHandler.connection_made = connection_made  # type: ignore[method-assign]
+    connect = upstream.Upstream._connect
+
+    async def counted_connect(self: upstream.Upstream, key: tuple[str, int, bool]) -> Any:
+        inst.upstream_connects += 1
+        return await connect(self, key)
+
+    upstream.Upstream._connect = counted_connect  # type: ignore[method-assign]
     build_app = server.build_app
 
     def build_app_timed(cfg: Any) -> web.Application:
@@ -112,6 +143,9 @@ def serve(stats_path: Path, control_path: Path, gc_mode: str, lb_argv: list[str]
                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                         ) -> web.StreamResponse:
             t0 = time.perf_counter()
+            opened = inst.opened.pop(id(request.protocol), None)
+            if opened is not None:
+                inst.add(inst.first_wait, t0 - opened)
             try:
                 return await handler(request)
             finally:
@@ -135,7 +169,10 @@ def serve(stats_path: Path, control_path: Path, gc_mode: str, lb_argv: list[str]
             if control_path.exists() and control_path.read_text() == "reset":
                 control_path.write_text("")
                 inst.reset()
-            stats_path.write_text(json.dumps(inst.snapshot()))
+            # Whole or not at all: the harness may read it at any moment.
+            tmp = stats_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(inst.snapshot()))
+            os.replace(tmp, stats_path)
 
     def run_instrumented(main: Coroutine[Any, Any, None]) -> None:
         async def wrapped() -> None:
@@ -154,6 +191,8 @@ def serve(stats_path: Path, control_path: Path, gc_mode: str, lb_argv: list[str]
             threading.Thread(target=off, daemon=True).start()
         run(wrapped())
 
+    if gc_mode == "asyncio":  # the standard library's loop instead of uvloop
+        run = asyncio.run
     serving.run = run_instrumented
     return lb_main(lb_argv)
 
@@ -181,24 +220,57 @@ def start_wrapped(name: str, cmd: list[str], workdir: Path) -> Daemon:
 VARIANTS = (("tuned-2", 64), ("tuned-2", 256), ("tuned-4", 256), ("nogc-2", 256))
 
 
-def time_wait_to(ports: set[int]) -> int:
-    """Sockets in TIME_WAIT towards ``ports``: connections the balancer closed to the
-    stubs (the side that closes first keeps TIME_WAIT for a minute)."""
-    n = 0
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(name) as f:
-                next(f)
-                for line in f:
-                    parts = line.split()
-                    if parts[3] == "06" and int(parts[2].rsplit(":", 1)[1], 16) in ports:
-                        n += 1
-        except OSError:
+_LASTRCV = re.compile(r"\blastrcv:(\d+)")
+
+
+def parse_ss(text: str) -> dict[tuple[str, str], float]:
+    """``ss -tinH`` output -> (local, peer) -> seconds the bytes in its receive queue have
+    waited unread (``lastrcv``: since data last arrived, when the queue is not empty);
+    sockets with an empty queue are left out."""
+    out: dict[tuple[str, str], float] = {}
+    lines = text.splitlines()
+    for head, info in zip(lines[::2], lines[1::2], strict=False):
+        parts = head.split()
+        if len(parts) < 4 or not parts[0].isdigit() or int(parts[0]) == 0:
             continue
-    return n
+        m = _LASTRCV.search(info)
+        out[(parts[2], parts[3])] = int(m.group(1)) / 1e3 if m else 0.0
+    return out
+
+
+def unread_ages(port: int) -> dict[str, dict[tuple[str, str], float]]:
+    """Per side, the age of unread bytes on ``port``'s connections: ``server`` is the
+    balancer's end (a request not read yet), ``client`` wrk's (an answer not read yet)."""
+    out = {}
+    for side, sel in (("server", f"( sport = :{port} )"), ("client", f"( dport = :{port} )")):
+        r = subprocess.run(["ss", "-tinH", "state", "established", sel], capture_output=True,
+                           text=True, timeout=10)
+        out[side] = parse_ss(r.stdout)
+    return out
+
+
+class QueueSampler(threading.Thread):
+    """``unread_ages`` every ``every_s`` until stopped; per side and connection, the
+    oldest unread bytes seen."""
+
+    def __init__(self, port: int, every_s: float = 0.02) -> None:
+        super().__init__(daemon=True)
+        self.port, self.every_s = port, every_s
+        self.oldest: dict[str, dict[tuple[str, str], float]] = {"server": {}, "client": {}}
+        self.samples = 0
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.wait(self.every_s):
+            for side, ages in unread_ages(self.port).items():
+                seen = self.oldest[side]
+                for key, age in ages.items():
+                    seen[key] = max(seen.get(key, 0.0), age)
+            self.samples += 1
 
 
 def _closed(url: str) -> float:
+    """skymesh-lb's client connections closed so far (all reasons)."""
     _, text = ro.http_request(url, "GET", "/metrics")
     total = 0.0
     for line in text.decode(errors="replace").splitlines():
@@ -207,17 +279,17 @@ def _closed(url: str) -> float:
     return total
 
 
-def measure(rounds: int, duration_s: float, seed: int) -> dict[str, Any]:
+def measure(rounds: int, duration_s: float, seed: int,
+            variants: tuple[tuple[str, int], ...] = VARIANTS) -> dict[str, Any]:
     rng = random.Random(seed)
     out: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="c256-tail-") as tmp:
         work = Path(tmp)
         binary = ro.build_stub(work)
         stubs = [ro.start_stub(binary, ro.STREAM_EVENTS, work, i) for i in range(4)]
-        ports = {int(d.url.rsplit(":", 1)[1]) for d in stubs}
         lbs: dict[str, tuple[Daemon, Path, Path]] = {}
         try:
-            for name in sorted({m for m, _ in VARIANTS}):
+            for name in sorted({m for m, _ in variants}):
                 gc_mode, n_replicas = name.split("-")
                 stats, control = work / f"{name}.stats", work / f"{name}.control"
                 argv = ["--port", "0", "--replicas",
@@ -234,7 +306,7 @@ def measure(rounds: int, duration_s: float, seed: int) -> dict[str, Any]:
                 ro.run_wrk(d.url, ro.Case("warmup", "rr", 64, False, "fixed"), 1.0)
             time.sleep(3.5)  # nogc's switch
             for rnd in range(rounds):
-                plan = list(VARIANTS)
+                plan = list(variants)
                 rng.shuffle(plan)
                 for name, conns in plan:
                     d, stats, control = lbs[name]
@@ -242,15 +314,22 @@ def measure(rounds: int, duration_s: float, seed: int) -> dict[str, Any]:
                     deadline = time.monotonic() + 5
                     while control.read_text() == "reset" and time.monotonic() < deadline:
                         time.sleep(0.05)
-                    closed0, tw0 = _closed(d.url), time_wait_to(ports)
+                    closed0 = _closed(d.url)
                     case = ro.Case(f"c{conns}", "rr", conns, False, "fixed")
-                    wrk = st.parse_wrk(ro.run_wrk(d.url, case, duration_s))
-                    tw1 = time_wait_to(ports)
+                    sampler = QueueSampler(int(d.url.rsplit(":", 1)[1]))
+                    sampler.start()
+                    try:
+                        wrk = st.parse_wrk(ro.run_wrk(d.url, case, duration_s))
+                    finally:
+                        sampler.halt.set()
+                        sampler.join()
                     time.sleep(0.5)  # one more report from the wrapper
                     inst = json.loads(stats.read_text())
                     row = {"round": rnd, "lb": name, "connections": conns, "wrk": wrk,
                            "client_conns_closed": _closed(d.url) - closed0,
-                           "upstream_conns_closed": tw1 - tw0, **inst}
+                           "unread_request_s": _pcts(list(sampler.oldest["server"].values())),
+                           "unread_answer_s": _pcts(list(sampler.oldest["client"].values())),
+                           "queue_samples": sampler.samples, **inst}
                     out.append(row)
                     print(describe(row), flush=True)
         finally:
@@ -258,21 +337,29 @@ def measure(rounds: int, duration_s: float, seed: int) -> dict[str, Any]:
                 d.stop()
             for s in stubs:
                 s.stop()
-    return {"setup": {"rounds": rounds, "duration_s": duration_s, "variants": VARIANTS,
+    return {"setup": {"rounds": rounds, "duration_s": duration_s, "variants": variants,
                       "loadavg": list(os.getloadavg()), "cores": os.cpu_count()},
             "rows": out}
 
 
 def describe(row: dict[str, Any]) -> str:
     wrk, h, lag = row["wrk"], row["handler"], row["loop_lag"]
+    acc = row.get("accept_to_first_handler", {})
     gcs = " ".join(f"g{g}:{v.get('n', 0):.0f}/{v.get('max_ms', 0):.1f}ms"
                    for g, v in row["gc"].items())
     return (f"r{row['round']} {row['lb']:<7} c={row['connections']:<3} {wrk['rps']:>6.0f} "
             f"req/s wrk p50 {wrk['p50_ms']:.1f} p99 {wrk['p99_ms']:.1f} ms | handler p50 "
             f"{h.get('p50_ms', 0):.2f} p99 {h.get('p99_ms', 0):.2f} | loop lag p99 "
             f"{lag.get('p99_ms', 0):.1f} max {lag.get('max_ms', 0):.1f} | gc {gcs} | "
-            f"closed: client {row['client_conns_closed']:.0f}, upstream "
-            f"{row['upstream_conns_closed']}")
+            f"accept->handler p50 {acc.get('p50_ms', 0):.1f} max {acc.get('max_ms', 0):.1f} "
+            f"(n {acc.get('n', 0):.0f}) | "
+            f"client conns closed {row['client_conns_closed']:.0f}, upstream connects "
+            f"{row['upstream_connects']} | longest unread request per conn p99 "
+            f"{row['unread_request_s'].get('p99_ms', 0):.0f} max "
+            f"{row['unread_request_s'].get('max_ms', 0):.0f} ms, unread answer p99 "
+            f"{row['unread_answer_s'].get('p99_ms', 0):.0f} max "
+            f"{row['unread_answer_s'].get('max_ms', 0):.0f} ms "
+            f"({row['queue_samples']} samples)")
 
 
 def table(res: dict[str, Any]) -> str:
@@ -284,8 +371,10 @@ def table(res: dict[str, Any]) -> str:
 
     out = ["| skymesh-lb (GC, replicas) | conns | req/s | wrk p50 ms | wrk p99 ms | p99/p50 "
            "| handler p50 ms | handler p99 ms | loop lag p99 ms | loop lag max ms "
-           "| GC gen2 runs / max ms | client conns closed | upstream conns closed |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| GC runs (all gens) / longest ms | new conns: accept to handler p50 / max ms "
+           "| client conns closed | upstream connects | unread request, longest per conn: "
+           "p99 / max ms | unread answer (wrk side): p99 / max ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, conns in res["setup"]["variants"]:
         rows = [r for r in res["rows"] if r["lb"] == name and r["connections"] == conns]
         if not rows:
@@ -300,10 +389,16 @@ def table(res: dict[str, Any]) -> str:
             f"| {med(rows, lambda r: r['handler'].get('p99_ms', 0.0)):.2f} "
             f"| {med(rows, lambda r: r['loop_lag'].get('p99_ms', 0.0)):.1f} "
             f"| {med(rows, lambda r: r['loop_lag'].get('max_ms', 0.0)):.1f} "
-            f"| {med(rows, lambda r: r['gc']['2'].get('n', 0.0)):.0f} / "
-            f"{med(rows, lambda r: r['gc']['2'].get('max_ms', 0.0)):.1f} "
+            f"| {med(rows, lambda r: sum(g.get('n', 0.0) for g in r['gc'].values())):.0f}"
+            f" / {med(rows, lambda r: max(g.get('max_ms', 0.0) for g in r['gc'].values())):.1f} "
+            f"| {med(rows, lambda r: r['accept_to_first_handler'].get('p50_ms', 0.0)):.1f} / "
+            f"{med(rows, lambda r: r['accept_to_first_handler'].get('max_ms', 0.0)):.1f} "
             f"| {med(rows, lambda r: r['client_conns_closed']):,.0f} "
-            f"| {med(rows, lambda r: r['upstream_conns_closed']):,.0f} |")
+            f"| {med(rows, lambda r: r['upstream_connects']):,.0f} "
+            f"| {med(rows, lambda r: r['unread_request_s'].get('p99_ms', 0.0)):.0f} / "
+            f"{med(rows, lambda r: r['unread_request_s'].get('max_ms', 0.0)):.0f} "
+            f"| {med(rows, lambda r: r['unread_answer_s'].get('p99_ms', 0.0)):.0f} / "
+            f"{med(rows, lambda r: r['unread_answer_s'].get('max_ms', 0.0)):.0f} |")
     return "\n".join(out)
 
 
@@ -314,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         ap = argparse.ArgumentParser()
         ap.add_argument("--serve", type=Path)
         ap.add_argument("--control", type=Path)
-        ap.add_argument("--gc", default="tuned", choices=["tuned", "nogc"])
+        ap.add_argument("--gc", default="tuned", choices=["tuned", "nogc", "asyncio"])
         a = ap.parse_args(argv[:cut])
         return serve(a.serve, a.control, a.gc, argv[cut + 1:])
     ap = argparse.ArgumentParser(prog="python -m skymesh_lab.bench.router_overhead_tail",
@@ -324,13 +419,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--variants", default=None, metavar="LIST",
+                    help="e.g. tuned-2:256,asyncio-2:256 (MODE-REPLICAS:CONNECTIONS; MODE "
+                         "tuned, nogc or asyncio)")
     ap.add_argument("--markdown", type=Path, default=None, metavar="JSON",
                     help="print the table of a run's JSON instead of running")
     a = ap.parse_args(argv)
     if a.markdown:
         print(table(json.loads(a.markdown.read_text())))
         return 0
-    res = measure(a.rounds, a.duration, a.seed)
+    variants = VARIANTS if not a.variants else tuple(
+        (v.split(":")[0], int(v.split(":")[1])) for v in a.variants.split(","))
+    res = measure(a.rounds, a.duration, a.seed, variants)
     print(table(res))
     if a.json:
         a.json.write_text(json.dumps(res, indent=1) + "\n")
