@@ -369,7 +369,7 @@ def table(res: dict[str, Any]) -> str:
     def med(rows: list[dict[str, Any]], get: Callable[[dict[str, Any]], float]) -> float:
         return statistics.median(get(r) for r in rows)
 
-    out = ["| skymesh-lb (GC, replicas) | conns | req/s | wrk p50 ms | wrk p99 ms | p99/p50 "
+    out = ["| skymesh-lb (variant, replicas) | conns | req/s | wrk p50 ms | wrk p99 ms | p99/p50 "
            "| handler p50 ms | handler p99 ms | loop lag p99 ms | loop lag max ms "
            "| GC runs (all gens) / longest ms | new conns: accept to handler p50 / max ms "
            "| client conns closed | upstream connects | unread request, longest per conn: "
