@@ -270,7 +270,7 @@ def test_tail_table_takes_medians_per_variant() -> None:
            "rows": [row(0, 500.0, 900), row(1, 700.0, 1100), row(2, 600.0, 1000)]}
     text = tail.table(res)
     assert "| tuned, 2 | 256 | 4,000 | 50.0 | 600.0 | 12.0 | 0.20 | 1.00 | 3.0 | 9.0 " \
-           "| 7 / 30.0 | 100.0 / 900.0 | 0 | 1,000 | 20 / 40 | 700 / 1500 |" in text
+           "| 7 / 30.0 | 100.0 / 900.0 | 0 | 1,000 | 20 / 40 | 700 / 1500 | - |" in text
     assert "nogc" not in text  # no rows, no line
 
 

@@ -317,19 +317,24 @@ def measure(rounds: int, duration_s: float, seed: int,
                     closed0 = _closed(d.url)
                     case = ro.Case(f"c{conns}", "rr", conns, False, "fixed")
                     sampler = QueueSampler(int(d.url.rsplit(":", 1)[1]))
+                    cpu0 = st.tree_cpu_ticks(st.tree(ro.proc_snapshot(), d.proc.pid))
                     sampler.start()
                     try:
                         wrk = st.parse_wrk(ro.run_wrk(d.url, case, duration_s))
                     finally:
                         sampler.halt.set()
                         sampler.join()
+                    cpu1 = st.tree_cpu_ticks(st.tree(ro.proc_snapshot(), d.proc.pid))
                     time.sleep(0.5)  # one more report from the wrapper
                     inst = json.loads(stats.read_text())
                     row = {"round": rnd, "lb": name, "connections": conns, "wrk": wrk,
                            "client_conns_closed": _closed(d.url) - closed0,
                            "unread_request_s": _pcts(list(sampler.oldest["server"].values())),
                            "unread_answer_s": _pcts(list(sampler.oldest["client"].values())),
-                           "queue_samples": sampler.samples, **inst}
+                           "queue_samples": sampler.samples,
+                           "cpu_ms_per_1k": st.cpu_ms_per_1k(cpu0, cpu1, wrk["requests"],
+                                                             os.sysconf("SC_CLK_TCK")),
+                           **inst}
                     out.append(row)
                     print(describe(row), flush=True)
         finally:
@@ -373,13 +378,15 @@ def table(res: dict[str, Any]) -> str:
            "| handler p50 ms | handler p99 ms | loop lag p99 ms | loop lag max ms "
            "| GC runs (all gens) / longest ms | new conns: accept to handler p50 / max ms "
            "| client conns closed | upstream connects | unread request, longest per conn: "
-           "p99 / max ms | unread answer (wrk side): p99 / max ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "p99 / max ms | unread answer (wrk side): p99 / max ms | CPU ms per 1,000 requests |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, conns in res["setup"]["variants"]:
         rows = [r for r in res["rows"] if r["lb"] == name and r["connections"] == conns]
         if not rows:
             continue
         gc_mode, reps = name.split("-")
+        with_cpu = [r for r in rows if "cpu_ms_per_1k" in r]  # older runs lack it
+        cpu = f"{med(with_cpu, lambda r: r['cpu_ms_per_1k']):.0f}" if with_cpu else "-"
         out.append(
             f"| {gc_mode}, {reps} | {conns} | {med(rows, lambda r: r['wrk']['rps']):,.0f} "
             f"| {med(rows, lambda r: r['wrk']['p50_ms']):.1f} "
@@ -398,7 +405,8 @@ def table(res: dict[str, Any]) -> str:
             f"| {med(rows, lambda r: r['unread_request_s'].get('p99_ms', 0.0)):.0f} / "
             f"{med(rows, lambda r: r['unread_request_s'].get('max_ms', 0.0)):.0f} "
             f"| {med(rows, lambda r: r['unread_answer_s'].get('p99_ms', 0.0)):.0f} / "
-            f"{med(rows, lambda r: r['unread_answer_s'].get('max_ms', 0.0)):.0f} |")
+            f"{med(rows, lambda r: r['unread_answer_s'].get('max_ms', 0.0)):.0f} "
+            f"| {cpu} |")
     return "\n".join(out)
 
 
