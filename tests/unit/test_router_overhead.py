@@ -285,3 +285,12 @@ def test_tail_reads_the_age_of_unread_bytes_from_ss() -> None:
             "\t bbr rto:204 busy:1ms\n")
     assert tail.parse_ss(text) == {("127.0.0.1:1000", "127.0.0.1:5001"): 0.85,
                                    ("127.0.0.1:1000", "127.0.0.1:5002"): 0.0}
+
+
+def test_page_says_what_was_left_out() -> None:
+    setup = {**FIXTURE["setup"], "notes": {"vllm-router/rr": "left out: never answered",
+                                           "sglang-router": "sglang-router 0.3.2 in /tmp/x"}}
+    text = page.router_overhead({**FIXTURE, "setup": setup})
+    assert "Not measured as planned: vllm-router/rr: left out: never answered." in text
+    assert "/tmp/x" not in text
+    assert "Not measured as planned" not in page.router_overhead(FIXTURE)

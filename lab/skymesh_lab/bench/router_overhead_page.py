@@ -160,6 +160,11 @@ def router_overhead(data: dict[str, Any]) -> str:
     if data.get("long_run"):
         out += ["Long run (non-streaming, prefix and streaming segments in turn):", "",
                 long_run_table(data["long_run"]), ""]
+    trouble = {k: v for k, v in setup.get("notes", {}).items()
+               if v.startswith(("left out", "exited", "stopped early"))}
+    if trouble:
+        out += ["Not measured as planned: " + "; ".join(
+            f"{k}: {v.splitlines()[0]}" for k, v in sorted(trouble.items())) + ".", ""]
     out += prefix_lines(summary, data["segments"])
     out += ["", "vllm-router's default (cache_aware) asks each backend for "
             "`/v1/chat/completions/render` and `/tokenize` before every request; the stub "
