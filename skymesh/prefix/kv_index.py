@@ -17,7 +17,7 @@ the engine, never blocks the engine has dropped (as far as the events tell).
 (the balancer's queries and any sibling's); it is not cryptographic, and a collision only
 misroutes a request.
 
-Parameters: ``max_blocks`` (default 200_000 per replica; config ``kv_events.max_blocks``):
+Parameters: ``max_blocks`` (default 100_000 per replica, config ``kv_events.max_blocks``):
 beyond it the least recently stored block is forgotten (LRU), counted in ``evicted``.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-DEFAULT_MAX_BLOCKS = 200_000
+DEFAULT_MAX_BLOCKS = 100_000
 _MASK = (1 << 63) - 1
 _ROOT = 0x6B76_6576  # "kvev"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from support import eventually
+from support import eventually, start_lb_with, until
 
 from skymesh.prefix.kv_events import KVEventSubscriber, SubscriberSettings, stop
 from skymesh.prefix.kv_index import ReplicaBlockIndex
@@ -160,4 +160,35 @@ async def test_restarted_replica_is_resynced_and_stale_meanwhile(
         await eventually(lambda: f.blocks(b) == 2, "the new engine's blocks in the index")
     finally:
         await stop(f.task)
+        d.stop()
+
+
+async def test_balancer_status_shows_live_stale_and_off(
+        tmp_path: Path, ports: tuple[int, int], http: aiohttp.ClientSession) -> None:
+    d = _start(tmp_path, *ports)
+    plain = start_daemon("skymesh-replica", ["--port", "0"], log_path=tmp_path / "plain.log")
+    cfg = {"listen": {"host": "127.0.0.1", "port": 0},
+           "kv_events": {"heartbeat_s": 0.2, "stale_after_s": 1.0, "replay_timeout_s": 0.5},
+           "replicas": [{"url": d.url, "kv_events": {
+                             "endpoint": f"tcp://127.0.0.1:{ports[0]}",
+                             "replay_endpoint": f"tcp://127.0.0.1:{ports[1]}"}},
+                        {"url": plain.url}]}
+    lb = start_lb_with(tmp_path, cfg, {})
+
+    async def states() -> dict[str, str]:
+        async with http.get(f"{lb.url}/status") as r:
+            body = await r.json()
+        return {u: rep["kv_events"] for u, rep in body["replicas"].items()}
+
+    async def state_is(url: str, want: str) -> bool:
+        return (await states())[url] == want
+
+    try:
+        await until(lambda: state_is(d.url, "live"), "events live in /status")
+        assert (await states())[plain.url] == "off"
+        d.kill()
+        await until(lambda: state_is(d.url, "stale"), "events stale once the replica died")
+    finally:
+        lb.stop()
+        plain.stop()
         d.stop()
