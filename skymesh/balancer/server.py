@@ -49,7 +49,7 @@ from skymesh.balancer.edge import OwnedRoutes, request_id, stamp_request_id
 from skymesh.balancer.forwarding import Forwarder
 from skymesh.balancer.handlers import Handlers
 from skymesh.balancer.health import HealthTracker
-from skymesh.balancer.kv_feed import KVFeeds
+from skymesh.balancer.kv_feed import ExactScorer, KVFeeds
 from skymesh.balancer.mesh_link import FORWARDED_HEADER, MeshLink
 from skymesh.balancer.metrics import BalancerMetrics
 from skymesh.balancer.moves import Mover
@@ -162,9 +162,10 @@ class Balancer:
         self.prober = Prober(core, cfg, self.health, lambda: self.upstream, self.upstream_auth,
                              lambda: self.cfg.pushing, self.streams.cut_stalled)
         self.kv_feeds = KVFeeds(cfg.kv_events)  # engines' KV-cache events (kv_feed)
+        self.handlers.exact = ExactScorer(self.kv_feeds)
         self.status = Status(core, cfg.region, self.health, self.edge, self.handlers,
                              self.predictor, self.moves, self.mesh, self.controller,
-                             kv_state=self.kv_feeds.state)
+                             kv_figures=self.handlers.exact.figures)
 
     # What the rooms read as it is now (a live policy switch, shutdown).
     @property
@@ -209,6 +210,7 @@ class Balancer:
         await self.prober.probe_all()
         self._prober_task = asyncio.create_task(self.prober.loop(), name="skymesh-prober")
         self.kv_feeds.set_replicas(self.cfg.replicas)
+        self.handlers.exact.preload()
         if self.edge.watching:
             self._reloader = asyncio.create_task(self._reload_loop(), name="skymesh-reload")
         if self.flags.predicts:

@@ -29,7 +29,7 @@ class Status:
     def __init__(self, core: RequestCore, region: str, health: HealthTracker,
                  edge: EdgeFiles, handlers: Handlers, predictor: LivePredictor,
                  mover: Mover, mesh: MeshLink | None, controller: ControllerLink | None,
-                 kv_state: Callable[[str], str] = lambda url: "off") -> None:
+                 kv_figures: Callable[[str], dict[str, Any]] | None = None) -> None:
         self.core = core
         self.region = region
         self.health = health
@@ -39,7 +39,8 @@ class Status:
         self.mover = mover
         self.mesh = mesh
         self.controller = controller
-        self.kv_state = kv_state  # a replica's KV-cache events: "live", "stale" or "off"
+        # A replica's KV-cache events: "kv_events" live, stale or off, and its index.
+        self.kv_figures = kv_figures or (lambda url: {"kv_events": "off"})
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         self._refresh_gauges()
@@ -106,7 +107,7 @@ class Status:
                 "unadmitted": load.unadmitted, "max_num_seqs": load.max_num_seqs,
                 "engine_queue": load.engine_queue,
                 "prefer_queue": self.core.dispatcher.prefer_queue_of(load),
-                "metrics_lag_s": load.metrics_lag_s, "kv_events": self.kv_state(url)}
+                "metrics_lag_s": load.metrics_lag_s, **self.kv_figures(url)}
 
 
 __all__ = ["Status"]

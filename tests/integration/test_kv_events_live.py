@@ -192,3 +192,59 @@ async def test_balancer_status_shows_live_stale_and_off(
         lb.stop()
         plain.stop()
         d.stop()
+
+
+async def test_prefix_tree_routes_to_the_replica_the_events_say_holds_the_prompt(
+        tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    """Prompts cached on a replica by traffic the balancer never saw (sent to the replica
+    directly): with events, prefix-tree sends each one to its holder and the engine hits
+    the cache; the trie alone would pick between two idle replicas at random."""
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    reps = [_start(tmp_path, *p, name=f"r{i}") for i, p in enumerate(ports)]
+    cfg = {"listen": {"host": "127.0.0.1", "port": 0}, "policy": {"name": "prefix-tree"},
+           "kv_events": {"heartbeat_s": 0.2, "stale_after_s": 2.0},
+           "replicas": [{"url": r.url, "kind": "skymesh", "kv_events": {
+               "endpoint": f"tcp://127.0.0.1:{p[0]}",
+               "replay_endpoint": f"tcp://127.0.0.1:{p[1]}"}} for r, p in zip(reps, ports,
+                                                                                 strict=True)]}
+    lb = start_lb_with(tmp_path, cfg, {})
+
+    async def status() -> dict[str, dict[str, object]]:
+        async with http.get(f"{lb.url}/status") as r:
+            replicas: dict[str, dict[str, object]] = (await r.json())["replicas"]
+            return replicas
+
+    async def chat(url: str, text: str) -> int:
+        body = {"model": MODEL, "max_tokens": 1,
+                "messages": [{"role": "user", "content": text}]}
+        async with http.post(f"{url}/v1/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            usage = (await r.json())["usage"]
+            cached: int = usage["prompt_tokens_details"]["cached_tokens"]
+            return cached
+
+    try:
+        async def exact_everywhere() -> bool:
+            return all(v.get("kv_exact") for v in (await status()).values())
+
+        await until(exact_everywhere, "events live and the tokenizer loaded")
+        rng = random.Random(5)
+        words = ["alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "theta"]
+        for i in range(6):
+            holder = reps[rng.randrange(2)]
+            text = f"document {i}: " + " ".join(rng.choice(words) for _ in range(300))
+            before = (await status())[holder.url]["kv_blocks"]
+            assert isinstance(before, int)
+            await chat(holder.url, text)  # straight to the engine: the balancer sees nothing
+
+            async def stored(url: str = holder.url, n: int = before) -> bool:
+                got = (await status())[url]["kv_blocks"]
+                return isinstance(got, int) and got >= n + 16
+
+            await until(stored, "the holder's blocks in the balancer's index")
+            cached = await chat(lb.url, text)
+            assert cached >= 256, f"prompt {i} missed the holder's cache ({cached} cached)"
+    finally:
+        lb.stop()
+        for r in reps:
+            r.stop()

@@ -12,8 +12,9 @@ balancer's side is measured on them:
   replica's (63-bit ints);
 - event CPU: process CPU time to decode the payloads (msgspec) and apply them, per 1,000
   blocks stored, and per 1,000 blocks removed;
-- query CPU: keying a prompt's full blocks and matching them against 4 replicas' indexes,
-  per request, at 1k, 8k and 32k tokens.
+- query CPU: tokenizing a chat prompt as the emulated engine does (ChatML rendering, the
+  Qwen vocabulary of ``skymesh.prefix.prompt.get_tokenizer``), keying its full blocks and
+  matching them against 4 replicas' indexes, per request, at 1k, 8k and 32k tokens.
 
 Each figure is the median of ``--repeats`` runs with the min and max beside it: the machine
 is shared, so the spread is the noise.
@@ -41,6 +42,7 @@ from skymesh.prefix.kv_events import (
     encode_batch,
 )
 from skymesh.prefix.kv_index import ReplicaBlockIndex, block_keys, longest_prefix
+from skymesh.prefix.prompt import get_tokenizer, render_chat
 
 BLOCK = 16
 CHAIN = 32  # blocks per stored chain (a 512-token prompt)
@@ -135,8 +137,14 @@ def query_cpu(repeats: int, per_run: int = 50) -> dict[str, Any]:
     """Keying + matching a prompt against 4 replicas, one holding its whole prefix."""
     rng = random.Random(1)
     out: dict[str, Any] = {}
+    tok = get_tokenizer()
+    words = [f" w{i}" for i in range(2000)]
     for n in QUERY_TOKENS:
         toks = [rng.randrange(150_000) for _ in range(n)]
+        # A chat prompt about n tokens long, tokenized as the balancer does it.
+        text = render_chat([{"role": "user", "content": "".join(
+            rng.choice(words) for _ in range(n // 2))}])
+        n_tok = len(tok.encode(text))
         indexes = {f"r{i}": ReplicaBlockIndex() for i in range(4)}
         nb = n // BLOCK
         indexes["r0"].stored(list(range(nb)), None, toks[: nb * BLOCK], BLOCK)
@@ -151,11 +159,19 @@ def query_cpu(repeats: int, per_run: int = 50) -> dict[str, Any]:
             for _ in range(per_run):
                 longest_prefix(ix, t)
 
+        def tokenize(t: str = text) -> None:
+            for _ in range(per_run):
+                tok.encode(t)
+
+        tok_s = []
         for _ in range(repeats):
             keys_s.append(cpu(keys))
             match_s.append(cpu(match))
+            tok_s.append(cpu(tokenize))
         assert longest_prefix(indexes, toks)["r0"] == nb
-        out[str(n)] = {"keys_us": spread([s / per_run * 1e6 for s in keys_s]),
+        out[str(n)] = {"tokenizer": tok.name, "chat_prompt_tokens": n_tok,
+                       "tokenize_us": spread([s / per_run * 1e6 for s in tok_s]),
+                       "keys_us": spread([s / per_run * 1e6 for s in keys_s]),
                        "keys_and_match_4_replicas_us": spread(
                            [s / per_run * 1e6 for s in match_s])}
     return out
@@ -196,11 +212,14 @@ def page(doc: dict[str, Any]) -> str:
                    f"| {_f(e['apply_store_ms_per_1k_blocks'], 2)} "
                    f"| {_f(e['store_total_ms_per_1k_blocks'], 2)} "
                    f"| {_f(e['remove_ms_per_1k_blocks'], 2)} |")
-    out += ["", "Query CPU per request, microseconds (keying the prompt's blocks; keying and "
-            "matching against 4 replicas):", "",
-            "| prompt tokens | keys | keys + match |", "| ---: | ---: | ---: |"]
+    first = next(iter(q.values()))
+    out += ["", "Query CPU per request, microseconds: tokenizing a chat prompt of about that "
+            f"many tokens (`{first.get('tokenizer', '?')}`), keying its blocks, keying and "
+            "matching against 4 replicas:", "",
+            "| prompt tokens | tokenize | keys | keys + match |", "| ---: | ---: | ---: | ---: |"]
     for n, r in q.items():
-        out.append(f"| {int(n):,} | {_f(r['keys_us'], 0)} "
+        tk = _f(r["tokenize_us"], 0) if "tokenize_us" in r else "-"
+        out.append(f"| {int(n):,} | {tk} | {_f(r['keys_us'], 0)} "
                    f"| {_f(r['keys_and_match_4_replicas_us'], 0)} |")
     return "\n".join(out)
 
