@@ -24,8 +24,11 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from skymesh.balancer.config import KVEventsConfig, KVEventsEndpoint, ReplicaConfig
 from skymesh.balancer.intake import Intake
@@ -105,6 +108,35 @@ class KVFeeds:
             if entry is not None and not entry[2].done() and entry[1].is_live(now):
                 out[url] = entry[1].index
         return out
+
+    # -- metrics (registered as a collector: read at scrape time) -------------------------
+    def collect(self) -> Iterator[Metric]:
+        live = GaugeMetricFamily("skymesh_kv_events_live",
+                                 "1 while a replica's KV-cache events are live",
+                                 labels=["replica"])
+        blocks = GaugeMetricFamily("skymesh_kv_index_blocks",
+                                   "Blocks in a replica's exact prefix index", labels=["replica"])
+        evicted = CounterMetricFamily("skymesh_kv_index_evicted",
+                                      "Blocks forgotten at the kv_events.max_blocks cap",
+                                      labels=["replica"])
+        events = CounterMetricFamily(
+            "skymesh_kv_events", "KV-event batches by outcome: applied, replayed (from the "
+            "replay endpoint), gap, restart, resync (index cleared), malformed; and events "
+            "skipped: unknown_event, orphan (stored under an unknown parent)",
+            labels=["replica", "outcome"])
+        now = self.clock()
+        for url, (_ep, sub, task) in self._subs.items():
+            live.add_metric([url], float(not task.done() and sub.is_live(now)))
+            idx, c = sub.index, sub.counters
+            blocks.add_metric([url], len(idx))
+            evicted.add_metric([url], idx.evicted)
+            for outcome, n in (("applied", c.batches), ("replayed", c.replayed),
+                               ("gap", c.gaps), ("restart", c.restarts),
+                               ("resync", c.resyncs), ("malformed", c.malformed),
+                               ("unknown_event", c.unknown_events),
+                               ("orphan", idx.orphans)):
+                events.add_metric([url, outcome], n)
+        yield from (live, blocks, evicted, events)
 
     async def stop(self) -> None:
         tasks = [t for _ep, _s, t in self._subs.values()]

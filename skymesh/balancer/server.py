@@ -162,6 +162,7 @@ class Balancer:
         self.prober = Prober(core, cfg, self.health, lambda: self.upstream, self.upstream_auth,
                              lambda: self.cfg.pushing, self.streams.cut_stalled)
         self.kv_feeds = KVFeeds(cfg.kv_events)  # engines' KV-cache events (kv_feed)
+        self.metrics.registry.register(self.kv_feeds)
         self.handlers.exact = ExactScorer(self.kv_feeds)
         self.status = Status(core, cfg.region, self.health, self.edge, self.handlers,
                              self.predictor, self.moves, self.mesh, self.controller,

@@ -51,9 +51,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from skymesh.obs.ratelog import RateLimitedLog
 from skymesh.prefix.kv_index import ReplicaBlockIndex
 
 log = logging.getLogger(__name__)
+_cap_log = RateLimitedLog(log)  # one line per publisher per 10 s while the cap bites
 
 EngineHash = bytes | int
 END_SEQ = -1
@@ -334,7 +336,13 @@ class KVEventSubscriber:
             self._resync(seq)
             return
         self.counters.unknown_events += skipped
+        evicted = self.index.evicted
         apply_events(self.index, events)
+        if self.index.evicted != evicted:
+            _cap_log(logging.WARNING, self.endpoint,
+                     f"kv events from {self.endpoint}: index at its cap of "
+                     f"{self.index.max_blocks} blocks, forgetting the least recently stored "
+                     f"(kv_events.max_blocks)")
 
     async def _fill(self, start: int) -> None:
         """Apply the replayed batches from ``start`` (none when the endpoint is silent)."""

@@ -86,3 +86,29 @@ async def test_changed_endpoint_restarts_the_feed_with_an_empty_index() -> None:
         assert second is not None and second is not first and len(second) == 0
     finally:
         await feeds.stop()
+
+
+async def test_metrics_per_replica_and_the_cap_log(caplog: pytest.LogCaptureFixture) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from skymesh.prefix.kv_events import BlockStored, encode_batch
+
+    clock = Clock()
+    feeds = KVFeeds(KVEventsConfig(max_blocks=2, heartbeat_s=60.0), clock)
+    a = "http://127.0.0.1:1"
+    feeds.set_replicas([replica(a, free_port())])
+    reg = CollectorRegistry()
+    reg.register(feeds)
+    try:
+        sub = feeds._subs[a][1]
+        toks = list(range(48))
+        sub._apply(0, encode_batch(0.0, [BlockStored([1, 2, 3], None, toks, 16)]))
+        sub.last_heard = clock.t
+        text = generate_latest(reg).decode()
+        assert f'skymesh_kv_events_live{{replica="{a}"}} 1.0' in text
+        assert f'skymesh_kv_index_blocks{{replica="{a}"}} 2.0' in text
+        assert f'skymesh_kv_index_evicted_total{{replica="{a}"}} 1.0' in text
+        assert f'skymesh_kv_events_total{{outcome="applied",replica="{a}"}} 1.0' in text
+        assert "index at its cap of 2 blocks" in caplog.text
+    finally:
+        await feeds.stop()
