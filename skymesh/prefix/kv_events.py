@@ -59,6 +59,7 @@ _cap_log = RateLimitedLog(log)  # one line per publisher per 10 s while the cap 
 
 EngineHash = bytes | int
 END_SEQ = -1
+FULL_ATTENTION = (None, "full_attention")
 
 
 # -- the schema (vLLM 0.32's field names and order) -----------------------------------
@@ -70,6 +71,12 @@ class BlockStored(msgspec.Struct, tag=True, gc=False):
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    # Per block: what besides the tokens went into the engine's hash (LoRA, multimodal
+    # inputs, cache salt). Such a block is stored under a key no prompt's tokens give.
+    extra_keys: list[Any] | None = None
+    # vLLM >= 0.30 with hybrid models: one group per attention kind. Only full-attention
+    # blocks make a reusable prefix; a sliding window's blocks are skipped.
+    kv_cache_spec_kind: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, gc=False):
@@ -154,7 +161,12 @@ def decode_batch(payload: bytes) -> tuple[list[Any], int]:
 
 def apply_events(index: ReplicaBlockIndex, events: list[Any]) -> None:
     for ev in events:
-        if isinstance(ev, BlockStored | _BlockStoredArr):
+        if isinstance(ev, BlockStored) and ev.kv_cache_spec_kind not in FULL_ATTENTION:
+            continue
+        if isinstance(ev, BlockStored):
+            index.stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids,
+                         ev.block_size, ev.lora_name, ev.extra_keys)
+        elif isinstance(ev, _BlockStoredArr):
             index.stored(ev.block_hashes, ev.parent_block_hash, ev.token_ids,
                          ev.block_size, ev.lora_name)
         elif isinstance(ev, BlockRemoved | _BlockRemovedArr):

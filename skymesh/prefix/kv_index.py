@@ -25,10 +25,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 DEFAULT_MAX_BLOCKS = 100_000
 _MASK = (1 << 63) - 1
 _ROOT = 0x6B76_6576  # "kvev"
+_EXTRA = 0x6578_7472  # "extr"
 
 EngineHash = bytes | int
 
@@ -74,7 +76,8 @@ class ReplicaBlockIndex:
 
     def stored(self, block_hashes: Sequence[EngineHash], parent: EngineHash | None,
                token_ids: Sequence[int], block_size: int,
-               lora_name: str | None = None) -> None:
+               lora_name: str | None = None, extra_keys: Sequence[Any] | None = None
+               ) -> None:
         if block_size <= 0 or len(token_ids) < len(block_hashes) * block_size:
             self.orphans += len(block_hashes)  # malformed: cannot key the blocks
             return
@@ -94,6 +97,11 @@ class ReplicaBlockIndex:
         by_engine, keys = self._by_engine, self._keys
         for i, eh in enumerate(block_hashes):
             h = hash((h, *token_ids[i * block_size : (i + 1) * block_size])) & _MASK
+            extra = extra_keys[i] if extra_keys and i < len(extra_keys) else None
+            if extra is not None:
+                # Multimodal placeholders or a salt: equal tokens, other content. The key
+                # (and every child's) leaves the space prompts' tokens reach.
+                h = hash((h, _EXTRA, repr(extra))) & _MASK
             old = by_engine.get(eh)
             if old is not None:
                 by_engine.move_to_end(eh)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -257,3 +260,46 @@ def test_replayed_verdicts() -> None:
     assert t.on_replayed(5) is Verdict.APPLY
     assert t.on_replayed(8) is Verdict.GAP  # the buffer no longer reaches back
     assert SeqTracker().on_replayed(8) is Verdict.APPLY
+
+
+def test_blocks_with_extra_keys_never_match_plain_tokens() -> None:
+    idx = ReplicaBlockIndex()
+    toks = tokens(12)
+    # Block 1 holds image placeholders: the same token ids as a text prompt could have.
+    idx.stored([1, 2, 3], None, toks, BS, None, [None, ("mm", "img-hash", 0), None])
+    assert idx.match_tokens(toks) == 1
+    assert len(idx) == 3
+
+
+def test_sliding_window_groups_are_skipped() -> None:
+    payload = msgspec.msgpack.encode([1.0, [
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+         "token_ids": tokens(4), "block_size": 4, "kv_cache_spec_kind": "sliding_window",
+         "group_idx": 1},
+        {"type": "BlockStored", "block_hashes": [2], "parent_block_hash": None,
+         "token_ids": tokens(4), "block_size": 4, "kv_cache_spec_kind": "full_attention",
+         "group_idx": 0},
+    ]])
+    idx = ReplicaBlockIndex()
+    apply_events(idx, decode_batch(payload)[0])
+    assert len(idx) == 1 and idx.match_tokens(tokens(4)) == 1
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_kv_events"
+
+
+def test_batches_encoded_by_vllm_itself() -> None:
+    """Payloads made by vLLM 0.32's own KVEventBatch and encoder (tests/fixtures/
+    vllm_kv_events/README.json says how): stores with a parent, a removal, a clear."""
+    meta = json.loads((FIXTURES / "README.json").read_text())
+    toks = meta["token_ids"]
+    idx = ReplicaBlockIndex()
+    events, skipped = decode_batch((FIXTURES / "stored_removed.msgpack").read_bytes())
+    assert skipped == 0 and len(events) == 3
+    apply_events(idx, events[:2])
+    assert idx.block_size == 16 and idx.match_tokens(toks) == 3
+    apply_events(idx, events[2:])
+    assert idx.match_tokens(toks) == 2
+    events, _ = decode_batch((FIXTURES / "cleared.msgpack").read_bytes())
+    apply_events(idx, events)
+    assert len(idx) == 0
