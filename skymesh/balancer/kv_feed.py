@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -75,7 +76,7 @@ class KVFeeds:
                                     ReplicaBlockIndex(self.cfg.max_blocks), self.settings,
                                     self.clock)
             task = loop.create_task(sub.run(), name=f"kv-events {url}")
-            task.add_done_callback(lambda t, u=url: self._ended(u, t))
+            task.add_done_callback(functools.partial(self._ended, url))
             self._subs[url] = (ep, sub, task)
             log.info("following kv events of %s at %s", url, ep.endpoint)
 

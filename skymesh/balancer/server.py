@@ -163,10 +163,10 @@ class Balancer:
                              lambda: self.cfg.pushing, self.streams.cut_stalled)
         self.kv_feeds = KVFeeds(cfg.kv_events)  # engines' KV-cache events (kv_feed)
         self.metrics.registry.register(self.kv_feeds)
-        self.handlers.exact = ExactScorer(self.kv_feeds)
+        self.kv_exact = self.handlers.exact = ExactScorer(self.kv_feeds)
         self.status = Status(core, cfg.region, self.health, self.edge, self.handlers,
                              self.predictor, self.moves, self.mesh, self.controller,
-                             kv_figures=self.handlers.exact.figures)
+                             kv_figures=self.kv_exact.figures)
 
     # What the rooms read as it is now (a live policy switch, shutdown).
     @property
@@ -211,7 +211,7 @@ class Balancer:
         await self.prober.probe_all()
         self._prober_task = asyncio.create_task(self.prober.loop(), name="skymesh-prober")
         self.kv_feeds.set_replicas(self.cfg.replicas)
-        self.handlers.exact.preload()
+        self.kv_exact.preload()
         if self.edge.watching:
             self._reloader = asyncio.create_task(self._reload_loop(), name="skymesh-reload")
         if self.flags.predicts:

@@ -64,9 +64,9 @@ class PrefixTree(Policy, name="prefix-tree"):
     ) -> str | None:
         exact = exact_match(request, candidates)
         if exact is not None:
-            frac, matched = exact
-            if matched and frac >= self.match_threshold:
-                return self._least_loaded(matched, view)
+            frac, holders = exact
+            if holders and frac >= self.match_threshold:
+                return self._least_loaded(holders, view)
             return self._least_loaded(candidates, view)
         keys = request.prefix_keys
         if keys and candidates:
@@ -79,9 +79,9 @@ class PrefixTree(Policy, name="prefix-tree"):
                   ) -> str | None:
         exact = exact_match(request, targets)
         if exact is not None:
-            frac, matched = exact
-            ok = matched and frac >= self.match_threshold
-            return self._least_loaded(matched, view) if ok else None
+            frac, holders = exact
+            ok = holders and frac >= self.match_threshold
+            return self._least_loaded(holders, view) if ok else None
         keys = request.prefix_keys
         if not keys or not targets:
             return None

@@ -149,9 +149,10 @@ def decode_batch(payload: bytes) -> tuple[list[Any], int]:
     out: list[Any] = []
     skipped = 0
     for raw in batch.events:
-        first = bytes(raw)[:1]
+        view = memoryview(raw)
+        first = view[0] if len(view) else 0
         # msgpack arrays: fixarray 0x90-0x9f, array16 0xdc, array32 0xdd.
-        arr = first and (0x90 <= first[0] <= 0x9F or first[0] in (0xDC, 0xDD))
+        arr = 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
         try:
             out.append((_arr_decoder if arr else _map_decoder).decode(raw))
         except msgspec.DecodeError:
