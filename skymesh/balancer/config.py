@@ -33,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
@@ -169,6 +170,14 @@ class KVEventsEndpoint(StrictModel):
 
     endpoint: str
     replay_endpoint: str | None = None
+
+    @field_validator("endpoint")
+    @classmethod
+    def _installed(cls, v: str) -> str:
+        if not all(importlib.util.find_spec(m) for m in ("zmq", "msgspec")):
+            raise ValueError("following KV-cache events needs pyzmq and msgspec: "
+                             "pip install 'skymesh[kv-events]'")
+        return v
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod

@@ -26,7 +26,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -34,9 +34,11 @@ from prometheus_client.metrics_core import Metric
 from skymesh.balancer.config import KVEventsConfig, KVEventsEndpoint, ReplicaConfig
 from skymesh.balancer.intake import Intake
 from skymesh.policies.base import RouteRequest
-from skymesh.prefix.kv_events import KVEventSubscriber, SubscriberSettings, stop
 from skymesh.prefix.kv_index import ReplicaBlockIndex, longest_prefix
 from skymesh.prefix.prompt import PromptError, Tokenizer, completion_prompt, get_tokenizer
+
+if TYPE_CHECKING:  # the wire needs the kv-events extra: imported when a replica has events
+    from skymesh.prefix.kv_events import KVEventSubscriber
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +53,6 @@ class KVFeeds:
                  ) -> None:
         self.cfg = cfg
         self.clock = clock
-        self.settings = SubscriberSettings(
-            heartbeat_s=cfg.heartbeat_s, stale_after_s=cfg.stale_after_s,
-            replay_timeout_s=cfg.replay_timeout_s, max_frame_bytes=cfg.max_frame_bytes)
         self._subs: dict[str, tuple[KVEventsEndpoint, KVEventSubscriber,
                                     asyncio.Task[None]]] = {}
         self.exact_urls: tuple[str, ...] = ()  # followed replicas of an EXACT_KINDS kind
@@ -68,13 +67,20 @@ class KVFeeds:
         for url in list(self._subs):
             if want.get(url) != self._subs[url][0]:
                 self._drop(url)
+        if not want:
+            return
+        from skymesh.prefix.kv_events import KVEventSubscriber, SubscriberSettings
+
+        cfg = self.cfg
+        settings = SubscriberSettings(
+            heartbeat_s=cfg.heartbeat_s, stale_after_s=cfg.stale_after_s,
+            replay_timeout_s=cfg.replay_timeout_s, max_frame_bytes=cfg.max_frame_bytes)
         loop = asyncio.get_running_loop()
         for url, ep in want.items():
             if url in self._subs:
                 continue
             sub = KVEventSubscriber(ep.endpoint, ep.replay_endpoint,
-                                    ReplicaBlockIndex(self.cfg.max_blocks), self.settings,
-                                    self.clock)
+                                    ReplicaBlockIndex(cfg.max_blocks), settings, self.clock)
             task = loop.create_task(sub.run(), name=f"kv-events {url}")
             task.add_done_callback(functools.partial(self._ended, url))
             self._subs[url] = (ep, sub, task)
@@ -143,7 +149,9 @@ class KVFeeds:
         tasks = [t for _ep, _s, t in self._subs.values()]
         self._subs.clear()
         for t in tasks:
-            await stop(t)
+            t.cancel()
+        # Each closes its sockets as it ends.
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class ExactScorer:

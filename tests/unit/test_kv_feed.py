@@ -112,3 +112,13 @@ async def test_metrics_per_replica_and_the_cap_log(caplog: pytest.LogCaptureFixt
         assert "index at its cap of 2 blocks" in caplog.text
     finally:
         await feeds.stop()
+
+
+def test_events_without_the_extra_name_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "zmq" else real(name, *a))
+    with pytest.raises(ValidationError, match=r"skymesh\[kv-events\]"):
+        replica("http://127.0.0.1:1", 5557)

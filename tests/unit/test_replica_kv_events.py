@@ -145,3 +145,16 @@ def test_config_in_vllm_shape() -> None:
                                '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}')
     assert cfg.enabled and cfg.replay_endpoint == "tcp://*:5558"
     assert not KVEventsConfig.parse("{}").enabled
+
+
+def test_endpoint_shorthand_puts_replay_on_the_next_port() -> None:
+    from skymesh_replica.cli import build_parser, kv_events_from_endpoint
+
+    cfg = kv_events_from_endpoint("tcp://127.0.0.1:5557")
+    assert cfg.enabled and cfg.endpoint == "tcp://127.0.0.1:5557"
+    assert cfg.replay_endpoint == "tcp://127.0.0.1:5558"
+    for bad in ("tcp://127.0.0.1", "udp://h:1", "tcp://h:x"):
+        with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+            kv_events_from_endpoint(bad)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--port", "1", "--kv-events-config", '{"bogus": 1}'])
