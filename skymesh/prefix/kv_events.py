@@ -359,21 +359,22 @@ class KVEventSubscriber:
 
     async def _fill(self, start: int) -> None:
         """Apply the replayed batches from ``start`` (none when the endpoint is silent)."""
-        for seq, payload in await self._request_replay(start) or ():
-            self._apply_replayed(seq, payload)
+        await self._request_replay(start, self._apply_replayed)
 
-    async def _request_replay(self, start: int) -> list[tuple[int, bytes]] | None:
+    async def _request_replay(self, start: int, handle: Callable[[int, bytes], None]
+                              ) -> bool:
+        """Ask for the batches from ``start``; each goes to ``handle`` as it arrives (a
+        replay holds no more than one batch at a time). False: no (complete) answer."""
         sock = self._replay
         if sock is None:
-            return None
-        out: list[tuple[int, bytes]] = []
+            return False
         await sock.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
         deadline = self.clock() + self.settings.replay_timeout_s
         while True:
             left = deadline - self.clock()
             if left <= 0 or not await sock.poll(max(1, int(left * 1000))):
                 self._reopen_replay()
-                return None
+                return False
             frames = await sock.recv_multipart()
             if len(frames) != 4 or len(frames[2]) != 8:
                 self.counters.malformed += 1
@@ -381,25 +382,32 @@ class KVEventSubscriber:
             seq = int.from_bytes(frames[2], "big", signed=True)
             if seq == END_SEQ:
                 self.last_heard = self.clock()
-                return out
-            out.append((seq, frames[3]))
+                return True
+            handle(seq, frames[3])
 
     async def _heartbeat(self) -> None:
         applied = self.tracker.applied
-        got = await self._request_replay(0 if applied is None else applied)
-        if got is None:
+        if applied is None:
+            await self._fill(0)
             return
-        if applied is not None and not (got and got[0][0] == applied
-                                        and hash(got[0][1]) == self._last_digest):
-            # The buffer does not hold our last batch as we saw it: a new publisher (or
-            # one so far ahead that its buffer no longer reaches back): start over.
+        # The first batch back must be our last one, byte for byte; else the buffer does
+        # not hold it as we saw it: a new publisher (or one so far ahead that its buffer
+        # no longer reaches back), and we start over.
+        seen = {"first": True, "same": False}
+
+        def check(seq: int, payload: bytes) -> None:
+            if seen["first"]:
+                seen["first"] = False
+                seen["same"] = seq == applied and hash(payload) == self._last_digest
+            elif seen["same"]:
+                self._apply_replayed(seq, payload)
+
+        if await self._request_replay(applied, check) and not seen["same"]:
             self.counters.restarts += 1
             log.info("kv events from %s: publisher restarted, resyncing", self.endpoint)
             self.index.clear()
             self.tracker = SeqTracker()
-            got = await self._request_replay(0) or []
-        for seq, payload in got:
-            self._apply_replayed(seq, payload)
+            await self._fill(0)
 
     def _apply_replayed(self, seq: int, payload: bytes) -> None:
         v = self.tracker.on_replayed(seq)
