@@ -21,9 +21,9 @@ from pathlib import Path
 
 # role -> (folder under the deps directory, extras) of each distribution it installs
 ROLES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
-    "balancer": [("skymesh", ("fast",))],
-    "controller": [("skymesh", ("fast",)), ("controller", ("planning",))],
-    "replica": [("skymesh", ("fast",)), ("replica", ("tokenizer",))],
+    "balancer": [("skymesh", ("fast", "kv-events"))],
+    "controller": [("skymesh", ("fast", "kv-events")), ("controller", ("planning",))],
+    "replica": [("skymesh", ("fast", "kv-events")), ("replica", ("tokenizer",))],
 }
 _OURS = re.compile(r"^skymesh(-controller|-replica|-lab)?\b")
 

@@ -22,6 +22,7 @@ from skymesh.net.serving import run, serve_app
 from skymesh.version import add_version_flag
 from skymesh_replica.engine.core import SCHEDULERS
 from skymesh_replica.engine.profiles import DEFAULT_PROFILE, PROFILES
+from skymesh_replica.kv_events import KVEventsConfig
 from skymesh_replica.server import DEFAULT_MAX_BODY_BYTES, ReplicaConfig, create_app
 
 log = logging.getLogger("skymesh_replica")
@@ -69,6 +70,22 @@ def _non_negative_float(text: str) -> float:
     return v
 
 
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.parse(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def kv_events_from_endpoint(endpoint: str) -> KVEventsConfig:
+    """``tcp://HOST:PORT`` -> events there, replay on PORT + 1."""
+    host, sep, port = endpoint.rpartition(":")
+    if not endpoint.startswith("tcp://") or not sep or not port.isdigit() or int(port) < 1:
+        raise ValueError(f"--kv-events-endpoint must be tcp://HOST:PORT, got {endpoint!r}")
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint,
+                          replay_endpoint=f"{host}:{int(port) + 1}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="skymesh-replica",
@@ -98,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--scheduler", default="vllm", choices=SCHEDULERS,
                     help="engine scheduler: vllm (v1) or sglang (v0.4.x; /metrics then has "
                          "SGLang's families, the queue gauge updated at its log points)")
+    ap.add_argument("--kv-events-config", type=_kv_events_config, metavar="JSON",
+                    help="publish KV-cache events as vLLM does, e.g. "
+                         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                         "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+                         "\"tcp://*:5558\"}' (default: off; docs/kv-events.md)")
+    ap.add_argument("--kv-events-endpoint", metavar="tcp://HOST:PORT",
+                    help="shorthand: publish KV-cache events on this endpoint, the replay "
+                         "endpoint on the next port")
     ap.add_argument("--list-profiles", action="store_true", help="print profile names and exit")
     add_version_flag(ap)
     return ap
@@ -124,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_num_seqs is not None and args.max_num_seqs >= budget:
         build_parser().error(f"--max-num-seqs must be below the profile's "
                              f"max_num_batched_tokens ({budget})")
+    kv_events = args.kv_events_config
+    if args.kv_events_endpoint is not None:
+        if kv_events is not None:
+            build_parser().error("give --kv-events-config or --kv-events-endpoint, not both")
+        try:
+            kv_events = kv_events_from_endpoint(args.kv_events_endpoint)
+        except ValueError as exc:
+            build_parser().error(str(exc))
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_QuietBadRequests())
@@ -133,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     config = ReplicaConfig(profile=args.profile, model=args.model, seed=args.seed,
                            time_scale=args.time_scale, max_body_bytes=args.max_body_bytes,
                            api_key=args.api_key or None, max_num_seqs=args.max_num_seqs,
-                           metrics_lag_s=args.metrics_lag_s, scheduler=args.scheduler)
+                           metrics_lag_s=args.metrics_lag_s, scheduler=args.scheduler,
+                           kv_events=kv_events)
     try:
         run(serve(config, args.host, args.port))
     except OSError as exc:

@@ -287,15 +287,15 @@ class RealtimeDriver:
             ignore_eos=ignore_eos,
         )
         output_ids = synth_output(rng, out_len, self._words, self._punct)
+        token_ids = list(prompt_ids) + output_ids
         seq = EngineSeq(
             request_id=rid,
             prompt_len=len(prompt_ids),
             output_len=out_len,
             # The limit the client set; without one the engine puts what the context leaves.
             max_new_tokens=max_tokens or 0,
-            block_hashes=hash_token_blocks(
-                list(prompt_ids) + output_ids, self.engine.block_size
-            ),
+            block_hashes=hash_token_blocks(token_ids, self.engine.block_size),
+            token_ids=token_ids,
         )
         try:
             self.engine.add(seq)

@@ -41,6 +41,7 @@ from skymesh.prefix.prompt import (
 from skymesh_replica.driver import ContextLengthError, RealtimeDriver, RequestHandle
 from skymesh_replica.engine.core import Engine
 from skymesh_replica.engine.profiles import DEFAULT_PROFILE, Profile, get_profile
+from skymesh_replica.kv_events import EventRecorder, KVEventPublisher, KVEventsConfig
 from skymesh_replica.metrics import CONTENT_TYPE, ReplicaMetrics
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class ReplicaConfig:
     # In sglang mode /metrics has SGLang's families only, its queue gauge a log-point
     # snapshot, and the extra lag defaults to 0.
     scheduler: str = "vllm"
+    # vLLM's --kv-events-config: publish KV-cache events (skymesh_replica.kv_events).
+    kv_events: KVEventsConfig | None = None
 
     @property
     def served_model(self) -> str:
@@ -127,6 +130,7 @@ class Replica:
     driver: RealtimeDriver
     metrics: ReplicaMetrics
     started: int
+    kv_events: KVEventPublisher | None = None
 
 
 REPLICA = web.AppKey("replica", Replica)
@@ -518,7 +522,10 @@ async def version(request: web.Request) -> web.Response:
 async def flush_cache(request: web.Request) -> web.Response:
     # SGLang's /flush_cache and vLLM's /reset_prefix_cache: forget cached prefixes (blocks
     # held by running requests stay valid; only the hash index is dropped).
-    request.app[REPLICA].engine.reset_prefix_cache()
+    r = request.app[REPLICA]
+    r.engine.reset_prefix_cache()
+    if r.kv_events is not None:
+        r.kv_events.flush()
     return web.Response(text="OK")
 
 
@@ -559,8 +566,17 @@ def build_replica(config: ReplicaConfig) -> Replica:
     driver = RealtimeDriver(engine, tokenizer=tokenizer, seed=config.seed,
                             time_scale=config.time_scale)
     model = config.served_model
+    publisher = None
+    if config.kv_events is not None and config.kv_events.enabled:
+        recorder = EventRecorder()
+        engine.kv.recorder = recorder
+        publisher = KVEventPublisher(config.kv_events, recorder)
+        # Called after each schedule and completion: one batch per step that changed the
+        # cache (evictions at scheduling, stores at completion).
+        driver.state_listeners.append(publisher.flush)
     return Replica(config, profile, model, tokenizer, engine, driver,
-                   ReplicaMetrics(driver, model, profile.metrics_lag_s), int(time.time()))
+                   ReplicaMetrics(driver, model, profile.metrics_lag_s), int(time.time()),
+                   publisher)
 
 
 def create_app(config: ReplicaConfig) -> web.Application:
@@ -573,7 +589,11 @@ def create_app(config: ReplicaConfig) -> web.Application:
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         replica.driver.start()
+        if replica.kv_events is not None:
+            replica.kv_events.start()
         yield
+        if replica.kv_events is not None:
+            await replica.kv_events.close()
 
     async def on_shutdown(app: web.Application) -> None:
         # Before aiohttp waits for in-flight handlers: end their streams so they return.

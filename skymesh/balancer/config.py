@@ -33,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
@@ -163,6 +164,43 @@ class ProbeConfig(StrictModel):
     max_parse_s: float = Field(0.1, gt=0)
 
 
+class KVEventsEndpoint(StrictModel):
+    """A replica's KV-cache event publisher (vLLM's/SGLang's ``--kv-events-config``
+    endpoints as reached from the balancer; docs/kv-events.md)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+
+    @field_validator("endpoint")
+    @classmethod
+    def _installed(cls, v: str) -> str:
+        if not all(importlib.util.find_spec(m) for m in ("zmq", "msgspec")):
+            raise ValueError("following KV-cache events needs pyzmq and msgspec: "
+                             "pip install 'skymesh[kv-events]'")
+        return v
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("tcp://", "ipc://")):
+            raise ValueError("must be tcp://HOST:PORT or ipc://PATH")
+        if v is not None and "*" in v:
+            raise ValueError("is the publisher's bind address; give HOST:PORT to connect to")
+        return v
+
+
+class KVEventsConfig(StrictModel):
+    """How the balancer follows the engines' KV-cache events (skymesh.prefix.kv_events):
+    blocks kept per replica (LRU beyond), the heartbeat (a replay request while idle),
+    when events count as stale, and the largest frame accepted."""
+
+    max_blocks: int = Field(100_000, ge=1)
+    heartbeat_s: float = Field(1.0, gt=0)
+    stale_after_s: float = Field(5.0, gt=0)
+    replay_timeout_s: float = Field(2.0, gt=0)
+    max_frame_bytes: int = Field(4 << 20, ge=1024)
+
+
 class RetryConfig(StrictModel):
     """``max_attempts``: attempts per request in all, first included (and per cut-over of
     a moved or resumed stream). ``resume_streams``: a stream whose replica fails after its
@@ -270,6 +308,7 @@ class ReplicaConfig(StrictModel):
     # This replica's own figures, over the engine's and pushing's (PushingConfig).
     max_num_seqs: int | None = Field(None, ge=1)
     metrics_lag_s: float | None = Field(None, ge=0, le=60)
+    kv_events: KVEventsEndpoint | None = None  # exact prefix state (docs/kv-events.md)
 
     def pushing_limits(self, pushing: PushingConfig, published_max_num_seqs: int | None
                        ) -> tuple[int | None, float]:
@@ -420,6 +459,7 @@ class BalancerConfig(StrictModel):
     auth: AuthConfig = AuthConfig()
     slo: SloConfig = SloConfig()
     prediction: PredictionConfig = PredictionConfig()
+    kv_events: KVEventsConfig = KVEventsConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)
     mesh: MeshConfig | None = None
     controller: ControllerLinkConfig | None = None

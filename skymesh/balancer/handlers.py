@@ -45,6 +45,7 @@ from skymesh.balancer.errors import (
 from skymesh.balancer.forwarding import Forwarder
 from skymesh.balancer.health import HealthTracker
 from skymesh.balancer.intake import parse_request, prediction_input, request_deadline, route_request
+from skymesh.balancer.kv_feed import ExactScorer
 from skymesh.balancer.mesh_link import FORWARDED_HEADER
 from skymesh.balancer.migration import max_output
 from skymesh.balancer.overload import RetryBook, check_servable
@@ -74,6 +75,8 @@ class Handlers:
         self.drain_retry_s = drain_retry_s
         self.rng = random.Random()
         self.in_flight_by_key: dict[bytes, int] = {}  # key digest -> requests here
+        # Exact prefix state from KV-cache events (kv_feed.ExactScorer), set by the server.
+        self.exact: ExactScorer | None = None
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
         core = self.core
@@ -104,6 +107,8 @@ class Handlers:
                 timeout = min(timeout, deadline_s)
             flags = core.switches.flags
             route = route_request(rid, intake, prefix_keys=flags.keys, deadline_s=deadline_s)
+            if flags.keys and self.exact is not None:
+                route = await self.exact.annotate(route, intake)
             if flags.predicts:
                 text, turn, history = prediction_input(intake, route.prompt_len)
                 route = replace(route, predicted_output_tokens=self.predictor.predict(

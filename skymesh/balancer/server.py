@@ -49,6 +49,7 @@ from skymesh.balancer.edge import OwnedRoutes, request_id, stamp_request_id
 from skymesh.balancer.forwarding import Forwarder
 from skymesh.balancer.handlers import Handlers
 from skymesh.balancer.health import HealthTracker
+from skymesh.balancer.kv_feed import ExactScorer, KVFeeds
 from skymesh.balancer.mesh_link import FORWARDED_HEADER, MeshLink
 from skymesh.balancer.metrics import BalancerMetrics
 from skymesh.balancer.moves import Mover
@@ -160,8 +161,12 @@ class Balancer:
                                  self.drain_retry_s)
         self.prober = Prober(core, cfg, self.health, lambda: self.upstream, self.upstream_auth,
                              lambda: self.cfg.pushing, self.streams.cut_stalled)
+        self.kv_feeds = KVFeeds(cfg.kv_events)  # engines' KV-cache events (kv_feed)
+        self.metrics.registry.register(self.kv_feeds)
+        self.kv_exact = self.handlers.exact = ExactScorer(self.kv_feeds)
         self.status = Status(core, cfg.region, self.health, self.edge, self.handlers,
-                             self.predictor, self.moves, self.mesh, self.controller)
+                             self.predictor, self.moves, self.mesh, self.controller,
+                             kv_figures=self.kv_exact.figures)
 
     # What the rooms read as it is now (a live policy switch, shutdown).
     @property
@@ -205,6 +210,8 @@ class Balancer:
                                   max_header_bytes=up.max_response_header_bytes)
         await self.prober.probe_all()
         self._prober_task = asyncio.create_task(self.prober.loop(), name="skymesh-prober")
+        self.kv_feeds.set_replicas(self.cfg.replicas)
+        self.kv_exact.preload()
         if self.edge.watching:
             self._reloader = asyncio.create_task(self._reload_loop(), name="skymesh-reload")
         if self.flags.predicts:
@@ -232,6 +239,7 @@ class Balancer:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        await self.kv_feeds.stop()
         await self.predictor.stop()
         if self._upstream is not None:
             await self._upstream.close()
@@ -254,6 +262,8 @@ class Balancer:
         """Replace the replica set (from the controller). Probe state survives for replicas
         that stay; requests in flight on a removed replica finish there."""
         added, removed = self.health.set_replicas(replicas)
+        if self._session is not None:  # started: the feeds need the running loop
+            self.kv_feeds.set_replicas(replicas)
         m = self.metrics
         for url in removed:
             for gauge in (m.replica_healthy, m.replica_waiting, m.replica_running,

@@ -8,6 +8,7 @@ last good one and the error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -27,8 +28,8 @@ class Status:
 
     def __init__(self, core: RequestCore, region: str, health: HealthTracker,
                  edge: EdgeFiles, handlers: Handlers, predictor: LivePredictor,
-                 mover: Mover, mesh: MeshLink | None, controller: ControllerLink | None
-                 ) -> None:
+                 mover: Mover, mesh: MeshLink | None, controller: ControllerLink | None,
+                 kv_figures: Callable[[str], dict[str, Any]] | None = None) -> None:
         self.core = core
         self.region = region
         self.health = health
@@ -38,6 +39,8 @@ class Status:
         self.mover = mover
         self.mesh = mesh
         self.controller = controller
+        # A replica's KV-cache events: "kv_events" live, stale or off, and its index.
+        self.kv_figures = kv_figures or (lambda url: {"kv_events": "off"})
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         self._refresh_gauges()
@@ -104,7 +107,7 @@ class Status:
                 "unadmitted": load.unadmitted, "max_num_seqs": load.max_num_seqs,
                 "engine_queue": load.engine_queue,
                 "prefer_queue": self.core.dispatcher.prefer_queue_of(load),
-                "metrics_lag_s": load.metrics_lag_s}
+                "metrics_lag_s": load.metrics_lag_s, **self.kv_figures(url)}
 
 
 __all__ = ["Status"]

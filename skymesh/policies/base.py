@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -42,6 +42,11 @@ class RouteRequest:
     # Output tokens a length predictor expects (skymesh.predict), or None when nothing
     # predicted it; predictive policies fall back to ``output_len_hint`` then a default.
     predicted_output_tokens: int | None = None
+    # Exact prefix state from the engines' KV-cache events (skymesh.balancer.kv_feed):
+    # leading full blocks of the prompt cached per target whose events are live, out of
+    # ``exact_blocks``; None when no such target.
+    exact_prefix: Mapping[str, int] | None = None
+    exact_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,12 @@ Parameters:
   hold it, which pulled whole trees of thought together (``docs/notes/bench.md``,
   "Outputs in the trie").
 - ``max_nodes`` = 100_000: trie node cap
+
+Exact state: when the request carries the engines' own view (``exact_prefix``, from their
+KV-cache events, docs/kv-events.md) for *every* candidate, the match is read from it
+instead of the trie: the deepest match is the most leading blocks cached, the matched
+fraction those blocks over the prompt's full blocks. A candidate without live events
+sends the decision back to the trie (one scale for all candidates).
 """
 
 from __future__ import annotations
@@ -56,6 +62,12 @@ class PrefixTree(Policy, name="prefix-tree"):
     def select(
         self, request: RouteRequest, candidates: Sequence[str], view: LoadView
     ) -> str | None:
+        exact = exact_match(request, candidates)
+        if exact is not None:
+            frac, holders = exact
+            if holders and frac >= self.match_threshold:
+                return self._least_loaded(holders, view)
+            return self._least_loaded(candidates, view)
         keys = request.prefix_keys
         if keys and candidates:
             depth, matched = self.trie.match(keys, candidates)
@@ -65,6 +77,11 @@ class PrefixTree(Policy, name="prefix-tree"):
 
     def preferred(self, request: RouteRequest, targets: Sequence[str], view: LoadView
                   ) -> str | None:
+        exact = exact_match(request, targets)
+        if exact is not None:
+            frac, holders = exact
+            ok = holders and frac >= self.match_threshold
+            return self._least_loaded(holders, view) if ok else None
         keys = request.prefix_keys
         if not keys or not targets:
             return None
@@ -81,3 +98,18 @@ class PrefixTree(Policy, name="prefix-tree"):
 
     def on_membership(self, targets: Sequence[str]) -> None:
         self.trie.retain(targets)
+
+
+def exact_match(request: RouteRequest, targets: Sequence[str]
+                ) -> tuple[float, list[str]] | None:
+    """(matched fraction, targets holding the most leading blocks) from the engines'
+    events, or None when some target has no live events (or the prompt no full block)."""
+    held = request.exact_prefix
+    if held is None or not request.exact_blocks or not targets:
+        return None
+    if any(t not in held for t in targets):
+        return None
+    best = max(held[t] for t in targets)
+    if best == 0:
+        return 0.0, []
+    return best / request.exact_blocks, [t for t in targets if held[t] == best]

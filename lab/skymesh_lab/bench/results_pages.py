@@ -29,6 +29,7 @@ from skymesh_lab.bench import (
     forecast_peers_page,
     ha_region_page,
     image_sizes_page,
+    kv_index_cost,
     router_overhead_page,
     security_page,
     terraform_apply_page,
@@ -290,6 +291,13 @@ SOURCES: tuple[Source, ...] = (
            (".venv/bin/skymesh", "bench", "router-overhead", "--rounds", "3", "--duration",
             "5", "--requests", "1000000", "--json", "{json}"),
            router_overhead_page.router_overhead),
+    Source("kv-index-cost", "The exact prefix index: memory and CPU",
+           "The balancer's side of KV-cache events (skymesh.prefix.kv_events, kv_index) on "
+           "a synthetic engine's msgpack batches: memory of one replica's index at 100,000 "
+           "blocks, process CPU to decode and apply stores and removals, and to key and "
+           "match a prompt against four replicas. See [KV-cache events](../kv-events.md).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.kv_index_cost", "--json", "{json}"),
+           kv_index_cost.page),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 

@@ -30,6 +30,8 @@ class Sequence:
     payload: object = None  # the driver's handle (stream, client record...)
     # The client's output limit (max_tokens); 0: unset, add() puts what the context leaves.
     max_new_tokens: int = 0
+    # Prompt + output token ids, when the driver knows them (the KV events carry them).
+    token_ids: Seq[int] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -332,8 +332,11 @@ class Engine:
                 new = k
             # Register blocks that became full, so later requests can hit them.
             hashes = seq.block_hashes
+            rec = kv.recorder
             for j in range(before // bs, min(seq.num_computed // bs, len(hashes))):
-                kv.register(seq.blocks[j], hashes[j])
+                if kv.register(seq.blocks[j], hashes[j]) and rec is not None:
+                    rec.stored(hashes[j], hashes[j - 1] if j else None,
+                               seq.token_ids[j * bs : (j + 1) * bs], bs)
             if not new:
                 continue
             first = seq.num_output == 0

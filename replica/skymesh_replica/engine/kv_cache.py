@@ -15,10 +15,22 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 
 class KVCacheError(RuntimeError):
     """An internal invariant was broken (double free, over-allocation)."""
+
+
+class CacheRecorder(Protocol):
+    """Told when content enters or leaves the cache (the KV-event publisher's hook)."""
+
+    def stored(self, block_hash: int, parent: int | None, token_ids: Sequence[int],
+               block_size: int) -> None: ...
+
+    def removed(self, block_hash: int) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 class BlockManager:
@@ -32,6 +44,8 @@ class BlockManager:
         self._cached: dict[int, int] = {}
         # Insertion order is eviction order: the head is the least recently released.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # None unless KV events are on: then told of evictions and resets.
+        self.recorder: CacheRecorder | None = None
 
     # -- queries ---------------------------------------------------------------------
     @property
@@ -87,6 +101,8 @@ class BlockManager:
             if h is not None:
                 if cached.get(h) == b:
                     del cached[h]
+                    if self.recorder is not None:
+                        self.recorder.removed(h)
                 hashes[b] = None
             ref[b] = 1
             out.append(b)
@@ -103,21 +119,27 @@ class BlockManager:
             if r == 0:
                 free[b] = None
 
-    def register(self, block: int, block_hash: int) -> None:
-        """Record that ``block`` now holds the full content named by ``block_hash``."""
+    def register(self, block: int, block_hash: int) -> bool:
+        """Record that ``block`` now holds the full content named by ``block_hash``.
+
+        True when the content became findable (a new cached block).
+        """
         if not self.enable_prefix_caching or self._hash[block] is not None:
-            return
+            return False
         if block_hash in self._cached:
             # The same content computed twice (two concurrent misses): keep the first copy
             # findable; this one is freed normally and simply never hit.
-            return
+            return False
         self._hash[block] = block_hash
         self._cached[block_hash] = block
+        return True
 
     def reset_prefix_cache(self) -> None:
         for h, b in list(self._cached.items()):
             self._hash[b] = None
             del self._cached[h]
+        if self.recorder is not None:
+            self.recorder.cleared()
 
     def check_invariants(self) -> None:
         for b in range(self.num_blocks):

@@ -1,0 +1,223 @@
+"""The balancer's KV-event feeds: one subscriber task per replica that publishes events.
+
+A replica whose config has ``kv_events: {endpoint, replay_endpoint}`` gets a
+:class:`~skymesh.prefix.kv_events.KVEventSubscriber` filling its own
+:class:`~skymesh.prefix.kv_index.ReplicaBlockIndex`. Membership changes start and stop
+tasks (an endpoint that changes restarts its task with an empty index); a replica that
+leaves takes its index with it. Each replica's events are ``off`` (not configured),
+``live`` or ``stale`` (nothing heard within ``stale_after_s``): only live indexes are
+offered for routing (:meth:`KVFeeds.live_indexes`), so a policy falls back to its
+approximate trie for the others.
+
+:class:`ExactScorer` puts that state on a request (``RouteRequest.exact_prefix``): it
+tokenizes the prompt as the engine does and counts, per live replica, the leading full
+blocks cached. Only replicas whose tokenization the balancer knows take part: ``kind:
+skymesh`` (the emulated replica: the shared ChatML rendering and tokenizer of
+:mod:`skymesh.prefix.prompt`). vLLM and SGLang replicas are followed and reported, and
+scored once the balancer loads each model's own tokenizer and chat template (not yet).
+Prompts over ``OFFLOAD_CHARS`` are tokenized in a thread, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from skymesh.balancer.config import KVEventsConfig, KVEventsEndpoint, ReplicaConfig
+from skymesh.balancer.intake import Intake
+from skymesh.policies.base import RouteRequest
+from skymesh.prefix.kv_index import ReplicaBlockIndex, longest_prefix
+from skymesh.prefix.prompt import PromptError, Tokenizer, completion_prompt, get_tokenizer
+
+if TYPE_CHECKING:  # the wire needs the kv-events extra: imported when a replica has events
+    from skymesh.prefix.kv_events import KVEventSubscriber
+
+log = logging.getLogger(__name__)
+
+OFF, LIVE, STALE = "off", "live", "stale"
+# Kinds whose prompt -> token ids the balancer reproduces exactly.
+EXACT_KINDS = frozenset({"skymesh"})
+OFFLOAD_CHARS = 32_768  # about 8k tokens, 1 ms of tokenizing
+
+
+class KVFeeds:
+    def __init__(self, cfg: KVEventsConfig, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self._subs: dict[str, tuple[KVEventsEndpoint, KVEventSubscriber,
+                                    asyncio.Task[None]]] = {}
+        self.exact_urls: tuple[str, ...] = ()  # followed replicas of an EXACT_KINDS kind
+
+    def set_replicas(self, replicas: Iterable[ReplicaConfig]) -> None:
+        """Start feeds for new publishers, stop those of replicas that left or changed.
+        Needs a running loop."""
+        replicas = list(replicas)
+        want = {r.url: r.kv_events for r in replicas if r.kv_events is not None}
+        self.exact_urls = tuple(r.url for r in replicas
+                                if r.kv_events is not None and r.kind in EXACT_KINDS)
+        for url in list(self._subs):
+            if want.get(url) != self._subs[url][0]:
+                self._drop(url)
+        if not want:
+            return
+        from skymesh.prefix.kv_events import KVEventSubscriber, SubscriberSettings
+
+        cfg = self.cfg
+        settings = SubscriberSettings(
+            heartbeat_s=cfg.heartbeat_s, stale_after_s=cfg.stale_after_s,
+            replay_timeout_s=cfg.replay_timeout_s, max_frame_bytes=cfg.max_frame_bytes)
+        loop = asyncio.get_running_loop()
+        for url, ep in want.items():
+            if url in self._subs:
+                continue
+            sub = KVEventSubscriber(ep.endpoint, ep.replay_endpoint,
+                                    ReplicaBlockIndex(cfg.max_blocks), settings, self.clock)
+            task = loop.create_task(sub.run(), name=f"kv-events {url}")
+            task.add_done_callback(functools.partial(self._ended, url))
+            self._subs[url] = (ep, sub, task)
+            log.info("following kv events of %s at %s", url, ep.endpoint)
+
+    def _ended(self, url: str, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            # A feed that crashed leaves its replica stale (trie routing), not the balancer.
+            log.error("kv events feed of %s failed: %r", url, task.exception())
+
+    def _drop(self, url: str) -> None:
+        _ep, _sub, task = self._subs.pop(url)
+        task.cancel()
+
+    def state(self, url: str) -> str:
+        entry = self._subs.get(url)
+        if entry is None:
+            return OFF
+        _ep, sub, task = entry
+        return LIVE if not task.done() and sub.is_live() else STALE
+
+    def index(self, url: str) -> ReplicaBlockIndex | None:
+        entry = self._subs.get(url)
+        return None if entry is None else entry[1].index
+
+    def live_indexes(self, urls: Iterable[str]) -> dict[str, ReplicaBlockIndex]:
+        """The indexes of ``urls`` whose events are live now."""
+        now = self.clock()
+        out: dict[str, ReplicaBlockIndex] = {}
+        for url in urls:
+            entry = self._subs.get(url)
+            if entry is not None and not entry[2].done() and entry[1].is_live(now):
+                out[url] = entry[1].index
+        return out
+
+    # -- metrics (registered as a collector: read at scrape time) -------------------------
+    def collect(self) -> Iterator[Metric]:
+        live = GaugeMetricFamily("skymesh_kv_events_live",
+                                 "1 while a replica's KV-cache events are live",
+                                 labels=["replica"])
+        blocks = GaugeMetricFamily("skymesh_kv_index_blocks",
+                                   "Blocks in a replica's exact prefix index", labels=["replica"])
+        evicted = CounterMetricFamily("skymesh_kv_index_evicted",
+                                      "Blocks forgotten at the kv_events.max_blocks cap",
+                                      labels=["replica"])
+        events = CounterMetricFamily(
+            "skymesh_kv_events", "KV-event batches by outcome: applied, replayed (from the "
+            "replay endpoint), gap, restart, resync (index cleared), malformed; and events "
+            "skipped: unknown_event, orphan (stored under an unknown parent)",
+            labels=["replica", "outcome"])
+        now = self.clock()
+        for url, (_ep, sub, task) in self._subs.items():
+            live.add_metric([url], float(not task.done() and sub.is_live(now)))
+            idx, c = sub.index, sub.counters
+            blocks.add_metric([url], len(idx))
+            evicted.add_metric([url], idx.evicted)
+            for outcome, n in (("applied", c.batches), ("replayed", c.replayed),
+                               ("gap", c.gaps), ("restart", c.restarts),
+                               ("resync", c.resyncs), ("malformed", c.malformed),
+                               ("unknown_event", c.unknown_events),
+                               ("orphan", idx.orphans)):
+                events.add_metric([url, outcome], n)
+        yield from (live, blocks, evicted, events)
+
+    async def stop(self) -> None:
+        tasks = [t for _ep, _s, t in self._subs.values()]
+        self._subs.clear()
+        for t in tasks:
+            t.cancel()
+        # Each closes its sockets as it ends.
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ExactScorer:
+    """Annotates requests with the exact prefix state of the live, exact-capable replicas."""
+
+    def __init__(self, feeds: KVFeeds,
+                 load_tokenizer: Callable[[], Tokenizer] = get_tokenizer) -> None:
+        self.feeds = feeds
+        self._load_tokenizer = load_tokenizer
+        self.tokenizer: Tokenizer | None = None
+        self._loading: asyncio.Task[None] | None = None
+
+    def _start_loading(self) -> None:
+        # About 0.2 s of CPU for the Qwen vocabulary: in a thread, once; requests route on
+        # the trie meanwhile.
+        if self._loading is None:
+            async def load() -> None:
+                self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
+
+            self._loading = asyncio.get_running_loop().create_task(load(), name="kv-tokenizer")
+            self._loading.add_done_callback(self._loaded)
+
+    @staticmethod
+    def _loaded(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("no exact prefix scoring: the tokenizer failed to load: %r",
+                      task.exception())
+
+    def preload(self) -> None:
+        if self.feeds.exact_urls:
+            self._start_loading()
+
+    def figures(self, url: str) -> dict[str, Any]:
+        """``/status``'s view of one replica: its events' state, the blocks its index
+        holds, and whether requests are scored against it exactly."""
+        index = self.feeds.index(url)
+        state = self.feeds.state(url)
+        return {"kv_events": state, "kv_blocks": None if index is None else len(index),
+                "kv_exact": state == LIVE and self.tokenizer is not None
+                and url in self.feeds.exact_urls}
+
+    async def annotate(self, route: RouteRequest, intake: Intake) -> RouteRequest:
+        urls = self.feeds.exact_urls
+        if not urls:
+            return route
+        live = self.feeds.live_indexes(urls)
+        if not live:
+            return route
+        tok = self.tokenizer
+        if tok is None:
+            self._start_loading()
+            return route
+        try:
+            if len(intake.prompt_text) > OFFLOAD_CHARS:
+                ids = await asyncio.to_thread(prompt_ids, intake, tok)
+            else:
+                ids = prompt_ids(intake, tok)
+        except PromptError:
+            return route
+        block_size = max(i.block_size for i in live.values()) or 16
+        return dataclasses.replace(route, exact_prefix=longest_prefix(live, ids),
+                                   exact_blocks=len(ids) // block_size)
+
+
+def prompt_ids(intake: Intake, tokenizer: Tokenizer) -> list[int]:
+    """The token ids the emulated engine computes for this request."""
+    if intake.kind == "chat":
+        return tokenizer.encode(intake.prompt_text)  # render_chat's text, as the replica
+    return completion_prompt(intake.body["prompt"]).ids(tokenizer)
