@@ -77,7 +77,7 @@ class Controller:
         self.moves = Relocations(store, self.changes, self.records, self.replicas,
                                  self.members, self.prober, trust)
         self.leadership = Leadership(store, cfg.ha)
-        self.prober.acts = self.leadership.acts
+        self.prober.acts = self.dns.acts = self.leadership.acts
         # In-process calls (the planner's actuators, tests): the parts' own methods.
         self.get, self.put_region = self.records.get, self.records.put_region
         self.register_balancer = self.balancers.register

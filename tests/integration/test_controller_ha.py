@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from controller_support import RedisServer, auth, token_config
-from support import wait_for
+from controller_support import ADMIN, RedisServer, auth, token_config
+from support import run_bounded, wait_for
 
-from skymesh.util.procs import Daemon, start_daemon
+from skymesh.util.procs import Daemon, executable, start_daemon
 from skymesh_lab.faults.cluster import parse_metrics
 
 TTL_S, RENEW_S, PROBE_S = 0.6, 0.2, 0.1
@@ -105,6 +105,15 @@ def test_one_leader_probes_the_rest_stand_by(tmp_path: Path, redis: RedisServer,
             assert c["leader"] == control(leader)["id"]
             assert c["role"] == ("leader" if d is leader else "standby")
             assert c["lease_age_s"] is not None and c["lease_age_s"] >= 0
+        # `skymesh ctl status` on a standby names the leader.
+        token = tmp_path / "admin-token"
+        token.write_text(ADMIN)
+        out = run_bounded([*executable("skymesh"), "ctl", "--controller", standby.url,
+                           "--token-file", str(token), "status"], timeout=30)
+        assert out.returncode == 0, out.stderr
+        lead_id = control(leader)["id"]
+        assert f"control: leader {lead_id} (epoch " in out.stdout
+        assert f"({control(standby)['id']}) standby" in out.stdout
 
 
 def test_a_standby_takes_over_from_a_killed_leader(tmp_path: Path,

@@ -3,6 +3,8 @@ election loop (leadership.py) on the in-process store with the same clock."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from skymesh_controller.config import HaConfig
@@ -130,3 +132,29 @@ async def test_a_paused_leaders_writes_are_fenced_after_a_takeover(
     # ...and its next step stands it down without a renewal.
     await a.step()
     assert not a.leader and a.state.losses == 1
+
+
+async def test_only_the_leader_syncs_dns_on_its_own() -> None:
+    from skymesh_controller.config import parse_config
+    from skymesh_controller.dns_sync import DnsSync
+
+    calls: list[bool] = []
+
+    async def hook(balancers: Any, regions: Any, dry_run: bool) -> dict[str, Any]:
+        calls.append(dry_run)
+        return {}
+
+    class Records:
+        async def list_kind(self, kind: str) -> list[Any]:
+            return []
+
+    sync = DnsSync(parse_config({"dns": {"record": "api.example.com"}}), hook,
+                   Records())  # type: ignore[arg-type]
+    sync.acts = lambda: False
+    sync.schedule()
+    assert sync.task is None  # a standby (or a lapsed leader) leaves DNS alone
+    sync.acts = lambda: True
+    sync.schedule()
+    assert sync.task is not None
+    await sync.task
+    assert calls == [False]

@@ -51,11 +51,12 @@ from skymesh_controller.errors import ApiError
 from skymesh_controller.planning.actuate import ApplyReport
 from skymesh_controller.planning.ilp import Key
 from skymesh_controller.service import Controller
-from skymesh_controller.store import Obj, StoreError
+from skymesh_controller.store import Fenced, Obj, StoreError
 
 log = logging.getLogger("skymesh.controller.planner")
 SERIES = "planner:rounds"
 VERSIONS_PER_ROUND = 4  # copies a round may leave in the series (made, approved, retries)
+ACTING_CALLS = frozenset({"apply_counts", "prepare_move", "finish_move"})
 
 
 def key_obj(key: Key) -> Obj:
@@ -190,7 +191,12 @@ class Planner:
             await self.actuate(self.backend.close)
 
     async def actuate(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Call the (blocking) actuator in a worker thread, one call at a time."""
+        """Call the (blocking) actuator in a worker thread, one call at a time. A call
+        that changes the world waits for no lease: it is made only while this controller
+        leads (an old leader's writes to the store are fenced, these cannot be)."""
+        if getattr(fn, "__name__", "") in ACTING_CALLS and not self.acts():
+            raise Fenced(f"{fn.__name__}: this controller no longer leads")
+
         def locked() -> Any:
             with self._backend_lock:
                 return fn(*args)

@@ -29,7 +29,7 @@ def _takeover(rows: list[dict[str, Any]]) -> str:
                     f"{min(took):.2f}-{max(took):.2f} s",
                     num(ttl + renew, ".1f", suffix=" s"), acted])
     return table(["leader", "lease TTL", "renew every", "runs", "takeover, mean", "range",
-                  "bound (TTL + renew)", "woken leader acted (after it woke)"], out,
+                  "design bound (TTL + renew)", "woken leader acted (after it woke)"], out,
                  [False, True, True, True, True, True, True, False])
 
 
