@@ -2,7 +2,7 @@
 only one that probes), a standby taking over after SIGKILL, and a SIGSTOPped leader that
 stands down when it wakes (docs/operations-control-ha.md).
 
-Short leases (0.6 s, renewed every 0.2 s) keep the test fast; every wait is on a
+Short leases (1.5 s, renewed every 0.3 s) keep the test fast; every wait is on a
 condition with a deadline.
 """
 
@@ -25,7 +25,7 @@ from support import run_bounded, wait_for
 from skymesh.util.procs import Daemon, executable, start_daemon
 from skymesh_lab.faults.cluster import parse_metrics
 
-TTL_S, RENEW_S, PROBE_S = 0.6, 0.2, 0.1
+TTL_S, RENEW_S, PROBE_S = 1.5, 0.3, 0.1
 
 
 def start(tmp: Path, name: str, store: str) -> Daemon:
@@ -34,7 +34,11 @@ def start(tmp: Path, name: str, store: str) -> Daemon:
         "listen": {"host": "127.0.0.1", "port": 0}, "tokens": token_config(), "store": store,
         "url_policy": {"allow_loopback": True}, "probe": {"interval_s": PROBE_S},
         "ha": {"id": name, "lease_ttl_s": TTL_S, "renew_interval_s": RENEW_S,
-               "revision_poll_s": 0.1}}))
+               "revision_poll_s": 0.1},
+        # A planner that runs a (skipped: no telemetry) round every 0.5 s, so its round
+        # count shows which controller plans.
+        "planner": {"mode": "dry-run", "capacity": {"llama": {"L4": 100.0}},
+                    "schedule": {"interval_s": 0.5, "tick_s": 0.1, "first_round_s": 0}}}))
     return start_daemon("skymesh-controller", ["--config", str(path)],
                         log_path=tmp / f"{name}.log")
 
@@ -56,6 +60,10 @@ def leaders(ds: list[Daemon]) -> list[Daemon]:
 
 def rounds(d: Daemon) -> float:
     return metrics(d).get("skymesh_controller_probe_rounds_total", 0.0)
+
+
+def plans(d: Daemon) -> float:
+    return metrics(d).get("skymesh_controller_planner_rounds_total", 0.0)
 
 
 @pytest.fixture
@@ -94,11 +102,13 @@ def test_one_leader_probes_the_rest_stand_by(tmp_path: Path, redis: RedisServer,
         assert r.status_code == 201, r.text
         base = {d.url: rounds(d) for d in ds}
         wait_for(lambda: rounds(leader) >= base[leader.url] + 5, "the leader probing")
-        # Exactly one leader, and only it probed: the others' counters did not move.
+        wait_for(lambda: plans(leader) >= 3, "the leader planning")
+        # Exactly one leader, and only it probed and planned: the others' counters are 0.
         assert leaders(ds) == [leader]
         for d in ds:
             if d is not leader:
                 assert rounds(d) == base[d.url] == 0.0
+                assert plans(d) == 0.0
         # Every controller names the same leader, and the lease's age.
         for d in ds:
             c = control(d)
@@ -128,6 +138,7 @@ def test_a_standby_takes_over_from_a_killed_leader(tmp_path: Path,
         took = time.monotonic() - t0
         before = rounds(new)
         wait_for(lambda: rounds(new) > before, "the new leader probing")
+        wait_for(lambda: plans(new) > 0, "the new leader planning")
         assert control(new)["epoch"] == epoch + 1
         # Bounded by the lease: it lapses within ttl, then the next try wins (not a
         # timing assertion on the machine's speed: the bound is the configuration's).
@@ -149,8 +160,10 @@ def test_a_stopped_leader_stands_down_when_it_wakes(tmp_path: Path,
                  "the woken leader to stand down")
         assert metrics(old)["skymesh_controller_leader"] == 0.0
         assert control(old)["leader"] == control(new)["id"]
+        planned = metrics(old).get("skymesh_controller_planner_rounds_total", 0.0)
         later = rounds(new)
         wait_for(lambda: rounds(new) >= later + 5, "the new leader probing on")
         assert rounds(old) == after_wake
+        assert plans(old) == planned  # nor plans
         assert leaders(ds) == [new]
         assert f"standing down: {control(old)['id']}" in old.log()

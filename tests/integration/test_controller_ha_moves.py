@@ -78,7 +78,7 @@ def replica() -> Iterator[Daemon]:
 def app_for(name: str, store: str) -> Any:
     cfg = parse_config({
         "store": store, "tokens": token_config(), "url_policy": {"allow_loopback": True},
-        "ha": {"id": name, "lease_ttl_s": 0.6, "renew_interval_s": 0.2},
+        "ha": {"id": name, "lease_ttl_s": 1.5, "renew_interval_s": 0.3},
         "planner": {"mode": "auto", "capacity": {"llama": {"L4": 100.0}}, "epsilon": 1.0,
                     "drain_timeout_s": 60, "drain_poll_s": 0.05,
                     "schedule": {"window_s": W, "horizon": 2, "first_round_s": 1e9,
