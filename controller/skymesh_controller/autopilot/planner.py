@@ -55,7 +55,7 @@ from skymesh_controller.store import Fenced, Obj, StoreError
 
 log = logging.getLogger("skymesh.controller.planner")
 SERIES = "planner:rounds"
-VERSIONS_PER_ROUND = 4  # copies a round may leave in the series (made, approved, retries)
+VERSIONS_PER_ROUND = 5  # copies a round may leave (made, applying, moves, approved, retries)
 ACTING_CALLS = frozenset({"apply_counts", "prepare_move", "finish_move"})
 
 
@@ -160,6 +160,12 @@ class Planner:
         counts, so nothing it did is applied twice."""
         cut = [m for m in rec.get("moves", []) if m["state"] == "draining"]
         if not cut:
+            if rec["status"] == "applying":  # stopped while the actuator applied it
+                rec["status"] = "failed"
+                rec["reason"] = ("the controller stopped while applying this round; the "
+                                 "next round plans from what runs then")
+                log.warning("planner round %s: %s", rec["id"], rec["reason"])
+                await self.save(rec)
             return
         undrained = landed = 0
         for m in cut:
@@ -300,6 +306,9 @@ class Planner:
                                await self._movable(decision))
             await self._supersede()
             if rec["status"] == "applying":
+                # Recorded before it acts: a leader lost mid-apply leaves its successor
+                # the record to settle (_interrupted).
+                await self.save(rec)
                 await self._apply(rec, now, attempt=1)
             await self.save(rec)
             self._count(rec, decision)
@@ -399,6 +408,7 @@ class Planner:
                                "(approve mode, newest round, with changes) can be approved")
             rec["approved_by"], rec["approved_at"] = who, self.clock()
             rec["status"] = "applying"
+            await self.save(rec)
             await self._apply(rec, self.clock(), attempt=1)
             await self.save(rec)
             return rec
