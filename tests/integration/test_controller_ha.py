@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,22 @@ def test_one_leader_probes_the_rest_stand_by(tmp_path: Path, redis: RedisServer,
             assert c["leader"] == control(leader)["id"]
             assert c["role"] == ("leader" if d is leader else "standby")
             assert c["lease_age_s"] is not None and c["lease_age_s"] >= 0
+        # A balancer long-polling a standby wakes for a write made through the leader
+        # (the client's 5 s timeout is far below the 30 s wait: only a wake answers).
+        assert httpx.post(leader.url + "/v1/balancers", headers=auth(), json={
+            "id": "lb-us", "region": "us", "url": "http://127.0.0.1:9"}).status_code == 201
+        view = httpx.get(standby.url + "/v1/balancers/lb-us/membership",
+                         headers=auth()).json()
+        with ThreadPoolExecutor(1) as pool:
+            polled = pool.submit(lambda: httpx.get(
+                standby.url + "/v1/balancers/lb-us/membership", headers=auth(),
+                params={"after": view["revision"], "wait": 30}, timeout=5).json())
+            r = httpx.post(leader.url + "/v1/replicas", headers=auth(), json={
+                "id": "r1", "url": "http://127.0.0.1:9", "model": "llama", "region": "us",
+                "gpu": "L4"})
+            assert r.status_code == 201, r.text
+            woke = polled.result()
+        assert woke["revision"] > view["revision"]
         # `skymesh ctl status` on a standby names the leader.
         token = tmp_path / "admin-token"
         token.write_text(ADMIN)
