@@ -41,9 +41,11 @@ class LeaseState:
         if not 0 < self.renew_s < self.ttl_s:
             raise ValueError("renew_s must be positive and below ttl_s")
         if self.margin_s == 0.0:
-            # Room for a renewal that is slow to come back, and for the stop of the
-            # leader's loops after the lease ran out locally.
-            self.margin_s = min(self.renew_s, (self.ttl_s - self.renew_s) / 2)
+            # The local deadline already falls before the store's expiry (it counts from
+            # when the renewal was sent): the margin is room for the leader's loops to
+            # stop, and small, so that a loaded host's stalls of up to
+            # ttl - renew - margin between renewals do not cost the lease.
+            self.margin_s = min(self.renew_s, 0.1 * self.ttl_s)
 
     def acts(self, now: float) -> bool:
         """Whether the leader's loops may act now."""

@@ -20,17 +20,17 @@ def test_a_standby_acquires_and_then_renews() -> None:
     assert st.role == "standby"
     assert st.acquired(10.0, 7) == "elected"
     assert st.role == "leader" and st.epoch == 7 and st.next_action() == "renew"
-    # Trusted until sent + ttl - margin (margin: min(renew, (ttl - renew) / 2) = 1 s).
-    assert st.acts(10.0) and st.acts(11.99) and not st.acts(12.0)
+    # Trusted until sent + ttl - margin (margin: min(renew, ttl / 10) = 0.3 s).
+    assert st.acts(10.0) and st.acts(12.69) and not st.acts(12.7)
 
 
 def test_a_renewal_extends_from_when_it_was_sent() -> None:
     st = LeaseState(ttl_s=3.0, renew_s=1.0)
     st.acquired(0.0, 1)
     assert st.renewed(1.0, True) is None
-    assert st.valid_until == pytest.approx(3.0)
+    assert st.valid_until == pytest.approx(3.7)
     # A late answer to an older renewal never shortens the lease.
-    assert st.renewed(0.5, True) is None and st.valid_until == pytest.approx(3.0)
+    assert st.renewed(0.5, True) is None and st.valid_until == pytest.approx(3.7)
 
 
 def test_a_refused_renewal_stands_down_at_once() -> None:
@@ -44,8 +44,8 @@ def test_a_refused_renewal_stands_down_at_once() -> None:
 def test_an_unreachable_store_keeps_the_leader_until_its_lease_runs_out() -> None:
     st = LeaseState(ttl_s=3.0, renew_s=1.0)
     st.acquired(0.0, 1)
-    assert st.unreachable(1.5) is None and st.acts(1.5)
-    assert st.unreachable(2.0) == "lost" and not st.acts(2.0)
+    assert st.unreachable(2.5) is None and st.acts(2.5)
+    assert st.unreachable(2.7) == "lost" and not st.acts(2.7)
 
 
 def test_a_stopped_leader_finds_its_lease_expired_when_it_wakes() -> None:
@@ -62,7 +62,7 @@ def test_the_wait_between_steps() -> None:
     assert st.wait_s(0.0) == 1.0
     st.acquired(0.0, 1)
     assert st.wait_s(0.0) == 1.0
-    assert st.wait_s(1.5) == pytest.approx(0.5)  # never past the local deadline
+    assert st.wait_s(2.2) == pytest.approx(0.5)  # never past the local deadline
     with pytest.raises(ValueError):
         LeaseState(ttl_s=1.0, renew_s=1.0)
 
