@@ -353,3 +353,30 @@ def test_an_applying_round_is_recorded_before_the_actuator_runs(
     rec = c.post("/v1/plans", headers=auth(), json={"dry_run": False}).json()
     assert rec["status"] in ("applied", "partial", "failed")
     assert seen and "applying" in seen[0]
+
+
+def test_a_controller_that_no_longer_leads_makes_no_actuator_call_that_acts(
+        world: tuple[TestClient, Planner, FakeMovingActuator, FakeClock]) -> None:
+    """An Auto Scaling group's count cannot carry the lease: the planner checks it just
+    before each call that changes the world; reads still go through."""
+    from skymesh_controller.store import Fenced
+
+    c, p, fake, _ = world
+
+    async def lose() -> None:  # as a stopped or partitioned leader finds: no renewals
+        lead = p.ctl.leadership
+        assert lead._task is not None
+        lead._task.cancel()
+        lead.state.resign()
+
+    c.portal.call(lose)
+    with pytest.raises(Fenced, match="no longer leads"):
+        c.portal.call(p.actuate, fake.apply_counts, {US: 1}, {})
+    with pytest.raises(Fenced):
+        c.portal.call(p.actuate, fake.prepare_move, "r1", US, EU)
+    assert fake.calls == []
+    assert c.portal.call(p.actuate, fake.current, [US], {}) == {US: 1}
+    # Not leading, the API refuses to apply a plan, and names who does.
+    r = c.post("/v1/plans", headers=auth(), json={"dry_run": False})
+    assert r.status_code == 409 and r.json()["error"]["type"] == "not_leader"
+    assert c.post("/v1/plans", headers=auth(), json={"dry_run": True}).status_code == 201
