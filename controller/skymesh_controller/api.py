@@ -98,7 +98,11 @@ async def _no_unknown_query(request: Request) -> None:
 def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | None = None,
               probe: bool = True, resolver: Resolver = system_resolver) -> FastAPI:
     tokens = TokenBook(list(cfg.tokens), os.environ.get("SKYMESH_ADMIN_TOKEN"))
-    ctl = Controller(cfg, store if store is not None else open_store(cfg.store), dns,
+    if store is None:
+        store = open_store(cfg.store, wait_replicas=cfg.ha.wait_replicas,
+                           wait_timeout_ms=cfg.ha.wait_timeout_ms,
+                           writer_lock_s=cfg.ha.writer_lock_s)
+    ctl = Controller(cfg, store, dns,
                      resolver=resolver)
     # Each route calls the part it needs (service.py lists them).
     records, balancers, replicas = ctl.records, ctl.balancers, ctl.replicas
@@ -250,7 +254,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
         if not may_modify(me, who):  # only its own balancer: `after` is a drain's ack
             raise not_owner("balancer", bid, me)
         # It applied `after` (what a move's drain waits for), but no revision not yet made.
-        members.note_poll(bid, min(after, await changes.store.revision()))
+        await members.record_poll(bid, min(after, await changes.store.revision()))
         if after >= 0 and wait > 0:
             await changes.wait(after, wait)
         return await members.view(bid)
@@ -316,7 +320,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
     @app.get("/v1/status", tags=["status"], responses=ERRORS, dependencies=[read])
     async def status() -> Obj:
         return await mesh_status(ctl.store, reports.latest, dns_syncer.last,
-                                 ctl.started)
+                                 ctl.started, ctl.leadership)
 
     @app.get("/v1/telemetry", tags=["status"], responses=ERRORS, dependencies=[read])
     async def telemetry(
@@ -378,7 +382,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
 
     mount_planner(app, cfg, ctl)  # /v1/plans; the planner itself when configured
     install_metrics(app, ctl.store, reports.latest, ctl.prober.counts,
-                    ctl.refusals.counts)
+                    ctl.refusals.counts, ctl)
     mount_dashboard(app)
     # The token and the size cap before any body byte is read (skymesh_controller.intake).
     app.add_middleware(BodyGate, known=lambda token: tokens.lookup(token) is not None,

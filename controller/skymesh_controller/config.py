@@ -23,6 +23,7 @@ Example::
     max_balancers_per_agent: 64             # balancers one agent token may register
     shared_balancer_owners: []              # token names whose balancers take anyone's
                                             # replicas on failover (default: owner only)
+    ha: {lease_ttl_s: 3.0, renew_interval_s: 1.0}  # leader lease: docs/operations-control-ha.md
 
 ``SKYMESH_ADMIN_TOKEN`` adds an admin token when set (quick starts, tests).
 ``url_policy`` decides which replica and balancer URLs may be registered and probed
@@ -89,6 +90,37 @@ class DnsConfig(StrictModel):
     auto_sync: bool = True
 
 
+class HaConfig(StrictModel):
+    """Several controllers on one store: one leader (a lease in the store), the rest
+    standing by (docs/operations-control-ha.md). A standby takes over at most about
+    ``lease_ttl_s + renew_interval_s`` after the leader stops renewing."""
+
+    lease_ttl_s: float = Field(3.0, gt=0)
+    renew_interval_s: float = Field(1.0, gt=0)
+    id: str | None = None  # this controller's name in the lease: default host-pid
+    advertise_url: str | None = None  # shown to others as the leader's URL
+    revision_poll_s: float = Field(0.5, gt=0)  # long polls see other controllers' writes
+    writer_lock_s: float = Field(5.0, gt=0)  # the cross-process writer lock's expiry
+    wait_replicas: int = Field(0, ge=0)  # Redis WAIT after each commit (0: off)
+    wait_timeout_ms: int = Field(1000, ge=1)
+
+    @field_validator("id", "advertise_url")
+    @classmethod
+    def _no_bar(cls, v: str | None) -> str | None:
+        if v is not None and ("|" in v or not v.strip()):
+            raise ValueError("must be non-empty and without '|'")
+        return v
+
+    @field_validator("renew_interval_s")
+    @classmethod
+    def _renew(cls, v: float, info: Any) -> float:
+        ttl = info.data.get("lease_ttl_s")
+        if ttl is not None and v >= ttl:
+            raise ValueError("must be below lease_ttl_s (the lease would lapse between "
+                             "renewals)")
+        return v
+
+
 class ControllerConfig(StrictModel):
     listen: ListenConfig = ListenConfig()
     store: str = "memory"
@@ -113,12 +145,18 @@ class ControllerConfig(StrictModel):
     planner: PlannerConfig | None = None  # the autopilot (docs/autopilot.md): off
     logging: LoggingConfig = LoggingConfig()  # skymesh.obs: log format, access log
     tracing: TracingConfig = TracingConfig()  # skymesh.obs.tracing: off unless an endpoint
+    ha: HaConfig = HaConfig()  # leader lease and store durability (operations-control-ha.md)
 
     @field_validator("store")
     @classmethod
     def _store(cls, v: str) -> str:
-        if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must be 'memory' or a redis:// URL")
+        if v != "memory" and not v.startswith(("redis://", "rediss://", "unix://",
+                                                  "redis+sentinel://")):
+            raise ValueError("must be 'memory', a redis:// URL or redis+sentinel://")
+        if v.startswith("redis+sentinel://"):
+            from skymesh_controller.store import parse_sentinel_url
+
+            parse_sentinel_url(v)
         return v
 
 

@@ -28,6 +28,7 @@ class DnsSync:
         self.cfg, self.hook, self.records = cfg, hook, records
         self.last: dict[str, Any] | None = None  # the newest applied sync, for /v1/status
         self.task: asyncio.Task[None] | None = None
+        self.acts: Callable[[], bool] = lambda: True  # the leader lease (leadership.py)
 
     async def sync(self, dry_run: bool) -> dict[str, Any]:
         if self.hook is None:
@@ -43,6 +44,8 @@ class DnsSync:
         if self.hook is None or (self.cfg.dns is not None and not self.cfg.dns.auto_sync):
             return
         if self.task is not None and not self.task.done():
+            return
+        if not self.acts():  # only the leader syncs on its own
             return
 
         async def run() -> None:

@@ -64,6 +64,12 @@ class Membership:
     def note_poll(self, bid: str, after: int) -> None:
         self.polled[bid] = max(after, self.polled.get(bid, -1))
 
+    async def record_poll(self, bid: str, after: int) -> None:
+        """``note_poll``, and in the store too: with several controllers, the balancer
+        may long-poll one that does not run the move waiting for it."""
+        self.note_poll(bid, after)
+        await self.store.note_max("polled", bid, after)
+
     async def applied(self, rid: str, rev: int) -> bool:
         """Whether every live balancer serving ``rid`` has applied membership ``rev`` or
         later. Balancers that never long-polled this process do not follow membership
@@ -72,6 +78,9 @@ class Membership:
         if rep is None:
             return True
         balancers = await self.store.all("balancers")
-        return all(self.polled[bid] >= rev for bid, b in balancers.items()
-                   if bid in self.polled and placement.live(b)
+        polled = await self.store.notes("polled")
+        for bid, n in self.polled.items():
+            polled[bid] = max(n, polled.get(bid, -1))
+        return all(polled[bid] >= rev for bid, b in balancers.items()
+                   if bid in polled and placement.live(b)
                    and placement.shares(bid, rep.get("assigned"), balancers))

@@ -15,6 +15,13 @@ state is listed for every region, with 0 where nothing is in it, so an alert suc
     skymesh_controller_refused_total{reason}                 requests a limit refused
     skymesh_controller_http_requests_total{method,route,status}
     skymesh_controller_http_request_duration_seconds{route}  histogram
+    skymesh_controller_leader                                1 while this controller leads
+    skymesh_controller_lease_epoch                           the lease's epoch (the store's)
+    skymesh_controller_lease_age_seconds                     since the current leader won
+    skymesh_controller_leader_elections_total                times this one won the lease
+    skymesh_controller_leader_stood_down_total               times this one lost it
+    skymesh_controller_fenced_writes_total                   writes refused: lease gone
+    skymesh_controller_probe_rounds_total                    probe rounds this one ran
 
 ``route`` is the route's template (``/v1/replicas/{rid}``), never the raw path, so a
 client cannot grow the series set; unmatched paths count as ``(unmatched)``.
@@ -110,10 +117,11 @@ class _State:
 
     def __init__(self, store: Store, latest: Mapping[str, Obj],
                  probes: Mapping[tuple[str, bool], int], refusals: Mapping[str, int],
-                 http: _Http) -> None:
+                 http: _Http, ctl: Any = None) -> None:
         self.store, self.latest, self.probes, self.refusals = store, latest, probes, refusals
-        self.http = http
+        self.http, self.ctl = http, ctl
         self.snapshot: dict[str, Any] = {}
+        self.control: dict[str, Any] = {}
 
     async def refresh(self) -> None:
         store = self.store
@@ -123,6 +131,11 @@ class _State:
                              "replicas": await store.all("replicas")}
         except StoreError:
             self.snapshot = {}
+        if self.ctl is not None:
+            try:
+                self.control = await self.ctl.leadership.info()
+            except StoreError:
+                self.control = {}
 
     def describe(self) -> list[Metric]:
         return []
@@ -155,6 +168,34 @@ class _State:
             refused.add_metric([reason], n)
         yield refused
         yield from self.http.families()
+        if self.ctl is not None:
+            yield from _control(self.ctl, self.control)
+
+
+def _control(ctl: Any, info: Mapping[str, Any]) -> Iterator[Metric]:
+    lead = ctl.leadership
+    yield GaugeMetricFamily("skymesh_controller_leader",
+                            "1 while this controller holds the leader lease",
+                            value=int(lead.leader))
+    if info.get("epoch") is not None:
+        yield GaugeMetricFamily("skymesh_controller_lease_epoch",
+                                "The leader lease's epoch in the store", value=info["epoch"])
+    if info.get("lease_age_s") is not None:
+        yield GaugeMetricFamily("skymesh_controller_lease_age_seconds",
+                                "Seconds since the current leader won the lease",
+                                value=info["lease_age_s"])
+    yield CounterMetricFamily("skymesh_controller_leader_elections",
+                              "Times this controller won the lease",
+                              value=lead.state.elections)
+    yield CounterMetricFamily("skymesh_controller_leader_stood_down",
+                              "Times this controller lost or gave up the lease",
+                              value=lead.state.losses)
+    yield CounterMetricFamily("skymesh_controller_fenced_writes",
+                              "Writes the store refused: the lease they were made under "
+                              "was gone", value=ctl.store.fenced_total)
+    yield CounterMetricFamily("skymesh_controller_probe_rounds",
+                              "Probe rounds this controller ran (only the leader probes)",
+                              value=ctl.prober.rounds)
 
 
 def _inventory(regions: dict[str, Obj], balancers: dict[str, Obj],
@@ -183,13 +224,13 @@ def _inventory(regions: dict[str, Obj], balancers: dict[str, Obj],
 
 
 def install_metrics(app: FastAPI, store: Store, latest: Mapping[str, Obj],
-                    probes: Mapping[tuple[str, bool], int], refusals: Mapping[str, int]
-                    ) -> None:
+                    probes: Mapping[tuple[str, bool], int], refusals: Mapping[str, int],
+                    ctl: Any = None) -> None:
     """Serve ``GET /metrics`` and count every HTTP request (call before the app starts):
     the records from ``store`` at each scrape, the newest telemetry per balancer
     (``latest``), probe results by (kind, ok) and refusals by reason as they stand."""
     http = _Http()
-    state = _State(store, latest, probes, refusals, http)
+    state = _State(store, latest, probes, refusals, http, ctl)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(state)
     planner = getattr(app.state, "planner", None)  # skymesh_controller.autopilot

@@ -2,7 +2,9 @@
 ``/health``, judged by the balancer's own health rule (skymesh.common.health).
 
 A balancer that turns ``up`` or ``down`` moves replicas (membership.reassign) in the
-same commit as its state, then ``on_balancers`` runs (the DNS sync). Every outbound
+same commit as its state, then ``on_balancers`` runs (the DNS sync). Only the leader
+probes (leadership.py): its loop checks ``acts`` before each round and before its commit,
+and the commit carries the lease (store.FENCE). Every outbound
 request checks the URL policy again: at the connector for each address DNS gives, and
 on the URL itself for IP literals, which never reach the resolver; no redirects.
 """
@@ -40,6 +42,8 @@ class Prober:
         self._refused: set[str] = set()  # URLs whose probe refusal was logged already
         self.session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
+        self.acts: Callable[[], bool] = lambda: True  # the leader lease holds here
+        self.rounds = 0  # probe rounds run, for /metrics (only a leader's grow)
 
     async def start(self, loop: bool = True) -> None:
         # The connector checks every address DNS gives it: a name that passed at
@@ -49,18 +53,29 @@ class Prober:
                 resolver=PolicyResolver(self.url_policy, self.resolver)),
             timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s))
         if loop:
+            self.start_loop()
+
+    def start_loop(self) -> None:
+        """Probe every interval from now on (the leader's: started in its context)."""
+        if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="controller-probe")
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+    async def stop_loop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
+
+    async def stop(self) -> None:
+        await self.stop_loop()
         if self.session is not None:
             await self.session.close()
 
     async def _loop(self) -> None:
         while True:
+            if not self.acts():  # a woken leader whose lease ran out probes nothing
+                return
             try:
                 await self.probe_once()
             except Exception:  # a store outage must not end probing for good
@@ -117,6 +132,7 @@ class Prober:
         return current if now is was else up if now else down
 
     async def probe_once(self) -> None:
+        self.rounds += 1
         balancers = await self.store.all("balancers")
         replicas = await self.store.all("replicas")
         b_ok, r_ok = await asyncio.gather(
@@ -138,6 +154,8 @@ class Prober:
                 moved = await self.membership.reassign(cur_b, cur_r)
                 done = {p[1] for p in puts if p[0] == "replicas"}
                 puts += [p for p in moved if p[1] not in done]
+            if puts and not self.acts():
+                return  # the lease ran out while we probed: the new leader judges
             if puts:
                 await self.changes.commit(puts)
         if changed_b:

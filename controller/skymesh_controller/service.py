@@ -15,6 +15,8 @@ one kind of state or behaviour:
 ``prober``         health probes and the state changes they cause (probing.py)
 ``dns``            DNS sync, on demand and after failover (dns_sync.py)
 ``moves``          drain and re-home, for the planner's moves (relocation.py)
+``leadership``     the leader lease: only the leader probes, fails over, syncs DNS and
+                   plans; standbys serve the API (leadership.py, lease.py)
 =================  ====================================================================
 
 The admin API (api.py) calls the part each route needs. The calls kept on
@@ -36,6 +38,7 @@ from skymesh_controller.balancers import Balancers
 from skymesh_controller.changes import Changes
 from skymesh_controller.config import ControllerConfig
 from skymesh_controller.dns_sync import DnsHook, DnsSync
+from skymesh_controller.leadership import Leadership
 from skymesh_controller.membership import Membership
 from skymesh_controller.probing import Prober
 from skymesh_controller.records import ADMIN, Records
@@ -61,7 +64,7 @@ class Controller:
                              | {ADMIN.name, "env-admin"}),
             shared=frozenset(cfg.shared_balancer_owners))
         self.refusals = Refusals()
-        self.changes = Changes(store, cfg.long_poll_max_s)
+        self.changes = Changes(store, cfg.long_poll_max_s, cfg.ha.revision_poll_s)
         self.records = Records(store, self.changes, self.refusals, url_policy, resolver)
         self.members = Membership(store, self.records, trust)
         self.balancers = Balancers(cfg, store, self.changes, self.records, self.members,
@@ -73,6 +76,8 @@ class Controller:
                              resolver, on_balancers=self.dns.schedule)
         self.moves = Relocations(store, self.changes, self.records, self.replicas,
                                  self.members, self.prober, trust)
+        self.leadership = Leadership(store, cfg.ha)
+        self.prober.acts = self.dns.acts = self.leadership.acts
         # In-process calls (the planner's actuators, tests): the parts' own methods.
         self.get, self.put_region = self.records.get, self.records.put_region
         self.register_balancer = self.balancers.register
@@ -84,9 +89,17 @@ class Controller:
 
     async def start(self, probe: bool = True) -> None:
         await self.store.ping()
-        await self.prober.start(loop=probe)
+        await self.prober.start(loop=False)
+        if probe:  # the leader's loops start when it wins the lease, stop when it loses
+            async def lead() -> None:
+                self.prober.start_loop()
+
+            self.leadership.on_elected.insert(0, lead)
+            self.leadership.on_lost.insert(0, self.prober.stop_loop)
+        await self.leadership.start()
 
     async def stop(self) -> None:
+        await self.leadership.stop()
         await self.prober.stop()
         await self.dns.stop()
         await self.store.close()
@@ -95,7 +108,8 @@ class Controller:
         return await self.members.view(bid)
 
     async def status(self) -> Obj:
-        return await mesh_status(self.store, self.telemetry.latest, self.dns.last, self.started)
+        return await mesh_status(self.store, self.telemetry.latest, self.dns.last, self.started,
+                                 self.leadership)
 
     @property
     def url_policy(self) -> UrlPolicy:

@@ -1,4 +1,5 @@
-"""``GET /v1/status``: the mesh at a glance, from the records and the newest telemetry."""
+"""``GET /v1/status``: the mesh at a glance, from the records and the newest telemetry,
+and which controller leads (``control``: leadership.Leadership.info)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from skymesh_controller.store import Obj, Store
 
 
 async def mesh_status(store: Store, latest: Mapping[str, Obj], dns_last: Obj | None,
-                 started: float) -> Obj:
+                      started: float, leadership: Any = None) -> Obj:
     regions = await store.all("regions")
     balancers = await store.all("balancers")
     replicas = await store.all("replicas")
-    return {"revision": await store.revision(), "uptime_s": time.time() - started,
-            **summary(regions, balancers, replicas, latest), "dns": dns_last}
+    out = {"revision": await store.revision(), "uptime_s": time.time() - started,
+           **summary(regions, balancers, replicas, latest), "dns": dns_last}
+    if leadership is not None:
+        out["control"] = await leadership.info()
+    return out
 
 
 def summary(regions: Mapping[str, Obj], balancers: Mapping[str, Obj],

@@ -153,6 +153,9 @@ def _status(data: dict[str, Any]) -> str:
             f"regions: {data['regions']}",
             f"balancers: {counts(data['balancers'])}",
             f"replicas: {counts(data['replicas'])}"]
+    control = data.get("control")
+    if control:
+        head.append(_control(control))
     if data.get("moved_replicas"):
         head.append(f"served away from home: {', '.join(data['moved_replicas'])}")
     if data.get("unassigned_replicas"):
@@ -162,6 +165,16 @@ def _status(data: dict[str, Any]) -> str:
             for name, r in data["per_region"].items()]
     per_region = table(["region", "balancers", "healthy", "req/s", "queue", "in flight"], rows)
     return "\n".join(head) + "\n\n" + per_region
+
+
+def _control(c: dict[str, Any]) -> str:
+    """Who leads the control plane (docs/operations-control-ha.md)."""
+    if not c.get("leader"):
+        return f"control: no leader (the lease is free); this one ({c.get('id')}) {c.get('role')}"
+    age = c.get("lease_age_s")
+    held = "" if age is None else f", for {age:.0f} s"
+    return (f"control: leader {c['leader']} (epoch {c.get('epoch')}{held}); "
+            f"this one ({c.get('id')}) {c.get('role')}")
 
 
 def _regions(data: list[dict[str, Any]]) -> str:

@@ -316,3 +316,67 @@ def test_the_controller_re_registers_a_drained_replica_in_one_step(
     assert (r1["model"], r1["url"], r1["state"], r1["balancer"]) == (
         "qwen", "http://127.0.0.1:9", "unknown", "lb-us")
     assert [(r["id"], r["model"]) for r in poll(c, "lb-us")["replicas"]] == [("r1", "qwen")]
+
+
+def test_a_round_left_applying_is_settled_by_the_next_leader(
+        world: tuple[TestClient, Planner, FakeMovingActuator, FakeClock]) -> None:
+    """The leader died while its actuator applied a round (no move): the round was
+    recorded as applying before the actuator ran, and the next leader's start-up marks
+    it failed rather than leaving it applying for ever; nothing is re-applied."""
+    c, p, fake, clock = world
+    key = {"model": "llama", "gpu": "L4"}
+    rec = {"id": "plan-mid", "ts": clock.now, "status": "applying", "reason": None,
+           "changes": [{**key, "region": "eu", "before": 0, "after": 1}],
+           "moves": [], "held": [], "actions": []}
+    c.portal.call(p.save, rec)
+    c.portal.call(p._recall)
+    got = c.get("/v1/plans/plan-mid", headers=auth()).json()
+    assert got["status"] == "failed" and "stopped while applying" in got["reason"]
+    assert got["actions"] == [] and fake.calls == []
+
+
+def test_an_applying_round_is_recorded_before_the_actuator_runs(
+        world: tuple[TestClient, Planner, FakeMovingActuator, FakeClock]) -> None:
+    c, p, fake, clock = world
+    seen: list[list[str]] = []
+    inner = fake.apply_counts
+
+    def apply_counts(counts: dict[Key, int], registered: Any) -> ApplyReport:
+        # What a successor would find in the store if this leader died now.
+        raw = c.portal.call(p.store.tail, "planner:rounds", 100)
+        seen.append([r["status"] for r in raw])
+        return inner(counts, registered)
+
+    fake.apply_counts = apply_counts  # type: ignore[method-assign]
+    demand(c, p, clock, {"us": 0.0, "eu": 80.0})
+    fake.mover = None  # type: ignore[assignment]  # no move: a stop and a start
+    rec = c.post("/v1/plans", headers=auth(), json={"dry_run": False}).json()
+    assert rec["status"] in ("applied", "partial", "failed")
+    assert seen and "applying" in seen[0]
+
+
+def test_a_controller_that_no_longer_leads_makes_no_actuator_call_that_acts(
+        world: tuple[TestClient, Planner, FakeMovingActuator, FakeClock]) -> None:
+    """An Auto Scaling group's count cannot carry the lease: the planner checks it just
+    before each call that changes the world; reads still go through."""
+    from skymesh_controller.store import Fenced
+
+    c, p, fake, _ = world
+
+    async def lose() -> None:  # as a stopped or partitioned leader finds: no renewals
+        lead = p.ctl.leadership
+        assert lead._task is not None
+        lead._task.cancel()
+        lead.state.resign()
+
+    c.portal.call(lose)
+    with pytest.raises(Fenced, match="no longer leads"):
+        c.portal.call(p.actuate, fake.apply_counts, {US: 1}, {})
+    with pytest.raises(Fenced):
+        c.portal.call(p.actuate, fake.prepare_move, "r1", US, EU)
+    assert fake.calls == []
+    assert c.portal.call(p.actuate, fake.current, [US], {}) == {US: 1}
+    # Not leading, the API refuses to apply a plan, and names who does.
+    r = c.post("/v1/plans", headers=auth(), json={"dry_run": False})
+    assert r.status_code == 409 and r.json()["error"]["type"] == "not_leader"
+    assert c.post("/v1/plans", headers=auth(), json={"dry_run": True}).status_code == 201

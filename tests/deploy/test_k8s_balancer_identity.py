@@ -95,11 +95,14 @@ def region_pods(tmp_path: Path) -> Iterator[dict[str, Any]]:
     runs: dict[str, tuple[str, list[str], dict[str, str] | None]] = {
         "replica": ("skymesh-replica", ["--port", replica_url.rsplit(":", 1)[1],
                                         "--time-scale", "0.05"], None),
-        # What the pod spec's env gives it: the admin token and the agent token's hash.
+        # What the pod spec's env gives it: the admin token, the agent token's hash, and
+        # its pod's name and address.
         "controller": ("skymesh-controller",
                        ["--config", str(tmp_path / "controller.yaml"), "--store", "memory"],
                        {**_base_env(), "SKYMESH_ADMIN_TOKEN": ADMIN,
-                        "SKYMESH_AGENT_TOKEN_SHA256": digest(AGENT)}),
+                        "SKYMESH_AGENT_TOKEN_SHA256": digest(AGENT),
+                        # the downward API's, for its name in the leader lease
+                        "POD_NAME": "skymesh-controller-0", "POD_IP": "127.0.0.1"}),
     }
     secrets = tmp_path / "secrets"
     secrets.mkdir()

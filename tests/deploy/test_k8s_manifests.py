@@ -370,12 +370,20 @@ def test_a_mesh_has_one_controller_that_every_regions_balancers_use(
         name: str, overlays: dict[str, Objects]) -> None:
     d = DEPLOYMENTS[name]
     everything = deployment(overlays, name)
-    # One controller Deployment (one pod, never two: Recreate) and at most one Redis for
-    # the whole mesh, in the control overlay.
+    # One controller Deployment for the whole mesh, in the control overlay: a leader and
+    # a standby (docs/operations-control-ha.md) that a rollout or a drain never both take
+    # down (surge first, a PodDisruptionBudget), spread over nodes; at most one Redis.
     (ctl,) = [o for o in everything if o["kind"] == "Deployment"]
-    assert ctl["metadata"]["name"] == "skymesh-controller" and ctl["spec"]["replicas"] == 1
-    assert ctl["spec"]["strategy"] == {"type": "Recreate"}
+    assert ctl["metadata"]["name"] == "skymesh-controller" and ctl["spec"]["replicas"] == 2
+    assert ctl["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     assert ctl in overlays[d["control"]]
+    pdb = one(overlays[d["control"]], "PodDisruptionBudget", "skymesh-controller")
+    assert pdb["spec"]["minAvailable"] == 1
+    labels = ctl["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    spread = ctl["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    terms = spread["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert {t["podAffinityTerm"]["topologyKey"] for t in terms} >= {"kubernetes.io/hostname"}
     redis = [o for o in everything if o["kind"] == "StatefulSet"
              and o["metadata"]["name"] == "skymesh-redis"]
     assert len(redis) == (0 if name == "production" else 1)  # production: external Redis

@@ -51,11 +51,12 @@ from skymesh_controller.errors import ApiError
 from skymesh_controller.planning.actuate import ApplyReport
 from skymesh_controller.planning.ilp import Key
 from skymesh_controller.service import Controller
-from skymesh_controller.store import Obj, StoreError
+from skymesh_controller.store import Fenced, Obj, StoreError
 
 log = logging.getLogger("skymesh.controller.planner")
 SERIES = "planner:rounds"
-VERSIONS_PER_ROUND = 4  # copies a round may leave in the series (made, approved, retries)
+VERSIONS_PER_ROUND = 5  # copies a round may leave (made, applying, moves, approved, retries)
+ACTING_CALLS = frozenset({"apply_counts", "prepare_move", "finish_move"})
 
 
 def key_obj(key: Key) -> Obj:
@@ -94,10 +95,41 @@ class Planner:
     async def start(self, loop_task: bool = True) -> None:
         if self.backend is None:
             self.backend = build_backend(self.cfg.actuator, self.ctl, asyncio.get_running_loop())
+        lead = getattr(self.ctl, "leadership", None)
+        if not loop_task or lead is None:
+            await self._recall()
+            self.next_round_at = self.clock() + self.cfg.schedule.first_round_s
+            if loop_task:
+                self._task = asyncio.create_task(self._loop(), name="controller-planner")
+            return
+        # Only the leader plans (leadership.py): from each election, in the lease's
+        # context, it first settles what a previous leader left half done.
+        lead.on_elected.append(self._lead)
+        lead.on_lost.append(self._stand_down)
+        if lead.leader:
+            await self._lead()
+
+    async def _lead(self) -> None:
+        if self._task is not None and not self._task.done():
+            return
+        self._task = self.ctl.leadership.spawn(self._led(), "controller-planner")
+
+    async def _led(self) -> None:
         await self._recall()
         self.next_round_at = self.clock() + self.cfg.schedule.first_round_s
-        if loop_task:
-            self._task = asyncio.create_task(self._loop(), name="controller-planner")
+        await self._loop()
+
+    async def _stand_down(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def acts(self) -> bool:
+        """Whether this controller may act (leads, or stands alone)."""
+        lead = getattr(self.ctl, "leadership", None)
+        return lead is None or lead.leader
 
     async def _recall(self) -> None:
         """Rebuild the cooldowns from the recorded rounds: a restarted controller must not
@@ -121,19 +153,38 @@ class Planner:
             log.warning("planner: could not undrain the replicas of interrupted moves")
 
     async def _interrupted(self, rec: Obj) -> None:
-        """Moves a stop cut short in their drain: undrain the replicas where they are
-        (the store never holds a replica between two endpoints) and say so."""
+        """Moves a stop (or a lost leader) cut short: a replica whose re-registration
+        landed stays moved; one still draining is undrained where it is (the store never
+        holds a replica between two endpoints, and no move is run twice). The round is
+        not resumed as such: the next round plans from what runs then, with absolute
+        counts, so nothing it did is applied twice."""
         cut = [m for m in rec.get("moves", []) if m["state"] == "draining"]
         if not cut:
+            if rec["status"] == "applying":  # stopped while the actuator applied it
+                rec["status"] = "failed"
+                rec["reason"] = ("the controller stopped while applying this round; the "
+                                 "next round plans from what runs then")
+                log.warning("planner round %s: %s", rec["id"], rec["reason"])
+                await self.save(rec)
             return
+        undrained = landed = 0
         for m in cut:
-            m["state"] = "planned"
             rep = await self.store.get("replicas", m["replica"])
+            if (rep is not None and rep.get("state") != "draining"
+                    and (rep.get("model"), rep.get("region")) == (m["to"]["model"],
+                                                                  m["to"]["region"])):
+                m["state"] = "moved"  # its one commit landed before the stop
+                landed += 1
+                continue
+            m["state"] = "planned"
             if rep is not None and rep.get("state") == "draining":
                 await self.moves.undrain(m["replica"])
+                undrained += 1
         if rec["status"] == "applying":
             rec["status"] = "failed"
-        rec["reason"] = "the controller stopped while its moves drained; undrained"
+        rec["reason"] = (f"the controller stopped while its moves ran: {undrained} undrained "
+                         f"where they were, {landed} had moved")
+        log.warning("planner round %s: %s", rec["id"], rec["reason"])
         await self.save(rec)
 
     async def stop(self) -> None:
@@ -146,7 +197,12 @@ class Planner:
             await self.actuate(self.backend.close)
 
     async def actuate(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Call the (blocking) actuator in a worker thread, one call at a time."""
+        """Call the (blocking) actuator in a worker thread, one call at a time. A call
+        that changes the world waits for no lease: it is made only while this controller
+        leads (an old leader's writes to the store are fenced, these cannot be)."""
+        if getattr(fn, "__name__", "") in ACTING_CALLS and not self.acts():
+            raise Fenced(f"{fn.__name__}: this controller no longer leads")
+
         def locked() -> Any:
             with self._backend_lock:
                 return fn(*args)
@@ -161,6 +217,8 @@ class Planner:
 
     async def _loop(self) -> None:
         while True:
+            if not self.acts():  # a woken leader whose lease ran out plans nothing
+                return
             try:
                 await self.tick()
             except Exception:  # a store outage or a solver error must not end planning
@@ -248,6 +306,9 @@ class Planner:
                                await self._movable(decision))
             await self._supersede()
             if rec["status"] == "applying":
+                # Recorded before it acts: a leader lost mid-apply leaves its successor
+                # the record to settle (_interrupted).
+                await self.save(rec)
                 await self._apply(rec, now, attempt=1)
             await self.save(rec)
             self._count(rec, decision)
@@ -347,6 +408,7 @@ class Planner:
                                "(approve mode, newest round, with changes) can be approved")
             rec["approved_by"], rec["approved_at"] = who, self.clock()
             rec["status"] = "applying"
+            await self.save(rec)
             await self._apply(rec, self.clock(), attempt=1)
             await self.save(rec)
             return rec

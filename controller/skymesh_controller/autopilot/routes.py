@@ -8,6 +8,10 @@
     GET  /v1/outlook               per region, the forecast load of the next windows
                                    (read token; outlook.py); empty with no planner
 
+A round that applies (``dry_run: false``) and approval act on the world: only the leader
+controller does (docs/operations-control-ha.md); a standby answers 409 ``not_leader``
+naming it. Dry-run rounds and reads work on every controller.
+
 Running a round or approving needs an admin token, or a token named in
 ``planner.approvers`` whatever its role: an operator can hold a read token that may also
 approve capacity plans, and nothing else (least privilege). With no ``planner:`` section
@@ -92,6 +96,17 @@ def mount_planner(app: FastAPI, cfg: ControllerConfig, ctl: Any) -> None:
                                                "to the controller config)")
         return planner
 
+    @contextlib.asynccontextmanager
+    async def leading() -> AsyncIterator[None]:
+        lead = ctl.leadership
+        if not lead.leader:
+            info = await lead.info()
+            where = info.get("leader_url") or info.get("leader") or "none yet"
+            raise ApiError(409, "not_leader", f"this controller ({lead.id}) stands by: "
+                                              f"the leader ({where}) applies plans")
+        with lead.fenced():
+            yield
+
     @app.get("/v1/plans", tags=["plans"], responses=ERRORS, dependencies=[Depends(reader)])
     async def list_plans(limit: Annotated[int, Query(ge=1, le=1000)] = 50,
                          status: Annotated[str | None, Query()] = None) -> list[Obj]:
@@ -112,7 +127,11 @@ def mount_planner(app: FastAPI, cfg: ControllerConfig, ctl: Any) -> None:
     async def run_plan(p: Annotated[Principal, Depends(approver)],
                        body: Annotated[RoundIn | None, Body()] = None) -> Obj:
         dry = body.dry_run if body is not None else True
-        return await on().run_round(dry_run=dry, trigger=f"api:{p.name}")
+        planner = on()
+        if dry:
+            return await planner.run_round(dry_run=True, trigger=f"api:{p.name}")
+        async with leading():
+            return await planner.run_round(dry_run=False, trigger=f"api:{p.name}")
 
     @app.get("/v1/outlook", tags=["plans"], responses=ERRORS, dependencies=[Depends(reader)])
     async def get_outlook() -> Obj:
@@ -124,4 +143,6 @@ def mount_planner(app: FastAPI, cfg: ControllerConfig, ctl: Any) -> None:
 
     @app.post("/v1/plans/{pid}/approve", tags=["plans"], responses=ERRORS)
     async def approve(pid: str, p: Annotated[Principal, Depends(approver)]) -> Obj:
-        return await on().approve(pid, p.name)
+        planner = on()
+        async with leading():
+            return await planner.approve(pid, p.name)

@@ -26,6 +26,7 @@ from typing import Any
 
 from skymesh_lab.bench import (
     autopilot_live_page,
+    control_ha_page,
     forecast_peers_page,
     ha_region_page,
     image_sizes_page,
@@ -225,6 +226,14 @@ SOURCES: tuple[Source, ...] = (
            "balancer is SIGKILLed mid-load. See [operations-ha](../operations-ha.md).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.ha_region", "--json", "{json}"),
            ha_region_page.ha_region),
+    Source("control-ha", "The control plane with a standby: takeover and a Redis failover",
+           "Real `skymesh-controller` processes sharing one store (issue #38): the leader "
+           "SIGKILLed or SIGSTOPped and a standby taking over, at the default lease and at "
+           "a short one; and one controller on Redis Sentinel with the primary SIGKILLed "
+           "under a stream of admin writes. See [running the control plane highly "
+           "available](../operations-control-ha.md).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.control_ha", "--json", "{json}"),
+           control_ha_page.control_ha),
     Source("forecast-peers", "Forecast-aware overflow against the plain overflow rule",
            "Three regions in the simulator (ShareGPT chat clients, closed loop, prefix-tree "
            "policy, L4 replicas) whose active clients follow a daily cosine with peaks a "

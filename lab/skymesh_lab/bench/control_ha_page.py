@@ -1,0 +1,61 @@
+"""The results page of ``skymesh_lab.bench.control_ha``: leader takeover after SIGKILL and
+SIGSTOP, and acknowledged writes across a Redis primary's death under Sentinel.
+
+Kept apart from the measurement so the results registry imports no daemon machinery.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from skymesh_lab.bench.results_tables import num, table
+
+
+def _takeover(rows: list[dict[str, Any]]) -> str:
+    groups: dict[tuple[float, float, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["ttl_s"], r["renew_s"], r["signal"]), []).append(r)
+    out = []
+    for (ttl, renew, sig), rs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][2])):
+        took = [r["takeover_s"] for r in rs]
+        woke = [r for r in rs if "probe_rounds_after_wake" in r]
+        acted = ("-" if not woke else
+                 f"{sum(r['probe_rounds_after_wake'] for r in woke):.0f} probe rounds, "
+                 f"leader gauge {max(r['leader_after_wake'] for r in woke):.0f}")
+        out.append([{"kill": "SIGKILL", "stop": "SIGSTOP"}[sig], num(ttl, ".1f", suffix=" s"),
+                    num(renew, ".1f", suffix=" s"), str(len(rs)),
+                    num(statistics.fmean(took), ".2f", suffix=" s"),
+                    f"{min(took):.2f}-{max(took):.2f} s",
+                    num(ttl + renew, ".1f", suffix=" s"), acted])
+    return table(["leader", "lease TTL", "renew every", "runs", "takeover, mean", "range",
+                  "design bound (TTL + renew)", "woken leader acted (after it woke)"], out,
+                 [False, True, True, True, True, True, True, False])
+
+
+def _failover(rows: list[dict[str, Any]]) -> str:
+    out = []
+    for r in sorted(rows, key=lambda r: r["wait_replicas"]):
+        errs = ", ".join(f"{n} x {k}" for k, n in sorted(r["errors"].items())) or "none"
+        out.append([str(r["wait_replicas"]), str(r["acked"]), str(r["lost"]),
+                    num(r["unavailable_s"], ".2f", suffix=" s"), errs])
+    return table(["`ha.wait_replicas`", "acknowledged writes", "acknowledged, then lost",
+                  "unavailable (kill to next ack)", "answers while unavailable"], out,
+                 [True, True, True, True, False])
+
+
+def control_ha(doc: dict[str, Any]) -> str:
+    return "\n".join([
+        "## Leader takeover", "",
+        "Two controllers on one `redis-server`; the leader is signalled, the standby's "
+        "`/metrics` polled every 20 ms until `skymesh_controller_leader` is 1. A SIGSTOPped "
+        "leader is woken (SIGCONT) once the standby leads; its probe rounds are counted "
+        "over ten probe intervals after it woke.", "",
+        _takeover(doc["takeover"]), "",
+        "## The Redis primary killed under admin writes", "",
+        "One controller on `redis+sentinel://` (a primary and two replicas with "
+        "`appendonly yes`, `appendfsync always`, `min-replicas-to-write 1`; three "
+        "sentinels, quorum 2, `down-after-milliseconds 500`). One client posts regions "
+        "one at a time; the primary is SIGKILLed mid-stream; every acknowledged region is "
+        "read back after the failover.", "",
+        _failover(doc["redis_failover"]), ""])
