@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from support import eventually
 
 from skymesh.balancer.config import MAX_AUTO_WORKERS, ConfigError, parse_config
 from skymesh.balancer.siblings import decode_inserts, encode_inserts, merge_expositions
@@ -141,3 +144,33 @@ def test_a_prompt_longer_than_a_datagram_keeps_its_head() -> None:
     (msg,) = encode_inserts([(list(range(10_000)), "http://a")], limit=1600)
     ((keys, target),) = decode_inserts(msg)
     assert keys == list(range(100)) and target == "http://a"
+
+
+async def test_siblings_apply_each_others_trie_inserts(tmp_path: Path) -> None:
+    """Two workers' trie shares over real unix datagrams: what one routes, the other
+    learns (and does not echo back); a target the receiver does not know is skipped."""
+    from prometheus_client import Counter as PromCounter
+
+    from skymesh.balancer.siblings import TrieShare
+    from skymesh.prefix.trie import PrefixTrie
+
+    tries = [PrefixTrie(), PrefixTrie()]
+    r = CollectorRegistry()
+    dropped = PromCounter("dropped", "d", registry=r)
+    shares = [TrieShare(tmp_path, i, 2, lambda i=i: tries[i],
+                        lambda t: t != "http://unknown", dropped) for i in (0, 1)]
+    for s in shares:
+        s.start()
+    try:
+        tries[0].insert([1, 2, 3], "http://a")
+        tries[0].insert([9, 8], "http://unknown")
+        tries[1].insert([5, 6], "http://b")
+        await eventually(lambda: tries[1].depth_of([1, 2, 3]) == 3
+                         and tries[0].depth_of([5, 6]) == 2, "inserts shared both ways")
+        assert tries[1].match([1, 2, 3], ["http://a", "http://b"]) == (3, ("http://a",))
+        assert tries[1].depth_of([9, 8]) == 0
+        assert shares[0].applied == 1 and shares[1].applied == 1  # no echo
+        assert dropped._value.get() == 0
+    finally:
+        for s in shares:
+            await s.stop()
