@@ -166,7 +166,9 @@ async def throughput_arm(workdir: Path, stubs: Sequence[str], workers: int, path
     policy = [] if path == "default" else ["--policy", "round-robin", "--push-mode", "bp"]
     script = workdir / "post.lua"
     script.write_text(WRK_LUA)
-    args = ["--replicas", ",".join(stubs), "--workers", str(workers), *policy]
+    # The stubs publish no max_num_seqs (as vLLM): give it, else sp-p learns it from 1.
+    args = ["--replicas", ",".join(stubs), "--workers", str(workers), "--max-num-seqs",
+            "256", *policy]
     with _lb(workdir, f"lb-tp-{path}-{workers}", args) as lb:
         async with aiohttp.ClientSession() as s:
             await _ready(s, lb.url)
