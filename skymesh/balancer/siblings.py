@@ -177,8 +177,8 @@ class TrieShare:
             self._attach()
 
     def record(self, keys: Sequence[int], target: str) -> None:
-        if self._applying or not self.peers:
-            return
+        if self._applying or not self.peers or not len(keys):
+            return  # a prompt shorter than a chunk has no keys: nothing to share
         if len(self.outbox) >= MAX_PENDING:
             self.dropped.inc()
             return

@@ -18,7 +18,7 @@ rotated by one per repeat) so a slow spell of the shared machine falls on all of
   requests. wrk, the stubs and the balancer share the machine's cores, so req/s is
   bounded by all of them; CPU per request is the comparable figure.
 
-    python -m skymesh_lab.bench.lb_workers --json out.json [--workers 1,2] [--repeats 2]
+    python -m skymesh_lab.bench.lb_workers --json out.json [--workers 1,2] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -226,7 +226,9 @@ async def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                      "replicas": opts.replicas, "clients": opts.clients,
                                      "requests": opts.requests, "groups": opts.groups,
                                      "connections": opts.connections,
-                                     "duration_s": opts.duration}}
+                                     "duration_s": opts.duration,
+                                     # how busy the shared machine was (other sessions)
+                                     "load_average_1m_at_start": round(os.getloadavg()[0], 2)}}
     loc: list[dict[str, Any]] = []
     reps = [start_daemon("skymesh-replica", ["--port", "0", "--time-scale", "0.05",
                                              "--seed", str(i)],
@@ -256,6 +258,7 @@ async def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                                duration_s=opts.duration)
                     print(f"throughput {row}", file=sys.stderr, flush=True)
                     tp.append({**row, "repeat": rep})
+    doc["setup"]["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     doc["throughput"] = {"runs": tp, "median": {
         f"{p}/{n}": {"rps": _median(rows, "rps"), "cpu_ms_per_1k": _median(rows, "cpu_ms_per_1k")}
         for p in ("default", "rr-bp") for n in counts
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True, type=Path)
     ap.add_argument("--workers", default="1,2")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--clients", type=int, default=12)
     ap.add_argument("--requests", type=int, default=400)

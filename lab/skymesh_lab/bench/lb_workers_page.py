@@ -56,9 +56,13 @@ def throughput_table(doc: dict[str, Any]) -> str:
 
 def lb_workers(doc: dict[str, Any]) -> str:
     s = doc["setup"]
+    load = ""
+    if "load_average_1m_at_start" in s:
+        load = (f" The machine is shared: load average (1 min) {s['load_average_1m_at_start']:g}"
+                f" at the start, {s['load_average_1m_at_end']:g} at the end.")
     return "\n".join([
         f"Measured on {s['usable_cores']} usable cores, {s['repeats']} repeats, arms "
-        "interleaved.", "",
+        f"interleaved.{load}", "",
         "## Prefix locality", "",
         f"{s['replicas']} emulated replicas, {s['clients']} closed-loop clients, "
         f"{s['requests']} requests per run over {s['groups']} shared prefixes, each on a "
