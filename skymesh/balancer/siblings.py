@@ -76,7 +76,7 @@ def merge_expositions(texts: Mapping[str, str | None]) -> bytes:
                                                   fam.unit)
             out.samples.extend(Sample(s.name, {**s.labels, "worker": worker}, s.value,
                                       s.timestamp, s.exemplar) for s in fam.samples)
-    return generate_latest(_Families([*families.values(), up]))  # type: ignore[arg-type]
+    return generate_latest(_Families([*families.values(), up]))
 
 
 # -- cache locality ----------------------------------------------------------------------

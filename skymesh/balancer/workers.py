@@ -187,7 +187,9 @@ class Supervisor:
     def _spawn(self, w: _Worker) -> None:
         ready_r, ready_w = os.pipe()
         sock = self.socks[w.index]
-        cmd = [sys.executable, "-m", "skymesh.balancer.cli", *self.argv,
+        # The interpreter's own flags too (-X importtime, -W, ...), as multiprocessing does.
+        flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+        cmd = [sys.executable, *flags, "-m", "skymesh.balancer.cli", *self.argv,
                "--worker-index", str(w.index), "--worker-count", str(self.count),
                "--listen-fd", str(sock.fileno()), "--lifeline-fd", str(self._life_r),
                "--ready-fd", str(ready_w), "--worker-dir", self.dir]
@@ -202,12 +204,13 @@ class Supervisor:
 
     def _wait(self, timeout: float) -> list[int]:
         """Sleep until a signal, a readiness byte or ``timeout``; readable ready fds."""
+        wake = self._wake_r.fileno()
         fds = [w.ready_fd for w in self.workers if w.ready_fd is not None]
-        readable, _, _ = select.select([self._wake_r, *fds], [], [], max(0.0, timeout))
-        if self._wake_r in readable:
+        readable, _, _ = select.select([wake, *fds], [], [], max(0.0, timeout))
+        if wake in readable:
             with contextlib.suppress(BlockingIOError):
                 self._wake_r.recv(4096)
-        return [fd for fd in readable if fd is not self._wake_r]
+        return [fd for fd in readable if fd != wake]
 
     def _mark_ready(self, fds: list[int]) -> None:
         for w in self.workers:
