@@ -11,6 +11,11 @@ rotated by one per repeat) so a slow spell of the shared machine falls on all of
   prefixes (about 3,000 characters) and a unique question. Hit rate: the replicas' added
   ``vllm:prefix_cache_hits`` over their added ``vllm:prefix_cache_queries`` (tokens). Each
   arm's prefixes carry a salt of their own, so no arm finds another's in the caches.
+- ``simulator``: the same question in the simulator (``SimConfig.workers``), on
+  tree-of-thoughts clients (``tot-gsm8k``; a child follows its parent at once, the hard
+  case for a shared trie) and multi-turn chat (``sharegpt-chat``), 4 replicas, 120 s,
+  seeds 0-2: 1 worker, N workers, and N workers that do not share their tries (the
+  counterfactual: what the sharing is worth).
 - ``throughput``: wrk (non-streamed completions, ``--connections`` connections) through
   skymesh-lb in front of two fast stub backends (``skymesh_lab.bench.stub_backend``), for
   the default path (prefix-tree, sp-p) and round-robin with bp. Per arm: req/s, and the
@@ -219,6 +224,33 @@ def _median(rows: list[dict[str, Any]], key: str) -> float | None:
     return round(statistics.median(vals), 4) if vals else None
 
 
+SIM_WORKLOADS = ("tot-gsm8k", "sharegpt-chat")
+SIM_SEEDS = (0, 1, 2)
+
+
+def simulated(counts: Sequence[int]) -> dict[str, Any]:
+    """Prefix hit rate (and throughput) in the simulator, by workload and arm."""
+    from skymesh_lab.sim.runner import SimConfig
+    from skymesh_lab.sim.runner import run as sim_run
+
+    arms = [(str(n), n, None) for n in counts]
+    arms += [(f"{n} unshared", n, 1e6) for n in counts if n > 1]
+    out: dict[str, Any] = {}
+    for wl in SIM_WORKLOADS:
+        rows: dict[str, Any] = {}
+        for name, n, share in arms:
+            runs = [sim_run(SimConfig(workload=wl, regions=["us"], replicas={"us": 4},
+                                      forwarding=False, policy="prefix-tree", seed=seed,
+                                      duration_s=120.0, workers=n,
+                                      **({} if share is None else {"worker_share_s": share})))
+                    for seed in SIM_SEEDS]
+            rows[name] = {"workers": n, "shared": share is None,
+                          "hit_rate": [round(r["prefix_hit_rate"], 4) for r in runs],
+                          "throughput_rps": [round(r["throughput_rps"], 3) for r in runs]}
+        out[wl] = rows
+    return out
+
+
 async def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     counts = [int(x) for x in opts.workers.split(",")]
     doc: dict[str, Any] = {"setup": {"workers": counts, "repeats": opts.repeats,
@@ -229,6 +261,7 @@ async def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                      "duration_s": opts.duration,
                                      # how busy the shared machine was (other sessions)
                                      "load_average_1m_at_start": round(os.getloadavg()[0], 2)}}
+    doc["simulator"] = simulated(counts)
     loc: list[dict[str, Any]] = []
     reps = [start_daemon("skymesh-replica", ["--port", "0", "--time-scale", "0.05",
                                              "--seed", str(i)],

@@ -36,6 +36,27 @@ def locality_table(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def simulator_table(doc: dict[str, Any]) -> str:
+    sim = doc.get("simulator")
+    if not sim:
+        return "(not measured in this run)"
+    out = ["| workload | workers | trie shared | prefix hit rate, mean of seeds | per seed "
+           "| vs 1 worker, points | throughput, req/s |",
+           "| --- | ---: | --- | ---: | --- | ---: | ---: |"]
+    for wl, arms in sim.items():
+        base = None
+        for arm in arms.values():
+            mean = sum(arm["hit_rate"]) / len(arm["hit_rate"])
+            if base is None:
+                base = mean
+            rps = sum(arm["throughput_rps"]) / len(arm["throughput_rps"])
+            shared = "-" if arm["workers"] == 1 else ("yes" if arm["shared"] else "no")
+            out.append(f"| `{wl}` | {arm['workers']} | {shared} | {100 * mean:.1f}% "
+                       f"| {', '.join(f'{100 * h:.1f}' for h in arm['hit_rate'])} "
+                       f"| {round(100 * (mean - base), 1) or 0.0:+.1f} | {rps:.2f} |")
+    return "\n".join(out)
+
+
 def throughput_table(doc: dict[str, Any]) -> str:
     runs = doc["throughput"]["runs"]
     if not runs:
@@ -69,6 +90,10 @@ def lb_workers(doc: dict[str, Any]) -> str:
         "new connection. The hit rate is the replicas' own (cached prompt tokens over "
         "prompt tokens).", "",
         locality_table(doc), "",
+        "In the simulator (`skymesh sim --region-local --workers N`): 4 replicas, 120 s per "
+        "run, prefix-tree with sp-p; \"trie shared: no\" is the counterfactual where each "
+        "worker learns only its own decisions.", "",
+        simulator_table(doc), "",
         "## Throughput and CPU", "",
         f"wrk, {s['connections']} connections, {s['duration_s']:g} s per run, non-streamed "
         "completions to two stub backends. `default` is prefix-tree with sp-p, `rr-bp` "
@@ -78,4 +103,4 @@ def lb_workers(doc: dict[str, Any]) -> str:
         throughput_table(doc)])
 
 
-__all__ = ["lb_workers", "locality_table", "throughput_table"]
+__all__ = ["lb_workers", "locality_table", "simulator_table", "throughput_table"]
