@@ -161,7 +161,7 @@ class Supervisor:
         self.budget = RestartBudget()
         self._life_r, self._life_w = os.pipe()  # closes when the supervisor dies
         self._wake_r, self._wake_w = socket.socketpair()
-        self._signals: list[int] = []
+        self._signals: deque[int] = deque()  # appended by the handler, popped here
 
     def run(self) -> int:
         self._wake_w.setblocking(False)
@@ -239,12 +239,12 @@ class Supervisor:
 
     def _take_stop_signal(self) -> bool:
         stop = False
-        for sig in self._signals:
+        while self._signals:  # popleft, not iterate-then-clear: none arriving between is lost
+            sig = self._signals.popleft()
             if sig in (signal.SIGTERM, signal.SIGINT):
                 stop = True
             elif sig == signal.SIGHUP:
                 self._send(signal.SIGHUP)
-        self._signals.clear()
         return stop
 
     def _watch(self) -> int:
