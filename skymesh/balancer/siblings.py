@@ -270,6 +270,13 @@ class Siblings:
             await s.close()
         if self._runner is not None:
             await self._runner.cleanup()
+        # Normally the supervisor removes the directory; one killed outright cannot, so
+        # the last worker out of an orphaned directory does.
+        for path in (self.http_path(self.index), str(self.share.path)):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        with contextlib.suppress(OSError):
+            self.dir.rmdir()  # fails while a sibling's sockets are still there
 
     async def _handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.local_metrics(),

@@ -144,12 +144,15 @@ async def test_workers_drain_when_the_supervisor_is_killed(tmp_path: Path,
     lb = start_lb(tmp_path, replica, "--workers", "2")
     try:
         pids = [w["pid"] for w in (await status(lb.url))["workers"]]
+        cmdline = Path(f"/proc/{pids[0]}/cmdline").read_bytes().split(b"\0")
+        workdir = cmdline[cmdline.index(b"--worker-dir") + 1].decode()
         lb.proc.kill()
         lb.proc.wait()
 
         async def gone() -> bool:
             return not any(alive(p) for p in pids)
         await until(gone, "the workers stop without their supervisor", timeout=30)
+        assert not Path(workdir).exists()  # the last one out removed the shared directory
     finally:
         lb.stop()
         for p in pids:  # a failed test leaves nothing behind
