@@ -109,6 +109,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         prefer_queue=args.prefer_queue,
         hold_queue_max=hold_max,
         forwarding=not args.region_local,
+        workers=args.workers,
         peer_policy=args.peer_policy,
         tau=args.tau,
         forwarding_rule=args.forwarding_rule,
@@ -233,6 +234,9 @@ def register_sim(sub: Any) -> None:
     sp.add_argument("--probe-interval", type=float, default=0.1)
     sp.add_argument("--region-local", action="store_true",
                     help="no cross-region forwarding (each region on its own replicas)")
+    sp.add_argument("--workers", type=int, default=1, metavar="N",
+                    help="each region's skymesh-lb as N workers (listen.workers; needs "
+                         "--region-local)")
     sp.add_argument("--peer-policy", default="prefix-tree", choices=policy_names(),
                     help="policy choosing among peer balancers when forwarding")
     sp.add_argument("--tau", type=int, default=2,

@@ -2,8 +2,11 @@
 
     skymesh-lb --config FILE
     skymesh-lb --port P --replicas URL,URL,... [--policy NAME] [--region NAME]
+    [--workers N]
 
 With ``--config``, the quick-start flags override the file's values when given.
+``--workers N`` (``listen.workers``, default ``auto``: one per core, up to 8) serves the
+port from N processes (skymesh.balancer.workers); with 1 it is one process, as before.
 SIGHUP re-reads the file and applies the replicas, policy and pushing sections live
 (skymesh.balancer.reload); a bad file is rejected and the running config kept.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -43,11 +47,28 @@ def build_parser() -> argparse.ArgumentParser:
                     help="each replica's admission limit (vLLM's --max-num-seqs): under sp-p "
                          "no replica gets more; vLLM does not publish it, so give it here")
     ap.add_argument("--region")
+    ap.add_argument("--workers", type=_workers_arg, metavar="N",
+                    help="processes serving the port (listen.workers): a number or 'auto', "
+                         "one per usable core up to 8 (1 with a mesh or a controller)")
+    # A worker of a supervisor (skymesh.balancer.workers): not for users.
+    for flag in ("--worker-index", "--worker-count", "--listen-fd", "--lifeline-fd",
+                 "--ready-fd"):
+        ap.add_argument(flag, type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-dir", help=argparse.SUPPRESS)
     ap.add_argument("--log-level", default="warning",
                     choices=["debug", "info", "warning", "error"])
     add_obs_flags(ap)
     add_version_flag(ap)
     return ap
+
+
+def _workers_arg(v: str) -> int | str:
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number or 'auto', not {v!r}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -68,6 +89,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
     if args.replicas:
         urls = [u.strip() for u in args.replicas.split(",") if u.strip()]
         base["replicas"] = [{"url": u} for u in urls]
+    if args.workers is not None:
+        base.setdefault("listen", {})["workers"] = args.workers
     apply_obs_flags(args, base)
     return parse_config(base)
 
@@ -108,14 +131,9 @@ def startup_detail(cfg: Any, config_path: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import asyncio
-    import signal
-
     from skymesh.balancer.config import ConfigError
-    from skymesh.balancer.server import balancer_of, build_app
-    from skymesh.net.serving import METRICS_REGISTRY, run, serve_app
+    from skymesh.balancer.workers import resolve_workers, supervise, usable_cores
     from skymesh.obs.logs import setup_logging
-    from skymesh.util.extras import require
 
     try:
         cfg = config_from_args(args)
@@ -123,33 +141,96 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skymesh-lb: config error: {exc}", file=sys.stderr)
         return 2
     setup_logging(args.log_level, cfg.logging.format, cfg.logging.access_log)
+    if args.worker_index is None:
+        workers = resolve_workers(cfg.listen.workers, usable_cores(),
+                                  mesh_or_controller=cfg.mesh is not None
+                                  or cfg.controller is not None)
+        if workers > 1:
+            logging.getLogger("skymesh-lb.workers").setLevel(logging.INFO)
+            return supervise(sys.argv[1:] if argv is None else argv, workers,
+                             cfg.listen.host, cfg.listen.port, cfg.listen.tls is not None,
+                             startup_detail(cfg, args.config))
+    return serve(args, cfg)
+
+
+def serve(args: argparse.Namespace, cfg: Any) -> int:
+    """One balancer process: the whole of it, or one worker of a supervisor's."""
+    import asyncio
+    import signal
+    import socket
+
+    from skymesh.balancer.config import ConfigError
+    from skymesh.balancer.server import balancer_of, build_app
+    from skymesh.net.serving import METRICS_REGISTRY, run, serve_app
+    from skymesh.util.extras import require
+
+    worker = args.worker_index is not None
     logging.getLogger("skymesh-lb.access").setLevel(
         logging.DEBUG if args.log_level == "debug" else logging.WARNING)
     # A reload's outcome is shown at the default level: an operator sent the signal.
     log.setLevel(logging.ERROR if args.log_level == "error" else logging.INFO)
     require("tracing" if cfg.tracing.enabled else None, "skymesh-lb")
     try:
-        app = build_app(cfg)  # reads the API keys and the TLS files
+        # reads the API keys and the TLS files
+        app = build_app(cfg, workers=args.worker_count if worker else 1)
     except ConfigError as exc:
         print(f"skymesh-lb: config error: {exc}", file=sys.stderr)
         return 2
     lb = balancer_of(app)
     app[METRICS_REGISTRY] = lb.metrics.registry  # serving adds the connection metrics
+    siblings = join_siblings(args, app) if worker else None
+    sock = socket.socket(fileno=args.listen_fd) if worker else None
 
     async def on_bound(url: str) -> None:
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_on_hup, args, lb)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, reload_on_hup, args, lb)
         await lb.bound(url)
+        if siblings is not None:
+            await siblings.start()
+            # The supervisor gone (even killed), its end of the lifeline closes: drain.
+            def orphaned() -> None:
+                loop.remove_reader(args.lifeline_fd)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+            loop.add_reader(args.lifeline_fd, orphaned)
+            os.write(args.ready_fd, b"1")
+            os.close(args.ready_fd)
 
     # Until the loop's handler is in place, a SIGHUP must not kill the daemon.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         run(serve_app(app, cfg.listen.host, cfg.listen.port, "skymesh-lb",
                       startup_detail(cfg, args.config), on_bound=on_bound, tuned_gc=True,
-                      ssl_context=lb.edge.ssl_context, limits=cfg.limits.connections()))
+                      ssl_context=lb.edge.ssl_context, limits=cfg.limits.connections(),
+                      sock=sock, announce=not worker))
     except OSError as exc:
         print(f"skymesh-lb: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def join_siblings(args: argparse.Namespace, app: Any) -> Any:
+    """A worker's end of what the workers share (skymesh.balancer.siblings)."""
+    from skymesh.balancer.server import balancer_of
+    from skymesh.balancer.siblings import Siblings
+    from skymesh.prefix.trie import PrefixTrie
+
+    lb = balancer_of(app)
+
+    def trie_of() -> PrefixTrie | None:
+        trie = getattr(lb.dispatcher.policy, "trie", None)
+        return trie if isinstance(trie, PrefixTrie) else None
+
+    siblings = Siblings(args.worker_dir, args.worker_index, args.worker_count,
+                        lb.status.local_metrics, lb.status.worker_summary, trie_of,
+                        lambda t: t in lb.dispatcher.targets, lb.metrics.registry)
+    lb.status.siblings = siblings
+
+    async def on_cleanup(app: Any) -> None:
+        await siblings.stop()
+
+    app.on_cleanup.append(on_cleanup)
+    return siblings
 
 
 if __name__ == "__main__":

@@ -71,6 +71,10 @@ DEFAULT_METRICS_LAG_S = {"vllm": 1.0, "skymesh": 1.0, "sglang": 0.0}
 # completion 1.04x blind pushing's against 1.10x without (docs/results/vllm_burst.md); 0 on
 # the emulator (the simulator's results stand on it) and on SGLang (not measured).
 DEFAULT_ENGINE_QUEUE = {"vllm": 1, "skymesh": 0, "sglang": 0}
+# listen.workers: the most processes one balancer serves its port from, and auto's cap
+# (beyond 8 a second balancer is the better unit: its own host, its own failures).
+MAX_WORKERS = 64
+MAX_AUTO_WORKERS = 8
 
 
 
@@ -83,9 +87,21 @@ class ListenTlsConfig(StrictModel):
 
 
 class ListenConfig(StrictModel):
+    """``workers``: processes serving the port (skymesh.balancer.workers); ``auto``: the
+    cores this process may use, at most ``MAX_AUTO_WORKERS``, and 1 with a mesh or a
+    controller section (one mesh identity: sibling workers do not peer yet)."""
+
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     tls: ListenTlsConfig | None = None
+    workers: int | Literal["auto"] = "auto"
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> Any:
+        if v == "auto" or (type(v) is int and 1 <= v <= MAX_WORKERS):
+            return v
+        raise ValueError(f"must be an integer from 1 to {MAX_WORKERS} or 'auto', not {v!r}")
 
 
 class PolicyConfig(StrictModel):
@@ -494,6 +510,10 @@ def parse_config(data: Any) -> BalancerConfig:
         raise ConfigError("pushing.balancers_per_region: 'auto' counts the region's "
                           "balancers from the controller; without a controller section, "
                           "give the number")
+    if cfg.listen.workers != "auto" and cfg.listen.workers > 1 and (
+            cfg.mesh is not None or cfg.controller is not None):
+        raise ConfigError("listen.workers: more than 1 worker is not supported with a mesh "
+                          "or controller section yet (one mesh identity); give 1 or 'auto'")
     try:
         build_policy(cfg.policy.name, cfg.policy.params)
     except PolicyConfigError as exc:

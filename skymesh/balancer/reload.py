@@ -68,7 +68,7 @@ def _set_pushing(lb: Balancer, p: PushingConfig) -> None:
     # A replica's own prefer_queue (its kind's default, or this) is set at its next probe.
     d.prefer_queue, d.hold_queue_max = p.prefer_queue or 0, p.hold_queue_max
     if p.balancers_per_region != "auto":  # auto: the controller link keeps it current
-        d.balancers_per_region = p.balancers_per_region
+        d.balancers_per_region = p.balancers_per_region * lb.workers  # each worker pushes
     d.step_tokens = p.step_tokens  # for targets added from now on
     for target in d.targets.values():
         target.load.step_tokens = p.step_tokens

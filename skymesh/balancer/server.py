@@ -67,6 +67,7 @@ from skymesh.balancer.relay import (
 from skymesh.balancer.status import Status
 from skymesh.balancer.streaming import Streams
 from skymesh.balancer.upstream import Upstream
+from skymesh.balancer.workers import pushing_share
 from skymesh.common.health import HealthRule
 from skymesh.obs.access import install as install_obs
 from skymesh.obs.tracing import from_config as tracing_from_config
@@ -81,8 +82,11 @@ STREAM_GRACE_S = 3.5
 
 
 class Balancer:
-    def __init__(self, cfg: BalancerConfig) -> None:
+    def __init__(self, cfg: BalancerConfig, *, workers: int = 1) -> None:
+        """``workers``: processes serving this balancer's port, this one included
+        (skymesh.balancer.workers); each pushes as one balancer of the region."""
         self.cfg = cfg
+        self.workers = workers
         policy = build_policy(cfg.policy.name, cfg.policy.params, rng=random.Random())
         peer_policy = None
         if cfg.mesh is not None and cfg.mesh.forwarding:
@@ -103,7 +107,7 @@ class Balancer:
             forwarding_rule=(cfg.mesh.forwarding_rule if cfg.mesh is not None
                              else DEFAULT_FORWARDING_RULE),
             balancing=cfg.mesh.balancing() if cfg.mesh is not None else None,
-            balancers_per_region=cfg.pushing.balancers(),
+            balancers_per_region=pushing_share(cfg.pushing.balancers(), workers),
             # Per replica from its kind at each probe (ReplicaConfig.prefer_queue).
             prefer_queue=cfg.pushing.prefer_queue or 0,
             hold_queue_max=cfg.pushing.hold_queue_max,
@@ -336,14 +340,15 @@ class Balancer:
         c.inc()
 
 
-def build_app(cfg: BalancerConfig) -> web.Application:
+def build_app(cfg: BalancerConfig, *, workers: int = 1) -> web.Application:
     """The aiohttp app: its routes, the request-id stamp (``on_response_prepare``), the
-    access log and tracing middleware (``skymesh.obs.access``) and the lifecycle hooks."""
+    access log and tracing middleware (``skymesh.obs.access``) and the lifecycle hooks.
+    ``workers``: see :class:`Balancer`."""
     # The body limit is enforced by Handlers.read_body (a clean 413 in the OpenAI shape);
     # the server's own cap only stops abuse of the other endpoints.
     app = web.Application(client_max_size=cfg.limits.max_body_bytes + 1,
                           handler_args={"max_field_size": 16384})
-    lb = Balancer(cfg)
+    lb = Balancer(cfg, workers=workers)
     app["balancer"] = lb
     edge, status = lb.handlers, lb.status
     catalog = ModelCatalog(lb.dispatcher, lambda: lb.session, cfg.probe.timeout_s, edge.refused)

@@ -8,8 +8,9 @@ last good one and the error.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -21,6 +22,9 @@ from skymesh.balancer.mesh_link import MeshLink
 from skymesh.balancer.moves import Mover
 from skymesh.balancer.prediction import LivePredictor
 from skymesh.balancer.relay import RequestCore
+
+if TYPE_CHECKING:
+    from skymesh.balancer.siblings import Siblings
 
 
 class Status:
@@ -41,11 +45,24 @@ class Status:
         self.controller = controller
         # A replica's KV-cache events: "kv_events" live, stale or off, and its index.
         self.kv_figures = kv_figures or (lambda url: {"kv_events": "off"})
+        # One of several workers (skymesh.balancer.workers): the view covers them all.
+        self.siblings: Siblings | None = None
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
+        body = (self.local_metrics() if self.siblings is None
+                else await self.siblings.metrics())
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    def local_metrics(self) -> bytes:
+        """This process's exposition (one worker's, when there are several)."""
         self._refresh_gauges()
-        return web.Response(body=self.core.metrics.render(),
-                            headers={"Content-Type": "text/plain; version=0.0.4"})
+        return self.core.metrics.render()
+
+    def worker_summary(self) -> dict[str, Any]:
+        """This worker's line in ``/status``'s ``workers``."""
+        d = self.core.dispatcher
+        return {"pid": os.getpid(), "queued": d.queue_length(),
+                "in_flight": sum(t.load.in_flight for t in d.targets.values())}
 
     def _refresh_gauges(self) -> None:
         """Dispatcher state into gauges, at scrape time: off the request path."""
@@ -75,6 +92,9 @@ class Status:
         ctl = self.controller
         return web.json_response({
             "region": self.region,
+            # Several workers: each one's pid, queue and requests in flight (the rest of
+            # this answer is the answering worker's own). null: a single process.
+            "workers": None if self.siblings is None else await self.siblings.statuses(),
             "mesh": mesh,
             "controller": None if ctl is None else {
                 "url": ctl.cfg.url, "balancer_id": ctl.balancer_id,

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import logging
 import signal
+import socket
 import ssl
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -53,15 +54,21 @@ def tune_gc() -> None:
 
 
 class GuardedSite(web.TCPSite):
-    """A TCP site whose connections go through a :class:`ConnectionGuard` first."""
+    """A TCP site whose connections go through a :class:`ConnectionGuard` first.
 
-    __slots__ = ("_guard",)
+    ``sock``: serve an already listening socket (a worker's share of the port,
+    skymesh.balancer.workers) instead of binding ``host:port``.
+    """
+
+    __slots__ = ("_guard", "_sock")
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard,
-                 *, ssl_context: ssl.SSLContext | None = None) -> None:
+                 *, ssl_context: ssl.SSLContext | None = None,
+                 sock: socket.socket | None = None) -> None:
         # A deep backlog: a burst of new clients waits in the kernel rather than failing.
         super().__init__(runner, host, port, ssl_context=ssl_context, backlog=2048)
         self._guard = guard
+        self._sock = sock
 
     async def start(self) -> None:
         # BaseSite.start registers the site; TCPSite.start would bind the bare server.
@@ -69,18 +76,21 @@ class GuardedSite(web.TCPSite):
         server = self._runner.server
         assert server is not None
         handshake = self._guard.limits.header_timeout_s if self._ssl_context else None
+        where: dict[str, Any] = ({"sock": self._sock} if self._sock is not None
+                                 else {"host": self._host, "port": self._port})
         self._server = await asyncio.get_running_loop().create_server(
-            self._guard.protocol_factory(server), self._host, self._port,
+            self._guard.protocol_factory(server), **where,
             ssl=self._ssl_context, backlog=self._backlog, ssl_handshake_timeout=handshake)
         sockets = self._server.sockets
         self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
 
 
 async def start_app(app: web.Application, host: str, port: int, name: str,
-                    limits: ConnLimits, ssl_context: ssl.SSLContext | None = None
+                    limits: ConnLimits, ssl_context: ssl.SSLContext | None = None,
+                    sock: socket.socket | None = None
                     ) -> tuple[web.AppRunner, ConnectionGuard]:
-    """Set ``app`` up and listen on ``host:port`` behind the connection limits; the caller
-    ends it with ``runner.cleanup()``."""
+    """Set ``app`` up and listen on ``host:port`` (or the listening ``sock``) behind the
+    connection limits; the caller ends it with ``runner.cleanup()``."""
     guard = ConnectionGuard(limits, name)
     app.middlewares.insert(0, guard.aiohttp_middleware())
     registry = app.get(METRICS_REGISTRY)
@@ -94,7 +104,8 @@ async def start_app(app: web.Application, host: str, port: int, name: str,
                            keepalive_timeout=limits.idle_timeout_s)
     await runner.setup()
     try:
-        await GuardedSite(runner, host, port, guard, ssl_context=ssl_context).start()
+        await GuardedSite(runner, host, port, guard, ssl_context=ssl_context,
+                          sock=sock).start()
     except BaseException:
         await runner.cleanup()
         raise
@@ -104,16 +115,19 @@ async def start_app(app: web.Application, host: str, port: int, name: str,
 async def serve_app(app: web.Application, host: str, port: int, name: str, detail: str = "",
                     on_bound: Callable[[str], Awaitable[None]] | None = None,
                     tuned_gc: bool = False, ssl_context: ssl.SSLContext | None = None,
-                    limits: ConnLimits | None = None) -> None:
+                    limits: ConnLimits | None = None, sock: socket.socket | None = None,
+                    announce: bool = True) -> None:
     """Serve ``app`` on ``host:port`` (0: any free port) until a stop signal.
 
     Prints ``NAME listening on http(s)://HOST:PORT`` to stderr once bound: scripts and
     tests read the real port from it. ``tuned_gc``: :func:`tune_gc` once serving.
     ``ssl_context``: serve HTTPS. ``limits``: connection limits (default
-    :class:`ConnLimits`), fitted to the open-file limit first.
+    :class:`ConnLimits`), fitted to the open-file limit first. ``sock``: serve this
+    listening socket instead of binding; ``announce=False``: no line (a worker, whose
+    supervisor prints it once for all).
     """
     limits = fit_file_limit(limits or ConnLimits(), name)
-    runner, _ = await start_app(app, host, port, name, limits, ssl_context)
+    runner, _ = await start_app(app, host, port, name, limits, ssl_context, sock)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -127,8 +141,9 @@ async def serve_app(app: web.Application, host: str, port: int, name: str, detai
             await on_bound(f"{scheme}://{shown}:{bound_port}")
         if tuned_gc:
             tune_gc()
-        print(f"{name} listening on {scheme}://{shown}:{bound_port}{suffix}",
-              file=sys.stderr, flush=True)
+        if announce:
+            print(f"{name} listening on {scheme}://{shown}:{bound_port}{suffix}",
+                  file=sys.stderr, flush=True)
         await stop.wait()
     finally:
         await runner.cleanup()

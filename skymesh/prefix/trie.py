@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 DEFAULT_MAX_NODES = 100_000
 _CACHE_LIMIT = 4096
@@ -100,6 +100,8 @@ class PrefixTrie:
         # (select, then on_dispatch): (keys, depth, segment, version it is valid for).
         self._version = 0  # bumped by every structural change
         self._walk: tuple[Sequence[int], int, _Segment | None, int] | None = None
+        # Told every insert (the balancer's workers share their routing decisions).
+        self.on_insert: Callable[[Sequence[int], str], None] | None = None
 
     def __len__(self) -> int:
         return self._size
@@ -306,6 +308,8 @@ class PrefixTrie:
     # -- updates ---------------------------------------------------------------------------
     def insert(self, keys: Sequence[int], target: str) -> None:
         """Record that ``target`` served the prefix ``keys`` (and so all its prefixes)."""
+        if self.on_insert is not None:
+            self.on_insert(keys, target)
         n = min(len(keys), self.max_nodes)
         if n == 0:
             return

@@ -39,7 +39,8 @@ def replica(tmp: Path, name: str) -> Daemon:
 
 def balancer(tmp: Path, replicas: list[Daemon], resume: bool) -> Daemon:
     cfg: dict[str, Any] = {
-        "region": "test", "listen": {"host": "127.0.0.1", "port": 0},
+        # One process: the test reads one balancer's replica state and exact counters.
+        "region": "test", "listen": {"host": "127.0.0.1", "port": 0, "workers": 1},
         "policy": {"name": "round-robin"},
         "probe": {"interval_s": 0.05, "timeout_s": 0.5},
         "retry": {"resume_streams": resume},

@@ -139,7 +139,9 @@ async def standing_in(stand: StandIn) -> AsyncIterator[str]:
 
 def balancer(tmp: Path, replicas: list[dict[str, Any]], **sections: Any) -> Daemon:
     cfg: dict[str, Any] = {
-        "region": "test", "listen": {"host": "127.0.0.1", "port": 0},
+        # One process: the tests read its memory (/proc/PID), replica state and exact
+        # counters.
+        "region": "test", "listen": {"host": "127.0.0.1", "port": 0, "workers": 1},
         "policy": {"name": "round-robin"}, "probe": {"interval_s": 0.05},
         "retry": {"max_attempts": 1}, "replicas": replicas, **sections,
     }

@@ -28,7 +28,9 @@ def start_replicas(tmp: Path, n: int, *extra: str) -> list[Daemon]:
 def start_lb(tmp: Path, replicas: list[Daemon], **overrides: Any) -> Daemon:
     cfg: dict[str, Any] = {
         "region": "test",
-        "listen": {"host": "127.0.0.1", "port": 0},
+        # One process (not one per core): these tests read one balancer's exact counters,
+        # queue and per-replica state from /metrics and /status.
+        "listen": {"host": "127.0.0.1", "port": 0, "workers": 1},
         "policy": {"name": "least-load"},
         "probe": {"interval_s": 0.05},
         "replicas": [{"url": r.url} for r in replicas],

@@ -206,7 +206,9 @@ def test_a_missing_certificate_stops_the_start(tmp_path: Path) -> None:
 
 
 async def test_one_key_cannot_hold_more_than_its_share(tmp_path: Path) -> None:
-    cfg = {"listen": {"host": "127.0.0.1", "port": 0}, "probe": {"interval_s": 0.05},
+    # One process: the cap holds per worker, and two could each let one request in.
+    cfg = {"listen": {"host": "127.0.0.1", "port": 0, "workers": 1},
+           "probe": {"interval_s": 0.05},
            "auth": {"max_in_flight_per_key": 1}, "pushing": {"mode": "bp"}}
     with replica_and_lb(tmp_path, [], cfg, {"SKYMESH_API_KEYS": "sk-a,sk-b"}) as (lb, _):
         async with aiohttp.ClientSession() as s:

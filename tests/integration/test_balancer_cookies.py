@@ -53,7 +53,10 @@ async def upstream() -> AsyncIterator[tuple[str, list[str | None]]]:
 async def test_a_cookie_set_for_one_client_is_not_sent_upstream_for_the_next(
         upstream: tuple[str, list[str | None]]) -> None:
     url, seen = upstream
-    lb = start_daemon("skymesh-lb", ["--port", "0", "--replicas", url])
+    # One process: the stand-in replica runs on this test's loop, which start_daemon
+    # blocks; a worker whose start-up probes timed out learns the model only at its next
+    # models probe (10 s), while /ready may be answered by another.
+    lb = start_daemon("skymesh-lb", ["--port", "0", "--replicas", url, "--workers", "1"])
     try:
         body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                            "max_tokens": 1}).encode()

@@ -322,7 +322,8 @@ LIMITS = {"max_connections_per_client": 2, "header_timeout_s": 0.5, "idle_timeou
 
 async def test_skymesh_lb_applies_its_configured_limits(tmp_path: Path, replica: Daemon) -> None:
     cfg = tmp_path / "lb.yaml"
-    cfg.write_text(json.dumps({"listen": {"port": 0}, "limits": LIMITS,
+    # One process: the limits hold per worker (each has its own connections to count).
+    cfg.write_text(json.dumps({"listen": {"port": 0, "workers": 1}, "limits": LIMITS,
                                "replicas": [{"url": replica.url}]}))
     lb = start_daemon("skymesh-lb", ["--config", str(cfg)], log_path=tmp_path / "lb.log")
     try:

@@ -1,9 +1,10 @@
 """Every metric name the docs and the deploy rules mention is one a running daemon exports.
 
-A real skymesh-replica, a skymesh-lb with a mesh section (so the peering series exist) and
-a skymesh-controller with a planner section (so the planner's series exist) run on
-loopback; their ``/metrics`` is parsed with prometheus_client's parser. A family with no
-child yet still has its ``# HELP``/``# TYPE`` lines, so no traffic is needed.
+A real skymesh-replica, a skymesh-lb with a mesh section (so the peering series exist), a
+skymesh-lb with two workers (the workers' series) and a skymesh-controller with a planner
+section (so the planner's series exist) run on loopback; their ``/metrics`` is parsed
+with prometheus_client's parser. A family with no child yet still has its ``# HELP``/``#
+TYPE`` lines, so no traffic is needed.
 
 Scanned: README.md and docs/**/*.md (names in inline code and code blocks), except
 docs/notes/, which are dated working notes that record names as they stood then; and
@@ -113,6 +114,10 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]:
                      "peers": [{"id": "lb-b", "address": f"127.0.0.1:{free_port()}"}]}}))
         started.append(start_daemon("skymesh-lb", ["--config", str(cfg)],
                                     log_path=tmp / "lb.log"))
+        # Two workers (no mesh: one identity), for the series only they export.
+        started.append(start_daemon("skymesh-lb", ["--port", "0", "--replicas", replica.url,
+                                                   "--workers", "2"],
+                                    log_path=tmp / "lb-workers.log"))
         planner = {"mode": "dry-run", "capacity": {"llama": {"L4": 100.0}}}
         with planner_controller(tmp, planner) as ctl:
             names: set[str] = set()

@@ -60,7 +60,9 @@ def start_lb(tmp: Path, slow: Daemon, fast: Daemon, *, l4_prior: float,
              migration: bool = True, **extra: Any) -> Daemon:
     cfg: dict[str, Any] = {
         "region": "test",
-        "listen": {"host": "127.0.0.1", "port": 0},
+        # One process: the tests read exact counters and the migrations log of one
+        # balancer (/metrics, /status).
+        "listen": {"host": "127.0.0.1", "port": 0, "workers": 1},
         # length_margin 1 (the paper's raw length): with the optimistic L4 prior the
         # request is placed on the L4, which is the setup these migration tests need.
         "policy": {"name": "goodserve", "params": {

@@ -32,7 +32,8 @@ def start_replica(tmp: Path, port: int = 0, scale: float = 0.1, tag: str = "") -
 
 def start_lb(tmp: Path, replicas: list[dict[str, Any]], **overrides: Any) -> Daemon:
     cfg: dict[str, Any] = {
-        "region": "test", "listen": {"host": "127.0.0.1", "port": 0},
+        # One process: the tests read one balancer's queue and exact counters.
+        "region": "test", "listen": {"host": "127.0.0.1", "port": 0, "workers": 1},
         "policy": {"name": "least-load"},
         "probe": {"interval_s": 0.05, "failure_threshold": 2},
         "queue": {"timeout_s": QUEUE_TIMEOUT_S},

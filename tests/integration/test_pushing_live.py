@@ -34,7 +34,9 @@ def _start(tmp: Path) -> tuple[Daemon, list[Daemon]]:
                           "--max-num-seqs", str(LIMIT), "--metrics-lag-s", "0.9"],
                          log_path=tmp / f"replica{i}.log")
             for i in range(2)]
-    cfg = {"region": "test", "listen": {"host": "127.0.0.1", "port": 0},
+    # One process: the burst's queue is one balancer's (workers would split it and
+    # each keep to its share of the free slots).
+    cfg = {"region": "test", "listen": {"host": "127.0.0.1", "port": 0, "workers": 1},
            # The strict rule: no request of ours may wait inside a replica (a vllm-kind
            # replica's default lets one, pushing.engine_queue; tests/unit/test_engine_queue.py)
            "policy": {"name": "least-load"}, "pushing": {"mode": "sp-p", "engine_queue": 0},

@@ -33,7 +33,8 @@ def replica(tmp: Path, name: str) -> Daemon:
 
 def balancer(tmp: Path, replicas: list[Daemon], resume: bool) -> Daemon:
     cfg: dict[str, Any] = {
-        "region": "test", "listen": {"host": "127.0.0.1", "port": 0},
+        # One process: the tests read exact per-replica counters from /metrics.
+        "region": "test", "listen": {"host": "127.0.0.1", "port": 0, "workers": 1},
         "policy": {"name": "round-robin"}, "probe": {"interval_s": 0.05},
         "retry": {"resume_streams": resume},
         "replicas": [{"url": r.url} for r in replicas],

@@ -202,8 +202,9 @@ def run(rate: float, seconds: float, replicas: int = 2, seed: int = 0) -> dict[s
         tmp = Path(tempfile.mkdtemp(prefix="skymesh-cp-"))
         out, log_path = tmp / "records.json", tmp / "lb.log"
         port = free_port()
+        # One process: the tracing hooks are installed in this one (workers re-execute).
         args = ["--port", str(port), "--replicas", ",".join(urls), "--policy", "round-robin",
-                "--push-mode", "bp"]
+                "--push-mode", "bp", "--workers", "1"]
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "skymesh_lab.bench.critical_path", "--traced-lb", "--",

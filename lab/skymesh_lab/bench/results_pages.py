@@ -31,6 +31,7 @@ from skymesh_lab.bench import (
     ha_region_page,
     image_sizes_page,
     kv_index_cost,
+    lb_workers_page,
     router_overhead_page,
     security_page,
     terraform_apply_page,
@@ -307,6 +308,14 @@ SOURCES: tuple[Source, ...] = (
            "match a prompt against four replicas. See [KV-cache events](../kv-events.md).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.kv_index_cost", "--json", "{json}"),
            kv_index_cost.page),
+    Source("lb-workers", "skymesh-lb on every core: 1 and N workers",
+           "skymesh-lb serving one port from several worker processes (`listen.workers`, "
+           "[operations](../operations.md#workers-every-core)), against one process, live "
+           "on loopback: the prefix cache hit rate the emulated replicas report on a "
+           "shared-prefix workload (each worker's trie learns its siblings' routing "
+           "decisions), and wrk's req/s with the balancer's CPU per request.",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.lb_workers", "--json", "{json}"),
+           lb_workers_page.lb_workers),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 

@@ -121,7 +121,8 @@ async def start_lb(workdir: Path, replicas: list[Daemon], *, name: str = "lb", p
                    env: Mapping[str, str] | None = None) -> Daemon:
     """``skymesh-lb --config`` with least-load, fast probes and ``overrides`` merged in."""
     cfg: dict[str, Any] = {
-        "region": "local", "listen": {"host": "127.0.0.1", "port": port},
+        # One process: the scenarios measure it (RSS, exact counters) and kill it by pid.
+        "region": "local", "listen": {"host": "127.0.0.1", "port": port, "workers": 1},
         "policy": {"name": "least-load"}, "probe": {"interval_s": 0.05},
         "replicas": [{"url": r.url, "models": [MODEL], "gpu": "L4"} for r in replicas],
     }

@@ -11,11 +11,12 @@ from __future__ import annotations
 import random
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from skymesh.balancer.dispatch import DEFAULT_HOLD_S
+from skymesh.balancer.siblings import FLUSH_S
 from skymesh.policies import RouteRequest, build_policy
 from skymesh.policies.load import DEFAULT_HOLD_QUEUE_MAX, DEFAULT_PREFER_QUEUE, PushMode
 from skymesh.policies.peers import (
@@ -27,6 +28,7 @@ from skymesh.policies.peers import (
     Balancing,
     ForwardingRule,
 )
+from skymesh.prefix.trie import PrefixTrie
 from skymesh.util.stats import summary
 from skymesh_lab.sim.cluster import RequestRecord, SimBalancer, SimReplica
 from skymesh_lab.sim.deadlines import DEFAULT_DEADLINE_PROFILE, alone_latency
@@ -92,6 +94,42 @@ class SimConfig:
     # Multiplies every inter-region RTT (0: no network cost between regions, for the
     # benchmarks' oracle); the client-to-balancer hop within a region is unchanged.
     rtt_scale: float = 1.0
+    # skymesh-lb's listen.workers (skymesh.balancer.workers): each region's balancer as
+    # this many workers behind one address. Each request goes to one at random (the kernel
+    # spreads connections), each pushes with a 1/workers share of the free slots, and each
+    # one's trie inserts reach its siblings' tries ``worker_share_s`` later (the live
+    # share's batching, skymesh.balancer.siblings.FLUSH_S). Region-local only, as live.
+    workers: int = 1
+    worker_share_s: float = FLUSH_S
+
+
+def share_tries(loop: EventLoop, workers: list[SimBalancer], delay_s: float) -> None:
+    """Workers of one balancer as live: each pushes as one of ``len(workers)`` balancers,
+    and each insert into one's trie reaches the others' ``delay_s`` later."""
+    for w in workers:
+        w.dispatcher.balancers_per_region = len(workers)
+    tries = [getattr(w.policy, "trie", None) for w in workers]
+    if not all(isinstance(t, PrefixTrie) for t in tries):
+        return  # a policy without a trie: nothing to share
+    applying = [False]
+
+    def apply(others: list[PrefixTrie], keys: list[int], target: str) -> None:
+        applying[0] = True
+        try:
+            for t in others:
+                t.insert(keys, target)
+        finally:
+            applying[0] = False
+
+    for trie in tries:
+        assert isinstance(trie, PrefixTrie)
+        others = [t for t in tries if t is not trie and isinstance(t, PrefixTrie)]
+
+        def record(keys: Sequence[int], target: str, others: list[PrefixTrie] = others
+                   ) -> None:
+            if not applying[0] and len(keys):
+                loop.after(delay_s, apply, others, list(keys), target)
+        trie.on_insert = record
 
 
 def spread_replicas(regions: list[str], total: int) -> dict[str, int]:
@@ -177,6 +215,10 @@ class Simulation:
             raise ValueError(f"rtt_scale must be >= 0, got {cfg.rtt_scale}")
         if cfg.single_balancer is not None and cfg.single_balancer not in cfg.regions:
             raise ValueError(f"single_balancer {cfg.single_balancer!r} is not in {cfg.regions}")
+        if cfg.workers < 1 or (cfg.workers > 1 and (cfg.forwarding
+                                                    or cfg.single_balancer is not None)):
+            raise ValueError("workers: an integer >= 1; more than 1 only region-local "
+                             "(no forwarding, no single balancer), as in skymesh-lb")
         if cfg.rtt_scale == 1.0:
             self.net = Network()
         else:
@@ -201,6 +243,10 @@ class Simulation:
         balancing = Balancing(cfg.balance_margin, cfg.locality_margin, cfg.rtt_weight)
         self.replicas: list[SimReplica] = []
         self.balancers: dict[str, SimBalancer] = {}
+        # Every worker of a region's balancer (the first is self.balancers[region]).
+        self.workers: dict[str, list[SimBalancer]] = {}
+        # Its own stream: one worker changes no other draw of the run.
+        self._worker_rng = random.Random(cfg.seed ^ 0x5EED)
         for region in cfg.regions:
             if cfg.replica_profiles is not None and region in cfg.replica_profiles:
                 names = cfg.replica_profiles[region]
@@ -227,6 +273,18 @@ class Simulation:
                 cfg.hold_s, peer_policy, cfg.tau, cfg.heartbeat_interval_s, rule, balancing,
                 prefer_queue=prefer_queue, hold_queue_max=cfg.hold_queue_max,
             )
+            if cfg.workers > 1:
+                self.workers[region] = [self.balancers[region], *(
+                    SimBalancer(
+                        f"lb-{region}-w{i}", region, reps,
+                        build_policy(cfg.policy, cfg.policy_params,
+                                     rng=random.Random(rng.getrandbits(32))),
+                        self.loop, self.net, mode, cfg.max_outstanding,
+                        cfg.probe_interval_s, self._active, self._on_rejected, cfg.hold_s,
+                        None, cfg.tau, cfg.heartbeat_interval_s, rule, balancing,
+                        prefer_queue=prefer_queue, hold_queue_max=cfg.hold_queue_max)
+                    for i in range(1, cfg.workers))]
+                share_tries(self.loop, self.workers[region], cfg.worker_share_s)
         if not self.replicas:
             raise ValueError("the simulation needs at least one replica")
         if cfg.single_balancer is not None:
@@ -245,6 +303,12 @@ class Simulation:
                 bal.connect(list(self.balancers.values()))
         self._models = {r.engine_model for r in self.replicas}
 
+    def _all_balancers(self) -> list[SimBalancer]:
+        out = list(self.balancers.values())
+        for workers in self.workers.values():
+            out += workers[1:]
+        return out
+
     def _active(self) -> bool:
         return self.outstanding > 0 or self._arrivals_left
 
@@ -259,6 +323,8 @@ class Simulation:
         if from_stream:
             self._next_arrival()
         bal = self.balancers.get(self.cfg.single_balancer or item.region)
+        if item.region in self.workers:
+            bal = self._worker_rng.choice(self.workers[item.region])
         if bal is None:
             raise ValueError(
                 f"workload sent a request to region {item.region!r}, which has no replicas; "
@@ -408,7 +474,8 @@ class Simulation:
         res["prefix_hit_rate"] = h / q if q else 0.0
         res.update(spread(self.spread_samples))
         res["preemptions"] = sum(r.engine.stats.num_preemptions for r in self.replicas)
-        res["max_balancer_queue"] = max((b.max_queue for b in self.balancers.values()), default=0)
+        res["max_balancer_queue"] = max((b.max_queue for b in self._all_balancers()),
+                                        default=0)
         res["forwarding"] = self.cfg.forwarding
         res["region_stats"] = {
             region: {
@@ -432,7 +499,7 @@ class Simulation:
                      if r.predicted_output is not None]
         if predicted:
             res["predicted_length_mae"] = sum(abs(p - t) for p, t in predicted) / len(predicted)
-        res["migrations"] = sum(b.migrations for b in self.balancers.values())
+        res["migrations"] = sum(b.migrations for b in self._all_balancers())
         return res
 
 

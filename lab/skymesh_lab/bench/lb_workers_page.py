@@ -1,0 +1,106 @@
+"""The results page of ``skymesh_lab.bench.lb_workers``: skymesh-lb with 1 and N workers.
+
+Kept apart from the measurement so the results registry (``results_pages``) renders the
+page from the JSON alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _spread(vals: list[float], fmt: str) -> str:
+    if not vals:
+        return "-"
+    lo, hi = min(vals), max(vals)
+    return format(lo, fmt) if lo == hi else f"{format(lo, fmt)}-{format(hi, fmt)}"
+
+
+def locality_table(doc: dict[str, Any]) -> str:
+    runs = doc["locality"]["runs"]
+    counts = doc["setup"]["workers"]
+    base = doc["locality"]["median_hit_rate"].get(str(counts[0]))
+    out = ["| workers | runs | prefix hit rate, median | range | vs 1 worker, points | failed |",
+           "| ---: | ---: | ---: | --- | ---: | ---: |"]
+    for n in counts:
+        rows = [r for r in runs if r["workers"] == n]
+        med = doc["locality"]["median_hit_rate"].get(str(n))
+        diff = "-" if med is None or base is None else f"{100 * (med - base):+.1f}"
+        out.append(f"| {n} | {len(rows)} | {_pct(med)} "
+                   f"| {_spread([100 * r['hit_rate'] for r in rows if r['hit_rate']], '.1f')} "
+                   f"| {diff} | {sum(r['failed'] for r in rows)} |")
+    return "\n".join(out)
+
+
+def simulator_table(doc: dict[str, Any]) -> str:
+    sim = doc.get("simulator")
+    if not sim:
+        return "(not measured in this run)"
+    out = ["| workload | workers | trie shared | prefix hit rate, mean of seeds | per seed "
+           "| vs 1 worker, points | throughput, req/s |",
+           "| --- | ---: | --- | ---: | --- | ---: | ---: |"]
+    for wl, arms in sim.items():
+        base = None
+        for arm in arms.values():
+            mean = sum(arm["hit_rate"]) / len(arm["hit_rate"])
+            if base is None:
+                base = mean
+            rps = sum(arm["throughput_rps"]) / len(arm["throughput_rps"])
+            shared = "-" if arm["workers"] == 1 else ("yes" if arm["shared"] else "no")
+            out.append(f"| `{wl}` | {arm['workers']} | {shared} | {100 * mean:.1f}% "
+                       f"| {', '.join(f'{100 * h:.1f}' for h in arm['hit_rate'])} "
+                       f"| {round(100 * (mean - base), 1) or 0.0:+.1f} | {rps:.2f} |")
+    return "\n".join(out)
+
+
+def throughput_table(doc: dict[str, Any]) -> str:
+    runs = doc["throughput"]["runs"]
+    if not runs:
+        return "(not measured in this run)"
+    out = ["| path | workers | req/s, median | range | balancer CPU ms per 1,000 requests "
+           "| range | non-2xx |",
+           "| --- | ---: | ---: | --- | ---: | --- | ---: |"]
+    for key, med in doc["throughput"]["median"].items():
+        path, n = key.split("/")
+        rows = [r for r in runs if r["path"] == path and str(r["workers"]) == n]
+        out.append(f"| {path} | {n} | {med['rps']:,.0f} "
+                   f"| {_spread([r['rps'] for r in rows], ',.0f')} "
+                   f"| {med['cpu_ms_per_1k']:.0f} "
+                   f"| {_spread([r['cpu_ms_per_1k'] for r in rows], '.0f')} "
+                   f"| {sum(r['non_2xx'] for r in rows)} |")
+    return "\n".join(out)
+
+
+def lb_workers(doc: dict[str, Any]) -> str:
+    s = doc["setup"]
+    load = ""
+    if "load_average_1m_at_start" in s:
+        load = (f" The machine is shared: load average (1 min) {s['load_average_1m_at_start']:g}"
+                f" at the start, {s['load_average_1m_at_end']:g} at the end.")
+    return "\n".join([
+        f"Measured on {s['usable_cores']} usable cores, {s['repeats']} repeats, arms "
+        f"interleaved.{load}", "",
+        "## Prefix locality", "",
+        f"{s['replicas']} emulated replicas, {s['clients']} closed-loop clients, "
+        f"{s['requests']} requests per run over {s['groups']} shared prefixes, each on a "
+        "new connection. The hit rate is the replicas' own (cached prompt tokens over "
+        "prompt tokens).", "",
+        locality_table(doc), "",
+        "In the simulator (`skymesh sim --region-local --workers N`): 4 replicas, 120 s per "
+        "run, prefix-tree with sp-p; \"trie shared: no\" is the counterfactual where each "
+        "worker learns only its own decisions.", "",
+        simulator_table(doc), "",
+        "## Throughput and CPU", "",
+        f"wrk, {s['connections']} connections, {s['duration_s']:g} s per run, non-streamed "
+        "completions to two stub backends. `default` is prefix-tree with sp-p, `rr-bp` "
+        "round-robin with blind pushing. wrk, the stubs and the balancer share the cores: "
+        "req/s is what the machine gave all of them, CPU per request the balancer's own "
+        "(supervisor and workers).", "",
+        throughput_table(doc)])
+
+
+__all__ = ["lb_workers", "locality_table", "simulator_table", "throughput_table"]
