@@ -62,8 +62,18 @@ from skymesh.policies.peers import (
 )
 
 _ids = itertools.count()
-# Prefix keys the dispatcher remembers the last insertion of (``Dispatcher._inserted``).
-_MAX_KEY_TICKS = 1 << 18
+# Index entries of remembered evaluations before they are all dropped (stale entries, of
+# tickets evaluated again or gone, leave the indexes only when their event comes).
+_MAX_MEMO_ENTRIES = 1 << 16
+
+
+_UNSEEN = object()
+
+
+def _drop(entries: list[_Entry]) -> None:
+    for ticket, memo in entries:
+        if ticket.memo is memo:
+            ticket.memo = None
 # How long a request may wait for the replica its policy prefers (the one holding its
 # prefix) while another could take it. Measured in the simulator (tot-gsm8k, 4 x L4,
 # prefix-tree, SP-P): 0 s loses locality under load (hit rate 52%, 8.6 req/s at 120
@@ -105,22 +115,18 @@ class Ticket:
 
 @dataclass(slots=True)
 class _Memo:
-    """A queued ticket's evaluation that dispatched nothing, and what it depended on:
-    valid while the dispatcher's generation, no replica becoming more available, the
-    loads of ``watch`` and the policy's trie under ``head`` stay as they were at tick
-    ``since`` (see ``Dispatcher._pick``)."""
+    """A queued ticket's evaluation that dispatched nothing. The events that could change
+    it drop it (``Dispatcher._remember`` says which); what is left to check when it is
+    used: the generation, the policy's epoch, whether holds were allowed, and the end of
+    a hold for the preferred replica."""
 
     gen: int
-    since: int
-    holds: bool
-    held_since: float | None  # a hold for the preferred replica: valid until it ends
-    # No candidate (held_since None): the replicas then available, at most; a hold has
-    # candidates, and more of them change nothing while its preferred replica is not one.
-    avail: tuple[tuple[str, ...], tuple[str, ...]]  # (ready, tokens)
-    watch: tuple[str, ...]
-    keys: tuple[int, ...]  # prefix keys whose insertion may change the policy's answer
     epoch: int
-    touched: tuple[Any, ...]  # the policy's side effects to replay when skipped
+    holds: bool
+    held_since: float | None  # None: it had no candidate
+
+
+_Entry = tuple[Ticket, _Memo]
 
 
 @dataclass(slots=True)
@@ -129,7 +135,6 @@ class _ModelView:
     availability, health, breaker or membership changes (never per request)."""
 
     gen: int
-    tick: int
     routable: tuple[Target, ...]  # healthy, serving the model, in membership order
     serving: tuple[str, ...]  # their ids
     ready: tuple[str, ...]  # AVAILABLE with a closed breaker
@@ -175,17 +180,20 @@ class Dispatcher:
         # recomputed only after its load changed (``ReplicaLoad.on_change``), each
         # model's candidates only after an availability did (``_ModelView``), and a
         # queued request is evaluated again only when something it depended on changed
-        # (``_Memo``). ``_tick`` counts changes; ``_gen`` bumps on anything broad
+        # (``_Memo``): the events that can change an evaluation drop the memos that
+        # depend on them through the indexes below. ``_gen`` bumps on anything broad
         # (membership, health, breakers, settings, the policy), dropping every memo.
         self.targets: dict[str, Target] = {}
-        self._tick = 0
         self._gen = 0
-        self._load_tick: dict[str, int] = {}
         self._codes: dict[str, int] = {}
         self._pq: dict[str, bool] = {}
         self._dirty: set[str] = set()
         self._views: dict[str, _ModelView] = {}
-        self._key_tick: dict[int, int] = {}  # prefix key -> tick of its last insert
+        self._by_target: dict[str, list[_Entry]] = {}  # memos that read a replica's load
+        self._by_key: dict[int, list[_Entry]] = {}  # memos an insert of the key may change
+        self._blocked: list[_Entry] = []  # memos without a candidate
+        self._entries = 0  # index entries since the last reset (a bound on memory)
+        self._seen_pref: object = _UNSEEN
         self._mode = PushMode(mode)
         self._max_outstanding = max_outstanding
         self._balancers = balancers_per_region
@@ -217,8 +225,12 @@ class Dispatcher:
 
     # -- settings (each change drops what was derived from the old value) --------------
     def _changed(self, *, availability: bool = False) -> None:
+        """Something broad changed: every memo goes."""
         self._gen += 1
-        self._tick += 1
+        self._by_target.clear()
+        self._by_key.clear()
+        self._blocked.clear()
+        self._entries = 0
         if availability:
             self._dirty.update(self.targets)
 
@@ -377,7 +389,7 @@ class Dispatcher:
         for tid, t in self.targets.items():
             if tid not in new:
                 t.load.on_change = None
-                for d in (self._load_tick, self._codes, self._pq):
+                for d in (self._codes, self._pq):
                     d.pop(tid, None)
         self.targets = new
         self._dirty = set(new)
@@ -388,12 +400,13 @@ class Dispatcher:
     def _watcher(self, tid: str) -> Callable[[], None]:
         """The replica's ``on_change``: its availability is recomputed at the next pump,
         and requests whose decision read its load are evaluated again."""
-        load_tick = self._load_tick
+        by_target = self._by_target
 
         def changed() -> None:
-            self._tick += 1
-            load_tick[tid] = self._tick
             self._dirty.add(tid)
+            entries = by_target.pop(tid, None)
+            if entries:
+                _drop(entries)
 
         return changed
 
@@ -479,7 +492,7 @@ class Dispatcher:
             return
         codes, pqs, targets = self._codes, self._pq, self.targets
         mode, cap, n = self._mode, self._max_outstanding, self._balancers
-        changed = False
+        changed = up = False
         for tid in dirty:
             t = targets.get(tid)
             if t is None:
@@ -491,9 +504,13 @@ class Dispatcher:
             if code != old or pq != old_pq:
                 codes[tid], pqs[tid] = code, pq
                 changed = True
+                up = up or code > old or (pq and not old_pq)
         dirty.clear()
         if changed:
             self._views.clear()
+        if up and self._blocked:  # a replica may take what it could not
+            _drop(self._blocked)
+            self._blocked.clear()
 
     def _view(self, model: str) -> _ModelView:
         v = self._views.get(model)
@@ -504,7 +521,7 @@ class Dispatcher:
         timeless = all(t.breaker.state is BreakerState.CLOSED for t in routable)
         tokens = tuple(t.id for t in routable if codes[t.id] == IF_TOKENS_FIT)
         v = _ModelView(
-            gen=self._gen, tick=self._tick, routable=routable,
+            gen=self._gen, routable=routable,
             serving=tuple(t.id for t in routable),
             ready=tuple(t.id for t in routable if codes[t.id] == AVAILABLE),
             tokens=tokens, plain=timeless and not tokens, timeless=timeless,
@@ -538,7 +555,11 @@ class Dispatcher:
                 and prefer_on:
             if usable is None:
                 usable = [t.id for t in routable if t.breaker.allows(now)]
-            pref = self._policy.preferred(route, usable, self)
+            policy = self._policy
+            draws = policy.draws
+            pref = policy.preferred(route, usable, self)
+            if usable is view.serving and policy.draws == draws:
+                self._seen_pref = pref  # what the hold would ask again (``_pick``)
             if pref is not None and pref not in out:
                 load = self.targets[pref].load
                 if takes_preferred(load, self.prefer_queue_of(load), self._kv_headroom,
@@ -578,34 +599,6 @@ class Dispatcher:
                 out.append(ticket)
         return out
 
-    def _skip(self, memo: _Memo | None, holds: bool, now: float, epoch: int,
-              view: _ModelView) -> bool:
-        """Whether a ticket's last evaluation still holds (its ``_Memo``): then a new one
-        would do the same, so only its side effects on the policy are replayed."""
-        if memo is None or memo.gen != self._gen or memo.holds != holds \
-                or memo.epoch != epoch:
-            return False
-        since = memo.since
-        if memo.held_since is not None:
-            if not now - memo.held_since < self._hold_s:
-                return False
-        elif (view.ready or view.tokens) and (view.ready, view.tokens) != memo.avail:
-            avail = memo.avail
-            if not all(t in avail[0] or t in avail[1] for t in (*view.ready, *view.tokens)):
-                return False
-        key_tick = self._key_tick
-        for key in memo.keys:
-            if key_tick.get(key, 0) > since:
-                return False
-        load_tick = self._load_tick
-        for tid in memo.watch:
-            if load_tick.get(tid, 0) > since:
-                return False
-        retouch = self._policy.retouch
-        for token in memo.touched:
-            retouch(token)
-        return True
-
     def _pick(self, q: deque[Ticket], now: float) -> tuple[int, Ticket, str, bool] | None:
         self._refresh()
         hold = self._hold_s > 0
@@ -620,14 +613,17 @@ class Dispatcher:
         # that the clock may half-open, and a policy whose preferred() is memo-safe.
         memo_ok = self._memo_ok and view.timeless and not self.forwarding
         epoch = policy.memo_epoch() if memo_ok else 0
+        gen, hold_s = self._gen, self._hold_s
         for i in range(depth):
             ticket = q[i]
-            if memo_ok and self._skip(ticket.memo, holds, now, epoch, view):
+            m = ticket.memo
+            if m is not None and memo_ok and m.gen == gen and m.epoch == epoch \
+                    and m.holds == holds \
+                    and (m.held_since is None or now - m.held_since < hold_s):
                 if hold:
                     continue
                 return None
-            since, draws = self._tick, policy.draws
-            touched: list[Any] = []
+            draws = policy.draws
             watch: list[str] = []
             keys: list[int | None] = []
             if balanced:
@@ -635,10 +631,10 @@ class Dispatcher:
                 if peer is not None:
                     return i, ticket, peer, True
             if memo_ok:  # what a preferred() call inside leaves, if one is made
-                policy.touched, policy.considered, policy.memo_key = None, (), None
+                policy.considered, policy.memo_key = (), None
+            self._seen_pref = _UNSEEN
             cands = self._candidates(ticket, now, view)
             if memo_ok:
-                touched.append(policy.touched)
                 watch.extend(policy.considered)
                 keys.append(policy.memo_key)
             if not cands:
@@ -654,22 +650,24 @@ class Dispatcher:
                     if peer is not None:
                         return i, ticket, peer, True
                 if memo_ok:
-                    self._remember(ticket, since, draws, holds, None, watch, touched, keys,
-                                   view, epoch)
+                    watch.extend(view.tokens)  # whether they take it depends on their load
+                    self._remember(ticket, draws, epoch, holds, None, watch, keys)
                 if hold:
                     continue
                 return None
             route = ticket.route_at(now)
             if holds and (ticket.held_since is None
                           or now - ticket.held_since < self.hold_s):
-                pref = policy.preferred(route, view.serving, self)
+                # The same question as candidates' (same targets, nothing changed, no
+                # draw, and memo-safe answers ignore the deadline): its answer stands.
+                pref = self._seen_pref if memo_ok and self._seen_pref is not _UNSEEN \
+                    else policy.preferred(route, view.serving, self)
                 if pref is not None and pref not in cands:
                     # The hold counts from the first time another replica could have
                     # taken it: it bounds the delay locality adds, not the queueing.
                     if ticket.held_since is None:
                         ticket.held_since = now
                     if memo_ok:
-                        touched.append(policy.touched)
                         watch.extend(policy.considered)
                         keys.append(policy.memo_key)
                         watch.append(pref)
@@ -677,27 +675,46 @@ class Dispatcher:
                             # Then the two preferred() calls see different targets, and
                             # losing every candidate changes which of them is made.
                             watch.extend(cands)
-                        self._remember(ticket, since, draws, holds, ticket.held_since,
-                                       watch, touched, keys, view, epoch)
+                        self._remember(ticket, draws, epoch, holds, ticket.held_since,
+                                       watch, keys)
                     continue
             target = policy.select(route, cands, self)
             if target is not None:
                 return i, ticket, target, False
         return None
 
-    def _remember(self, ticket: Ticket, since: int, draws: int, holds: bool,
-                  held_since: float | None, watch: list[str], touched: list[Any],
-                  keys: list[int | None], view: _ModelView, epoch: int) -> None:
-        """Keep ``ticket``'s evaluation, unless it drew from the policy's RNG (a repeat
-        might draw differently, and skipping it would shift every later draw)."""
+    def _remember(self, ticket: Ticket, draws: int, epoch: int, holds: bool,
+                  held_since: float | None, watch: list[str], keys: list[int | None]
+                  ) -> None:
+        """Keep ``ticket``'s evaluation, indexed by what may change it: the loads of
+        ``watch`` (``on_change``), an insert of one of ``keys`` into the policy's state
+        (``_inserted``) and, without a candidate, any replica becoming more available
+        (``_refresh``). Not when it drew from the policy's RNG: a repeat might draw
+        differently, and skipping it would shift every later draw."""
         if self._policy.draws != draws:
             ticket.memo = None
             return
+        if self._entries > _MAX_MEMO_ENTRIES:  # stale entries pile up: start afresh
+            self._changed()
+        m = ticket.memo = _Memo(self._gen, epoch, holds, held_since)
+        entry = (ticket, m)
+        by_target, by_key = self._by_target, self._by_key
+        for tid in watch:
+            lst = by_target.get(tid)
+            if lst is None:
+                by_target[tid] = [entry]
+            else:
+                lst.append(entry)
+        for key in keys:
+            if key is not None:
+                lst2 = by_key.get(key)
+                if lst2 is None:
+                    by_key[key] = [entry]
+                else:
+                    lst2.append(entry)
         if held_since is None:
-            watch.extend(view.tokens)  # whether they take it depends on their load
-        ticket.memo = _Memo(self._gen, since, holds, held_since, (view.ready, view.tokens),
-                            tuple(watch), tuple(k for k in keys if k is not None), epoch,
-                            tuple(x for x in touched if x is not None))
+            self._blocked.append(entry)
+        self._entries += len(watch) + len(keys) + 1
 
     def _balanced_peer(self, ticket: Ticket) -> str | None:
         """The balanced rule's peer for ``ticket``, or None to go on as SkyLB would."""
@@ -759,13 +776,10 @@ class Dispatcher:
     def _inserted(self, keys: Sequence[int]) -> None:
         """The policy may have recorded ``keys``: a queued request whose policy answer
         depended on one of them is evaluated again (``Policy.memo_key``)."""
-        if keys:
-            ticks = self._key_tick
-            if len(ticks) >= _MAX_KEY_TICKS:  # bounded: forget them, and every memo
-                ticks.clear()
-                self._changed()
-            self._tick += 1
-            ticks.update(zip(keys, itertools.repeat(self._tick)))
+        by_key = self._by_key
+        if keys and by_key:
+            for key in by_key.keys() & keys:
+                _drop(by_key.pop(key))
 
     # -- outcomes ------------------------------------------------------------------------
     def first_byte(self, ticket: Ticket) -> None:

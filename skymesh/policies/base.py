@@ -120,13 +120,12 @@ class Policy(ABC):
     # in ``considered``, on no ``on_dispatch``/``on_cached`` whose keys include
     # ``memo_key`` (None: any may matter), and on nothing that leaves ``memo_epoch`` as
     # it was; that it draws from the RNG only through ``_argmin`` (counted in ``draws``);
-    # and that the call's one side effect, if any, is replayed by ``retouch(touched)``.
-    # The dispatcher then skips calls whose inputs did not change, with the same answers
-    # and the same RNG stream.
+    # and that a call changes nothing a decision reads (a prefix trie's recency is
+    # allowed: the dispatcher's docstring says why). The dispatcher then skips calls
+    # whose inputs did not change, with the same answers and the same RNG stream.
     memo_preferred: ClassVar[bool] = False
     draws: int = 0
     considered: tuple[str, ...] = ()
-    touched: Any = None
     memo_key: int | None = None
 
     def __init_subclass__(cls, name: str = "", **kwargs: Any) -> None:
@@ -182,10 +181,6 @@ class Policy(ABC):
         """Bumped by any change of the state ``preferred`` reads beyond the hooks'
         per-prefix updates (see ``memo_preferred``)."""
         return 0
-
-    def retouch(self, token: Any) -> None:
-        """Replay the side effect of the ``preferred`` call that left ``touched`` ==
-        ``token`` (see ``memo_preferred``)."""
 
     def _least(self, candidates: Sequence[str], key: Any) -> str | None:
         """The candidate minimising ``key``, ties broken by the seeded RNG."""

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
 
 from skymesh.policies.base import LoadView, Policy, RouteRequest
 from skymesh.prefix.trie import DEFAULT_MAX_NODES, PrefixTrie
@@ -41,8 +40,8 @@ from skymesh.prefix.trie import DEFAULT_MAX_NODES, PrefixTrie
 class PrefixTree(Policy, name="prefix-tree"):
     uses_prefix_keys = True
     # preferred() reads the trie (changed per prefix by on_dispatch/on_cached, wholesale
-    # by evictions and membership: the trie's epoch) and the matched targets' loads; its
-    # one side effect is the match's recency touch (Policy.memo_preferred).
+    # by evictions and membership: the trie's epoch) and the matched targets' loads
+    # (Policy.memo_preferred).
     memo_preferred = True
 
     def __init__(
@@ -71,7 +70,7 @@ class PrefixTree(Policy, name="prefix-tree"):
     def preferred(self, request: RouteRequest, targets: Sequence[str], view: LoadView
                   ) -> str | None:
         keys = request.prefix_keys
-        self.considered, self.touched, self.memo_key = (), None, None
+        self.considered, self.memo_key = (), None
         if not keys or not targets:
             return None
         trie = self.trie
@@ -79,8 +78,6 @@ class PrefixTree(Policy, name="prefix-tree"):
         # Only an insert through the deepest matched key (or the first, if none) can
         # change this answer: keys are chained.
         self.memo_key = keys[depth - 1] if depth else keys[0]
-        if trie.last_touched is not None:
-            self.touched = (trie.last_touched, depth, keys)
         if matched and depth >= self.match_threshold * len(keys):
             self.considered = matched
             return self._least_loaded(matched, view)
@@ -88,9 +85,6 @@ class PrefixTree(Policy, name="prefix-tree"):
 
     def memo_epoch(self) -> int:
         return self.trie.epoch
-
-    def retouch(self, token: Any) -> None:
-        self.trie.retouch(*token)
 
     def on_dispatch(self, request: RouteRequest, target: str, view: LoadView) -> None:
         self.trie.insert(request.prefix_keys, target)

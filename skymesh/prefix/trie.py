@@ -102,8 +102,6 @@ class PrefixTrie:
         # Bumped when prefixes are lost (eviction, departed targets): a match's answer
         # can then change for any keys, not only for keys an insert shares a head with.
         self.epoch = 0
-        # The segment the last match() touched (None: none), for retouch().
-        self.last_touched: _Segment | None = None
         self._walk: tuple[Sequence[int], int, _Segment | None, int] | None = None
 
     def __len__(self) -> int:
@@ -253,7 +251,6 @@ class PrefixTrie:
         The targets come in first-recorded order, not as a set: a set of strings iterates
         in a per-process order, and routers break ties over this sequence with a seeded RNG.
         """
-        self.last_touched = None
         amask = self._mask(allowed)
         if not amask or not keys:
             return 0, ()
@@ -261,25 +258,7 @@ class PrefixTrie:
         if seg is None:
             return 0, ()
         self._touch(seg)
-        self.last_touched = seg
         return d, self._decode(seg.mask & amask)
-
-    def retouch(self, seg: object, depth: int, keys: Sequence[int]) -> None:
-        """Touch again the segment a :meth:`match` of ``keys`` to ``depth`` touched
-        (``seg``, its ``last_touched``), as a repeat of the match would, when nothing was
-        inserted through key ``depth - 1`` and nothing evicted (``epoch``) since: a
-        caller that knows the match's answer keeps the same recency without it. An
-        insert elsewhere may have split ``seg``: the key is then in a run below it."""
-        if not isinstance(seg, _Segment):
-            return
-        index = self._index
-        while seg.end < depth:
-            nxt = index.get(keys[seg.end])
-            if nxt is None or nxt.parent is not seg:
-                return
-            seg = nxt
-        if seg in self._segments:
-            self._touch(seg)
 
     def depths(self, keys: Sequence[int], allowed: Collection[str]) -> dict[str, int]:
         """Match depth of every allowed target that matched at least one key."""
