@@ -124,6 +124,17 @@ class _Memo:
     epoch: int
     holds: bool
     held_since: float | None  # None: it had no candidate
+    # Without a candidate: the replicas then available (or if the prompt fits) and
+    # whether some had a queue for their prefix. It stays without one while no other
+    # replica is available and none has gained such a queue: a replica that frees and
+    # fills again between two pumps costs the queue no new evaluations.
+    avail: frozenset[str] = frozenset()
+    prefer_on: bool = True
+    # A hold whose policy answer read no load (one replica holds the prefix): when that
+    # replica's load changes, only whether it can take the request now needs a look
+    # (``Dispatcher._still_held``), not the policy.
+    pref: str | None = None
+    suspect: bool = False
 
 
 _Entry = tuple[Ticket, _Memo]
@@ -142,6 +153,7 @@ class _ModelView:
     plain: bool  # every breaker closed and nothing IF_TOKENS_FIT: ``ready`` is the answer
     timeless: bool  # every breaker closed: nothing depends on the clock
     prefer_on: bool  # some replica has a queue for requests holding their prefix
+    avail: frozenset[str]  # ready and tokens
 
 
 @dataclass(slots=True)
@@ -191,8 +203,12 @@ class Dispatcher:
         self._views: dict[str, _ModelView] = {}
         self._by_target: dict[str, list[_Entry]] = {}  # memos that read a replica's load
         self._by_key: dict[int, list[_Entry]] = {}  # memos an insert of the key may change
-        self._blocked: list[_Entry] = []  # memos without a candidate
+        self._by_pref: dict[str, list[_Entry]] = {}  # holds for a replica (_Memo.pref)
         self._entries = 0  # index entries since the last reset (a bound on memory)
+        # Bumped by whatever may end a memo or change a queue: a queue whose last pick
+        # found every request remembered, with nothing stirred since, is passed at once.
+        self._stir = 0
+        self._quiet: dict[str, tuple[int, int, bool, int, float | None]] = {}
         self._seen_pref: object = _UNSEEN
         self._mode = PushMode(mode)
         self._max_outstanding = max_outstanding
@@ -227,9 +243,10 @@ class Dispatcher:
     def _changed(self, *, availability: bool = False) -> None:
         """Something broad changed: every memo goes."""
         self._gen += 1
+        self._stir += 1
         self._by_target.clear()
         self._by_key.clear()
-        self._blocked.clear()
+        self._by_pref.clear()
         self._entries = 0
         if availability:
             self._dirty.update(self.targets)
@@ -400,13 +417,20 @@ class Dispatcher:
     def _watcher(self, tid: str) -> Callable[[], None]:
         """The replica's ``on_change``: its availability is recomputed at the next pump,
         and requests whose decision read its load are evaluated again."""
-        by_target = self._by_target
+        by_target, by_pref = self._by_target, self._by_pref
 
         def changed() -> None:
             self._dirty.add(tid)
             entries = by_target.pop(tid, None)
             if entries:
+                self._stir += 1
                 _drop(entries)
+            held = by_pref.pop(tid, None)
+            if held:
+                self._stir += 1
+                for ticket, memo in held:
+                    if ticket.memo is memo:
+                        memo.suspect = True
 
         return changed
 
@@ -449,6 +473,7 @@ class Dispatcher:
             q.append(ticket)
         ticket.queued = True
         self.queued += 1
+        self._stir += 1
 
     def cancel(self, ticket: Ticket) -> bool:
         """Take a still-queued ticket out (timeout, client gone). False if not queued."""
@@ -457,6 +482,7 @@ class Dispatcher:
         self.queues[ticket.route.model].remove(ticket)
         ticket.queued = False
         self.queued -= 1
+        self._stir += 1
         return True
 
     def serves_beyond(self, model: str, excluded: set[str]) -> bool:
@@ -492,7 +518,7 @@ class Dispatcher:
             return
         codes, pqs, targets = self._codes, self._pq, self.targets
         mode, cap, n = self._mode, self._max_outstanding, self._balancers
-        changed = up = False
+        changed = False
         for tid in dirty:
             t = targets.get(tid)
             if t is None:
@@ -504,13 +530,10 @@ class Dispatcher:
             if code != old or pq != old_pq:
                 codes[tid], pqs[tid] = code, pq
                 changed = True
-                up = up or code > old or (pq and not old_pq)
         dirty.clear()
         if changed:
             self._views.clear()
-        if up and self._blocked:  # a replica may take what it could not
-            _drop(self._blocked)
-            self._blocked.clear()
+            self._stir += 1
 
     def _view(self, model: str) -> _ModelView:
         v = self._views.get(model)
@@ -525,7 +548,8 @@ class Dispatcher:
             serving=tuple(t.id for t in routable),
             ready=tuple(t.id for t in routable if codes[t.id] == AVAILABLE),
             tokens=tokens, plain=timeless and not tokens, timeless=timeless,
-            prefer_on=any(pqs[t.id] for t in routable))
+            prefer_on=any(pqs[t.id] for t in routable),
+            avail=frozenset(t.id for t in routable if codes[t.id]))
         self._views[model] = v
         return v
 
@@ -614,15 +638,25 @@ class Dispatcher:
         memo_ok = self._memo_ok and view.timeless and not self.forwarding
         epoch = policy.memo_epoch() if memo_ok else 0
         gen, hold_s = self._gen, self._hold_s
+        model = q[0].route.model
+        if memo_ok:
+            quiet = self._quiet.get(model)
+            if quiet is not None and quiet[:4] == (self._stir, len(q), holds, epoch) and (
+                    quiet[4] is None or now - quiet[4] < hold_s):
+                return None
+        any_avail = bool(view.ready or view.tokens)
         for i in range(depth):
             ticket = q[i]
             m = ticket.memo
             if m is not None and memo_ok and m.gen == gen and m.epoch == epoch \
-                    and m.holds == holds \
-                    and (m.held_since is None or now - m.held_since < hold_s):
+                    and m.holds == holds and (
+                        now - m.held_since < hold_s if m.held_since is not None
+                        else (not any_avail or view.avail <= m.avail)
+                        and (m.prefer_on or not view.prefer_on)) \
+                    and (not m.suspect or self._still_held(ticket, m, view)):
                 if hold:
                     continue
-                return None
+                break
             draws = policy.draws
             watch: list[str] = []
             keys: list[int | None] = []
@@ -651,7 +685,7 @@ class Dispatcher:
                         return i, ticket, peer, True
                 if memo_ok:
                     watch.extend(view.tokens)  # whether they take it depends on their load
-                    self._remember(ticket, draws, epoch, holds, None, watch, keys)
+                    self._remember(ticket, draws, epoch, holds, None, watch, keys, view)
                 if hold:
                     continue
                 return None
@@ -676,29 +710,60 @@ class Dispatcher:
                             # losing every candidate changes which of them is made.
                             watch.extend(cands)
                         self._remember(ticket, draws, epoch, holds, ticket.held_since,
-                                       watch, keys)
+                                       watch, keys, view, pref)
                     continue
             target = policy.select(route, cands, self)
             if target is not None:
                 return i, ticket, target, False
+        if memo_ok:
+            memos = [q[i].memo for i in range(depth)]
+            if None not in memos:  # every request remembered: quiet until stirred
+                held = [m.held_since for m in memos if m is not None and m.held_since is not None]
+                self._quiet[model] = (self._stir, len(q), holds, epoch,
+                                      min(held) if held else None)
         return None
 
+    def _still_held(self, ticket: Ticket, m: _Memo, view: _ModelView) -> bool:
+        """A hold whose preferred replica's load changed: it stands while that replica
+        still cannot take the request (as ``_candidates`` would judge it); then it is
+        watched again. The policy's answer read no load, so it is the same."""
+        pref = m.pref or ""
+        t = self.targets.get(pref)
+        if t is None or not t.healthy or pref in ticket.excluded:
+            return False
+        code, load, route = self._codes.get(pref, 0), t.load, ticket.route
+        if code == AVAILABLE or (code == IF_TOKENS_FIT and fits_tokens(
+                load, self._kv_headroom, route.prompt_len)):
+            return False
+        if self._mode is PushMode.SP_P and view.prefer_on and takes_preferred(
+                load, self.prefer_queue_of(load), self._kv_headroom, route.prompt_len):
+            return False
+        m.suspect = False
+        self._by_pref.setdefault(pref, []).append((ticket, m))
+        return True
+
     def _remember(self, ticket: Ticket, draws: int, epoch: int, holds: bool,
-                  held_since: float | None, watch: list[str], keys: list[int | None]
-                  ) -> None:
+                  held_since: float | None, watch: list[str], keys: list[int | None],
+                  view: _ModelView, pref: str | None = None) -> None:
         """Keep ``ticket``'s evaluation, indexed by what may change it: the loads of
         ``watch`` (``on_change``), an insert of one of ``keys`` into the policy's state
-        (``_inserted``) and, without a candidate, any replica becoming more available
-        (``_refresh``). Not when it drew from the policy's RNG: a repeat might draw
+        (``_inserted``); without a candidate, it also lapses when another replica is
+        available at a pump (``_pick``). Not when it drew from the policy's RNG: a repeat might draw
         differently, and skipping it would shift every later draw."""
         if self._policy.draws != draws:
             ticket.memo = None
             return
         if self._entries > _MAX_MEMO_ENTRIES:  # stale entries pile up: start afresh
             self._changed()
-        m = ticket.memo = _Memo(self._gen, epoch, holds, held_since)
+        if held_since is None:
+            m = ticket.memo = _Memo(self._gen, epoch, holds, None, view.avail, view.prefer_on)
+        else:
+            m = ticket.memo = _Memo(self._gen, epoch, holds, held_since)
         entry = (ticket, m)
         by_target, by_key = self._by_target, self._by_key
+        if pref is not None and all(t == pref for t in watch):
+            m.pref, watch = pref, []
+            self._by_pref.setdefault(pref, []).append(entry)
         for tid in watch:
             lst = by_target.get(tid)
             if lst is None:
@@ -712,8 +777,6 @@ class Dispatcher:
                     by_key[key] = [entry]
                 else:
                     lst2.append(entry)
-        if held_since is None:
-            self._blocked.append(entry)
         self._entries += len(watch) + len(keys) + 1
 
     def _balanced_peer(self, ticket: Ticket) -> str | None:
@@ -779,6 +842,7 @@ class Dispatcher:
         by_key = self._by_key
         if keys and by_key:
             for key in by_key.keys() & keys:
+                self._stir += 1
                 _drop(by_key.pop(key))
 
     # -- outcomes ------------------------------------------------------------------------

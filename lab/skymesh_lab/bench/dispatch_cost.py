@@ -7,11 +7,13 @@ What is measured
     the first byte and a pump, the completion, the cached keys of prompt + output and a
     pump; every 50 ms each replica's probe and a pump. Only those calls are timed
     (``time.thread_time_ns`` around each: CPU, not wall time, so the other sessions on a
-    shared machine cost little accuracy); the stub replicas and the clients are not.
+    shared machine cost little accuracy; the clock's own cost, measured on a call that
+    does nothing, is taken off each); the stub replicas and the clients are not.
 
 Workload
     Tree-of-thoughts-like, shared prefixes: ``--clients`` closed-loop clients (default 96)
-    each walk a tree of 13 nodes (branching 3, depth 3); a node's prompt is one of 8
+    each walk a tree of 13 nodes (branching 3, depth 3) one request at a time, a parent
+    before its children; a node's prompt is one of 8
     system prompts (1,600 characters), the tree's question (300) and, for a child, its
     parent's prompt and answer (400) and a step line. 8 replicas of 8 slots each (sp-p's
     ``max_num_seqs``, with ``prefer_queue`` 3), so at 96 clients a queue stands at the
@@ -62,6 +64,7 @@ cached_keys = getattr(_keys, "cached_keys", None)
 
 MODES: tuple[tuple[str, str], ...] = (
     ("round-robin", "bp"), ("prefix-tree", "sp-p"), ("least-load", "sp-p"))
+MODE_NAMES = tuple(f"{p}+{m}" for p, m in MODES)
 REPLICAS = 8
 SEQS = 8
 PREFER_QUEUE = 3
@@ -113,6 +116,7 @@ class Bench:
         self.seq = 0
         self.now = 0.0
         self.cpu_ns = 0
+        self.sections = 0
         self.completed = 0
         self.digest = hashlib.sha256()
         self.requests = 0
@@ -122,6 +126,7 @@ class Bench:
         t0 = time.thread_time_ns()
         out = fn(*args, **kw)
         self.cpu_ns += time.thread_time_ns() - t0
+        self.sections += 1
         return out
 
     def at(self, t: float, kind: str, data: Any) -> None:
@@ -221,8 +226,32 @@ class Bench:
                     self._admit(rep, rep.waiting.pop(0))
                 self.completed += 1
                 self._issue(ci)
-        return {"us_per_request": self.cpu_ns / 1e3 / self.completed,
+        # The clock's own cost (a system call, about 1 us here) is taken off each section.
+        net = self.cpu_ns - self.sections * timer_overhead_ns()
+        return {"us_per_request": net / 1e3 / self.completed,
                 "requests": self.completed, "digest": self.digest.hexdigest()[:16]}
+
+
+def _noop() -> None:
+    return None
+
+
+def timer_overhead_ns(samples: int = 20_000) -> float:
+    """What ``Bench.timed`` measures around a call that does nothing (median of runs)."""
+    global _OVERHEAD
+    if _OVERHEAD is None:
+        b = Bench.__new__(Bench)
+        runs = []
+        for _ in range(5):
+            b.cpu_ns = b.sections = 0
+            for _ in range(samples // 5):
+                b.timed(_noop)
+            runs.append(b.cpu_ns / b.sections)
+        _OVERHEAD = statistics.median(runs)
+    return _OVERHEAD
+
+
+_OVERHEAD: float | None = None
 
 
 def run_modes(requests: int, clients: int, seed: int) -> dict[str, dict[str, Any]]:
@@ -233,10 +262,12 @@ def run_modes(requests: int, clients: int, seed: int) -> dict[str, dict[str, Any
 
 
 def _worker(args: argparse.Namespace) -> None:
-    print(json.dumps(run_modes(args.requests, args.clients, args.seed)))
+    out: dict[str, Any] = run_modes(args.requests, args.clients, args.seed)
+    out["timer_overhead_ns"] = timer_overhead_ns()
+    print(json.dumps(out))
 
 
-def _spawn(base: str | None, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def _spawn(base: str | None, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ)
     if base is not None:
         env["PYTHONPATH"] = base + os.pathsep + env.get("PYTHONPATH", "")
@@ -245,13 +276,13 @@ def _spawn(base: str | None, args: argparse.Namespace) -> dict[str, dict[str, An
            "--seed", str(args.seed)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True,
                          cwd=base or None)
-    out: dict[str, dict[str, Any]] = json.loads(res.stdout)
+    out: dict[str, Any] = json.loads(res.stdout)
     return out
 
 
-def summarise(runs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     modes: dict[str, Any] = {}
-    for name in runs[0]:
+    for name in MODE_NAMES:
         vals = [r[name]["us_per_request"] for r in runs]
         modes[name] = {"us_per_request": round(statistics.median(vals), 1),
                        "min": round(min(vals), 1), "max": round(max(vals), 1),
@@ -259,6 +290,8 @@ def summarise(runs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
                        "digests_agree": len({r[name]["digest"] for r in runs}) == 1}
     rr = modes["round-robin+bp"]["us_per_request"]
     return {"modes": modes,
+            "timer_overhead_ns": round(statistics.median(
+                r["timer_overhead_ns"] for r in runs)),
             "default_over_round_robin": round(modes["prefix-tree+sp-p"]["us_per_request"]
                                               / rr, 2)}
 
@@ -291,8 +324,8 @@ def _checkout(base: str, tmp: str) -> str:
 
 
 def _measure(args: argparse.Namespace, base_dir: str | None) -> int:
-    cur: list[dict[str, dict[str, Any]]] = []
-    base: list[dict[str, dict[str, Any]]] = []
+    cur: list[dict[str, Any]] = []
+    base: list[dict[str, Any]] = []
     t0 = time.time()
     for _ in range(args.repeat):  # interleaved: the machine's load hits both alike
         cur.append(_spawn(None, args))
