@@ -694,7 +694,8 @@ class Dispatcher:
                           or now - ticket.held_since < self.hold_s):
                 # The same question as candidates' (same targets, nothing changed, no
                 # draw, and memo-safe answers ignore the deadline): its answer stands.
-                pref = self._seen_pref if memo_ok and self._seen_pref is not _UNSEEN \
+                seen = self._seen_pref
+                pref = seen if memo_ok and (seen is None or isinstance(seen, str)) \
                     else policy.preferred(route, view.serving, self)
                 if pref is not None and pref not in cands:
                     # The hold counts from the first time another replica could have

@@ -11,6 +11,7 @@ from typing import Any
 
 DEFAULT = "prefix-tree+sp-p"
 BASELINE = "round-robin+bp"
+ORDER = (BASELINE, DEFAULT, "least-load+sp-p")
 
 
 def _row(name: str, cur: dict[str, Any], base: dict[str, Any] | None,
@@ -31,13 +32,18 @@ def dispatch_cost(doc: dict[str, Any]) -> str:
     out = ["| mode (policy + pushing) | CPU us per request, now [min, max] "
            f"| at `{label}` [min, max] | faster | same decisions |",
            "| --- | ---: | ---: | ---: | :---: |"]
-    for name in cur["modes"]:
+    for name in sorted(cur["modes"], key=lambda n: ORDER.index(n) if n in ORDER else 9):
         out.append(_row(name, cur, base, (doc.get("speedup") or {}).get(name),
                         (doc.get("same_decisions") or {}).get(name)))
+    def extra(d: dict[str, Any]) -> str:
+        m = d["modes"]
+        return f"{m[DEFAULT]['us_per_request'] - m[BASELINE]['us_per_request']:.0f} us"
+
     ratio = (f"The default ({DEFAULT}) costs **{cur['default_over_round_robin']:g}x** "
-             f"{BASELINE} per request now")
+             f"{BASELINE} per request now, {extra(cur)} more")
     if base:
-        ratio += f", {base['default_over_round_robin']:g}x at `{label}`"
+        ratio += (f"; {base['default_over_round_robin']:g}x, {extra(base)} more, at "
+                  f"`{label}`")
     notes = [
         "\n".join(out),
         ratio + " (both measured in the same run). The daemon's own per-request work "
