@@ -35,3 +35,19 @@ def test_cached_keys_reuse_the_prompts_keys_and_only_when_they_are_the_prompts()
     # A policy that reads no keys leaves the route none: the whole text is hashed.
     assert cached_keys(prompt + reply, prompt, ()) == text_prefix_keys(prompt + reply)
     assert len(keys) == len(prompt) // CHUNK_CHARS
+
+
+@settings(max_examples=100, deadline=None)
+@given(text, st.sampled_from([1, 2, 7, 64]))
+def test_short_texts_key_as_the_vectorised_path_does(s: str, chunk: int) -> None:
+    """A few chunks are hashed with plain integers (numpy's fixed cost dominates there):
+    the same keys as the vectorised path, which is the one before it."""
+    from skymesh.prefix import keys as k
+
+    fast = text_prefix_keys(s, chunk)
+    small = k._SMALL
+    k._SMALL = -1
+    try:
+        assert text_prefix_keys(s, chunk) == fast
+    finally:
+        k._SMALL = small
