@@ -135,6 +135,9 @@ class _Memo:
     # (``Dispatcher._still_held``), not the policy.
     pref: str | None = None
     suspect: bool = False
+    # No candidate, and the policy's answer read no load but its own preferred replica's:
+    # the replicas whose change needs a recheck (``Dispatcher._still_blocked``).
+    recheck: tuple[str, ...] = ()
 
 
 _Entry = tuple[Ticket, _Memo]
@@ -574,7 +577,8 @@ class Dispatcher:
                    and t.breaker.allows(now)]
             pqs = self._pq
             prefer_on = any(pqs[t.id] for t in routable)
-            usable = None
+            # Every breaker closed and nothing excluded: every routable target is usable.
+            usable = view.serving if view.timeless and not excluded else None
         if self._mode is PushMode.SP_P and route.prefix_keys and self._names_preferred \
                 and prefer_on:
             if usable is None:
@@ -653,7 +657,9 @@ class Dispatcher:
                         now - m.held_since < hold_s if m.held_since is not None
                         else (not any_avail or view.avail <= m.avail)
                         and (m.prefer_on or not view.prefer_on)) \
-                    and (not m.suspect or self._still_held(ticket, m, view)):
+                    and (not m.suspect or (self._still_held(ticket, m, view)
+                                           if m.held_since is not None
+                                           else self._still_blocked(ticket, m, view))):
                 if hold:
                     continue
                 break
@@ -684,8 +690,18 @@ class Dispatcher:
                     if peer is not None:
                         return i, ticket, peer, True
                 if memo_ok:
-                    watch.extend(view.tokens)  # whether they take it depends on their load
-                    self._remember(ticket, draws, epoch, holds, None, watch, keys, view)
+                    seen = self._seen_pref
+                    pref = seen if isinstance(seen, str) else None
+                    if not ticket.excluded and (seen is not _UNSEEN or not watch) \
+                            and all(t == pref for t in watch):
+                        # The policy read no load but its own answer's: a change of the
+                        # replicas that might take the request needs a recheck of them
+                        # (``_still_blocked``), not the policy.
+                        self._remember(ticket, draws, epoch, holds, None, [], keys, view,
+                                       pref, recheck=(*view.tokens, *watch))
+                    else:
+                        watch.extend(view.tokens)  # whether they take it: their load
+                        self._remember(ticket, draws, epoch, holds, None, watch, keys, view)
                 if hold:
                     continue
                 return None
@@ -743,9 +759,35 @@ class Dispatcher:
         self._by_pref.setdefault(pref, []).append((ticket, m))
         return True
 
+    def _still_blocked(self, ticket: Ticket, m: _Memo, view: _ModelView) -> bool:
+        """A request without a candidate, after a change of a replica it watches: it
+        stays without one while no replica is available to it (as ``_candidates``
+        judges it) and its preferred replica, if any, cannot take it; then it is watched
+        again. The policy's answer read no load that changed, so it is the same."""
+        if not m.recheck:
+            return False
+        codes, room, tokens = self._codes, self._kv_headroom, ticket.route.prompt_len
+        for t in view.routable:
+            c = codes[t.id]
+            if c == AVAILABLE or (c == IF_TOKENS_FIT and fits_tokens(t.load, room, tokens)):
+                return False
+        if m.pref is not None:
+            home = self.targets.get(m.pref)
+            if home is None or not home.healthy:
+                return False
+            if self._mode is PushMode.SP_P and view.prefer_on and takes_preferred(
+                    home.load, self.prefer_queue_of(home.load), room, tokens):
+                return False
+        m.suspect = False
+        entry = (ticket, m)
+        for tid in m.recheck:
+            self._by_pref.setdefault(tid, []).append(entry)
+        return True
+
     def _remember(self, ticket: Ticket, draws: int, epoch: int, holds: bool,
                   held_since: float | None, watch: list[str], keys: list[int | None],
-                  view: _ModelView, pref: str | None = None) -> None:
+                  view: _ModelView, pref: str | None = None,
+                  recheck: tuple[str, ...] | None = None) -> None:
         """Keep ``ticket``'s evaluation, indexed by what may change it: the loads of
         ``watch`` (``on_change``), an insert of one of ``keys`` into the policy's state
         (``_inserted``); without a candidate, it also lapses when another replica is
@@ -762,7 +804,11 @@ class Dispatcher:
             m = ticket.memo = _Memo(self._gen, epoch, holds, held_since)
         entry = (ticket, m)
         by_target, by_key = self._by_target, self._by_key
-        if pref is not None and all(t == pref for t in watch):
+        if recheck is not None:  # no candidate; the policy read no other load
+            m.pref, m.recheck = pref, recheck
+            for tid in recheck:
+                self._by_pref.setdefault(tid, []).append(entry)
+        elif held_since is not None and pref is not None and all(t == pref for t in watch):
             m.pref, watch = pref, []
             self._by_pref.setdefault(pref, []).append(entry)
         for tid in watch:

@@ -244,3 +244,22 @@ def test_a_request_held_for_its_replica_goes_there_once_it_frees() -> None:
     assert d.pump(0.2) == []
     d.first_byte(first)  # started: its replica may take another
     assert [t.target for t in d.pump(0.3)] == [home]
+
+
+def test_a_request_whose_prompt_did_not_fit_goes_once_the_replica_admits_the_last() -> None:
+    """A request without a candidate is remembered, and a replica where it may go if its
+    prompt fits is rechecked when its load changes (not only when its availability
+    rises): the first byte of the request ahead admits it, and this one fits now."""
+    d = Dispatcher(build_policy("least-load", rng=random.Random(1)), PushMode.SP_P,
+                   hold_s=0.0)
+    d.set_targets({"a": ("m",)})
+    d.on_probe("a", 0.0, waiting=0, running=0, kv_usage=0.0, kv_capacity_tokens=100_000)
+    ahead = Ticket(RouteRequest("r0", model="m", prompt_len=1500), 0.0)
+    d.offer(ahead, 0.0)
+    assert [t.target for t in d.pump(0.0)] == ["a"]
+    big = Ticket(RouteRequest("r1", model="m", prompt_len=1000), 0.0)
+    d.offer(big, 0.1)
+    assert d.pump(0.1) == []  # 1,500 + 1,000 tokens exceed one scheduler step
+    assert d.pump(0.2) == []
+    d.first_byte(ahead)
+    assert [t.target for t in d.pump(0.3)] == ["a"]
