@@ -30,21 +30,24 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from skymesh.balancer.breaker import Breaker
+from skymesh.balancer.breaker import Breaker, BreakerState
 from skymesh.balancer.errors import Overloaded
 from skymesh.mesh.outlook import PeerOutlook
 from skymesh.policies.base import Policy, RouteRequest
 from skymesh.policies.load import (
+    AVAILABLE,
     DEFAULT_KV_HEADROOM,
     DEFAULT_MAX_OUTSTANDING,
     DEFAULT_STEP_TOKENS,
+    IF_TOKENS_FIT,
     PushMode,
     ReplicaLoad,
-    is_available,
+    availability,
+    fits_tokens,
     takes_preferred,
 )
 from skymesh.policies.peers import (
@@ -59,6 +62,18 @@ from skymesh.policies.peers import (
 )
 
 _ids = itertools.count()
+# Index entries of remembered evaluations before they are all dropped (stale entries, of
+# tickets evaluated again or gone, leave the indexes only when their event comes).
+_MAX_MEMO_ENTRIES = 1 << 16
+
+
+_UNSEEN = object()
+
+
+def _drop(entries: list[_Entry]) -> None:
+    for ticket, memo in entries:
+        if ticket.memo is memo:
+            ticket.memo = None
 # How long a request may wait for the replica its policy prefers (the one holding its
 # prefix) while another could take it. Measured in the simulator (tot-gsm8k, 4 x L4,
 # prefix-tree, SP-P): 0 s loses locality under load (hit rate 52%, 8.6 req/s at 120
@@ -85,6 +100,9 @@ class Ticket:
     # always sees the budget from dispatch (GoodServe's D_r), net of the time spent queued
     # here or on a failed attempt.
     deadline_from: float | None = None
+    # The dispatcher's record of this ticket's last evaluation that dispatched nothing,
+    # while its inputs stay unchanged (``Dispatcher._pick``); None: none.
+    memo: _Memo | None = field(default=None, repr=False)
 
     def route_at(self, now: float) -> RouteRequest:
         """The route with what is left of its deadline at ``now``."""
@@ -93,6 +111,52 @@ class Ticket:
         if d is None or now <= start:
             return self.route
         return replace(self.route, deadline_s=d - (now - start))
+
+
+@dataclass(slots=True)
+class _Memo:
+    """A queued ticket's evaluation that dispatched nothing. The events that could change
+    it drop it (``Dispatcher._remember`` says which); what is left to check when it is
+    used: the generation, the policy's epoch, whether holds were allowed, and the end of
+    a hold for the preferred replica."""
+
+    gen: int
+    epoch: int
+    holds: bool
+    held_since: float | None  # None: it had no candidate
+    # Without a candidate: the replicas then available (or if the prompt fits) and
+    # whether some had a queue for their prefix. It stays without one while no other
+    # replica is available and none has gained such a queue: a replica that frees and
+    # fills again between two pumps costs the queue no new evaluations.
+    avail: frozenset[str] = frozenset()
+    prefer_on: bool = True
+    # A hold whose policy answer read no load (one replica holds the prefix): when that
+    # replica's load changes, only whether it can take the request now needs a look
+    # (``Dispatcher._still_held``), not the policy.
+    pref: str | None = None
+    suspect: bool = False
+    # No candidate, and the policy's answer read no load but its own preferred replica's:
+    # the replicas whose change needs a recheck (``Dispatcher._still_blocked``).
+    recheck: tuple[str, ...] = ()
+
+
+_Entry = tuple[Ticket, _Memo]
+
+
+@dataclass(slots=True)
+class _ModelView:
+    """One model's replicas as ``candidates`` sees them, rebuilt when a replica's
+    availability, health, breaker or membership changes (never per request)."""
+
+    gen: int
+    routable: tuple[Target, ...]  # healthy, serving the model, in membership order
+    serving: tuple[str, ...]  # their ids
+    ready: tuple[str, ...]  # AVAILABLE with a closed breaker
+    tokens: tuple[str, ...]  # IF_TOKENS_FIT: available if the request's prompt fits
+    plain: bool  # every breaker closed and nothing IF_TOKENS_FIT: ``ready`` is the answer
+    timeless: bool  # every breaker closed: nothing depends on the clock
+    prefer_on: bool  # some replica has a queue for requests holding their prefix
+    avail: frozenset[str]  # ready and tokens
 
 
 @dataclass(slots=True)
@@ -126,25 +190,46 @@ class Dispatcher:
         prefer_queue: int = 0,
         hold_queue_max: int | None = None,
     ) -> None:
+        # Incremental state, so a pump does not rescan every replica for every queued
+        # request: each replica's availability (``policies.load.availability``) is
+        # recomputed only after its load changed (``ReplicaLoad.on_change``), each
+        # model's candidates only after an availability did (``_ModelView``), and a
+        # queued request is evaluated again only when something it depended on changed
+        # (``_Memo``): the events that can change an evaluation drop the memos that
+        # depend on them through the indexes below. ``_gen`` bumps on anything broad
+        # (membership, health, breakers, settings, the policy), dropping every memo.
+        self.targets: dict[str, Target] = {}
+        self._gen = 0
+        self._codes: dict[str, int] = {}
+        self._pq: dict[str, bool] = {}
+        self._dirty: set[str] = set()
+        self._views: dict[str, _ModelView] = {}
+        self._by_target: dict[str, list[_Entry]] = {}  # memos that read a replica's load
+        self._by_key: dict[int, list[_Entry]] = {}  # memos an insert of the key may change
+        self._by_pref: dict[str, list[_Entry]] = {}  # holds for a replica (_Memo.pref)
+        self._entries = 0  # index entries since the last reset (a bound on memory)
+        # Bumped by whatever may end a memo or change a queue: a queue whose last pick
+        # found every request remembered, with nothing stirred since, is passed at once.
+        self._stir = 0
+        self._quiet: dict[str, tuple[int, int, bool, int, float | None]] = {}
+        self._seen_pref: object = _UNSEEN
+        self._mode = PushMode(mode)
+        self._max_outstanding = max_outstanding
+        self._balancers = balancers_per_region
+        self._kv_headroom = kv_headroom
+        self._prefer_queue = prefer_queue
+        self._policy = policy
         self.policy = policy
         # sp-p's queue for the replica holding the prefix (policies.load, takes_preferred)
         # for targets without their own (``ReplicaLoad.prefer_queue``), and the queue
         # length above which nothing is held for its preferred replica (a tree that
         # outgrows its replica spills at once instead of blocking the window).
-        self.prefer_queue = prefer_queue
         self.hold_queue_max = hold_queue_max
-        self.mode = mode
-        # Balancers pushing to the same replicas, this one included: sp-p's n x margin
-        # (skymesh.policies.load). Set from the config, or from the controller's membership.
-        self.balancers_per_region = balancers_per_region
-        self.max_outstanding = max_outstanding
-        self.kv_headroom = kv_headroom
         self.step_tokens = step_tokens
         self.window = window
         self.hold_s = hold_s
         self.max_queue = max_queue
         self._breaker_args = (breaker_threshold, breaker_open_s)
-        self.targets: dict[str, Target] = {}
         self._loads: dict[str, ReplicaLoad | PeerLoad] = {}
         self.peer_policy = peer_policy
         self.tau = tau
@@ -157,6 +242,33 @@ class Dispatcher:
         self.queued = 0
         self.now = 0.0  # the LoadView clock, set by every pump
 
+    # -- settings (each change drops what was derived from the old value) --------------
+    def _changed(self, *, availability: bool = False) -> None:
+        """Something broad changed: every memo goes."""
+        self._gen += 1
+        self._stir += 1
+        self._by_target.clear()
+        self._by_key.clear()
+        self._by_pref.clear()
+        self._entries = 0
+        if availability:
+            self._dirty.update(self.targets)
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @policy.setter
+    def policy(self, value: Policy) -> None:
+        self._policy = value
+        # Only policies that override ``preferred`` name a replica holding the prefix, so
+        # only they can hold a request or use a replica's prefer_queue: skip asking the
+        # others on every pump (the request path).
+        self._names_preferred = type(value).preferred is not Policy.preferred
+        self._memo_ok = not self._names_preferred or type(value).memo_preferred
+        self._prefers = getattr(self, "_hold_s", 0.0) > 0 and self._names_preferred
+        self._changed()
+
     @property
     def hold_s(self) -> float:
         return self._hold_s
@@ -164,11 +276,56 @@ class Dispatcher:
     @hold_s.setter
     def hold_s(self, value: float) -> None:
         self._hold_s = value
-        # Only policies that override ``preferred`` name a replica holding the prefix, so
-        # only they can hold a request or use a replica's prefer_queue: skip asking the
-        # others on every pump (the request path). Set again when the policy changes.
-        self._names_preferred = type(self.policy).preferred is not Policy.preferred
         self._prefers = value > 0 and self._names_preferred
+        self._changed()
+
+    @property
+    def mode(self) -> PushMode:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: PushMode | str) -> None:
+        self._mode = PushMode(value)
+        self._changed(availability=True)
+
+    @property
+    def max_outstanding(self) -> int:
+        return self._max_outstanding
+
+    @max_outstanding.setter
+    def max_outstanding(self, value: int) -> None:
+        self._max_outstanding = value
+        self._changed(availability=True)
+
+    @property
+    def balancers_per_region(self) -> int:
+        """Balancers pushing to the same replicas, this one included: sp-p's n x margin
+        (skymesh.policies.load). Set from the config, or from the controller's
+        membership."""
+        return self._balancers
+
+    @balancers_per_region.setter
+    def balancers_per_region(self, value: int) -> None:
+        self._balancers = value
+        self._changed(availability=True)
+
+    @property
+    def kv_headroom(self) -> float:
+        return self._kv_headroom
+
+    @kv_headroom.setter
+    def kv_headroom(self, value: float) -> None:
+        self._kv_headroom = value
+        self._changed()
+
+    @property
+    def prefer_queue(self) -> int:
+        return self._prefer_queue
+
+    @prefer_queue.setter
+    def prefer_queue(self, value: int) -> None:
+        self._prefer_queue = value
+        self._changed(availability=True)
 
     # -- LoadView ------------------------------------------------------------------------
     def load(self, target: str) -> ReplicaLoad | PeerLoad:
@@ -194,6 +351,7 @@ class Dispatcher:
     def set_peers(self, peer_ids: Iterable[str]) -> None:
         """Replace the peer set; state survives for peers that stay."""
         self.peers = {p: self.peers.get(p) or PeerLoad(p) for p in peer_ids}
+        self._changed()
         self._index_loads()
         if self.peer_policy is not None:
             self.peer_policy.on_membership(sorted(self.peers))
@@ -247,17 +405,48 @@ class Dispatcher:
                 th, op = self._breaker_args
                 new[tid] = Target(tid, ReplicaLoad(tid, step_tokens=self.step_tokens),
                                   frozenset(models), breaker=Breaker(th, op))
+                new[tid].load.on_change = self._watcher(tid)
+        for tid, t in self.targets.items():
+            if tid not in new:
+                t.load.on_change = None
+                for d in (self._codes, self._pq):
+                    d.pop(tid, None)
         self.targets = new
+        self._dirty = set(new)
+        self._changed()
         self._index_loads()
         self.policy.on_membership(sorted(new))
+
+    def _watcher(self, tid: str) -> Callable[[], None]:
+        """The replica's ``on_change``: its availability is recomputed at the next pump,
+        and requests whose decision read its load are evaluated again."""
+        by_target, by_pref = self._by_target, self._by_pref
+
+        def changed() -> None:
+            self._dirty.add(tid)
+            entries = by_target.pop(tid, None)
+            if entries:
+                self._stir += 1
+                _drop(entries)
+            held = by_pref.pop(tid, None)
+            if held:
+                self._stir += 1
+                for ticket, memo in held:
+                    if ticket.memo is memo:
+                        memo.suspect = True
+
+        return changed
 
     def set_models(self, target: str, models: Iterable[str]) -> None:
         if target in self.targets:
             self.targets[target].models = frozenset(models)
+            self._changed()
 
     def set_healthy(self, target: str, healthy: bool) -> None:
-        if target in self.targets:
-            self.targets[target].healthy = healthy
+        t = self.targets.get(target)
+        if t is not None and t.healthy != healthy:
+            t.healthy = healthy
+            self._changed()
 
     def models(self) -> set[str]:
         return {m for t in self.targets.values() for m in t.models}
@@ -287,6 +476,7 @@ class Dispatcher:
             q.append(ticket)
         ticket.queued = True
         self.queued += 1
+        self._stir += 1
 
     def cancel(self, ticket: Ticket) -> bool:
         """Take a still-queued ticket out (timeout, client gone). False if not queued."""
@@ -295,6 +485,7 @@ class Dispatcher:
         self.queues[ticket.route.model].remove(ticket)
         ticket.queued = False
         self.queued -= 1
+        self._stir += 1
         return True
 
     def serves_beyond(self, model: str, excluded: set[str]) -> bool:
@@ -319,30 +510,95 @@ class Dispatcher:
 
     # -- dispatch ------------------------------------------------------------------------
     def candidates(self, ticket: Ticket, now: float) -> list[str]:
-        model = ticket.route.model
-        mode, cap, room = self.mode, self.max_outstanding, self.kv_headroom
-        tokens, n = ticket.route.prompt_len, self.balancers_per_region
-        routable = [(tid, t) for tid, t in self.targets.items()
-                    if model in t.models and t.healthy and tid not in ticket.excluded]
-        out = [tid for tid, t in routable
-               if is_available(t.load, mode, cap, room, tokens, n) and t.breaker.allows(now)]
-        if mode is PushMode.SP_P and ticket.route.prefix_keys and self._prefer_queue_on(routable):
-            usable = [tid for tid, t in routable if t.breaker.allows(now)]
-            pref = self.policy.preferred(ticket.route, usable, self)
+        """The targets that may take ``ticket`` now (see the module docstring)."""
+        self._refresh()
+        return list(self._candidates(ticket, now, self._view(ticket.route.model)))
+
+    def _refresh(self) -> None:
+        """Recompute the availability of the replicas whose load changed."""
+        dirty = self._dirty
+        if not dirty:
+            return
+        codes, pqs, targets = self._codes, self._pq, self.targets
+        mode, cap, n = self._mode, self._max_outstanding, self._balancers
+        changed = False
+        for tid in dirty:
+            t = targets.get(tid)
+            if t is None:
+                continue
+            code = availability(t.load, mode, cap, n)
+            pq = self.prefer_queue_of(t.load) > 0
+            old = codes.get(tid, -1)
+            old_pq = pqs.get(tid, False)
+            if code != old or pq != old_pq:
+                codes[tid], pqs[tid] = code, pq
+                changed = True
+        dirty.clear()
+        if changed:
+            self._views.clear()
+            self._stir += 1
+
+    def _view(self, model: str) -> _ModelView:
+        v = self._views.get(model)
+        if v is not None and v.gen == self._gen:
+            return v
+        codes, pqs = self._codes, self._pq
+        routable = tuple(t for t in self.targets.values() if model in t.models and t.healthy)
+        timeless = all(t.breaker.state is BreakerState.CLOSED for t in routable)
+        tokens = tuple(t.id for t in routable if codes[t.id] == IF_TOKENS_FIT)
+        v = _ModelView(
+            gen=self._gen, routable=routable,
+            serving=tuple(t.id for t in routable),
+            ready=tuple(t.id for t in routable if codes[t.id] == AVAILABLE),
+            tokens=tokens, plain=timeless and not tokens, timeless=timeless,
+            prefer_on=any(pqs[t.id] for t in routable),
+            avail=frozenset(t.id for t in routable if codes[t.id]))
+        self._views[model] = v
+        return v
+
+    def _candidates(self, ticket: Ticket, now: float, view: _ModelView) -> Sequence[str]:
+        route = ticket.route
+        excluded = ticket.excluded
+        out: Sequence[str]
+        usable: Sequence[str] | None
+        if view.plain and not excluded:
+            # Every breaker closed (allows() is True and changes nothing) and no replica
+            # whose answer depends on the prompt: the view's list is the answer.
+            out, usable, prefer_on = view.ready, view.serving, view.prefer_on
+            routable: Sequence[Target] = view.routable
+        else:
+            routable = view.routable
+            if excluded:
+                routable = [t for t in routable if t.id not in excluded]
+            codes, room, tokens = self._codes, self._kv_headroom, route.prompt_len
+            out = [t.id for t in routable
+                   if ((c := codes[t.id]) == AVAILABLE
+                       or (c == IF_TOKENS_FIT and fits_tokens(t.load, room, tokens)))
+                   and t.breaker.allows(now)]
+            pqs = self._pq
+            prefer_on = any(pqs[t.id] for t in routable)
+            # Every breaker closed and nothing excluded: every routable target is usable.
+            usable = view.serving if view.timeless and not excluded else None
+        if self._mode is PushMode.SP_P and route.prefix_keys and self._names_preferred \
+                and prefer_on:
+            if usable is None:
+                usable = [t.id for t in routable if t.breaker.allows(now)]
+            policy = self._policy
+            draws = policy.draws
+            pref = policy.preferred(route, usable, self)
+            if usable is view.serving and policy.draws == draws:
+                self._seen_pref = pref  # what the hold would ask again (``_pick``)
             if pref is not None and pref not in out:
                 load = self.targets[pref].load
-                if takes_preferred(load, self.prefer_queue_of(load), room, tokens):
-                    out.append(pref)
+                if takes_preferred(load, self.prefer_queue_of(load), self._kv_headroom,
+                                   route.prompt_len):
+                    out = [*out, pref]
         return out
 
     def prefer_queue_of(self, load: ReplicaLoad) -> int:
         """The replica's queue for requests holding their prefix there: its own, else this
         dispatcher's."""
-        return self.prefer_queue if load.prefer_queue is None else load.prefer_queue
-
-    def _prefer_queue_on(self, routable: list[tuple[str, Target]]) -> bool:
-        return self._names_preferred and any(
-            self.prefer_queue_of(t.load) > 0 for _, t in routable)
+        return self._prefer_queue if load.prefer_queue is None else load.prefer_queue
 
     def pump(self, now: float) -> list[Ticket]:
         """Dispatch what can go now; returns the dispatched tickets.
@@ -362,6 +618,7 @@ class Dispatcher:
                 i, ticket, target, to_peer = picked
                 del q[i]
                 ticket.queued = False
+                ticket.memo = None
                 self.queued -= 1
                 if to_peer:
                     self._assign_peer(ticket, target, now)
@@ -371,15 +628,55 @@ class Dispatcher:
         return out
 
     def _pick(self, q: deque[Ticket], now: float) -> tuple[int, Ticket, str, bool] | None:
-        depth = min(len(q), self.window) if self._hold_s > 0 else 1
+        self._refresh()
+        hold = self._hold_s > 0
+        depth = min(len(q), self.window) if hold else 1
         balanced = self.forwarding_rule is ForwardingRule.BALANCED and self.forwarding
+        holds = self._prefers and (self.hold_queue_max is None
+                                   or len(q) <= self.hold_queue_max)
+        policy = self._policy
+        view = self._view(q[0].route.model)
+        # Evaluations are remembered only where nothing but the inputs a memo watches can
+        # change them: no peers (their state moves with heartbeats and time), no breaker
+        # that the clock may half-open, and a policy whose preferred() is memo-safe.
+        memo_ok = self._memo_ok and view.timeless and not self.forwarding
+        epoch = policy.memo_epoch() if memo_ok else 0
+        gen, hold_s = self._gen, self._hold_s
+        model = q[0].route.model
+        if memo_ok:
+            quiet = self._quiet.get(model)
+            if quiet is not None and quiet[:4] == (self._stir, len(q), holds, epoch) and (
+                    quiet[4] is None or now - quiet[4] < hold_s):
+                return None
+        any_avail = bool(view.ready or view.tokens)
         for i in range(depth):
             ticket = q[i]
+            m = ticket.memo
+            if m is not None and memo_ok and m.gen == gen and m.epoch == epoch \
+                    and m.holds == holds and (
+                        now - m.held_since < hold_s if m.held_since is not None
+                        else (not any_avail or view.avail <= m.avail)
+                        and (m.prefer_on or not view.prefer_on)) \
+                    and (not m.suspect or (self._still_held(ticket, m, view)
+                                           if m.held_since is not None
+                                           else self._still_blocked(ticket, m, view))):
+                if hold:
+                    continue
+                break
+            draws = policy.draws
+            watch: list[str] = []
+            keys: list[int | None] = []
             if balanced:
                 peer = self._balanced_peer(ticket)
                 if peer is not None:
                     return i, ticket, peer, True
-            cands = self.candidates(ticket, now)
+            if memo_ok:  # what a preferred() call inside leaves, if one is made
+                policy.considered, policy.memo_key = (), None
+            self._seen_pref = _UNSEEN
+            cands = self._candidates(ticket, now, view)
+            if memo_ok:
+                watch.extend(policy.considered)
+                keys.append(policy.memo_key)
             if not cands:
                 # SkyLB Algorithm 1: no local replica can take it now -> an available peer.
                 peers = self.peer_candidates(ticket)
@@ -392,27 +689,142 @@ class Dispatcher:
                     peer = self.peer_policy.select(ticket.route, peers, self)
                     if peer is not None:
                         return i, ticket, peer, True
-                if self._hold_s > 0:
+                if memo_ok:
+                    seen = self._seen_pref
+                    pref = seen if isinstance(seen, str) else None
+                    if not ticket.excluded and (seen is not _UNSEEN or not watch) \
+                            and all(t == pref for t in watch):
+                        # The policy read no load but its own answer's: a change of the
+                        # replicas that might take the request needs a recheck of them
+                        # (``_still_blocked``), not the policy.
+                        self._remember(ticket, draws, epoch, holds, None, [], keys, view,
+                                       pref, recheck=(*view.tokens, *watch))
+                    else:
+                        watch.extend(view.tokens)  # whether they take it: their load
+                        self._remember(ticket, draws, epoch, holds, None, watch, keys, view)
+                if hold:
                     continue
                 return None
             route = ticket.route_at(now)
-            holds = self._prefers and (self.hold_queue_max is None
-                                       or len(q) <= self.hold_queue_max)
             if holds and (ticket.held_since is None
                           or now - ticket.held_since < self.hold_s):
-                serving = [tid for tid, t in self.targets.items()
-                           if route.model in t.models and t.healthy]
-                pref = self.policy.preferred(route, serving, self)
+                # The same question as candidates' (same targets, nothing changed, no
+                # draw, and memo-safe answers ignore the deadline): its answer stands.
+                seen = self._seen_pref
+                pref = seen if memo_ok and (seen is None or isinstance(seen, str)) \
+                    else policy.preferred(route, view.serving, self)
                 if pref is not None and pref not in cands:
                     # The hold counts from the first time another replica could have
                     # taken it: it bounds the delay locality adds, not the queueing.
                     if ticket.held_since is None:
                         ticket.held_since = now
+                    if memo_ok:
+                        watch.extend(policy.considered)
+                        keys.append(policy.memo_key)
+                        watch.append(pref)
+                        if ticket.excluded:
+                            # Then the two preferred() calls see different targets, and
+                            # losing every candidate changes which of them is made.
+                            watch.extend(cands)
+                        self._remember(ticket, draws, epoch, holds, ticket.held_since,
+                                       watch, keys, view, pref)
                     continue
-            target = self.policy.select(route, cands, self)
+            target = policy.select(route, cands, self)
             if target is not None:
                 return i, ticket, target, False
+        if memo_ok:
+            memos = [q[i].memo for i in range(depth)]
+            if None not in memos:  # every request remembered: quiet until stirred
+                held = [m.held_since for m in memos if m is not None and m.held_since is not None]
+                self._quiet[model] = (self._stir, len(q), holds, epoch,
+                                      min(held) if held else None)
         return None
+
+    def _still_held(self, ticket: Ticket, m: _Memo, view: _ModelView) -> bool:
+        """A hold whose preferred replica's load changed: it stands while that replica
+        still cannot take the request (as ``_candidates`` would judge it); then it is
+        watched again. The policy's answer read no load, so it is the same."""
+        pref = m.pref or ""
+        t = self.targets.get(pref)
+        if t is None or not t.healthy or pref in ticket.excluded:
+            return False
+        code, load, route = self._codes.get(pref, 0), t.load, ticket.route
+        if code == AVAILABLE or (code == IF_TOKENS_FIT and fits_tokens(
+                load, self._kv_headroom, route.prompt_len)):
+            return False
+        if self._mode is PushMode.SP_P and view.prefer_on and takes_preferred(
+                load, self.prefer_queue_of(load), self._kv_headroom, route.prompt_len):
+            return False
+        m.suspect = False
+        self._by_pref.setdefault(pref, []).append((ticket, m))
+        return True
+
+    def _still_blocked(self, ticket: Ticket, m: _Memo, view: _ModelView) -> bool:
+        """A request without a candidate, after a change of a replica it watches: it
+        stays without one while no replica is available to it (as ``_candidates``
+        judges it) and its preferred replica, if any, cannot take it; then it is watched
+        again. The policy's answer read no load that changed, so it is the same."""
+        if not m.recheck:
+            return False
+        codes, room, tokens = self._codes, self._kv_headroom, ticket.route.prompt_len
+        for t in view.routable:
+            c = codes[t.id]
+            if c == AVAILABLE or (c == IF_TOKENS_FIT and fits_tokens(t.load, room, tokens)):
+                return False
+        if m.pref is not None:
+            home = self.targets.get(m.pref)
+            if home is None or not home.healthy:
+                return False
+            if self._mode is PushMode.SP_P and view.prefer_on and takes_preferred(
+                    home.load, self.prefer_queue_of(home.load), room, tokens):
+                return False
+        m.suspect = False
+        entry = (ticket, m)
+        for tid in m.recheck:
+            self._by_pref.setdefault(tid, []).append(entry)
+        return True
+
+    def _remember(self, ticket: Ticket, draws: int, epoch: int, holds: bool,
+                  held_since: float | None, watch: list[str], keys: list[int | None],
+                  view: _ModelView, pref: str | None = None,
+                  recheck: tuple[str, ...] | None = None) -> None:
+        """Keep ``ticket``'s evaluation, indexed by what may change it: the loads of
+        ``watch`` (``on_change``), an insert of one of ``keys`` into the policy's state
+        (``_inserted``); without a candidate, it also lapses when another replica is
+        available at a pump (``_pick``). Not when it drew from the policy's RNG: a repeat might draw
+        differently, and skipping it would shift every later draw."""
+        if self._policy.draws != draws:
+            ticket.memo = None
+            return
+        if self._entries > _MAX_MEMO_ENTRIES:  # stale entries pile up: start afresh
+            self._changed()
+        if held_since is None:
+            m = ticket.memo = _Memo(self._gen, epoch, holds, None, view.avail, view.prefer_on)
+        else:
+            m = ticket.memo = _Memo(self._gen, epoch, holds, held_since)
+        entry = (ticket, m)
+        by_target, by_key = self._by_target, self._by_key
+        if recheck is not None:  # no candidate; the policy read no other load
+            m.pref, m.recheck = pref, recheck
+            for tid in recheck:
+                self._by_pref.setdefault(tid, []).append(entry)
+        elif held_since is not None and pref is not None and all(t == pref for t in watch):
+            m.pref, watch = pref, []
+            self._by_pref.setdefault(pref, []).append(entry)
+        for tid in watch:
+            lst = by_target.get(tid)
+            if lst is None:
+                by_target[tid] = [entry]
+            else:
+                lst.append(entry)
+        for key in keys:
+            if key is not None:
+                lst2 = by_key.get(key)
+                if lst2 is None:
+                    by_key[key] = [entry]
+                else:
+                    lst2.append(entry)
+        self._entries += len(watch) + len(keys) + 1
 
     def _balanced_peer(self, ticket: Ticket) -> str | None:
         """The balanced rule's peer for ``ticket``, or None to go on as SkyLB would."""
@@ -465,8 +877,20 @@ class Dispatcher:
         ticket.target = target
         ticket.attempts += 1
         t.load.on_dispatch(ticket.key, now, ticket.route.prompt_len)
-        t.breaker.on_dispatch()
-        self.policy.on_dispatch(ticket.route, target, self)
+        if t.breaker.state is not BreakerState.CLOSED:
+            t.breaker.on_dispatch()
+            self._changed()
+        self._policy.on_dispatch(ticket.route, target, self)
+        self._inserted(ticket.route.prefix_keys)
+
+    def _inserted(self, keys: Sequence[int]) -> None:
+        """The policy may have recorded ``keys``: a queued request whose policy answer
+        depended on one of them is evaluated again (``Policy.memo_key``)."""
+        by_key = self._by_key
+        if keys and by_key:
+            for key in by_key.keys() & keys:
+                self._stir += 1
+                _drop(by_key.pop(key))
 
     # -- outcomes ------------------------------------------------------------------------
     def first_byte(self, ticket: Ticket) -> None:
@@ -497,13 +921,17 @@ class Dispatcher:
         t = self.targets.get(tid)
         if t is not None:
             t.load.on_complete(ticket.key, now)
+            b = t.breaker
+            before = (b.state, b.trial_in_flight)
             if replica_fault:
-                t.breaker.on_failure(now)
+                b.on_failure(now)
             elif ok:
-                t.breaker.on_success()
+                b.on_success()
             else:
-                t.breaker.on_neutral()
-        self.policy.on_complete(ticket.route, tid, ok)
+                b.on_neutral()
+            if (b.state, b.trial_in_flight) != before:
+                self._changed()
+        self._policy.on_complete(ticket.route, tid, ok)
 
     def cached(self, route: RouteRequest, target: str, keys: Sequence[int]) -> None:
         """``route`` ended well on ``target`` (a replica or a peer balancer), which now
@@ -512,7 +940,8 @@ class Dispatcher:
         if not keys:
             return
         if target in self.targets:
-            self.policy.on_cached(route, target, keys)
+            self._policy.on_cached(route, target, keys)
+            self._inserted(keys)
         elif target in self.peers and self.peer_policy is not None:
             self.peer_policy.on_cached(route, target, keys)
 

@@ -31,7 +31,7 @@ from skymesh.balancer.output_text import cached_text
 from skymesh.balancer.upstream import Reply, ReplyTooLarge
 from skymesh.obs.access import inject_trace
 from skymesh.policies.base import Policy, RouteRequest
-from skymesh.prefix.keys import text_prefix_keys
+from skymesh.prefix.keys import cached_keys
 
 log = logging.getLogger("skymesh.lb")
 
@@ -172,8 +172,9 @@ class RequestCore:
                       output: str) -> None:
         """``target`` now caches the request's prompt and ``output``: tell the policy."""
         text = cached_text(intake.prompt_text, intake.body, output)
-        if text is not None:
-            self.dispatcher.cached(route, target, text_prefix_keys(text))
+        if text is not None:  # prompt + output: the prompt's keys are the route's
+            self.dispatcher.cached(route, target, cached_keys(text, intake.prompt_text,
+                                                              route.prefix_keys))
 
     def record_later(self, route: RouteRequest, target: str, intake: Intake,
                      output: str) -> None:

@@ -119,6 +119,19 @@ class Policy(ABC):
     # (seconds on the view's clock); a policy may switch it per instance.
     wants_migration: bool = False
     migration_interval_s: float = 1.0
+    # Memo support (skymesh.balancer.dispatch): a dispatcher re-asks ``preferred`` about
+    # the same queued request on every pump, so a policy may declare that, after each
+    # call, its answer depends only on the request, on the loads of the targets it names
+    # in ``considered``, on no ``on_dispatch``/``on_cached`` whose keys include
+    # ``memo_key`` (None: any may matter), and on nothing that leaves ``memo_epoch`` as
+    # it was; that it draws from the RNG only through ``_argmin`` (counted in ``draws``);
+    # and that a call changes nothing a decision reads (a prefix trie's recency is
+    # allowed: the dispatcher's docstring says why). The dispatcher then skips calls
+    # whose inputs did not change, with the same answers and the same RNG stream.
+    memo_preferred: ClassVar[bool] = False
+    draws: int = 0
+    considered: tuple[str, ...] = ()
+    memo_key: int | None = None
 
     def __init_subclass__(cls, name: str = "", **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -169,6 +182,11 @@ class Policy(ABC):
         that can move requests ask; see ``wants_migration``."""
         return None
 
+    def memo_epoch(self) -> int:
+        """Bumped by any change of the state ``preferred`` reads beyond the hooks'
+        per-prefix updates (see ``memo_preferred``)."""
+        return 0
+
     def _least(self, candidates: Sequence[str], key: Any) -> str | None:
         """The candidate minimising ``key``, ties broken by the seeded RNG."""
         if not candidates:
@@ -190,6 +208,7 @@ class Policy(ABC):
         low = min(vals)
         if vals.count(low) == 1:
             return candidates[vals.index(low)]
+        self.draws += 1
         # strict=False: the lists are aligned by contract, and strict's check costs
         # ~12 ns per element, a fifth of this loop.
         return self.rng.choice([c for c, v in zip(candidates, vals, strict=False) if v == low])

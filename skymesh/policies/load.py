@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -157,6 +158,9 @@ class ReplicaLoad:
     # Requests dispatched before this time show in the last probe (its publication time
     # less the engine's metrics lag); the later ones are unadmitted until started.
     _shown_before: float = field(default=-math.inf, init=False)
+    # Called after every change of the counts above (the owner's dispatcher keeps its
+    # ready sets from it instead of rescanning every replica on every decision).
+    on_change: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._recount()
@@ -167,6 +171,8 @@ class ReplicaLoad:
         shown = self.running + self.waiting - len(self._freed_at)
         slots = (shown if shown > 0 else 0) + self.unadmitted
         self.slots_taken = self.in_flight if self.in_flight > slots else slots
+        if self.on_change is not None:
+            self.on_change()
 
     def on_probe(self, now: float, waiting: int, running: int, kv_usage: float,
                  kv_capacity_tokens: int | None = None, max_num_seqs: int | None = None,
@@ -277,12 +283,16 @@ class ReplicaLoad:
         return now - self.probed_at
 
 
-def is_available(
-    load: ReplicaLoad, mode: PushMode, max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
-    kv_headroom: float = DEFAULT_KV_HEADROOM, request_tokens: int = 0, balancers: int = 1,
-) -> bool:
-    """Whether ``load``'s replica may take a request now under ``mode``; ``balancers``:
-    how many balancers push to it (sp-p's n x margin, see the module header)."""
+# What :func:`availability` says of a replica, weakest first: it may not take a request,
+# it may if the request's prompt tokens fit (:func:`fits_tokens`), it may.
+UNAVAILABLE, IF_TOKENS_FIT, AVAILABLE = 0, 1, 2
+
+
+def availability(load: ReplicaLoad, mode: PushMode,
+                 max_outstanding: int = DEFAULT_MAX_OUTSTANDING, balancers: int = 1) -> int:
+    """:func:`is_available` without the request: ``UNAVAILABLE``, ``AVAILABLE`` or
+    ``IF_TOKENS_FIT``. It changes only when the load or the mode does, so a dispatcher
+    keeps it per replica and checks the request's tokens only where they matter."""
     if mode is PushMode.SP_P:
         seqs = load.max_num_seqs
         # Requests waiting inside the engine hold back any push, unless (the admission
@@ -290,21 +300,39 @@ def is_available(
         # waiting: those waiting take the freed slots first, and the rest are free now
         # rather than at the next probe.
         if load.waiting > (load.freed_since_probe if seqs is not None else 0):
-            return False
+            return UNAVAILABLE
         if seqs is not None and load.slots_taken >= seqs + load.engine_queue:
-            return False
+            return UNAVAILABLE
         if balancers > 1 and not load.within_share(balancers):
-            return False
+            return UNAVAILABLE
         if not load.unadmitted:
-            return True
-        cap = load.kv_capacity_tokens
-        if cap is None:
-            return False
-        new = load.unadmitted_tokens + request_tokens
-        return new <= load.step_tokens and load.kv_usage * cap + new <= kv_headroom * cap
+            return AVAILABLE
+        return UNAVAILABLE if load.kv_capacity_tokens is None else IF_TOKENS_FIT
     if mode is PushMode.SP_O:
-        return load.in_flight < max_outstanding
-    return True
+        return AVAILABLE if load.in_flight < max_outstanding else UNAVAILABLE
+    return AVAILABLE
+
+
+def fits_tokens(load: ReplicaLoad, kv_headroom: float = DEFAULT_KV_HEADROOM,
+                request_tokens: int = 0) -> bool:
+    """sp-p with requests unadmitted and the KV capacity known: the new prompt tokens fit
+    in one scheduler step and under ``kv_headroom`` of the capacity."""
+    cap = load.kv_capacity_tokens
+    if cap is None:
+        return False
+    new = load.unadmitted_tokens + request_tokens
+    return new <= load.step_tokens and load.kv_usage * cap + new <= kv_headroom * cap
+
+
+def is_available(
+    load: ReplicaLoad, mode: PushMode, max_outstanding: int = DEFAULT_MAX_OUTSTANDING,
+    kv_headroom: float = DEFAULT_KV_HEADROOM, request_tokens: int = 0, balancers: int = 1,
+) -> bool:
+    """Whether ``load``'s replica may take a request now under ``mode``; ``balancers``:
+    how many balancers push to it (sp-p's n x margin, see the module header)."""
+    code = availability(load, mode, max_outstanding, balancers)
+    return code == AVAILABLE or (code == IF_TOKENS_FIT
+                                 and fits_tokens(load, kv_headroom, request_tokens))
 
 
 def takes_preferred(load: ReplicaLoad, allowance: int, kv_headroom: float = DEFAULT_KV_HEADROOM,

@@ -45,6 +45,10 @@ from skymesh.prefix.trie import DEFAULT_MAX_NODES, PrefixTrie
 
 class PrefixTree(Policy, name="prefix-tree"):
     uses_prefix_keys = True
+    # preferred() reads the trie (changed per prefix by on_dispatch/on_cached, wholesale
+    # by evictions and membership: the trie's epoch) and the matched targets' loads
+    # (Policy.memo_preferred).
+    memo_preferred = True
 
     def __init__(
         self,
@@ -80,15 +84,29 @@ class PrefixTree(Policy, name="prefix-tree"):
         exact = exact_match(request, targets)
         if exact is not None:
             frac, holders = exact
-            ok = holders and frac >= self.match_threshold
-            return self._least_loaded(holders, view) if ok else None
+            # The request carries its exact match (taken at arrival), so only the holders'
+            # loads can change this answer (memo_preferred): no trie key matters.
+            self.considered, self.memo_key = (), None
+            if holders and frac >= self.match_threshold:
+                self.considered = tuple(holders)
+                return self._least_loaded(holders, view)
+            return None
         keys = request.prefix_keys
+        self.considered, self.memo_key = (), None
         if not keys or not targets:
             return None
-        depth, matched = self.trie.match(keys, targets)
+        trie = self.trie
+        depth, matched = trie.match(keys, targets)
+        # Only an insert through the deepest matched key (or the first, if none) can
+        # change this answer: keys are chained.
+        self.memo_key = keys[depth - 1] if depth else keys[0]
         if matched and depth >= self.match_threshold * len(keys):
+            self.considered = matched
             return self._least_loaded(matched, view)
         return None
+
+    def memo_epoch(self) -> int:
+        return self.trie.epoch
 
     def on_dispatch(self, request: RouteRequest, target: str, view: LoadView) -> None:
         self.trie.insert(request.prefix_keys, target)

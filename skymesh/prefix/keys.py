@@ -21,6 +21,9 @@ Parameters: ``chunk_chars`` = 64 (about 16 tokens, the engine's block size),
 from __future__ import annotations
 
 import functools
+import operator
+import struct
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -39,6 +42,7 @@ def _splitmix64(x: int) -> int:
 
 _F1, _F2 = _U64(0xBF58476D1CE4E5B9), _U64(0x94D049BB133111EB)
 _S30, _S27, _S31 = _U64(30), _U64(27), _U64(31)
+_F1_INV, _F2_INV = pow(0xBF58476D1CE4E5B9, -1, 1 << 64), pow(0x94D049BB133111EB, -1, 1 << 64)
 
 
 def _finalise(x: np.ndarray) -> np.ndarray:
@@ -76,25 +80,100 @@ KEYED_CHARS = CHUNK_CHARS * MAX_KEYS
 def text_prefix_keys(text: str, chunk_chars: int = CHUNK_CHARS, max_keys: int = MAX_KEYS
                      ) -> list[int]:
     """Chained 64-bit keys of the full ``chunk_chars``-character chunks of ``text``."""
+    return extend_prefix_keys(text, (), chunk_chars, max_keys)
+
+
+def _unfinalise(h: int) -> int:
+    """The inverse of :func:`_finalise` for one key: the chained sum it was made of."""
+    h = (_unshift(h, 31) * _F2_INV) & _M64
+    h = (_unshift(h, 27) * _F1_INV) & _M64
+    return _unshift(h, 30)
+
+
+def _unshift(y: int, s: int) -> int:
+    """x from y = x ^ (x >> s) (64-bit): each pass fixes s more high bits."""
+    x = y
+    for _ in range(64 // s):
+        x = y ^ (x >> s)
+    return x
+
+
+def extend_prefix_keys(text: str, keys: Sequence[int], chunk_chars: int = CHUNK_CHARS,
+                       max_keys: int = MAX_KEYS) -> list[int]:
+    """:func:`text_prefix_keys` of ``text`` when ``keys`` are already those of its first
+    ``len(keys) * chunk_chars`` characters (a prompt's keys, ``text`` being the prompt
+    and its reply): only the chunks after them are hashed, so a request's text is hashed
+    once however often its keys are needed."""
     if chunk_chars < 1:
         raise ValueError(f"chunk_chars must be >= 1, got {chunk_chars}")
     if max_keys < 0:
         raise ValueError(f"max_keys must be >= 0, got {max_keys}")
+    m = len(keys)
     n = min(len(text) // chunk_chars, max_keys)
-    if n == 0:
-        return []
+    if n <= m:
+        return list(keys[:n])
     # UTF-32 gives one fixed-width code point per character, so chunks are array rows;
     # with an even chunk size two code points share a 64-bit word (half the products).
     # surrogatepass: JSON may carry a lone surrogate ("\ud800"), which strict UTF-32 refuses;
     # it is still one code point, so the rows stay fixed-width.
-    data = text[: n * chunk_chars].encode("utf-32-le", "surrogatepass")
+    k = n - m  # new chunks
+    data = text[m * chunk_chars: n * chunk_chars].encode("utf-32-le", "surrogatepass")
+    if k <= _SMALL:
+        return _extend_small(data, keys, k, chunk_chars)
     if chunk_chars % 2 == 0:
-        words = np.frombuffer(data, dtype="<u8").reshape(n, chunk_chars // 2)
+        words = np.frombuffer(data, dtype="<u8").reshape(k, chunk_chars // 2)
     else:
-        words = np.frombuffer(data, dtype="<u4").reshape(n, chunk_chars).astype(_U64)
+        words = np.frombuffer(data, dtype="<u4").reshape(k, chunk_chars).astype(_U64)
     chunks = words @ _weights(words.shape[1])
-    fwd, inv = _powers(max_keys)
-    # h_i = sum_{j<=i} c_j P^(i-j) = P^i * cumsum(c_j P^-j): the chain without a loop.
-    chained = np.cumsum(_finalise(chunks) * inv[:n]) * fwd[:n]
-    keys: list[int] = _finalise(chained).tolist()
-    return keys
+    fwd, inv = _powers(max_keys + 1)
+    # h_i = sum_{j<=i} c_j P^(i-j) = P^i * cumsum(c_j P^-j): the chain without a loop;
+    # continuing a chain adds the last known sum times P^(i - m + 1).
+    chained = np.cumsum(_finalise(chunks) * inv[:k]) * fwd[:k]
+    if m:
+        chained += _U64(_unfinalise(int(keys[-1]))) * fwd[1: k + 1]
+    new: list[int] = _finalise(chained).tolist()
+    return [*keys, *new] if m else new
+
+
+# Up to this many new chunks, plain integers beat numpy's fixed cost per call (about 15
+# us; a chat turn or a short reply is a few chunks). The same keys either way.
+_SMALL = 4
+
+
+def _extend_small(data: bytes, keys: Sequence[int], k: int, chunk_chars: int) -> list[int]:
+    even = chunk_chars % 2 == 0
+    width = chunk_chars // 2 if even else chunk_chars
+    unpack = struct.Struct(f"<{width}{'Q' if even else 'I'}").unpack_from
+    weights = _weights_int(width)
+    step = 4 * chunk_chars
+    out = list(keys)
+    chained = _unfinalise(int(keys[-1])) if keys else 0
+    for i in range(k):
+        chunk = sum(map(operator.mul, unpack(data, i * step), weights)) & _M64
+        chained = (chained * _P + _splitmix_out(chunk)) & _M64
+        out.append(_splitmix_out(chained))
+    return out
+
+
+def _splitmix_out(x: int) -> int:
+    """:func:`_finalise` of one integer."""
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _M64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+@functools.lru_cache(maxsize=8)
+def _weights_int(words: int) -> tuple[int, ...]:
+    return tuple(int(w) for w in _weights(words))
+
+
+def cached_keys(text: str, prompt: str, prompt_keys: Sequence[int]) -> list[int]:
+    """The keys of ``text``, a prompt followed by its reply, given ``prompt_keys``: the
+    prompt's own, which are reused when they are all of them (a policy that reads no
+    keys leaves a request none), so that only the reply is hashed."""
+    if text.startswith(prompt) and len(prompt_keys) == min(len(prompt) // CHUNK_CHARS,
+                                                          MAX_KEYS):
+        return extend_prefix_keys(text, prompt_keys)
+    return text_prefix_keys(text)

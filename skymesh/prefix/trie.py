@@ -99,6 +99,9 @@ class PrefixTrie:
         # A lookup's walk, kept for the insert that usually follows it for the same keys
         # (select, then on_dispatch): (keys, depth, segment, version it is valid for).
         self._version = 0  # bumped by every structural change
+        # Bumped when prefixes are lost (eviction, departed targets): a match's answer
+        # can then change for any keys, not only for keys an insert shares a head with.
+        self.epoch = 0
         self._walk: tuple[Sequence[int], int, _Segment | None, int] | None = None
         # Told every insert (the balancer's workers share their routing decisions).
         self.on_insert: Callable[[Sequence[int], str], None] | None = None
@@ -403,6 +406,7 @@ class PrefixTrie:
         if not gone:
             return
         self._version += 1
+        self.epoch += 1
         self._walk = None
         self._live &= ~gone
         self._last_allowed = None
@@ -464,6 +468,7 @@ class PrefixTrie:
 
     def _evict(self, count: int) -> None:
         """Drop ``count`` keys, deepest keys of the oldest leaf first."""
+        self.epoch += 1
         heap, leaf_at = self._heap, self._leaf_at
         while count > 0 and heap:
             stamp = heapq.heappop(heap)

@@ -27,6 +27,7 @@ from typing import Any
 from skymesh_lab.bench import (
     autopilot_live_page,
     control_ha_page,
+    dispatch_cost_page,
     forecast_peers_page,
     ha_region_page,
     image_sizes_page,
@@ -316,6 +317,19 @@ SOURCES: tuple[Source, ...] = (
            "decisions), and wrk's req/s with the balancer's CPU per request.",
            (".venv/bin/python", "-m", "skymesh_lab.bench.lb_workers", "--json", "{json}"),
            lb_workers_page.lb_workers),
+    Source("dispatch-cost", "The decision core's CPU per request (issue #35 item 2)",
+           "The balancer's pure decision core (`skymesh.balancer.dispatch.Dispatcher` and "
+           "its policy, with the prompt's prefix keys) driven as the daemon drives it on a "
+           "virtual clock, against stub replicas: per request an offer, a first byte and a "
+           "completion, each followed by a pump, and the cached keys of prompt and "
+           "output; every replica probed each 50 ms. Only those calls are timed, in CPU "
+           "time (`thread_time`), so other work on the shared machine costs little "
+           "accuracy. The commit before the incremental state runs the same file in the "
+           "same run, interleaved. See [the cost of a decision](../policies.md"
+           "#the-cost-of-a-decision).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.dispatch_cost", "--base",
+            "8061ca5", "--json", "{json}"),
+           dispatch_cost_page.dispatch_cost),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 

@@ -1,0 +1,59 @@
+"""The results page of ``skymesh_lab.bench.dispatch_cost``: the decision core's CPU per
+request, by policy and pushing mode, against the commit before the incremental state.
+
+Kept apart from the measurement so the results registry (``results_pages``) renders the
+page from the JSON alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEFAULT = "prefix-tree+sp-p"
+BASELINE = "round-robin+bp"
+ORDER = (BASELINE, DEFAULT, "least-load+sp-p")
+
+
+def _row(name: str, cur: dict[str, Any], base: dict[str, Any] | None,
+         speedup: float | None, same: bool | None) -> str:
+    c = cur["modes"][name]
+    now = f"{c['us_per_request']:g} [{c['min']:g}, {c['max']:g}]"
+    if base is None:
+        return f"| {name} | {now} | - | - | - |"
+    b = base["modes"][name]
+    before = f"{b['us_per_request']:g} [{b['min']:g}, {b['max']:g}]"
+    return (f"| {name} | {now} | {before} | {speedup:g}x | "
+            f"{'yes' if same else 'NO'} |")
+
+
+def dispatch_cost(doc: dict[str, Any]) -> str:
+    setup, cur, base = doc["setup"], doc["current"], doc.get("base")
+    label = base.get("label", "base") if base else "-"
+    out = ["| mode (policy + pushing) | CPU us per request, now [min, max] "
+           f"| at `{label}` [min, max] | faster | same decisions |",
+           "| --- | ---: | ---: | ---: | :---: |"]
+    for name in sorted(cur["modes"], key=lambda n: ORDER.index(n) if n in ORDER else 9):
+        out.append(_row(name, cur, base, (doc.get("speedup") or {}).get(name),
+                        (doc.get("same_decisions") or {}).get(name)))
+    def extra(d: dict[str, Any]) -> str:
+        m = d["modes"]
+        return f"{m[DEFAULT]['us_per_request'] - m[BASELINE]['us_per_request']:.0f} us"
+
+    ratio = (f"The default ({DEFAULT}) costs **{cur['default_over_round_robin']:g}x** "
+             f"{BASELINE} per request now, {extra(cur)} more")
+    if base:
+        ratio += (f"; {base['default_over_round_robin']:g}x, {extra(base)} more, at "
+                  f"`{label}`")
+    notes = [
+        "\n".join(out),
+        ratio + " (both measured in the same run). The daemon's own per-request work "
+        "(HTTP, JSON, logging, the upstream call) comes on top of these figures and is the "
+        "same for every mode, so the ratio of whole-daemon CPU per request is smaller.",
+        f"Setup: {setup['replicas']} replicas of {setup['max_num_seqs']} slots "
+        f"(`max_num_seqs`, sp-p's `prefer_queue` {setup['prefer_queue']}), "
+        f"{setup['clients']} closed-loop tree-of-thoughts clients, {setup['requests']:,} "
+        f"requests per run, {setup['repeat']} interleaved runs (median, [min, max]), "
+        f"seed {setup['seed']}. \"Same decisions\": the digest of every (request, replica) "
+        "decision in order is equal in both versions.",
+    ]
+    return "\n\n".join(notes)
