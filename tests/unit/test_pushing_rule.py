@@ -185,8 +185,8 @@ def test_a_reload_applies_both_keys_to_the_running_dispatcher() -> None:
 
     d = _dispatcher()
     pushing = parse_config({"pushing": {"prefer_queue": 3, "hold_queue_max": 5}}).pushing
-    _set_pushing(SimpleNamespace(dispatcher=d), pushing)  # type: ignore[arg-type]
+    _set_pushing(SimpleNamespace(dispatcher=d, workers=1), pushing)  # type: ignore[arg-type]
     assert (d.prefer_queue, d.hold_queue_max) == (3, 5)
     # By kind: the dispatcher's own is off, each replica's comes with its probe.
-    _set_pushing(SimpleNamespace(dispatcher=d), parse_config({}).pushing)  # type: ignore[arg-type]
+    _set_pushing(SimpleNamespace(dispatcher=d, workers=1), parse_config({}).pushing)  # type: ignore[arg-type]
     assert (d.prefer_queue, d.hold_queue_max) == (0, 48)
