@@ -254,12 +254,9 @@ class Balancer:
         """Replace the replica set (from the controller). Probe state survives for replicas
         that stay; requests in flight on a removed replica finish there."""
         added, removed = self.health.set_replicas(replicas)
-        m = self.metrics
         for url in removed:
-            for gauge in (m.replica_healthy, m.replica_waiting, m.replica_running,
-                          m.replica_in_flight, m.breaker_state):
-                with contextlib.suppress(KeyError):
-                    gauge.remove(url)
+            self.metrics.forget_replica(url)
+            self._decision_counters.pop(url, None)
         if added and self._session is not None:
             asyncio.get_running_loop().create_task(self.prober.probe_all())
 
