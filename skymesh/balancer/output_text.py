@@ -18,6 +18,8 @@ import json
 import re
 from typing import Any
 
+import orjson
+
 from skymesh.prefix.keys import KEYED_CHARS
 
 # Raw bytes kept per response at most. An SSE event carries a few characters of text in
@@ -57,7 +59,12 @@ class OutputCapture:
 
 
 def parse_json(body: bytes) -> Any:
-    """A non-streamed response body parsed, or None when it is not JSON."""
+    """A non-streamed response body parsed, or None when it is not JSON. orjson first
+    (a vLLM reply parses ~10x faster); what it refuses gets json's verdict, as before."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass
     try:
         return json.loads(body)
     except ValueError:
