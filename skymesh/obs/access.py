@@ -45,7 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from skymesh.obs.logs import ACCESS_LOGGER, batched_writes
+from skymesh.obs.logs import (
+    ACCESS_LOGGER,
+    JsonFormatter,
+    TextFormatter,
+    batched_writes,
+    direct_handler,
+)
 
 if TYPE_CHECKING:
     from skymesh.obs.tracing import Tracing
@@ -298,13 +304,31 @@ class AccessWriter:
             with contextlib.suppress(queue.Empty):
                 while len(items) < self.max_backlog:
                     items.append(q.get_nowait())
-            with batched_writes():
-                for item in items:
-                    if item is not None:
-                        self.emit(*item)
-            if any(item is None for item in items):
+            stop = items[-1] is None
+            if stop:
+                items.pop()
+            self.write_batch(items)  # type: ignore[arg-type]
+            if stop:
                 return
             time.sleep(self.linger_s)
+
+    def write_batch(self, items: list[tuple[dict[str, Any], bytes | None, float]]) -> None:
+        log = self.log
+        handler = direct_handler(log)
+        if handler is None:  # someone else's handlers too: through logging, batched
+            with batched_writes():
+                for item in items:
+                    self.emit(*item)
+            return
+        # The daemons' set-up: the lines straight from the fields, no LogRecords.
+        fmt = handler.formatter
+        assert isinstance(fmt, TextFormatter | JsonFormatter)
+        lines = []
+        for fields, body, created in items:
+            _fill_usage(fields, body)
+            lines.append(fmt.line(created, log.name, _text(fields), fields)
+                         + handler.terminator)
+        handler.write_lines(lines)
 
 
 def _fill_usage(fields: dict[str, Any], body: bytes | None) -> None:

@@ -28,45 +28,52 @@ _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
     "message", "asctime", "taskName"}
 
 
-class _SecondCache:
-    """The text of the last whole second a formatter printed: most lines of a busy daemon
-    share it, and strftime per line was a visible part of the access log's cost."""
-
-    __slots__ = ("second", "text")
-
-    def __init__(self) -> None:
-        self.second = -1
-        self.text = ""
-
-
 class TextFormatter(logging.Formatter):
-    """``TEXT_FORMAT``, with ``asctime`` built once per second."""
+    """``TEXT_FORMAT``, with ``asctime``'s whole second formatted once per second (most
+    lines of a busy daemon share it; strftime per line was a visible cost)."""
 
     def __init__(self) -> None:
         super().__init__(TEXT_FORMAT)
-        self._cache = _SecondCache()
+        self._second: tuple[int, str] = (-1, "")  # one attribute: threads read it whole
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
-        second = int(record.created)
-        c = self._cache
-        if second != c.second:  # two threads may both refresh it: same text
-            c.text, c.second = time.strftime("%Y-%m-%d %H:%M:%S",
-                                             self.converter(record.created)), second
-        return f"{c.text},{int(record.msecs):03d}"
+        return self._asctime(record.created)
+
+    def _asctime(self, created: float) -> str:
+        second = int(created)
+        cached, text = self._second
+        if second != cached:
+            text = time.strftime("%Y-%m-%d %H:%M:%S", self.converter(created))
+            self._second = (second, text)
+        return f"{text},{int((created - second) * 1000):03d}"
+
+    def line(self, created: float, name: str, msg: str, fields: dict[str, Any]) -> str:
+        """What :meth:`format` gives for an INFO record of logger ``name`` made at
+        ``created`` with message ``msg`` (no LogRecord needed)."""
+        return f"{self._asctime(created)} INFO {name}: {msg}"
 
 
 class JsonFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__()
-        self._cache = _SecondCache()
+        self._second: tuple[int, str] = (-1, "")
 
     def _ts(self, created: float) -> str:
         second = int(created)
-        c = self._cache
-        if second != c.second:
-            c.text, c.second = datetime.fromtimestamp(second, UTC).strftime(
-                "%Y-%m-%dT%H:%M:%S"), second
-        return f"{c.text}.{int((created - second) * 1000):03d}Z"
+        cached, text = self._second
+        if second != cached:
+            text = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+            self._second = (second, text)
+        return f"{text}.{int((created - second) * 1000):03d}Z"
+
+    def line(self, created: float, name: str, msg: str, fields: dict[str, Any]) -> str:
+        """:meth:`format` of an INFO record carrying ``fields`` (see TextFormatter.line)."""
+        out: dict[str, Any] = {"ts": self._ts(created), "level": "INFO", "logger": name,
+                               "msg": msg}
+        for key, value in fields.items():
+            if key not in _STANDARD and not key.startswith("_") and key not in out:
+                out[key] = value
+        return json.dumps(out, default=str, ensure_ascii=False)
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
@@ -123,6 +130,32 @@ def batched_writes() -> Iterator[None]:
         _batch.pending = None
         for handler, lines in pending.items():
             handler.write_lines(lines)
+
+
+def direct_handler(logger: logging.Logger) -> _Handler | None:
+    """The handler ``logger``'s INFO lines reach, when it is the only one and ours with
+    our formatter and nothing filters on the way (as :func:`setup_logging` leaves it):
+    such lines can be formatted without a LogRecord (``formatter.line``) and written in
+    a batch (:meth:`_Handler.write_lines`). None otherwise (a test's or an operator's own
+    handlers, a filter): the caller then logs through ``logging``."""
+    if not logger.isEnabledFor(logging.INFO):
+        return None
+    found: list[logging.Handler] = []
+    node: logging.Logger | None = logger
+    while node is not None:
+        if node.filters:
+            return None
+        found += node.handlers
+        if not node.propagate:
+            break
+        node = node.parent
+    if len(found) != 1:
+        return None
+    (handler,) = found
+    if not isinstance(handler, _Handler) or handler.filters or handler.level > logging.INFO \
+            or not isinstance(handler.formatter, TextFormatter | JsonFormatter):
+        return None
+    return handler
 
 
 def formatter(fmt: LogFormat) -> logging.Formatter:

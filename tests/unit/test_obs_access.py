@@ -329,3 +329,33 @@ async def test_a_logged_stream_is_freed_without_the_cyclic_gc(records: Records) 
                          "the responses freed by reference counting")
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_lines_made_without_log_records_are_the_formatters_own(fmt: str) -> None:
+    """The writer formats the daemons' lines itself when only our handler would see them;
+    with any other handler about it goes through logging: the lines are the same."""
+    fields = {"request_id": "r1", "method": "POST", "path": "/v1/chat/completions",
+              "model": "m\u00e9", "served_by": "http://10.0.0.1:8000", "via": "replica",
+              "status": 200, "ttft_ms": 12.5, "duration_ms": 40.25, "prompt_tokens": None,
+              "completion_tokens": None, "client": "127.0.0.1"}
+    body = json.dumps({"usage": USAGE}).encode()
+    created = 1795885290.0421
+    access = logging.getLogger(ACCESS_LOGGER)
+    outputs = []
+    for extra_handler in (False, True):
+        out = io.StringIO()
+        setup_logging("warning", fmt, stream=out)  # type: ignore[arg-type]
+        other = Records()
+        if extra_handler:
+            access.addHandler(other)
+        try:
+            AccessWriter(access).write_batch([(dict(fields), body, created)] * 2)
+        finally:
+            access.removeHandler(other)
+        assert len(other.records) == (2 if extra_handler else 0)  # the path taken
+        outputs.append(out.getvalue())
+    direct, through_logging = outputs
+    assert direct == through_logging
+    assert "prompt_tokens=7 completion_tokens=3" in direct
