@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any
 
-import orjson
+import msgspec
 
 from skymesh.prefix.keys import KEYED_CHARS
 
@@ -58,12 +58,15 @@ class OutputCapture:
         return b"".join(self.parts)
 
 
+_FAST = msgspec.json.Decoder()
+
+
 def parse_json(body: bytes) -> Any:
-    """A non-streamed response body parsed, or None when it is not JSON. orjson first
-    (a vLLM reply parses ~10x faster); what it refuses gets json's verdict, as before."""
+    """A non-streamed response body parsed, or None when it is not JSON. msgspec first
+    (a vLLM reply parses several times faster); what it refuses gets json's verdict."""
     try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
+        return _FAST.decode(body)
+    except (msgspec.MsgspecError, ValueError, RecursionError):  # ValueError: bad UTF-8
         pass
     try:
         return json.loads(body)

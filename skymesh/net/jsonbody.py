@@ -14,23 +14,23 @@
 server maps to its 400. Bodies are decoded as UTF-8 only (RFC 8259 section 8.1), not
 UTF-16/32 as ``json.loads`` would guess from the first bytes.
 
-Speed: orjson parses a body first (5-15x faster than ``json``; figures in
-docs/notes/memory-1m.md). Where it could differ from the rules above, the body goes to
-the ``json`` decoder instead, so what is accepted, the value it gives and every error
-message stay those of ``json``: whatever orjson refuses (lone surrogates in ``\\u``
-escapes, nesting past 1,024 levels, and all that ``json`` refuses too) is tried again
-there, and a body with a run of 19 or more digits goes there at once (orjson turns an
-integer past 64 bits into a float; ``json`` keeps it exact).
+Speed: msgspec parses a body first (2-5x faster than ``json``; figures in
+docs/notes/memory-1m.md). What it refuses goes to the ``json`` decoder, so what is
+accepted and every error message stay those of ``json``: msgspec refuses all that ``json``
+refuses here and more (lone surrogates in ``\\u`` escapes, which ``json`` takes), and
+where both accept a body they give the same value (integers of any size stay exact;
+tests/unit/test_jsonbody.py checks it). orjson was measured too and not taken: it turns
+an integer past 64 bits into a float, and telling such bodies apart cost more than it
+saved.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
-import orjson
+import msgspec
 
 
 class JsonBodyError(ValueError):
@@ -53,18 +53,15 @@ def _finite(text: str) -> float:
 _DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite)
 
 
-# An integer literal orjson might not hold exactly (it keeps 64 bits): 19+ digits.
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+_FAST = msgspec.json.Decoder()
 
 
 def loads_body(raw: bytes) -> Any:
     """The JSON value in ``raw``; :class:`JsonBodyError` for anything else."""
-    if not _LONG_DIGITS.search(raw):
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass  # json's verdict and message, or a value orjson would not take
-    return loads_strict(raw)
+    try:
+        return _FAST.decode(raw)
+    except (msgspec.MsgspecError, ValueError, RecursionError):  # ValueError: bad UTF-8
+        return loads_strict(raw)  # json's verdict and message, or a value msgspec refuses
 
 
 def loads_strict(raw: bytes) -> Any:
