@@ -95,7 +95,7 @@ class JsonFormatter(logging.Formatter):
 _batch = threading.local()  # .pending: the lines of a batched_writes block, per handler
 
 
-class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+class _Handler(logging.StreamHandler):
     """Ours, so a second :func:`setup_logging` replaces it rather than adding another;
     inside :func:`batched_writes` it keeps its lines for one write at the block's end."""
 
@@ -123,7 +123,8 @@ def batched_writes() -> Iterator[None]:
     """Lines our handler formats in this thread inside the block are written when it
     ends, in one write (a line-buffered stderr makes one system call per write, not per
     line). The access log's writer thread runs each batch inside one."""
-    _batch.pending = pending = {}
+    pending: dict[_Handler, list[str]] = {}
+    _batch.pending = pending
     try:
         yield
     finally:
