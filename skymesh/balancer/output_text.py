@@ -18,8 +18,7 @@ import json
 import re
 from typing import Any
 
-import msgspec
-
+from skymesh.net.jsonbody import NOT_DECODED, fast_decode
 from skymesh.prefix.keys import KEYED_CHARS
 
 # Raw bytes kept per response at most. An SSE event carries a few characters of text in
@@ -58,16 +57,13 @@ class OutputCapture:
         return b"".join(self.parts)
 
 
-_FAST = msgspec.json.Decoder()
-
-
 def parse_json(body: bytes) -> Any:
     """A non-streamed response body parsed, or None when it is not JSON. msgspec first
-    (a vLLM reply parses several times faster); what it refuses gets json's verdict."""
-    try:
-        return _FAST.decode(body)
-    except (msgspec.MsgspecError, ValueError, RecursionError):  # ValueError: bad UTF-8
-        pass
+    when installed (a vLLM reply parses several times faster); what it refuses gets
+    json's verdict."""
+    value = fast_decode(body)
+    if value is not NOT_DECODED:
+        return value
     try:
         return json.loads(body)
     except ValueError:

@@ -61,3 +61,13 @@ def test_broken_json_fails_the_same(value: Any, at: int, junk: bytes) -> None:
 ])
 def test_the_edges_parse_the_same(raw: bytes) -> None:
     same(raw)
+
+
+def test_without_msgspec_json_decides_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lean core has no msgspec (it comes with the ``fast`` extra)."""
+    from skymesh.net import jsonbody
+
+    monkeypatch.setattr(jsonbody, "_FAST", None)
+    assert loads_body(b'{"a": [1, 2.5, "\\u00e9"]}') == {"a": [1, 2.5, "\u00e9"]}
+    with pytest.raises(JsonBodyError, match="NaN is not a JSON value"):
+        loads_body(b"[NaN]")
