@@ -104,7 +104,7 @@ class Forwarder:
         return ticket.target
 
     def _observe_wait(self, model: str, seconds: float) -> None:
-        self.core.metrics.queue_wait.labels(model).observe(seconds)
+        self.core.metrics.model(model).queue_wait.observe(seconds)
 
     async def serve(self, request: web.Request, ticket: Ticket, raw: bytes, intake: Intake,
                     t0: float, timeout: float) -> tuple[web.StreamResponse, str]:
@@ -173,7 +173,7 @@ class Forwarder:
                     raise ReplicaFault(str(exc) or type(exc).__name__) from exc
                 d = self.core.dispatcher
                 d.first_byte(ticket)
-                self.core.metrics.ttft.labels(model).observe(self.core.now() - t0)
+                self.core.metrics.model(model).ttft.observe(self.core.now() - t0)
                 ok = up.status < 400
                 reply = parse_json(body) if ok else None
                 if ok:
@@ -220,7 +220,7 @@ class Forwarder:
                 raise ReplicaFault(f"peer {peer}: {first.error.message or 'bad response'}")
             status, ctype = first.head.status, first.head.content_type
             self.core.dispatcher.first_byte(ticket)
-            self.core.metrics.ttft.labels(route.model).observe(self.core.now() - t0)
+            self.core.metrics.model(route.model).ttft.observe(self.core.now() - t0)
             headers = {"Content-Type": ctype} if ctype else {}
             if (status >= 500 and status != 503) or (status >= 400 or not stream):
                 body = bytearray()

@@ -141,8 +141,9 @@ class Handlers:
                 if cur.target is not None:  # still attributed: client went away
                     d.complete(cur, core.now(), ok=False)
                 core.pump()
-            core.metrics.requests.labels(model, outcome).inc()
-            core.metrics.e2e.labels(model).observe(core.now() - t0)
+            series = core.metrics.model(model)
+            series.outcome(outcome).inc()
+            series.e2e.observe(core.now() - t0)
             if ticket is not None:
                 out_tokens = request.get(OUTPUT_TOKENS_KEY, 0)
                 self.tally.add(model, ticket.route.prompt_len, out_tokens)

@@ -3,17 +3,47 @@
 Monotone series are typed as counters (names end in ``_total``), so ``rate()`` is right
 for them; the mesh's counts are read from their one owner (the mesh link) at scrape time
 by a custom collector rather than copied into a second set of counters.
+
+The request path takes its series from :meth:`BalancerMetrics.model` and
+:attr:`BalancerMetrics.client_left`: children resolved once, not a ``labels()`` lookup
+(a lock, a tuple of strings, a dict) per observation. Series labelled by a replica are
+dropped when it leaves (:meth:`BalancerMetrics.forget_replica`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import suppress
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Where a client was found gone while the balancer wrote to it: with the first bytes of a
+# stream, between two chunks, at its end.
+DISCONNECT_PHASES = ("first_chunk", "mid_stream", "end")
+
+
+class ModelSeries:
+    """One model's request-path series, resolved once (see :meth:`BalancerMetrics.model`)."""
+
+    __slots__ = ("_outcomes", "_requests", "e2e", "model", "queue_wait", "ttft")
+
+    def __init__(self, m: BalancerMetrics, model: str) -> None:
+        self.model = model
+        self.ttft = m.ttft.labels(model)
+        self.e2e = m.e2e.labels(model)
+        self.queue_wait = m.queue_wait.labels(model)
+        self._requests = m.requests
+        self._outcomes: dict[str, Any] = {}
+
+    def outcome(self, outcome: str) -> Any:
+        """The ``skymesh_requests_total`` child for ``outcome`` (a few fixed names)."""
+        c = self._outcomes.get(outcome)
+        if c is None:
+            c = self._outcomes[outcome] = self._requests.labels(self.model, outcome)
+        return c
 
 
 class BalancerMetrics:
@@ -41,6 +71,12 @@ class BalancerMetrics:
         self.migrations = Counter("skymesh_migrations_total",
                                   "Streaming requests moved to another replica mid-response "
                                   "(GoodServe's migration)", ["source", "target"], registry=r)
+        self.client_disconnects = Counter(
+            "skymesh_client_disconnects_total",
+            "Clients found gone while the balancer wrote a stream to them, by phase "
+            "(first_chunk, mid_stream, end); a client that leaves while its request waits "
+            "cancels it instead (outcome in skymesh_requests_total)", ["phase"], registry=r)
+        self.client_left = {p: self.client_disconnects.labels(p) for p in DISCONNECT_PHASES}
         self.booked_admits = Counter(
             "skymesh_booked_retries_admitted_total",
             "Clients back when their Retry-After said, queued past a full queue's cap",
@@ -73,12 +109,42 @@ class BalancerMetrics:
         self._mesh = _MeshCollector()
         r.register(self._mesh)
 
+        self._models: dict[str, ModelSeries] = {}
+
+    def model(self, model: str) -> ModelSeries:
+        """``model``'s series. Models are label values only once the balancer accepted
+        them (a name a client made up never gets here), so this stays small."""
+        s = self._models.get(model)
+        if s is None:
+            s = self._models[model] = ModelSeries(self, model)
+        return s
+
+    def forget_replica(self, url: str) -> None:
+        """Drop every series labelled by ``url`` (a replica that left): gauges would show
+        its last value forever, and the label sets of departed replicas would pile up."""
+        for gauge in (self.replica_healthy, self.replica_waiting, self.replica_running,
+                      self.replica_in_flight, self.breaker_state):
+            with suppress(KeyError):
+                gauge.remove(url)
+        for metric in (self.decisions, self.retries, self.migrations, self.replica_limits):
+            for labels in _label_sets(metric):
+                if url in labels:
+                    with suppress(KeyError):
+                        metric.remove(*labels)
+
     def watch_mesh(self, mesh: MeshCounts) -> None:
         """Export the mesh link's forwarding and heartbeat counters."""
         self._mesh.mesh = mesh
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _label_sets(metric: Any) -> list[tuple[str, ...]]:
+    """The label values of ``metric``'s children (prometheus_client keeps them in
+    ``_metrics``; read under its lock, as ``labels()`` writes it)."""
+    with metric._lock:
+        return list(metric._metrics)
 
 
 class MeshCounts(Protocol):

@@ -154,7 +154,7 @@ class RequestCore:
         """The replica has answered: the request no longer waits to be admitted there."""
         self.dispatcher.first_byte(ticket)
         self.pump()  # a no-op unless requests wait for exactly this
-        self.metrics.ttft.labels(ticket.route.model).observe(first_at - t0)
+        self.metrics.model(ticket.route.model).ttft.observe(first_at - t0)
 
     def broken_stream(self, target: str | None, exc: BaseException) -> bytes:
         """The error event of a stream whose upstream broke after the client's first byte."""

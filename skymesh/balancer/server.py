@@ -268,12 +268,9 @@ class Balancer:
         added, removed = self.health.set_replicas(replicas)
         if self._session is not None:  # started: the feeds need the running loop
             self.kv_feeds.set_replicas(replicas)
-        m = self.metrics
         for url in removed:
-            for gauge in (m.replica_healthy, m.replica_waiting, m.replica_running,
-                          m.replica_in_flight, m.breaker_state):
-                with contextlib.suppress(KeyError):
-                    gauge.remove(url)
+            self.metrics.forget_replica(url)
+            self._decision_counters.pop(url, None)
         if added and self._session is not None:
             asyncio.get_running_loop().create_task(self.prober.probe_all())
 

@@ -7,6 +7,11 @@ client has bytes and a break upstream ends the stream with an SSE error event an
 ``[DONE]``, unless ``retry.resume_streams`` lets ``skymesh.balancer.moves`` continue it on
 another replica from the bytes the client has. Output tokens are counted from the SSE
 events (one per token in vLLM's and SGLang's streams), for telemetry and policies.
+
+A client can be gone when a write to it fails rather than by cancelling the handler: its
+connection closed in the same turn of the loop as the replica's bytes came in. That ends
+the relay quietly (a debug line, ``skymesh_client_disconnects_total{phase}``, the access
+line's ``disconnected``), not as a broken upstream nor with aiohttp's ERROR traceback.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from skymesh.balancer.relay import (
     first_chunk,
 )
 from skymesh.balancer.upstream import Reply, UpstreamReply
+from skymesh.obs.access import note
 from skymesh.policies.base import RequestTiming
 
 log = logging.getLogger("skymesh.lb")
@@ -48,19 +54,28 @@ class Streams:
         self._shutdown_task: asyncio.Task[None] | None = None
 
     async def _open_stream(self, request: web.Request, ticket: Ticket,
-                             up: Reply, first: bytes, first_at: float, t0: float
-                             ) -> web.StreamResponse:
+                             resp: web.StreamResponse, first: bytes, first_at: float,
+                             t0: float) -> None:
         """Answer the client with the upstream's status, headers and first bytes, then
         count the request as started. From here on the client has bytes: no more retries.
 
         The bookkeeping comes after the write: it is not needed to relay the first token,
         and at low request rates every step before that write is TTFT (each costs several
         times its warm-cache time when the balancer wakes from idle)."""
-        resp = CoalescedStream(status=up.status, headers=copy_headers(up))
         await resp.prepare(request)
         await resp.write(first)
         self.core.started(ticket, first_at, t0)
-        return resp
+
+    def _client_gone(self, request: web.Request, ticket: Ticket, phase: str,
+                     exc: ConnectionResetError) -> str:
+        """A write to the client failed: it left. Not the replica's fault, not an error
+        of ours; the handler ends normally (aiohttp's own end of the response then fails
+        quietly)."""
+        log.debug("client left during a stream from %s (%s): %s", ticket.target, phase, exc)
+        self.core.metrics.client_left[phase].inc()
+        note(request, left=True)
+        self.core.dispatcher.complete(ticket, self.core.now(), ok=False)
+        return "client_disconnected"
 
     async def stream(self, request: web.Request, ticket: Ticket, up: Reply,
                      t0: float, sent: float, intake: Intake
@@ -68,7 +83,11 @@ class Streams:
         flags = self.core.switches.flags
         chunks, first = await first_chunk(up)
         first_at = self.core.now()
-        resp = await self._open_stream(request, ticket, up, first, first_at, t0)
+        resp = CoalescedStream(status=up.status, headers=copy_headers(up))
+        try:
+            await self._open_stream(request, ticket, resp, first, first_at, t0)
+        except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError too
+            return resp, self._client_gone(request, ticket, "first_chunk", exc)
         target = ticket.target or ""
         if flags.timed:
             self.core.dispatcher.policy.on_timing(ticket.route, target, RequestTiming(
@@ -89,7 +108,10 @@ class Streams:
         try:
             async for chunk in chunks:
                 events += chunk.count(b"data: ")
-                await resp.write(chunk)
+                try:
+                    await resp.write(chunk)
+                except ConnectionResetError as exc:  # a ClientConnectionError: not upstream
+                    return resp, self._client_gone(request, ticket, "mid_stream", exc)
                 if cap is not None:
                     cap.add(chunk)
                 if relayed is not None:
@@ -103,7 +125,10 @@ class Streams:
                 self.open.pop(up, None)
                 return await self.mover.live_loop(request, resp, st, up, chunks, SSEFramer(), [])
             ok = False
-            await resp.write(self.core.broken_stream(ticket.target, exc))
+            try:
+                await resp.write(self.core.broken_stream(ticket.target, exc))
+            except ConnectionResetError as gone:
+                return resp, self._client_gone(request, ticket, "mid_stream", gone)
         finally:
             self.open.pop(up, None)
         # Events that carry no token: [DONE], the chat role chunk, the usage chunk.
@@ -117,7 +142,10 @@ class Streams:
                 self.core.now(), sent, first_at, tokens, True, ticket.route.prompt_len))
         self.core.dispatcher.complete(ticket, self.core.now(), ok=ok,
                                replica_fault=not ok and not self.core.switches.closing)
-        await resp.write_eof()
+        try:
+            await resp.write_eof()
+        except ConnectionResetError as exc:  # every byte was relayed: only the end is lost
+            self._client_gone(request, ticket, "end", exc)  # (already completed)
         if ok and cap is not None:
             self.core.record_cached(ticket.route, target, intake,
                                        sse_output_text(cap.raw(), intake.kind))

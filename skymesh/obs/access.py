@@ -19,6 +19,13 @@ carries OpenAI ``usage``: a whole body, or a stream with ``include_usage``), ``c
 Times come from an injected clock (``time.perf_counter``). A streamed body is observed by
 wrapping its ``write`` when its headers are prepared: aiohttp has no server-side hook for
 body bytes, and this keeps the balancer's stream code untouched.
+
+The line is made and written off the event loop: the request's end hands its fields to an
+:class:`AccessWriter` (one queue put), whose thread decodes the usage, builds the record,
+runs the logger's handlers and writes a batch of lines with one system call
+(:func:`skymesh.obs.logs.batched_writes`). Past ``MAX_BACKLOG`` waiting lines, or before
+the app starts and after it stops, lines are made on the loop as before: a slow log sink
+slows requests down rather than growing memory.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import queue
 import re
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
@@ -36,7 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from skymesh.obs.logs import ACCESS_LOGGER
+from skymesh.obs.logs import (
+    ACCESS_LOGGER,
+    JsonFormatter,
+    TextFormatter,
+    batched_writes,
+    direct_handler,
+)
 
 if TYPE_CHECKING:
     from skymesh.obs.tracing import Tracing
@@ -49,6 +64,12 @@ _USAGE_SPAN = 4096  # bytes after "usage": to decode (the object is ~200 bytes)
 _COLON = re.compile(rb"\s*:\s*")
 _DECODER = json.JSONDecoder()
 _NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
+# Lines waiting for the writer thread before they are made on the loop instead (about
+# 1 KB each with a stream's tail: a few MB at most).
+MAX_BACKLOG = 4096
+# The writer waits this long after a batch, so lines gather into the next one: one write
+# per batch rather than per line, and a thread wake-up per batch rather than per request.
+_LINGER_S = 0.02
 
 
 @dataclass(slots=True, eq=False)
@@ -64,6 +85,8 @@ class AccessRecord:
     via: str | None = None
     status: int | None = None  # once headers are prepared
     first_byte_at: float | None = None
+    disconnected: bool = False  # the balancer saw the client leave (note(left=True))
+    watched: web.StreamResponse | None = None  # a stream whose write is wrapped
     tail: deque[bytes | bytearray | memoryview] = field(
         default_factory=lambda: deque(maxlen=_TAIL_CHUNKS))
     span: Any = None
@@ -73,12 +96,15 @@ RECORD_KEY = web.RequestKey("skymesh.obs.access", AccessRecord)
 
 
 def note(request: web.Request, *, model: str | None = None, served_by: str | None = None,
-         peer: bool = False) -> None:
+         peer: bool = False, left: bool = False) -> None:
     """Tell the access record the request's model, or who serves it (a replica URL, or a
-    peer balancer's id with ``peer``); the last attempt's wins."""
+    peer balancer's id with ``peer``); the last attempt's wins. ``left``: the client went
+    away and the handler ends normally (a write to it failed), logged as disconnected."""
     rec = request.get(RECORD_KEY)
     if rec is None:
         return
+    if left:
+        rec.disconnected = True
     if model is not None:
         rec.model = model
     if served_by is not None:
@@ -145,6 +171,7 @@ class _Access:
         self.tracing = tracing
         self.request_id = request_id
         self.clock = clock
+        self.writer = AccessWriter(log) if log is not None else None
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -180,8 +207,15 @@ class _Access:
     def _finish(self, request: web.Request, rec: AccessRecord,
                 resp: web.StreamResponse | None, status: int | None) -> None:
         end = self.clock()
-        disconnected = status is None
-        if status is None:  # cancelled: what the client got, if anything
+        if rec.watched is not None:
+            # The wrapped write refers to its response: a reference cycle, left to the
+            # cyclic GC (rare in a tuned daemon) it kept every stream's response, request
+            # and buffers alive for tens of thousands of requests (docs/notes/memory-1m.md).
+            with contextlib.suppress(AttributeError):
+                del rec.watched.write
+            rec.watched = None
+        disconnected = status is None or rec.disconnected
+        if status is None or rec.disconnected:  # what the client got, if anything
             status = rec.status if rec.status is not None else CLIENT_CLOSED
         body: bytes | None = None  # where the usage is, if anywhere
         if resp is not None and status < 400:
@@ -209,16 +243,92 @@ class _Access:
             body = None
             fields["trace_id"] = trace_id(rec.span)
             _end_span(rec.span, fields)
-        if self.log is not None:
+        if self.writer is not None and not self.writer.put(fields, body):
             # A whole body is written after the middleware returns: the line (and the
             # usage parse) waits for the next loop turn rather than delay the answer.
-            asyncio.get_running_loop().call_soon(self._emit, fields, body)
+            asyncio.get_running_loop().call_soon(self.writer.emit, fields, body, time.time())
 
-    def _emit(self, fields: dict[str, Any], body: bytes | None) -> None:
-        assert self.log is not None
-        if self.log.isEnabledFor(logging.INFO):
+
+class AccessWriter:
+    """Makes and writes access lines in a thread of its own, in batches.
+
+    :meth:`put` is all a request pays on the loop; the thread does the rest with the
+    ``skymesh.access`` logger's own handlers and formatters, so the lines are the same as
+    a plain ``log.info`` would give (the record's time is the request's end)."""
+
+    def __init__(self, log: logging.Logger, linger_s: float = _LINGER_S,
+                 max_backlog: int = MAX_BACKLOG) -> None:
+        self.log = log
+        self.linger_s = linger_s
+        self.max_backlog = max_backlog
+        self._queue: queue.SimpleQueue[tuple[dict[str, Any], bytes | None, float] | None] = (
+            queue.SimpleQueue())
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="skymesh-access-log",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Write what is queued and end the thread (blocking: at most one batch)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def put(self, fields: dict[str, Any], body: bytes | None) -> bool:
+        """Queue a request's line; False when the caller should make it itself (the
+        thread is not running, or is that far behind)."""
+        if self._thread is None or self._queue.qsize() >= self.max_backlog:
+            return False
+        self._queue.put((fields, body, time.time()))
+        return True
+
+    def emit(self, fields: dict[str, Any], body: bytes | None, created: float) -> None:
+        log = self.log
+        if not log.isEnabledFor(logging.INFO):
+            return
+        _fill_usage(fields, body)
+        record = log.makeRecord(log.name, logging.INFO, __file__, 0, "%s", (_text(fields),),
+                                None, extra=fields)
+        record.created = created
+        record.msecs = (created - int(created)) * 1000
+        log.handle(record)
+
+    def _run(self) -> None:
+        q = self._queue
+        while True:
+            items = [q.get()]
+            with contextlib.suppress(queue.Empty):
+                while len(items) < self.max_backlog:
+                    items.append(q.get_nowait())
+            stop = items[-1] is None
+            if stop:
+                items.pop()
+            self.write_batch(items)  # type: ignore[arg-type]
+            if stop:
+                return
+            time.sleep(self.linger_s)
+
+    def write_batch(self, items: list[tuple[dict[str, Any], bytes | None, float]]) -> None:
+        log = self.log
+        handler = direct_handler(log)
+        if handler is None:  # someone else's handlers too: through logging, batched
+            with batched_writes():
+                for item in items:
+                    self.emit(*item)
+            return
+        # The daemons' set-up: the lines straight from the fields, no LogRecords.
+        fmt = handler.formatter
+        assert isinstance(fmt, TextFormatter | JsonFormatter)
+        lines = []
+        for fields, body, created in items:
             _fill_usage(fields, body)
-            self.log.info("%s", _text(fields), extra=fields)
+            lines.append(fmt.line(created, log.name, _text(fields), fields)
+                         + handler.terminator)
+        handler.write_lines(lines)
 
 
 def _fill_usage(fields: dict[str, Any], body: bytes | None) -> None:
@@ -269,6 +379,7 @@ async def _watch_body(request: web.Request, response: web.StreamResponse) -> Non
         return
     write = response.write
     tail = rec.tail
+    rec.watched = response
 
     # Plain functions that hand back the original write's coroutine: no extra coroutine
     # per chunk on the stream's hot path. The first one stamps the time and steps aside.
@@ -298,6 +409,16 @@ def install(app: web.Application, *, access_log: bool = True, tracing: Tracing |
                      request_id or _default_request_id, clock)
     app.middlewares.append(access.middleware)
     app.on_response_prepare.append(_watch_body)
+    writer = access.writer
+    if writer is not None:
+        async def start_writer(app: web.Application) -> None:
+            writer.start()
+
+        async def stop_writer(app: web.Application) -> None:
+            await asyncio.to_thread(writer.stop)
+
+        app.on_startup.append(start_writer)
+        app.on_cleanup.append(stop_writer)
     if tracing is not None:
         async def flush(app: web.Application) -> None:
             await asyncio.to_thread(tracing.shutdown)  # exports what is buffered: blocking

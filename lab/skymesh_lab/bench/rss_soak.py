@@ -1,0 +1,258 @@
+"""RSS of skymesh-lb over many requests of mixed scenarios (docs/notes/memory-1m.md).
+
+Starts two stub replicas (a raw asyncio protocol answering in microseconds, so the
+balancer is what runs out of CPU) and ``skymesh-lb`` in front of them, then drives
+``--requests`` requests from ``--concurrency`` clients, cycling through scenarios:
+non-streamed and streamed replies (with and without ``include_usage``), clients that
+leave mid-stream or right after sending, bad JSON bodies (400), unknown models (404),
+replica errors (500, retried then 502) and prompts that never repeat (the prefix state's
+growth). The balancer's RSS is sampled every ``--sample-every`` requests from
+``/proc/PID/status``; its CPU time from ``/proc/PID/stat``.
+
+    python -m skymesh_lab.bench.rss_soak --requests 200000 --json out.json
+
+The JSON: ``{"requests", "scenarios", "samples": [{"requests", "rss_mb", "cpu_s"}],
+"rss_start_mb", "rss_end_mb", "cpu_ms_per_1000", ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from skymesh.util.procs import start_daemon
+
+MODEL = "m"
+_METRICS = (b"vllm:num_requests_waiting{model_name=\"m\"} 0\n"
+            b"vllm:num_requests_running{model_name=\"m\"} 0\n")
+_MODELS = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+_USAGE = {"prompt_tokens": 12, "completion_tokens": 8, "total_tokens": 20}
+_REPLY = json.dumps({"id": "x", "object": "chat.completion", "model": MODEL,
+                     "choices": [{"index": 0, "message": {"role": "assistant",
+                                                          "content": "hello there"},
+                                  "finish_reason": "stop"}],
+                     "usage": _USAGE}).encode()
+
+
+def _sse(events: int, usage: bool) -> bytes:
+    out = [b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n']
+    out += [b'data: {"choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'] * events
+    if usage:
+        out.append(b"data: " + json.dumps({"choices": [], "usage": _USAGE}).encode() + b"\n\n")
+    out.append(b"data: [DONE]\n\n")
+    return b"".join(out)
+
+
+def _response(status: int, ctype: bytes, body: bytes) -> bytes:
+    return (b"HTTP/1.1 %d X\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n"
+            % (status, ctype, len(body))) + body
+
+
+class StubReplica(asyncio.Protocol):
+    """Just enough HTTP/1.1 (keep-alive, Content-Length bodies) for the balancer."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].lower()
+            i = head.find(b"content-length:")
+            length = int(head[i + 15:head.find(b"\r\n", i) if head.find(b"\r\n", i) > 0
+                              else None]) if i >= 0 else 0
+            if len(self.buf) < end + 4 + length:
+                return
+            body = self.buf[end + 4:end + 4 + length]
+            self.buf = self.buf[end + 4 + length:]
+            assert self.transport is not None
+            self.transport.write(self.answer(head.split(b" ", 2)[1], body))
+
+    @staticmethod
+    def answer(path: bytes, body: bytes) -> bytes:
+        if path == b"/metrics":
+            return _response(200, b"text/plain", _METRICS)
+        if path == b"/v1/models":
+            return _response(200, b"application/json", _MODELS)
+        if b"replica-error" in body:
+            return _response(500, b"application/json", b'{"error": "boom"}')
+        if b'"stream": true' in body:
+            return _response(200, b"text/event-stream",
+                             _sse(16, b"include_usage" in body))
+        return _response(200, b"application/json", _REPLY)
+
+
+async def serve_stub() -> tuple[asyncio.base_events.Server, str]:
+    server = await asyncio.get_running_loop().create_server(StubReplica, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+def read_proc(pid: int) -> tuple[float, float]:
+    """(RSS in MB, user+system CPU seconds) of ``pid``."""
+    rss_kb = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss_kb = int(line.split()[1])
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return rss_kb / 1024, (int(fields[11]) + int(fields[12])) / ticks
+
+
+SCENARIOS = ("plain", "stream", "stream_usage", "unique_prompt", "leave_mid_stream",
+             "leave_at_once", "bad_json", "unknown_model", "replica_error")
+
+
+def _body(scenario: str, n: int, rng: random.Random) -> dict[str, Any]:
+    content = f"say hello {rng.randrange(50)}"
+    if scenario == "unique_prompt":
+        content = f"a prompt never seen before #{n} " + "x" * rng.randrange(10, 400)
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 8,
+                            "messages": [{"role": "user", "content": content}]}
+    if scenario in ("stream", "stream_usage", "leave_mid_stream"):
+        body["stream"] = True
+    if scenario == "stream_usage":
+        body["stream_options"] = {"include_usage": True}
+    if scenario == "unknown_model":
+        body["model"] = f"no-such-model-{n}"
+    if scenario == "replica_error":
+        body["messages"][0]["content"] = "replica-error"
+    return body
+
+
+async def _one(session: aiohttp.ClientSession, url: str, scenario: str, n: int,
+               rng: random.Random) -> None:
+    target = url + "/v1/chat/completions"
+    if scenario == "bad_json":
+        async with session.post(target, data=b'{"model": "m", "messages": [',
+                                headers={"Content-Type": "application/json"}) as r:
+            await r.read()
+        return
+    body = _body(scenario, n, rng)
+    if scenario == "leave_at_once":
+        try:
+            async with asyncio.timeout(0.0005):
+                async with session.post(target, json=body) as r:
+                    await r.read()
+        except TimeoutError:
+            pass
+        return
+    async with session.post(target, json=body) as r:
+        if scenario == "leave_mid_stream":
+            await r.content.readany()
+            r.close()  # drops the connection with the stream half read
+            return
+        await r.read()
+
+
+async def drive(url: str, requests: int, concurrency: int, pid: int,
+                sample_every: int, seed: int) -> list[dict[str, float]]:
+    rng = random.Random(seed)
+    samples: list[dict[str, float]] = []
+    rss, cpu = read_proc(pid)
+    samples.append({"requests": 0, "rss_mb": round(rss, 2), "cpu_s": cpu})
+    done = 0
+    next_id = 0
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        async def worker() -> None:
+            nonlocal done, next_id
+            while next_id < requests:
+                n = next_id
+                next_id += 1
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    await _one(session, url, SCENARIOS[n % len(SCENARIOS)], n, rng)
+                done += 1
+                if done % sample_every == 0:
+                    rss, cpu = read_proc(pid)
+                    samples.append({"requests": done, "rss_mb": round(rss, 2), "cpu_s": cpu})
+                    print(f"{done} requests: RSS {rss:.1f} MB", file=sys.stderr, flush=True)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return samples
+
+
+async def soak(args: argparse.Namespace) -> dict[str, Any]:
+    if args.lb_url:  # a balancer started elsewhere (e.g. under tracemalloc)
+        samples = await drive(args.lb_url, args.requests, args.concurrency, args.lb_pid,
+                              args.sample_every, args.seed)
+        return _result(args, samples)
+    servers = [await serve_stub() for _ in range(2)]
+    urls = ",".join(u for _, u in servers)
+    extra = [] if args.access_log else ["--no-access-log"]
+    log = Path(args.log) if args.log else None
+    lb = await asyncio.to_thread(start_daemon, "skymesh-lb", [
+        "--port", "0", "--replicas", urls, "--policy", args.policy, *extra], log_path=log)
+    try:
+        await asyncio.sleep(1.0)  # first probes: the replicas are up
+        samples = await drive(lb.url, args.requests, args.concurrency, lb.proc.pid,
+                              args.sample_every, args.seed)
+    finally:
+        lb.stop()
+        for server, _ in servers:
+            server.close()
+    return _result(args, samples)
+
+
+def _result(args: argparse.Namespace, samples: list[dict[str, float]]) -> dict[str, Any]:
+    first, last = samples[0], samples[-1]
+    return {"requests": args.requests, "concurrency": args.concurrency,
+            "policy": args.policy, "access_log": args.access_log,
+            "scenarios": list(SCENARIOS), "samples": samples,
+            "rss_start_mb": first["rss_mb"], "rss_end_mb": last["rss_mb"],
+            "rss_max_mb": max(s["rss_mb"] for s in samples),
+            "cpu_ms_per_1000": round((last["cpu_s"] - first["cpu_s"]) * 1e6 / args.requests,
+                                     1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rss_soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=200_000)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--sample-every", type=int, default=10_000)
+    p.add_argument("--policy", default="prefix-tree")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--no-access-log", dest="access_log", action="store_false")
+    p.add_argument("--log", help="the balancer's log file (default: a temporary one)")
+    p.add_argument("--json", help="write the result here")
+    p.add_argument("--lb-url", help="drive this balancer instead of starting one ...")
+    p.add_argument("--lb-pid", type=int, help="... whose process this is")
+    args = p.parse_args(argv)
+    out = asyncio.run(soak(args))
+    text = json.dumps(out, indent=1)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    print(json.dumps({k: v for k, v in out.items() if k != "samples"}))
+    return 0
+
+
+def stubs_main() -> None:
+    """``python -c 'from skymesh_lab.bench.rss_soak import stubs_main; stubs_main()'``:
+    two stub replicas until killed; prints their URLs."""
+    async def serve() -> None:
+        servers = [await serve_stub() for _ in range(2)]
+        print(",".join(u for _, u in servers), flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

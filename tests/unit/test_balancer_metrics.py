@@ -1,0 +1,47 @@
+"""skymesh.balancer.metrics: children resolved once, and a departed replica's series gone."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from skymesh.balancer.metrics import BalancerMetrics
+
+
+def samples(m: BalancerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(m.render().decode())
+            for s in fam.samples}
+
+
+def test_a_models_series_are_the_labelled_children_once() -> None:
+    m = BalancerMetrics()
+    s = m.model("llama")
+    assert m.model("llama") is s and s.outcome("ok") is s.outcome("ok")
+    s.outcome("ok").inc()
+    s.outcome("ok").inc()
+    s.ttft.observe(0.2)
+    m.client_left["first_chunk"].inc()
+    got = samples(m)
+    assert got[("skymesh_requests_total", (("model", "llama"), ("outcome", "ok")))] == 2
+    assert got[("skymesh_time_to_first_byte_seconds_count", (("model", "llama"),))] == 1
+    assert got[("skymesh_client_disconnects_total", (("phase", "first_chunk"),))] == 1
+    assert got[("skymesh_client_disconnects_total", (("phase", "mid_stream"),))] == 0
+
+
+def test_a_replica_that_leaves_takes_all_its_series_with_it() -> None:
+    m = BalancerMetrics()
+    gone, stays = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+    for url in (gone, stays):
+        m.decisions.labels("round-robin", url).inc()
+        m.retries.labels(url).inc()
+        m.replica_limits.labels(url, "body").inc()
+        m.replica_healthy.labels(url).set(1)
+        m.breaker_state.labels(url).set(0)
+    m.migrations.labels(gone, stays).inc()
+    m.migrations.labels(stays, gone).inc()
+    m.forget_replica(gone)
+    assert gone not in m.render().decode()
+    kept = {name for name, labels in samples(m) if (stays in dict(labels).values())}
+    assert kept >= {"skymesh_routing_decisions_total", "skymesh_retries_total",
+                    "skymesh_replica_limit_hits_total", "skymesh_replica_healthy",
+                    "skymesh_replica_breaker_state"}
