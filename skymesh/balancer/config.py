@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 from pathlib import Path
 from typing import Any, Literal
 
@@ -461,6 +462,65 @@ class ControllerLinkConfig(StrictModel):
         return v.rstrip("/") if v else v
 
 
+class TenantConfig(StrictModel):
+    """One tenant (docs/tenancy.md). ``keys_sha256``: its client keys, named by the hex
+    SHA-256 of the key (``printf %s KEY | sha256sum``), so no secret is stored here; the
+    keys themselves stay in ``auth``. Limits are for the whole region (divided among its
+    balancers' workers); null: no limit."""
+
+    name: str = Field(min_length=1, max_length=64)
+    keys_sha256: list[str] = Field(default_factory=list)
+    default_class: str | None = None  # default: tenants.default_class
+    classes: list[str] | None = None  # the classes it may use; default: all
+    weight: float = Field(1.0, gt=0)
+    requests_per_s: float | None = Field(None, gt=0)
+    tokens_per_min: float | None = Field(None, gt=0)
+    max_concurrency: int | None = Field(None, ge=1)
+    tokens_per_day: float | None = Field(None, gt=0)
+
+    @field_validator("keys_sha256")
+    @classmethod
+    def _hex(cls, v: list[str]) -> list[str]:
+        out = []
+        for h in v:
+            h = h.strip().lower()
+            if len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
+                raise ValueError(f"{h[:16]!r}...: not a hex SHA-256 digest (64 hex digits)")
+            out.append(h)
+        return out
+
+
+class TenantsConfig(StrictModel):
+    """Tenants, priority classes, their limits and the fair queue (docs/tenancy.md).
+    Without this section there is one tenant and one class, as before."""
+
+    classes: list[str] = Field(default_factory=lambda: ["interactive", "standard", "batch"],
+                               min_length=1)
+    default_class: str = "standard"
+    # Aging guard: a class whose oldest request has waited this long goes before the
+    # better classes (seconds; a class not named has no bound, the first needs none).
+    max_wait_s: dict[str, float] = Field(default_factory=lambda: {"standard": 10.0,
+                                                                   "batch": 60.0})
+    priority_header: str = "X-SkyMesh-Priority"
+    # A tenant named by an upstream gateway, honoured only from trusted_sources (CIDRs).
+    header: str | None = None
+    trusted_sources: list[str] = Field(default_factory=list)
+    fallback: str | None = None  # the tenant of unmatched requests; default: "default"
+    # Requests let into the dispatcher's queue per model while the rest wait in order.
+    dispatch_queue: int = Field(2, ge=1, le=1024)
+    members: list[TenantConfig] = Field(default_factory=list)
+
+    @field_validator("trusted_sources")
+    @classmethod
+    def _cidrs(cls, v: list[str]) -> list[str]:
+        for s in v:
+            try:
+                ipaddress.ip_network(s, strict=False)
+            except ValueError:
+                raise ValueError(f"{s!r} is not an address or CIDR") from None
+        return v
+
+
 class BalancerConfig(StrictModel):
     region: str = "local"
     listen: ListenConfig = ListenConfig()
@@ -481,6 +541,7 @@ class BalancerConfig(StrictModel):
     controller: ControllerLinkConfig | None = None
     logging: LoggingConfig = LoggingConfig()  # skymesh.obs: log format, access log
     tracing: TracingConfig = TracingConfig()  # skymesh.obs.tracing: off unless an endpoint
+    tenants: TenantsConfig | None = None  # docs/tenancy.md; None: one tenant, one class
 
     @field_validator("replicas")
     @classmethod
@@ -500,9 +561,50 @@ def _check_slo(cfg: BalancerConfig) -> None:
                           f"({', '.join(sorted(slo.classes)) or 'none defined'})")
 
 
+def _check_tenants(t: TenantsConfig) -> None:
+    classes = t.classes
+    if len(set(classes)) != len(classes) or not all(
+            c.isidentifier() and c == c.lower() for c in classes):
+        raise ConfigError("tenants.classes: names must be distinct lower-case words")
+    known = set(classes)
+
+    def check(where: str, names: list[str]) -> None:
+        for n in names:
+            if n not in known:
+                raise ConfigError(f"{where}: {n!r} is not one of tenants.classes "
+                                  f"({', '.join(classes)})")
+
+    check("tenants.default_class", [t.default_class])
+    check("tenants.max_wait_s", list(t.max_wait_s))
+    if any(v <= 0 for v in t.max_wait_s.values()):
+        raise ConfigError("tenants.max_wait_s: bounds must be > 0 seconds")
+    names: set[str] = set()
+    digests: set[str] = set()
+    for i, tc in enumerate(t.members):
+        where = f"tenants.members[{i}] ({tc.name})"
+        if tc.name in names:
+            raise ConfigError(f"{where}: tenant listed twice")
+        names.add(tc.name)
+        check(f"{where}.classes", tc.classes or [])
+        allowed = tc.classes or classes
+        default = tc.default_class or t.default_class
+        if default not in allowed:
+            raise ConfigError(f"{where}.default_class: {default!r} is not one of the "
+                              f"classes it may use ({', '.join(allowed)})")
+        for h in tc.keys_sha256:
+            if h in digests:
+                raise ConfigError(f"{where}.keys_sha256: {h[:16]}... names another "
+                                  "tenant's key too")
+            digests.add(h)
+    if t.fallback is not None and t.fallback not in names:
+        raise ConfigError(f"tenants.fallback: {t.fallback!r} is not a tenant in tenants.members")
+
+
 def parse_config(data: Any) -> BalancerConfig:
     cfg = parse_model(BalancerConfig, data)
     _check_slo(cfg)
+    if cfg.tenants is not None:
+        _check_tenants(cfg.tenants)
     if cfg.mesh is not None and cfg.mesh.outlook.enabled and cfg.controller is None:
         raise ConfigError("mesh.outlook.enabled: the forecasts come from the controller's "
                           "planner; add a controller section")

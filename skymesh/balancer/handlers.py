@@ -37,6 +37,7 @@ from skymesh.balancer.edge import error_response, request_id
 from skymesh.balancer.errors import (
     BadRequest,
     KeyAtCap,
+    NoCapacity,
     Overloaded,
     PayloadTooLarge,
     SkyMeshError,
@@ -51,6 +52,7 @@ from skymesh.balancer.migration import max_output
 from skymesh.balancer.overload import RetryBook, check_servable
 from skymesh.balancer.prediction import LivePredictor
 from skymesh.balancer.relay import OUTPUT_TOKENS_KEY, TICKET_KEY, RequestCore
+from skymesh.balancer.tenant_gate import Admission, TenantGate
 from skymesh.obs.access import note
 
 # The OpenAI SDKs' (Python, Node) count of the retries a request is on: 0 on the first try.
@@ -77,6 +79,8 @@ class Handlers:
         self.in_flight_by_key: dict[bytes, int] = {}  # key digest -> requests here
         # Exact prefix state from KV-cache events (kv_feed.ExactScorer), set by the server.
         self.exact: ExactScorer | None = None
+        # Tenants, limits and the fair queue (tenancy), set by the server with ``tenants``.
+        self.gate: TenantGate | None = None
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
         core = self.core
@@ -87,6 +91,7 @@ class Handlers:
         outcome = "error"
         ticket: Ticket | None = None
         holder: bytes | None = None
+        gate, admission = self.gate, None  # admission: Admission | None
         forwarded = self.forwarded_by_peer(request)
         try:
             self.authorize(request, forwarded)
@@ -115,6 +120,9 @@ class Handlers:
                     text, turn, history, route.prompt_len, max_output(intake.body, kind)))
             if forwarded:
                 route = replace(route, forwarded=True)
+            if gate is not None and not forwarded:  # counted where the client came
+                admission = await self._wait_turn(gate, request, model, route.prompt_len, t0,
+                                                  timeout)
             ticket = Ticket(route, t0)
             try:
                 d.offer(ticket, t0)
@@ -122,6 +130,9 @@ class Handlers:
                 if not self._booked_back(request, ticket, t0):
                     raise Overloaded(str(exc), retry_after_s=self.drain_retry_s(model)
                                      ) from None
+            finally:
+                if gate is not None and admission is not None:
+                    gate.settle(admission)
             resp, outcome = await self.forwarder.serve(request, ticket, raw, intake, t0, timeout)
             return resp
         except SkyMeshError as exc:
@@ -144,11 +155,29 @@ class Handlers:
             series = core.metrics.model(model)
             series.outcome(outcome).inc()
             series.e2e.observe(core.now() - t0)
+            if gate is not None and admission is not None:
+                gate.leave(admission,
+                           admission.prompt_tokens + request.get(OUTPUT_TOKENS_KEY, 0))
             if ticket is not None:
                 out_tokens = request.get(OUTPUT_TOKENS_KEY, 0)
                 self.tally.add(model, ticket.route.prompt_len, out_tokens)
                 if core.switches.flags.predicts and outcome == "ok":
                     self.predictor.observe(ticket.route.prompt_len, out_tokens)
+
+    async def _wait_turn(self, gate: TenantGate, request: web.Request, model: str,
+                         prompt_tokens: int, t0: float, timeout: float) -> Admission:
+        """The request's tenant and class, its limits (429), and its turn in the fair
+        queue (503 at the queue timeout, as in the dispatcher's queue)."""
+        digest = self.edge.keys.digest_of(request.headers.get("Authorization"))
+        adm = gate.admit(digest, request.headers, request.remote, model, prompt_tokens)
+        try:
+            if not await gate.wait_turn(adm, max(0.0, t0 + timeout - self.core.now())):
+                raise NoCapacity(f"no replica could take the request within {timeout:.1f} s",
+                                 retry_after_s=self.drain_retry_s(model))
+        except BaseException:
+            gate.leave(adm, 0)
+            raise
+        return adm
 
     def _booked_back(self, request: web.Request, ticket: Ticket, now: float) -> bool:
         """Queue, past the queue's cap (by at most the cap again), a retry that found it

@@ -46,7 +46,33 @@ class ModelSeries:
         return c
 
 
+class TenantMetrics:
+    """Per tenant and class (label ``priority``) series, registered only with a
+    ``tenants`` section. Tenants and classes come from the config, so the label sets
+    are bounded."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.admitted = Counter("skymesh_tenant_admitted_total",
+                                "Requests let into the queue, by tenant and class",
+                                ["tenant", "priority"], registry=r)
+        self.limited = Counter("skymesh_tenant_limited_total",
+                               "Requests turned away (429) by a tenant limit (reason: "
+                               "requests, tokens, concurrency, daily_quota)",
+                               ["tenant", "reason"], registry=r)
+        self.queue_wait = Histogram("skymesh_tenant_queue_wait_seconds",
+                                    "Time waiting in the tenant fair queue",
+                                    ["tenant", "priority"], buckets=_LATENCY_BUCKETS,
+                                    registry=r)
+        self.tokens = Counter("skymesh_tenant_tokens_total",
+                              "Prompt + output tokens served, by tenant and class",
+                              ["tenant", "priority"], registry=r)
+        self.waiting = Gauge("skymesh_tenant_queue_length",
+                             "Requests waiting in the tenant fair queue", registry=r)
+
+
 class BalancerMetrics:
+    tenants: TenantMetrics | None = None
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("skymesh_requests_total", "Requests by final outcome",
@@ -110,6 +136,11 @@ class BalancerMetrics:
         r.register(self._mesh)
 
         self._models: dict[str, ModelSeries] = {}
+
+    def enable_tenants(self) -> TenantMetrics:
+        if self.tenants is None:
+            self.tenants = TenantMetrics(self.registry)
+        return self.tenants
 
     def model(self, model: str) -> ModelSeries:
         """``model``'s series. Models are label values only once the balancer accepted

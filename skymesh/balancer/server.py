@@ -66,6 +66,7 @@ from skymesh.balancer.relay import (
 )
 from skymesh.balancer.status import Status
 from skymesh.balancer.streaming import Streams
+from skymesh.balancer.tenant_gate import TenantGate
 from skymesh.balancer.upstream import Upstream
 from skymesh.balancer.workers import pushing_share
 from skymesh.common.health import HealthRule
@@ -168,6 +169,12 @@ class Balancer:
         self.kv_feeds = KVFeeds(cfg.kv_events)  # engines' KV-cache events (kv_feed)
         self.metrics.registry.register(self.kv_feeds)
         self.kv_exact = self.handlers.exact = ExactScorer(self.kv_feeds)
+        if cfg.tenants is not None:
+            d = self.dispatcher
+            self.handlers.gate = TenantGate(
+                cfg.tenants, share=pushing_share(cfg.pushing.balancers(), workers),
+                capacity=cfg.queue.max_length, queued=d.queue_length,
+                metrics=self.metrics.enable_tenants(), clock=self.now)
         self.status = Status(core, cfg.region, self.health, self.edge, self.handlers,
                              self.predictor, self.moves, self.mesh, self.controller,
                              kv_figures=self.kv_exact.figures)
@@ -292,6 +299,12 @@ class Balancer:
 
     # -- the dispatcher's driver ---------------------------------------------------------
     def pump(self) -> None:
+        self._pump()
+        gate = self.handlers.gate
+        if gate is not None and gate.queue.waiting:  # the tenants' fair queue, behind it
+            gate.release(self.now())
+
+    def _pump(self) -> None:
         d = self.dispatcher
         if not d.queued:
             if self.drain.backlog_since is not None:  # emptied by cancels: the clock stops

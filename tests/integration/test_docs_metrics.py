@@ -111,7 +111,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]:
         cfg.write_text(yaml.safe_dump({
             "region": "us", "listen": {"port": 0}, "replicas": [{"url": replica.url}],
             "mesh": {"id": "lb-a", "certs_dir": str(pki), "listen_port": free_port(),
-                     "peers": [{"id": "lb-b", "address": f"127.0.0.1:{free_port()}"}]}}))
+                     "peers": [{"id": "lb-b", "address": f"127.0.0.1:{free_port()}"}]},
+            "tenants": {}}))  # the tenant series (docs/tenancy.md)
         started.append(start_daemon("skymesh-lb", ["--config", str(cfg)],
                                     log_path=tmp / "lb.log"))
         # Two workers (no mesh: one identity), for the series only they export.

@@ -1,0 +1,408 @@
+"""Tenants, priority classes, per-tenant limits and the fair queue in front of the
+dispatcher (issue #37; configured by ``tenants:`` in ``lb.yaml``, docs/tenancy.md).
+
+Pure: no sockets, no sleeps; every clock is passed in, so tests drive a fake one.
+
+- :class:`TenantBook` says whose a request is: the tenant of its client key (keys are
+  named by their SHA-256 digest, never stored here), or the tenant an upstream gateway
+  names in ``tenants.header`` when the request comes from ``tenants.trusted_sources``;
+  and its class: ``tenants.priority_header`` or the tenant's default, bounded by the
+  classes the tenant may use.
+- :class:`Limiter`: per tenant a requests/s and a tokens/min token bucket, a concurrency
+  cap and a daily token quota, all local to this process; each configured limit is
+  divided by ``share`` (the balancers of the region x this balancer's workers, the share
+  sp-p uses), so the region's sum is the configured limit. Tokens are prompt + output
+  from the engine's ``usage``: the prompt estimate is taken at admission, the rest when
+  the response ends (the bucket may go below zero, and the tenant waits it out).
+  Retry-After is the time until the tenant's own bucket holds the request's cost.
+- :class:`FairQueue`: requests wait here, per model, class and tenant, and are released
+  into the dispatcher only while its queue for the model is short, so the routing policy
+  still chooses the replica and this queue chooses the order: strict priority between
+  classes, except that a lower class whose oldest request has waited ``max_wait_s[class]``
+  goes first (the aging guard: no class waits much longer than that while the replicas
+  serve); within a class the backlogged tenant with the least service first, a virtual
+  token counter over prompt + output tokens divided by the tenant's weight (Sheng et al.,
+  "Fairness in Serving Large Language Models", OSDI'24): a tenant that becomes backlogged
+  is lifted to the least counter of those already backlogged, so idle time is not credit.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from skymesh.balancer.config import TenantsConfig
+from skymesh.balancer.errors import BadRequest, Overloaded
+
+DAY_S = 86_400.0
+# The tenant of requests no key or header names, when tenants.fallback names none.
+DEFAULT_TENANT = "default"
+
+
+class TenantLimited(Overloaded):
+    """A tenant over one of its limits (429; ``reason`` is the metric label)."""
+
+    def __init__(self, message: str, *, reason: str, retry_after_s: float) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.reason = reason
+
+
+# -- who and which class ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    default_class: str
+    classes: tuple[str, ...]  # the classes it may use, best rank first
+    weight: float = 1.0
+    requests_per_s: float | None = None
+    tokens_per_min: float | None = None
+    max_concurrency: int | None = None
+    tokens_per_day: float | None = None
+
+
+class TenantBook:
+    """Which tenant and class a request is (see the module docstring)."""
+
+    def __init__(self, tenants: Iterable[Tenant], classes: Iterable[str], *,
+                 keys: Mapping[bytes, str], fallback: Tenant,
+                 header: str | None = None, trusted_sources: Iterable[str] = (),
+                 priority_header: str | None = None) -> None:
+        self.classes = tuple(classes)
+        self.rank = {c: i for i, c in enumerate(self.classes)}  # 0 is served first
+        self.tenants = {t.name: t for t in tenants}
+        self.tenants.setdefault(fallback.name, fallback)
+        self.fallback = fallback
+        self.keys = dict(keys)  # key digest -> tenant name
+        self.header = header
+        self.trusted = tuple(ipaddress.ip_network(s, strict=False) for s in trusted_sources)
+        self.priority_header = priority_header
+
+    def _trusted(self, peer_ip: str | None) -> bool:
+        if not peer_ip or not self.trusted:
+            return False
+        try:
+            ip = ipaddress.ip_address(peer_ip)
+        except ValueError:
+            return False
+        return any(ip in net for net in self.trusted)
+
+    def tenant_of(self, digest: bytes | None, headers: Mapping[str, str],
+                  peer_ip: str | None) -> Tenant:
+        if self.header is not None and self._trusted(peer_ip):
+            named = headers.get(self.header)
+            if named:
+                tenant = self.tenants.get(named.strip())
+                if tenant is None:
+                    raise BadRequest(f"{self.header}: no tenant {named.strip()[:64]!r} "
+                                     "is configured here")
+                return tenant
+        if digest is not None:
+            name = self.keys.get(digest)
+            if name is not None:
+                return self.tenants[name]
+        return self.fallback
+
+    def class_of(self, tenant: Tenant, headers: Mapping[str, str]) -> str:
+        """The asked-for class, or the tenant's default; a class better than the tenant may
+        use becomes the best it may use at or below the asked rank."""
+        asked = headers.get(self.priority_header) if self.priority_header else None
+        if not asked:
+            return tenant.default_class
+        asked = asked.strip().lower()
+        rank = self.rank.get(asked)
+        if rank is None:
+            raise BadRequest(f"{self.priority_header}: {asked[:64]!r} is not a class "
+                             f"(one of {', '.join(self.classes)})")
+        for c in tenant.classes:  # best first
+            if self.rank[c] >= rank:
+                return c
+        return tenant.default_class
+
+
+# -- limits ------------------------------------------------------------------------------
+
+
+class TokenBucket:
+    """``rate`` per second up to ``burst``; ``debit`` may take it below zero (tokens
+    counted after the fact), and a request then waits until it is refilled."""
+
+    __slots__ = ("burst", "level", "rate", "stamp")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.level = burst
+        self.stamp = now
+
+    def _refill(self, now: float) -> None:
+        if now > self.stamp:
+            self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
+            self.stamp = now
+
+    def wait_for(self, cost: float, now: float) -> float:
+        """Seconds until the bucket holds ``cost`` (0: it does now). A cost above the
+        burst is asked as the burst, or it would never pass."""
+        self._refill(now)
+        need = min(cost, self.burst) - self.level
+        return 0.0 if need <= 0 else need / self.rate
+
+    def debit(self, cost: float, now: float) -> None:
+        self._refill(now)
+        self.level -= cost
+
+
+@dataclass
+class _TenantState:
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+    max_concurrency: int | None
+    tokens_per_day: float | None
+    in_flight: int = 0
+    day: int = -1
+    day_tokens: float = 0.0
+
+
+class Limiter:
+    """Per-tenant limits of this process: ``share`` of the configured ones (see the module
+    docstring). ``now`` is monotonic seconds; ``wall`` is Unix time, for the UTC day."""
+
+    def __init__(self, tenants: Iterable[Tenant], *, share: int, now: float) -> None:
+        self.share = max(1, share)
+        self.state: dict[str, _TenantState] = {}
+        for t in tenants:
+            n = self.share
+            rps = t.requests_per_s / n if t.requests_per_s else None
+            tpm = t.tokens_per_min / n if t.tokens_per_min else None
+            self.state[t.name] = _TenantState(
+                requests=TokenBucket(rps, max(1.0, rps), now) if rps else None,
+                # One minute's worth of tokens as the burst, as the limit is per minute.
+                tokens=TokenBucket(tpm / 60.0, tpm, now) if tpm else None,
+                max_concurrency=(max(1, math.ceil(t.max_concurrency / n))
+                                 if t.max_concurrency else None),
+                tokens_per_day=t.tokens_per_day / n if t.tokens_per_day else None)
+
+    def admit(self, tenant: str, prompt_tokens: int, now: float, wall: float) -> None:
+        """Take one request of ``tenant`` (raises :class:`TenantLimited`); the caller
+        then owes one :meth:`release`."""
+        st = self.state.get(tenant)
+        if st is None:
+            return
+        if st.max_concurrency is not None and st.in_flight >= st.max_concurrency:
+            raise TenantLimited(f"tenant {tenant!r} has {st.in_flight} requests in flight "
+                                "here, its limit (max_concurrency)", reason="concurrency",
+                                retry_after_s=1.0)
+        if st.tokens_per_day is not None:
+            day = int(wall // DAY_S)
+            if day != st.day:
+                st.day, st.day_tokens = day, 0.0
+            if st.day_tokens >= st.tokens_per_day:
+                raise TenantLimited(f"tenant {tenant!r} has used its daily token quota "
+                                    "(tokens_per_day); it renews at 00:00 UTC",
+                                    reason="daily_quota",
+                                    retry_after_s=(day + 1) * DAY_S - wall)
+        if st.requests is not None:
+            wait = st.requests.wait_for(1.0, now)
+            if wait > 0:
+                raise TenantLimited(f"tenant {tenant!r} is over its request rate "
+                                    "(requests_per_s)", reason="requests",
+                                    retry_after_s=wait)
+        if st.tokens is not None:
+            wait = st.tokens.wait_for(max(1, prompt_tokens), now)
+            if wait > 0:
+                raise TenantLimited(f"tenant {tenant!r} is over its token rate "
+                                    "(tokens_per_min)", reason="tokens", retry_after_s=wait)
+        if st.requests is not None:
+            st.requests.debit(1.0, now)
+        if st.tokens is not None:
+            st.tokens.debit(prompt_tokens, now)
+        st.in_flight += 1
+
+    def release(self, tenant: str, tokens: float, prompt_estimate: int, now: float,
+                wall: float) -> None:
+        """The request of :meth:`admit` ended having used ``tokens`` (prompt + output
+        from ``usage``; the estimate taken at admission is given back first)."""
+        st = self.state.get(tenant)
+        if st is None:
+            return
+        st.in_flight = max(0, st.in_flight - 1)
+        if st.tokens is not None:
+            st.tokens.debit(tokens - prompt_estimate, now)
+        if st.tokens_per_day is not None:
+            day = int(wall // DAY_S)
+            if day != st.day:
+                st.day, st.day_tokens = day, 0.0
+            st.day_tokens += tokens
+
+
+# -- the fair queue ----------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Waiter:
+    """One request waiting in the :class:`FairQueue`; ``payload`` is the caller's (a
+    future the live balancer wakes)."""
+
+    model: str
+    tenant: str
+    cls: str
+    cost: float  # charged to the tenant's counter when released (prompt tokens)
+    since: float
+    payload: Any = None
+    seq: int = field(default=0)
+
+
+class FairQueue:
+    """See the module docstring. ``max_wait_s``: the aging bound per class (a class
+    absent has none); ``weights``: per tenant (default 1); ``capacity``: waiters in all,
+    beyond it :meth:`push` raises :class:`Overloaded`."""
+
+    def __init__(self, classes: Iterable[str], *, max_wait_s: Mapping[str, float] | None = None,
+                 weights: Mapping[str, float] | None = None, capacity: int = 1024) -> None:
+        self.classes = tuple(classes)
+        self.max_wait_s = dict(max_wait_s or {})
+        self.weights = dict(weights or {})
+        self.capacity = capacity
+        self.counters: dict[str, float] = {}  # tenant -> service / weight (VTC)
+        # model -> class -> tenant -> waiters in arrival order (keyed by seq)
+        self._q: dict[str, dict[str, dict[str, OrderedDict[int, Waiter]]]] = {}
+        self._seq = 0
+        self.waiting = 0
+
+    def __len__(self) -> int:
+        return self.waiting
+
+    def models(self) -> list[str]:
+        return list(self._q)
+
+    def push(self, w: Waiter) -> None:
+        if self.waiting >= self.capacity:
+            raise Overloaded(f"the balancer's tenant queue is full ({self.capacity} "
+                             "requests waiting)")
+        by_cls = self._q.setdefault(w.model, {})
+        by_tenant = by_cls.setdefault(w.cls, {})
+        fifo = by_tenant.get(w.tenant)
+        if fifo is None:
+            # Newly backlogged here: lifted to the least counter of the backlogged ones,
+            # so a tenant that was idle gets no credit for it (VTC's lift).
+            others = [self.counters.get(t, 0.0) for t in by_tenant]
+            mine = self.counters.get(w.tenant, 0.0)
+            if others:
+                mine = max(mine, min(others))
+            self.counters[w.tenant] = mine
+            fifo = by_tenant[w.tenant] = OrderedDict()
+        self._seq += 1
+        w.seq = self._seq
+        fifo[w.seq] = w
+        self.waiting += 1
+
+    def remove(self, w: Waiter) -> bool:
+        """Take out a waiter that timed out or whose client left (False: not here)."""
+        by_cls = self._q.get(w.model)
+        by_tenant = by_cls.get(w.cls) if by_cls else None
+        fifo = by_tenant.get(w.tenant) if by_tenant else None
+        if fifo is None or fifo.pop(w.seq, None) is None:
+            return False
+        self._prune(w)
+        return True
+
+    def _prune(self, w: Waiter) -> None:
+        self.waiting -= 1
+        by_cls = self._q[w.model]
+        by_tenant = by_cls[w.cls]
+        if not by_tenant[w.tenant]:
+            del by_tenant[w.tenant]
+            if not by_tenant:
+                del by_cls[w.cls]
+                if not by_cls:
+                    del self._q[w.model]
+
+    def charge(self, tenant: str, tokens: float) -> None:
+        """Service received (tokens) by ``tenant``: output tokens as the response ends."""
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + \
+            tokens / self.weights.get(tenant, 1.0)
+
+    def _class_to_serve(self, by_cls: dict[str, dict[str, OrderedDict[int, Waiter]]],
+                        now: float) -> str:
+        present = [c for c in self.classes if c in by_cls]
+        # Aging: of the classes whose oldest waiter is past its bound, the one past it by
+        # most; otherwise the best class.
+        overdue: tuple[float, str] | None = None
+        for c in present[1:]:
+            bound = self.max_wait_s.get(c)
+            if bound is None:
+                continue
+            oldest = min(next(iter(f.values())).since for f in by_cls[c].values())
+            late = now - oldest - bound
+            if late >= 0 and (overdue is None or late > overdue[0]):
+                overdue = (late, c)
+        return overdue[1] if overdue is not None else present[0]
+
+    def pop(self, model: str, now: float) -> Waiter | None:
+        """The next waiter for ``model`` (None: none), removed and charged its cost."""
+        by_cls = self._q.get(model)
+        if not by_cls:
+            return None
+        by_tenant = by_cls[self._class_to_serve(by_cls, now)]
+        # Least counter first; ties by arrival, so equal tenants alternate.
+        tenant = min(by_tenant, key=lambda t: (self.counters.get(t, 0.0),
+                                               next(iter(by_tenant[t]))))
+        _, w = by_tenant[tenant].popitem(last=False)
+        self._prune(w)
+        self.charge(tenant, w.cost)
+        return w
+
+
+def tenants_of(cfg: TenantsConfig) -> list[Tenant]:
+    """The configured tenants, and the fallback one when ``tenants.fallback`` is unset."""
+    out = []
+    for t in cfg.members:
+        allowed = tuple(c for c in cfg.classes if t.classes is None or c in t.classes)
+        out.append(Tenant(t.name, t.default_class or cfg.default_class, allowed,
+                          weight=t.weight, requests_per_s=t.requests_per_s,
+                          tokens_per_min=t.tokens_per_min, max_concurrency=t.max_concurrency,
+                          tokens_per_day=t.tokens_per_day))
+    if cfg.fallback is None:
+        out.append(Tenant(DEFAULT_TENANT, cfg.default_class, tuple(cfg.classes)))
+    return out
+
+
+def book_of(cfg: TenantsConfig) -> TenantBook:
+    tenants = tenants_of(cfg)
+    by_name = {t.name: t for t in tenants}
+    keys = {bytes.fromhex(h): t.name for t in cfg.members for h in t.keys_sha256}
+    return TenantBook(tenants, cfg.classes, keys=keys,
+                      fallback=by_name[cfg.fallback or DEFAULT_TENANT], header=cfg.header,
+                      trusted_sources=cfg.trusted_sources,
+                      priority_header=cfg.priority_header)
+
+
+def queue_of(cfg: TenantsConfig, capacity: int) -> FairQueue:
+    return FairQueue(cfg.classes, max_wait_s=cfg.max_wait_s,
+                     weights={t.name: t.weight for t in cfg.members}, capacity=capacity)
+
+
+def release_into(queue: FairQueue, queued: Any, reserved: Mapping[str, int], bound: int,
+                 now: float) -> list[Waiter]:
+    """Waiters to let into the dispatcher now: per model, while its dispatcher queue
+    (``queued(model)``) plus those released but not yet offered (``reserved``) is below
+    ``bound``. The one release rule of the live balancer and the simulator."""
+    out: list[Waiter] = []
+    for model in queue.models():
+        room = bound - queued(model) - reserved.get(model, 0)
+        while room > 0:
+            w = queue.pop(model, now)
+            if w is None:
+                break
+            out.append(w)
+            room -= 1
+    return out
+
+
+__all__ = ["DEFAULT_TENANT", "FairQueue", "Limiter", "Tenant", "TenantBook", "TenantLimited",
+           "TokenBucket", "Waiter", "book_of", "queue_of", "release_into", "tenants_of"]

@@ -1,0 +1,132 @@
+"""The live side of ``skymesh.balancer.tenancy``: a generation request's tenant and class,
+its limits, and its wait in the fair queue, on the event loop.
+
+The handler calls :meth:`TenantGate.admit` (429 over a limit), then
+:meth:`TenantGate.wait_turn` (the fair queue; False at the queue timeout) and offers the
+request to the dispatcher, then :meth:`TenantGate.settle`; its ``finally`` calls
+:meth:`TenantGate.leave` whatever happened. The balancer's pump calls
+:meth:`TenantGate.release`, which wakes the next waiters while the dispatcher's queue
+for their model is short (``tenants.dispatch_queue``). A waiter whose client left or whose
+time ran out is taken out of the queue, and a waiter woken but never offered gives its
+place back in ``leave``: nothing stays behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from skymesh.balancer.config import TenantsConfig
+from skymesh.balancer.metrics import TenantMetrics
+from skymesh.balancer.tenancy import (
+    Limiter,
+    TenantLimited,
+    Waiter,
+    book_of,
+    queue_of,
+    release_into,
+    tenants_of,
+)
+
+
+@dataclass(eq=False)
+class Admission:
+    tenant: str
+    cls: str
+    model: str
+    prompt_tokens: int
+    waiter: Waiter | None = None
+    given_back: bool = False  # its place among the woken (TenantGate.reserved)
+    left: bool = False
+
+
+class TenantGate:
+    def __init__(self, cfg: TenantsConfig, *, share: int, capacity: int,
+                 queued: Callable[[str], int], metrics: TenantMetrics,
+                 clock: Callable[[], float], wall: Callable[[], float] = time.time) -> None:
+        self.book = book_of(cfg)
+        self.limiter = Limiter(tenants_of(cfg), share=share, now=clock())
+        self.queue = queue_of(cfg, capacity)
+        self.bound = cfg.dispatch_queue
+        self.queued = queued  # the dispatcher's queue length for a model
+        self.metrics = metrics
+        self.clock = clock
+        self.wall = wall
+        self.reserved: dict[str, int] = {}  # woken per model, not yet offered
+
+    def admit(self, digest: bytes | None, headers: Mapping[str, str], peer_ip: str | None,
+              model: str, prompt_tokens: int) -> Admission:
+        tenant = self.book.tenant_of(digest, headers, peer_ip)
+        cls = self.book.class_of(tenant, headers)
+        try:
+            self.limiter.admit(tenant.name, prompt_tokens, self.clock(), self.wall())
+        except TenantLimited as exc:
+            self.metrics.limited.labels(tenant.name, exc.reason).inc()
+            raise
+        self.metrics.admitted.labels(tenant.name, cls).inc()
+        return Admission(tenant.name, cls, model, prompt_tokens)
+
+    async def wait_turn(self, adm: Admission, timeout: float) -> bool:
+        """Wait in the fair queue until released (True) or ``timeout`` (False)."""
+        now = self.clock()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        w = adm.waiter = Waiter(adm.model, adm.tenant, adm.cls, adm.prompt_tokens, now, fut)
+        self.queue.push(w)  # Overloaded when full
+        self.release(now)
+        if not fut.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), timeout)
+            except TimeoutError:
+                pass
+            finally:
+                # Timed out or cancelled (client gone) while waiting: out of the queue.
+                self.queue.remove(w)
+                self.metrics.waiting.set(self.queue.waiting)
+        if not fut.done():
+            return False
+        self.metrics.queue_wait.labels(adm.tenant, adm.cls).observe(self.clock() - now)
+        return True
+
+    def release(self, now: float) -> None:
+        for w in release_into(self.queue, self.queued, self.reserved, self.bound, now):
+            fut: asyncio.Future[None] = w.payload
+            if fut.done():  # cannot happen: a done waiter is out of the queue
+                continue
+            fut.set_result(None)
+            self.reserved[w.model] = self.reserved.get(w.model, 0) + 1
+        self.metrics.waiting.set(self.queue.waiting)
+
+    def _release_reservation(self, adm: Admission) -> None:
+        w = adm.waiter
+        if w is None or not w.payload.done() or adm.given_back:
+            return
+        adm.given_back = True  # never twice
+        left = self.reserved.get(adm.model, 0) - 1
+        if left > 0:
+            self.reserved[adm.model] = left
+        else:
+            self.reserved.pop(adm.model, None)
+
+    def settle(self, adm: Admission) -> None:
+        """The woken request is in the dispatcher's queue (or was refused there)."""
+        self._release_reservation(adm)
+
+    def leave(self, adm: Admission, tokens: int) -> None:
+        """The request ended, with ``tokens`` served (prompt + output)."""
+        if adm.left:
+            return
+        adm.left = True
+        self._release_reservation(adm)
+        if adm.waiter is not None:
+            self.queue.remove(adm.waiter)
+        self.limiter.release(adm.tenant, tokens, adm.prompt_tokens, self.clock(), self.wall())
+        output = max(0, tokens - adm.prompt_tokens)
+        if output:
+            self.queue.charge(adm.tenant, output)
+        if tokens:
+            self.metrics.tokens.labels(adm.tenant, adm.cls).inc(tokens)
+
+
+__all__ = ["Admission", "TenantGate"]

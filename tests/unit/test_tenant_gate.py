@@ -1,0 +1,96 @@
+"""The live gate (skymesh.balancer.tenant_gate) leaves nothing behind: a waiter that times
+out, a client that goes away while waiting, and one woken but never offered all give back
+their place in the queue, among the woken, and in their tenant's concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from skymesh.balancer.config import TenantsConfig
+from skymesh.balancer.metrics import BalancerMetrics
+from skymesh.balancer.tenancy import TenantLimited
+from skymesh.balancer.tenant_gate import TenantGate
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def gate(queued: dict[str, int]) -> TenantGate:
+    cfg = TenantsConfig(fallback="t", members=[{"name": "t", "max_concurrency": 2}])
+    return TenantGate(cfg, share=1, capacity=10, queued=lambda m: queued.get(m, 0),
+                      metrics=BalancerMetrics().enable_tenants(), clock=Clock(),
+                      wall=lambda: 0.0)
+
+
+def empty(g: TenantGate) -> bool:
+    return len(g.queue) == 0 and g.queue._q == {} and g.reserved == {} and \
+        g.limiter.state["t"].in_flight == 0
+
+
+async def test_passes_straight_through_when_the_dispatcher_queue_is_short() -> None:
+    g = gate({})
+    adm = g.admit(None, {}, None, "m", 10)
+    assert await g.wait_turn(adm, 1.0)
+    assert g.reserved == {"m": 1}
+    g.settle(adm)
+    g.leave(adm, 30)
+    assert empty(g)
+    assert g.queue.counters["t"] == 30  # prompt at release, output at the end
+
+
+async def test_a_timeout_leaves_nothing_behind() -> None:
+    g = gate({"m": 5})  # the dispatcher's queue is long: nothing is released
+    adm = g.admit(None, {}, None, "m", 10)
+    assert not await g.wait_turn(adm, 0.01)
+    g.leave(adm, 0)
+    assert empty(g)
+
+
+async def test_a_client_gone_while_waiting_leaves_nothing_behind() -> None:
+    g = gate({"m": 5})
+    adm = g.admit(None, {}, None, "m", 10)
+    task = asyncio.create_task(g.wait_turn(adm, 60.0))
+    while not len(g.queue):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    g.leave(adm, 0)
+    assert empty(g)
+
+
+async def test_woken_but_never_offered_gives_its_place_back() -> None:
+    queued = {"m": 5}
+    g = gate(queued)
+    adm = g.admit(None, {}, None, "m", 10)
+    task = asyncio.create_task(g.wait_turn(adm, 60.0))
+    while not len(g.queue):
+        await asyncio.sleep(0)
+    queued["m"] = 0
+    g.release(0.0)  # the pump: woken, counted among the woken
+    assert g.reserved == {"m": 1}
+    task.cancel()  # the client leaves before the handler offers it
+    with contextlib.suppress(asyncio.CancelledError):  # or it had already returned
+        await task
+    g.leave(adm, 0)
+    g.leave(adm, 0)  # twice (a finally after an except): still once
+    assert empty(g)
+
+
+async def test_concurrency_limit_counts_until_leave() -> None:
+    g = gate({})
+    a, b = g.admit(None, {}, None, "m", 1), g.admit(None, {}, None, "m", 1)
+    with pytest.raises(TenantLimited):
+        g.admit(None, {}, None, "m", 1)
+    g.leave(a, 0)
+    g.leave(b, 0)
+    g.leave(g.admit(None, {}, None, "m", 1), 0)
+    assert empty(g)
