@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from skymesh.balancer.dispatch import DEFAULT_HOLD_S, Dispatcher, Ticket
+from skymesh.balancer.tenancy import FairQueue, Waiter, release_into
 from skymesh.policies.base import Policy, RequestTiming, RouteRequest
 from skymesh.policies.load import PushMode
 from skymesh.policies.peers import (
@@ -59,6 +60,16 @@ class RequestRecord:
     migrations: int = 0
     # Prefix hit of the current replica's admission (the first one's is ``hit_tokens``).
     segment_hit_tokens: int = 0
+
+
+@dataclass
+class SimTenancy:
+    """The fair queue a :class:`SimBalancer` orders its requests with: ``classify`` gives
+    a request's (tenant, class); ``bound``: ``tenants.dispatch_queue``."""
+
+    queue: FairQueue
+    classify: Callable[[RequestRecord], tuple[str, str]]
+    bound: int = 2
 
 
 class SimReplica:
@@ -192,6 +203,9 @@ class SimBalancer:
         # first token at or None); what timing-aware and migrating policies observe.
         self._sent: dict[str, tuple[Ticket, float, float | None]] = {}
         self._rechecking = False
+        # Tenancy's fair queue in front of the dispatcher (skymesh.balancer.tenancy), as
+        # the live balancer's with a tenants section; None: first come, first served.
+        self.tenancy: SimTenancy | None = None
 
     @property
     def policy(self) -> Policy:
@@ -215,7 +229,13 @@ class SimBalancer:
     def _enqueue(self, rec: RequestRecord, route: RouteRequest) -> None:
         ticket = Ticket(route, self.loop.now, payload=rec)
         rec.path.append((self, ticket))
-        self.dispatcher.offer(ticket, self.loop.now)
+        ten = self.tenancy
+        if ten is not None and not route.forwarded:  # forwarded: ordered at its origin
+            tenant, cls = ten.classify(rec)
+            ten.queue.push(Waiter(route.model, tenant, cls, route.prompt_len,
+                                  self.loop.now, ticket))
+        else:
+            self.dispatcher.offer(ticket, self.loop.now)
         if not self._probing:
             self._probing = True
             self._probe()
@@ -273,7 +293,15 @@ class SimBalancer:
             self._pump()
 
     # -- dispatch --------------------------------------------------------------------------
+    def _release(self) -> None:
+        ten = self.tenancy
+        if ten is not None and ten.queue.waiting:
+            now, d = self.loop.now, self.dispatcher
+            for w in release_into(ten.queue, d.queue_length, {}, ten.bound, now):
+                d.offer(w.payload, now)
+
     def _pump(self) -> None:
+        self._release()
         for ticket in self.dispatcher.pump(self.loop.now):
             rec: RequestRecord = ticket.payload
             target = ticket.target or ""
@@ -287,6 +315,7 @@ class SimBalancer:
             self._sent[ticket.key] = (ticket, self.loop.now, None)
             rep = self.replicas[target]
             self.loop.after(self.net.one_way(self.region, rep.region), self._deliver, rec, rep)
+        self._release()  # refilled: the next pump places them
         queued = self.dispatcher.queued
         if queued > self.max_queue:
             self.max_queue = queued
@@ -316,6 +345,9 @@ class SimBalancer:
                                       self._timing(ticket, finished=True))
             del self._sent[ticket.key]
         target = ticket.target
+        if self.tenancy is not None and ok and not ticket.route.forwarded:
+            rec_: RequestRecord = ticket.payload  # its output: service received (VTC)
+            self.tenancy.queue.charge(self.tenancy.classify(rec_)[0], rec_.item.output_len)
         self.dispatcher.complete(ticket, self.loop.now, ok=ok)
         if ok and target is not None:
             # The replica (or the peer region's) cache now holds prompt and output.
