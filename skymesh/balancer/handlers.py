@@ -169,7 +169,9 @@ class Handlers:
         """The request's tenant and class, its limits (429), and its turn in the fair
         queue (503 at the queue timeout, as in the dispatcher's queue)."""
         digest = self.edge.keys.digest_of(request.headers.get("Authorization"))
-        adm = gate.admit(digest, request.headers, request.remote, model, prompt_tokens)
+        tenant, cls = gate.classify(digest, request.headers, request.remote)
+        note(request, tenant=tenant, priority=cls)  # the access log's, refused or not
+        adm = gate.admit(tenant, cls, model, prompt_tokens)
         try:
             if not await gate.wait_turn(adm, max(0.0, t0 + timeout - self.core.now())):
                 raise NoCapacity(f"no replica could take the request within {timeout:.1f} s",

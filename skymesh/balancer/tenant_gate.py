@@ -1,9 +1,10 @@
 """The live side of ``skymesh.balancer.tenancy``: a generation request's tenant and class,
 its limits, and its wait in the fair queue, on the event loop.
 
-The handler calls :meth:`TenantGate.admit` (429 over a limit), then
-:meth:`TenantGate.wait_turn` (the fair queue; False at the queue timeout) and offers the
-request to the dispatcher, then :meth:`TenantGate.settle`; its ``finally`` calls
+The handler calls :meth:`TenantGate.classify` (tenant and class), :meth:`TenantGate.admit`
+(429 over a limit), then :meth:`TenantGate.wait_turn` (the fair queue; False at the queue
+timeout), offers the request to the dispatcher and calls :meth:`TenantGate.settle`; its
+``finally`` calls
 :meth:`TenantGate.leave` whatever happened. The balancer's pump calls
 :meth:`TenantGate.release`, which wakes the next waiters while the dispatcher's queue
 for their model is short (``tenants.dispatch_queue``). A waiter whose client left or whose
@@ -56,17 +57,21 @@ class TenantGate:
         self.wall = wall
         self.reserved: dict[str, int] = {}  # woken per model, not yet offered
 
-    def admit(self, digest: bytes | None, headers: Mapping[str, str], peer_ip: str | None,
-              model: str, prompt_tokens: int) -> Admission:
+    def classify(self, digest: bytes | None, headers: Mapping[str, str],
+                 peer_ip: str | None) -> tuple[str, str]:
+        """The request's (tenant, class); 400 for a class or trusted tenant that is none."""
         tenant = self.book.tenant_of(digest, headers, peer_ip)
-        cls = self.book.class_of(tenant, headers)
+        return tenant.name, self.book.class_of(tenant, headers)
+
+    def admit(self, tenant: str, cls: str, model: str, prompt_tokens: int) -> Admission:
+        """Past the tenant's limits (:class:`TenantLimited`, a 429, otherwise)."""
         try:
-            self.limiter.admit(tenant.name, prompt_tokens, self.clock(), self.wall())
+            self.limiter.admit(tenant, prompt_tokens, self.clock(), self.wall())
         except TenantLimited as exc:
-            self.metrics.limited.labels(tenant.name, exc.reason).inc()
+            self.metrics.limited.labels(tenant, exc.reason).inc()
             raise
-        self.metrics.admitted.labels(tenant.name, cls).inc()
-        return Admission(tenant.name, cls, model, prompt_tokens)
+        self.metrics.admitted.labels(tenant, cls).inc()
+        return Admission(tenant, cls, model, prompt_tokens)
 
     async def wait_turn(self, adm: Admission, timeout: float) -> bool:
         """Wait in the fair queue until released (True) or ``timeout`` (False)."""

@@ -14,7 +14,8 @@ Fields: ``request_id`` (the ``X-Request-Id`` the balancer echoes), ``method``, `
 one), ``ttft_ms`` (to the first byte of a streamed body; for a whole body, to when it
 was ready), ``duration_ms``, ``prompt_tokens``/``completion_tokens`` (when the response
 carries OpenAI ``usage``: a whole body, or a stream with ``include_usage``), ``client``
-(peer address of the connection), and ``trace_id`` when the request is traced.
+(peer address of the connection), and ``trace_id`` when the request is traced;
+``tenant`` and ``priority`` (its class) when the balancer has tenants (docs/tenancy.md).
 
 Times come from an injected clock (``time.perf_counter``). A streamed body is observed by
 wrapping its ``write`` when its headers are prepared: aiohttp has no server-side hook for
@@ -83,6 +84,8 @@ class AccessRecord:
     model: str | None = None
     served_by: str | None = None
     via: str | None = None
+    tenant: str | None = None  # with tenants (note(tenant=...)), and its priority class
+    priority: str | None = None
     status: int | None = None  # once headers are prepared
     first_byte_at: float | None = None
     disconnected: bool = False  # the balancer saw the client leave (note(left=True))
@@ -96,7 +99,8 @@ RECORD_KEY = web.RequestKey("skymesh.obs.access", AccessRecord)
 
 
 def note(request: web.Request, *, model: str | None = None, served_by: str | None = None,
-         peer: bool = False, left: bool = False) -> None:
+         peer: bool = False, left: bool = False, tenant: str | None = None,
+         priority: str | None = None) -> None:
     """Tell the access record the request's model, or who serves it (a replica URL, or a
     peer balancer's id with ``peer``); the last attempt's wins. ``left``: the client went
     away and the handler ends normally (a write to it failed), logged as disconnected."""
@@ -109,6 +113,8 @@ def note(request: web.Request, *, model: str | None = None, served_by: str | Non
         rec.model = model
     if served_by is not None:
         rec.served_by, rec.via = served_by, "peer" if peer else "replica"
+    if tenant is not None:
+        rec.tenant, rec.priority = tenant, priority
 
 
 def upstream_span(request: web.Request, target: str, *, attempt: int = 1,
@@ -236,6 +242,8 @@ class _Access:
         }
         if disconnected:
             fields["disconnected"] = True
+        if rec.tenant is not None:
+            fields["tenant"], fields["priority"] = rec.tenant, rec.priority
         if rec.span is not None:  # the span ends with the middleware: fill it in now
             from skymesh.obs.tracing import trace_id
 

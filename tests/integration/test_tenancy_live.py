@@ -136,6 +136,8 @@ async def test_fair_queue_serves_interactive_ahead_of_a_batch_flood(
     assert m['skymesh_tenant_admitted_total{priority="interactive",tenant="web"}'] == 1
     assert m['skymesh_tenant_queue_length'] == 0  # nothing left behind
     assert m['skymesh_tenant_tokens_total{priority="batch",tenant="bulk"}'] > 0
+    log = (tmp_path / "fair" / "lb.log").read_text()
+    assert "tenant=web" in log and "priority=interactive" in log  # the access log's
 
 
 async def test_a_tenant_over_its_rate_gets_429_with_retry_after(

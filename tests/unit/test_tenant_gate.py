@@ -37,7 +37,8 @@ def empty(g: TenantGate) -> bool:
 
 async def test_passes_straight_through_when_the_dispatcher_queue_is_short() -> None:
     g = gate({})
-    adm = g.admit(None, {}, None, "m", 10)
+    assert g.classify(None, {"X-SkyMesh-Priority": "batch"}, None) == ("t", "batch")
+    adm = g.admit("t", "standard", "m", 10)
     assert await g.wait_turn(adm, 1.0)
     assert g.reserved == {"m": 1}
     g.settle(adm)
@@ -48,7 +49,7 @@ async def test_passes_straight_through_when_the_dispatcher_queue_is_short() -> N
 
 async def test_a_timeout_leaves_nothing_behind() -> None:
     g = gate({"m": 5})  # the dispatcher's queue is long: nothing is released
-    adm = g.admit(None, {}, None, "m", 10)
+    adm = g.admit("t", "standard", "m", 10)
     assert not await g.wait_turn(adm, 0.01)
     g.leave(adm, 0)
     assert empty(g)
@@ -56,7 +57,7 @@ async def test_a_timeout_leaves_nothing_behind() -> None:
 
 async def test_a_client_gone_while_waiting_leaves_nothing_behind() -> None:
     g = gate({"m": 5})
-    adm = g.admit(None, {}, None, "m", 10)
+    adm = g.admit("t", "standard", "m", 10)
     task = asyncio.create_task(g.wait_turn(adm, 60.0))
     while not len(g.queue):
         await asyncio.sleep(0)
@@ -70,7 +71,7 @@ async def test_a_client_gone_while_waiting_leaves_nothing_behind() -> None:
 async def test_woken_but_never_offered_gives_its_place_back() -> None:
     queued = {"m": 5}
     g = gate(queued)
-    adm = g.admit(None, {}, None, "m", 10)
+    adm = g.admit("t", "standard", "m", 10)
     task = asyncio.create_task(g.wait_turn(adm, 60.0))
     while not len(g.queue):
         await asyncio.sleep(0)
@@ -87,10 +88,10 @@ async def test_woken_but_never_offered_gives_its_place_back() -> None:
 
 async def test_concurrency_limit_counts_until_leave() -> None:
     g = gate({})
-    a, b = g.admit(None, {}, None, "m", 1), g.admit(None, {}, None, "m", 1)
+    a, b = g.admit("t", "standard", "m", 1), g.admit("t", "standard", "m", 1)
     with pytest.raises(TenantLimited):
-        g.admit(None, {}, None, "m", 1)
+        g.admit("t", "standard", "m", 1)
     g.leave(a, 0)
     g.leave(b, 0)
-    g.leave(g.admit(None, {}, None, "m", 1), 0)
+    g.leave(g.admit("t", "standard", "m", 1), 0)
     assert empty(g)
