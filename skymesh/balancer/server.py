@@ -53,7 +53,7 @@ from skymesh.balancer.kv_feed import ExactScorer, KVFeeds
 from skymesh.balancer.mesh_link import FORWARDED_HEADER, MeshLink
 from skymesh.balancer.metrics import BalancerMetrics
 from skymesh.balancer.moves import Mover
-from skymesh.balancer.overload import DrainMeter, RetryBook, outage, stranded
+from skymesh.balancer.overload import DrainMeter, RetryBook, can_serve, outage, stranded
 from skymesh.balancer.passthrough import Passthrough
 from skymesh.balancer.prediction import LivePredictor
 from skymesh.balancer.probing import Prober
@@ -303,6 +303,10 @@ class Balancer:
         gate = self.handlers.gate
         if gate is not None and gate.queue.waiting:  # the tenants' fair queue, behind it
             gate.release(self.now())
+            if gate.queue.waiting:
+                d = self.dispatcher
+                gate.fail_stranded(lambda m: can_serve(d, m),
+                                   lambda m: outage(d, m, self.rng.random()))
 
     def _pump(self) -> None:
         d = self.dispatcher

@@ -322,6 +322,14 @@ class FairQueue:
                 if not by_cls:
                     del self._q[w.model]
 
+    def drain(self, model: str) -> list[Waiter]:
+        """Take out every waiter for ``model`` (nothing can serve it), uncharged."""
+        by_cls = self._q.pop(model, {})
+        out = [w for by_tenant in by_cls.values() for fifo in by_tenant.values()
+               for w in fifo.values()]
+        self.waiting -= len(out)
+        return out
+
     def charge(self, tenant: str, tokens: float) -> None:
         """Service received (tokens) by ``tenant``: output tokens as the response ends."""
         self.counters[tenant] = self.counters.get(tenant, 0.0) + \

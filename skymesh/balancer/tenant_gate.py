@@ -91,6 +91,7 @@ class TenantGate:
                 self.metrics.waiting.set(self.queue.waiting)
         if not fut.done():
             return False
+        fut.result()  # raises fail_stranded's error
         self.metrics.queue_wait.labels(adm.tenant, adm.cls).observe(self.clock() - now)
         return True
 
@@ -103,9 +104,23 @@ class TenantGate:
             self.reserved[w.model] = self.reserved.get(w.model, 0) + 1
         self.metrics.waiting.set(self.queue.waiting)
 
+    def fail_stranded(self, servable: Callable[[str], bool],
+                      error: Callable[[str], Exception]) -> None:
+        """Waiters for a model nothing up serves get ``error(model)`` (a 503) now, not
+        at the queue timeout, as the dispatcher's queue does."""
+        for model in self.queue.models():
+            if servable(model):
+                continue
+            for w in self.queue.drain(model):
+                fut: asyncio.Future[None] = w.payload
+                if not fut.done():
+                    fut.set_exception(error(model))
+        self.metrics.waiting.set(self.queue.waiting)
+
     def _release_reservation(self, adm: Admission) -> None:
         w = adm.waiter
-        if w is None or not w.payload.done() or adm.given_back:
+        if w is None or not w.payload.done() or w.payload.exception() is not None \
+                or adm.given_back:
             return
         adm.given_back = True  # never twice
         left = self.reserved.get(adm.model, 0) - 1

@@ -268,3 +268,19 @@ def test_keys_trusted_header_and_classes_resolve() -> None:
 def test_bad_tenants_config_names_the_culprit(tenants: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         parse_config({"tenants": tenants})
+
+
+def test_two_balancers_hold_the_regions_rate_within_ten_percent() -> None:
+    """A tenant at 3x its limit, its requests spread over two balancers (each with half
+    the limit): the region admits the limit, within 10% over a minute."""
+    lbs = [Limiter([tenant("a", requests_per_s=10.0)], share=2, now=0.0) for _ in range(2)]
+    admitted, now, i = 0, 0.0, 0
+    while now < 60.0:
+        try:
+            lbs[i % 2].admit("a", 1, now, 0.0)
+            admitted += 1
+        except TenantLimited:
+            pass
+        i += 1
+        now = i / 30.0  # 30 requests/s, 3x the limit
+    assert abs(admitted / 60.0 - 10.0) <= 1.0

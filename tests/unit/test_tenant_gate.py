@@ -10,6 +10,7 @@ import contextlib
 import pytest
 
 from skymesh.balancer.config import TenantsConfig
+from skymesh.balancer.errors import NoHealthyReplica
 from skymesh.balancer.metrics import BalancerMetrics
 from skymesh.balancer.tenancy import TenantLimited
 from skymesh.balancer.tenant_gate import TenantGate
@@ -94,4 +95,19 @@ async def test_concurrency_limit_counts_until_leave() -> None:
     g.leave(a, 0)
     g.leave(b, 0)
     g.leave(g.admit("t", "standard", "m", 1), 0)
+    assert empty(g)
+
+
+async def test_waiters_for_a_model_nothing_serves_fail_at_once() -> None:
+    g = gate({"m": 5})
+    adm = g.admit("t", "standard", "m", 10)
+    task = asyncio.create_task(g.wait_turn(adm, 60.0))
+    while not len(g.queue):
+        await asyncio.sleep(0)
+    g.fail_stranded(lambda m: True, lambda m: NoHealthyReplica(m))
+    assert len(g.queue) == 1  # still served somewhere: it waits
+    g.fail_stranded(lambda m: m != "m", lambda m: NoHealthyReplica(m))
+    with pytest.raises(NoHealthyReplica):
+        await task
+    g.leave(adm, 0)
     assert empty(g)
