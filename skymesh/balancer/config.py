@@ -596,6 +596,9 @@ def _check_tenants(t: TenantsConfig) -> None:
                 raise ConfigError(f"{where}.keys_sha256: {h[:16]}... names another "
                                   "tenant's key too")
             digests.add(h)
+    if t.header is not None and not t.trusted_sources:
+        raise ConfigError("tenants.header: honoured only from tenants.trusted_sources; "
+                          "list the gateway's addresses there")
     if t.fallback is not None and t.fallback not in names:
         raise ConfigError(f"tenants.fallback: {t.fallback!r} is not a tenant in tenants.members")
 

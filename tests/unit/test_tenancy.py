@@ -264,6 +264,7 @@ def test_keys_trusted_header_and_classes_resolve() -> None:
                   {"name": "y", "keys_sha256": [digest_hex("k")]}]}, "another tenant"),
     ({"fallback": "nobody"}, "fallback"),
     ({"trusted_sources": ["not-an-ip"]}, "CIDR"),
+    ({"header": "X-Tenant"}, "trusted_sources"),
 ])
 def test_bad_tenants_config_names_the_culprit(tenants: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
