@@ -23,7 +23,8 @@ Pure: no sockets, no sleeps; every clock is passed in, so tests drive a fake one
   serve); within a class the backlogged tenant with the least service first, a virtual
   token counter over prompt + output tokens divided by the tenant's weight (Sheng et al.,
   "Fairness in Serving Large Language Models", OSDI'24): a tenant that becomes backlogged
-  is lifted to the least counter of those already backlogged, so idle time is not credit.
+  is lifted to the least counter of those already backlogged (with none, to the counter
+  last served there), so idle time is not credit.
 """
 
 from __future__ import annotations
@@ -273,6 +274,9 @@ class FairQueue:
         self._q: dict[str, dict[str, dict[str, OrderedDict[int, Waiter]]]] = {}
         self._seq = 0
         self.waiting = 0
+        # (model, class) -> the counter of the tenant last served there (bounded: models
+        # are the replicas', classes configured)
+        self._last: dict[tuple[str, str], float] = {}
 
     def __len__(self) -> int:
         return self.waiting
@@ -290,10 +294,11 @@ class FairQueue:
         if fifo is None:
             # Newly backlogged here: lifted to the least counter of the backlogged ones,
             # so a tenant that was idle gets no credit for it (VTC's lift).
+            # With none backlogged, to the counter last served here (VTC's rule for an
+            # empty queue), so a newcomer cannot run alone for the service others had.
             others = [self.counters.get(t, 0.0) for t in by_tenant]
-            mine = self.counters.get(w.tenant, 0.0)
-            if others:
-                mine = max(mine, min(others))
+            floor = min(others) if others else self._last.get((w.model, w.cls), 0.0)
+            mine = max(self.counters.get(w.tenant, 0.0), floor)
             self.counters[w.tenant] = mine
             fifo = by_tenant[w.tenant] = OrderedDict()
         self._seq += 1
@@ -361,6 +366,7 @@ class FairQueue:
         tenant = min(by_tenant, key=lambda t: (self.counters.get(t, 0.0),
                                                next(iter(by_tenant[t]))))
         _, w = by_tenant[tenant].popitem(last=False)
+        self._last[(model, w.cls)] = self.counters.get(tenant, 0.0)
         self._prune(w)
         self.charge(tenant, w.cost)
         return w

@@ -147,6 +147,20 @@ def test_vtc_lifts_a_newly_backlogged_tenant_to_the_least_backlogged_counter() -
     assert sorted(order[:2]) == ["busy", "idle"]
 
 
+def test_a_newcomer_to_an_empty_queue_gets_no_credit_for_others_past_service() -> None:
+    q = FairQueue(CLASSES)
+    for _ in range(50):  # busy alone, served, the queue empties
+        q.push(w("busy"))
+    while q.pop("m", 0.0) is not None:
+        pass
+    q.push(w("new"))  # arrives at an empty queue: lifted to what was served last
+    for _ in range(5):
+        q.push(w("busy"))
+        q.push(w("new"))
+    got = [q.pop("m", 0.0).tenant for _ in range(8)]  # type: ignore[union-attr]
+    assert got.count("new") <= 5  # alternating, not six in a row for the newcomer
+
+
 def test_weights_divide_the_counter() -> None:
     q = FairQueue(CLASSES, weights={"gold": 3.0})
     for _ in range(40):
