@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,9 +82,10 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-async def batch_done_before_interactive(lb: Daemon, queued_series: str) -> int:
+async def batch_done_before_interactive(lb: Daemon, queued_series: str
+                                        ) -> tuple[int, float]:
     """Flood with the batch tenant, then send one interactive request: how many batch
-    requests had finished when it did."""
+    requests had finished when it did (and its latency, printed only)."""
     async with aiohttp.ClientSession() as s:
         model = await model_of(s, lb)
         body = {"model": model, "max_tokens": 8, "prompt": "tell me"}
@@ -104,32 +106,34 @@ async def batch_done_before_interactive(lb: Daemon, queued_series: str) -> int:
             return m.get(queued_series, 0.0) >= FLOOD - 6
 
         await until(backlogged, f"the flood waiting ({queued_series})", timeout=60)
+        t0 = time.perf_counter()
         async with s.post(lb.url + "/v1/completions", json=body,
                           headers=bearer(WEB_KEY)) as r:
             assert r.status == 200, await r.text()
             await r.read()
-        seen = done
+        seen, took = done, time.perf_counter() - t0
         await asyncio.gather(*flood)
-        return seen
+        return seen, took
 
 
 async def test_fair_queue_serves_interactive_ahead_of_a_batch_flood(
         tmp_path: Path, replica: Daemon) -> None:
     lb = start(tmp_path / "fcfs", replica.url, None)
     try:
-        fcfs = await batch_done_before_interactive(lb, "skymesh_queue_length")
+        fcfs, fcfs_s = await batch_done_before_interactive(lb, "skymesh_queue_length")
     finally:
         lb.stop()
     lb = start(tmp_path / "fair", replica.url, TENANTS)
     try:
-        fair = await batch_done_before_interactive(lb, "skymesh_tenant_queue_length")
+        fair, fair_s = await batch_done_before_interactive(lb, "skymesh_tenant_queue_length")
         async with aiohttp.ClientSession() as s:
             m = await get_metrics(s, lb.url)
     finally:
         lb.stop()
     # FCFS: behind everything queued before it. Fair: behind what was running or
     # already in the dispatcher's queue (dispatch_queue: 1) and not much more.
-    print(f"batch requests done before the interactive one: fcfs {fcfs}, fair {fair}")
+    print(f"batch requests done before the interactive one: fcfs {fcfs}, fair {fair}; "
+          f"its latency: fcfs {fcfs_s:.2f} s, fair {fair_s:.2f} s")
     assert fcfs >= FLOOD - 6, (fcfs, fair)
     assert fair <= 4, (fcfs, fair)
     assert m['skymesh_tenant_admitted_total{priority="batch",tenant="bulk"}'] == FLOOD
