@@ -11,6 +11,10 @@ settles the dispatcher's counters whatever happens, including a client that goes
 replica). Every error the balancer answers itself is an OpenAI-shaped body
 (``skymesh.balancer.edge.error_response``).
 
+With a ``tenants`` section (``skymesh.balancer.tenant_gate``), the request is given a
+tenant and class, checked against the tenant's limits (429) and waits its turn in the
+fair queue before it is offered to the dispatcher.
+
 The request's deadline (``X-SkyMesh-Deadline-Ms`` or its SLO class, ``slo`` in the
 config) reaches every policy as ``RouteRequest.deadline_s``. The rest is for predictive
 policies (``goodserve``, ``preserve``), and only they pay for it: a predicted output length
@@ -91,7 +95,8 @@ class Handlers:
         outcome = "error"
         ticket: Ticket | None = None
         holder: bytes | None = None
-        gate, admission = self.gate, None  # admission: Admission | None
+        gate = self.gate
+        admission: Admission | None = None
         forwarded = self.forwarded_by_peer(request)
         try:
             self.authorize(request, forwarded)
