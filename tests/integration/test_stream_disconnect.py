@@ -84,7 +84,9 @@ async def lb_and_replica() -> AsyncIterator[tuple[Daemon, HeldReplica]]:
     server = await asyncio.start_server(replica.handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     lb = await asyncio.to_thread(start_daemon, "skymesh-lb", [
-        "--port", "0", "--replicas", f"http://127.0.0.1:{port}", "--policy", "round-robin"])
+        "--port", "0", "--replicas", f"http://127.0.0.1:{port}", "--policy", "round-robin",
+        # One process: the test stops the process that serves the stream (SIGSTOP).
+        "--workers", "1"])
     try:
         yield lb, replica
     finally:
