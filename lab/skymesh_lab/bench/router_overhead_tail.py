@@ -79,11 +79,16 @@ class Instruments:
         self.opened: dict[int, float] = {}
         self.first_wait: list[float] = []
         self.upstream_connects = 0
+        # Client connections, to sample how many have reading stopped on their transport.
+        self.conns: dict[int, Any] = {}
+        self.not_reading: list[float] = []
+        self.pauses = 0
 
     def reset(self) -> None:
         with self.lock:
             self.handler, self.lag, self.first_wait = [], [], []
             self.upstream_connects = 0
+            self.not_reading, self.pauses = [], 0
             self.gc = {0: [], 1: [], 2: []}
 
     def add(self, xs: list[float], v: float) -> None:
@@ -101,6 +106,8 @@ class Instruments:
             return {"handler": _pcts(self.handler), "loop_lag": _pcts(self.lag),
                     "accept_to_first_handler": _pcts(self.first_wait),
                     "upstream_connects": self.upstream_connects,
+                    "not_reading_max": max(self.not_reading, default=0.0),
+                    "transport_pauses": self.pauses,
                     "gc": {str(g): _pcts(v) for g, v in self.gc.items()}}
 
 
@@ -121,11 +128,19 @@ def serve(stats_path: Path, control_path: Path, gc_mode: str, lb_argv: list[str]
     made = RequestHandler.connection_made
 
     def connection_made(self: RequestHandler, transport: asyncio.BaseTransport) -> None:
+        inst.conns[id(self)] = self
         if len(inst.opened) < RING:
             inst.opened[id(self)] = time.perf_counter()
         made(self, transport)
 
     RequestHandler.connection_made = connection_made  # type: ignore[method-assign]
+    lost = RequestHandler.connection_lost
+
+    def connection_lost(self: RequestHandler, exc: BaseException | None) -> None:
+        inst.conns.pop(id(self), None)
+        lost(self, exc)
+
+    RequestHandler.connection_lost = connection_lost  # type: ignore[method-assign]
     connect = upstream.Upstream._connect
 
     async def counted_connect(self: upstream.Upstream, key: tuple[str, int, bool]) -> Any:
@@ -135,8 +150,8 @@ def serve(stats_path: Path, control_path: Path, gc_mode: str, lb_argv: list[str]
     upstream.Upstream._connect = counted_connect  # type: ignore[method-assign]
     build_app = server.build_app
 
-    def build_app_timed(cfg: Any) -> web.Application:
-        app = build_app(cfg)
+    def build_app_timed(cfg: Any, **kwargs: Any) -> web.Application:
+        app = build_app(cfg, **kwargs)
 
         @web.middleware
         async def timed(request: web.Request,
@@ -163,6 +178,25 @@ def serve(stats_path: Path, control_path: Path, gc_mode: str, lb_argv: list[str]
             await asyncio.sleep(LAG_TICK_S)
             inst.add(inst.lag, max(0.0, time.perf_counter() - t0 - LAG_TICK_S))
 
+    async def reading_monitor() -> None:
+        while True:
+            await asyncio.sleep(0.02)
+            n = 0
+            for h in list(inst.conns.values()):
+                tr = h.transport
+                if tr is not None and not tr.is_closing() and not tr.is_reading():
+                    n += 1
+            inst.add(inst.not_reading, float(n))
+
+    from aiohttp.base_protocol import BaseProtocol
+    pause = BaseProtocol._pause_transport_reading
+
+    def counted_pause(self: Any) -> None:
+        inst.pauses += 1
+        pause(self)
+
+    BaseProtocol._pause_transport_reading = counted_pause  # type: ignore[method-assign]
+
     async def reporter() -> None:
         while True:
             await asyncio.sleep(0.2)
@@ -176,7 +210,8 @@ def serve(stats_path: Path, control_path: Path, gc_mode: str, lb_argv: list[str]
 
     def run_instrumented(main: Coroutine[Any, Any, None]) -> None:
         async def wrapped() -> None:
-            tasks = [asyncio.create_task(lag_monitor()), asyncio.create_task(reporter())]
+            tasks = [asyncio.create_task(lag_monitor()), asyncio.create_task(reporter()),
+                     asyncio.create_task(reading_monitor())]
             try:
                 await main
             finally:
@@ -193,19 +228,38 @@ def serve(stats_path: Path, control_path: Path, gc_mode: str, lb_argv: list[str]
 
     if gc_mode == "asyncio":  # the standard library's loop instead of uvloop
         run = asyncio.run
+    if gc_mode == "loopaccept":  # the loop's own server, as before skymesh.net.accept
+        serving.GuardedSite.start = _loop_server_start  # type: ignore[method-assign]
     serving.run = run_instrumented
     return lb_main(lb_argv)
+
+
+async def _loop_server_start(self: Any) -> None:
+    """GuardedSite.start as it was: ``loop.create_server`` (uvloop: one accept per loop
+    iteration), for the before/after comparison."""
+    from aiohttp import web
+    await web.BaseSite.start(self)
+    server = self._runner.server
+    handshake = self._guard.limits.header_timeout_s if self._ssl_context else None
+    where: dict[str, Any] = ({"sock": self._sock} if self._sock is not None
+                             else {"host": self._host, "port": self._port})
+    self._server = await asyncio.get_running_loop().create_server(
+        self._guard.protocol_factory(server), **where,
+        ssl=self._ssl_context, backlog=self._backlog, ssl_handshake_timeout=handshake)
+    self._bound_port = self._server.sockets[0].getsockname()[1]
 
 
 # -- the measurement -------------------------------------------------------------------
 _LISTENING = re.compile(r"listening on (http://\S+)")
 
 
-def start_wrapped(name: str, cmd: list[str], workdir: Path) -> Daemon:
+def start_wrapped(name: str, cmd: list[str], workdir: Path,
+                  env: dict[str, str] | None = None) -> Daemon:
     """``cmd`` (a wrapped skymesh-lb), once it printed where it listens."""
     log_path = workdir / f"{name}.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
     deadline = time.monotonic() + ro.READY_TIMEOUT_S
     while time.monotonic() < deadline and proc.poll() is None:
         m = _LISTENING.search(log_path.read_text(errors="replace"))
@@ -215,6 +269,10 @@ def start_wrapped(name: str, cmd: list[str], workdir: Path) -> Daemon:
     proc.kill()
     raise RuntimeError(f"{name} did not start:\n{log_path.read_text()[-2000:]}")
 
+
+# Modes that are another mode plus environment variables for skymesh-lb's process.
+MODE_GC = {"uvnouring": "tuned"}
+MODE_ENV = {"uvnouring": {"UV_USE_IO_URING": "0"}}
 
 # (skymesh-lb instance "GC mode-replicas", connections)
 VARIANTS = (("tuned-2", 64), ("tuned-2", 256), ("tuned-4", 256), ("nogc-2", 256))
@@ -280,7 +338,8 @@ def _closed(url: str) -> float:
 
 
 def measure(rounds: int, duration_s: float, seed: int,
-            variants: tuple[tuple[str, int], ...] = VARIANTS) -> dict[str, Any]:
+            variants: tuple[tuple[str, int], ...] = VARIANTS,
+            lb_workers: int = 1) -> dict[str, Any]:
     rng = random.Random(seed)
     out: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="c256-tail-") as tmp:
@@ -291,15 +350,17 @@ def measure(rounds: int, duration_s: float, seed: int,
         try:
             for name in sorted({m for m, _ in variants}):
                 gc_mode, n_replicas = name.split("-")
+                env = MODE_ENV.get(gc_mode, {})
+                gc_mode = MODE_GC.get(gc_mode, gc_mode)
                 stats, control = work / f"{name}.stats", work / f"{name}.control"
-                argv = ["--port", "0", "--replicas",
+                argv = ["--port", "0", "--workers", str(lb_workers), "--replicas",
                         ",".join(d.url for d in stubs[:int(n_replicas)]),
                         *ro.CONFIG_FLAGS[ro.SKYMESH]["rr"]]
                 d = start_wrapped(
                     f"skymesh-lb-{name}",
                     [sys.executable, "-m", "skymesh_lab.bench.router_overhead_tail",
                      "--serve", str(stats), "--control", str(control), "--gc", gc_mode,
-                     "--", *argv], work)
+                     "--", *argv], work, env)
                 lbs[name] = (d, stats, control)
             for d, _, _ in lbs.values():
                 ro.wait_ready(d)
@@ -364,7 +425,9 @@ def describe(row: dict[str, Any]) -> str:
             f"{row['unread_request_s'].get('max_ms', 0):.0f} ms, unread answer p99 "
             f"{row['unread_answer_s'].get('p99_ms', 0):.0f} max "
             f"{row['unread_answer_s'].get('max_ms', 0):.0f} ms "
-            f"({row['queue_samples']} samples)")
+            f"({row['queue_samples']} samples) | not reading max "
+            f"{row.get('not_reading_max', 0):.0f}"
+            f", pauses {row.get('transport_pauses', 0)}")
 
 
 def table(res: dict[str, Any]) -> str:
@@ -417,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         ap = argparse.ArgumentParser()
         ap.add_argument("--serve", type=Path)
         ap.add_argument("--control", type=Path)
-        ap.add_argument("--gc", default="tuned", choices=["tuned", "nogc", "asyncio"])
+        ap.add_argument("--gc", default="tuned", choices=["tuned", "nogc", "asyncio", "loopaccept"])
         a = ap.parse_args(argv[:cut])
         return serve(a.serve, a.control, a.gc, argv[cut + 1:])
     ap = argparse.ArgumentParser(prog="python -m skymesh_lab.bench.router_overhead_tail",
@@ -430,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=None, metavar="LIST",
                     help="e.g. tuned-2:256,asyncio-2:256 (MODE-REPLICAS:CONNECTIONS; MODE "
                          "tuned, nogc or asyncio)")
+    ap.add_argument("--lb-workers", type=int, default=1,
+                    help="skymesh-lb's --workers (default 1: the instruments see one process)")
     ap.add_argument("--markdown", type=Path, default=None, metavar="JSON",
                     help="print the table of a run's JSON instead of running")
     a = ap.parse_args(argv)
@@ -438,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     variants = VARIANTS if not a.variants else tuple(
         (v.split(":")[0], int(v.split(":")[1])) for v in a.variants.split(","))
-    res = measure(a.rounds, a.duration, a.seed, variants)
+    res = measure(a.rounds, a.duration, a.seed, variants, a.lb_workers)
     print(table(res))
     if a.json:
         a.json.write_text(json.dumps(res, indent=1) + "\n")
