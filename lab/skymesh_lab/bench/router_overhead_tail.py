@@ -25,6 +25,15 @@ the harness asks ``ss -tin`` how long the bytes waiting in each connection's rec
 queue have waited (``lastrcv`` while the queue is not empty): on the balancer's end (a
 request it has not read yet) and on wrk's end (an answer wrk has not read yet), and
 reports per connection the oldest seen; only connections seen with bytes waiting count.
+The wrapper also samples, every 20 ms, how many client transports have reading stopped
+and counts aiohttp's ``pause_reading`` calls (flow control: never seen at c=256).
+
+More modes: ``loopaccept`` serves with the event loop's own server (``loop.create_server``,
+as skymesh-lb did before ``skymesh.net.accept``: under uvloop, one accept per loop
+iteration), ``uvnouring`` is ``tuned`` with libuv's io_uring off (``UV_USE_IO_URING=0``).
+skymesh-lb runs with ``--workers 1`` (``--lb-workers``): the instruments see one process.
+``--checkouts DIR,DIR`` instead drives each checkout's own skymesh-lb (its ``.venv``),
+unwrapped, with its default workers: wrk's figures and CPU only, e.g. before/after a change.
 """
 
 from __future__ import annotations
@@ -408,6 +417,54 @@ def measure(rounds: int, duration_s: float, seed: int,
             "rows": out}
 
 
+def compare_checkouts(roots: list[Path], workers: str, conns: int, rounds: int,
+                      duration_s: float, seed: int) -> dict[str, Any]:
+    """wrk's p50/p99 through skymesh-lb of each checkout (its ``.venv``), unwrapped (no
+    instruments: with several workers they would see one process only), interleaved."""
+    rng = random.Random(seed)
+    out: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="c256-tail-co-") as tmp:
+        work = Path(tmp)
+        binary = ro.build_stub(work)
+        stubs = [ro.start_stub(binary, ro.STREAM_EVENTS, work, i) for i in range(2)]
+        lbs: dict[str, Daemon] = {}
+        try:
+            for i, root in enumerate(roots):
+                argv = [str(root / ".venv/bin/python"), "-m", "skymesh.balancer.cli",
+                        "--port", "0", "--workers", workers,
+                        "--replicas", ",".join(d.url for d in stubs),
+                        *ro.CONFIG_FLAGS[ro.SKYMESH]["rr"]]
+                lbs[f"{i}:{root}"] = start_wrapped(f"skymesh-lb-{i}", argv, work)
+            for d in lbs.values():
+                ro.wait_ready(d)
+                ro.run_wrk(d.url, ro.Case("warmup", "rr", 64, False, "fixed"), 1.0)
+            for rnd in range(rounds):
+                plan = list(lbs)
+                rng.shuffle(plan)
+                for name in plan:
+                    d = lbs[name]
+                    case = ro.Case(f"c{conns}", "rr", conns, False, "fixed")
+                    cpu0 = st.tree_cpu_ticks(st.tree(ro.proc_snapshot(), d.proc.pid))
+                    wrk = st.parse_wrk(ro.run_wrk(d.url, case, duration_s))
+                    cpu1 = st.tree_cpu_ticks(st.tree(ro.proc_snapshot(), d.proc.pid))
+                    row = {"round": rnd, "checkout": name, "connections": conns, "wrk": wrk,
+                           "cpu_ms_per_1k": st.cpu_ms_per_1k(cpu0, cpu1, wrk["requests"],
+                                                             os.sysconf("SC_CLK_TCK"))}
+                    out.append(row)
+                    print(f"r{rnd} {name} c={conns} {wrk['rps']:.0f} req/s p50 "
+                          f"{wrk['p50_ms']:.1f} p99 {wrk['p99_ms']:.1f} ms "
+                          f"(x{wrk['p99_ms'] / wrk['p50_ms']:.1f})", flush=True)
+        finally:
+            for d in lbs.values():
+                d.stop()
+            for s in stubs:
+                s.stop()
+    return {"setup": {"roots": [str(r) for r in roots], "workers": workers,
+                      "connections": conns, "rounds": rounds, "duration_s": duration_s,
+                      "loadavg": list(os.getloadavg()), "cores": os.cpu_count()},
+            "rows": out}
+
+
 def describe(row: dict[str, Any]) -> str:
     wrk, h, lag = row["wrk"], row["handler"], row["loop_lag"]
     acc = row.get("accept_to_first_handler", {})
@@ -430,9 +487,56 @@ def describe(row: dict[str, Any]) -> str:
             f", pauses {row.get('transport_pauses', 0)}")
 
 
+def checkout_table(res: dict[str, Any]) -> str:
+    """A ``--checkouts`` run: per checkout, the median and [min, max] over the rounds."""
+    import statistics
+
+    def cell(rows: list[dict[str, Any]], get: Callable[[dict[str, Any]], float],
+             fmt: str) -> str:
+        xs = [get(r) for r in rows]
+        return (f"{statistics.median(xs):{fmt}} [{min(xs):{fmt}}, {max(xs):{fmt}}]")
+
+    setup = res["setup"]
+    out = [f"skymesh-lb --workers {setup['workers']}, {setup['connections']} connections, "
+           f"{setup['rounds']} rounds of {setup['duration_s']:g} s; median [min, max]:", "",
+           "| checkout | req/s | wrk p50 ms | wrk p99 ms | p99/p50 | CPU ms per 1,000 requests |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for i, root in enumerate(setup["roots"]):
+        rows = [r for r in res["rows"] if r["checkout"] == f"{i}:{root}"]
+        out.append(f"| {root} | {cell(rows, lambda r: r['wrk']['rps'], ',.0f')} "
+                   f"| {cell(rows, lambda r: r['wrk']['p50_ms'], '.1f')} "
+                   f"| {cell(rows, lambda r: r['wrk']['p99_ms'], '.1f')} "
+                   f"| {cell(rows, lambda r: r['wrk']['p99_ms'] / r['wrk']['p50_ms'], '.1f')} "
+                   f"| {cell(rows, lambda r: r['cpu_ms_per_1k'], '.0f')} |")
+    return "\n".join(out)
+
+
+def spread_table(res: dict[str, Any]) -> str:
+    """Per variant, wrk's p99/p50 and the longest unread request of every round."""
+    out = ["| skymesh-lb (variant, replicas) | conns | p99/p50 per round | unread request, "
+           "longest per round, ms | loop lag max per round, ms |", "|---|---:|---|---|---|"]
+    for name, conns in res["setup"]["variants"]:
+        rows = sorted((r for r in res["rows"] if r["lb"] == name
+                       and r["connections"] == conns), key=lambda r: r["round"])
+        if not rows:
+            continue
+        mode, reps = name.split("-")
+        out.append(
+            f"| {mode}, {reps} | {conns} | "
+            + ", ".join(f"{r['wrk']['p99_ms'] / r['wrk']['p50_ms']:.1f}" for r in rows)
+            + " | " + ", ".join(f"{r['unread_request_s'].get('max_ms', 0.0):.0f}"
+                                 for r in rows)
+            + " | " + ", ".join(f"{r['loop_lag'].get('max_ms', 0.0):.0f}" for r in rows)
+            + " |")
+    return "\n".join(out)
+
+
 def table(res: dict[str, Any]) -> str:
     """Medians over the rounds per variant, as markdown (docs/notes/c256-tail.md)."""
     import statistics
+
+    if "roots" in res["setup"]:
+        return checkout_table(res)
 
     def med(rows: list[dict[str, Any]], get: Callable[[dict[str, Any]], float]) -> float:
         return statistics.median(get(r) for r in rows)
@@ -497,9 +601,26 @@ def main(argv: list[str] | None = None) -> int:
                     help="skymesh-lb's --workers (default 1: the instruments see one process)")
     ap.add_argument("--markdown", type=Path, default=None, metavar="JSON",
                     help="print the table of a run's JSON instead of running")
+    ap.add_argument("--checkouts", default=None, metavar="DIR,DIR",
+                    help="instead: wrk through each checkout's skymesh-lb (its .venv), "
+                         "unwrapped, with --checkout-workers (default auto) at "
+                         "--checkout-conns connections")
+    ap.add_argument("--checkout-workers", default="auto")
+    ap.add_argument("--checkout-conns", type=int, default=256)
     a = ap.parse_args(argv)
+    if a.checkouts:
+        res = compare_checkouts([Path(p) for p in a.checkouts.split(",")],
+                                a.checkout_workers, a.checkout_conns, a.rounds, a.duration,
+                                a.seed)
+        if a.json:
+            a.json.write_text(json.dumps(res, indent=1) + "\n")
+        return 0
     if a.markdown:
-        print(table(json.loads(a.markdown.read_text())))
+        res = json.loads(a.markdown.read_text())
+        print(table(res))
+        if "variants" in res["setup"]:
+            print()
+            print(spread_table(res))
         return 0
     variants = VARIANTS if not a.variants else tuple(
         (v.split(":")[0], int(v.split(":")[1])) for v in a.variants.split(","))
