@@ -8,6 +8,8 @@ waited unread (docs/notes/c256-tail.md). skymesh.net.accept takes them in batche
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import socket
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -16,6 +18,7 @@ import pytest
 import uvloop
 from aiohttp import web
 
+from skymesh.net import accept
 from skymesh.net.accept import accept_waiting
 from skymesh.net.limits import ConnLimits
 from skymesh.net.serving import start_app
@@ -76,3 +79,43 @@ def test_accept_waiting_takes_at_most_its_limit_and_stops_on_an_empty_queue() ->
         finally:
             for c in clients:
                 c.close()
+
+
+async def test_out_of_descriptors_pauses_accepting_logs_it_and_then_resumes(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    made: list[asyncio.BaseTransport] = []
+
+    class Count(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            made.append(transport)
+
+    real = accept.accept_waiting
+    failures = [OSError(errno.EMFILE, "Too many open files")]
+
+    def flaky(sock: socket.socket, limit: int) -> tuple[list[socket.socket], OSError | None]:
+        if failures:
+            return [], failures.pop()
+        return real(sock, limit)
+
+    monkeypatch.setattr(accept, "accept_waiting", flaky)
+    monkeypatch.setattr(accept, "RETRY_DELAY_S", 0.05)
+    server = accept.BatchAcceptServer(accept.listen_sockets("127.0.0.1", 0, 16), Count)
+    await server.start_serving()
+    loop = asyncio.get_running_loop()
+    port = server.sockets[0].getsockname()[1]
+    client = socket.socket()
+    client.setblocking(False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="skymesh.net.accept"):
+            await loop.sock_connect(client, ("127.0.0.1", port))
+            end = loop.time() + 10
+            while not made and loop.time() < end:
+                await asyncio.sleep(0.01)
+        assert not failures and len(made) == 1  # refused once, then accepted
+        assert "accepting again" in caplog.text
+    finally:
+        client.close()
+        for t in made:
+            t.close()
+        server.close()
+        await server.wait_closed()
