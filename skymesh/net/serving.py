@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from skymesh.net.accept import BatchAcceptServer, listen_sockets
 from skymesh.net.limits import ConnectionGuard, ConnLimits, fit_file_limit
 
 # Where an app keeps its Prometheus registry, if it has one: the connection metrics
@@ -76,13 +77,19 @@ class GuardedSite(web.TCPSite):
         server = self._runner.server
         assert server is not None
         handshake = self._guard.limits.header_timeout_s if self._ssl_context else None
-        where: dict[str, Any] = ({"sock": self._sock} if self._sock is not None
-                                 else {"host": self._host, "port": self._port})
-        self._server = await asyncio.get_running_loop().create_server(
-            self._guard.protocol_factory(server), **where,
-            ssl=self._ssl_context, backlog=self._backlog, ssl_handshake_timeout=handshake)
-        sockets = self._server.sockets
-        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+        if self._sock is not None:
+            self._sock.setblocking(False)
+            socks = [self._sock]
+        else:
+            socks = listen_sockets(self._host, self._port, self._backlog)
+        # Not loop.create_server: uvloop's accepts one connection per loop iteration, and
+        # a burst of new clients waited seconds unaccepted (skymesh.net.accept).
+        acceptor = BatchAcceptServer(socks, self._guard.protocol_factory(server),
+                                     ssl_context=self._ssl_context,
+                                     ssl_handshake_timeout=handshake)
+        await acceptor.start_serving()
+        self._server = acceptor
+        self._bound_port = socks[0].getsockname()[1] if socks else self._port
 
 
 async def start_app(app: web.Application, host: str, port: int, name: str,

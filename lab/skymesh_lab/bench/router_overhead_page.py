@@ -170,5 +170,8 @@ def router_overhead(data: dict[str, Any]) -> str:
             "`/v1/chat/completions/render` and `/tokenize` before every request; the stub "
             "answers both with a fast 404 and the request is routed anyway. "
             "sglang-router's default is cache_aware too; skymesh-lb's is its configured "
-            "default policy and push mode (no flags)."]
+            "default policy and push mode (no flags).", "",
+            "Where skymesh-lb's c=256 tail came from (new connections accepted one per "
+            "event-loop iteration under uvloop) and its before/after: "
+            "[the c=256 tail note](../notes/c256-tail.md)."]
     return "\n".join(out)

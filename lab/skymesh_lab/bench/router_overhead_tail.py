@@ -25,6 +25,15 @@ the harness asks ``ss -tin`` how long the bytes waiting in each connection's rec
 queue have waited (``lastrcv`` while the queue is not empty): on the balancer's end (a
 request it has not read yet) and on wrk's end (an answer wrk has not read yet), and
 reports per connection the oldest seen; only connections seen with bytes waiting count.
+The wrapper also samples, every 20 ms, how many client transports have reading stopped
+and counts aiohttp's ``pause_reading`` calls (flow control: never seen at c=256).
+
+More modes: ``loopaccept`` serves with the event loop's own server (``loop.create_server``,
+as skymesh-lb did before ``skymesh.net.accept``: under uvloop, one accept per loop
+iteration), ``uvnouring`` is ``tuned`` with libuv's io_uring off (``UV_USE_IO_URING=0``).
+skymesh-lb runs with ``--workers 1`` (``--lb-workers``): the instruments see one process.
+``--checkouts DIR,DIR`` instead drives each checkout's own skymesh-lb (its ``.venv``),
+unwrapped, with its default workers: wrk's figures and CPU only, e.g. before/after a change.
 """
 
 from __future__ import annotations
@@ -79,11 +88,16 @@ class Instruments:
         self.opened: dict[int, float] = {}
         self.first_wait: list[float] = []
         self.upstream_connects = 0
+        # Client connections, to sample how many have reading stopped on their transport.
+        self.conns: dict[int, Any] = {}
+        self.not_reading: list[float] = []
+        self.pauses = 0
 
     def reset(self) -> None:
         with self.lock:
             self.handler, self.lag, self.first_wait = [], [], []
             self.upstream_connects = 0
+            self.not_reading, self.pauses = [], 0
             self.gc = {0: [], 1: [], 2: []}
 
     def add(self, xs: list[float], v: float) -> None:
@@ -101,6 +115,8 @@ class Instruments:
             return {"handler": _pcts(self.handler), "loop_lag": _pcts(self.lag),
                     "accept_to_first_handler": _pcts(self.first_wait),
                     "upstream_connects": self.upstream_connects,
+                    "not_reading_max": max(self.not_reading, default=0.0),
+                    "transport_pauses": self.pauses,
                     "gc": {str(g): _pcts(v) for g, v in self.gc.items()}}
 
 
@@ -121,11 +137,19 @@ def serve(stats_path: Path, control_path: Path, gc_mode: str, lb_argv: list[str]
     made = RequestHandler.connection_made
 
     def connection_made(self: RequestHandler, transport: asyncio.BaseTransport) -> None:
+        inst.conns[id(self)] = self
         if len(inst.opened) < RING:
             inst.opened[id(self)] = time.perf_counter()
         made(self, transport)
 
     RequestHandler.connection_made = connection_made  # type: ignore[method-assign]
+    lost = RequestHandler.connection_lost
+
+    def connection_lost(self: RequestHandler, exc: BaseException | None) -> None:
+        inst.conns.pop(id(self), None)
+        lost(self, exc)
+
+    RequestHandler.connection_lost = connection_lost  # type: ignore[method-assign]
     connect = upstream.Upstream._connect
 
     async def counted_connect(self: upstream.Upstream, key: tuple[str, int, bool]) -> Any:
@@ -135,8 +159,8 @@ def serve(stats_path: Path, control_path: Path, gc_mode: str, lb_argv: list[str]
     upstream.Upstream._connect = counted_connect  # type: ignore[method-assign]
     build_app = server.build_app
 
-    def build_app_timed(cfg: Any) -> web.Application:
-        app = build_app(cfg)
+    def build_app_timed(cfg: Any, **kwargs: Any) -> web.Application:
+        app = build_app(cfg, **kwargs)
 
         @web.middleware
         async def timed(request: web.Request,
@@ -163,6 +187,25 @@ def serve(stats_path: Path, control_path: Path, gc_mode: str, lb_argv: list[str]
             await asyncio.sleep(LAG_TICK_S)
             inst.add(inst.lag, max(0.0, time.perf_counter() - t0 - LAG_TICK_S))
 
+    async def reading_monitor() -> None:
+        while True:
+            await asyncio.sleep(0.02)
+            n = 0
+            for h in list(inst.conns.values()):
+                tr = h.transport
+                if tr is not None and not tr.is_closing() and not tr.is_reading():
+                    n += 1
+            inst.add(inst.not_reading, float(n))
+
+    from aiohttp.base_protocol import BaseProtocol
+    pause = BaseProtocol._pause_transport_reading
+
+    def counted_pause(self: Any) -> None:
+        inst.pauses += 1
+        pause(self)
+
+    BaseProtocol._pause_transport_reading = counted_pause  # type: ignore[method-assign]
+
     async def reporter() -> None:
         while True:
             await asyncio.sleep(0.2)
@@ -176,7 +219,8 @@ def serve(stats_path: Path, control_path: Path, gc_mode: str, lb_argv: list[str]
 
     def run_instrumented(main: Coroutine[Any, Any, None]) -> None:
         async def wrapped() -> None:
-            tasks = [asyncio.create_task(lag_monitor()), asyncio.create_task(reporter())]
+            tasks = [asyncio.create_task(lag_monitor()), asyncio.create_task(reporter()),
+                     asyncio.create_task(reading_monitor())]
             try:
                 await main
             finally:
@@ -193,19 +237,38 @@ def serve(stats_path: Path, control_path: Path, gc_mode: str, lb_argv: list[str]
 
     if gc_mode == "asyncio":  # the standard library's loop instead of uvloop
         run = asyncio.run
+    if gc_mode == "loopaccept":  # the loop's own server, as before skymesh.net.accept
+        serving.GuardedSite.start = _loop_server_start  # type: ignore[method-assign]
     serving.run = run_instrumented
     return lb_main(lb_argv)
+
+
+async def _loop_server_start(self: Any) -> None:
+    """GuardedSite.start as it was: ``loop.create_server`` (uvloop: one accept per loop
+    iteration), for the before/after comparison."""
+    from aiohttp import web
+    await web.BaseSite.start(self)
+    server = self._runner.server
+    handshake = self._guard.limits.header_timeout_s if self._ssl_context else None
+    where: dict[str, Any] = ({"sock": self._sock} if self._sock is not None
+                             else {"host": self._host, "port": self._port})
+    self._server = await asyncio.get_running_loop().create_server(
+        self._guard.protocol_factory(server), **where,
+        ssl=self._ssl_context, backlog=self._backlog, ssl_handshake_timeout=handshake)
+    self._bound_port = self._server.sockets[0].getsockname()[1]
 
 
 # -- the measurement -------------------------------------------------------------------
 _LISTENING = re.compile(r"listening on (http://\S+)")
 
 
-def start_wrapped(name: str, cmd: list[str], workdir: Path) -> Daemon:
+def start_wrapped(name: str, cmd: list[str], workdir: Path,
+                  env: dict[str, str] | None = None) -> Daemon:
     """``cmd`` (a wrapped skymesh-lb), once it printed where it listens."""
     log_path = workdir / f"{name}.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
     deadline = time.monotonic() + ro.READY_TIMEOUT_S
     while time.monotonic() < deadline and proc.poll() is None:
         m = _LISTENING.search(log_path.read_text(errors="replace"))
@@ -215,6 +278,10 @@ def start_wrapped(name: str, cmd: list[str], workdir: Path) -> Daemon:
     proc.kill()
     raise RuntimeError(f"{name} did not start:\n{log_path.read_text()[-2000:]}")
 
+
+# Modes that are another mode plus environment variables for skymesh-lb's process.
+MODE_GC = {"uvnouring": "tuned"}
+MODE_ENV = {"uvnouring": {"UV_USE_IO_URING": "0"}}
 
 # (skymesh-lb instance "GC mode-replicas", connections)
 VARIANTS = (("tuned-2", 64), ("tuned-2", 256), ("tuned-4", 256), ("nogc-2", 256))
@@ -280,7 +347,8 @@ def _closed(url: str) -> float:
 
 
 def measure(rounds: int, duration_s: float, seed: int,
-            variants: tuple[tuple[str, int], ...] = VARIANTS) -> dict[str, Any]:
+            variants: tuple[tuple[str, int], ...] = VARIANTS,
+            lb_workers: int = 1) -> dict[str, Any]:
     rng = random.Random(seed)
     out: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="c256-tail-") as tmp:
@@ -291,15 +359,17 @@ def measure(rounds: int, duration_s: float, seed: int,
         try:
             for name in sorted({m for m, _ in variants}):
                 gc_mode, n_replicas = name.split("-")
+                env = MODE_ENV.get(gc_mode, {})
+                gc_mode = MODE_GC.get(gc_mode, gc_mode)
                 stats, control = work / f"{name}.stats", work / f"{name}.control"
-                argv = ["--port", "0", "--replicas",
+                argv = ["--port", "0", "--workers", str(lb_workers), "--replicas",
                         ",".join(d.url for d in stubs[:int(n_replicas)]),
                         *ro.CONFIG_FLAGS[ro.SKYMESH]["rr"]]
                 d = start_wrapped(
                     f"skymesh-lb-{name}",
                     [sys.executable, "-m", "skymesh_lab.bench.router_overhead_tail",
                      "--serve", str(stats), "--control", str(control), "--gc", gc_mode,
-                     "--", *argv], work)
+                     "--", *argv], work, env)
                 lbs[name] = (d, stats, control)
             for d, _, _ in lbs.values():
                 ro.wait_ready(d)
@@ -347,6 +417,54 @@ def measure(rounds: int, duration_s: float, seed: int,
             "rows": out}
 
 
+def compare_checkouts(roots: list[Path], workers: str, conns: int, rounds: int,
+                      duration_s: float, seed: int) -> dict[str, Any]:
+    """wrk's p50/p99 through skymesh-lb of each checkout (its ``.venv``), unwrapped (no
+    instruments: with several workers they would see one process only), interleaved."""
+    rng = random.Random(seed)
+    out: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="c256-tail-co-") as tmp:
+        work = Path(tmp)
+        binary = ro.build_stub(work)
+        stubs = [ro.start_stub(binary, ro.STREAM_EVENTS, work, i) for i in range(2)]
+        lbs: dict[str, Daemon] = {}
+        try:
+            for i, root in enumerate(roots):
+                argv = [str(root / ".venv/bin/python"), "-m", "skymesh.balancer.cli",
+                        "--port", "0", "--workers", workers,
+                        "--replicas", ",".join(d.url for d in stubs),
+                        *ro.CONFIG_FLAGS[ro.SKYMESH]["rr"]]
+                lbs[f"{i}:{root}"] = start_wrapped(f"skymesh-lb-{i}", argv, work)
+            for d in lbs.values():
+                ro.wait_ready(d)
+                ro.run_wrk(d.url, ro.Case("warmup", "rr", 64, False, "fixed"), 1.0)
+            for rnd in range(rounds):
+                plan = list(lbs)
+                rng.shuffle(plan)
+                for name in plan:
+                    d = lbs[name]
+                    case = ro.Case(f"c{conns}", "rr", conns, False, "fixed")
+                    cpu0 = st.tree_cpu_ticks(st.tree(ro.proc_snapshot(), d.proc.pid))
+                    wrk = st.parse_wrk(ro.run_wrk(d.url, case, duration_s))
+                    cpu1 = st.tree_cpu_ticks(st.tree(ro.proc_snapshot(), d.proc.pid))
+                    row = {"round": rnd, "checkout": name, "connections": conns, "wrk": wrk,
+                           "cpu_ms_per_1k": st.cpu_ms_per_1k(cpu0, cpu1, wrk["requests"],
+                                                             os.sysconf("SC_CLK_TCK"))}
+                    out.append(row)
+                    print(f"r{rnd} {name} c={conns} {wrk['rps']:.0f} req/s p50 "
+                          f"{wrk['p50_ms']:.1f} p99 {wrk['p99_ms']:.1f} ms "
+                          f"(x{wrk['p99_ms'] / wrk['p50_ms']:.1f})", flush=True)
+        finally:
+            for d in lbs.values():
+                d.stop()
+            for s in stubs:
+                s.stop()
+    return {"setup": {"roots": [str(r) for r in roots], "workers": workers,
+                      "connections": conns, "rounds": rounds, "duration_s": duration_s,
+                      "loadavg": list(os.getloadavg()), "cores": os.cpu_count()},
+            "rows": out}
+
+
 def describe(row: dict[str, Any]) -> str:
     wrk, h, lag = row["wrk"], row["handler"], row["loop_lag"]
     acc = row.get("accept_to_first_handler", {})
@@ -364,12 +482,61 @@ def describe(row: dict[str, Any]) -> str:
             f"{row['unread_request_s'].get('max_ms', 0):.0f} ms, unread answer p99 "
             f"{row['unread_answer_s'].get('p99_ms', 0):.0f} max "
             f"{row['unread_answer_s'].get('max_ms', 0):.0f} ms "
-            f"({row['queue_samples']} samples)")
+            f"({row['queue_samples']} samples) | not reading max "
+            f"{row.get('not_reading_max', 0):.0f}"
+            f", pauses {row.get('transport_pauses', 0)}")
+
+
+def checkout_table(res: dict[str, Any]) -> str:
+    """A ``--checkouts`` run: per checkout, the median and [min, max] over the rounds."""
+    import statistics
+
+    def cell(rows: list[dict[str, Any]], get: Callable[[dict[str, Any]], float],
+             fmt: str) -> str:
+        xs = [get(r) for r in rows]
+        return (f"{statistics.median(xs):{fmt}} [{min(xs):{fmt}}, {max(xs):{fmt}}]")
+
+    setup = res["setup"]
+    out = [f"skymesh-lb --workers {setup['workers']}, {setup['connections']} connections, "
+           f"{setup['rounds']} rounds of {setup['duration_s']:g} s; median [min, max]:", "",
+           "| checkout | req/s | wrk p50 ms | wrk p99 ms | p99/p50 | CPU ms per 1,000 requests |",
+           "|---|---:|---:|---:|---:|---:|"]
+    for i, root in enumerate(setup["roots"]):
+        rows = [r for r in res["rows"] if r["checkout"] == f"{i}:{root}"]
+        out.append(f"| {root} | {cell(rows, lambda r: r['wrk']['rps'], ',.0f')} "
+                   f"| {cell(rows, lambda r: r['wrk']['p50_ms'], '.1f')} "
+                   f"| {cell(rows, lambda r: r['wrk']['p99_ms'], '.1f')} "
+                   f"| {cell(rows, lambda r: r['wrk']['p99_ms'] / r['wrk']['p50_ms'], '.1f')} "
+                   f"| {cell(rows, lambda r: r['cpu_ms_per_1k'], '.0f')} |")
+    return "\n".join(out)
+
+
+def spread_table(res: dict[str, Any]) -> str:
+    """Per variant, wrk's p99/p50 and the longest unread request of every round."""
+    out = ["| skymesh-lb (variant, replicas) | conns | p99/p50 per round | unread request, "
+           "longest per round, ms | loop lag max per round, ms |", "|---|---:|---|---|---|"]
+    for name, conns in res["setup"]["variants"]:
+        rows = sorted((r for r in res["rows"] if r["lb"] == name
+                       and r["connections"] == conns), key=lambda r: r["round"])
+        if not rows:
+            continue
+        mode, reps = name.split("-")
+        out.append(
+            f"| {mode}, {reps} | {conns} | "
+            + ", ".join(f"{r['wrk']['p99_ms'] / r['wrk']['p50_ms']:.1f}" for r in rows)
+            + " | " + ", ".join(f"{r['unread_request_s'].get('max_ms', 0.0):.0f}"
+                                 for r in rows)
+            + " | " + ", ".join(f"{r['loop_lag'].get('max_ms', 0.0):.0f}" for r in rows)
+            + " |")
+    return "\n".join(out)
 
 
 def table(res: dict[str, Any]) -> str:
     """Medians over the rounds per variant, as markdown (docs/notes/c256-tail.md)."""
     import statistics
+
+    if "roots" in res["setup"]:
+        return checkout_table(res)
 
     def med(rows: list[dict[str, Any]], get: Callable[[dict[str, Any]], float]) -> float:
         return statistics.median(get(r) for r in rows)
@@ -417,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         ap = argparse.ArgumentParser()
         ap.add_argument("--serve", type=Path)
         ap.add_argument("--control", type=Path)
-        ap.add_argument("--gc", default="tuned", choices=["tuned", "nogc", "asyncio"])
+        ap.add_argument("--gc", default="tuned", choices=["tuned", "nogc", "asyncio", "loopaccept"])
         a = ap.parse_args(argv[:cut])
         return serve(a.serve, a.control, a.gc, argv[cut + 1:])
     ap = argparse.ArgumentParser(prog="python -m skymesh_lab.bench.router_overhead_tail",
@@ -430,15 +597,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=None, metavar="LIST",
                     help="e.g. tuned-2:256,asyncio-2:256 (MODE-REPLICAS:CONNECTIONS; MODE "
                          "tuned, nogc or asyncio)")
+    ap.add_argument("--lb-workers", type=int, default=1,
+                    help="skymesh-lb's --workers (default 1: the instruments see one process)")
     ap.add_argument("--markdown", type=Path, default=None, metavar="JSON",
                     help="print the table of a run's JSON instead of running")
+    ap.add_argument("--checkouts", default=None, metavar="DIR,DIR",
+                    help="instead: wrk through each checkout's skymesh-lb (its .venv), "
+                         "unwrapped, with --checkout-workers (default auto) at "
+                         "--checkout-conns connections")
+    ap.add_argument("--checkout-workers", default="auto")
+    ap.add_argument("--checkout-conns", type=int, default=256)
     a = ap.parse_args(argv)
+    if a.checkouts:
+        res = compare_checkouts([Path(p) for p in a.checkouts.split(",")],
+                                a.checkout_workers, a.checkout_conns, a.rounds, a.duration,
+                                a.seed)
+        if a.json:
+            a.json.write_text(json.dumps(res, indent=1) + "\n")
+        return 0
     if a.markdown:
-        print(table(json.loads(a.markdown.read_text())))
+        res = json.loads(a.markdown.read_text())
+        print(table(res))
+        if "variants" in res["setup"]:
+            print()
+            print(spread_table(res))
         return 0
     variants = VARIANTS if not a.variants else tuple(
         (v.split(":")[0], int(v.split(":")[1])) for v in a.variants.split(","))
-    res = measure(a.rounds, a.duration, a.seed, variants)
+    res = measure(a.rounds, a.duration, a.seed, variants, a.lb_workers)
     print(table(res))
     if a.json:
         a.json.write_text(json.dumps(res, indent=1) + "\n")
