@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +71,13 @@ def planner(work: Path) -> dict[str, Any]:
                          "first_round_s": 1e6, "min_history_windows": 3,
                          "stale_windows": 3},
             "forecaster": {"headroom": 0.0},
-            "cooldowns": {"hold_s": 0, "retry_s": 3600},
+            # A start that failed on a loaded machine is planned again at the next
+            # asked-for round, not held for the retry cooldown.
+            "cooldowns": {"hold_s": 0, "retry_s": 0.1},
             "drain_timeout_s": 600, "drain_poll_s": 300,
             "actuator": {"kind": "local", "local": {
-                "log_dir": str(work), "replica_args": ["--metrics-lag-s", "0.1"]}}}
+                "log_dir": str(work), "replica_args": ["--metrics-lag-s", "0.1"],
+                "start_timeout_s": START_S}}}
 
 
 def leads(d: Daemon) -> bool:
@@ -187,7 +191,14 @@ def midmove_once(work: Path, ttl_s: float = 2.0, renew_s: float = 0.4) -> dict[s
     redis.start()
     try:
         with daemons() as ds:
-            return _run(work, redis, ds, mark, ttl_s, renew_s)
+            try:
+                return _run(work, redis, ds, mark, ttl_s, renew_s)
+            except RuntimeError as exc:
+                # Say what the controllers said: a run that fails on a loaded machine
+                # is otherwise a bare timeout.
+                tails = "".join(f"\n--- {d.name} {d.url}:\n" + d.log()[-1500:]
+                                for d in ds if d.name == "skymesh-controller")
+                raise RuntimeError(f"{exc}{tails}") from None
     finally:
         reap(marked(mark))
         redis.stop()
@@ -196,10 +207,16 @@ def midmove_once(work: Path, ttl_s: float = 2.0, renew_s: float = 0.4) -> dict[s
 def _run(work: Path, redis: RedisProcess, ds: list[Daemon], mark: str, ttl_s: float,
          renew_s: float) -> dict[str, Any]:
     env = {**os.environ, MARK: mark}
-    for name in ("ctl-a", "ctl-b"):
-        ds.append(start_controller(work, name, redis.url, tokens(), ttl_s=ttl_s,
-                                   renew_s=renew_s, extra={"planner": planner(work)},
-                                   env=env))
+    # Started side by side: each start-up is seconds of imports on a loaded machine.
+    with ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(start_controller, work, name, redis.url, tokens(), ttl_s=ttl_s,
+                            renew_s=renew_s, extra={"planner": planner(work)}, env=env)
+                for name in ("ctl-a", "ctl-b")]
+        for f in futs:
+            with contextlib.suppress(RuntimeError):  # the one that failed: raised below
+                ds.append(f.result())
+    if len(ds) < 2:
+        raise RuntimeError("a controller did not start")
     leader = until(lambda: next(d for d in ds if leads(d)), "a leader", 30)
     # The balancers follow the standby (and the run reads through it): the run's end
     # needs them on a live controller, as a Service in front of both would route them.
@@ -210,8 +227,15 @@ def _run(work: Path, redis: RedisProcess, ds: list[Daemon], mark: str, ttl_s: fl
         r = c.post(f"{standby.url}/v1/regions",
                    json={"name": name, "latitude": lat, "longitude": lon})
         assert r.status_code == 201, r.text
-    lbs = [start_lb(work, standby, region) for region in ("us", "eu")]
+    with ThreadPoolExecutor(2) as pool:
+        started = [pool.submit(start_lb, work, standby, region) for region in ("us", "eu")]
+        lbs = []
+        for f in started:
+            with contextlib.suppress(RuntimeError):  # the one that failed: raised below
+                lbs.append(f.result())
     ds.extend(lbs)
+    if len(lbs) < 2:
+        raise RuntimeError("a balancer did not start")
     until(lambda: {b["id"] for b in c.get(f"{standby.url}/v1/balancers").json()}
           == {"lb-us", "lb-eu"}, "both balancers registered", START_S)
     with Feeder(standby.url, {"us": TPS, "eu": 0.0}) as feed:
@@ -312,8 +336,10 @@ async def _kill_mid_move(c: httpx.Client, ctls: list[Daemon], standby: Daemon, l
         applying = asyncio.create_task(asyncio.to_thread(_post_quietly, c, leader))
         # It drains r1, or answered at once (a 409 from a leader that lost its lease
         # just then): then again, with whichever leads.
-        rec = await _wait(lambda task=applying: draining() or task.done(),
-                          "the leader's round draining r1", 60)
+        def drained_or_refused(task: asyncio.Task[None] = applying) -> Any:
+            return draining() or task.done()
+
+        rec = await _wait(drained_or_refused, "the leader's round draining r1", 60)
         if rec is not True:
             break
     else:

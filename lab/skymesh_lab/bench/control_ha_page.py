@@ -82,7 +82,9 @@ def _mid_move_section(sec: dict[str, Any] | None) -> list[str]:
         _mid_move(sec), "",
         f"Measured {sec['date']} on {sec['cpus']} CPUs shared with other jobs (load "
         f"average {sec['load_average_1m_at_start']:.2f} at start), "
-        f"{sec['wall_seconds']:.0f} s of wall time; `--scenarios mid-move`.", ""]
+        f"{sec['wall_seconds']:.0f} s of wall time; `--scenarios mid-move`. Runs that "
+        f"failed before the kill (a process not started in time): "
+        f"{sec.get('setup_failures', 0)}.", ""]
 
 
 def control_ha(doc: dict[str, Any]) -> str:
