@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from skymesh_lab.bench.control_ha_move import marked, midmove_once
+from skymesh_lab.bench.control_ha_move import marked, midmove_once, midround_once
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -53,3 +53,24 @@ def test_a_leader_killed_mid_move_loses_no_request_and_settles_once(
     assert row["client"]["completed"] >= 10
     # The killed leader's orphaned replica was found and stopped.
     assert seen and marked(seen[0]) == []
+
+
+def test_a_leader_killed_while_its_actuator_starts_a_replica_is_settled_once(
+        tmp_path: Path) -> None:
+    """Mid-round without a move: the round is ``applying`` and the leader's actuator has
+    started a replica whose registration waits (the run holds the store's writer lock).
+    After the kill the new leader marks the round failed, once; its own round then starts
+    the one replica the plan wants, and only that one is registered: the killed leader's
+    half-started replica is not counted twice (it was never registered; the run stops it)."""
+    row = midround_once(tmp_path)
+    print(row)
+    assert row["epoch_after"] > row["epoch_before"]
+    assert row["round_status"] == "failed" and row["round_actions"] == 0
+    assert "stopped while applying this round" in row["round_reason"]
+    assert row["settled_times"] == 1
+    assert row["registered_at_settle"] == []  # the old leader's start never registered
+    assert row["next_round_status"] == "applied"
+    assert row["rounds"]["applied"] == 1 and row["rounds"].get("applying", 0) == 0
+    # Two starts (one per leader), one replica registered, in us: the plan's count.
+    assert row["replicas_started"] == 2
+    assert [r["region"] for r in row["replicas_registered"]] == ["us"]

@@ -392,3 +392,133 @@ def _post_quietly(c: httpx.Client, leader: Daemon) -> None:
     with contextlib.suppress(httpx.HTTPError):
         c.post(f"{leader.url}/v1/plans", json={"dry_run": False}, timeout=120)
 
+
+
+# -- mid-round: the leader killed while its actuator starts a replica -------------------------
+
+WRITER_LOCK_S = 60.0  # ha.writer_lock_s: the held registration waits twice this at most
+
+
+def replica_pids(mark: str) -> list[int]:
+    """Marked ``skymesh-replica`` processes: the actuators' children."""
+    out = []
+    for pid in marked(mark):
+        with contextlib.suppress(OSError):
+            if b"skymesh-replica" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+    return out
+
+
+def midround_once(work: Path, ttl_s: float = 2.0, renew_s: float = 0.4) -> dict[str, Any]:
+    """The leader SIGKILLed while its round is ``applying`` and its actuator is starting
+    a replica. The hold: the run takes the store's writer lock (``skymesh:writer``)
+    before the round, so the replica the actuator started cannot be registered (its
+    commit waits for the lock) until the leader is dead; then the lock is let go. The
+    new leader settles the round; a round it applies then starts the one replica the
+    plan wants. Counts: replica processes started (the actuators' log files), replicas
+    registered."""
+    import redis as redis_lib
+
+    mark = uuid.uuid4().hex
+    redis = RedisProcess(work)
+    redis.start()
+    extra = {"planner": planner(work)}
+    try:
+        with daemons() as ds:
+            env = {**os.environ, MARK: mark}
+            with ThreadPoolExecutor(2) as pool:
+                futs = [pool.submit(start_controller, work, name, redis.url, tokens(),
+                                    ttl_s=ttl_s, renew_s=renew_s, env=env,
+                                    extra={**extra, "ha": {
+                                        "id": name, "lease_ttl_s": ttl_s,
+                                        "renew_interval_s": renew_s, "revision_poll_s": 0.1,
+                                        "writer_lock_s": WRITER_LOCK_S}})
+                        for name in ("ctl-a", "ctl-b")]
+                ds.extend(f.result() for f in futs)
+            r = redis_lib.Redis.from_url(redis.url)
+            try:
+                return _midround(work, ds, r, mark)
+            finally:
+                r.close()
+    finally:
+        reap(marked(mark))
+        redis.stop()
+
+
+def _midround(work: Path, ctls: list[Daemon], r: Any, mark: str) -> dict[str, Any]:
+    c = httpx.Client(headers=auth(), timeout=60)
+    leader = until(lambda: _leader(ctls), "a leader", 30)
+    standby = next(d for d in ctls if d is not leader)
+    for name, lat, lon in (("us", 38.9, -77.0), ("eu", 53.3, -6.3)):
+        assert c.post(f"{standby.url}/v1/regions", json={
+            "name": name, "latitude": lat, "longitude": lon}).status_code == 201
+        # Balancers as records only: the replica needs a home; nothing is served here.
+        assert c.post(f"{standby.url}/v1/balancers", headers=auth(AGENT), json={
+            "id": f"lb-{name}", "region": name,
+            "url": "http://127.0.0.1:9"}).status_code == 201
+    with Feeder(standby.url, {"us": TPS, "eu": 0.0}):
+        def would_start() -> bool:
+            dry = c.post(f"{leader.url}/v1/plans", json={"dry_run": True}).json()
+            return bool(dry.get("changes"))
+
+        until(would_start, "a plan that starts a replica in us", START_S, poll=0.5)
+        lock = r.lock("skymesh:writer", timeout=120)
+        assert lock.acquire(blocking_timeout=30)
+        released = False
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                pool.submit(_post_quietly, c, leader)
+
+                def applying() -> dict[str, Any] | None:
+                    return next((rec for rec in c.get(f"{standby.url}/v1/plans").json()
+                                 if rec["status"] == "applying"), None)
+
+                rec = until(applying, "the leader's round applying", 60)
+                until(lambda: replica_pids(mark), "the leader's actuator starting a replica",
+                      START_S)
+                epoch = c.get(f"{standby.url}/v1/status").json()["control"]["epoch"]
+                t0 = time.monotonic()
+                leader.kill()  # SIGKILL, while the registration waits for the lock
+                lock.release()
+                released = True
+        finally:
+            if not released:
+                with contextlib.suppress(redis_lib_errors()):
+                    lock.release()
+        until(lambda: leads(standby), "the standby to lead", 60)
+        takeover = time.monotonic() - t0
+        epoch_after = c.get(f"{standby.url}/v1/status").json()["control"]["epoch"]
+
+        def settled() -> dict[str, Any] | None:
+            got = c.get(f"{standby.url}/v1/plans/{rec['id']}").json()
+            return got if got["status"] != "applying" else None
+
+        final = until(settled, "the new leader to settle the round", 60)
+        settle_s = time.monotonic() - t0
+        registered_at_settle = [x["id"] for x in c.get(f"{standby.url}/v1/replicas").json()]
+        # The new leader's round: plans from what runs (nothing registered) and starts one.
+        again = until(lambda: _apply_until(c, [standby],
+                                           lambda x: x["status"] == "applied"),
+                      "the new leader's round", START_S, poll=0.5)
+    reps = c.get(f"{standby.url}/v1/replicas").json()
+    recs = c.get(f"{standby.url}/v1/plans").json()
+    started = sorted(p.name for p in work.glob("us-*.log"))
+    return {
+        "takeover_s": round(takeover, 3), "settled_s": round(settle_s, 3),
+        "epoch_before": epoch, "epoch_after": epoch_after,
+        "round": rec["id"], "round_status": final["status"],
+        "round_reason": final.get("reason"), "round_actions": len(final["actions"]),
+        "registered_at_settle": registered_at_settle,
+        "next_round_status": again["status"],
+        "rounds": {st: sum(x["status"] == st for x in recs)
+                   for st in sorted({x["status"] for x in recs})},
+        "settled_times": standby.log().count(f"planner round {rec['id']}: "),
+        "replicas_started": len(started),
+        "replicas_registered": [{k: x[k] for k in ("id", "region")} for x in reps],
+    }
+
+
+def redis_lib_errors() -> type[Exception]:
+    import redis as redis_lib
+
+    return redis_lib.RedisError
