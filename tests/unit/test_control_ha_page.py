@@ -32,3 +32,16 @@ def test_the_mid_move_section_has_a_row_per_run() -> None:
 
 def test_a_file_without_the_section_renders_as_before() -> None:
     assert "mid-move" not in control_ha(BASE)
+
+
+def test_the_mid_round_section_counts_starts_and_registrations() -> None:
+    run = {"ttl_s": 3.0, "renew_s": 1.0, "takeover_s": 2.8, "settled_s": 3.6,
+           "round_status": "failed", "round_actions": 0, "settled_times": 1,
+           "next_round_status": "applied", "replicas_started": 2,
+           "replicas_registered": [{"id": "us-1", "region": "us"}]}
+    doc = {**BASE, "mid_round": {"runs": [run], "date": "2026-11-28", "cpus": 2,
+                                 "load_average_1m_at_start": 9.5, "wall_seconds": 80.0}}
+    row = next(line for line in control_ha(doc).splitlines() if line.startswith("| 3.0 s"))
+    assert [c.strip() for c in row.strip("|").split("|")] == [
+        "3.0 s", "1.0 s", "2.80 s", "3.60 s", "failed, 0 actions, settled 1x", "applied",
+        "2", "1"]

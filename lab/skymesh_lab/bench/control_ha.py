@@ -20,6 +20,10 @@ Lab code, not product: it measures what an operator gets from running two or thr
   of a replica ``draining``, under a client stream through the replica's balancer
   (``skymesh_lab.bench.control_ha_move``): takeover, the round settled once, the client's
   failed requests.
+- ``mid-round``: the leader SIGKILLed while its round is ``applying`` and its actuator
+  has started a replica whose registration waits on the store's writer lock (held by the
+  run): takeover, the round settled once, replicas started and registered after the new
+  leader's round.
 
 ``--scenarios`` picks some (comma-separated); with ``--json`` naming an existing file, the
 sections not run are kept from it.
@@ -171,7 +175,7 @@ def failover_once(work: Path, wait_replicas: int, before: int, after: int) -> di
         cluster.stop()
 
 
-SCENARIOS = ("takeover", "redis-failover", "mid-move")
+SCENARIOS = ("takeover", "redis-failover", "mid-move", "mid-round")
 LEASES = ((3.0, 1.0), (0.6, 0.2))
 # Mid-move runs last tens of seconds on a loaded host: 0.6 s leases change hands
 # between their rounds there (not the case measured), so the short one is 2 s.
@@ -201,12 +205,16 @@ def run(repeats: int, before: int, after: int, scenarios: tuple[str, ...] = SCEN
                 doc["redis_failover"].append(row)
     if "mid-move" in scenarios:
         doc["mid_move"] = mid_move(repeats)
+    if "mid-round" in scenarios:
+        doc["mid_round"] = mid_move(repeats, "mid-round")
     doc["summary"] = summary(doc)
     return doc
 
 
-def mid_move(repeats: int) -> dict[str, Any]:
-    from skymesh_lab.bench.control_ha_move import midmove_once
+def mid_move(repeats: int, which: str = "mid-move") -> dict[str, Any]:
+    from skymesh_lab.bench.control_ha_move import midmove_once, midround_once
+
+    once = midmove_once if which == "mid-move" else midround_once
 
     load, t0 = os.getloadavg()[0], time.monotonic()
     rows: list[dict[str, Any]] = []
@@ -216,12 +224,12 @@ def mid_move(repeats: int) -> dict[str, Any]:
         while done < repeats and setup_failures < 2 * repeats:
             with tempfile.TemporaryDirectory(prefix="control-ha-move-") as tmp:
                 try:
-                    row = midmove_once(Path(tmp), ttl_s, renew_s)
+                    row = once(Path(tmp), ttl_s, renew_s)
                 except RuntimeError as exc:
                     # Counted, not hidden: a process that did not start in time on a
                     # loaded host, before anything measured began.
                     setup_failures += 1
-                    print(f"mid-move run failed: {exc}", file=sys.stderr)
+                    print(f"{which} run failed: {exc}", file=sys.stderr)
                     continue
             row.update(ttl_s=ttl_s, renew_s=renew_s)
             print(json.dumps({k: v for k, v in row.items() if k != "client"}),

@@ -87,6 +87,37 @@ def _mid_move_section(sec: dict[str, Any] | None) -> list[str]:
         f"{sec.get('setup_failures', 0)}.", ""]
 
 
+def _mid_round_section(sec: dict[str, Any] | None) -> list[str]:
+    if not sec:
+        return []
+    out = []
+    for r in sorted(sec["runs"], key=lambda r: -r["ttl_s"]):
+        out.append([num(r["ttl_s"], ".1f", suffix=" s"), num(r["renew_s"], ".1f", suffix=" s"),
+                    num(r["takeover_s"], ".2f", suffix=" s"),
+                    num(r["settled_s"], ".2f", suffix=" s"),
+                    f"{r['round_status']}, {r['round_actions']} actions, settled "
+                    f"{r['settled_times']}x", r["next_round_status"],
+                    str(r["replicas_started"]), str(len(r["replicas_registered"]))])
+    return [
+        "## The leader killed while its actuator starts a replica", "",
+        "The same two controllers; demand in us, nothing running. The run takes the "
+        "store's writer lock (`skymesh:writer`), asks the leader to apply a round, and "
+        "once the round is `applying` and the leader's `local` actuator has started a "
+        "replica (whose registration waits for the lock), SIGKILLs the leader and lets "
+        "the lock go. The new leader settles the round, then applies a round of its own "
+        "(the plan: one replica in us). Started: replica processes the two actuators "
+        "started; registered: replicas in the store at the end (the killed leader's "
+        "half-started one was never registered; the run stops it).", "",
+        table(["lease TTL", "renew every", "takeover", "round settled after",
+               "the killed leader's round", "the new leader's round",
+               "replicas started", "registered"], out,
+              [True, True, True, True, False, False, True, True]), "",
+        f"Measured {sec['date']} on {sec['cpus']} CPUs shared with other jobs (load "
+        f"average {sec['load_average_1m_at_start']:.2f} at start), "
+        f"{sec['wall_seconds']:.0f} s of wall time; `--scenarios mid-round`. Runs that "
+        f"failed before the kill: {sec.get('setup_failures', 0)}.", ""]
+
+
 def control_ha(doc: dict[str, Any]) -> str:
     return "\n".join([
         "## Leader takeover", "",
@@ -101,4 +132,5 @@ def control_ha(doc: dict[str, Any]) -> str:
         "sentinels, quorum 2, `down-after-milliseconds 500`). One client posts regions "
         "one at a time; the primary is SIGKILLed mid-stream; every acknowledged region is "
         "read back after the failover.", "",
-        _failover(doc["redis_failover"]), "", *_mid_move_section(doc.get("mid_move"))])
+        _failover(doc["redis_failover"]), "", *_mid_move_section(doc.get("mid_move")),
+        *_mid_round_section(doc.get("mid_round"))])
