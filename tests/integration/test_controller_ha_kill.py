@@ -17,7 +17,9 @@ import pytest
 
 from skymesh_lab.bench.control_ha_move import marked, midmove_once, midround_once
 
-pytestmark = [pytest.mark.timeout(300)]
+# About a minute each on two loaded cores (process start-ups): marked slow, as the other
+# end-to-end planner tests.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def test_a_leader_killed_mid_move_loses_no_request_and_settles_once(
@@ -50,7 +52,7 @@ def test_a_leader_killed_mid_move_loses_no_request_and_settles_once(
     assert row["r1_served_before_drain"] >= 1 and row["r1_served_after_undrain"] >= 3
     # The client through lb-us: no failure, before, across and after the kill.
     assert row["failed_requests"] == 0, row["client"]
-    assert row["client"]["completed"] >= 10
+    assert row["client"]["completed"] > row["client_completed_at_kill"] >= 5
     # The killed leader's orphaned replica was found and stopped.
     assert seen and marked(seen[0]) == []
 

@@ -349,6 +349,7 @@ async def _kill_mid_move(c: httpx.Client, ctls: list[Daemon], standby: Daemon, l
     epoch = c.get(f"{standby.url}/v1/status").json()["control"]["epoch"]
     t0 = time.monotonic()
     leader.kill()  # SIGKILL
+    completed_at_kill = tally.completed
     await _wait(lambda: leads(standby), "the standby to lead", 60)
     takeover = time.monotonic() - t0
     epoch_after = c.get(f"{standby.url}/v1/status").json()["control"]["epoch"]
@@ -384,6 +385,7 @@ async def _kill_mid_move(c: httpx.Client, ctls: list[Daemon], standby: Daemon, l
         "replicas": sorted(reps),
         "r1_served_before_drain": before_drain, "r1_served_after_undrain": after - back,
         "r1_url_unchanged": reps[rid1]["url"] == url1,
+        "client_completed_at_kill": completed_at_kill,
     }
 
 
