@@ -11,6 +11,7 @@ script's choices run with stand-in ``redis-cli``/``redis-server``/``hostname`` o
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -118,6 +119,25 @@ def test_the_network_policy_admits_the_sentinels_and_replication(rendered: Objec
             admitted.setdefault(name, set()).update(p["port"] for p in rule["ports"])
     assert admitted == {"skymesh-controller": {6379, 26379},
                         "skymesh-redis": {6379, 26379}}
+
+
+def test_checkov_finds_nothing_in_the_rendered_component(rendered: Objects,
+                                                          tmp_path: Path) -> None:
+    """As test_k8s_manifests checks the overlays (same skips, same reasons)."""
+    path = os.environ.get("CHECKOV") or shutil.which("checkov")
+    if not path or not os.access(path, os.X_OK):
+        pytest.skip("checkov not found: set CHECKOV=/path/to/venv/bin/checkov")
+    (tmp_path / "sentinel.yaml").write_text(yaml.safe_dump_all(rendered, sort_keys=False))
+    proc = subprocess.run(
+        [path, "--framework", "kubernetes", "--output", "json", "--skip-download",
+         "--skip-check", "CKV_K8S_43,CKV_K8S_15", "--directory", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "LOG_LEVEL": "ERROR"})
+    assert proc.stdout.startswith("{"), proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    failed = [f"{c['check_id']} {c['resource']}: {c['check_name']}"
+              for c in report["results"]["failed_checks"]]
+    assert not failed, "\n".join(failed)
+    assert {c["check_id"] for c in report["results"]["skipped_checks"]} <= {"CKV_K8S_35"}
 
 
 STUBS = {
