@@ -190,9 +190,9 @@ def midmove_once(work: Path, ttl_s: float = 2.0, renew_s: float = 0.4) -> dict[s
     redis = RedisProcess(work)
     redis.start()
     try:
-        with daemons() as ds:
+        with daemons() as ds, httpx.Client(headers=auth(), timeout=60) as c:
             try:
-                return _run(work, redis, ds, mark, ttl_s, renew_s)
+                return _run(work, redis, ds, c, mark, ttl_s, renew_s)
             except RuntimeError as exc:
                 # Say what the controllers said: a run that fails on a loaded machine
                 # is otherwise a bare timeout.
@@ -204,8 +204,8 @@ def midmove_once(work: Path, ttl_s: float = 2.0, renew_s: float = 0.4) -> dict[s
         redis.stop()
 
 
-def _run(work: Path, redis: RedisProcess, ds: list[Daemon], mark: str, ttl_s: float,
-         renew_s: float) -> dict[str, Any]:
+def _run(work: Path, redis: RedisProcess, ds: list[Daemon], c: httpx.Client, mark: str,
+         ttl_s: float, renew_s: float) -> dict[str, Any]:
     env = {**os.environ, MARK: mark}
     # Started side by side: each start-up is seconds of imports on a loaded machine.
     with ThreadPoolExecutor(2) as pool:
@@ -222,7 +222,6 @@ def _run(work: Path, redis: RedisProcess, ds: list[Daemon], mark: str, ttl_s: fl
     # needs them on a live controller, as a Service in front of both would route them.
     standby = next(d for d in ds if d is not leader)
     ctls = list(ds)
-    c = httpx.Client(headers=auth(), timeout=60)
     for name, lat, lon in (("us", 38.9, -77.0), ("eu", 53.3, -6.3)):
         r = c.post(f"{standby.url}/v1/regions",
                    json={"name": name, "latitude": lat, "longitude": lon})
@@ -439,7 +438,8 @@ def midround_once(work: Path, ttl_s: float = 2.0, renew_s: float = 0.4) -> dict[
                 ds.extend(f.result() for f in futs)
             r = redis_lib.Redis.from_url(redis.url)
             try:
-                return _midround(work, ds, r, mark)
+                with httpx.Client(headers=auth(), timeout=60) as c:
+                    return _midround(work, ds, c, r, mark)
             finally:
                 r.close()
     finally:
@@ -447,8 +447,8 @@ def midround_once(work: Path, ttl_s: float = 2.0, renew_s: float = 0.4) -> dict[
         redis.stop()
 
 
-def _midround(work: Path, ctls: list[Daemon], r: Any, mark: str) -> dict[str, Any]:
-    c = httpx.Client(headers=auth(), timeout=60)
+def _midround(work: Path, ctls: list[Daemon], c: httpx.Client, r: Any, mark: str
+              ) -> dict[str, Any]:
     leader = until(lambda: _leader(ctls), "a leader", 30)
     standby = next(d for d in ctls if d is not leader)
     for name, lat, lon in (("us", 38.9, -77.0), ("eu", 53.3, -6.3)):
