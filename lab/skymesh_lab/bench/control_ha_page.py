@@ -44,6 +44,80 @@ def _failover(rows: list[dict[str, Any]]) -> str:
                  [True, True, True, True, False])
 
 
+def _mid_move(sec: dict[str, Any]) -> str:
+    out = []
+    for r in sorted(sec["runs"], key=lambda r: -r["ttl_s"]):
+        client = r["client"]
+        applied = r["rounds"].get("applied", 0)
+        out.append([num(r["ttl_s"], ".1f", suffix=" s"), num(r["renew_s"], ".1f", suffix=" s"),
+                    num(r["takeover_s"], ".2f", suffix=" s"),
+                    num(r["settled_s"], ".2f", suffix=" s"),
+                    f"{r['round_status']}, {r['round_actions']} actions, settled "
+                    f"{r['settled_times']}x", str(applied),
+                    f"{r['replica']['region']}, {r['replica']['state']}",
+                    f"{r['r1_served_before_drain']:.0f} / {r['r1_served_after_undrain']:.0f}",
+                    str(client["completed"]), str(r["failed_requests"])])
+    return table(["lease TTL", "renew every", "takeover", "round settled after",
+                  "the killed leader's round", "rounds applied in all",
+                  "moved replica at the end", "its requests before drain / after undrain",
+                  "client requests completed", "client requests failed"], out,
+                 [True, True, True, True, False, True, False, True, True, True])
+
+
+def _mid_move_section(sec: dict[str, Any] | None) -> list[str]:
+    if not sec:
+        return []
+    return [
+        "## The leader killed mid-round and mid-move", "",
+        "Two controllers (planner `auto`, `local` actuator) on one `redis-server`, a "
+        "`skymesh-lb` per region (`listen.workers: 1`, following membership from the "
+        "standby) and emulated replicas. A round applied by the leader started r1 in us; "
+        "r2 is registered in us by hand; a client sends requests back to back through "
+        "lb-us all along. Half the demand moves to eu and the leader applies a round that "
+        "moves r1 there: once the store shows the round `applying` with the move "
+        "`draining`, the leader is SIGKILLed (`drain_poll_s` is longer than the run, so "
+        "the move cannot have finished). Takeover: from the signal until the standby's "
+        "`skymesh_controller_leader` is 1; settled: until the round's record left "
+        "`applying`. \"Settled 1x\" counts the new leader's log lines for the round.", "",
+        _mid_move(sec), "",
+        f"Measured {sec['date']} on {sec['cpus']} CPUs shared with other jobs (load "
+        f"average {sec['load_average_1m_at_start']:.2f} at start), "
+        f"{sec['wall_seconds']:.0f} s of wall time; `--scenarios mid-move`. Runs that "
+        f"failed before the kill (a process not started in time): "
+        f"{sec.get('setup_failures', 0)}.", ""]
+
+
+def _mid_round_section(sec: dict[str, Any] | None) -> list[str]:
+    if not sec:
+        return []
+    out = []
+    for r in sorted(sec["runs"], key=lambda r: -r["ttl_s"]):
+        out.append([num(r["ttl_s"], ".1f", suffix=" s"), num(r["renew_s"], ".1f", suffix=" s"),
+                    num(r["takeover_s"], ".2f", suffix=" s"),
+                    num(r["settled_s"], ".2f", suffix=" s"),
+                    f"{r['round_status']}, {r['round_actions']} actions, settled "
+                    f"{r['settled_times']}x", r["next_round_status"],
+                    str(r["replicas_started"]), str(len(r["replicas_registered"]))])
+    return [
+        "## The leader killed while its actuator starts a replica", "",
+        "The same two controllers; demand in us, nothing running. The run takes the "
+        "store's writer lock (`skymesh:writer`), asks the leader to apply a round, and "
+        "once the round is `applying` and the leader's `local` actuator has started a "
+        "replica (whose registration waits for the lock), SIGKILLs the leader and lets "
+        "the lock go. The new leader settles the round, then applies a round of its own "
+        "(the plan: one replica in us). Started: replica processes the two actuators "
+        "started; registered: replicas in the store at the end (the killed leader's "
+        "half-started one was never registered; the run stops it).", "",
+        table(["lease TTL", "renew every", "takeover", "round settled after",
+               "the killed leader's round", "the new leader's round",
+               "replicas started", "registered"], out,
+              [True, True, True, True, False, False, True, True]), "",
+        f"Measured {sec['date']} on {sec['cpus']} CPUs shared with other jobs (load "
+        f"average {sec['load_average_1m_at_start']:.2f} at start), "
+        f"{sec['wall_seconds']:.0f} s of wall time; `--scenarios mid-round`. Runs that "
+        f"failed before the kill: {sec.get('setup_failures', 0)}.", ""]
+
+
 def control_ha(doc: dict[str, Any]) -> str:
     return "\n".join([
         "## Leader takeover", "",
@@ -58,4 +132,5 @@ def control_ha(doc: dict[str, Any]) -> str:
         "sentinels, quorum 2, `down-after-milliseconds 500`). One client posts regions "
         "one at a time; the primary is SIGKILLed mid-stream; every acknowledged region is "
         "read back after the failover.", "",
-        _failover(doc["redis_failover"]), ""])
+        _failover(doc["redis_failover"]), "", *_mid_move_section(doc.get("mid_move")),
+        *_mid_round_section(doc.get("mid_round"))])

@@ -231,8 +231,10 @@ SOURCES: tuple[Source, ...] = (
     Source("control-ha", "The control plane with a standby: takeover and a Redis failover",
            "Real `skymesh-controller` processes sharing one store (issue #38): the leader "
            "SIGKILLed or SIGSTOPped and a standby taking over, at the default lease and at "
-           "a short one; and one controller on Redis Sentinel with the primary SIGKILLed "
-           "under a stream of admin writes. See [running the control plane highly "
+           "a short one; one controller on Redis Sentinel with the primary SIGKILLed "
+           "under a stream of admin writes; and the leader SIGKILLed mid-round and "
+           "mid-move, with balancers and replicas serving a client. See [running the "
+           "control plane highly "
            "available](../operations-control-ha.md).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.control_ha", "--json", "{json}"),
            control_ha_page.control_ha),
