@@ -83,15 +83,15 @@ async def test_scorer_counts_cached_blocks_of_the_rendered_prompt() -> None:
     try:
         # Nothing loaded yet: the request goes on unannotated while the tokenizer loads.
         assert (await scorer.annotate(route, intake)).exact_prefix is None
-        assert scorer._loading is not None
-        await scorer._loading
+        assert scorer._loading
+        await scorer.loaded()
         ids = tok.encode(intake.prompt_text)
         assert len(ids) >= 48
         ia = feeds.index(a)
         assert ia is not None
         ia.stored([1, 2, 3], None, ids[:48], 16)
         out = await scorer.annotate(route, intake)
-        # vLLM replicas are followed but not scored (their tokenizer is not ours).
+        # vLLM replicas without a tokenizer folder are followed but not scored.
         assert out.exact_prefix == {a: 3, b: 0}
         assert out.exact_blocks == len(ids) // 16
         assert scorer.figures(a) == {"kv_events": "live", "kv_blocks": 3, "kv_exact": True}
