@@ -24,17 +24,22 @@ def _med(rows: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+# Arms in table order. "events-only": an earlier run's events arm, when a prompt cached
+# nowhere went by load instead of to the trie's pick (its rows name their commit).
+LABELS = {"trie": "trie", "events-only": "events, none cached: by load", "exact": "events"}
+
+
 def table(doc: dict[str, Any]) -> str:
-    runs = doc["runs"]
+    runs = doc["runs"] + doc.get("earlier_runs", [])
     out = ["| balancers | routing | prefix cache hit rate | TTFT mean, ms | TTFT p50, ms "
            "| TTFT p90, ms | failed | runs |",
            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for n in doc["setup"]["balancers"]:
-        for mode in ("trie", "exact"):
+        for mode, label in LABELS.items():
             rows = [r for r in runs if r["balancers"] == n and r["mode"] == mode]
             if not rows:
                 continue
-            out.append(f"| {n} | {'events' if mode == 'exact' else 'trie'} "
+            out.append(f"| {n} | {label} "
                        f"| {_pct(_med(rows, 'hit_rate'))} | {_ms(_med(rows, 'ttft_mean_s'))} "
                        f"| {_ms(_med(rows, 'ttft_p50_s'))} | {_ms(_med(rows, 'ttft_p90_s'))} "
                        f"| {sum(r['failed'] for r in rows)} | {len(rows)} |")
@@ -88,7 +93,12 @@ def page(doc: dict[str, Any]) -> str:
         "`trie`: each balancer scores prefixes on its own trie of its own decisions (it "
         "knows nothing of the other balancers' routing, nor of evictions). `events`: the "
         "replicas' `kv_events` and the model folder as `tokenizer`, every balancer scoring "
-        "on the same exact block index ([KV-cache events](../kv-events.md)).", "",
+        "on the same exact block index ([KV-cache events](../kv-events.md)); a prompt no "
+        "replica holds a block of is left to the balancer's trie, which knows where it sent "
+        "the requests still in prefill (unpublished)."
+        + (f" `events, none cached: by load`: the same arm at commit "
+           f"`{doc['earlier_runs'][0]['commit']}`, when such a prompt went to the least "
+           "loaded replica instead." if doc.get("earlier_runs") else ""), "",
         "## In the simulator", "",
         "`skymesh_lab.sim` with `exact_prefix_state` (each balancer reads its replicas' "
         "cache state at a request's arrival, as following the events gives, without their "
@@ -98,4 +108,4 @@ def page(doc: dict[str, Any]) -> str:
         simulator_table(doc)])
 
 
-__all__ = ["page", "simulator_table", "table"]
+__all__ = ["LABELS", "page", "simulator_table", "table"]
