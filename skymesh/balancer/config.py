@@ -38,7 +38,7 @@ import ipaddress
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from skymesh.common.config import (
     ConfigError,
@@ -326,6 +326,9 @@ class ReplicaConfig(StrictModel):
     max_num_seqs: int | None = Field(None, ge=1)
     metrics_lag_s: float | None = Field(None, ge=0, le=60)
     kv_events: KVEventsEndpoint | None = None  # exact prefix state (docs/kv-events.md)
+    # The model's folder (tokenizer.json, tokenizer_config.json, chat template): how the
+    # balancer tokenizes prompts as this engine does, to score them on its kv_events.
+    tokenizer: str | None = None
 
     def pushing_limits(self, pushing: PushingConfig, published_max_num_seqs: int | None
                        ) -> tuple[int | None, float]:
@@ -358,6 +361,13 @@ class ReplicaConfig(StrictModel):
         except UrlRejected as exc:
             raise ValueError(str(exc)) from None
         return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _tokenizer_kind(self) -> ReplicaConfig:
+        if self.tokenizer is not None and self.kind == "skymesh":
+            raise ValueError("tokenizer: a kind: skymesh replica tokenizes as the balancer "
+                             "already does (skymesh.prefix.prompt); leave it out")
+        return self
 
 
 class MeshPeerConfig(StrictModel):

@@ -13,8 +13,9 @@ approximate trie for the others.
 tokenizes the prompt as the engine does and counts, per live replica, the leading full
 blocks cached. Only replicas whose tokenization the balancer knows take part: ``kind:
 skymesh`` (the emulated replica: the shared ChatML rendering and tokenizer of
-:mod:`skymesh.prefix.prompt`). vLLM and SGLang replicas are followed and reported, and
-scored once the balancer loads each model's own tokenizer and chat template (not yet).
+:mod:`skymesh.prefix.prompt`) and vLLM/SGLang replicas with a ``tokenizer`` folder (the
+model's own tokenizer and chat template, :mod:`skymesh.prefix.kv_tokenize`). Others are
+followed and reported but scored by the trie.
 Prompts over ``OFFLOAD_CHARS`` are tokenized in a thread, off the event loop.
 """
 
@@ -35,6 +36,7 @@ from skymesh.balancer.config import KVEventsConfig, KVEventsEndpoint, ReplicaCon
 from skymesh.balancer.intake import Intake
 from skymesh.policies.base import RouteRequest
 from skymesh.prefix.kv_index import ReplicaBlockIndex, longest_prefix
+from skymesh.prefix.kv_tokenize import EngineTokenizer
 from skymesh.prefix.prompt import PromptError, Tokenizer, completion_prompt, get_tokenizer
 
 if TYPE_CHECKING:  # the wire needs the kv-events extra: imported when a replica has events
@@ -43,9 +45,18 @@ if TYPE_CHECKING:  # the wire needs the kv-events extra: imported when a replica
 log = logging.getLogger(__name__)
 
 OFF, LIVE, STALE = "off", "live", "stale"
-# Kinds whose prompt -> token ids the balancer reproduces exactly.
-EXACT_KINDS = frozenset({"skymesh"})
+# The scoring key of ``kind: skymesh`` replicas (the balancer's own tokenizer); others
+# are keyed by their ``tokenizer`` folder.
+SKYMESH_KEY = "skymesh"
 OFFLOAD_CHARS = 32_768  # about 8k tokens, 1 ms of tokenizing
+
+
+def scoring_key(r: ReplicaConfig) -> str | None:
+    """How the balancer tokenizes for replica ``r``: its own tokenizer for ``kind:
+    skymesh``, the model folder given as ``tokenizer``, or None (the trie scores it)."""
+    if r.kind == "skymesh":
+        return SKYMESH_KEY
+    return r.tokenizer
 
 
 class KVFeeds:
@@ -55,15 +66,21 @@ class KVFeeds:
         self.clock = clock
         self._subs: dict[str, tuple[KVEventsEndpoint, KVEventSubscriber,
                                     asyncio.Task[None]]] = {}
-        self.exact_urls: tuple[str, ...] = ()  # followed replicas of an EXACT_KINDS kind
+        # Followed replicas whose tokenization the balancer reproduces, by scoring key.
+        self.groups: dict[str, tuple[str, ...]] = {}
+        self._keys: dict[str, str | None] = {}  # followed url -> its scoring key
 
     def set_replicas(self, replicas: Iterable[ReplicaConfig]) -> None:
         """Start feeds for new publishers, stop those of replicas that left or changed.
         Needs a running loop."""
         replicas = list(replicas)
         want = {r.url: r.kv_events for r in replicas if r.kv_events is not None}
-        self.exact_urls = tuple(r.url for r in replicas
-                                if r.kv_events is not None and r.kind in EXACT_KINDS)
+        self._keys = {r.url: scoring_key(r) for r in replicas if r.kv_events is not None}
+        groups: dict[str, list[str]] = {}
+        for url, key in self._keys.items():
+            if key is not None:
+                groups.setdefault(key, []).append(url)
+        self.groups = {k: tuple(v) for k, v in groups.items()}
         for url in list(self._subs):
             if want.get(url) != self._subs[url][0]:
                 self._drop(url)
@@ -94,6 +111,9 @@ class KVFeeds:
     def _drop(self, url: str) -> None:
         _ep, _sub, task = self._subs.pop(url)
         task.cancel()
+
+    def scoring_key(self, url: str) -> str | None:
+        return self._keys.get(url)
 
     def state(self, url: str) -> str:
         entry = self._subs.get(url)
@@ -155,69 +175,116 @@ class KVFeeds:
 
 
 class ExactScorer:
-    """Annotates requests with the exact prefix state of the live, exact-capable replicas."""
+    """Annotates requests with the exact prefix state of the live, exact-capable replicas.
+
+    Tokenizers load once per scoring key (the shared one of ``kind: skymesh``, each model
+    folder of ``replicas[].tokenizer``), in a thread; requests route on the trie until
+    theirs is ready, and for good if it failed to load (``/status`` says why)."""
 
     def __init__(self, feeds: KVFeeds,
-                 load_tokenizer: Callable[[], Tokenizer] = get_tokenizer) -> None:
+                 load_tokenizer: Callable[[], Tokenizer] = get_tokenizer,
+                 load_engine: Callable[[str], EngineTokenizer] = EngineTokenizer) -> None:
         self.feeds = feeds
         self._load_tokenizer = load_tokenizer
-        self.tokenizer: Tokenizer | None = None
-        self._loading: asyncio.Task[None] | None = None
+        self._load_engine = load_engine
+        self.tokenizers: dict[str, Tokenizer | EngineTokenizer] = {}
+        self.errors: dict[str, str] = {}  # key -> why it did not load
+        self._loading: dict[str, asyncio.Task[None]] = {}
 
-    def _start_loading(self) -> None:
-        # About 0.2 s of CPU for the Qwen vocabulary: in a thread, once; requests route on
-        # the trie meanwhile.
-        if self._loading is None:
-            async def load() -> None:
-                self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
+    def _start_loading(self, key: str) -> None:
+        # About 0.2 s of CPU for the Qwen vocabulary, more for a big tokenizer.json: in a
+        # thread, once per key; requests route on the trie meanwhile.
+        if key in self._loading:
+            return
 
-            self._loading = asyncio.get_running_loop().create_task(load(), name="kv-tokenizer")
-            self._loading.add_done_callback(self._loaded)
+        def load() -> Tokenizer | EngineTokenizer:
+            return self._load_tokenizer() if key == SKYMESH_KEY else self._load_engine(key)
 
-    @staticmethod
-    def _loaded(task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("no exact prefix scoring: the tokenizer failed to load: %r",
-                      task.exception())
+        async def run() -> None:
+            try:
+                tok = await asyncio.to_thread(load)
+            except Exception as exc:  # a bad folder leaves its replicas on the trie
+                self.errors[key] = f"tokenizer failed to load: {exc!r}"
+                log.error("no exact prefix scoring for %s: %s", key, self.errors[key])
+                return
+            self.tokenizers[key] = tok
+            if isinstance(tok, EngineTokenizer) and tok.chat_template is None:
+                log.warning("%s has no chat template: chat requests to its replicas are "
+                            "scored by the trie, completions on their events", key)
+
+        self._loading[key] = asyncio.get_running_loop().create_task(
+            run(), name=f"kv-tokenizer {key}")
 
     def preload(self) -> None:
-        if self.feeds.exact_urls:
-            self._start_loading()
+        for key in self.feeds.groups:
+            self._start_loading(key)
+
+    async def loaded(self) -> None:
+        """Waits for the loads started so far (tests, the lab)."""
+        await asyncio.gather(*self._loading.values())
 
     def figures(self, url: str) -> dict[str, Any]:
         """``/status``'s view of one replica: its events' state, the blocks its index
-        holds, and whether requests are scored against it exactly."""
+        holds, whether requests are scored against it exactly and, when not (or only
+        partly), why (``kv_exact_note``)."""
         index = self.feeds.index(url)
         state = self.feeds.state(url)
-        return {"kv_events": state, "kv_blocks": None if index is None else len(index),
-                "kv_exact": state == LIVE and self.tokenizer is not None
-                and url in self.feeds.exact_urls}
+        out: dict[str, Any] = {"kv_events": state,
+                               "kv_blocks": None if index is None else len(index),
+                               "kv_exact": False}
+        if state == OFF:
+            return out
+        key = self.feeds.scoring_key(url)
+        tok = None if key is None else self.tokenizers.get(key)
+        note: str | None = None
+        if key is None:
+            note = "trie: no tokenizer configured (replicas[].tokenizer)"
+        elif key in self.errors:
+            note = f"trie: {self.errors[key]}"
+        elif tok is None:
+            note = "trie: tokenizer loading"
+        elif isinstance(tok, EngineTokenizer) and tok.chat_template is None:
+            note = f"chat by the trie: no chat template in {key}"
+        out["kv_exact"] = state == LIVE and tok is not None
+        if note is not None:
+            out["kv_exact_note"] = note
+        return out
 
     async def annotate(self, route: RouteRequest, intake: Intake) -> RouteRequest:
-        urls = self.feeds.exact_urls
-        if not urls:
+        groups = self.feeds.groups
+        if not groups:
             return route
-        live = self.feeds.live_indexes(urls)
-        if not live:
+        prefix: dict[str, int] = {}
+        blocks = 0
+        for key, urls in groups.items():
+            live = self.feeds.live_indexes(urls)
+            if not live:
+                continue
+            tok = self.tokenizers.get(key)
+            if tok is None:
+                self._start_loading(key)
+                continue
+            try:
+                if len(intake.prompt_text) > OFFLOAD_CHARS:
+                    ids = await asyncio.to_thread(prompt_ids, intake, tok)
+                else:
+                    ids = prompt_ids(intake, tok)
+            except PromptError:  # no chat template, a template refusing: the trie scores
+                continue
+            block_size = max(i.block_size for i in live.values()) or 16
+            prefix.update(longest_prefix(live, ids))
+            # One model's candidates share a tokenizer; were there several, the longest
+            # prompt's blocks bound every fraction.
+            blocks = max(blocks, len(ids) // block_size)
+        if not prefix:
             return route
-        tok = self.tokenizer
-        if tok is None:
-            self._start_loading()
-            return route
-        try:
-            if len(intake.prompt_text) > OFFLOAD_CHARS:
-                ids = await asyncio.to_thread(prompt_ids, intake, tok)
-            else:
-                ids = prompt_ids(intake, tok)
-        except PromptError:
-            return route
-        block_size = max(i.block_size for i in live.values()) or 16
-        return dataclasses.replace(route, exact_prefix=longest_prefix(live, ids),
-                                   exact_blocks=len(ids) // block_size)
+        return dataclasses.replace(route, exact_prefix=prefix, exact_blocks=blocks)
 
 
-def prompt_ids(intake: Intake, tokenizer: Tokenizer) -> list[int]:
-    """The token ids the emulated engine computes for this request."""
+def prompt_ids(intake: Intake, tokenizer: Tokenizer | EngineTokenizer) -> list[int]:
+    """The token ids the engine computes for this request."""
+    if isinstance(tokenizer, EngineTokenizer):
+        return tokenizer.request_ids(intake.kind, intake.body)
     if intake.kind == "chat":
         return tokenizer.encode(intake.prompt_text)  # render_chat's text, as the replica
     return completion_prompt(intake.body["prompt"]).ids(tokenizer)

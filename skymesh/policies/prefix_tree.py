@@ -31,7 +31,8 @@ Exact state: when the request carries the engines' own view (``exact_prefix``, f
 KV-cache events, docs/kv-events.md) for *every* candidate, the match is read from it
 instead of the trie: the deepest match is the most leading blocks cached, the matched
 fraction those blocks over the prompt's full blocks. A candidate without live events
-sends the decision back to the trie (one scale for all candidates).
+sends the decision back to the trie (one scale for all candidates), and so does a prompt
+no candidate holds any block of (requests for it may be in flight, not yet published).
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ class PrefixTree(Policy, name="prefix-tree"):
 def exact_match(request: RouteRequest, targets: Sequence[str]
                 ) -> tuple[float, list[str]] | None:
     """(matched fraction, targets holding the most leading blocks) from the engines'
-    events, or None when some target has no live events (or the prompt no full block)."""
+    events, or None when some target has no live events, the prompt has no full block, or
+    no target holds any of it (the trie then decides)."""
     held = request.exact_prefix
     if held is None or not request.exact_blocks or not targets:
         return None
@@ -129,5 +131,7 @@ def exact_match(request: RouteRequest, targets: Sequence[str]
         return None
     best = max(held[t] for t in targets)
     if best == 0:
-        return 0.0, []
+        # Cached nowhere yet, per the events: the trie decides. It knows where this balancer
+        # has just sent the prompt, which an engine publishes only once the prefill ran.
+        return None
     return best / request.exact_blocks, [t for t in targets if held[t] == best]

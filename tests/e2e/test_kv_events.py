@@ -4,6 +4,11 @@ A vLLM server of its own (the shared cluster runs without events) with
 ``--kv-events-config``: a prompt's full blocks appear in the index from the live stream,
 a subscriber that joins later gets them from the replay endpoint, and a prefix-cache reset
 clears the index (vLLM publishes it with its next step's batch).
+
+Exact scoring of vLLM replicas: the balancer's token ids (the model's tokenizer.json and
+chat template, skymesh.prefix.kv_tokenize) equal vLLM's ``/tokenize`` for chat and
+completion prompts, a prompt cached by traffic the balancer never saw is matched to its
+full blocks, and a skymesh-lb given the model folder says so in ``/status``.
 """
 
 from __future__ import annotations
@@ -16,13 +21,19 @@ import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from support import eventually
+from support import eventually, until
 from vllm_cluster import MODEL_NAME, OUT_DIR, E2EEnv, e2e_env, http_get, tail
 
+from skymesh.balancer.config import KVEventsConfig, ReplicaConfig
+from skymesh.balancer.intake import parse_request
+from skymesh.balancer.kv_feed import ExactScorer, KVFeeds
+from skymesh.policies import RouteRequest
 from skymesh.prefix.kv_events import KVEventSubscriber, SubscriberSettings, stop
 from skymesh.prefix.kv_index import ReplicaBlockIndex
+from skymesh.prefix.kv_tokenize import EngineTokenizer
 from skymesh.util.procs import free_port
 
 ENV = e2e_env()
@@ -56,11 +67,13 @@ class Server:
                                  f"tcp://127.0.0.1:{self.replay}", index, SETTINGS)
 
     def post(self, path: str, body: dict[str, object]) -> int:
+        return self.post_json(path, body)[0]
+
+    def post_json(self, path: str, body: dict[str, object]) -> tuple[int, Any]:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=300) as r:
-            r.read()
-            return int(r.status)
+            return int(r.status), json.loads(r.read() or b"null")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -83,7 +96,7 @@ def server() -> Iterator[Server]:
         s.stop()
 
 
-async def test_real_vllm_events_fill_clear_and_replay(server: Server) -> None:
+async def wait_healthy(server: Server) -> None:
     async def healthy() -> bool:
         assert server.proc.poll() is None, tail(server.log_path)
         return (await asyncio.to_thread(http_get, server.url + "/health"))[0] == 200
@@ -93,6 +106,10 @@ async def test_real_vllm_events_fill_clear_and_replay(server: Server) -> None:
     while not await healthy():
         assert asyncio.get_running_loop().time() < t_end, tail(server.log_path)
         await asyncio.sleep(0.5)  # readiness polling cadence, bounded by the deadline
+
+
+async def test_real_vllm_events_fill_clear_and_replay(server: Server) -> None:
+    await wait_healthy(server)
 
     index = ReplicaBlockIndex()
     sub = server.subscriber(index)
@@ -124,3 +141,86 @@ async def test_real_vllm_events_fill_clear_and_replay(server: Server) -> None:
         assert sub.counters.malformed == 0 and sub.counters.resyncs == 0
     finally:
         await stop(task)
+
+
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "two", "trains", "left", "the",
+         "station", "at", "noon"]
+CHATS: list[dict[str, Any]] = [
+    {"messages": [{"role": "user", "content": "How many apples are left?"}]},
+    {"messages": [{"role": "system", "content": "Answer briefly."},
+                  {"role": "user", "content": "Tom has 3 pens.\nHe buys 2 more."},
+                  {"role": "assistant", "content": "5"},
+                  {"role": "user", "content": [{"type": "text", "text": "And then?"},
+                                               {"type": "text", "text": "Explain: café, 東京"}]}]},
+]
+PROMPTS = ["Question: 2 + 2 =", "  leading spaces, tabs\tand émojis 🙂", "<s> typed bos"]
+
+
+async def test_balancer_token_ids_equal_vllm_tokenize(server: Server) -> None:
+    await wait_healthy(server)
+    assert ENV is not None
+    tok = EngineTokenizer(ENV.model)
+    for body in CHATS:
+        status, got = await asyncio.to_thread(server.post_json, "/tokenize",
+                                              {"model": MODEL_NAME, **body})
+        assert status == 200
+        assert tok.request_ids("chat", body) == got["tokens"], body
+    for prompt in PROMPTS:
+        body = {"prompt": prompt}
+        status, got = await asyncio.to_thread(server.post_json, "/tokenize",
+                                              {"model": MODEL_NAME, **body})
+        assert status == 200
+        assert tok.request_ids("completion", body) == got["tokens"], prompt
+
+
+async def test_prompt_cached_behind_the_balancers_back_is_matched(
+        server: Server, tmp_path: Path) -> None:
+    """A chat prompt sent straight to vLLM: the scorer, tokenizing with the model's own
+    tokenizer and template, finds every full block of it in the replica's index, and a
+    prompt sharing only its first part matches that part."""
+    await wait_healthy(server)
+    assert ENV is not None
+    rep = ReplicaConfig.model_validate(
+        {"url": server.url, "kind": "vllm", "tokenizer": str(ENV.model),
+         "kv_events": {"endpoint": f"tcp://127.0.0.1:{server.pub}",
+                       "replay_endpoint": f"tcp://127.0.0.1:{server.replay}"}})
+    feeds = KVFeeds(KVEventsConfig(heartbeat_s=0.5))
+    feeds.set_replicas([rep])
+    scorer = ExactScorer(feeds)
+    scorer.preload()
+    try:
+        await scorer.loaded()
+        await eventually(lambda: feeds.state(server.url) == "live", "events live", timeout=30)
+        doc = " ".join(WORDS[i % len(WORDS)] + str(i) for i in range(400))
+        body = {"model": MODEL_NAME, "max_tokens": 1,
+                "messages": [{"role": "system", "content": doc},
+                             {"role": "user", "content": "Who left at noon?"}]}
+        tok = scorer.tokenizers[str(ENV.model)]
+        assert isinstance(tok, EngineTokenizer)
+        ids = tok.request_ids("chat", body)
+        assert await asyncio.to_thread(server.post, "/v1/chat/completions", body) == 200
+        index = feeds.index(server.url)
+        assert index is not None
+        await eventually(lambda: index.block_size > 0 and index.match_tokens(ids) >= 2,
+                         "the prompt's blocks from vLLM's events", timeout=30)
+        full = len(ids) // index.block_size
+
+        async def matched(b: dict[str, Any]) -> tuple[int, int]:
+            i = parse_request("chat", json.dumps(b).encode(), {})
+            route = await scorer.annotate(RouteRequest("r"), i)
+            assert route.exact_prefix is not None
+            return route.exact_prefix[server.url], route.exact_blocks
+
+        async def all_blocks() -> bool:
+            return await matched(body) == (full, full)
+
+        await until(all_blocks, "every full block of the prompt matched", timeout=30)
+        other = {**body, "messages": [body["messages"][0],
+                                      {"role": "user", "content": "A different question."}]}
+        oids = tok.request_ids("chat", other)
+        common = next(i for i, (x, y) in enumerate(zip(ids, oids, strict=False)) if x != y)
+        got, _ = await matched(other)
+        # The blocks wholly inside the shared system document, none after it.
+        assert got == min(full, common // index.block_size) >= 1
+    finally:
+        await feeds.stop()

@@ -30,7 +30,7 @@ def req(exact: dict[str, int] | None, blocks: int = 10, keys: tuple[int, ...] = 
         (None, 10, ALL, None),
         ({"a": 3, "b": 9}, 10, ALL, None),  # c has no live events: the trie decides
         ({"a": 3, "b": 9, "c": 9}, 10, ALL, (0.9, ["b", "c"])),
-        ({"a": 0, "b": 0, "c": 0}, 10, ALL, (0.0, [])),
+        ({"a": 0, "b": 0, "c": 0}, 10, ALL, None),  # cached nowhere yet: the trie decides
         ({"a": 4, "b": 9, "c": 1}, 0, ALL, None),  # no full block
         ({"a": 4, "b": 9, "c": 1}, 10, ["a", "c"], (0.4, ["a"])),
     ],
@@ -47,9 +47,13 @@ def test_select_follows_the_engines_over_the_trie() -> None:
     p.trie.insert(keys, "c")  # the trie believes c holds it; the engines say a does
     assert p.select(req({"a": 10, "b": 0, "c": 0}, keys=keys), ALL, view) == "a"
     assert p.preferred(req({"a": 10, "b": 0, "c": 0}, keys=keys), ALL, view) == "a"
-    # Evicted everywhere: least loaded, not the trie's stale pointer.
+    # Held nowhere per the events: the trie's word, which knows the requests this balancer
+    # sent that no engine has published yet (an in-flight prefill).
     assert p.select(req({"a": 0, "b": 0, "c": 0}, keys=keys), ALL, view.set(b=1)) == "c"
-    assert p.preferred(req({"a": 0, "b": 0, "c": 0}, keys=keys), ALL, view) is None
+    assert p.preferred(req({"a": 0, "b": 0, "c": 0}, keys=keys), ALL, view) == "c"
+    fresh = tuple(range(100, 110))
+    assert p.select(req({"a": 0, "b": 0, "c": 0}, keys=fresh), ALL,
+                    View().set(a=5, b=1, c=9)) == "b"  # nothing known anywhere: least loaded
     # Below the threshold: the least loaded candidate, as with the trie.
     assert p.select(req({"a": 5, "b": 0, "c": 0}, keys=keys), ALL, view) == "c"
     # One candidate without live events: the trie decides.
@@ -83,15 +87,15 @@ async def test_scorer_counts_cached_blocks_of_the_rendered_prompt() -> None:
     try:
         # Nothing loaded yet: the request goes on unannotated while the tokenizer loads.
         assert (await scorer.annotate(route, intake)).exact_prefix is None
-        assert scorer._loading is not None
-        await scorer._loading
+        assert scorer._loading
+        await scorer.loaded()
         ids = tok.encode(intake.prompt_text)
         assert len(ids) >= 48
         ia = feeds.index(a)
         assert ia is not None
         ia.stored([1, 2, 3], None, ids[:48], 16)
         out = await scorer.annotate(route, intake)
-        # vLLM replicas are followed but not scored (their tokenizer is not ours).
+        # vLLM replicas without a tokenizer folder are followed but not scored.
         assert out.exact_prefix == {a: 3, b: 0}
         assert out.exact_blocks == len(ids) // 16
         assert scorer.figures(a) == {"kv_events": "live", "kv_blocks": 3, "kv_exact": True}

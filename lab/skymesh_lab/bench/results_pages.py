@@ -31,6 +31,7 @@ from skymesh_lab.bench import (
     forecast_peers_page,
     ha_region_page,
     image_sizes_page,
+    kv_events_live_page,
     kv_index_cost,
     lb_workers_page,
     router_overhead_page,
@@ -311,6 +312,16 @@ SOURCES: tuple[Source, ...] = (
            "match a prompt against four replicas. See [KV-cache events](../kv-events.md).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.kv_index_cost", "--json", "{json}"),
            kv_index_cost.page),
+    Source("kv-events", "Prefix routing on real vLLM's KV-cache events: trie vs events",
+           "Issue #36's live comparison: two vLLM CPU servers (the e2e lane's tiny model) "
+           "with KV events on and KV caches small enough to evict, a document-QA workload "
+           "on shared prefixes, through 1, 2 and 4 skymesh-lb processes (one worker each, "
+           "prefix-tree): vLLM's own prefix-cache hit rate and the clients' TTFT when each "
+           "balancer scores on its own trie and when every balancer scores on the engines' "
+           "events. See [KV-cache events](../kv-events.md).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.kv_events_live", "--vllm-env",
+            "$SKYMESH_E2E_ENV", "--data-dir", DATA_ARG, "--json", "{json}"),
+           kv_events_live_page.page),
     Source("lb-workers", "skymesh-lb on every core: 1 and N workers",
            "skymesh-lb serving one port from several worker processes (`listen.workers`, "
            "[operations](../operations.md#workers-every-core)), against one process, live "

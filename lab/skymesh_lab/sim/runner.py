@@ -8,10 +8,11 @@ the live balancer takes.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,19 @@ class SimConfig:
     # share's batching, skymesh.balancer.siblings.FLUSH_S). Region-local only, as live.
     workers: int = 1
     worker_share_s: float = FLUSH_S
+    # KV-cache events (docs/kv-events.md): every balancer reads the exact prefix state of
+    # its replicas' caches (RouteRequest.exact_prefix) at a request's arrival, as a
+    # balancer following the engines' events does; False: each its own trie only.
+    exact_prefix_state: bool = False
+
+
+def with_exact_prefix(route: RouteRequest, replicas: Iterable[SimReplica]) -> RouteRequest:
+    """``route`` with the blocks of its prompt each replica's cache holds now (what
+    following the engines' KV events tells a balancer, without the events' delay)."""
+    keys = route.prefix_keys
+    return dataclasses.replace(
+        route, exact_prefix={r.id: len(r.engine.kv.match_prefix(keys)) for r in replicas},
+        exact_blocks=len(keys))
 
 
 def share_tries(loop: EventLoop, workers: list[SimBalancer], delay_s: float) -> None:
@@ -349,6 +363,8 @@ class Simulation:
             deadline_s=deadline,
             predicted_output_tokens=predicted,
         )
+        if self.cfg.exact_prefix_state:
+            route = with_exact_prefix(route, bal.replicas.values())
         rec = RequestRecord(item, route, self.loop.now, deadline_s=deadline,
                             predicted_output=predicted)
         self.records.append(rec)

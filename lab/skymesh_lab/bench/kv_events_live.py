@@ -1,0 +1,347 @@
+"""Prefix routing on the trie vs on the engines' KV-cache events, on real vLLM.
+
+Lab code, not product. Two vLLM CPU servers (the e2e lane's tiny model, ``make e2e``
+builds it) publish KV events, each with a KV cache small enough to evict
+(``--kv-cache-memory-bytes``). In front of them 1, 2 or 4 skymesh-lb processes (one
+worker each, ``prefix-tree``), the closed-loop clients spread over them round-robin. Two
+arms per balancer count:
+
+- ``trie``: the replicas without ``kv_events``: each balancer scores prefixes on its own
+  trie of its own past decisions;
+- ``exact``: the replicas with ``kv_events`` and the model folder as ``tokenizer``: every
+  balancer scores on the engines' own block index (docs/kv-events.md).
+
+Workload: document QA. ``--docs`` documents of about ``--doc-chars`` characters, each made
+of GSM8K training questions (``$SKYMESH_DATA_DIR/gsm8k/train.jsonl``); each request a chat
+of the document as the system message and a GSM8K test question, streamed, ``max_tokens``
+4; the document drawn at random. Figures per arm: vLLM's own prefix-cache hit rate
+(added ``vllm:prefix_cache_hits_total`` over added ``vllm:prefix_cache_queries_total``,
+tokens, both servers) and TTFT at the client (to the first streamed event). Each arm's
+documents carry a salt of their own and the caches are reset between arms, so no arm
+finds another's blocks.
+
+The same question in the simulator (``SimConfig.exact_prefix_state``): tree-of-thoughts
+clients (``tot-gsm8k``) and multi-turn chat (``sharegpt-chat``), one region of 4 emulated
+replicas, 1, 2 and 4 balancers that share nothing (``workers`` N with their tries not
+shared), each on its own trie or on the replicas' exact cache state, 120 s, seeds 0-2.
+
+    python -m skymesh_lab.bench.kv_events_live --json out.json [--balancers 1,2,4]
+        [--requests 160] [--vllm-env DIR] [--only live|sim]
+
+``--vllm-env`` is the e2e lane's environment (``python tools/e2e/build_env.py --where``;
+default ``$SKYMESH_E2E_ENV``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from skymesh.util.procs import Daemon, free_port, start_daemon
+from skymesh_lab.faults.cluster import parse_metrics
+
+MODEL = "tiny"
+MODES = ("trie", "exact")
+
+
+@dataclass
+class Engine:
+    proc: subprocess.Popen[bytes]
+    url: str
+    pub: int
+    replay: int
+    log_path: Path
+
+    def stop(self) -> None:
+        # vLLM's engine core is a child in the server's session: signal the group.
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def start_vllm(env: Path, core: int, kv_bytes: int, workdir: Path) -> Engine:
+    port, pub, replay = free_port(), free_port(), free_port()
+    events = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
+    cmd = [str(env / "venv" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(env / "model"), "--served-model-name", MODEL,
+           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+           "--max-num-seqs", "4", "--dtype", "bfloat16", "--enable-prefix-caching",
+           "--kv-cache-memory-bytes", str(kv_bytes), "--kv-events-config", json.dumps(events)]
+    # VLLM_CPU_KVCACHE_SPACE (GiB) would override --kv-cache-memory-bytes on the CPU build.
+    base = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    penv = {**base, "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache between arms
+            "VLLM_CPU_OMP_THREADS_BIND": str(core % (os.cpu_count() or 1))}
+    log_path = workdir / f"vllm-{core}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=penv,
+                                start_new_session=True)
+    return Engine(proc, f"http://127.0.0.1:{port}", pub, replay, log_path)
+
+
+def documents(data_dir: Path, salt: str, count: int, chars: int) -> list[str]:
+    lines = (data_dir / "gsm8k" / "train.jsonl").read_text().splitlines()
+    rng = random.Random(f"docs-{salt}")
+    out = []
+    for d in range(count):
+        parts = [f"Document {salt}-{d}."]
+        while sum(len(p) + 1 for p in parts) < chars:
+            parts.append(json.loads(rng.choice(lines))["question"])
+        out.append(" ".join(parts))
+    return out
+
+
+def questions(data_dir: Path, count: int, seed: int) -> list[str]:
+    lines = (data_dir / "gsm8k" / "test.jsonl").read_text().splitlines()
+    rng = random.Random(seed)
+    return [json.loads(rng.choice(lines))["question"] for _ in range(count)]
+
+
+def lb_config(engines: Sequence[Engine], mode: str, tokenizer: str) -> dict[str, Any]:
+    reps: list[dict[str, Any]] = []
+    for e in engines:
+        rep: dict[str, Any] = {"url": e.url, "kind": "vllm"}
+        if mode == "exact":
+            rep["tokenizer"] = tokenizer
+            rep["kv_events"] = {"endpoint": f"tcp://127.0.0.1:{e.pub}",
+                                "replay_endpoint": f"tcp://127.0.0.1:{e.replay}"}
+        reps.append(rep)
+    return {"listen": {"host": "127.0.0.1", "port": 0, "workers": 1}, "region": "us",
+            "policy": {"name": "prefix-tree"}, "replicas": reps,
+            "kv_events": {"heartbeat_s": 0.5}}
+
+
+@contextlib.contextmanager
+def balancers(workdir: Path, n: int, cfg: dict[str, Any], tag: str) -> Iterator[list[Daemon]]:
+    lbs: list[Daemon] = []
+    try:
+        for i in range(n):
+            path = workdir / f"lb-{tag}-{i}.json"  # JSON is YAML to the config loader
+            path.write_text(json.dumps(cfg))
+            lbs.append(start_daemon("skymesh-lb", ["--config", str(path)],
+                                    log_path=workdir / f"lb-{tag}-{i}.log", timeout=120))
+        yield lbs
+    finally:
+        for lb in lbs:
+            lb.stop(30)
+
+
+async def _until(s: aiohttp.ClientSession, url: str, ok: Any, what: str,
+                 deadline_s: float = 120) -> None:
+    t_end = time.monotonic() + deadline_s
+    while time.monotonic() < t_end:
+        with contextlib.suppress(aiohttp.ClientError, ValueError):
+            async with s.get(url) as r:
+                if r.status == 200 and ok(await r.json(content_type=None)):
+                    return
+        await asyncio.sleep(0.2)  # polling cadence, bounded by the deadline
+    raise RuntimeError(f"{what}: not after {deadline_s} s ({url})")
+
+
+async def counts(s: aiohttp.ClientSession, engines: Sequence[Engine]) -> tuple[float, float]:
+    hits = queries = 0.0
+    for e in engines:
+        async with s.get(e.url + "/metrics") as r:
+            m = parse_metrics(await r.text())
+        hits += m.get("vllm:prefix_cache_hits_total", 0.0)
+        queries += m.get("vllm:prefix_cache_queries_total", 0.0)
+    return hits, queries
+
+
+async def run_arm(workdir: Path, engines: Sequence[Engine], n_lb: int, mode: str, *,
+                  tokenizer: str, data_dir: Path, requests: int, clients: int, docs: int,
+                  doc_chars: int, seed: int) -> dict[str, Any]:
+    salt = f"{mode}{n_lb}s{seed}"
+    texts = documents(data_dir, salt, docs, doc_chars)
+    qs = questions(data_dir, requests, seed)
+    rng = random.Random(seed)
+    order = [rng.randrange(docs) for _ in range(requests)]
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        for e in engines:
+            async with s.post(e.url + "/reset_prefix_cache") as r:
+                r.raise_for_status()
+        with balancers(workdir, n_lb, lb_config(engines, mode, tokenizer), salt) as lbs:
+            for lb in lbs:
+                await _until(s, lb.url + "/ready",
+                             lambda b: b.get("healthy_replicas") == len(engines), "ready")
+                if mode == "exact":
+                    await _until(s, lb.url + "/status", lambda b: all(
+                        r.get("kv_exact") for r in b["replicas"].values()), "kv_exact")
+            h0, q0 = await counts(s, engines)
+            ttfts: list[float] = []
+            failed = 0
+
+            async def client(k: int) -> None:
+                nonlocal failed
+                lb = lbs[k % len(lbs)]
+                for i in range(k, requests, clients):
+                    body = {"model": MODEL, "max_tokens": 4, "stream": True,
+                            "messages": [{"role": "system", "content": texts[order[i]]},
+                                         {"role": "user", "content": qs[i]}]}
+                    t0 = time.monotonic()
+                    first: float | None = None
+                    async with s.post(lb.url + "/v1/chat/completions", json=body) as r:
+                        if r.status != 200:
+                            failed += 1
+                            await r.read()
+                            continue
+                        async for line in r.content:
+                            if first is None and line.startswith(b"data:"):
+                                first = time.monotonic() - t0
+                    if first is not None:
+                        ttfts.append(first)
+
+            t0 = time.monotonic()
+            await asyncio.gather(*(client(k) for k in range(clients)))
+            wall = time.monotonic() - t0
+            h1, q1 = await counts(s, engines)
+            exact = 0.0
+            for lb in lbs:
+                async with s.get(lb.url + "/status") as r:
+                    st = await r.json()
+                exact += sum(bool(v.get("kv_exact")) for v in st["replicas"].values())
+    ttfts.sort()
+    return {"balancers": n_lb, "mode": mode, "requests": requests, "failed": failed,
+            "hit_rate": round((h1 - h0) / (q1 - q0), 4) if q1 > q0 else None,
+            "ttft_mean_s": round(statistics.fmean(ttfts), 4) if ttfts else None,
+            "ttft_p50_s": round(ttfts[len(ttfts) // 2], 4) if ttfts else None,
+            "ttft_p90_s": round(ttfts[int(0.9 * (len(ttfts) - 1))], 4) if ttfts else None,
+            "prompt_tokens": int(q1 - q0), "wall_s": round(wall, 1),
+            "exact_at_end": exact / (n_lb * len(engines))}
+
+
+async def cache_info(engines: Sequence[Engine]) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as s, s.get(engines[0].url + "/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = line[line.index("{") + 1:line.index("}")]
+            kv = dict(p.split("=", 1) for p in labels.split(","))
+            return {k: v.strip('"') for k, v in kv.items()
+                    if k in ("block_size", "num_gpu_blocks", "kv_cache_size_tokens")}
+    return {}
+
+
+SIM_WORKLOADS = ("tot-gsm8k", "sharegpt-chat")
+SIM_SEEDS = (0, 1, 2)
+
+
+def simulated(counts: Sequence[int]) -> dict[str, Any]:
+    """Prefix hit rate and TTFT in the simulator, by workload, balancer count and mode."""
+    from skymesh_lab.sim.runner import SimConfig
+    from skymesh_lab.sim.runner import run as sim_run
+
+    out: dict[str, Any] = {}
+    for wl in SIM_WORKLOADS:
+        rows = []
+        for n in counts:
+            for mode in MODES:
+                runs = [sim_run(SimConfig(
+                    workload=wl, regions=["us"], replicas={"us": 4}, forwarding=False,
+                    policy="prefix-tree", seed=seed, duration_s=120.0, workers=n,
+                    worker_share_s=1e9,  # separate balancers: no trie shared
+                    exact_prefix_state=mode == "exact")) for seed in SIM_SEEDS]
+                rows.append({"balancers": n, "mode": mode,
+                             "hit_rate": [round(r["prefix_hit_rate"], 4) for r in runs],
+                             "ttft_mean_s": [round(r["ttft_mean_s"], 4) for r in runs],
+                             "throughput_rps": [round(r["throughput_rps"], 3) for r in runs]})
+                print(json.dumps({"workload": wl, **rows[-1]}), flush=True)
+        out[wl] = rows
+    return out
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    env = Path(os.path.expandvars(args.vllm_env))  # the results registry passes it as is
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    load0 = os.getloadavg()[0]
+    engines = [start_vllm(env, i, args.kv_cache_bytes, workdir) for i in range(2)]
+    try:
+        async with aiohttp.ClientSession() as s:
+            for e in engines:
+                await _until(s, e.url + "/v1/models", lambda b: True, "vLLM ready",
+                             deadline_s=args.start_deadline_s)
+        cache = await cache_info(engines)
+        print(f"vLLM up: {cache}", flush=True)
+        runs = []
+        counts_ = [int(x) for x in args.balancers.split(",")]
+        arms = [(n, m) for n in counts_ for m in MODES]
+        for rep in range(args.repeats):
+            k = rep % len(MODES)
+            for n, mode in arms[k:] + arms[:k]:
+                r = await run_arm(workdir, engines, n, mode, tokenizer=str(env / "model"),
+                                  data_dir=Path(args.data_dir), requests=args.requests,
+                                  clients=args.clients, docs=args.docs,
+                                  doc_chars=args.doc_chars, seed=rep)
+                r["repeat"] = rep
+                print(json.dumps(r), flush=True)
+                runs.append(r)
+    finally:
+        for e in engines:
+            e.stop()
+    return {"setup": {"engine": "vllm-cpu 0.32.0 (tiny model, e2e lane)", "replicas": 2,
+                      "kv_cache_memory_bytes": args.kv_cache_bytes, "cache": cache,
+                      "balancers": counts_, "requests_per_arm": args.requests,
+                      "clients": args.clients, "docs": args.docs, "doc_chars": args.doc_chars,
+                      "max_tokens": 4, "repeats": args.repeats, "policy": "prefix-tree",
+                      "workers_per_balancer": 1, "load_average_1m_at_start": round(load0, 2),
+                      "load_average_1m_at_end": round(os.getloadavg()[0], 2)},
+            "runs": runs}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--vllm-env", default=os.environ.get("SKYMESH_E2E_ENV", ""))
+    ap.add_argument("--data-dir", default=os.environ.get("SKYMESH_DATA_DIR",
+                                                         "../shared/data"))
+    ap.add_argument("--workdir", default="out/kv-events-live")
+    ap.add_argument("--balancers", default="1,2,4")
+    ap.add_argument("--requests", type=int, default=160)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--docs", type=int, default=12)
+    ap.add_argument("--doc-chars", type=int, default=3000)
+    ap.add_argument("--kv-cache-bytes", type=int, default=8 << 20)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--start-deadline-s", type=float, default=900)
+    ap.add_argument("--only", choices=("live", "sim"),
+                    help="one part; the other is kept from an existing --json file")
+    args = ap.parse_args(argv)
+    path = Path(args.json)
+    out: dict[str, Any] = json.loads(path.read_text()) if args.only and path.exists() else {}
+    if args.only != "sim":
+        if not args.vllm_env:
+            ap.error("--vllm-env (or SKYMESH_E2E_ENV): the e2e lane's environment")
+        out.update(asyncio.run(main_async(args)))
+    if args.only != "live":
+        out["simulator"] = simulated([int(x) for x in args.balancers.split(",")])
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
