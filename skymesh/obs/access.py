@@ -40,7 +40,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -72,26 +71,42 @@ MAX_BACKLOG = 4096
 _LINGER_S = 0.02
 
 
-@dataclass(slots=True, eq=False)
 class AccessRecord:
-    """What is known about one request so far; the middleware owns it."""
+    """What is known about one request so far; the middleware owns it. At the request's
+    end the loop adds what the line needs (``method`` ... ``end``) and hands the record to
+    the writer thread, which makes the fields (:func:`record_fields`): the loop makes no
+    dict and formats nothing."""
 
-    start: float
-    clock: Clock
-    tracing: Tracing | None
-    request_id: str | None = None
-    model: str | None = None
-    served_by: str | None = None
-    via: str | None = None
-    status: int | None = None  # once headers are prepared
-    first_byte_at: float | None = None
-    disconnected: bool = False  # the balancer saw the client leave (note(left=True))
-    watched: web.StreamResponse | None = None  # a stream whose write is wrapped
-    tail: deque[bytes | bytearray | memoryview] = field(
-        default_factory=lambda: deque(maxlen=_TAIL_CHUNKS))
-    span: Any = None
+    __slots__ = ("client", "clock", "code", "disconnected", "end", "first_byte_at", "method",
+                 "model", "path", "request_id", "served_by", "span", "start", "status",
+                 "tail", "tracing", "via", "watched")
+
+    def __init__(self, start: float, clock: Clock, tracing: Tracing | None,
+                 request_id: str | None = None) -> None:
+        self.start = start
+        self.clock = clock
+        self.tracing = tracing
+        self.request_id = request_id
+        self.model: str | None = None
+        self.served_by: str | None = None
+        self.via: str | None = None
+        self.status: int | None = None  # once headers are prepared; the sent one at the end
+        self.first_byte_at: float | None = None
+        self.disconnected = False  # the balancer saw the client leave (note(left=True))
+        self.watched: web.StreamResponse | None = None  # a stream whose write is wrapped
+        # A stream's last chunks (the usage event), made when its headers are prepared.
+        self.tail: deque[bytes | bytearray | memoryview] | None = None
+        self.span: Any = None
+        self.method = self.path = ""
+        self.client: str | None = None
+        self.end = start
+        self.code = 0  # the status sent (or 499), once the request ended
 
 
+# A queued line: the record or its fields, the body holding the usage, the time it ended.
+_Item = tuple[AccessRecord | dict[str, Any], bytes | None, float]
+_NO_TOKENS: tuple[None, None] = (None, None)
+_NONE: dict[str, Any] = {}
 RECORD_KEY = web.RequestKey("skymesh.obs.access", AccessRecord)
 
 
@@ -175,8 +190,7 @@ class _Access:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        rec = AccessRecord(self.clock(), self.clock, self.tracing,
-                           request_id=self.request_id(request))
+        rec = AccessRecord(self.clock(), self.clock, self.tracing)
         request[RECORD_KEY] = rec
         status: int | None = None
         resp: web.StreamResponse | None = None
@@ -214,39 +228,63 @@ class _Access:
             with contextlib.suppress(AttributeError):
                 del rec.watched.write
             rec.watched = None
-        disconnected = status is None or rec.disconnected
         if status is None or rec.disconnected:  # what the client got, if anything
+            rec.disconnected = True
             status = rec.status if rec.status is not None else CLIENT_CLOSED
+        elif rec.first_byte_at is None:
+            rec.first_byte_at = end  # a whole body: it leaves now, with the headers
+        # The record is the writer's from here: the prepare hook of a whole body, which
+        # runs after this, writes ``status`` but not ``code``.
+        rec.code = status
+        rec.end = end
+        rec.method = request.method
+        rec.path = request.path
+        rec.client = request.remote
+        if rec.request_id is None:
+            rec.request_id = self.request_id(request)
         body: bytes | None = None  # where the usage is, if anywhere
         if resp is not None and status < 400:
-            if isinstance(resp, web.Response):
-                if isinstance(resp.body, bytes | bytearray):
-                    body = bytes(resp.body)
+            if type(resp) is web.Response or isinstance(resp, web.Response):
+                got = resp.body
+                if type(got) is bytes:
+                    body = got
+                elif isinstance(got, bytes | bytearray):
+                    body = bytes(got)
             elif rec.tail:
                 body = b"".join(bytes(c) for c in rec.tail)
-        first = rec.first_byte_at
-        if first is None and not disconnected:
-            first = end  # a whole body: it leaves now, in one write with the headers
-        fields: dict[str, Any] = {
-            "request_id": rec.request_id, "method": request.method, "path": request.path,
-            "model": rec.model, "served_by": rec.served_by, "via": rec.via, "status": status,
-            "ttft_ms": None if first is None else round((first - rec.start) * 1e3, 3),
-            "duration_ms": round((end - rec.start) * 1e3, 3),
-            "prompt_tokens": None, "completion_tokens": None, "client": request.remote,
-        }
-        if disconnected:
-            fields["disconnected"] = True
+        rec.tail = None
         if rec.span is not None:  # the span ends with the middleware: fill it in now
             from skymesh.obs.tracing import trace_id
 
-            _fill_usage(fields, body)
-            body = None
+            fields = record_fields(rec, body)
             fields["trace_id"] = trace_id(rec.span)
             _end_span(rec.span, fields)
-        if self.writer is not None and not self.writer.put(fields, body):
+            self._write(fields, None)
+        else:
+            self._write(rec, body)
+
+    def _write(self, what: AccessRecord | dict[str, Any], body: bytes | None) -> None:
+        if self.writer is not None and not self.writer.put(what, body):
             # A whole body is written after the middleware returns: the line (and the
             # usage parse) waits for the next loop turn rather than delay the answer.
-            asyncio.get_running_loop().call_soon(self.writer.emit, fields, body, time.time())
+            asyncio.get_running_loop().call_soon(self.writer.emit, what, body, time.time())
+
+
+def record_fields(rec: AccessRecord, body: bytes | None) -> dict[str, Any]:
+    """The line's fields of a finished request (in the writer thread, or on the loop when
+    the request's span needs them)."""
+    start, first = rec.start, rec.first_byte_at
+    fields: dict[str, Any] = {
+        "request_id": rec.request_id, "method": rec.method, "path": rec.path,
+        "model": rec.model, "served_by": rec.served_by, "via": rec.via, "status": rec.code,
+        "ttft_ms": None if first is None else round((first - start) * 1e3, 3),
+        "duration_ms": round((rec.end - start) * 1e3, 3),
+        "prompt_tokens": None, "completion_tokens": None, "client": rec.client,
+    }
+    if rec.disconnected:
+        fields["disconnected"] = True
+    _fill_usage(fields, body)
+    return fields
 
 
 class AccessWriter:
@@ -256,19 +294,19 @@ class AccessWriter:
     ``skymesh.access`` logger's own handlers and formatters, so the lines are the same as
     a plain ``log.info`` would give (the record's time is the request's end)."""
 
+    _THREAD = "skymesh-access"  # also the OS thread's name: top -H shows its CPU apart
+
     def __init__(self, log: logging.Logger, linger_s: float = _LINGER_S,
                  max_backlog: int = MAX_BACKLOG) -> None:
         self.log = log
         self.linger_s = linger_s
         self.max_backlog = max_backlog
-        self._queue: queue.SimpleQueue[tuple[dict[str, Any], bytes | None, float] | None] = (
-            queue.SimpleQueue())
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="skymesh-access-log",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._run, name=self._THREAD, daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
@@ -278,19 +316,21 @@ class AccessWriter:
             self._queue.put(None)
             thread.join()
 
-    def put(self, fields: dict[str, Any], body: bytes | None) -> bool:
-        """Queue a request's line; False when the caller should make it itself (the
-        thread is not running, or is that far behind)."""
+    def put(self, what: AccessRecord | dict[str, Any], body: bytes | None) -> bool:
+        """Queue a request's line (its finished record, or its fields when already made);
+        False when the caller should make it itself (the thread is not running, or is
+        that far behind)."""
         if self._thread is None or self._queue.qsize() >= self.max_backlog:
             return False
-        self._queue.put((fields, body, time.time()))
+        self._queue.put((what, body, time.time()))
         return True
 
-    def emit(self, fields: dict[str, Any], body: bytes | None, created: float) -> None:
+    def emit(self, what: AccessRecord | dict[str, Any], body: bytes | None,
+             created: float) -> None:
         log = self.log
         if not log.isEnabledFor(logging.INFO):
             return
-        _fill_usage(fields, body)
+        fields = _fields(what, body)
         record = log.makeRecord(log.name, logging.INFO, __file__, 0, "%s", (_text(fields),),
                                 None, extra=fields)
         record.created = created
@@ -298,6 +338,7 @@ class AccessWriter:
         log.handle(record)
 
     def _run(self) -> None:
+        _name_os_thread(self._THREAD)
         q = self._queue
         while True:
             items = [q.get()]
@@ -312,7 +353,7 @@ class AccessWriter:
                 return
             time.sleep(self.linger_s)
 
-    def write_batch(self, items: list[tuple[dict[str, Any], bytes | None, float]]) -> None:
+    def write_batch(self, items: list[_Item]) -> None:
         log = self.log
         handler = direct_handler(log)
         if handler is None:  # someone else's handlers too: through logging, batched
@@ -323,12 +364,34 @@ class AccessWriter:
         # The daemons' set-up: the lines straight from the fields, no LogRecords.
         fmt = handler.formatter
         assert isinstance(fmt, TextFormatter | JsonFormatter)
+        name, end = log.name, handler.terminator
+        text = isinstance(fmt, TextFormatter)
         lines = []
-        for fields, body, created in items:
-            _fill_usage(fields, body)
-            lines.append(fmt.line(created, log.name, _text(fields), fields)
-                         + handler.terminator)
+        for what, body, created in items:
+            if text and isinstance(what, AccessRecord):  # the common case: no dict
+                tokens = _NO_TOKENS if body is None else usage_tokens(body)
+                lines.append(f"{fmt.line(created, name, _record_text(what, tokens), _NONE)}"
+                             f"{end}")
+                continue
+            fields = _fields(what, body)
+            lines.append(fmt.line(created, name, _text(fields), fields) + end)
         handler.write_lines(lines)
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread's OS thread ``name`` (at most 15 bytes: /proc's comm), so
+    ``top -H`` and /proc/PID/task show its CPU apart. Linux only; Python names only its
+    own thread object before 3.14."""
+    with contextlib.suppress(OSError), \
+            open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+        f.write(name[:15])
+
+
+def _fields(what: AccessRecord | dict[str, Any], body: bytes | None) -> dict[str, Any]:
+    if isinstance(what, AccessRecord):
+        return record_fields(what, body)
+    _fill_usage(what, body)
+    return what
 
 
 def _fill_usage(fields: dict[str, Any], body: bytes | None) -> None:
@@ -368,6 +431,33 @@ def _text(fields: dict[str, Any]) -> str:
     return f"{head} {rest}"
 
 
+def _record_text(rec: AccessRecord, tokens: tuple[int | None, int | None]) -> str:
+    """:func:`_text` of :func:`record_fields`, straight from the record."""
+    start, first = rec.start, rec.first_byte_at
+    out = f"{rec.method} {rec.path} {rec.code}"
+    if rec.request_id is not None:
+        out += f" request_id={rec.request_id}"
+    if rec.model is not None:
+        out += f" model={rec.model}"
+    if rec.served_by is not None:
+        out += f" served_by={rec.served_by}"
+    if rec.via is not None:
+        out += f" via={rec.via}"
+    if first is not None:
+        out += f" ttft_ms={round((first - start) * 1e3, 3)}"
+    out += f" duration_ms={round((rec.end - start) * 1e3, 3)}"
+    prompt, completion = tokens
+    if prompt is not None:
+        out += f" prompt_tokens={prompt}"
+    if completion is not None:
+        out += f" completion_tokens={completion}"
+    if rec.client is not None:
+        out += f" client={rec.client}"
+    if rec.disconnected:
+        out += " disconnected=True"
+    return out
+
+
 async def _watch_body(request: web.Request, response: web.StreamResponse) -> None:
     """``on_response_prepare``: note the status, and for a streamed body the time of its
     first byte and its last chunks (the usage event)."""
@@ -378,7 +468,7 @@ async def _watch_body(request: web.Request, response: web.StreamResponse) -> Non
     if isinstance(response, web.Response):  # a whole body: the middleware has it
         return
     write = response.write
-    tail = rec.tail
+    tail = rec.tail = deque(maxlen=_TAIL_CHUNKS)
     rec.watched = response
 
     # Plain functions that hand back the original write's coroutine: no extra coroutine
