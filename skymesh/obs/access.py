@@ -48,6 +48,7 @@ from skymesh.obs.logs import (
     ACCESS_LOGGER,
     JsonFormatter,
     TextFormatter,
+    _Handler,
     batched_writes,
     direct_handler,
 )
@@ -62,13 +63,19 @@ _TAIL_CHUNKS = 4  # the usage event is the last one before [DONE]; it may stradd
 _USAGE_SPAN = 4096  # bytes after "usage": to decode (the object is ~200 bytes)
 _COLON = re.compile(rb"\s*:\s*")
 _DECODER = json.JSONDecoder()
+# The usage objects engines send (OpenAI's and the stub's key order, and vLLM's), in
+# whole: both counts appear once, so this reads what the decoder would.
+_PLAIN_USAGE = re.compile(
+    rb'\{"prompt_tokens":(0|[1-9]\d*),(?:"total_tokens":\d+,)?"completion_tokens":'
+    rb'(0|[1-9]\d*)(?:,"total_tokens":\d+)?(?:,"prompt_tokens_details":null)?\}')
 _NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
 # Lines waiting for the writer thread before they are made on the loop instead (about
 # 1 KB each with a stream's tail: a few MB at most).
 MAX_BACKLOG = 4096
-# The writer waits this long after a batch, so lines gather into the next one: one write
-# per batch rather than per line, and a thread wake-up per batch rather than per request.
+# Lines gather this long (or to BATCH of them) before they are made and written: one
+# write per batch rather than per line, and a thread wake-up per batch, not per request.
 _LINGER_S = 0.02
+BATCH = 64
 
 
 class AccessRecord:
@@ -106,6 +113,8 @@ class AccessRecord:
 # A queued line: the record or its fields, the body holding the usage, the time it ended.
 _Item = tuple[AccessRecord | dict[str, Any], bytes | None, float]
 _NO_TOKENS: tuple[None, None] = (None, None)
+_SERVED = ("%s %s %s request_id=%s model=%s served_by=%s via=%s ttft_ms=%r duration_ms=%r "
+           "prompt_tokens=%s completion_tokens=%s client=%s")
 _NONE: dict[str, Any] = {}
 RECORD_KEY = web.RequestKey("skymesh.obs.access", AccessRecord)
 
@@ -157,6 +166,9 @@ def usage_tokens(body: bytes) -> tuple[int | None, int | None]:
         colon = _COLON.match(body, i + 7)
         if colon is None:
             continue
+        plain = _PLAIN_USAGE.match(body, colon.end())
+        if plain is not None:  # what the engines send, read without the JSON decoder
+            return int(plain[1]), int(plain[2])
         text = body[colon.end():colon.end() + _USAGE_SPAN].decode("utf-8", "replace")
         try:
             usage, _ = _DECODER.raw_decode(text)
@@ -187,6 +199,28 @@ class _Access:
         self.request_id = request_id
         self.clock = clock
         self.writer = AccessWriter(log) if log is not None else None
+
+    @web.middleware
+    async def log_only(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """:meth:`middleware` without a span (tracing off): no context manager either."""
+        rec = AccessRecord(self.clock(), self.clock, None)
+        request[RECORD_KEY] = rec
+        status: int | None = None
+        resp: web.StreamResponse | None = None
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:  # the client went away (handler_cancellation)
+            raise
+        except Exception:
+            status = 500  # aiohttp answers an unhandled exception with a 500
+            raise
+        finally:
+            self._finish(request, rec, resp, status)
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -288,11 +322,17 @@ def record_fields(rec: AccessRecord, body: bytes | None) -> dict[str, Any]:
 
 
 class AccessWriter:
-    """Makes and writes access lines in a thread of its own, in batches.
+    """Makes access lines in batches and writes them in a thread of its own.
 
-    :meth:`put` is all a request pays on the loop; the thread does the rest with the
-    ``skymesh.access`` logger's own handlers and formatters, so the lines are the same as
-    a plain ``log.info`` would give (the record's time is the request's end)."""
+    With the daemons' set-up (:func:`skymesh.obs.logs.direct_handler`) the loop keeps the
+    finished records of the last ``linger_s`` (at most ``BATCH`` of them), makes their
+    lines in one go and hands the thread one string to write: nothing of a request
+    crosses to the other thread (objects shared by two threads, each touching their
+    reference counts on its own core, cost more than the formatting itself), and a slow
+    log sink blocks the thread, not the loop. With any other handler on the way (a
+    test's, an operator's logging config) the thread makes each line through ``logging``
+    (the record's time is the request's end), so the lines are what a plain ``log.info``
+    gives."""
 
     _THREAD = "skymesh-access"  # also the OS thread's name: top -H shows its CPU apart
 
@@ -301,8 +341,13 @@ class AccessWriter:
         self.log = log
         self.linger_s = linger_s
         self.max_backlog = max_backlog
-        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        # Entries: a batch's text with its handler, or one line for logging; None stops.
+        self._queue: queue.SimpleQueue[tuple[_Handler, str] | _Item | None] = (
+            queue.SimpleQueue())
         self._thread: threading.Thread | None = None
+        self._pending: list[_Item] = []  # the loop's current batch
+        self._timer: asyncio.TimerHandle | None = None
+        self._handler: _Handler | None = None  # where the batch's lines go
 
     def start(self) -> None:
         if self._thread is None:
@@ -311,19 +356,48 @@ class AccessWriter:
 
     def stop(self) -> None:
         """Write what is queued and end the thread (blocking: at most one batch)."""
+        self.flush()
         thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
             thread.join()
 
     def put(self, what: AccessRecord | dict[str, Any], body: bytes | None) -> bool:
-        """Queue a request's line (its finished record, or its fields when already made);
+        """Take a request's line (its finished record, or its fields when already made);
         False when the caller should make it itself (the thread is not running, or is
         that far behind)."""
-        if self._thread is None or self._queue.qsize() >= self.max_backlog:
+        if self._thread is None:
             return False
-        self._queue.put((what, body, time.time()))
+        item = (what, body, time.time())
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on a loop: the thread makes the line
+            loop = None
+        pending = self._pending
+        if not pending:  # a new batch: where its lines go is decided once for it
+            handler = None if loop is None else direct_handler(self.log)
+            if handler is None:
+                if self._queue.qsize() >= self.max_backlog:
+                    return False
+                self._queue.put(item)
+                return True
+            if self._queue.qsize() * BATCH >= self.max_backlog:
+                return False
+            self._handler = handler
+            self._timer = loop.call_later(self.linger_s, self.flush)  # type: ignore[union-attr]
+        pending.append(item)
+        if len(pending) >= BATCH:
+            self.flush()
         return True
+
+    def flush(self) -> None:
+        """Make the lines of the loop's batch and queue them for the thread."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        items, self._pending = self._pending, []
+        if items and self._handler is not None:
+            self._queue.put((self._handler, "".join(self._lines(self._handler, items))))
 
     def emit(self, what: AccessRecord | dict[str, Any], body: bytes | None,
              created: float) -> None:
@@ -341,30 +415,48 @@ class AccessWriter:
         _name_os_thread(self._THREAD)
         q = self._queue
         while True:
-            items = [q.get()]
+            entries = [q.get()]
             with contextlib.suppress(queue.Empty):
-                while len(items) < self.max_backlog:
-                    items.append(q.get_nowait())
-            stop = items[-1] is None
+                while len(entries) < self.max_backlog:
+                    entries.append(q.get_nowait())
+            stop = entries[-1] is None
             if stop:
-                items.pop()
-            self.write_batch(items)  # type: ignore[arg-type]
+                entries.pop()
+            self._write(entries)  # type: ignore[arg-type]
             if stop:
                 return
             time.sleep(self.linger_s)
 
+    def _write(self, entries: list[tuple[_Handler, str] | _Item]) -> None:
+        texts: dict[_Handler, list[str]] = {}
+        items: list[_Item] = []
+        for entry in entries:
+            if len(entry) == 2:
+                handler, text = entry  # type: ignore[misc]
+                texts.setdefault(handler, []).append(text)
+            else:
+                items.append(entry)  # type: ignore[arg-type]
+        for handler, batch in texts.items():
+            handler.write_lines(batch)
+        if items:
+            self.write_batch(items)
+
     def write_batch(self, items: list[_Item]) -> None:
-        log = self.log
-        handler = direct_handler(log)
+        """Make and write ``items``' lines (in this thread)."""
+        handler = direct_handler(self.log)
         if handler is None:  # someone else's handlers too: through logging, batched
             with batched_writes():
                 for item in items:
                     self.emit(*item)
             return
-        # The daemons' set-up: the lines straight from the fields, no LogRecords.
+        handler.write_lines(self._lines(handler, items))
+
+    def _lines(self, handler: _Handler, items: list[_Item]) -> list[str]:
+        """The lines of ``items`` as ``handler``'s formatter gives them, made straight
+        from the records or fields (no LogRecords)."""
         fmt = handler.formatter
         assert isinstance(fmt, TextFormatter | JsonFormatter)
-        name, end = log.name, handler.terminator
+        name, end = self.log.name, handler.terminator
         text = isinstance(fmt, TextFormatter)
         lines = []
         for what, body, created in items:
@@ -375,7 +467,7 @@ class AccessWriter:
                 continue
             fields = _fields(what, body)
             lines.append(fmt.line(created, name, _text(fields), fields) + end)
-        handler.write_lines(lines)
+        return lines
 
 
 def _name_os_thread(name: str) -> None:
@@ -434,6 +526,14 @@ def _text(fields: dict[str, Any]) -> str:
 def _record_text(rec: AccessRecord, tokens: tuple[int | None, int | None]) -> str:
     """:func:`_text` of :func:`record_fields`, straight from the record."""
     start, first = rec.start, rec.first_byte_at
+    prompt, completion = tokens
+    if (first is not None and prompt is not None and completion is not None
+            and rec.model is not None and rec.served_by is not None and rec.via is not None
+            and rec.request_id is not None and rec.client is not None
+            and not rec.disconnected):  # a request served with its usage: one format
+        return _SERVED % (rec.method, rec.path, rec.code, rec.request_id, rec.model,
+                          rec.served_by, rec.via, round((first - start) * 1e3, 3),
+                          round((rec.end - start) * 1e3, 3), prompt, completion, rec.client)
     out = f"{rec.method} {rec.path} {rec.code}"
     if rec.request_id is not None:
         out += f" request_id={rec.request_id}"
@@ -446,7 +546,6 @@ def _record_text(rec: AccessRecord, tokens: tuple[int | None, int | None]) -> st
     if first is not None:
         out += f" ttft_ms={round((first - start) * 1e3, 3)}"
     out += f" duration_ms={round((rec.end - start) * 1e3, 3)}"
-    prompt, completion = tokens
     if prompt is not None:
         out += f" prompt_tokens={prompt}"
     if completion is not None:
@@ -497,7 +596,7 @@ def install(app: web.Application, *, access_log: bool = True, tracing: Tracing |
         return
     access = _Access(logging.getLogger(ACCESS_LOGGER) if access_log else None, tracing,
                      request_id or _default_request_id, clock)
-    app.middlewares.append(access.middleware)
+    app.middlewares.append(access.middleware if tracing is not None else access.log_only)
     app.on_response_prepare.append(_watch_body)
     writer = access.writer
     if writer is not None:
@@ -505,6 +604,7 @@ def install(app: web.Application, *, access_log: bool = True, tracing: Tracing |
             writer.start()
 
         async def stop_writer(app: web.Application) -> None:
+            writer.flush()  # the loop's batch
             await asyncio.to_thread(writer.stop)
 
         app.on_startup.append(start_writer)

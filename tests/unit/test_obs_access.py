@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 from support import eventually, wait_for
 
-from skymesh.obs.access import AccessRecord, AccessWriter, install, note, usage_tokens
+from skymesh.obs.access import BATCH, AccessRecord, AccessWriter, install, note, usage_tokens
 from skymesh.obs.logs import ACCESS_LOGGER, JsonFormatter, batched_writes, setup_logging
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
@@ -212,6 +212,14 @@ def usage_event(usage: Any) -> bytes:
      (None, None)),
     (b'data: {"choices": [], "usage": {"prompt_tok', (None, None)),  # cut short
     (b"", (None, None)),
+    # the engines' own shapes (read without the decoder), and others (with it)
+    (b'{"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}', (8, 1)),
+    (b'{"usage":{"prompt_tokens":8,"total_tokens":9,"completion_tokens":1,'
+     b'"prompt_tokens_details":null}}', (8, 1)),
+    (b'{"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9,'
+     b'"prompt_tokens_details":{"cached_tokens":4}}}', (8, 1)),
+    (b'{"usage":{"completion_tokens":1,"prompt_tokens":8}}', (8, 1)),
+    (b'{"usage":{"prompt_tokens":08,"completion_tokens":1}}', (None, None)),  # not JSON
 ])
 def test_usage_tokens(body: bytes, expected: tuple[int | None, int | None]) -> None:
     assert usage_tokens(body) == expected
@@ -427,3 +435,38 @@ def test_the_writer_thread_is_named_for_top() -> None:
                  "the writer thread named")
     finally:
         writer.stop()
+
+
+@pytest.mark.usefixtures("restore_logging")
+async def test_on_the_loop_lines_are_made_in_batches_and_the_thread_writes_them() -> None:
+    """The daemons' set-up: the loop makes a batch's lines at once (BATCH of them, or
+    what gathered in ``linger_s``) and the thread writes each batch with one write."""
+    out = CountingStream()
+    setup_logging("warning", "text", stream=out)
+    writer = AccessWriter(logging.getLogger(ACCESS_LOGGER), linger_s=0.0)
+    writer.start()
+    total = BATCH + 5
+    try:
+        for i in range(total):
+            assert writer.put(finished(request_id=f"r{i}"), None)
+        await eventually(lambda: len(out.getvalue().splitlines()) == total, "every line")
+        assert writer.put(finished(request_id="last"), None)
+    finally:
+        writer.stop()  # the loop's pending batch too
+    lines = out.getvalue().splitlines()
+    assert [line.split("request_id=")[1].split()[0] for line in lines] == [
+        *(f"r{i}" for i in range(total)), "last"]
+    assert out.writes <= 3  # a full batch, the rest after the linger, the last at stop
+
+
+@pytest.mark.usefixtures("restore_logging")
+async def test_a_loop_batch_is_refused_when_the_thread_is_that_far_behind() -> None:
+    out = io.StringIO()
+    setup_logging("warning", "text", stream=out)
+    writer = AccessWriter(logging.getLogger(ACCESS_LOGGER), max_backlog=0)
+    writer.start()
+    try:
+        assert not writer.put(finished(), None)  # the middleware then makes it itself
+    finally:
+        writer.stop()
+    assert out.getvalue() == ""

@@ -10,13 +10,13 @@ What is measured
     stubs and wrk are not counted.
 
 How
-    Both set-ups run side by side for the whole run, and are driven at the same time (a
-    wrk each, ``--duration`` seconds), so both see the same machine: on a machine shared
-    with other work, runs one after the other differ by tens of percent in CPU per
-    request (fewer requests per loop wake-up when the balancer gets less CPU). The cost
-    of the access log is the paired difference (on minus off, same window) over the CPU
-    per request with it on; the figure is the median over ``--rounds`` rounds, with its
-    spread.
+    Both set-ups run side by side for the whole run and take short turns (on, off, off,
+    on: four turns of ``--duration``/4 seconds each per round, summed), so both see the
+    same stretch of the machine: on a machine shared with other work, runs a few seconds
+    apart differ by tens of percent in CPU per request (the balancer wakes up for fewer
+    requests at a time when it gets less CPU). The cost of the access log is the paired
+    difference (on minus off, same round) over the CPU per request with it on; the
+    figure is the median over ``--rounds`` rounds, with its spread.
 
 ``--base REV``: also run skymesh-lb of git revision ``REV`` (extracted with ``git
 archive``), on and off, in the same rounds: the before and after of a change.
@@ -37,7 +37,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ from skymesh_lab.bench import router_overhead_stats as st
 
 LB_FLAGS = ["--policy", "round-robin", "--push-mode", "bp", "--workers", "1"]
 CASE = ro.Case("access-c32", "rr", 32, False, "fixed")
+SLICES = 4  # turns of on and off per round
 _TICK = os.sysconf("SC_CLK_TCK")
 LOOP, WRITER, THREADS = "loop", "writer", "threads"
 WRITER_COMM = "skymesh-access"  # skymesh.obs.access.AccessWriter's OS thread name
@@ -117,25 +117,46 @@ def _stack(base: str | None, workdir: Path) -> Iterator[dict[str, Daemon]]:
 
 
 def segment(d: Daemon, duration_s: float) -> dict[str, Any]:
-    """One wrk run at ``d`` with its CPU around it, per request and per thread kind."""
+    """One wrk run at ``d`` with its CPU ticks around it, per thread kind."""
     before = thread_ticks(d.proc.pid)
     out = ro.run_wrk(d.url, CASE, duration_s)
     after = thread_ticks(d.proc.pid)
     wrk = st.parse_wrk(out)
-    n = wrk["requests"]
-    threads = {k: (after.get(k, 0) - before.get(k, 0)) / _TICK / n * 1e6 for k in after}
-    return {"requests": n, "rps": wrk["rps"], "errors": wrk["errors"] + wrk["non_2xx"],
-            "cpu_us": sum(threads.values()),
+    return {"requests": wrk["requests"], "wall_s": wrk["requests"] / max(wrk["rps"], 1e-9),
+            "errors": wrk["errors"] + wrk["non_2xx"],
+            "ticks": {k: after[k] - before[k] for k in after}}
+
+
+def pair(on: Daemon, off: Daemon, duration_s: float, slices: int = SLICES
+         ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A build's "on" and "off" in short turns (on, off, off, on, ...), each
+    ``duration_s / slices`` long, summed: both see the same stretch of a machine whose
+    other tenants come and go. Not at the same time: two balancers racing each other
+    for CPU settle unevenly (the one that falls behind wakes up for fewer requests at a
+    time, which costs it more CPU per request, so it falls further behind)."""
+    sums = {True: _empty(), False: _empty()}
+    for i in range(slices):
+        order = (True, False) if i % 2 == 0 else (False, True)
+        for is_on in order:
+            seg = segment(on if is_on else off, duration_s / slices)
+            acc = sums[is_on]
+            for key in ("requests", "wall_s", "errors"):
+                acc[key] += seg[key]
+            for k, v in seg["ticks"].items():
+                acc["ticks"][k] = acc["ticks"].get(k, 0) + v
+    return _per_request(sums[True]), _per_request(sums[False])
+
+
+def _empty() -> dict[str, Any]:
+    return {"requests": 0.0, "wall_s": 0.0, "errors": 0.0, "ticks": {}}
+
+
+def _per_request(acc: dict[str, Any]) -> dict[str, Any]:
+    n = acc["requests"]
+    threads = {k: v / _TICK / n * 1e6 for k, v in acc["ticks"].items()}
+    return {"requests": n, "rps": n / acc["wall_s"] if acc["wall_s"] else 0.0,
+            "errors": acc["errors"], "cpu_us": sum(threads.values()),
             "threads_us": {k: round(v, 2) for k, v in threads.items()}}
-
-
-def pair(on: Daemon, off: Daemon, duration_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A build's "on" and "off" driven at the same time, so both see the same machine
-    (the other tenants' load moves single runs by tens of percent)."""
-    with ThreadPoolExecutor(2) as pool:
-        got_on = pool.submit(segment, on, duration_s)
-        got_off = pool.submit(segment, off, duration_s)
-        return got_on.result(), got_off.result()
 
 
 def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
