@@ -356,8 +356,8 @@ class AccessWriter:
 
     def stop(self) -> None:
         """Write what is queued and end the thread (blocking: at most one batch)."""
+        thread, self._thread = self._thread, None  # from now on put() refuses
         self.flush()
-        thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
             thread.join()

@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -82,18 +83,20 @@ def extract(rev: str, into: Path) -> Path:
     return into
 
 
-def start_lb(stubs: list[str], access_log: bool, pythonpath: Path | None) -> Daemon:
+def start_lb(stubs: list[str], access_log: bool, pythonpath: Path | None,
+             extra: list[str] | None = None) -> Daemon:
     env = dict(os.environ)
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
-    args = ["--port", "0", "--replicas", ",".join(stubs), *LB_FLAGS]
+    args = ["--port", "0", "--replicas", ",".join(stubs), *LB_FLAGS, *(extra or [])]
     if not access_log:
         args.append("--no-access-log")
     return start_daemon("skymesh-lb", args, timeout=ro.READY_TIMEOUT_S, env=env)
 
 
 @contextlib.contextmanager
-def _stack(base: str | None, workdir: Path) -> Iterator[dict[str, Daemon]]:
+def _stack(base: str | None, workdir: Path, extra: list[str]
+           ) -> Iterator[dict[str, Daemon]]:
     with contextlib.ExitStack() as exits:
         binary = ro.build_stub(workdir)
         stubs = []
@@ -108,7 +111,7 @@ def _stack(base: str | None, workdir: Path) -> Iterator[dict[str, Daemon]]:
         lbs: dict[str, Daemon] = {}
         for build, path in builds.items():
             for on in (False, True):
-                d = start_lb(stubs, on, path)
+                d = start_lb(stubs, on, path, extra)
                 exits.callback(d.stop)
                 lbs[f"{build}/{'on' if on else 'off'}"] = d
         for d in lbs.values():
@@ -188,13 +191,15 @@ def _spread(values: list[float]) -> dict[str, float]:
             "max": round(max(values), 4)}
 
 
-def run(rounds: int, duration_s: float, base: str | None, seed: int) -> dict[str, Any]:
+def run(rounds: int, duration_s: float, base: str | None, seed: int,
+        extra: list[str] | None = None) -> dict[str, Any]:
+    extra = extra or []
     started = datetime.now(UTC).isoformat(timespec="seconds")
     load_before = os.getloadavg()
     rng = random.Random(seed)
     segments: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="access-log-cost-") as tmp, \
-            _stack(base, Path(tmp)) as lbs:
+            _stack(base, Path(tmp), extra) as lbs:
         for d in lbs.values():  # warm-up: connections, caches, lazy imports
             ro.run_wrk(d.url, CASE, 1.0)
         builds = sorted({name.split("/")[0] for name in lbs})
@@ -209,8 +214,10 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int) -> dict[str
                           f"us/req {s['threads_us']}", flush=True)
                 time.sleep(ro.SETTLE_S)
     cmd = (f"python -m skymesh_lab.bench.access_log_cost --rounds {rounds} "
-           f"--duration {duration_s:g}" + (f" --base {base}" if base else ""))
-    return {"setup": {"command": cmd, "lb_flags": LB_FLAGS, "connections": CASE.connections,
+           f"--duration {duration_s:g}" + (f" --base {base}" if base else "")
+           + (f" --lb-args {shlex.quote(shlex.join(extra))}" if extra else ""))
+    return {"setup": {"command": cmd, "lb_flags": [*LB_FLAGS, *extra],
+                      "connections": CASE.connections,
                       "rounds": rounds, "duration_s": duration_s, "base": base,
                       "current": _head(), "cores": os.cpu_count(),
                       "loadavg_before": list(load_before),
@@ -234,9 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", default=None, metavar="REV")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, metavar="PATH")
+    ap.add_argument("--lb-args", default="", metavar="FLAGS",
+                    help="more skymesh-lb flags for every set-up, e.g. '--log-format json'")
     args = ap.parse_args(argv)
     executable("skymesh-lb")  # fails early without it
-    res = run(args.rounds, args.duration, args.base, args.seed)
+    res = run(args.rounds, args.duration, args.base, args.seed, shlex.split(args.lb_args))
     for build, row in res["summary"].items():
         print(f"{build}: off {row['off_us']['median']:.1f} us, on {row['on_us']['median']:.1f}"
               f" us, cost {row['cost_us']['median']:.1f} us "
