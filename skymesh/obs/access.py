@@ -432,10 +432,10 @@ class AccessWriter:
         items: list[_Item] = []
         for entry in entries:
             if len(entry) == 2:
-                handler, text = entry  # type: ignore[misc]
+                handler, text = entry
                 texts.setdefault(handler, []).append(text)
             else:
-                items.append(entry)  # type: ignore[arg-type]
+                items.append(entry)
         for handler, batch in texts.items():
             handler.write_lines(batch)
         if items:
@@ -457,13 +457,16 @@ class AccessWriter:
         fmt = handler.formatter
         assert isinstance(fmt, TextFormatter | JsonFormatter)
         name, end = self.log.name, handler.terminator
-        text = isinstance(fmt, TextFormatter)
         lines = []
         for what, body, created in items:
-            if text and isinstance(what, AccessRecord):  # the common case: no dict
+            if isinstance(what, AccessRecord):  # the common case: no dict of fields
                 tokens = _NO_TOKENS if body is None else usage_tokens(body)
-                lines.append(f"{fmt.line(created, name, _record_text(what, tokens), _NONE)}"
-                             f"{end}")
+                msg = _record_text(what, tokens)
+                if isinstance(fmt, TextFormatter):
+                    lines.append(f"{fmt.line(created, name, msg, _NONE)}{end}")
+                else:
+                    lines.append(fmt.plain_line(created, name, msg, _record_json(what, tokens))
+                                 + end)
                 continue
             fields = _fields(what, body)
             lines.append(fmt.line(created, name, _text(fields), fields) + end)
@@ -555,6 +558,22 @@ def _record_text(rec: AccessRecord, tokens: tuple[int | None, int | None]) -> st
     if rec.disconnected:
         out += " disconnected=True"
     return out
+
+
+def _record_json(rec: AccessRecord, tokens: tuple[int | None, int | None]
+                 ) -> dict[str, Any]:
+    """:func:`record_fields` from the usage counts already read."""
+    start, first = rec.start, rec.first_byte_at
+    fields: dict[str, Any] = {
+        "request_id": rec.request_id, "method": rec.method, "path": rec.path,
+        "model": rec.model, "served_by": rec.served_by, "via": rec.via, "status": rec.code,
+        "ttft_ms": None if first is None else round((first - start) * 1e3, 3),
+        "duration_ms": round((rec.end - start) * 1e3, 3),
+        "prompt_tokens": tokens[0], "completion_tokens": tokens[1], "client": rec.client,
+    }
+    if rec.disconnected:
+        fields["disconnected"] = True
+    return fields
 
 
 async def _watch_body(request: web.Request, response: web.StreamResponse) -> None:
