@@ -20,12 +20,15 @@ Times come from an injected clock (``time.perf_counter``). A streamed body is ob
 wrapping its ``write`` when its headers are prepared: aiohttp has no server-side hook for
 body bytes, and this keeps the balancer's stream code untouched.
 
-The line is made and written off the event loop: the request's end hands its fields to an
-:class:`AccessWriter` (one queue put), whose thread decodes the usage, builds the record,
-runs the logger's handlers and writes a batch of lines with one system call
-(:func:`skymesh.obs.logs.batched_writes`). Past ``MAX_BACKLOG`` waiting lines, or before
-the app starts and after it stops, lines are made on the loop as before: a slow log sink
-slows requests down rather than growing memory.
+The request's end hands its record to an :class:`AccessWriter`: no dict and no
+formatting per request. The loop makes a batch's lines at once (``BATCH`` lines or what
+gathered in ``_LINGER_S``) straight from the records, and the writer's thread writes each
+batch with one system call (:meth:`skymesh.obs.logs._Handler.write_lines`), so a slow log
+sink blocks the thread, not the loop. With handlers other than the daemons' own (a
+test's, an operator's), each line goes through ``logging`` in the thread instead. Past
+``MAX_BACKLOG`` waiting lines, or before the app starts and after it stops, lines are
+made on the loop one by one: a slow log sink slows requests down rather than growing
+memory. docs/operations-logs.md#cost says why the lines are made on the loop.
 """
 
 from __future__ import annotations
