@@ -21,12 +21,15 @@ Times come from an injected clock (``time.perf_counter``). A streamed body is ob
 wrapping its ``write`` when its headers are prepared: aiohttp has no server-side hook for
 body bytes, and this keeps the balancer's stream code untouched.
 
-The line is made and written off the event loop: the request's end hands its fields to an
-:class:`AccessWriter` (one queue put), whose thread decodes the usage, builds the record,
-runs the logger's handlers and writes a batch of lines with one system call
-(:func:`skymesh.obs.logs.batched_writes`). Past ``MAX_BACKLOG`` waiting lines, or before
-the app starts and after it stops, lines are made on the loop as before: a slow log sink
-slows requests down rather than growing memory.
+The request's end hands its record to an :class:`AccessWriter`: no dict and no
+formatting per request. The loop makes a batch's lines at once (``BATCH`` lines or what
+gathered in ``_LINGER_S``) straight from the records, and the writer's thread writes each
+batch with one system call (:meth:`skymesh.obs.logs._Handler.write_lines`), so a slow log
+sink blocks the thread, not the loop. With handlers other than the daemons' own (a
+test's, an operator's), each line goes through ``logging`` in the thread instead. Past
+``MAX_BACKLOG`` waiting lines, or before the app starts and after it stops, lines are
+made on the loop one by one: a slow log sink slows requests down rather than growing
+memory. docs/operations-logs.md#cost says why the lines are made on the loop.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -50,6 +52,7 @@ from skymesh.obs.logs import (
     ACCESS_LOGGER,
     JsonFormatter,
     TextFormatter,
+    _Handler,
     batched_writes,
     direct_handler,
 )
@@ -64,37 +67,61 @@ _TAIL_CHUNKS = 4  # the usage event is the last one before [DONE]; it may stradd
 _USAGE_SPAN = 4096  # bytes after "usage": to decode (the object is ~200 bytes)
 _COLON = re.compile(rb"\s*:\s*")
 _DECODER = json.JSONDecoder()
+# The usage objects engines send (OpenAI's and the stub's key order, and vLLM's), in
+# whole: both counts appear once, so this reads what the decoder would.
+_PLAIN_USAGE = re.compile(
+    rb'\{"prompt_tokens":(0|[1-9]\d*),(?:"total_tokens":\d+,)?"completion_tokens":'
+    rb'(0|[1-9]\d*)(?:,"total_tokens":\d+)?(?:,"prompt_tokens_details":null)?\}')
 _NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
 # Lines waiting for the writer thread before they are made on the loop instead (about
 # 1 KB each with a stream's tail: a few MB at most).
 MAX_BACKLOG = 4096
-# The writer waits this long after a batch, so lines gather into the next one: one write
-# per batch rather than per line, and a thread wake-up per batch rather than per request.
+# Lines gather this long (or to BATCH of them) before they are made and written: one
+# write per batch rather than per line, and a thread wake-up per batch, not per request.
 _LINGER_S = 0.02
+BATCH = 64
 
 
-@dataclass(slots=True, eq=False)
 class AccessRecord:
-    """What is known about one request so far; the middleware owns it."""
+    """What is known about one request so far; the middleware owns it. At the request's
+    end the loop adds what the line needs (``method`` ... ``end``) and hands the record to
+    the writer thread, which makes the fields (:func:`record_fields`): the loop makes no
+    dict and formats nothing."""
 
-    start: float
-    clock: Clock
-    tracing: Tracing | None
-    request_id: str | None = None
-    model: str | None = None
-    served_by: str | None = None
-    via: str | None = None
-    tenant: str | None = None  # with tenants (note(tenant=...)), and its priority class
-    priority: str | None = None
-    status: int | None = None  # once headers are prepared
-    first_byte_at: float | None = None
-    disconnected: bool = False  # the balancer saw the client leave (note(left=True))
-    watched: web.StreamResponse | None = None  # a stream whose write is wrapped
-    tail: deque[bytes | bytearray | memoryview] = field(
-        default_factory=lambda: deque(maxlen=_TAIL_CHUNKS))
-    span: Any = None
+    __slots__ = ("client", "clock", "code", "disconnected", "end", "first_byte_at", "method",
+                 "model", "path", "priority", "request_id", "served_by", "span", "start",
+                 "status", "tail", "tenant", "tracing", "via", "watched")
+
+    def __init__(self, start: float, clock: Clock, tracing: Tracing | None,
+                 request_id: str | None = None) -> None:
+        self.start = start
+        self.clock = clock
+        self.tracing = tracing
+        self.request_id = request_id
+        self.model: str | None = None
+        self.served_by: str | None = None
+        self.via: str | None = None
+        self.tenant: str | None = None  # with tenants (note(tenant=...)), and its class
+        self.priority: str | None = None
+        self.status: int | None = None  # once headers are prepared; the sent one at the end
+        self.first_byte_at: float | None = None
+        self.disconnected = False  # the balancer saw the client leave (note(left=True))
+        self.watched: web.StreamResponse | None = None  # a stream whose write is wrapped
+        # A stream's last chunks (the usage event), made when its headers are prepared.
+        self.tail: deque[bytes | bytearray | memoryview] | None = None
+        self.span: Any = None
+        self.method = self.path = ""
+        self.client: str | None = None
+        self.end = start
+        self.code = 0  # the status sent (or 499), once the request ended
 
 
+# A queued line: the record or its fields, the body holding the usage, the time it ended.
+_Item = tuple[AccessRecord | dict[str, Any], bytes | None, float]
+_NO_TOKENS: tuple[None, None] = (None, None)
+_SERVED = ("%s %s %s request_id=%s model=%s served_by=%s via=%s ttft_ms=%r duration_ms=%r "
+           "prompt_tokens=%s completion_tokens=%s client=%s")
+_NONE: dict[str, Any] = {}
 RECORD_KEY = web.RequestKey("skymesh.obs.access", AccessRecord)
 
 
@@ -148,6 +175,9 @@ def usage_tokens(body: bytes) -> tuple[int | None, int | None]:
         colon = _COLON.match(body, i + 7)
         if colon is None:
             continue
+        plain = _PLAIN_USAGE.match(body, colon.end())
+        if plain is not None:  # what the engines send, read without the JSON decoder
+            return int(plain[1]), int(plain[2])
         text = body[colon.end():colon.end() + _USAGE_SPAN].decode("utf-8", "replace")
         try:
             usage, _ = _DECODER.raw_decode(text)
@@ -180,9 +210,30 @@ class _Access:
         self.writer = AccessWriter(log) if log is not None else None
 
     @web.middleware
+    async def log_only(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """:meth:`middleware` without a span (tracing off): no context manager either."""
+        rec = AccessRecord(self.clock(), self.clock, None)
+        request[RECORD_KEY] = rec
+        status: int | None = None
+        resp: web.StreamResponse | None = None
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:  # the client went away (handler_cancellation)
+            raise
+        except Exception:
+            status = 500  # aiohttp answers an unhandled exception with a 500
+            raise
+        finally:
+            self._finish(request, rec, resp, status)
+
+    @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        rec = AccessRecord(self.clock(), self.clock, self.tracing,
-                           request_id=self.request_id(request))
+        rec = AccessRecord(self.clock(), self.clock, self.tracing)
         request[RECORD_KEY] = rec
         status: int | None = None
         resp: web.StreamResponse | None = None
@@ -220,85 +271,151 @@ class _Access:
             with contextlib.suppress(AttributeError):
                 del rec.watched.write
             rec.watched = None
-        disconnected = status is None or rec.disconnected
         if status is None or rec.disconnected:  # what the client got, if anything
+            rec.disconnected = True
             status = rec.status if rec.status is not None else CLIENT_CLOSED
+        elif rec.first_byte_at is None:
+            rec.first_byte_at = end  # a whole body: it leaves now, with the headers
+        # The record is the writer's from here: the prepare hook of a whole body, which
+        # runs after this, writes ``status`` but not ``code``.
+        rec.code = status
+        rec.end = end
+        rec.method = request.method
+        rec.path = request.path
+        rec.client = request.remote
+        if rec.request_id is None:
+            rec.request_id = self.request_id(request)
         body: bytes | None = None  # where the usage is, if anywhere
         if resp is not None and status < 400:
-            if isinstance(resp, web.Response):
-                if isinstance(resp.body, bytes | bytearray):
-                    body = bytes(resp.body)
+            if type(resp) is web.Response or isinstance(resp, web.Response):
+                got = resp.body
+                if type(got) is bytes:
+                    body = got
+                elif isinstance(got, bytes | bytearray):
+                    body = bytes(got)
             elif rec.tail:
                 body = b"".join(bytes(c) for c in rec.tail)
-        first = rec.first_byte_at
-        if first is None and not disconnected:
-            first = end  # a whole body: it leaves now, in one write with the headers
-        fields: dict[str, Any] = {
-            "request_id": rec.request_id, "method": request.method, "path": request.path,
-            "model": rec.model, "served_by": rec.served_by, "via": rec.via, "status": status,
-            "ttft_ms": None if first is None else round((first - rec.start) * 1e3, 3),
-            "duration_ms": round((end - rec.start) * 1e3, 3),
-            "prompt_tokens": None, "completion_tokens": None, "client": request.remote,
-        }
-        if disconnected:
-            fields["disconnected"] = True
-        if rec.tenant is not None:
-            fields["tenant"], fields["priority"] = rec.tenant, rec.priority
+        rec.tail = None
         if rec.span is not None:  # the span ends with the middleware: fill it in now
             from skymesh.obs.tracing import trace_id
 
-            _fill_usage(fields, body)
-            body = None
+            fields = record_fields(rec, body)
             fields["trace_id"] = trace_id(rec.span)
             _end_span(rec.span, fields)
-        if self.writer is not None and not self.writer.put(fields, body):
+            self._write(fields, None)
+        else:
+            self._write(rec, body)
+
+    def _write(self, what: AccessRecord | dict[str, Any], body: bytes | None) -> None:
+        if self.writer is not None and not self.writer.put(what, body):
             # A whole body is written after the middleware returns: the line (and the
             # usage parse) waits for the next loop turn rather than delay the answer.
-            asyncio.get_running_loop().call_soon(self.writer.emit, fields, body, time.time())
+            asyncio.get_running_loop().call_soon(self.writer.emit, what, body, time.time())
+
+
+def record_fields(rec: AccessRecord, body: bytes | None) -> dict[str, Any]:
+    """The line's fields of a finished request (in the writer thread, or on the loop when
+    the request's span needs them)."""
+    start, first = rec.start, rec.first_byte_at
+    fields: dict[str, Any] = {
+        "request_id": rec.request_id, "method": rec.method, "path": rec.path,
+        "model": rec.model, "served_by": rec.served_by, "via": rec.via, "status": rec.code,
+        "ttft_ms": None if first is None else round((first - start) * 1e3, 3),
+        "duration_ms": round((rec.end - start) * 1e3, 3),
+        "prompt_tokens": None, "completion_tokens": None, "client": rec.client,
+    }
+    if rec.disconnected:
+        fields["disconnected"] = True
+    if rec.tenant is not None:
+        fields["tenant"], fields["priority"] = rec.tenant, rec.priority
+    _fill_usage(fields, body)
+    return fields
 
 
 class AccessWriter:
-    """Makes and writes access lines in a thread of its own, in batches.
+    """Makes access lines in batches and writes them in a thread of its own.
 
-    :meth:`put` is all a request pays on the loop; the thread does the rest with the
-    ``skymesh.access`` logger's own handlers and formatters, so the lines are the same as
-    a plain ``log.info`` would give (the record's time is the request's end)."""
+    With the daemons' set-up (:func:`skymesh.obs.logs.direct_handler`) the loop keeps the
+    finished records of the last ``linger_s`` (at most ``BATCH`` of them), makes their
+    lines in one go and hands the thread one string to write: nothing of a request
+    crosses to the other thread (objects shared by two threads, each touching their
+    reference counts on its own core, cost more than the formatting itself), and a slow
+    log sink blocks the thread, not the loop. With any other handler on the way (a
+    test's, an operator's logging config) the thread makes each line through ``logging``
+    (the record's time is the request's end), so the lines are what a plain ``log.info``
+    gives."""
+
+    _THREAD = "skymesh-access"  # also the OS thread's name: top -H shows its CPU apart
 
     def __init__(self, log: logging.Logger, linger_s: float = _LINGER_S,
                  max_backlog: int = MAX_BACKLOG) -> None:
         self.log = log
         self.linger_s = linger_s
         self.max_backlog = max_backlog
-        self._queue: queue.SimpleQueue[tuple[dict[str, Any], bytes | None, float] | None] = (
+        # Entries: a batch's text with its handler, or one line for logging; None stops.
+        self._queue: queue.SimpleQueue[tuple[_Handler, str] | _Item | None] = (
             queue.SimpleQueue())
         self._thread: threading.Thread | None = None
+        self._pending: list[_Item] = []  # the loop's current batch
+        self._timer: asyncio.TimerHandle | None = None
+        self._handler: _Handler | None = None  # where the batch's lines go
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="skymesh-access-log",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._run, name=self._THREAD, daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
         """Write what is queued and end the thread (blocking: at most one batch)."""
-        thread, self._thread = self._thread, None
+        thread, self._thread = self._thread, None  # from now on put() refuses
+        self.flush()
         if thread is not None:
             self._queue.put(None)
             thread.join()
 
-    def put(self, fields: dict[str, Any], body: bytes | None) -> bool:
-        """Queue a request's line; False when the caller should make it itself (the
-        thread is not running, or is that far behind)."""
-        if self._thread is None or self._queue.qsize() >= self.max_backlog:
+    def put(self, what: AccessRecord | dict[str, Any], body: bytes | None) -> bool:
+        """Take a request's line (its finished record, or its fields when already made);
+        False when the caller should make it itself (the thread is not running, or is
+        that far behind)."""
+        if self._thread is None:
             return False
-        self._queue.put((fields, body, time.time()))
+        item = (what, body, time.time())
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on a loop: the thread makes the line
+            loop = None
+        pending = self._pending
+        if not pending:  # a new batch: where its lines go is decided once for it
+            handler = None if loop is None else direct_handler(self.log)
+            if handler is None:
+                if self._queue.qsize() >= self.max_backlog:
+                    return False
+                self._queue.put(item)
+                return True
+            if self._queue.qsize() * BATCH >= self.max_backlog:
+                return False
+            self._handler = handler
+            self._timer = loop.call_later(self.linger_s, self.flush)  # type: ignore[union-attr]
+        pending.append(item)
+        if len(pending) >= BATCH:
+            self.flush()
         return True
 
-    def emit(self, fields: dict[str, Any], body: bytes | None, created: float) -> None:
+    def flush(self) -> None:
+        """Make the lines of the loop's batch and queue them for the thread."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        items, self._pending = self._pending, []
+        if items and self._handler is not None:
+            self._queue.put((self._handler, "".join(self._lines(self._handler, items))))
+
+    def emit(self, what: AccessRecord | dict[str, Any], body: bytes | None,
+             created: float) -> None:
         log = self.log
         if not log.isEnabledFor(logging.INFO):
             return
-        _fill_usage(fields, body)
+        fields = _fields(what, body)
         record = log.makeRecord(log.name, logging.INFO, __file__, 0, "%s", (_text(fields),),
                                 None, extra=fields)
         record.created = created
@@ -306,37 +423,81 @@ class AccessWriter:
         log.handle(record)
 
     def _run(self) -> None:
+        _name_os_thread(self._THREAD)
         q = self._queue
         while True:
-            items = [q.get()]
+            entries = [q.get()]
             with contextlib.suppress(queue.Empty):
-                while len(items) < self.max_backlog:
-                    items.append(q.get_nowait())
-            stop = items[-1] is None
+                while len(entries) < self.max_backlog:
+                    entries.append(q.get_nowait())
+            stop = entries[-1] is None
             if stop:
-                items.pop()
-            self.write_batch(items)  # type: ignore[arg-type]
+                entries.pop()
+            self._write(entries)  # type: ignore[arg-type]
             if stop:
                 return
             time.sleep(self.linger_s)
 
-    def write_batch(self, items: list[tuple[dict[str, Any], bytes | None, float]]) -> None:
-        log = self.log
-        handler = direct_handler(log)
+    def _write(self, entries: list[tuple[_Handler, str] | _Item]) -> None:
+        texts: dict[_Handler, list[str]] = {}
+        items: list[_Item] = []
+        for entry in entries:
+            if len(entry) == 2:
+                handler, text = entry
+                texts.setdefault(handler, []).append(text)
+            else:
+                items.append(entry)
+        for handler, batch in texts.items():
+            handler.write_lines(batch)
+        if items:
+            self.write_batch(items)
+
+    def write_batch(self, items: list[_Item]) -> None:
+        """Make and write ``items``' lines (in this thread)."""
+        handler = direct_handler(self.log)
         if handler is None:  # someone else's handlers too: through logging, batched
             with batched_writes():
                 for item in items:
                     self.emit(*item)
             return
-        # The daemons' set-up: the lines straight from the fields, no LogRecords.
+        handler.write_lines(self._lines(handler, items))
+
+    def _lines(self, handler: _Handler, items: list[_Item]) -> list[str]:
+        """The lines of ``items`` as ``handler``'s formatter gives them, made straight
+        from the records or fields (no LogRecords)."""
         fmt = handler.formatter
         assert isinstance(fmt, TextFormatter | JsonFormatter)
+        name, end = self.log.name, handler.terminator
         lines = []
-        for fields, body, created in items:
-            _fill_usage(fields, body)
-            lines.append(fmt.line(created, log.name, _text(fields), fields)
-                         + handler.terminator)
-        handler.write_lines(lines)
+        for what, body, created in items:
+            if isinstance(what, AccessRecord):  # the common case: no dict of fields
+                tokens = _NO_TOKENS if body is None else usage_tokens(body)
+                msg = _record_text(what, tokens)
+                if isinstance(fmt, TextFormatter):
+                    lines.append(f"{fmt.line(created, name, msg, _NONE)}{end}")
+                else:
+                    lines.append(fmt.plain_line(created, name, msg, _record_json(what, tokens))
+                                 + end)
+                continue
+            fields = _fields(what, body)
+            lines.append(fmt.line(created, name, _text(fields), fields) + end)
+        return lines
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread's OS thread ``name`` (at most 15 bytes: /proc's comm), so
+    ``top -H`` and /proc/PID/task show its CPU apart. Linux only; Python names only its
+    own thread object before 3.14."""
+    with contextlib.suppress(OSError), \
+            open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+        f.write(name[:15])
+
+
+def _fields(what: AccessRecord | dict[str, Any], body: bytes | None) -> dict[str, Any]:
+    if isinstance(what, AccessRecord):
+        return record_fields(what, body)
+    _fill_usage(what, body)
+    return what
 
 
 def _fill_usage(fields: dict[str, Any], body: bytes | None) -> None:
@@ -376,6 +537,62 @@ def _text(fields: dict[str, Any]) -> str:
     return f"{head} {rest}"
 
 
+def _record_text(rec: AccessRecord, tokens: tuple[int | None, int | None]) -> str:
+    """:func:`_text` of :func:`record_fields`, straight from the record."""
+    start, first = rec.start, rec.first_byte_at
+    prompt, completion = tokens
+    if (first is not None and prompt is not None and completion is not None
+            and rec.model is not None and rec.served_by is not None and rec.via is not None
+            and rec.request_id is not None and rec.client is not None
+            and not rec.disconnected and rec.tenant is None):  # served, with its usage
+        return _SERVED % (rec.method, rec.path, rec.code, rec.request_id, rec.model,
+                          rec.served_by, rec.via, round((first - start) * 1e3, 3),
+                          round((rec.end - start) * 1e3, 3), prompt, completion, rec.client)
+    out = f"{rec.method} {rec.path} {rec.code}"
+    if rec.request_id is not None:
+        out += f" request_id={rec.request_id}"
+    if rec.model is not None:
+        out += f" model={rec.model}"
+    if rec.served_by is not None:
+        out += f" served_by={rec.served_by}"
+    if rec.via is not None:
+        out += f" via={rec.via}"
+    if first is not None:
+        out += f" ttft_ms={round((first - start) * 1e3, 3)}"
+    out += f" duration_ms={round((rec.end - start) * 1e3, 3)}"
+    if prompt is not None:
+        out += f" prompt_tokens={prompt}"
+    if completion is not None:
+        out += f" completion_tokens={completion}"
+    if rec.client is not None:
+        out += f" client={rec.client}"
+    if rec.disconnected:
+        out += " disconnected=True"
+    if rec.tenant is not None:
+        out += f" tenant={rec.tenant}"
+        if rec.priority is not None:
+            out += f" priority={rec.priority}"
+    return out
+
+
+def _record_json(rec: AccessRecord, tokens: tuple[int | None, int | None]
+                 ) -> dict[str, Any]:
+    """:func:`record_fields` from the usage counts already read."""
+    start, first = rec.start, rec.first_byte_at
+    fields: dict[str, Any] = {
+        "request_id": rec.request_id, "method": rec.method, "path": rec.path,
+        "model": rec.model, "served_by": rec.served_by, "via": rec.via, "status": rec.code,
+        "ttft_ms": None if first is None else round((first - start) * 1e3, 3),
+        "duration_ms": round((rec.end - start) * 1e3, 3),
+        "prompt_tokens": tokens[0], "completion_tokens": tokens[1], "client": rec.client,
+    }
+    if rec.disconnected:
+        fields["disconnected"] = True
+    if rec.tenant is not None:
+        fields["tenant"], fields["priority"] = rec.tenant, rec.priority
+    return fields
+
+
 async def _watch_body(request: web.Request, response: web.StreamResponse) -> None:
     """``on_response_prepare``: note the status, and for a streamed body the time of its
     first byte and its last chunks (the usage event)."""
@@ -386,7 +603,7 @@ async def _watch_body(request: web.Request, response: web.StreamResponse) -> Non
     if isinstance(response, web.Response):  # a whole body: the middleware has it
         return
     write = response.write
-    tail = rec.tail
+    tail = rec.tail = deque(maxlen=_TAIL_CHUNKS)
     rec.watched = response
 
     # Plain functions that hand back the original write's coroutine: no extra coroutine
@@ -415,7 +632,7 @@ def install(app: web.Application, *, access_log: bool = True, tracing: Tracing |
         return
     access = _Access(logging.getLogger(ACCESS_LOGGER) if access_log else None, tracing,
                      request_id or _default_request_id, clock)
-    app.middlewares.append(access.middleware)
+    app.middlewares.append(access.middleware if tracing is not None else access.log_only)
     app.on_response_prepare.append(_watch_body)
     writer = access.writer
     if writer is not None:
@@ -423,6 +640,7 @@ def install(app: web.Application, *, access_log: bool = True, tracing: Tracing |
             writer.start()
 
         async def stop_writer(app: web.Application) -> None:
+            writer.flush()  # the loop's batch
             await asyncio.to_thread(writer.stop)
 
         app.on_startup.append(start_writer)

@@ -73,7 +73,15 @@ class JsonFormatter(logging.Formatter):
         for key, value in fields.items():
             if key not in _STANDARD and not key.startswith("_") and key not in out:
                 out[key] = value
-        return json.dumps(out, default=str, ensure_ascii=False)
+        return _DUMPS(out)
+
+    def plain_line(self, created: float, name: str, msg: str, fields: dict[str, Any]) -> str:
+        """:meth:`line` for ``fields`` whose keys are all kept (none is a LogRecord's
+        attribute, a line's head key, or starts with ``_``: the access log's)."""
+        out: dict[str, Any] = {"ts": self._ts(created), "level": "INFO", "logger": name,
+                               "msg": msg}
+        out.update(fields)
+        return _DUMPS(out)
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
@@ -91,6 +99,8 @@ class JsonFormatter(logging.Formatter):
             out["stack"] = self.formatStack(record.stack_info)
         return json.dumps(out, default=str, ensure_ascii=False)
 
+
+_DUMPS = json.JSONEncoder(default=str, ensure_ascii=False).encode
 
 _batch = threading.local()  # .pending: the lines of a batched_writes block, per handler
 

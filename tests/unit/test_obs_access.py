@@ -14,14 +14,15 @@ import logging
 import re
 import weakref
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
-from support import eventually
+from support import eventually, wait_for
 
-from skymesh.obs.access import AccessWriter, install, note, usage_tokens
+from skymesh.obs.access import BATCH, AccessRecord, AccessWriter, install, note, usage_tokens
 from skymesh.obs.logs import ACCESS_LOGGER, JsonFormatter, batched_writes, setup_logging
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
@@ -211,6 +212,14 @@ def usage_event(usage: Any) -> bytes:
      (None, None)),
     (b'data: {"choices": [], "usage": {"prompt_tok', (None, None)),  # cut short
     (b"", (None, None)),
+    # the engines' own shapes (read without the decoder), and others (with it)
+    (b'{"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}', (8, 1)),
+    (b'{"usage":{"prompt_tokens":8,"total_tokens":9,"completion_tokens":1,'
+     b'"prompt_tokens_details":null}}', (8, 1)),
+    (b'{"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9,'
+     b'"prompt_tokens_details":{"cached_tokens":4}}}', (8, 1)),
+    (b'{"usage":{"completion_tokens":1,"prompt_tokens":8}}', (8, 1)),
+    (b'{"usage":{"prompt_tokens":08,"completion_tokens":1}}', (None, None)),  # not JSON
 ])
 def test_usage_tokens(body: bytes, expected: tuple[int | None, int | None]) -> None:
     assert usage_tokens(body) == expected
@@ -359,3 +368,108 @@ def test_lines_made_without_log_records_are_the_formatters_own(fmt: str) -> None
     direct, through_logging = outputs
     assert direct == through_logging
     assert "prompt_tokens=7 completion_tokens=3" in direct
+
+
+def finished(**kw: Any) -> AccessRecord:
+    """A record as the middleware hands it to the writer at a request's end."""
+    rec = AccessRecord(100.0, FakeClock(), None, kw.pop("request_id", "r1"))
+    rec.method, rec.path, rec.code, rec.end = "POST", "/v1/chat/completions", 200, 100.04025
+    rec.client, rec.first_byte_at = "127.0.0.1", 100.0125
+    for key, value in kw.items():
+        setattr(rec, key, value)
+    return rec
+
+
+@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_lines_made_from_records_are_the_formatters_own(fmt: str) -> None:
+    """The writer makes a text line straight from the request's record (no dict of
+    fields): it must be the line logging makes from the fields, field for field."""
+    body = json.dumps({"usage": USAGE}).encode()
+    items = [
+        (finished(model="m\u00e9", served_by="http://10.0.0.1:8000", via="replica"), body),
+        (finished(), None),  # rejected before a model: no model, replica or usage
+        (finished(request_id=None, client=None), b'{"usage": null}'),
+        (finished(code=499, first_byte_at=None, disconnected=True), None),
+        (finished(served_by="peer-eu", via="peer", code=503), None),
+        (finished(model="m", served_by="http://10.0.0.1:8000", via="replica",
+                  tenant="acme", priority="batch"), body),  # with tenants (docs/tenancy.md)
+    ]
+    created = 1795885290.0421
+    access = logging.getLogger(ACCESS_LOGGER)
+    outputs = []
+    for extra_handler in (False, True):
+        out = io.StringIO()
+        setup_logging("warning", fmt, stream=out)  # type: ignore[arg-type]
+        other = Records()
+        if extra_handler:
+            access.addHandler(other)
+        try:
+            AccessWriter(access).write_batch([(rec, b, created) for rec, b in items])
+        finally:
+            access.removeHandler(other)
+        assert len(other.records) == (len(items) if extra_handler else 0)  # the path taken
+        outputs.append(out.getvalue())
+    direct, through_logging = outputs
+    assert direct == through_logging
+    lines = direct.splitlines()
+    assert len(lines) == len(items)
+    if fmt == "text":
+        assert lines[0].endswith(
+            "INFO skymesh.access: POST /v1/chat/completions 200 request_id=r1 model=m\u00e9 "
+            "served_by=http://10.0.0.1:8000 via=replica ttft_ms=12.5 duration_ms=40.25 "
+            "prompt_tokens=7 completion_tokens=3 client=127.0.0.1")
+        assert lines[3].endswith("POST /v1/chat/completions 499 request_id=r1 "
+                                 "duration_ms=40.25 client=127.0.0.1 disconnected=True")
+        assert lines[5].endswith("client=127.0.0.1 tenant=acme priority=batch")
+
+
+def test_the_writer_thread_is_named_for_top() -> None:
+    """``top -H`` and /proc show the writer's CPU apart from the loop's (the access-log
+    cost benchmark reads it there)."""
+    writer = AccessWriter(logging.getLogger(ACCESS_LOGGER))
+    writer.start()
+    try:
+        assert writer._thread is not None and writer._thread.native_id is not None
+        comm = f"/proc/self/task/{writer._thread.native_id}/comm"
+        if not Path(comm).exists():
+            pytest.skip("no /proc")
+        wait_for(lambda: Path(comm).read_text().strip() == "skymesh-access",
+                 "the writer thread named")
+    finally:
+        writer.stop()
+
+
+@pytest.mark.usefixtures("restore_logging")
+async def test_on_the_loop_lines_are_made_in_batches_and_the_thread_writes_them() -> None:
+    """The daemons' set-up: the loop makes a batch's lines at once (BATCH of them, or
+    what gathered in ``linger_s``) and the thread writes each batch with one write."""
+    out = CountingStream()
+    setup_logging("warning", "text", stream=out)
+    writer = AccessWriter(logging.getLogger(ACCESS_LOGGER), linger_s=0.0)
+    writer.start()
+    total = BATCH + 5
+    try:
+        for i in range(total):
+            assert writer.put(finished(request_id=f"r{i}"), None)
+        await eventually(lambda: len(out.getvalue().splitlines()) == total, "every line")
+        assert writer.put(finished(request_id="last"), None)
+    finally:
+        writer.stop()  # the loop's pending batch too
+    lines = out.getvalue().splitlines()
+    assert [line.split("request_id=")[1].split()[0] for line in lines] == [
+        *(f"r{i}" for i in range(total)), "last"]
+    assert out.writes <= 3  # a full batch, the rest after the linger, the last at stop
+
+
+@pytest.mark.usefixtures("restore_logging")
+async def test_a_loop_batch_is_refused_when_the_thread_is_that_far_behind() -> None:
+    out = io.StringIO()
+    setup_logging("warning", "text", stream=out)
+    writer = AccessWriter(logging.getLogger(ACCESS_LOGGER), max_backlog=0)
+    writer.start()
+    try:
+        assert not writer.put(finished(), None)  # the middleware then makes it itself
+    finally:
+        writer.stop()
+    assert out.getvalue() == ""

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from skymesh_lab.bench import (
+    access_log_cost_page,
     autopilot_live_page,
     control_ha_page,
     dispatch_cost_page,
@@ -343,6 +344,16 @@ SOURCES: tuple[Source, ...] = (
            (".venv/bin/python", "-m", "skymesh_lab.bench.dispatch_cost", "--base",
             "8061ca5", "--json", "{json}"),
            dispatch_cost_page.dispatch_cost),
+    Source("access-log-cost", "What the access log costs a request (issue #35 item 3)",
+           "Process CPU per request of skymesh-lb (one worker, round-robin, `bp`) in front "
+           "of two C stub replicas, driven by wrk, with the access log on and off "
+           "(`--no-access-log`), in alternating turns; per thread, so the event loop's "
+           "share and the writer thread's show apart. The revision before the batched "
+           "lines runs in the same rounds. See [the access log's cost]"
+           "(../operations-logs.md#cost).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "8",
+            "--duration", "4", "--base", "b6a33fb", "--json", "{json}"),
+           access_log_cost_page.access_log_cost),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 

@@ -1,0 +1,262 @@
+"""What the access log costs a request through skymesh-lb (issue #35 item 3).
+
+What is measured
+    Process CPU per request of ``skymesh-lb --workers 1 --policy round-robin --push-mode
+    bp`` in front of two C stub replicas (``stub/stub.c``, an answer in microseconds),
+    driven by wrk (``-c32``, non-streaming, ``stub/post.lua``), with the access log on
+    (the default: its lines go to the daemon's stderr, a file here) and off
+    (``--no-access-log``). CPU is read from /proc/PID/task/*/stat around each segment,
+    per thread, so the loop's share and the writer thread's share show apart; the
+    stubs and wrk are not counted.
+
+How
+    Both set-ups run side by side for the whole run and take short turns (on, off, off,
+    on: four turns of ``--duration``/4 seconds each per round, summed), so both see the
+    same stretch of the machine: on a machine shared with other work, runs a few seconds
+    apart differ by tens of percent in CPU per request (the balancer wakes up for fewer
+    requests at a time when it gets less CPU). The cost of the access log is the paired
+    difference (on minus off, same round) over the CPU per request with it on; the
+    figure is the median over ``--rounds`` rounds, with its spread.
+
+``--base REV``: also run skymesh-lb of git revision ``REV`` (extracted with ``git
+archive``), on and off, in the same rounds: the before and after of a change.
+
+    python -m skymesh_lab.bench.access_log_cost --rounds 5 --duration 5 --base b6a33fb \\
+        --json docs/results/data/access-log-cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from skymesh.util.jsonio import write_json
+from skymesh.util.procs import Daemon, executable, start_daemon
+from skymesh_lab.bench import router_overhead as ro
+from skymesh_lab.bench import router_overhead_stats as st
+
+LB_FLAGS = ["--policy", "round-robin", "--push-mode", "bp", "--workers", "1"]
+CASE = ro.Case("access-c32", "rr", 32, False, "fixed")
+SLICES = 4  # turns of on and off per round
+_TICK = os.sysconf("SC_CLK_TCK")
+LOOP, WRITER, THREADS = "loop", "writer", "threads"
+WRITER_COMM = "skymesh-access"  # skymesh.obs.access.AccessWriter's OS thread name
+REPO = Path(__file__).resolve().parents[3]
+
+
+def thread_ticks(root: int) -> dict[str, int]:
+    """CPU ticks of ``root``'s process tree: ``loop`` (each process's main thread, where
+    its event loop runs), ``writer`` (the access log's thread, which names itself) and
+    ``threads`` (the others: the executor's, the probes' parsing)."""
+    pids = [p.pid for p in st.tree(ro.proc_snapshot(), root)]
+    out = {LOOP: 0, WRITER: 0, THREADS: 0}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError, ValueError, IndexError), \
+                        open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    text = f.read()
+                comm = text[text.index("(") + 1:text.rindex(")")]
+                fields = text[text.rindex(")") + 2:].split()
+                kind = LOOP if int(tid) == pid else WRITER if comm == WRITER_COMM else THREADS
+                out[kind] += int(fields[11]) + int(fields[12])
+    return out
+
+
+def extract(rev: str, into: Path) -> Path:
+    """The ``skymesh`` package of git revision ``rev``, for PYTHONPATH."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "skymesh"],
+                             check=True, capture_output=True, timeout=120).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True, timeout=120)
+    return into
+
+
+def start_lb(stubs: list[str], access_log: bool, pythonpath: Path | None,
+             extra: list[str] | None = None) -> Daemon:
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    args = ["--port", "0", "--replicas", ",".join(stubs), *LB_FLAGS, *(extra or [])]
+    if not access_log:
+        args.append("--no-access-log")
+    return start_daemon("skymesh-lb", args, timeout=ro.READY_TIMEOUT_S, env=env)
+
+
+@contextlib.contextmanager
+def _stack(base: str | None, workdir: Path, extra: list[str]
+           ) -> Iterator[dict[str, Daemon]]:
+    with contextlib.ExitStack() as exits:
+        binary = ro.build_stub(workdir)
+        stubs = []
+        for i in range(2):
+            d = ro.start_stub(binary, ro.STREAM_EVENTS, workdir, i)
+            exits.callback(d.stop)
+            stubs.append(d.url)
+        builds: dict[str, Path | None] = {"current": None}
+        if base is not None:
+            (workdir / "base").mkdir()
+            builds["base"] = extract(base, workdir / "base")
+        lbs: dict[str, Daemon] = {}
+        for build, path in builds.items():
+            for on in (False, True):
+                d = start_lb(stubs, on, path, extra)
+                exits.callback(d.stop)
+                lbs[f"{build}/{'on' if on else 'off'}"] = d
+        for d in lbs.values():
+            ro.wait_ready(d)
+        yield lbs
+
+
+def segment(d: Daemon, duration_s: float) -> dict[str, Any]:
+    """One wrk run at ``d`` with its CPU ticks around it, per thread kind."""
+    before = thread_ticks(d.proc.pid)
+    out = ro.run_wrk(d.url, CASE, duration_s)
+    after = thread_ticks(d.proc.pid)
+    wrk = st.parse_wrk(out)
+    return {"requests": wrk["requests"], "wall_s": wrk["requests"] / max(wrk["rps"], 1e-9),
+            "errors": wrk["errors"] + wrk["non_2xx"],
+            "ticks": {k: after[k] - before[k] for k in after}}
+
+
+def pair(on: Daemon, off: Daemon, duration_s: float, slices: int = SLICES
+         ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A build's "on" and "off" in short turns (on, off, off, on, ...), each
+    ``duration_s / slices`` long, summed: both see the same stretch of a machine whose
+    other tenants come and go. Not at the same time: two balancers racing each other
+    for CPU settle unevenly (the one that falls behind wakes up for fewer requests at a
+    time, which costs it more CPU per request, so it falls further behind)."""
+    sums = {True: _empty(), False: _empty()}
+    for i in range(slices):
+        order = (True, False) if i % 2 == 0 else (False, True)
+        for is_on in order:
+            seg = segment(on if is_on else off, duration_s / slices)
+            acc = sums[is_on]
+            for key in ("requests", "wall_s", "errors"):
+                acc[key] += seg[key]
+            for k, v in seg["ticks"].items():
+                acc["ticks"][k] = acc["ticks"].get(k, 0) + v
+    return _per_request(sums[True]), _per_request(sums[False])
+
+
+def _empty() -> dict[str, Any]:
+    return {"requests": 0.0, "wall_s": 0.0, "errors": 0.0, "ticks": {}}
+
+
+def _per_request(acc: dict[str, Any]) -> dict[str, Any]:
+    n = acc["requests"]
+    threads = {k: v / _TICK / n * 1e6 for k, v in acc["ticks"].items()}
+    return {"requests": n, "rps": n / acc["wall_s"] if acc["wall_s"] else 0.0,
+            "errors": acc["errors"], "cpu_us": sum(threads.values()),
+            "threads_us": {k: round(v, 2) for k, v in threads.items()}}
+
+
+def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per build: CPU per request on and off (medians, spreads) and the access log's
+    paired cost (on minus off in each round), absolute and as a share of "on"."""
+    out: dict[str, Any] = {}
+    rounds = sorted({s["round"] for s in segments})
+    for build in sorted({s["setup"].split("/")[0] for s in segments}):
+        by = {(s["setup"], s["round"]): s for s in segments}
+        on = [by[(f"{build}/on", r)]["cpu_us"] for r in rounds]
+        off = [by[(f"{build}/off", r)]["cpu_us"] for r in rounds]
+        diff = [a - b for a, b in zip(on, off, strict=True)]
+        share = [d / a for d, a in zip(diff, on, strict=True)]
+        loop = [by[(f"{build}/on", r)]["threads_us"][LOOP]
+                - by[(f"{build}/off", r)]["threads_us"][LOOP] for r in rounds]
+        writer = [by[(f"{build}/on", r)]["threads_us"][WRITER] for r in rounds]
+        threads = [by[(f"{build}/on", r)]["threads_us"][THREADS]
+                   - by[(f"{build}/off", r)]["threads_us"][THREADS] for r in rounds]
+        out[build] = {"off_us": _spread(off), "on_us": _spread(on), "cost_us": _spread(diff),
+                      "share": _spread(share), "loop_cost_us": _spread(loop),
+                      "writer_us": _spread(writer), "threads_cost_us": _spread(threads)}
+    return out
+
+
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4),
+            "max": round(max(values), 4)}
+
+
+def run(rounds: int, duration_s: float, base: str | None, seed: int,
+        extra: list[str] | None = None) -> dict[str, Any]:
+    extra = extra or []
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    load_before = os.getloadavg()
+    rng = random.Random(seed)
+    segments: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="access-log-cost-") as tmp, \
+            _stack(base, Path(tmp), extra) as lbs:
+        for d in lbs.values():  # warm-up: connections, caches, lazy imports
+            ro.run_wrk(d.url, CASE, 1.0)
+        builds = sorted({name.split("/")[0] for name in lbs})
+        for rnd in range(rounds):
+            rng.shuffle(builds)
+            for build in builds:
+                got = pair(lbs[f"{build}/on"], lbs[f"{build}/off"], duration_s)
+                for name, seg in zip((f"{build}/on", f"{build}/off"), got, strict=True):
+                    s = {"setup": name, "round": rnd, **seg}
+                    segments.append(s)
+                    print(f"r{rnd} {name:<12} {s['rps']:>8.0f} req/s {s['cpu_us']:6.1f} "
+                          f"us/req {s['threads_us']}", flush=True)
+                time.sleep(ro.SETTLE_S)
+    cmd = (f"python -m skymesh_lab.bench.access_log_cost --rounds {rounds} "
+           f"--duration {duration_s:g}" + (f" --base {base}" if base else "")
+           + (f" --lb-args {shlex.quote(shlex.join(extra))}" if extra else ""))
+    return {"setup": {"command": cmd, "lb_flags": [*LB_FLAGS, *extra],
+                      "connections": CASE.connections,
+                      "rounds": rounds, "duration_s": duration_s, "base": base,
+                      "current": _head(), "cores": os.cpu_count(),
+                      "loadavg_before": list(load_before),
+                      "loadavg_after": list(os.getloadavg()), "started": started,
+                      "finished": datetime.now(UTC).isoformat(timespec="seconds")},
+            "summary": summarize(segments), "segments": segments}
+
+
+def _head() -> str:
+    r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                       capture_output=True, text=True, timeout=30)
+    return r.stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m skymesh_lab.bench.access_log_cost",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--base", default=None, metavar="REV")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, metavar="PATH")
+    ap.add_argument("--lb-args", default="", metavar="FLAGS",
+                    help="more skymesh-lb flags for every set-up, e.g. '--log-format json'")
+    args = ap.parse_args(argv)
+    executable("skymesh-lb")  # fails early without it
+    res = run(args.rounds, args.duration, args.base, args.seed, shlex.split(args.lb_args))
+    for build, row in res["summary"].items():
+        print(f"{build}: off {row['off_us']['median']:.1f} us, on {row['on_us']['median']:.1f}"
+              f" us, cost {row['cost_us']['median']:.1f} us "
+              f"[{row['cost_us']['min']:.1f}, {row['cost_us']['max']:.1f}] = "
+              f"{row['share']['median']:.1%} [{row['share']['min']:.1%}, "
+              f"{row['share']['max']:.1%}] (loop {row['loop_cost_us']['median']:.1f} us, "
+              f"writer {row['writer_us']['median']:.1f} us, "
+              f"other threads {row['threads_cost_us']['median']:.1f} us)")
+    write_json(args.json, res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
