@@ -105,6 +105,11 @@ class PrefixTrie:
         self._walk: tuple[Sequence[int], int, _Segment | None, int] | None = None
         # Told every insert (the balancer's workers share their routing decisions).
         self.on_insert: Callable[[Sequence[int], str], None] | None = None
+        # remembered_match's answers: (id(keys), allowed) -> (keys, epoch, depth, targets),
+        # and the key whose insert drops each (the deepest matched key, or the first).
+        self._memo: dict[tuple[int, tuple[str, ...]],
+                         tuple[Sequence[int], int, int, tuple[str, ...]]] = {}
+        self._memo_by_key: dict[int, list[tuple[int, tuple[str, ...]]]] = {}
 
     def __len__(self) -> int:
         return self._size
@@ -262,6 +267,49 @@ class PrefixTrie:
         self._touch(seg)
         return d, self._decode(seg.mask & amask)
 
+    def remembered_match(
+        self, keys: Sequence[int], allowed: Collection[str]
+    ) -> tuple[int, tuple[str, ...]]:
+        """:meth:`match`, remembered for these ``keys`` (the same object) and targets.
+
+        A queued request is asked about again on every pump that may change its answer's
+        loads (``skymesh.balancer.dispatch``), while its match stays put: keys are
+        chained, so only an insert through the key at its deepest match (or its first
+        key, when nothing matched) can change it, or a loss of prefixes (``epoch``). Such
+        an insert drops the answer (whoever inserts: the policy, or a sibling worker's
+        decision); a remembered answer leaves recency alone, as a request's prefix is
+        touched when its match is first made, and again when it is inserted.
+        """
+        if not keys:
+            return 0, ()
+        if type(allowed) is not tuple:
+            allowed = tuple(allowed)
+        ck = (id(keys), allowed)
+        hit = self._memo.get(ck)
+        # The entry holds ``keys``, so no other object can have its id meanwhile.
+        if hit is not None and hit[1] == self.epoch:
+            return hit[2], hit[3]
+        depth, matched = self.match(keys, allowed)
+        memo, by_key = self._memo, self._memo_by_key
+        if len(memo) >= _CACHE_LIMIT:  # answers of requests that never went: start afresh
+            memo.clear()
+            by_key.clear()
+        memo[ck] = (keys, self.epoch, depth, matched)
+        head = keys[depth - 1] if depth else keys[0]
+        lst = by_key.get(head)
+        if lst is None:
+            by_key[head] = [ck]
+        else:
+            lst.append(ck)
+        return depth, matched
+
+    def _forget(self, keys: Sequence[int]) -> None:
+        """Drop the remembered matches an insert of ``keys`` may change."""
+        memo, by_key = self._memo, self._memo_by_key
+        for key in by_key.keys() & keys:
+            for ck in by_key.pop(key):
+                memo.pop(ck, None)
+
     def depths(self, keys: Sequence[int], allowed: Collection[str]) -> dict[str, int]:
         """Match depth of every allowed target that matched at least one key."""
         return {t: d for d, group in self.depth_groups(keys, allowed) for t in group}
@@ -313,6 +361,8 @@ class PrefixTrie:
         """Record that ``target`` served the prefix ``keys`` (and so all its prefixes)."""
         if self.on_insert is not None:
             self.on_insert(keys, target)
+        if self._memo_by_key:
+            self._forget(keys)
         n = min(len(keys), self.max_nodes)
         if n == 0:
             return
