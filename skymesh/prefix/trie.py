@@ -50,6 +50,11 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 
 DEFAULT_MAX_NODES = 100_000
 _CACHE_LIMIT = 4096
+# remembered_match's answers before they are all dropped. Each holds its request's keys
+# (up to 512 ints): the queued requests' are alive anyway (a queue holds at most
+# ``queue.max_length``, 1024 by default), and the few of requests that left without an
+# insert (cancelled, failed) are bounded by this.
+_MEMO_LIMIT = 1024
 _BIT_BYTES = bytes.maketrans(b"01", b"\x00\x01")  # "0"/"1" characters -> falsy/truthy
 
 
@@ -291,7 +296,7 @@ class PrefixTrie:
             return hit[2], hit[3]
         depth, matched = self.match(keys, allowed)
         memo, by_key = self._memo, self._memo_by_key
-        if len(memo) >= _CACHE_LIMIT:  # answers of requests that never went: start afresh
+        if len(memo) >= _MEMO_LIMIT:  # answers of requests that never went: start afresh
             memo.clear()
             by_key.clear()
         memo[ck] = (keys, self.epoch, depth, matched)

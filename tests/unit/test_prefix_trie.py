@@ -371,3 +371,15 @@ def test_text_keys_take_a_lone_surrogate_as_one_character() -> None:
     odd = "a" * 63 + "\ud800" + "b" * 64
     assert len(text_prefix_keys(odd, chunk_chars=64)) == 2
     assert text_prefix_keys(odd, chunk_chars=64)[0] != text_prefix_keys(plain, chunk_chars=64)[0]
+
+
+def test_remembered_matches_are_bounded() -> None:
+    # Requests that leave without an insert (cancelled) leave their answers behind: the
+    # trie keeps a bounded number, whatever the traffic.
+    trie = PrefixTrie()
+    trie.insert(chain([1, 2, 3]), "a")
+    for i in range(3000):
+        keys = chain([1, 2, 3, 4 + i])
+        assert trie.remembered_match(keys, ("a", "b")) == (3, ("a",))
+    assert len(trie._memo) <= 1024
+    assert sum(len(v) for v in trie._memo_by_key.values()) <= 1024
