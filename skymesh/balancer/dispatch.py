@@ -60,6 +60,7 @@ from skymesh.policies.peers import (
     PeerOption,
     balanced_peer,
 )
+from skymesh.prefix.trie import PrefixTrie
 
 _ids = itertools.count()
 # Index entries of remembered evaluations before they are all dropped (stale entries, of
@@ -260,6 +261,14 @@ class Dispatcher:
 
     @policy.setter
     def policy(self, value: Policy) -> None:
+        old = getattr(self, "_policy", None)
+        for p, hook in ((old, None), (value, self._inserted)):
+            # Inserts that do not pass through this dispatcher (a sibling worker's
+            # decisions, applied to the trie directly) must drop the memos they change
+            # too: the trie tells its keys, whoever inserts.
+            trie = getattr(p, "trie", None)
+            if isinstance(trie, PrefixTrie):
+                trie.on_keys = hook
         self._policy = value
         # Only policies that override ``preferred`` name a replica holding the prefix, so
         # only they can hold a request or use a replica's prefer_queue: skip asking the

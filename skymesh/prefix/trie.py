@@ -110,6 +110,9 @@ class PrefixTrie:
         self._walk: tuple[Sequence[int], int, _Segment | None, int] | None = None
         # Told every insert (the balancer's workers share their routing decisions).
         self.on_insert: Callable[[Sequence[int], str], None] | None = None
+        # Told the keys of every insert, whoever makes it (the dispatcher's memos of
+        # queued requests watch the trie's keys: skymesh.balancer.dispatch).
+        self.on_keys: Callable[[Sequence[int]], None] | None = None
         # remembered_match's answers: (id(keys), allowed) -> (keys, epoch, depth, targets),
         # and the key whose insert drops each (the deepest matched key, or the first).
         self._memo: dict[tuple[int, tuple[str, ...]],
@@ -368,6 +371,8 @@ class PrefixTrie:
             self.on_insert(keys, target)
         if self._memo_by_key:
             self._forget(keys)
+        if self.on_keys is not None:
+            self.on_keys(keys)
         n = min(len(keys), self.max_nodes)
         if n == 0:
             return

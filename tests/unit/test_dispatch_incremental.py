@@ -287,6 +287,25 @@ def test_a_request_held_for_its_replica_goes_there_once_it_frees() -> None:
     assert [t.target for t in d.pump(0.3)] == [home]
 
 
+def test_an_insert_straight_into_the_trie_ends_a_hold_it_changes() -> None:
+    """A sibling worker's decision reaches the policy's trie directly (not through the
+    dispatcher's own dispatches): a request held for the only replica holding its prefix
+    goes to the other once that one holds it too and is free, as a full rescan would."""
+    d = Dispatcher(build_policy("prefix-tree", rng=random.Random(1)), PushMode.SP_P,
+                   hold_s=2.0)
+    d.set_targets({"a": ("m",), "b": ("m",)})
+    keys = (11, 12, 13, 14)
+    first = Ticket(RouteRequest("r0", model="m", prompt_len=10, prefix_keys=keys), 0.0)
+    d.offer(first, 0.0)
+    assert [t.target for t in d.pump(0.0)] in (["a"], ["b"])
+    away = "b" if first.target == "a" else "a"
+    held = Ticket(RouteRequest("r1", model="m", prompt_len=10, prefix_keys=keys), 0.0)
+    d.offer(held, 0.1)
+    assert d.pump(0.1) == [] and held.held_since == 0.1
+    d.policy.trie.insert(list(keys), away)  # type: ignore[attr-defined]
+    assert [t.target for t in d.pump(0.2)] == [away]
+
+
 def test_a_request_whose_prompt_did_not_fit_goes_once_the_replica_admits_the_last() -> None:
     """A request without a candidate is remembered, and a replica where it may go if its
     prompt fits is rechecked when its load changes (not only when its availability
