@@ -74,7 +74,7 @@ class PrefixTree(Policy, name="prefix-tree"):
             return self._least_loaded(candidates, view)
         keys = request.prefix_keys
         if keys and candidates:
-            depth, matched = self.trie.remembered_match(keys, candidates)
+            depth, matched = self.trie.match(keys, candidates)
             if matched and depth >= self.match_threshold * len(keys):
                 return self._least_loaded(matched, view)
         return self._least_loaded(candidates, view)
@@ -95,9 +95,8 @@ class PrefixTree(Policy, name="prefix-tree"):
         self.considered, self.memo_key = (), None
         if not keys or not targets:
             return None
-        # Remembered: a queued request is asked again after every change of the loads it
-        # compares, and the match is the costly part of the answer (PrefixTrie).
-        depth, matched = self.trie.remembered_match(keys, targets)
+        trie = self.trie
+        depth, matched = trie.match(keys, targets)
         # Only an insert through the deepest matched key (or the first, if none) can
         # change this answer: keys are chained.
         self.memo_key = keys[depth - 1] if depth else keys[0]

@@ -50,11 +50,6 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 
 DEFAULT_MAX_NODES = 100_000
 _CACHE_LIMIT = 4096
-# remembered_match's answers before they are all dropped. Each holds its request's keys
-# (up to 512 ints): the queued requests' are alive anyway (a queue holds at most
-# ``queue.max_length``, 1024 by default), and the few of requests that left without an
-# insert (cancelled, failed) are bounded by this.
-_MEMO_LIMIT = 1024
 _BIT_BYTES = bytes.maketrans(b"01", b"\x00\x01")  # "0"/"1" characters -> falsy/truthy
 
 
@@ -113,11 +108,6 @@ class PrefixTrie:
         # Told the keys of every insert, whoever makes it (the dispatcher's memos of
         # queued requests watch the trie's keys: skymesh.balancer.dispatch).
         self.on_keys: Callable[[Sequence[int]], None] | None = None
-        # remembered_match's answers: (id(keys), allowed) -> (keys, epoch, depth, targets),
-        # and the key whose insert drops each (the deepest matched key, or the first).
-        self._memo: dict[tuple[int, tuple[str, ...]],
-                         tuple[Sequence[int], int, int, tuple[str, ...]]] = {}
-        self._memo_by_key: dict[int, list[tuple[int, tuple[str, ...]]]] = {}
 
     def __len__(self) -> int:
         return self._size
@@ -275,49 +265,6 @@ class PrefixTrie:
         self._touch(seg)
         return d, self._decode(seg.mask & amask)
 
-    def remembered_match(
-        self, keys: Sequence[int], allowed: Collection[str]
-    ) -> tuple[int, tuple[str, ...]]:
-        """:meth:`match`, remembered for these ``keys`` (the same object) and targets.
-
-        A queued request is asked about again on every pump that may change its answer's
-        loads (``skymesh.balancer.dispatch``), while its match stays put: keys are
-        chained, so only an insert through the key at its deepest match (or its first
-        key, when nothing matched) can change it, or a loss of prefixes (``epoch``). Such
-        an insert drops the answer (whoever inserts: the policy, or a sibling worker's
-        decision); a remembered answer leaves recency alone, as a request's prefix is
-        touched when its match is first made, and again when it is inserted.
-        """
-        if not keys:
-            return 0, ()
-        if type(allowed) is not tuple:
-            allowed = tuple(allowed)
-        ck = (id(keys), allowed)
-        hit = self._memo.get(ck)
-        # The entry holds ``keys``, so no other object can have its id meanwhile.
-        if hit is not None and hit[1] == self.epoch:
-            return hit[2], hit[3]
-        depth, matched = self.match(keys, allowed)
-        memo, by_key = self._memo, self._memo_by_key
-        if len(memo) >= _MEMO_LIMIT:  # answers of requests that never went: start afresh
-            memo.clear()
-            by_key.clear()
-        memo[ck] = (keys, self.epoch, depth, matched)
-        head = keys[depth - 1] if depth else keys[0]
-        lst = by_key.get(head)
-        if lst is None:
-            by_key[head] = [ck]
-        else:
-            lst.append(ck)
-        return depth, matched
-
-    def _forget(self, keys: Sequence[int]) -> None:
-        """Drop the remembered matches an insert of ``keys`` may change."""
-        memo, by_key = self._memo, self._memo_by_key
-        for key in by_key.keys() & keys:
-            for ck in by_key.pop(key):
-                memo.pop(ck, None)
-
     def depths(self, keys: Sequence[int], allowed: Collection[str]) -> dict[str, int]:
         """Match depth of every allowed target that matched at least one key."""
         return {t: d for d, group in self.depth_groups(keys, allowed) for t in group}
@@ -369,8 +316,6 @@ class PrefixTrie:
         """Record that ``target`` served the prefix ``keys`` (and so all its prefixes)."""
         if self.on_insert is not None:
             self.on_insert(keys, target)
-        if self._memo_by_key:
-            self._forget(keys)
         if self.on_keys is not None:
             self.on_keys(keys)
         n = min(len(keys), self.max_nodes)

@@ -139,34 +139,6 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
-@given(ops=ops, cap=st.integers(1, 12), sibling=st.booleans())
-def test_a_remembered_match_is_the_match_after_any_operations(
-    ops: list[tuple[str, list[int], object]], cap: int, sibling: bool
-) -> None:
-    # The same keys objects asked again and again (a queued request), between inserts
-    # (by the policy, or straight into the trie as a sibling worker's are), removals and
-    # evictions (cap): the remembered answer is always what a fresh match says.
-    trie = PrefixTrie(max_nodes=cap)
-    same: dict[tuple[int, ...], list[int]] = {}
-    asked: list[tuple[list[int], tuple[str, ...]]] = []
-    for op, seq, arg in ops:
-        keys = same.setdefault(tuple(seq), chain(seq))
-        if op == "match":
-            assert isinstance(arg, list)
-            asked.append((keys, tuple(arg)))
-        elif op == "insert":
-            assert isinstance(arg, str)
-            trie.insert(keys if not sibling else list(keys), arg)
-        else:
-            assert isinstance(arg, str)
-            trie.remove_target(arg)
-        for k, allowed in asked:
-            got = trie.remembered_match(k, allowed)
-            fresh = PrefixTrie.match(trie, k, allowed)
-            assert got == fresh
-
-
 @settings(max_examples=200, deadline=None)
 @given(ops=ops, cap=st.integers(1, 12))
 def test_invariants_hold_under_any_operations(
@@ -371,15 +343,3 @@ def test_text_keys_take_a_lone_surrogate_as_one_character() -> None:
     odd = "a" * 63 + "\ud800" + "b" * 64
     assert len(text_prefix_keys(odd, chunk_chars=64)) == 2
     assert text_prefix_keys(odd, chunk_chars=64)[0] != text_prefix_keys(plain, chunk_chars=64)[0]
-
-
-def test_remembered_matches_are_bounded() -> None:
-    # Requests that leave without an insert (cancelled) leave their answers behind: the
-    # trie keeps a bounded number, whatever the traffic.
-    trie = PrefixTrie()
-    trie.insert(chain([1, 2, 3]), "a")
-    for i in range(3000):
-        keys = chain([1, 2, 3, 4 + i])
-        assert trie.remembered_match(keys, ("a", "b")) == (3, ("a",))
-    assert len(trie._memo) <= 1024
-    assert sum(len(v) for v in trie._memo_by_key.values()) <= 1024
