@@ -60,6 +60,7 @@ from skymesh.policies.peers import (
     PeerOption,
     balanced_peer,
 )
+from skymesh.prefix.trie import PrefixTrie
 
 _ids = itertools.count()
 # Index entries of remembered evaluations before they are all dropped (stale entries, of
@@ -260,6 +261,14 @@ class Dispatcher:
 
     @policy.setter
     def policy(self, value: Policy) -> None:
+        old = getattr(self, "_policy", None)
+        for p, hook in ((old, None), (value, self._inserted)):
+            # Inserts that do not pass through this dispatcher (a sibling worker's
+            # decisions, applied to the trie directly) must drop the memos they change
+            # too: the trie tells its keys, whoever inserts.
+            trie = getattr(p, "trie", None)
+            if isinstance(trie, PrefixTrie):
+                trie.on_keys = hook
         self._policy = value
         # Only policies that override ``preferred`` name a replica holding the prefix, so
         # only they can hold a request or use a replica's prefer_queue: skip asking the
@@ -476,7 +485,11 @@ class Dispatcher:
             q.append(ticket)
         ticket.queued = True
         self.queued += 1
-        self._stir += 1
+        # A pick reads only the first ``window`` requests (and whether the queue is over
+        # ``hold_queue_max``, part of a quiet queue's record): one joining behind them
+        # leaves a quiet queue quiet, so the pump at each arrival passes it at once.
+        if front or len(q) <= self.window:
+            self._stir += 1
 
     def cancel(self, ticket: Ticket) -> bool:
         """Take a still-queued ticket out (timeout, client gone). False if not queued."""
@@ -645,7 +658,7 @@ class Dispatcher:
         model = q[0].route.model
         if memo_ok:
             quiet = self._quiet.get(model)
-            if quiet is not None and quiet[:4] == (self._stir, len(q), holds, epoch) and (
+            if quiet is not None and quiet[:4] == (self._stir, depth, holds, epoch) and (
                     quiet[4] is None or now - quiet[4] < hold_s):
                 return None
         any_avail = bool(view.ready or view.tokens)
@@ -736,7 +749,7 @@ class Dispatcher:
             memos = [q[i].memo for i in range(depth)]
             if None not in memos:  # every request remembered: quiet until stirred
                 held = [m.held_since for m in memos if m is not None and m.held_since is not None]
-                self._quiet[model] = (self._stir, len(q), holds, epoch,
+                self._quiet[model] = (self._stir, depth, holds, epoch,
                                       min(held) if held else None)
         return None
 

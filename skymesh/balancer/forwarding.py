@@ -81,9 +81,18 @@ class Forwarder:
         self.mover = mover
         self.failfast = failfast  # queued requests that may fail fast (the pump's), by key
         self.drain_retry_s = drain_retry_s  # Retry-After for a model's queue
+        # The running loop, asked once (a getpid() system call per ask on Python 3.11).
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     async def wait_dispatch(self, ticket: Ticket, timeout: float) -> str:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[None] = self.loop.create_future()
         ticket.payload = fut
         self.core.pump()
         if not fut.done():
@@ -114,7 +123,7 @@ class Forwarder:
             target = await self.wait_dispatch(ticket, max(0.0, t0 + timeout - self.core.now()))
             sent = self.core.now()
             if ticket.attempts == 1:  # recorded after the write to the replica, as above
-                asyncio.get_running_loop().call_soon(self._observe_wait, model, sent - t0)
+                self.loop.call_soon(self._observe_wait, model, sent - t0)
             note(request, served_by=target, peer=ticket.to_peer)
             try:
                 with upstream_span(request, target, attempt=ticket.attempts,

@@ -93,6 +93,9 @@ class _Conn(asyncio.Protocol):
         self.reply: UpstreamReply | None = None
         self.lost = False
         self.idle_since = 0.0
+        # The loop it was made on (_connect), so that a reply waiting for bytes does not
+        # ask asyncio: on Python 3.11 each get_running_loop() is a getpid() system call.
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     # -- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -252,7 +255,7 @@ class UpstreamReply:
 
     async def _wait(self) -> None:
         """Until something arrives (bytes, the end, an error), at most the read timeout."""
-        loop = asyncio.get_running_loop()
+        loop = self._conn.loop or asyncio.get_running_loop()
         self._waiter = loop.create_future()
         handle = loop.call_later(self._read_timeout, self._timed_out, self._waiter)
         try:
@@ -430,6 +433,7 @@ class Upstream:
             ) from None
         except OSError as exc:
             raise UpstreamConnectionError(f"cannot connect to {host}:{port}: {exc}") from exc
+        conn.loop = loop
         return conn
 
     async def _address(self, host: str, port: int) -> str:

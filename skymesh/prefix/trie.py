@@ -105,6 +105,9 @@ class PrefixTrie:
         self._walk: tuple[Sequence[int], int, _Segment | None, int] | None = None
         # Told every insert (the balancer's workers share their routing decisions).
         self.on_insert: Callable[[Sequence[int], str], None] | None = None
+        # Told the keys of every insert, whoever makes it (the dispatcher's memos of
+        # queued requests watch the trie's keys: skymesh.balancer.dispatch).
+        self.on_keys: Callable[[Sequence[int]], None] | None = None
 
     def __len__(self) -> int:
         return self._size
@@ -313,6 +316,8 @@ class PrefixTrie:
         """Record that ``target`` served the prefix ``keys`` (and so all its prefixes)."""
         if self.on_insert is not None:
             self.on_insert(keys, target)
+        if self.on_keys is not None:
+            self.on_keys(keys)
         n = min(len(keys), self.max_nodes)
         if n == 0:
             return

@@ -231,6 +231,43 @@ def test_a_pump_with_nothing_changed_asks_the_policy_nothing() -> None:
     assert calls > first
 
 
+class CountingDeque(deque):  # type: ignore[type-arg]
+    reads = 0
+
+    def __getitem__(self, i: Any) -> Any:
+        self.reads += 1
+        return super().__getitem__(i)
+
+
+def test_an_arrival_behind_the_window_leaves_a_quiet_queue_quiet() -> None:
+    """A blocked queue longer than the window: the pump at each arrival behind it reads
+    the head only (the quiet record stands), while one inside the window is looked at."""
+    d = Dispatcher(build_policy("prefix-tree", rng=random.Random(1)), PushMode.SP_P,
+                   prefer_queue=1, window=4)
+    d.set_targets({"a": ("m",), "b": ("m",)})
+    for tid in ("a", "b"):
+        d.on_probe(tid, 0.0, waiting=2, running=4, kv_usage=0.5, kv_capacity_tokens=10_000,
+                   max_num_seqs=4)
+
+    def ticket(i: int) -> Ticket:
+        return Ticket(RouteRequest(f"r{i}", model="m", prompt_len=10,
+                                   prefix_keys=(1, 2, 3 + i)), 0.0)
+
+    q = d.queues["m"] = CountingDeque()
+    for i in range(4):
+        d.offer(ticket(i), 0.0)
+    assert d.pump(0.1) == []
+    for i in range(4, 8):
+        q.reads = 0
+        d.offer(ticket(i), 0.0)
+        assert d.pump(0.1 + i / 100) == []
+        assert q.reads <= 2  # q[0]: the model and its view, nothing behind it
+    d.offer(ticket(99), 0.2, front=True)  # a retry at the head: looked at
+    q.reads = 0
+    assert d.pump(0.3) == []
+    assert q.reads > 2
+
+
 def test_a_request_held_for_its_replica_goes_there_once_it_frees() -> None:
     """A hold is remembered without watching the other replicas, but its preferred
     replica's load is watched: when that replica frees, the request goes to it."""
@@ -248,6 +285,25 @@ def test_a_request_held_for_its_replica_goes_there_once_it_frees() -> None:
     assert d.pump(0.2) == []
     d.first_byte(first)  # started: its replica may take another
     assert [t.target for t in d.pump(0.3)] == [home]
+
+
+def test_an_insert_straight_into_the_trie_ends_a_hold_it_changes() -> None:
+    """A sibling worker's decision reaches the policy's trie directly (not through the
+    dispatcher's own dispatches): a request held for the only replica holding its prefix
+    goes to the other once that one holds it too and is free, as a full rescan would."""
+    d = Dispatcher(build_policy("prefix-tree", rng=random.Random(1)), PushMode.SP_P,
+                   hold_s=2.0)
+    d.set_targets({"a": ("m",), "b": ("m",)})
+    keys = (11, 12, 13, 14)
+    first = Ticket(RouteRequest("r0", model="m", prompt_len=10, prefix_keys=keys), 0.0)
+    d.offer(first, 0.0)
+    assert [t.target for t in d.pump(0.0)] in (["a"], ["b"])
+    away = "b" if first.target == "a" else "a"
+    held = Ticket(RouteRequest("r1", model="m", prompt_len=10, prefix_keys=keys), 0.0)
+    d.offer(held, 0.1)
+    assert d.pump(0.1) == [] and held.held_since == 0.1
+    d.policy.trie.insert(list(keys), away)  # type: ignore[attr-defined]
+    assert [t.target for t in d.pump(0.2)] == [away]
 
 
 def test_a_request_whose_prompt_did_not_fit_goes_once_the_replica_admits_the_last() -> None:
