@@ -96,21 +96,34 @@ class Forwarder:
         ticket.payload = fut
         self.core.pump()
         if not fut.done():
+            # One timer per waiting request, awaited bare: wait_for(shield(fut)) cost two
+            # more futures, a task and its timer each (and the getpid()s of asking for the
+            # loop). A client that leaves cancels ``fut`` with it; nothing resolves a
+            # cancelled future (the pump checks done()), and the handler's ``finally``
+            # takes the ticket out of the queue.
             self.failfast[ticket.key] = ticket
+            timer = self.loop.call_later(timeout, self._time_out, ticket, fut, timeout)
             try:
-                await asyncio.wait_for(asyncio.shield(fut), timeout)
-            except TimeoutError:
-                if self.core.dispatcher.cancel(ticket):
-                    raise NoCapacity(
-                        f"no replica could take the request within {timeout:.1f} s",
-                        retry_after_s=self.drain_retry_s(ticket.route.model),
-                    ) from None
+                await fut
             finally:
+                timer.cancel()
                 self.failfast.pop(ticket.key, None)
-        if fut.done():
-            fut.result()  # raises the NoHealthyReplica of Balancer._fail_stranded
+        fut.result()  # NoCapacity (timeout) or Balancer._fail_stranded's NoHealthyReplica
         assert ticket.target is not None
         return ticket.target
+
+    def _time_out(self, ticket: Ticket, fut: asyncio.Future[None], timeout: float) -> None:
+        """The queue timeout: a ticket still queued leaves with a 503 and Retry-After;
+        one dispatched in the meantime goes on to its target."""
+        if fut.done():
+            return
+        if self.core.dispatcher.cancel(ticket):
+            fut.set_exception(NoCapacity(
+                f"no replica could take the request within {timeout:.1f} s",
+                retry_after_s=self.drain_retry_s(ticket.route.model),
+            ))
+        else:
+            fut.set_result(None)
 
     def _observe_wait(self, model: str, seconds: float) -> None:
         self.core.metrics.model(model).queue_wait.observe(seconds)

@@ -1,0 +1,102 @@
+"""``Forwarder.wait_dispatch``: a queued request's wait for its dispatch, against a real
+Dispatcher driven as the balancer's pump drives it (one timer per wait, no wait_for)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+import pytest
+
+from skymesh.balancer.dispatch import Dispatcher, Ticket
+from skymesh.balancer.errors import NoCapacity
+from skymesh.balancer.forwarding import Forwarder
+from skymesh.policies import RouteRequest, build_policy
+from skymesh.policies.load import PushMode
+
+RETRY_AFTER_S = 7.0
+LONG_S = 3600.0  # a queue timeout that never comes within a test
+
+
+class Core:
+    """The two things ``wait_dispatch`` uses of ``RequestCore``: its dispatcher, and a
+    pump that resolves dispatched tickets' futures as ``Balancer._pump`` does."""
+
+    def __init__(self) -> None:
+        self.dispatcher = Dispatcher(build_policy("round-robin"), PushMode.BP)
+        self.dispatcher.set_targets({})  # nothing up: every request waits in the queue
+
+    def pump(self) -> None:
+        for t in self.dispatcher.pump(0.0):
+            fut: asyncio.Future[None] = t.payload
+            if not fut.done():
+                fut.set_result(None)
+
+
+def forwarder(core: Core, failfast: dict[str, Ticket]) -> Forwarder:
+    none = cast(Any, None)
+    return Forwarder(cast(Any, core), none, none, none, None, none, none, failfast,
+                     lambda model: RETRY_AFTER_S)
+
+
+def queued(core: Core) -> Ticket:
+    t = Ticket(RouteRequest("r1", model="m"), 0.0)
+    core.dispatcher.offer(t, 0.0)
+    return t
+
+
+async def test_a_queue_timeout_is_a_503_with_the_queues_retry_after() -> None:
+    core, failfast = Core(), {}
+    t = queued(core)
+    with pytest.raises(NoCapacity) as exc:
+        await forwarder(core, failfast).wait_dispatch(t, 0.01)
+    assert exc.value.status == 503 and exc.value.retry_after_s == RETRY_AFTER_S
+    assert core.dispatcher.queue_length() == 0 and not t.queued
+    assert failfast == {}
+
+
+async def test_a_dispatch_before_the_timeout_gives_the_target_and_disarms_the_timer() -> None:
+    core, failfast = Core(), {}
+    t = queued(core)
+    wait = asyncio.create_task(forwarder(core, failfast).wait_dispatch(t, LONG_S))
+    await asyncio.sleep(0)  # the wait is parked on its future
+    assert failfast == {t.key: t}
+    loop = asyncio.get_running_loop()
+    core.dispatcher.set_targets({"a": ["m"]})
+    core.pump()
+    assert await wait == "a"
+    assert failfast == {}
+    # The timer was cancelled with the dispatch (asyncio keeps cancelled handles in its
+    # heap until it prunes them): no live queue timeout is left behind.
+    live = [h for h in getattr(loop, "_scheduled", []) if not h.cancelled()
+            and h.when() >= loop.time() + LONG_S / 2]
+    assert live == []
+
+
+async def test_a_client_that_leaves_is_not_answered_later_and_leaves_the_queue_clean(
+) -> None:
+    core, failfast = Core(), {}
+    t = queued(core)
+    wait = asyncio.create_task(forwarder(core, failfast).wait_dispatch(t, LONG_S))
+    await asyncio.sleep(0)
+    wait.cancel()  # the client went away while queued
+    with pytest.raises(asyncio.CancelledError):
+        await wait
+    assert failfast == {}
+    # What the request handler's ``finally`` does: the ticket leaves the queue.
+    assert core.dispatcher.cancel(t) and core.dispatcher.queue_length() == 0
+    core.dispatcher.set_targets({"a": ["m"]})
+    core.pump()  # a pump after the client left dispatches nothing and raises nothing
+    assert t.target is None
+
+
+async def test_a_timeout_that_races_a_dispatch_goes_on_to_the_target() -> None:
+    core, failfast = Core(), {}
+    t = queued(core)
+    fwd = forwarder(core, failfast)
+    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    t.payload = fut
+    core.dispatcher.set_targets({"a": ["m"]})
+    assert core.dispatcher.pump(0.0) == [t]  # dispatched, its future not yet resolved
+    fwd._time_out(t, fut, 0.01)
+    assert fut.done() and fut.exception() is None  # no 503 for a dispatched request
