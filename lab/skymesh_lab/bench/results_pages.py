@@ -37,6 +37,7 @@ from skymesh_lab.bench import (
     lb_workers_page,
     router_overhead_page,
     security_page,
+    tenancy_page,
     terraform_apply_page,
 )
 from skymesh_lab.bench import pushing_rule_page as rule_page
@@ -354,6 +355,14 @@ SOURCES: tuple[Source, ...] = (
            (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "8",
             "--duration", "4", "--base", "b6a33fb", "--json", "{json}"),
            access_log_cost_page.access_log_cost),
+    Source("tenancy", "Tenants: the fair queue and the limits (issue #37)",
+           "The balancer's tenancy in the simulator, with the live balancer's `FairQueue` "
+           "and release rule (`SimBalancer.tenancy`): an interactive tenant beside a batch "
+           "flood, and two tenants one sending 10x the other, each first come first "
+           "served and through the fair queue; and the per-tenant request-rate buckets of "
+           "two balancers on a fake clock. See [tenants](../tenancy.md).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy", "--json", "{json}"),
+           tenancy_page.tenancy),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 

@@ -1,0 +1,55 @@
+"""The tenancy results page renders medians over the seeds from its JSON, and says whether
+the interactive TTFT under a flood is within 20% of the no-flood one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from skymesh_lab.bench.tenancy_page import tenancy
+
+
+def _flood(arm: str, seed: int, p50: float, **kw: float) -> dict[str, Any]:
+    return {"seed": seed, "arm": arm, "ttft_p50_s": p50, "ttft_p99_s": 2 * p50,
+            "batch_sent": 0 if arm == "no_flood" else 10,
+            "batch_completed": 0 if arm == "no_flood" else 10,
+            "batch_tokens_per_s": None if arm == "no_flood" else 1000.0, **kw}
+
+
+DOC: dict[str, Any] = {
+    "setup": {"replicas": 2, "push_mode": "sp-p", "max_wait_s": {"batch": 60.0}},
+    "flood": [_flood("no_flood", 0, 0.1), _flood("no_flood", 1, 0.3), _flood("no_flood", 2, 0.2),
+              _flood("fcfs", 0, 5.0), _flood("fcfs", 1, 6.0), _flood("fcfs", 2, 7.0),
+              *(_flood("fair", s, 0.3, batch_longest_wait_s=40.0 + s,
+                       batch_longest_unserved_s=1.5) for s in range(3))],
+    "share": [{"arm": "fcfs", "both_backlogged_s": 50.0, "windows": 9, "light_share": 0.09,
+               "light_share_window_min": 0.05, "light_share_window_max": 0.12},
+              {"arm": "fair", "both_backlogged_s": 20.0, "windows": 3, "light_share": 0.5,
+               "light_share_window_min": 0.48, "light_share_window_max": 0.52}],
+    "limits": [{"spread": "even", "offered_per_s": 30.0, "admitted_per_s": 10.1,
+                "limit_per_s": 10.0},
+               {"spread": "one", "offered_per_s": 30.0, "admitted_per_s": 5.0,
+                "limit_per_s": 10.0}],
+    "date": "2026-11-28", "wall_seconds": 30.0}
+
+
+def _row(page: str, first: str) -> list[str]:
+    line = next(ln for ln in page.splitlines() if ln.startswith(f"| {first} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_flood_rows_are_medians_and_the_20_percent_verdict_follows() -> None:
+    page = tenancy(DOC)
+    assert _row(page, "no flood")[:6] == ["no flood", "3", "0.200 s", "0.400 s", "-", "-"]
+    assert _row(page, "flood, fair queue") == ["flood, fair queue", "3", "0.300 s", "0.600 s",
+                                               "10 / 10", "1,000", "41.0 s", "1.50 s"]
+    assert "1.50x the no-flood one: not within 20%" in page
+    close = {**DOC, "flood": [_flood("no_flood", 0, 0.25), _flood("fair", 0, 0.3)]}
+    assert "1.20x the no-flood one: within 20%" in tenancy(close)
+
+
+def test_share_and_limit_tables() -> None:
+    page = tenancy(DOC)
+    assert _row(page, "fair queue")[4:] == ["50.0%", "48.0% - 52.0%"]
+    assert _row(page, "first come first served")[4] == "9.0%"
+    assert _row(page, "alternating")[3:] == ["10.10/s", "10/s", "101.0%"]
+    assert _row(page, "all to one")[-1] == "50.0%"
