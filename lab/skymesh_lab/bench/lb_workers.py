@@ -93,15 +93,16 @@ def _lb(workdir: Path, name: str, args: list[str]) -> Iterator[Daemon]:
         lb.stop(30)
 
 
-async def _ready(s: aiohttp.ClientSession, url: str) -> None:
+async def _ready(s: aiohttp.ClientSession, url: str, path: str = "/ready") -> None:
+    """Until ``url + path`` answers 200 (60 s at most)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         with contextlib.suppress(aiohttp.ClientError):
-            async with s.get(url + "/ready") as r:
+            async with s.get(url + path) as r:
                 if r.status == 200:
                     return
         await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} not ready")
+    raise RuntimeError(f"{url}{path} not ready")
 
 
 async def locality_arm(workdir: Path, reps: Sequence[Daemon], workers: int, salt: str, *,
@@ -205,18 +206,7 @@ def _stubs(count: int) -> Iterator[list[str]]:
 async def _stubs_up(urls: Sequence[str]) -> None:
     async with aiohttp.ClientSession() as s:
         for u in urls:
-            await _ready_health(s, u)
-
-
-async def _ready_health(s: aiohttp.ClientSession, url: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with contextlib.suppress(aiohttp.ClientError):
-            async with s.get(url + "/health") as r:
-                if r.status == 200:
-                    return
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} not up")
+            await _ready(s, u, "/health")
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:
