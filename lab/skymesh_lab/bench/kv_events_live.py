@@ -21,12 +21,15 @@ documents carry a salt of their own and the caches are reset between arms, so no
 finds another's blocks.
 
 The same question in the simulator (``SimConfig.exact_prefix_state``): tree-of-thoughts
-clients (``tot-gsm8k``) and multi-turn chat (``sharegpt-chat``), one region of 4 emulated
-replicas, 1, 2 and 4 balancers that share nothing (``workers`` N with their tries not
-shared), each on its own trie or on the replicas' exact cache state, 120 s, seeds 0-2.
+clients (``tot-gsm8k``) and multi-turn chat (``sharegpt-chat``) in each of 3 regions of 4
+emulated replicas, forwarding across regions on (the default mesh), 1, 2, 4 and 8
+balancers per region that share nothing (``balancers_per_region``), each on its own trie
+or on the replicas' KV events, delayed as live (one engine step plus the in-region hop;
+also with no delay and with ``SIM_SLOW_DELAY_S``, to show what the delay costs), 120 s,
+seeds 0-2.
 
     python -m skymesh_lab.bench.kv_events_live --json out.json [--balancers 1,2,4]
-        [--requests 160] [--vllm-env DIR] [--only live|sim]
+        [--sim-balancers 1,2,4,8] [--requests 160] [--vllm-env DIR] [--only live|sim]
 
 ``--vllm-env`` is the e2e lane's environment (``python tools/e2e/build_env.py --where``;
 default ``$SKYMESH_E2E_ENV``).
@@ -52,6 +55,7 @@ from typing import Any
 import aiohttp
 
 from skymesh.util.procs import Daemon, free_port, start_daemon
+from skymesh_lab.bench.diurnal import CLIENTS as DIURNAL_CLIENTS
 from skymesh_lab.faults.cluster import parse_metrics
 
 MODEL = "tiny"
@@ -247,31 +251,67 @@ async def cache_info(engines: Sequence[Engine]) -> dict[str, Any]:
 
 
 SIM_WORKLOADS = ("tot-gsm8k", "sharegpt-chat")
+# tot-gsm8k: its 10 clients in every region (each region's load as the one-region run's);
+# sharegpt-chat: the diurnal experiment's peak skew (us 120, eu 40, asia 40 clients), so
+# the busy region forwards and forwarded prefixes count too.
+SIM_WORKLOAD_PARAMS: dict[str, dict[str, Any]] = {
+    "tot-gsm8k": {}, "sharegpt-chat": {"clients_per_region": DIURNAL_CLIENTS}}
 SIM_SEEDS = (0, 1, 2)
+SIM_REGIONS = ("us", "eu", "asia")
+SIM_REPLICAS_PER_REGION = 4
+SIM_DURATION_S = 120.0
+# A subscriber far slower than the default (one step plus the in-region hop, some tens of
+# ms): what a feed a second behind would cost, run at the largest balancer count only.
+SIM_SLOW_DELAY_S = 1.0
+# Simulator arms: name -> (exact_prefix_state, kv_event_delay_s).
+SIM_ARMS: dict[str, tuple[bool, float | None]] = {
+    "trie": (False, None), "exact": (True, None), "exact-no-delay": (True, 0.0),
+    "exact-slow": (True, SIM_SLOW_DELAY_S)}
 
 
-def simulated(counts: Sequence[int]) -> dict[str, Any]:
-    """Prefix hit rate and TTFT in the simulator, by workload, balancer count and mode."""
+def sim_row(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One arm's figures, a list per seed."""
+    return {"hit_rate": [round(r["prefix_hit_rate"], 4) for r in runs],
+            "ttft_mean_s": [round(r["ttft_mean_s"], 4) for r in runs],
+            "ttft_p90_s": [round(r["ttft_p90_s"], 4) for r in runs],
+            "throughput_rps": [round(r["throughput_rps"], 3) for r in runs],
+            "forwarded": [sum(s["forwarded_out"] for s in r["region_stats"].values())
+                          for r in runs]}
+
+
+def simulated_regions(counts: Sequence[int], workloads: Sequence[str] = SIM_WORKLOADS,
+                      seeds: Sequence[int] = SIM_SEEDS,
+                      duration_s: float = SIM_DURATION_S) -> dict[str, Any]:
+    """The simulator's comparison over three regions with forwarding: per workload, per
+    balancer count per region, per arm (``SIM_ARMS``; the slow one at the largest count)."""
     from skymesh_lab.sim.runner import SimConfig
     from skymesh_lab.sim.runner import run as sim_run
 
-    out: dict[str, Any] = {}
-    for wl in SIM_WORKLOADS:
+    results: dict[str, Any] = {}
+    for wl in workloads:
         rows = []
         for n in counts:
-            for mode in MODES:
+            for arm, (exact, delay) in SIM_ARMS.items():
+                if arm == "exact-slow" and n != max(counts):
+                    continue
                 runs = [sim_run(SimConfig(
-                    workload=wl, regions=["us"], replicas={"us": 4}, forwarding=False,
-                    policy="prefix-tree", seed=seed, duration_s=120.0, workers=n,
-                    worker_share_s=1e9,  # separate balancers: no trie shared
-                    exact_prefix_state=mode == "exact")) for seed in SIM_SEEDS]
-                rows.append({"balancers": n, "mode": mode,
-                             "hit_rate": [round(r["prefix_hit_rate"], 4) for r in runs],
-                             "ttft_mean_s": [round(r["ttft_mean_s"], 4) for r in runs],
-                             "throughput_rps": [round(r["throughput_rps"], 3) for r in runs]})
+                    workload=wl, regions=list(SIM_REGIONS),
+                    replicas=dict.fromkeys(SIM_REGIONS, SIM_REPLICAS_PER_REGION),
+                    policy="prefix-tree", seed=seed, duration_s=duration_s,
+                    balancers_per_region=n, exact_prefix_state=exact,
+                    kv_event_delay_s=delay, workload_params=SIM_WORKLOAD_PARAMS.get(wl, {})))
+                    for seed in seeds]
+                rows.append({"balancers": n, "mode": arm, **sim_row(runs)})
                 print(json.dumps({"workload": wl, **rows[-1]}), flush=True)
-        out[wl] = rows
-    return out
+        results[wl] = rows
+    return {"setup": {"regions": list(SIM_REGIONS),
+                      "replicas_per_region": SIM_REPLICAS_PER_REGION,
+                      "balancers_per_region": list(counts), "seeds": list(seeds),
+                      "duration_s": duration_s, "policy": "prefix-tree", "forwarding": True,
+                      "slow_delay_s": SIM_SLOW_DELAY_S,
+                      "workload_params": {wl: SIM_WORKLOAD_PARAMS.get(wl, {})
+                                          for wl in workloads}},
+            "results": results}
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
@@ -321,6 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                          "../shared/data"))
     ap.add_argument("--workdir", default="out/kv-events-live")
     ap.add_argument("--balancers", default="1,2,4")
+    ap.add_argument("--sim-balancers", default="1,2,4,8",
+                    help="the simulator's balancer counts per region")
     ap.add_argument("--requests", type=int, default=160)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--docs", type=int, default=12)
@@ -338,7 +380,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error("--vllm-env (or SKYMESH_E2E_ENV): the e2e lane's environment")
         out.update(asyncio.run(main_async(args)))
     if args.only != "live":
-        out["simulator"] = simulated([int(x) for x in args.balancers.split(",")])
+        out.pop("simulator", None)  # the one-region table this replaced, events undelayed
+        out["simulator_regions"] = simulated_regions(
+            [int(x) for x in args.sim_balancers.split(",")])
     path.write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

@@ -29,6 +29,7 @@ from skymesh.policies.peers import (
     ModelLoad,
 )
 from skymesh_lab.sim.events import EventLoop
+from skymesh_lab.sim.kv_view import EventView
 from skymesh_lab.sim.network import Network
 from skymesh_lab.sim.workload import WorkItem
 from skymesh_replica.engine.core import Batch, Engine, Sequence, StepEvent
@@ -95,6 +96,14 @@ class SimReplica:
         self._batch: Batch | None = None
         self._start = 0.0
         self._gen = 0
+        # What balancers following this replica's KV events know (follow_events).
+        self.kv_view: EventView | None = None
+
+    def follow_events(self, transit_s: float, delay_s: float | None = None) -> EventView:
+        """Record the cache's stores and evictions and publish them once per step."""
+        self.kv_view = EventView(self.loop, transit_s, delay_s)
+        self.engine.kv.recorder = self.kv_view
+        return self.kv_view
 
     def published_load(self) -> tuple[int, int]:
         """(waiting, running) as a probe reads them: vLLM's live counts, or SGLang's
@@ -140,8 +149,11 @@ class SimReplica:
     def _end_step(self, gen: int) -> None:
         if gen != self._gen or self._batch is None:
             return  # superseded by a truncation
-        events = self.engine.complete(self._batch)
+        batch = self._batch
+        events = self.engine.complete(batch)
         self._batch = None
+        if self.kv_view is not None:
+            self.kv_view.publish(batch.duration / max(1, batch.num_steps))
         for ev in events:
             self._on_event(self, ev.seq.payload, ev)  # type: ignore[arg-type]
         self._start_step()

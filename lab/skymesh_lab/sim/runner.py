@@ -102,18 +102,27 @@ class SimConfig:
     # share's batching, skymesh.balancer.siblings.FLUSH_S). Region-local only, as live.
     workers: int = 1
     worker_share_s: float = FLUSH_S
-    # KV-cache events (docs/kv-events.md): every balancer reads the exact prefix state of
-    # its replicas' caches (RouteRequest.exact_prefix) at a request's arrival, as a
-    # balancer following the engines' events does; False: each its own trie only.
+    # KV-cache events (docs/kv-events.md): every balancer reads the prefix state of its
+    # replicas' caches (RouteRequest.exact_prefix) at a request's arrival as following the
+    # engines' events gives it: each replica publishes its stores and evictions once per
+    # step, applied ``kv_event_delay_s`` later (None: one engine step plus the one-way
+    # delay to the balancer; skymesh_lab.sim.kv_view). False: each its own trie only.
     exact_prefix_state: bool = False
+    kv_event_delay_s: float | None = None
+    # Independent balancers per region (separate skymesh-lb processes): each its own
+    # trie, each pushing with a 1/N share of the free slots, each client request to one
+    # at random; with forwarding each is a mesh peer of every balancer in the other
+    # regions. Not with ``workers`` > 1 nor a single balancer.
+    balancers_per_region: int = 1
 
 
 def with_exact_prefix(route: RouteRequest, replicas: Iterable[SimReplica]) -> RouteRequest:
-    """``route`` with the blocks of its prompt each replica's cache holds now (what
-    following the engines' KV events tells a balancer, without the events' delay)."""
+    """``route`` with the blocks of its prompt each replica holds as far as its KV events
+    have told (``SimReplica.kv_view``; a replica without one: its cache as it is now)."""
     keys = route.prefix_keys
     return dataclasses.replace(
-        route, exact_prefix={r.id: len(r.engine.kv.match_prefix(keys)) for r in replicas},
+        route, exact_prefix={r.id: (len(r.engine.kv.match_prefix(keys)) if r.kv_view is None
+                                    else r.kv_view.held(keys)) for r in replicas},
         exact_blocks=len(keys))
 
 
@@ -233,6 +242,10 @@ class Simulation:
                                                     or cfg.single_balancer is not None)):
             raise ValueError("workers: an integer >= 1; more than 1 only region-local "
                              "(no forwarding, no single balancer), as in skymesh-lb")
+        if cfg.balancers_per_region < 1 or (cfg.balancers_per_region > 1 and (
+                cfg.workers > 1 or cfg.single_balancer is not None)):
+            raise ValueError("balancers_per_region: an integer >= 1; more than 1 not with "
+                             "workers > 1 nor a single balancer")
         if cfg.rtt_scale == 1.0:
             self.net = Network()
         else:
@@ -272,6 +285,10 @@ class Simulation:
                 for i, name in enumerate(names)
             ]
             self.replicas.extend(reps)
+            if cfg.exact_prefix_state:
+                reader = cfg.single_balancer or region
+                for r in reps:
+                    r.follow_events(self.net.one_way(region, reader), cfg.kv_event_delay_s)
             if cfg.single_balancer is not None:
                 continue  # one balancer for all, built below
             if not reps and not cfg.forwarding:
@@ -299,6 +316,21 @@ class Simulation:
                         prefer_queue=prefer_queue, hold_queue_max=cfg.hold_queue_max)
                     for i in range(1, cfg.workers))]
                 share_tries(self.loop, self.workers[region], cfg.worker_share_s)
+            elif cfg.balancers_per_region > 1:
+                self.workers[region] = [self.balancers[region], *(
+                    SimBalancer(
+                        f"lb-{region}-{i}", region, reps,
+                        build_policy(cfg.policy, cfg.policy_params,
+                                     rng=random.Random(rng.getrandbits(32))),
+                        self.loop, self.net, mode, cfg.max_outstanding,
+                        cfg.probe_interval_s, self._active, self._on_rejected, cfg.hold_s,
+                        build_policy(cfg.peer_policy, rng=random.Random(rng.getrandbits(32)))
+                        if cfg.forwarding else None,
+                        cfg.tau, cfg.heartbeat_interval_s, rule, balancing,
+                        prefer_queue=prefer_queue, hold_queue_max=cfg.hold_queue_max)
+                    for i in range(1, cfg.balancers_per_region))]
+                for b in self.workers[region]:
+                    b.dispatcher.balancers_per_region = cfg.balancers_per_region
         if not self.replicas:
             raise ValueError("the simulation needs at least one replica")
         if cfg.single_balancer is not None:
@@ -313,8 +345,9 @@ class Simulation:
                 prefer_queue=prefer_queue, hold_queue_max=cfg.hold_queue_max,
             )
         elif cfg.forwarding:
-            for bal in self.balancers.values():
-                bal.connect(list(self.balancers.values()))
+            every = self._all_balancers()
+            for bal in every:
+                bal.connect([p for p in every if p.region != bal.region])
         self._models = {r.engine_model for r in self.replicas}
 
     def _all_balancers(self) -> list[SimBalancer]:
@@ -497,8 +530,8 @@ class Simulation:
             region: {
                 "clients_requests": sum(1 for r in recs if r.item.region == region),
                 "served": sum(1 for r in done if r.served_region == region),
-                "forwarded_out": bal.forwarded_out,
-                "forwarded_in": bal.forwarded_in,
+                "forwarded_out": sum(b.forwarded_out for b in self.workers.get(region, [bal])),
+                "forwarded_in": sum(b.forwarded_in for b in self.workers.get(region, [bal])),
             }
             for region, bal in self.balancers.items()
         }
