@@ -49,6 +49,8 @@ def test_the_verdict_says_whether_the_bar_is_met() -> None:
     met = regions_verdict(sim(0.88))  # 97.8% of 0.9
     assert "events keep 97.8% of one balancer's hit rate" in met
     assert "the trie 66.7%" in met and "is met." in met
+    assert "TTFT mean on events 200 ms against 200 ms at one balancer" in met
+    assert "requests forwarded 3 against 3." in met
     assert "no delay 89.0%, 1 s behind 80.0%, against 88.0% with the default" in met
     assert "is NOT met." in regions_verdict(sim(0.8))  # 88.9% < 95%
 

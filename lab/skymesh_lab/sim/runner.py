@@ -304,33 +304,26 @@ class Simulation:
                 cfg.hold_s, peer_policy, cfg.tau, cfg.heartbeat_interval_s, rule, balancing,
                 prefer_queue=prefer_queue, hold_queue_max=cfg.hold_queue_max,
             )
-            if cfg.workers > 1:
+            count = max(cfg.workers, cfg.balancers_per_region)  # at most one is > 1
+            if count > 1:
+                tag = "w" if cfg.workers > 1 else ""
                 self.workers[region] = [self.balancers[region], *(
                     SimBalancer(
-                        f"lb-{region}-w{i}", region, reps,
-                        build_policy(cfg.policy, cfg.policy_params,
-                                     rng=random.Random(rng.getrandbits(32))),
-                        self.loop, self.net, mode, cfg.max_outstanding,
-                        cfg.probe_interval_s, self._active, self._on_rejected, cfg.hold_s,
-                        None, cfg.tau, cfg.heartbeat_interval_s, rule, balancing,
-                        prefer_queue=prefer_queue, hold_queue_max=cfg.hold_queue_max)
-                    for i in range(1, cfg.workers))]
-                share_tries(self.loop, self.workers[region], cfg.worker_share_s)
-            elif cfg.balancers_per_region > 1:
-                self.workers[region] = [self.balancers[region], *(
-                    SimBalancer(
-                        f"lb-{region}-{i}", region, reps,
+                        f"lb-{region}-{tag}{i}", region, reps,
                         build_policy(cfg.policy, cfg.policy_params,
                                      rng=random.Random(rng.getrandbits(32))),
                         self.loop, self.net, mode, cfg.max_outstanding,
                         cfg.probe_interval_s, self._active, self._on_rejected, cfg.hold_s,
                         build_policy(cfg.peer_policy, rng=random.Random(rng.getrandbits(32)))
-                        if cfg.forwarding else None,
+                        if cfg.forwarding else None,  # workers: never (region-local)
                         cfg.tau, cfg.heartbeat_interval_s, rule, balancing,
                         prefer_queue=prefer_queue, hold_queue_max=cfg.hold_queue_max)
-                    for i in range(1, cfg.balancers_per_region))]
-                for b in self.workers[region]:
-                    b.dispatcher.balancers_per_region = cfg.balancers_per_region
+                    for i in range(1, count))]
+                if cfg.workers > 1:
+                    share_tries(self.loop, self.workers[region], cfg.worker_share_s)
+                else:
+                    for b in self.workers[region]:
+                        b.dispatcher.balancers_per_region = count
         if not self.replicas:
             raise ValueError("the simulation needs at least one replica")
         if cfg.single_balancer is not None:
