@@ -92,20 +92,22 @@ def run(seed: int, spread: str) -> dict[str, Any]:
     return out
 
 
+def doc_of(seeds: list[int]) -> dict[str, Any]:
+    started = time.monotonic()
+    runs = [run(s, spread) for s in seeds for spread in SPREADS]
+    return {"setup": {"balancers": [list(b) for b in BALANCERS], "limit_per_s": LIMIT_RPS,
+                      "offered_x": OFFERED_X, "run_s": RUN_S, "push_s": PUSH_S,
+                      "spreads": {k: list(v) for k, v in SPREADS.items()}, "seeds": seeds},
+            "runs": runs, "wall_seconds": round(time.monotonic() - started, 1),
+            "date": datetime.now(UTC).strftime("%Y-%m-%d")}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--seeds", default="0,1,2,3,4")
     args = ap.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    t0 = time.monotonic()
-    doc: dict[str, Any] = {
-        "setup": {"balancers": [list(b) for b in BALANCERS], "limit_per_s": LIMIT_RPS,
-                  "offered_x": OFFERED_X, "run_s": RUN_S, "push_s": PUSH_S,
-                  "spreads": {k: list(v) for k, v in SPREADS.items()}, "seeds": seeds},
-        "runs": [run(s, spread) for s in seeds for spread in SPREADS]}
-    doc["wall_seconds"] = round(time.monotonic() - t0, 1)
-    doc["date"] = datetime.now(UTC).strftime("%Y-%m-%d")
+    doc = doc_of([int(s) for s in args.seeds.split(",")])
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(doc["runs"], indent=1))
