@@ -58,7 +58,7 @@ class TenantIn(TenantConfig):
         return self
 
 
-def shares(me: Obj, balancers: dict[str, Obj]) -> dict[Scope, int]:
+def shares(me: Obj, balancers: dict[str, Obj]) -> dict[str, int]:
     """The live balancers a limit of each scope is divided by, as ``me`` sees them (``me``
     counts even while the prober has not seen it yet: it is the one asking)."""
     others = [b for b in balancers.values() if b["id"] != me["id"] and placement.live(b)]
@@ -69,7 +69,7 @@ def shares(me: Obj, balancers: dict[str, Obj]) -> dict[Scope, int]:
 def pushed(tenants: dict[str, Obj], me: Obj, balancers: dict[str, Obj]) -> list[Obj]:
     """The tenants as membership carries them to ``me``: each record with its share."""
     n = shares(me, balancers)
-    return [{**t, "share": n.get(t.get("scope"), n["global"])}  # type: ignore[call-overload]
+    return [{**t, "share": n["region"] if t.get("scope") == "region" else n["global"]}
             for _, t in sorted(tenants.items())]
 
 
