@@ -132,3 +132,26 @@ def test_a_tenant_in_flight_through_a_push_is_released_on_the_new_limiter() -> N
     g.leave(adm, 0)
     g.admit("acme", "standard", "m", 1)
     assert g.queue.weights["acme"] == 2.0
+
+
+async def test_membership_tenants_reach_the_balancer_and_an_old_controller_changes_nothing(
+        ) -> None:
+    from skymesh.balancer.config import parse_config
+    from skymesh.balancer.server import Balancer
+
+    lb = Balancer(parse_config({"region": "us", "controller": {
+        "url": "http://127.0.0.1:9", "balancer_id": "lb-us"}}))
+    link = lb.controller
+    assert link is not None and lb.handlers.gate is None
+    m: dict[str, Any] = {"revision": 1, "replicas": [], "peers": [], "tenants": []}
+    await link.apply(m)
+    assert lb.handlers.gate is None  # nothing pushed: no gate on the request path
+    acme = {"name": "acme", "keys_sha256": [sha("k")], "requests_per_s": 2.0, "share": 2}
+    await link.apply({**m, "revision": 2, "tenants": [acme]})
+    gate = lb.handlers.gate
+    assert gate is not None and gate.book.keys[bytes.fromhex(sha("k"))] == "acme"
+    assert gate.limiter.state["acme"].requests is not None
+    assert gate.limiter.state["acme"].requests.rate == pytest.approx(1.0)
+    # An older controller sends no tenants: what was applied stays.
+    await link.apply({"revision": 3, "replicas": [], "peers": []})
+    assert lb.handlers.gate is gate and "acme" in gate.book.tenants
