@@ -15,7 +15,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi import Body, Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
@@ -55,6 +55,7 @@ from skymesh_controller.series import to_csv as series_csv
 from skymesh_controller.service import Controller
 from skymesh_controller.status import mesh_status
 from skymesh_controller.store import Obj, Store, StoreError, open_store
+from skymesh_controller.tenants import TenantIn
 
 MAX_FORECAST_SERIES = 24
 
@@ -142,6 +143,7 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
         return Depends(check)
 
     read, agent, admin = need("read"), need("agent"), need("admin")
+    tenant_admin = need("tenants")  # tenants only (auth.py): least privilege
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -315,6 +317,29 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
                 dependencies=[admin])
     async def delete_model(name: str) -> None:
         await records.delete_model(name)
+
+    # -- tenants (pushed to the balancers with membership: tenants.py) ----------------------
+    TenantName = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
+                                     description="letters, digits, '.', '_' or '-'")]
+
+    @app.get("/v1/tenants", tags=["tenants"], responses=ERRORS, dependencies=[read])
+    async def list_tenants() -> list[Obj]:
+        return await records.list_kind("tenants")
+
+    @app.get("/v1/tenants/{name}", tags=["tenants"], responses=ERRORS, dependencies=[read])
+    async def get_tenant(name: TenantName) -> Obj:
+        return await records.read("tenants", name, "tenant")
+
+    @app.put("/v1/tenants/{name}", tags=["tenants"], responses=ERRORS,
+             dependencies=[tenant_admin])
+    async def put_tenant(name: TenantName, body: TenantIn) -> Obj:
+        """Create or replace a tenant: its key digests, classes and limits."""
+        return await ctl.tenants.put(name, body)
+
+    @app.delete("/v1/tenants/{name}", tags=["tenants"], status_code=204, responses=ERRORS,
+                dependencies=[tenant_admin])
+    async def delete_tenant(name: TenantName) -> None:
+        await ctl.tenants.delete(name)
 
     # -- status and telemetry --------------------------------------------------------------
     @app.get("/v1/status", tags=["status"], responses=ERRORS, dependencies=[read])

@@ -1,7 +1,8 @@
 """Bearer tokens, kept hashed: the config and the process hold only sha256 digests.
 
 Roles: ``admin`` may do anything; ``read`` may only read; ``agent`` (balancers) may read,
-register a balancer and its replicas, and report telemetry.
+register a balancer and its replicas, and report telemetry; ``tenants`` may read and
+change tenants and their limits (``/v1/tenants``), nothing else.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class TokenBook:
 
 
 def allowed(role: Role, need: Role) -> bool:
-    """``need`` is what the endpoint requires: read < agent < admin."""
-    rank = {"read": 0, "agent": 1, "admin": 2}
+    """``need`` is what the endpoint requires: read < agent < admin, and ``tenants`` beside
+    them (admin or tenants may change tenants; tenants may otherwise only read)."""
+    if need == "tenants":
+        return role in ("tenants", "admin")
+    rank = {"read": 0, "tenants": 0, "agent": 1, "admin": 2}
     return rank[role] >= rank[need]

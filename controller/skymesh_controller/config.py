@@ -21,6 +21,7 @@ Example::
     telemetry_keep: 10000                   # reports kept per balancer ...
     telemetry_balancer_bytes: 4194304       # ... and at most about this many bytes
     max_balancers_per_agent: 64             # balancers one agent token may register
+    max_tenants: 1000                       # tenants stored (each balancer gets them all)
     shared_balancer_owners: []              # token names whose balancers take anyone's
                                             # replicas on failover (default: owner only)
     ha: {lease_ttl_s: 3.0, renew_interval_s: 1.0}  # leader lease: docs/operations-control-ha.md
@@ -49,7 +50,7 @@ from skymesh.net.urlpolicy import UrlPolicyConfig
 from skymesh.obs.config import LoggingConfig, TracingConfig
 from skymesh_controller.autopilot.config import PlannerConfig
 
-Role = Literal["admin", "read", "agent"]
+Role = Literal["admin", "read", "agent", "tenants"]
 
 
 class ListenConfig(StrictModel):
@@ -135,6 +136,8 @@ class ControllerConfig(StrictModel):
     telemetry_max_models: int = Field(256, ge=1, le=1024)
     telemetry_balancer_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024)
     max_balancers_per_agent: int = Field(64, ge=1)  # admin tokens have no cap
+    # Tenants (/v1/tenants): every membership answer carries them all.
+    max_tenants: int = Field(1000, ge=1, le=100_000)
     # Token names whose balancers take any owner's replicas on failover and planner
     # moves (a shared pool); otherwise a replica goes only to its owner's balancers.
     shared_balancer_owners: list[str] = Field(default_factory=list)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from skymesh_controller import placement
+from skymesh_controller import placement, tenants
 from skymesh_controller.records import Records
 from skymesh_controller.store import Obj, Put, Store
 
@@ -57,9 +57,12 @@ class Membership:
         # (pushing.balancers_per_region: auto).
         siblings = sum(1 for b in balancers.values() if b["id"] != bid and placement.live(b)
                        and b["region"] == me["region"] and b.get("owner") == me.get("owner"))
+        # Tenants and this balancer's share of their limits (tenants.py).
+        pushed = tenants.pushed(await self.store.all("tenants"), me, balancers)
         return {"revision": rev, "balancer": bid, "state": me.get("state", "unknown"),
                 "policy": me.get("policy"), "policy_params": me.get("policy_params", {}),
-                "replicas": mine, "peers": peers, "region_balancers": 1 + siblings}
+                "replicas": mine, "peers": peers, "region_balancers": 1 + siblings,
+                "tenants": pushed}
 
     def note_poll(self, bid: str, after: int) -> None:
         self.polled[bid] = max(after, self.polled.get(bid, -1))

@@ -15,6 +15,7 @@ one kind of state or behaviour:
 ``prober``         health probes and the state changes they cause (probing.py)
 ``dns``            DNS sync, on demand and after failover (dns_sync.py)
 ``moves``          drain and re-home, for the planner's moves (relocation.py)
+``tenants``        tenants and their limits, pushed with membership (tenants.py)
 ``leadership``     the leader lease: only the leader probes, fails over, syncs DNS and
                    plans; standbys serve the API (leadership.py, lease.py)
 =================  ====================================================================
@@ -48,6 +49,7 @@ from skymesh_controller.replicas import Replicas
 from skymesh_controller.status import mesh_status
 from skymesh_controller.store import Obj, Store
 from skymesh_controller.telemetry import Telemetry
+from skymesh_controller.tenants import Tenants
 
 __all__ = ["ADMIN", "Controller"]
 
@@ -77,6 +79,8 @@ class Controller:
         self.moves = Relocations(store, self.changes, self.records, self.replicas,
                                  self.members, self.prober, trust)
         self.leadership = Leadership(store, cfg.ha)
+        self.tenants = Tenants(store, self.changes, self.records, self.refusals,
+                               cfg.max_tenants)
         self.prober.acts = self.dns.acts = self.leadership.acts
         # In-process calls (the planner's actuators, tests): the parts' own methods.
         self.get, self.put_region = self.records.get, self.records.put_region

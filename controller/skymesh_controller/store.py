@@ -1,7 +1,7 @@
 """Durable controller state behind one interface: an in-process store and Redis.
 
 State is a few collections of JSON objects (``regions``, ``balancers``, ``replicas``,
-``models``) plus capped time series (telemetry). Every change goes through ``commit``,
+``models``, ``tenants``) plus capped time series (telemetry). Every change goes through ``commit``,
 which applies all its puts and deletes atomically and bumps a global revision: a replica
 is never half-registered, and balancers long-poll on the revision.
 
@@ -31,7 +31,7 @@ Obj = dict[str, Any]
 Put = tuple[str, str, Obj]
 Delete = tuple[str, str]
 
-KINDS = ("regions", "balancers", "replicas", "models")
+KINDS = ("regions", "balancers", "replicas", "models", "tenants")
 
 FENCE: ContextVar[str | None] = ContextVar("skymesh_fence", default=None)
 WRITER: ContextVar[str | None] = ContextVar("skymesh_writer", default=None)

@@ -47,6 +47,7 @@ from skymesh.common.config import (
     load_yaml,
     parse_model,
 )
+from skymesh.common.tenants import TenantConfig
 from skymesh.mesh.limits import DEFAULT_GUARD_LIMITS as _PORT
 from skymesh.mesh.limits import DEFAULT_HEARTBEAT_LIMITS as _HB
 from skymesh.mesh.limits import GuardLimits, HeartbeatLimits
@@ -470,34 +471,6 @@ class ControllerLinkConfig(StrictModel):
         if v is not None and not v.startswith(("http://", "https://")):
             raise ValueError("must be an http:// or https:// URL")
         return v.rstrip("/") if v else v
-
-
-class TenantConfig(StrictModel):
-    """One tenant (docs/tenancy.md). ``keys_sha256``: its client keys, named by the hex
-    SHA-256 of the key (``printf %s KEY | sha256sum``), so no secret is stored here; the
-    keys themselves stay in ``auth``. Limits are for the whole region (divided among its
-    balancers' workers); null: no limit."""
-
-    name: str = Field(min_length=1, max_length=64)
-    keys_sha256: list[str] = Field(default_factory=list)
-    default_class: str | None = None  # default: tenants.default_class
-    classes: list[str] | None = None  # the classes it may use; default: all
-    weight: float = Field(1.0, gt=0)
-    requests_per_s: float | None = Field(None, gt=0)
-    tokens_per_min: float | None = Field(None, gt=0)
-    max_concurrency: int | None = Field(None, ge=1)
-    tokens_per_day: float | None = Field(None, gt=0)
-
-    @field_validator("keys_sha256")
-    @classmethod
-    def _hex(cls, v: list[str]) -> list[str]:
-        out = []
-        for h in v:
-            h = h.strip().lower()
-            if len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
-                raise ValueError(f"{h[:16]!r}...: not a hex SHA-256 digest (64 hex digits)")
-            out.append(h)
-        return out
 
 
 class TenantsConfig(StrictModel):

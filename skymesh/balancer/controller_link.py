@@ -126,7 +126,8 @@ class ControllerLink:
                  dispatcher: Dispatcher, health: HealthTracker, mesh: MeshLink | None,
                  tally: Tally, set_replicas: Callable[[list[ReplicaConfig]], None],
                  set_policy: Callable[[str, dict[str, Any]], None],
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep, *,
+                 set_tenants: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
         self.cfg = cfg
         self.config = config  # the balancer's, as in effect (a reload changes pushing)
         self.dispatcher = dispatcher
@@ -135,6 +136,7 @@ class ControllerLink:
         self.tally = tally
         self.set_replicas = set_replicas  # membership from the controller ...
         self.set_policy = set_policy  # ... and its policy, applied to the balancer
+        self.set_tenants = set_tenants  # ... and its tenants (tenant_push)
         self.sleep = sleep  # between retries (a fake one in tests)
         mesh_cfg = config().mesh
         self.balancer_id = cfg.balancer_id or (mesh_cfg.id if mesh_cfg is not None
@@ -217,13 +219,16 @@ class ControllerLink:
             return False
 
     async def apply(self, m: dict[str, Any]) -> None:
-        """Membership from the controller: replicas, policy and peers."""
+        """Membership from the controller: replicas, policy, tenants and peers."""
         self.revision = int(m["revision"])
         self.set_replicas([ReplicaConfig(url=r["url"], kind=r.get("kind", "vllm"),
                                             models=[r["model"]], gpu=r.get("gpu", "unknown"))
                               for r in m["replicas"] if await self._allowed("replica", r["url"])])
         if m.get("policy"):
             self.set_policy(m["policy"], m.get("policy_params") or {})
+        # An older controller sends no tenants: those applied before stay.
+        if self.set_tenants is not None and isinstance(m.get("tenants"), list):
+            self.set_tenants(m["tenants"])
         if self.dispatcher.outlook is not None:
             self.dispatcher.outlook.set_regions({p["id"]: p["region"] for p in m["peers"]})
         cfg = self.config()

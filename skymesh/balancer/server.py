@@ -42,7 +42,7 @@ from aiohttp import web
 
 from skymesh.balancer.auth import EdgeFiles, upstream_key
 from skymesh.balancer.catalog import ModelCatalog
-from skymesh.balancer.config import BalancerConfig, ReplicaConfig
+from skymesh.balancer.config import BalancerConfig, ReplicaConfig, TenantsConfig
 from skymesh.balancer.controller_link import ControllerLink, Tally, fetch_resolver
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.edge import OwnedRoutes, request_id, stamp_request_id
@@ -149,7 +149,8 @@ class Balancer:
         self.tally = Tally()
         self.controller: ControllerLink | None = (
             ControllerLink(cfg.controller, lambda: self.cfg, self.dispatcher, self.health,
-                           self.mesh, self.tally, self.set_replicas, self.set_policy)
+                           self.mesh, self.tally, self.set_replicas, self.set_policy,
+                           set_tenants=self.set_tenants)
             if cfg.controller is not None else None)
         # The rooms (see the module docstring), each given only what it uses; a request
         # flows one way: handlers -> forwarder -> streams -> moves.
@@ -170,11 +171,7 @@ class Balancer:
         self.metrics.registry.register(self.kv_feeds)
         self.kv_exact = self.handlers.exact = ExactScorer(self.kv_feeds)
         if cfg.tenants is not None:
-            d = self.dispatcher
-            self.handlers.gate = TenantGate(
-                cfg.tenants, share=pushing_share(cfg.pushing.balancers(), workers),
-                capacity=cfg.queue.max_length, queued=d.queue_length,
-                metrics=self.metrics.enable_tenants(), clock=self.now)
+            self.handlers.gate = self._tenant_gate(cfg.tenants)
         self.status = Status(core, cfg.region, self.health, self.edge, self.handlers,
                              self.predictor, self.moves, self.mesh, self.controller,
                              kv_figures=self.kv_exact.figures)
@@ -296,6 +293,25 @@ class Balancer:
         self._policy_params = dict(params)
         self._decision_counters.clear()
         log.info("policy is now %s %s", name, params or "")
+
+    def _tenant_gate(self, tenants: TenantsConfig) -> TenantGate:
+        return TenantGate(
+            tenants, share=pushing_share(self.cfg.pushing.balancers(), self.workers),
+            capacity=self.cfg.queue.max_length, queued=self.dispatcher.queue_length,
+            metrics=self.metrics.enable_tenants(), clock=self.now)
+
+    def set_tenants(self, pushed: list[dict[str, Any]]) -> None:
+        """The controller's tenants and this balancer's shares of their limits
+        (skymesh.balancer.tenant_push). Without a ``tenants`` section the gate is made at
+        the first tenant pushed, with that section's defaults, and then stays."""
+        gate = self.handlers.gate
+        if gate is None:
+            if not pushed:
+                return
+            gate = self.handlers.gate = self._tenant_gate(TenantsConfig())
+        if gate.set_pushed(pushed):
+            log.info("tenants from the controller: %s", ", ".join(
+                f"{t.get('name')} (share 1/{t.get('share')})" for t in pushed) or "none")
 
     # -- the dispatcher's driver ---------------------------------------------------------
     _loop: asyncio.AbstractEventLoop | None = None  # pump's, asked once

@@ -10,14 +10,19 @@ timeout), offers the request to the dispatcher and calls :meth:`TenantGate.settl
 for their model is short (``tenants.dispatch_queue``). A waiter whose client left or whose
 time ran out is taken out of the queue, and a waiter woken but never offered gives its
 place back in ``leave``: nothing stays behind.
+
+With a controller, :meth:`TenantGate.set_pushed` takes the tenants it pushes with
+membership (``skymesh.balancer.tenant_push`` merges them with ``lb.yaml``'s) and swaps
+the book and the limiter between two requests; the fair queue and its waiters stay.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from skymesh.balancer.config import TenantsConfig
 from skymesh.balancer.metrics import TenantMetrics
@@ -30,6 +35,7 @@ from skymesh.balancer.tenancy import (
     release_into,
     tenants_of,
 )
+from skymesh.balancer.tenant_push import limiter_of, merge
 
 
 @dataclass(eq=False)
@@ -47,6 +53,9 @@ class TenantGate:
     def __init__(self, cfg: TenantsConfig, *, share: int, capacity: int,
                  queued: Callable[[str], int], metrics: TenantMetrics,
                  clock: Callable[[], float], wall: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg  # lb.yaml's section (the controller's tenants are merged into it)
+        self.share = share
+        self.pushed: list[Any] | None = None  # as the controller last sent them
         self.book = book_of(cfg)
         self.limiter = Limiter(tenants_of(cfg), share=share, now=clock())
         self.queue = queue_of(cfg, capacity)
@@ -56,6 +65,20 @@ class TenantGate:
         self.clock = clock
         self.wall = wall
         self.reserved: dict[str, int] = {}  # woken per model, not yet offered
+
+    def set_pushed(self, tenants: Sequence[Mapping[str, Any]]) -> bool:
+        """The controller's tenants, each with its ``share`` (False: the same as last)."""
+        pushed = [dict(t) for t in tenants]
+        if pushed == self.pushed:
+            return False
+        self.pushed = pushed
+        merged = merge(self.cfg, pushed)
+        # Built whole, then swapped: a request sees the old book and limiter or the new.
+        book = book_of(merged.cfg)
+        self.limiter = limiter_of(merged, self.share, self.clock(), self.limiter)
+        self.book = book
+        self.queue.weights = {t.name: t.weight for t in merged.cfg.members}
+        return True
 
     def classify(self, digest: bytes | None, headers: Mapping[str, str],
                  peer_ip: str | None) -> tuple[str, str]:

@@ -7,6 +7,9 @@
         [--balancer B] | replicas remove|drain|undrain ID
     skymesh ctl policy set BALANCER NAME [--param K=V ...]
     skymesh ctl models list
+    skymesh ctl tenants list | tenants set NAME [--key-sha256 H ...] [--requests-per-s X]
+        [--tokens-per-min X] [--max-concurrency N] [--tokens-per-day X] [--class C ...]
+        [--default-class C] [--weight W] [--scope global|region] | tenants delete NAME
 
 The controller URL comes from ``--controller``, else ``SKYMESH_CONTROLLER_URL``, else
 http://127.0.0.1:8080; the token from ``--token-file``, else ``SKYMESH_ADMIN_TOKEN``.
@@ -201,6 +204,28 @@ def _models(data: list[dict[str, Any]]) -> str:
                    m.get("max_replicas"), m.get("ttft_slo_s")] for m in data])
 
 
+def _tenants(data: list[dict[str, Any]]) -> str:
+    return table(["name", "scope", "req/s", "tokens/min", "concurrency", "tokens/day",
+                  "classes", "keys"],
+                 [[t["name"], t.get("scope", "global"), t.get("requests_per_s"),
+                   t.get("tokens_per_min"), t.get("max_concurrency"), t.get("tokens_per_day"),
+                   t.get("classes") or "all", len(t.get("keys_sha256", []))] for t in data])
+
+
+# `tenants set` flags -> the tenant's fields (a flag left out leaves the field unset).
+TENANT_FIELDS = ("requests_per_s", "tokens_per_min", "max_concurrency", "tokens_per_day",
+                 "default_class", "weight", "scope")
+
+
+def _tenant_body(args: argparse.Namespace) -> dict[str, Any]:
+    body: dict[str, Any] = {k: v for k in TENANT_FIELDS
+                            if (v := getattr(args, k, None)) is not None}
+    body["keys_sha256"] = list(args.key_sha256 or [])
+    if args.classes:
+        body["classes"] = list(args.classes)
+    return body
+
+
 def _replica_line(verb: str) -> Callable[[dict[str, Any]], str]:
     return lambda r: (f"replica {r['id']} {verb}: state {r.get('state', 'unknown')}, home "
                       f"{_cell(r.get('balancer'))}, assigned {_cell(r.get('assigned'))}")
@@ -263,6 +288,15 @@ def run(args: argparse.Namespace, c: Client) -> None:
         _emit(args, c.call("POST", "/v1/models", body),
               lambda m: f"model {m['name']} saved (replicas {m['min_replicas']}.."
                         f"{_cell(m['max_replicas'])}, TTFT SLO {_cell(m['ttft_slo_s'])})")
+    elif what == ("tenants", "list"):
+        _emit(args, c.call("GET", "/v1/tenants"), _tenants)
+    elif what == ("tenants", "set"):
+        _emit(args, c.call("PUT", f"/v1/tenants/{_seg(args.name)}", _tenant_body(args)),
+              lambda t: f"tenant {t['name']} saved")
+    elif what == ("tenants", "delete"):
+        c.call("DELETE", f"/v1/tenants/{_seg(args.name)}")
+        _emit(args, {"name": args.name, "removed": True},
+              lambda r: f"tenant {r['name']} removed")
     else:  # argparse requires a subcommand, so only a new one missing here lands here
         raise CtlError(f"unhandled command {what}")
 
@@ -385,3 +419,22 @@ def register(subparsers: Any) -> None:
     ma.add_argument("--ttft-slo", type=float, default=None, metavar="SECONDS")
     models.add_parser("remove", parents=leaf, help="forget a declared model").add_argument(
         "id", metavar="NAME")
+
+    tenants = group("tenants", "list, set or delete tenants and their limits")
+    tenants.add_parser("list", parents=leaf)
+    ts = tenants.add_parser("set", parents=leaf, help="create or replace a tenant (fields "
+                            "not given are unset: no limit)")
+    ts.add_argument("name")
+    ts.add_argument("--key-sha256", action="append", metavar="HEX",
+                    help="sha256 of a client key (printf %%s KEY | sha256sum); repeatable")
+    ts.add_argument("--requests-per-s", type=float)
+    ts.add_argument("--tokens-per-min", type=float)
+    ts.add_argument("--max-concurrency", type=int)
+    ts.add_argument("--tokens-per-day", type=float)
+    ts.add_argument("--class", dest="classes", action="append", metavar="CLASS",
+                    help="a class it may use (repeatable; default: all)")
+    ts.add_argument("--default-class")
+    ts.add_argument("--weight", type=float)
+    ts.add_argument("--scope", choices=["global", "region"],
+                    help="limits for the whole mesh (default) or for each region")
+    tenants.add_parser("delete", parents=leaf, help="delete a tenant").add_argument("name")

@@ -74,6 +74,11 @@ NEEDS: dict[tuple[str, str], Role] = {
     ("POST", "/v1/plans"): "admin",
     ("POST", "/v1/plans/{pid}/approve"): "admin",
     ("GET", "/v1/outlook"): "read",  # balancers poll it (mesh.outlook)
+    # Tenants: writes need admin or the tenants role (not fuzzed here; test_tenants_api).
+    ("GET", "/v1/tenants"): "read",
+    ("GET", "/v1/tenants/{name}"): "read",
+    ("PUT", "/v1/tenants/{name}"): "admin",
+    ("DELETE", "/v1/tenants/{name}"): "admin",
 }
 CREDENTIALS: dict[str, tuple[str | None, Role]] = {  # label -> (token, its role)
     "read": (READER, "read"), "agent": (AGENT, "agent"),

@@ -233,3 +233,23 @@ def test_ctl_models_add_and_removals(controller: Daemon) -> None:
     assert "region tmp-region removed" in ok(controller.url, "regions", "remove", "tmp-region")
     assert "tmp-region" not in {r["name"] for r in get(controller.url, "/v1/regions")}
     api.close()
+
+
+def test_ctl_tenants_set_list_delete(controller: Daemon) -> None:
+    url = controller.url
+    digest = "ab" * 32
+    out = ok(url, "tenants", "set", "acme", "--key-sha256", digest, "--requests-per-s", "5",
+             "--class", "interactive", "--class", "standard", "--scope", "region")
+    assert "tenant acme saved" in out
+    stored = get(url, "/v1/tenants/acme")
+    assert stored["keys_sha256"] == [digest] and stored["requests_per_s"] == 5.0
+    assert stored["classes"] == ["interactive", "standard"] and stored["scope"] == "region"
+    assert stored["tokens_per_min"] is None
+
+    table = rows(ok(url, "tenants", "list"))
+    assert table["acme"] == ["acme", "region", "5", "-", "-", "-", "interactive,standard", "1"]
+
+    bad = ctl(url, "tenants", "set", "acme", "--key-sha256", "sk-a-plaintext-key")
+    assert bad.returncode == 2 and "422" in bad.stderr and "plaintext" not in bad.stderr
+    assert "tenant acme removed" in ok(url, "tenants", "delete", "acme")
+    assert get(url, "/v1/tenants") == []

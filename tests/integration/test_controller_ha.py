@@ -186,3 +186,27 @@ def test_a_stopped_leader_stands_down_when_it_wakes(tmp_path: Path,
         assert plans(old) == planned  # nor plans
         assert leaders(ds) == [new]
         assert f"standing down: {control(old)['id']}" in old.log()
+
+
+def test_a_tenant_written_through_a_standby_reaches_a_balancer_polling_the_leader(
+        tmp_path: Path, redis: RedisServer) -> None:
+    with controllers(tmp_path, redis.url, 2) as ds:
+        leader = wait_for(lambda: leaders(ds), "a leader")[0]
+        standby = next(d for d in ds if d is not leader)
+        assert httpx.post(leader.url + "/v1/regions", headers=auth(), json={
+            "name": "us", "latitude": 0, "longitude": 0}).status_code == 201
+        assert httpx.post(leader.url + "/v1/balancers", headers=auth(), json={
+            "id": "lb-us", "region": "us", "url": "http://127.0.0.1:9"}).status_code == 201
+        path = "/v1/balancers/lb-us/membership"
+        view = httpx.get(leader.url + path, headers=auth()).json()
+        assert view["tenants"] == []
+        with ThreadPoolExecutor(1) as pool:
+            polled = pool.submit(lambda: httpx.get(
+                leader.url + path, headers=auth(),
+                params={"after": view["revision"], "wait": 30}, timeout=10).json())
+            r = httpx.put(standby.url + "/v1/tenants/acme", headers=auth(),
+                          json={"requests_per_s": 5.0})
+            assert r.status_code == 200, r.text
+            woke = polled.result()
+        assert [(t["name"], t["requests_per_s"], t["share"]) for t in woke["tenants"]] == [
+            ("acme", 5.0, 1)]

@@ -38,6 +38,7 @@ from skymesh_lab.bench import (
     router_overhead_page,
     security_page,
     tenancy_page,
+    tenancy_shares_page,
     terraform_apply_page,
 )
 from skymesh_lab.bench import pushing_rule_page as rule_page
@@ -363,6 +364,14 @@ SOURCES: tuple[Source, ...] = (
            "two balancers on a fake clock. See [tenants](../tenancy.md).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy", "--json", "{json}"),
            tenancy_page.tenancy),
+    Source("tenancy-shares", "Tenants: a limit held by shares pushed from the controller",
+           "The per-tenant buckets of three balancers in two regions on a fake clock, each "
+           "holding the share of a global limit the controller's membership gives it "
+           "(`tenants.pushed`, merged and built as the live balancer does), under even "
+           "and uneven traffic and when a balancer dies. See [tenants with a controller]"
+           "(../tenancy.md#with-a-controller).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy_shares", "--json", "{json}"),
+           tenancy_shares_page.tenancy_shares),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 
