@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -40,6 +41,10 @@ FORWARDED_HEADER = "X-SkyMesh-Forwarded"
 
 
 FORWARDABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Each peer's heartbeat stream asks for the prefix summary (every 2 s by default); one
+# build serves all the streams that ask within this long, so its cost (a walk of the
+# trie and of the block indexes) does not grow with the number of peers.
+SUMMARY_REUSE_S = 1.0
 
 
 def add_model_loads(msg: pb_t.HeartbeatMsg, loads: dict[str, ModelLoad]) -> None:
@@ -78,6 +83,8 @@ class MeshLink:
         self._liveness: asyncio.Task[None] | None = None
         # The replicas' KV-event feeds (set by the server): the exact prefix summary.
         self.feeds: KVFeeds | None = None
+        # The last prefix summary built, and when: every peer's stream asks for one.
+        self._summary: tuple[float, pb_t.PrefixSummary | None] = (-math.inf, None)
         self.node = MeshNode(
             new_identity(cfg.region, self.mesh.id),
             TlsFiles.in_dir(self.mesh.certs_dir, self.mesh.id),
@@ -140,14 +147,21 @@ class MeshLink:
         add_model_loads(msg, self.dispatcher.model_loads(time.monotonic()))
         if not include_prefix:
             return msg
-        trie = getattr(self.dispatcher.policy, "trie", None)
-        # Scoring keys whose replicas all have live events also get an exact summary
-        # from their block indexes; the trie's stays for the rest, and for receivers
-        # (or requests) without block keys.
-        exact = self.feeds.exact_groups() if self.feeds is not None else []
-        if isinstance(trie, PrefixTrie) or exact:
-            msg.prefix.CopyFrom(prefix_summary(trie if isinstance(trie, PrefixTrie) else (),
-                                               exact=exact))
+        now = time.monotonic()
+        built_at, summary = self._summary
+        if now - built_at >= SUMMARY_REUSE_S:
+            trie = getattr(self.dispatcher.policy, "trie", None)
+            # Scoring keys whose replicas all have live events also get an exact summary
+            # from their block indexes; the trie's stays for the rest, and for receivers
+            # (or requests) without block keys.
+            exact = self.feeds.exact_groups() if self.feeds is not None else []
+            summary = None
+            if isinstance(trie, PrefixTrie) or exact:
+                summary = prefix_summary(trie if isinstance(trie, PrefixTrie) else (),
+                                         exact=exact)
+            self._summary = (now, summary)
+        if summary is not None:
+            msg.prefix.CopyFrom(summary)
         return msg
 
     def _on_heartbeat(self, msg: pb_t.HeartbeatMsg) -> None:

@@ -146,17 +146,9 @@ def _old_prefix_summary_class() -> type:
     return message_factory.GetMessageClass(pool.FindMessageTypeByName("old.v1.PrefixSummary"))
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_session_sends_a_changed_exact_summary_and_trims_text_keys_first() -> None:
-    clock = FakeClock()
-    st = PeerState(Identity("us", "lb-a", 1), peers=["lb-b", "lb-c"], clock=clock)
+    now = [0.0]  # a fake clock
+    st = PeerState(Identity("us", "lb-a", 1), peers=["lb-b", "lb-c"], clock=lambda: now[0])
     idx = ReplicaBlockIndex()
     store(idx, toks(8, 1), 10)
     paths = [list(range(i * 1000 + 1, i * 1000 + 40)) for i in range(100)]
@@ -171,10 +163,10 @@ def test_session_sends_a_changed_exact_summary_and_trims_text_keys_first() -> No
     s = HeartbeatSession(st, "lb-b", local, summary_interval=1.0, summary_refresh=60.0)
     first = s.outgoing()
     assert len(first.prefix.blocks[0].keys) == 6  # depths 1, 2, 3, 4, 6, 8 of 8 blocks
-    clock.t += 1.0
+    now[0] += 1.0
     assert not s.outgoing().HasField("prefix")  # unchanged
     idx.clear()
-    clock.t += 1.0
+    now[0] += 1.0
     again = s.outgoing()  # only the exact part changed: sent
     assert again.HasField("prefix") and list(again.prefix.blocks[0].keys) == []
     # Over the bound, the text keys go first; the exact summary stays whole.
