@@ -159,6 +159,7 @@ class ReplicaBlockIndex:
         either. Read-only; do not change the index while iterating. Each held block is
         visited once, so a whole walk costs O(blocks held)."""
         held, parents = self._keys, self._parent
+        n_held = len(held)
         depth: dict[int, int] = {}  # walked key -> its depth; 0: its chain has a hole
         for k in reversed(self._by_engine.values()):
             if k in depth:
@@ -170,7 +171,9 @@ class ReplicaBlockIndex:
                     base = depth[p]
                     broken = base == 0
                     break
-                if p not in held:
+                if p not in held or len(path) >= n_held:
+                    # A hole; or a cycle, which only a hash collision can make: a walk
+                    # longer than the index would never end.
                     broken = True
                     break
                 path.append(p)

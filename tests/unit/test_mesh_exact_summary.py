@@ -64,6 +64,14 @@ def test_hot_runs_give_recent_blocks_first_with_their_ancestors_and_skip_holes()
     assert {k for r in idx.hot_runs() for k, _d in r} == {ka[0], *kb}
 
 
+def test_a_parent_cycle_from_a_hash_collision_ends_the_walk() -> None:
+    idx = ReplicaBlockIndex()
+    ka = block_keys(toks(2, 1), BS)
+    store(idx, toks(2, 1), 10)
+    idx._parent[ka[0]] = ka[1]  # what colliding keys could make: a loop of parents
+    assert list(idx.hot_runs()) == []
+
+
 def test_block_summary_samples_the_ladder_most_recent_first_within_the_bound() -> None:
     idx = ReplicaBlockIndex()
     old, new = toks(40, 10_000), toks(20, 20_000)
