@@ -16,7 +16,10 @@ skymesh`` (the emulated replica: the shared ChatML rendering and tokenizer of
 :mod:`skymesh.prefix.prompt`) and vLLM/SGLang replicas with a ``tokenizer`` folder (the
 model's own tokenizer and chat template, :mod:`skymesh.prefix.kv_tokenize`). Others are
 followed and reported but scored by the trie.
-Prompts over ``OFFLOAD_CHARS`` are tokenized in a thread, off the event loop.
+Prompts over ``OFFLOAD_CHARS`` are tokenized in a thread, off the event loop. The
+prompt's block keys stay on the request (``RouteRequest.block_keys``) for the peer layer,
+and :meth:`KVFeeds.exact_groups` hands the mesh heartbeat the indexes its exact prefix
+summary is built from (docs/kv-events.md, "Across the mesh").
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from prometheus_client.metrics_core import Metric
 from skymesh.balancer.config import KVEventsConfig, KVEventsEndpoint, ReplicaConfig
 from skymesh.balancer.intake import Intake
 from skymesh.policies.base import RouteRequest
-from skymesh.prefix.kv_index import ReplicaBlockIndex, longest_prefix
+from skymesh.prefix.kv_index import ReplicaBlockIndex, block_keys, longest_prefix
 from skymesh.prefix.kv_tokenize import EngineTokenizer
 from skymesh.prefix.prompt import PromptError, Tokenizer, completion_prompt, get_tokenizer
 
@@ -134,6 +137,24 @@ class KVFeeds:
             entry = self._subs.get(url)
             if entry is not None and not entry[2].done() and entry[1].is_live(now):
                 out[url] = entry[1].index
+        return out
+
+    def exact_groups(self) -> list[tuple[str, int, list[ReplicaBlockIndex]]]:
+        """(scoring key, block size, indexes) of each scoring key whose followed replicas
+        all have live events, split by the block size their engines use: what the
+        region's exact prefix summary may say. A key with a stale replica is left to the
+        trie's summary (part of the region's cache unknown would read as not held); an
+        index that has not seen a block yet has no size and holds nothing."""
+        out: list[tuple[str, int, list[ReplicaBlockIndex]]] = []
+        for key, urls in self.groups.items():
+            live = self.live_indexes(urls)
+            if len(live) < len(urls):
+                continue
+            by_size: dict[int, list[ReplicaBlockIndex]] = {}
+            for idx in live.values():
+                if idx.block_size:
+                    by_size.setdefault(idx.block_size, []).append(idx)
+            out += [(key, bs, idxs) for bs, idxs in sorted(by_size.items())]
         return out
 
     # -- metrics (registered as a collector: read at scrape time) -------------------------
@@ -255,6 +276,7 @@ class ExactScorer:
         if not groups:
             return route
         prefix: dict[str, int] = {}
+        keys_of: dict[tuple[str, int], list[int]] = {}
         blocks = 0
         for key, urls in groups.items():
             live = self.feeds.live_indexes(urls)
@@ -272,13 +294,19 @@ class ExactScorer:
             except PromptError:  # no chat template, a template refusing: the trie scores
                 continue
             block_size = max(i.block_size for i in live.values()) or 16
-            prefix.update(longest_prefix(live, ids))
+            # Every live block size's keys, even where no index holds a block yet: a
+            # peer's exact summary of that size is probed with them.
+            by_size = {bs: block_keys(ids, bs)
+                       for bs in {i.block_size for i in live.values() if i.block_size}}
+            prefix.update(longest_prefix(live, ids, keys_by_size=by_size))
+            keys_of.update(((key, bs), k) for bs, k in by_size.items())
             # One model's candidates share a tokenizer; were there several, the longest
             # prompt's blocks bound every fraction.
             blocks = max(blocks, len(ids) // block_size)
         if not prefix:
             return route
-        return dataclasses.replace(route, exact_prefix=prefix, exact_blocks=blocks)
+        return dataclasses.replace(route, exact_prefix=prefix, exact_blocks=blocks,
+                                   block_keys=keys_of or None)
 
 
 def prompt_ids(intake: Intake, tokenizer: Tokenizer | EngineTokenizer) -> list[int]:

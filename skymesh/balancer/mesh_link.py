@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -31,13 +32,19 @@ if TYPE_CHECKING:
 
     from skymesh.balancer.config import BalancerConfig
     from skymesh.balancer.dispatch import Dispatcher
+    from skymesh.balancer.kv_feed import KVFeeds
     from skymesh.mesh.proto import pb as pb_t
+    from skymesh.mesh.summary import PeerSnapshot
 
 log = logging.getLogger("skymesh.lb.mesh")
 FORWARDED_HEADER = "X-SkyMesh-Forwarded"
 
 
 FORWARDABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Each peer's heartbeat stream asks for the prefix summary (every 2 s by default); one
+# build serves all the streams that ask within this long, so its cost (a walk of the
+# trie and of the block indexes) does not grow with the number of peers.
+SUMMARY_REUSE_S = 1.0
 
 
 def add_model_loads(msg: pb_t.HeartbeatMsg, loads: dict[str, ModelLoad]) -> None:
@@ -74,6 +81,10 @@ class MeshLink:
         self.forwarded_in = 0
         self._session: aiohttp.ClientSession | None = None
         self._liveness: asyncio.Task[None] | None = None
+        # The replicas' KV-event feeds (set by the server): the exact prefix summary.
+        self.feeds: KVFeeds | None = None
+        # The last prefix summary built, and when: every peer's stream asks for one.
+        self._summary: tuple[float, pb_t.PrefixSummary | None] = (-math.inf, None)
         self.node = MeshNode(
             new_identity(cfg.region, self.mesh.id),
             TlsFiles.in_dir(self.mesh.certs_dir, self.mesh.id),
@@ -134,9 +145,23 @@ class MeshLink:
 
         msg = pb.HeartbeatMsg()
         add_model_loads(msg, self.dispatcher.model_loads(time.monotonic()))
-        trie = getattr(self.dispatcher.policy, "trie", None)
-        if include_prefix and isinstance(trie, PrefixTrie):
-            msg.prefix.CopyFrom(prefix_summary(trie))
+        if not include_prefix:
+            return msg
+        now = time.monotonic()
+        built_at, summary = self._summary
+        if now - built_at >= SUMMARY_REUSE_S:
+            trie = getattr(self.dispatcher.policy, "trie", None)
+            # Scoring keys whose replicas all have live events also get an exact summary
+            # from their block indexes; the trie's stays for the rest, and for receivers
+            # (or requests) without block keys.
+            exact = self.feeds.exact_groups() if self.feeds is not None else []
+            summary = None
+            if isinstance(trie, PrefixTrie) or exact:
+                summary = prefix_summary(trie if isinstance(trie, PrefixTrie) else (),
+                                         exact=exact)
+            self._summary = (now, summary)
+        if summary is not None:
+            msg.prefix.CopyFrom(summary)
         return msg
 
     def _on_heartbeat(self, msg: pb_t.HeartbeatMsg) -> None:
@@ -146,11 +171,21 @@ class MeshLink:
         rtt = self.node.state.rtt_s(msg.balancer_id)
         if rtt is not None:  # the balanced rule charges a forward this round trip
             self.dispatcher.set_peer_rtt(msg.balancer_id, rtt)
-        snapshot = getattr(self.dispatcher.peer_policy, "trie", None)
-        if msg.HasField("prefix") and snapshot is not None and hasattr(snapshot,
-                                                                        "insert_summary"):
+        snapshot = self._snapshot()
+        if msg.HasField("prefix") and snapshot is not None:
+            from skymesh.mesh.heartbeat import read_block_summaries
+
             snapshot.insert_summary(msg.balancer_id, msg.prefix.keys, msg.prefix.depths)
+            # A summary without blocks (an old peer, or events gone stale there) drops
+            # the peer's exact summaries: its text summary speaks for it again.
+            snapshot.insert_block_summaries(msg.balancer_id, read_block_summaries(msg.prefix))
         self._wake()
+
+    def _snapshot(self) -> PeerSnapshot | None:
+        from skymesh.mesh.summary import PeerSnapshot
+
+        snapshot = getattr(self.dispatcher.peer_policy, "trie", None)
+        return snapshot if isinstance(snapshot, PeerSnapshot) else None
 
     async def _liveness_loop(self) -> None:
         from skymesh.mesh import Liveness
@@ -167,6 +202,7 @@ class MeshLink:
 
     def peer_views(self) -> list[dict[str, Any]]:
         out = []
+        snapshot = self._snapshot()
         for v in self.node.state.views():
             # The pair's heartbeat stream runs on one side's channel: count both ends.
             sessions = [self.node.server.sessions.get(v.balancer_id)]
@@ -182,6 +218,10 @@ class MeshLink:
                         # Whether routing may forward to it now (heard from, and our
                         # own channel to it is up), and its last heartbeat's loads.
                         "forwardable": load is not None and load.alive,
+                        # Keys of its exact prefix summaries, per "scoring key/block size"
+                        "exact_summary": {} if snapshot is None else {
+                            f"{key}/{bs}": n for (key, bs), n in
+                            snapshot.exact_of(v.balancer_id).items()},
                         "models": {} if load is None else {
                             m: {"available": ml.available, "total": ml.total,
                                 "queue": ml.queue, "outstanding": ml.outstanding}

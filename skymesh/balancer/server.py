@@ -170,6 +170,8 @@ class Balancer:
         self.kv_feeds = KVFeeds(cfg.kv_events)  # engines' KV-cache events (kv_feed)
         self.metrics.registry.register(self.kv_feeds)
         self.kv_exact = self.handlers.exact = ExactScorer(self.kv_feeds)
+        if self.mesh is not None:
+            self.mesh.feeds = self.kv_feeds  # the heartbeat's exact prefix summary
         if cfg.tenants is not None:
             self.handlers.gate = self._tenant_gate(cfg.tenants)
         self.status = Status(core, cfg.region, self.health, self.edge, self.handlers,

@@ -5,7 +5,11 @@ per-model loads (and, when asked, the prefix summary); the session stamps the me
 (:meth:`PeerState.stamp`) and keeps it under the byte bound. The prefix summary is the
 big part (up to 512 keys = 4 KiB), so it is asked for at most every
 ``summary_interval`` and sent only when it changed, or every ``summary_refresh`` to
-re-seed a receiver that pruned it. Loads ride on every heartbeat.
+re-seed a receiver that pruned it. Loads ride on every heartbeat. Its exact part
+(``blocks``, one per scoring key and block size, docs/kv-events.md) counts as part of the
+summary: a change there sends the summary, and over the byte bound the text keys are
+trimmed first, then the exact summaries' (a new receiver prefers those; an old one
+never reads them).
 
 Incoming: a message over the byte bound, or one whose ``balancer_id`` is not the peer
 the connection was authenticated as, is a protocol error (the stream is dropped); any
@@ -28,7 +32,14 @@ from skymesh.mesh.errors import PeerProtocolError, PeerRefused
 from skymesh.mesh.limits import heartbeat_problem
 from skymesh.mesh.proto import pb
 from skymesh.mesh.state import PeerState, Verdict
-from skymesh.mesh.summary import DEFAULT_DEPTHS, DEFAULT_MAX_KEYS, build_summary
+from skymesh.mesh.summary import (
+    BLOCK_DEPTHS,
+    DEFAULT_DEPTHS,
+    DEFAULT_MAX_KEYS,
+    build_block_summary,
+    build_summary,
+)
+from skymesh.prefix.kv_index import ReplicaBlockIndex
 from skymesh.prefix.trie import PrefixTrie
 
 log = logging.getLogger(__name__)
@@ -44,12 +55,31 @@ LocalSummary = Callable[[bool], pb.HeartbeatMsg]
 OnHeartbeat = Callable[[pb.HeartbeatMsg], None]
 
 
+# (scoring key, block size, the live indexes of the region's replicas of that tag)
+ExactGroup = tuple[str, int, Sequence[ReplicaBlockIndex]]
+
+
 def prefix_summary(source: PrefixTrie | Iterable[Sequence[int]],
                    max_keys: int = DEFAULT_MAX_KEYS,
-                   depths: Sequence[int] = DEFAULT_DEPTHS) -> pb.PrefixSummary:
-    """The heartbeat field for :func:`~skymesh.mesh.summary.build_summary`'s keys; the
-    receiver hands ``keys`` and ``depths`` to ``PeerSnapshot.insert_summary``."""
-    return pb.PrefixSummary(keys=build_summary(source, max_keys, depths), depths=depths)
+                   depths: Sequence[int] = DEFAULT_DEPTHS,
+                   exact: Iterable[ExactGroup] = ()) -> pb.PrefixSummary:
+    """The heartbeat field for :func:`~skymesh.mesh.summary.build_summary`'s keys, and
+    one exact summary per group of ``exact``
+    (:func:`~skymesh.mesh.summary.build_block_summary`); the receiver hands ``keys`` and
+    ``depths`` to ``PeerSnapshot.insert_summary``, ``blocks`` to
+    ``PeerSnapshot.insert_block_summaries``."""
+    msg = pb.PrefixSummary(keys=build_summary(source, max_keys, depths), depths=depths)
+    for key, block_size, indexes in exact:
+        msg.blocks.add(scoring_key=key, block_size=block_size,
+                       keys=build_block_summary(indexes, max_keys, BLOCK_DEPTHS),
+                       depths=BLOCK_DEPTHS)
+    return msg
+
+
+def read_block_summaries(summary: pb.PrefixSummary
+                         ) -> list[tuple[str, int, Sequence[int], Sequence[int]]]:
+    """``summary``'s exact part as ``PeerSnapshot.insert_block_summaries`` takes it."""
+    return [(b.scoring_key, b.block_size, b.keys, b.depths) for b in summary.blocks]
 
 
 class HeartbeatTooLarge(PeerProtocolError):
@@ -95,7 +125,7 @@ class HeartbeatSession:
         if ask:
             self._asked_at = now
         if msg.HasField("prefix"):
-            digest = hash((tuple(msg.prefix.keys), tuple(msg.prefix.depths)))
+            digest = hash(msg.prefix.SerializeToString(deterministic=True))
             if (not ask or (digest == self._sent_digest
                             and now - self._sent_at < self.summary_refresh)):
                 msg.ClearField("prefix")
@@ -109,14 +139,15 @@ class HeartbeatSession:
         return msg
 
     def _fit(self, msg: pb.HeartbeatMsg) -> None:
-        """Trim the summary's least recent keys until ``msg`` fits the bound."""
+        """Trim the summary's least recent keys until ``msg`` fits the bound: the text
+        summary's first, then the exact summaries', last one first."""
         size = msg.ByteSize()
-        keys = msg.prefix.keys
-        while size > self.max_bytes and len(keys):
-            # 8 bytes a key, plus slack for the length varints shrinking
-            drop = min(len(keys), (size - self.max_bytes) // 8 + 2)
-            del keys[len(keys) - drop:]
-            size = msg.ByteSize()
+        for keys in (msg.prefix.keys, *(b.keys for b in reversed(msg.prefix.blocks))):
+            while size > self.max_bytes and len(keys):
+                # 8 bytes a key, plus slack for the length varints shrinking
+                drop = min(len(keys), (size - self.max_bytes) // 8 + 2)
+                del keys[len(keys) - drop:]
+                size = msg.ByteSize()
         if size > self.max_bytes:
             raise HeartbeatTooLarge(self.peer, f"our own heartbeat is {size} bytes without a "
                                                f"prefix summary (bound {self.max_bytes})")

@@ -20,8 +20,21 @@ Receiver: :class:`PeerSnapshot` is a drop-in for the peer layer's ``PrefixTrie``
 ``insert_summary(peer, keys, depths)``. A peer's summary replaces its previous one whole
 (the latest summary *is* what is hot there; merging would keep cold keys forever).
 
-Parameters: ``max_keys`` = 512 (4 KiB of fixed64 on the wire), ``depths`` =
-:data:`DEFAULT_DEPTHS`, per-peer receive cap ``max_summary_keys`` = 4096.
+Exact summaries (docs/kv-events.md, "Across the mesh"): where a region follows its
+replicas' KV-cache events, the heartbeat also carries, per scoring key (how prompts are
+tokenized) and block size, the region's hottest cached *blocks*:
+:func:`build_block_summary` samples :meth:`ReplicaBlockIndex.hot_runs
+<skymesh.prefix.kv_index.ReplicaBlockIndex.hot_runs>` at :data:`BLOCK_DEPTHS` (the
+same ladder, in blocks, on to 4096: a 64k-token prompt in blocks of 16). Keys are our
+chained block keys, equal across processes that tokenize alike, so the receiver probes a
+request's own block keys (``RouteRequest.block_keys``) at those depths. For a peer with
+an exact summary of a tag the request has keys for, that summary alone gives the peer's
+depth: its text summary and our forwarding trie would still show prefixes the peer's
+engines evicted. Other peers, and requests without block keys, use the text summary.
+
+Parameters: ``max_keys`` = 512 (4 KiB of fixed64 on the wire; the same per exact
+summary), ``depths`` = :data:`DEFAULT_DEPTHS`, per-peer receive cap ``max_summary_keys``
+= 4096 (per summary).
 """
 
 from __future__ import annotations
@@ -31,12 +44,14 @@ import itertools
 from collections.abc import Collection, Iterable, Sequence
 from operator import attrgetter
 
+from skymesh.prefix.kv_index import BlockKeys, ReplicaBlockIndex
 from skymesh.prefix.trie import DEFAULT_MAX_NODES, PrefixTrie, _Segment
 
 DEFAULT_MAX_KEYS = 512
 # About x1.5 apart up to 512, the live balancer's key cap (skymesh.prefix.keys).
 DEFAULT_DEPTHS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256,
                                    384, 512)
+BLOCK_DEPTHS: tuple[int, ...] = (*DEFAULT_DEPTHS, 768, 1024, 1536, 2048, 3072, 4096)
 _U64 = (1 << 64) - 1
 
 
@@ -102,6 +117,39 @@ def _trie_runs(trie: PrefixTrie, ladder: list[int]) -> Iterable[list[int]]:
             node = node.parent
 
 
+def build_block_summary(
+    indexes: Sequence[ReplicaBlockIndex],
+    max_keys: int = DEFAULT_MAX_KEYS,
+    depths: Sequence[int] = BLOCK_DEPTHS,
+) -> list[int]:
+    """At most ``max_keys`` block keys the ``indexes`` hold (one region's replicas of one
+    scoring key and block size), sampled at ``depths``: each replica's most recently
+    stored blocks first (the replicas taken in turn), each run's deepest key first."""
+    if max_keys <= 0:
+        return []
+    ladder = frozenset(depths)
+    out: list[int] = []
+    seen: set[int] = set()
+    walks = [idx.hot_runs() for idx in indexes]
+    while walks:
+        for walk in list(walks):
+            run = next(walk, None)
+            if run is None:
+                walks.remove(walk)
+                continue
+            for k, d in run:
+                if d in ladder and k not in seen:
+                    seen.add(k)
+                    out.append(k)
+                    if len(out) >= max_keys:
+                        return out
+    return out
+
+
+# tag (scoring key, block size) -> (keys, ladder)
+_Exact = dict[tuple[str, int], tuple[frozenset[int], tuple[int, ...]]]
+
+
 class PeerSnapshot:
     """The peer layer's prefix view: a :class:`PrefixTrie` of what this balancer forwarded
     to each peer, plus each peer's latest gossiped summary.
@@ -118,6 +166,7 @@ class PeerSnapshot:
         self._owners: dict[int, set[str]] = {}  # summary key -> peers whose summary has it
         self._ladders: dict[str, tuple[int, ...]] = {}
         self._probe: tuple[int, ...] = ()  # union of the ladders, deepest first
+        self._exact: dict[str, _Exact] = {}  # peer -> its exact summaries
 
     def __len__(self) -> int:
         return len(self.trie)
@@ -135,6 +184,54 @@ class PeerSnapshot:
             self._owners.setdefault(k, set()).add(peer)
         self._ladders[peer] = tuple(sorted({d for d in depths if d > 0}))
         self._reprobe()
+
+    def insert_block_summaries(
+            self, peer: str, summaries: Iterable[tuple[str, int, Iterable[int], Sequence[int]]]
+    ) -> None:
+        """Replace ``peer``'s exact summaries with ``summaries``: (scoring key, block size,
+        keys, depths) each. An empty key list is kept: the peer's engines hold nothing
+        of that tag, which is news (a restart, a reset), not silence."""
+        exact: _Exact = {}
+        for key, block_size, keys, depths in summaries:
+            if block_size <= 0:
+                continue
+            ladder = tuple(sorted({d for d in depths if d > 0}, reverse=True))
+            exact[(key, block_size)] = (
+                frozenset(k & _U64 for k in itertools.islice(keys, self.max_summary_keys)),
+                ladder)
+        if exact:
+            self._exact[peer] = exact
+        else:
+            self._exact.pop(peer, None)
+
+    def exact_of(self, peer: str) -> dict[tuple[str, int], int]:
+        """Keys per tag of ``peer``'s exact summaries (``/status``)."""
+        return {tag: len(keys) for tag, (keys, _l) in self._exact.get(peer, {}).items()}
+
+    def _block_depths(self, n_keys: int, blocks: BlockKeys, allowed: Collection[str]
+                      ) -> dict[str, int]:
+        """Depth of each allowed peer whose exact summary covers one of the request's
+        block key tags (0 if it holds none of them).
+
+        Units: the policy compares depths with the request's text keys (``depth >=
+        match_threshold * len(keys)``), so a match of ``b`` of the prompt's ``n`` full
+        blocks counts as ``b * n_keys // n`` text keys: the same fraction of the prompt,
+        rounded down so a partial block match never reads as a full one."""
+        out: dict[str, int] = {}
+        for p in allowed:
+            exact = self._exact.get(p)
+            if not exact:
+                continue
+            for tag, keys in blocks.items():
+                held = exact.get(tag)
+                n = len(keys)
+                if held is None or not n:
+                    continue
+                have, ladder = held
+                b = next((d for d in ladder if d <= n and (keys[d - 1] & _U64) in have), 0)
+                out[p] = b * n_keys // n
+                break
+        return out
 
     def summary_of(self, peer: str) -> frozenset[int]:
         return self._summaries.get(peer, frozenset())
@@ -174,21 +271,29 @@ class PeerSnapshot:
         return out
 
     # -- the PrefixTrie surface ------------------------------------------------------------
-    def depths(self, keys: Sequence[int], allowed: Collection[str]) -> dict[str, int]:
-        """Match depth of every allowed peer that matched at least one key."""
+    def depths(self, keys: Sequence[int], allowed: Collection[str],
+               blocks: BlockKeys | None = None) -> dict[str, int]:
+        """Match depth of every allowed peer that matched at least one key; with the
+        request's ``blocks``, a peer's exact summary of one of their tags overrides the
+        rest of what we know of it (module docstring)."""
         if not keys:
             return {}
+        exact = self._block_depths(len(keys), blocks, allowed) if blocks and self._exact \
+            else {}
+        if exact:
+            allowed = [p for p in allowed if p not in exact]
         got = self.trie.depths(keys, allowed)
         for p, d in self._summary_depths(keys, allowed).items():
             if d > got.get(p, 0):
                 got[p] = d
+        got.update((p, d) for p, d in exact.items() if d)
         return got
 
-    def depth_groups(self, keys: Sequence[int], allowed: Collection[str]
-                     ) -> list[tuple[int, tuple[str, ...]]]:
+    def depth_groups(self, keys: Sequence[int], allowed: Collection[str],
+                     blocks: BlockKeys | None = None) -> list[tuple[int, tuple[str, ...]]]:
         """Allowed peers that matched, grouped by depth, deepest first (peers in
         ``allowed`` order, so seeded tie-breaks stay reproducible)."""
-        got = self.depths(keys, allowed)
+        got = self.depths(keys, allowed, blocks)
         groups: dict[int, list[str]] = {}
         for p in allowed:
             d = got.get(p)
@@ -196,9 +301,9 @@ class PeerSnapshot:
                 groups.setdefault(d, []).append(p)
         return [(d, tuple(groups[d])) for d in sorted(groups, reverse=True)]
 
-    def match(self, keys: Sequence[int], allowed: Collection[str]
-              ) -> tuple[int, tuple[str, ...]]:
-        groups = self.depth_groups(keys, allowed)
+    def match(self, keys: Sequence[int], allowed: Collection[str],
+              blocks: BlockKeys | None = None) -> tuple[int, tuple[str, ...]]:
+        groups = self.depth_groups(keys, allowed, blocks)
         return groups[0] if groups else (0, ())
 
     def insert(self, keys: Sequence[int], target: str) -> None:
@@ -206,7 +311,7 @@ class PeerSnapshot:
         self.trie.insert(keys, target)
 
     def targets(self) -> list[str]:
-        return sorted(set(self.trie.targets()) | set(self._summaries))
+        return sorted(set(self.trie.targets()) | set(self._summaries) | set(self._exact))
 
     def size_of(self, target: str) -> int:
         return self.trie.size_of(target) + len(self._summaries.get(target, ()))
@@ -219,6 +324,7 @@ class PeerSnapshot:
         self.trie.remove_targets(targets)
         for t in targets:
             self._drop_summary(t)
+            self._exact.pop(t, None)
 
     def retain(self, targets: Iterable[str]) -> None:
         """Forget every peer not in ``targets`` (a membership change)."""
@@ -226,3 +332,5 @@ class PeerSnapshot:
         self.trie.retain(keep)
         for t in [t for t in self._summaries if t not in keep]:
             self._drop_summary(t)
+        for t in [t for t in self._exact if t not in keep]:
+            del self._exact[t]

@@ -47,6 +47,9 @@ class RouteRequest:
     # ``exact_blocks``; None when no such target.
     exact_prefix: Mapping[str, int] | None = None
     exact_blocks: int = 0
+    # The prompt's full-block keys per (scoring key, block size) computed for that state
+    # (skymesh.prefix.kv_index.BlockKeys): probed against peers' exact summaries.
+    block_keys: Mapping[tuple[str, int], Sequence[int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,8 @@ instead of the trie: the deepest match is the most leading blocks cached, the ma
 fraction those blocks over the prompt's full blocks. A candidate without live events
 sends the decision back to the trie (one scale for all candidates), and so does a prompt
 no candidate holds any block of (requests for it may be in flight, not yet published).
+As the peer layer's policy, its trie is a ``PeerSnapshot`` that also reads the request's
+``block_keys`` against the peers' exact summaries (skymesh.mesh.summary).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class PrefixTree(Policy, name="prefix-tree"):
             return self._least_loaded(candidates, view)
         keys = request.prefix_keys
         if keys and candidates:
-            depth, matched = self.trie.match(keys, candidates)
+            depth, matched = self.trie.match(keys, candidates, request.block_keys)
             if matched and depth >= self.match_threshold * len(keys):
                 return self._least_loaded(matched, view)
         return self._least_loaded(candidates, view)
@@ -97,7 +99,7 @@ class PrefixTree(Policy, name="prefix-tree"):
         if not keys or not targets:
             return None
         trie = self.trie
-        depth, matched = trie.match(keys, targets)
+        depth, matched = trie.match(keys, targets, request.block_keys)
         # Only an insert through the deepest matched key (or the first, if none) can
         # change this answer: keys are chained.
         self.memo_key = keys[depth - 1] if depth else keys[0]

@@ -19,12 +19,17 @@ misroutes a request.
 
 Parameters: ``max_blocks`` (default 100_000 per replica, config ``kv_events.max_blocks``):
 beyond it the least recently stored block is forgotten (LRU), counted in ``evicted``.
+
+:meth:`ReplicaBlockIndex.hot_runs` walks the held blocks most recently stored first, each
+with its not yet walked ancestors and their depths: the mesh heartbeat's exact prefix
+summary (:func:`skymesh.mesh.summary.build_block_summary`) samples it. For that each key
+remembers its parent's key (one more dict entry per held key).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 DEFAULT_MAX_BLOCKS = 100_000
@@ -32,7 +37,12 @@ _MASK = (1 << 63) - 1
 _ROOT = 0x6B76_6576  # "kvev"
 _EXTRA = 0x6578_7472  # "extr"
 
+_TOP = -1  # the parent of a first block (keys are masked non-negative)
+
 EngineHash = bytes | int
+# A request's block keys per (scoring key, block size) (skymesh.balancer.kv_feed): what a
+# peer's exact prefix summary is probed with.
+BlockKeys = Mapping[tuple[str, int], Sequence[int]]
 
 
 def root_key(lora_name: str | None = None) -> int:
@@ -56,7 +66,8 @@ def block_keys(token_ids: Sequence[int], block_size: int, lora_name: str | None 
 class ReplicaBlockIndex:
     """One replica's cached blocks. Not thread-safe: one event loop owns it."""
 
-    __slots__ = ("_by_engine", "_keys", "block_size", "evicted", "max_blocks", "orphans")
+    __slots__ = ("_by_engine", "_keys", "_parent", "block_size", "evicted", "max_blocks",
+                 "orphans")
 
     def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
         if max_blocks <= 0:
@@ -68,6 +79,7 @@ class ReplicaBlockIndex:
         # our key -> how many engine blocks carry it (the same tokens under two LoRA
         # adapters or salts are two engine blocks and one key only if their roots agree)
         self._keys: dict[int, int] = {}
+        self._parent: dict[int, int] = {}  # held key -> its parent's key (or _TOP)
         self.evicted = 0
         self.orphans = 0
 
@@ -88,14 +100,17 @@ class ReplicaBlockIndex:
             self.block_size = block_size
         if parent is None:
             h = root_key(lora_name)
+            up = _TOP
         else:
             found = self._by_engine.get(parent)
             if found is None:
                 self.orphans += len(block_hashes)
                 return
-            h = found
-        by_engine, keys = self._by_engine, self._keys
+            h = up = found
+        by_engine, keys, parents = self._by_engine, self._keys, self._parent
         for i, eh in enumerate(block_hashes):
+            if i:
+                up = h
             h = hash((h, *token_ids[i * block_size : (i + 1) * block_size])) & _MASK
             extra = extra_keys[i] if extra_keys and i < len(extra_keys) else None
             if extra is not None:
@@ -110,6 +125,7 @@ class ReplicaBlockIndex:
                 self._drop_key(old)
             by_engine[eh] = h
             keys[h] = keys.get(h, 0) + 1
+            parents[h] = up
         while len(by_engine) > self.max_blocks:
             _eh, k = by_engine.popitem(last=False)
             self._drop_key(k)
@@ -125,6 +141,7 @@ class ReplicaBlockIndex:
     def clear(self) -> None:
         self._by_engine.clear()
         self._keys.clear()
+        self._parent.clear()
 
     def _drop_key(self, k: int) -> None:
         n = self._keys.get(k, 0) - 1
@@ -132,6 +149,46 @@ class ReplicaBlockIndex:
             self._keys[k] = n
         else:
             self._keys.pop(k, None)
+            self._parent.pop(k, None)
+
+    def hot_runs(self) -> Iterator[list[tuple[int, int]]]:
+        """``(key, depth)`` runs, deepest first: the most recently stored block and its
+        ancestors, then the next most recent block and those of its ancestors not given
+        yet, and so on. A block whose chain to the first block has a hole (an ancestor
+        evicted here or never seen) is left out: the engine cannot reuse it for a prompt
+        either. Read-only; do not change the index while iterating. Each held block is
+        visited once, so a whole walk costs O(blocks held)."""
+        held, parents = self._keys, self._parent
+        n_held = len(held)
+        depth: dict[int, int] = {}  # walked key -> its depth; 0: its chain has a hole
+        for k in reversed(self._by_engine.values()):
+            if k in depth:
+                continue
+            path: list[int] = []
+            p, base, broken = k, 0, False
+            while True:
+                if p in depth:
+                    base = depth[p]
+                    broken = base == 0
+                    break
+                if p not in held or len(path) >= n_held:
+                    # A hole; or a cycle, which only a hash collision can make: a walk
+                    # longer than the index would never end.
+                    broken = True
+                    break
+                path.append(p)
+                p = parents.get(p, _TOP)
+                if p == _TOP:
+                    break
+            if broken:
+                for q in path:
+                    depth[q] = 0
+                continue
+            top = base + len(path)
+            run = [(q, top - i) for i, q in enumerate(path)]
+            for q, d in run:
+                depth[q] = d
+            yield run
 
     def has_key(self, key: int) -> bool:
         return key in self._keys
@@ -154,11 +211,12 @@ class ReplicaBlockIndex:
 
 
 def longest_prefix(indexes: dict[str, ReplicaBlockIndex], token_ids: Sequence[int],
-                   lora_name: str | None = None) -> dict[str, int]:
+                   lora_name: str | None = None,
+                   keys_by_size: dict[int, list[int]] | None = None) -> dict[str, int]:
     """Leading full blocks of ``token_ids`` cached per replica (keys computed once per
-    block size, shared by the replicas)."""
+    block size, shared by the replicas, and taken from or left in ``keys_by_size``)."""
     out: dict[str, int] = {}
-    by_size: dict[int, list[int]] = {}
+    by_size: dict[int, list[int]] = {} if keys_by_size is None else keys_by_size
     for name, idx in indexes.items():
         bs = idx.block_size
         if not bs or not len(idx):

@@ -248,10 +248,12 @@ class PrefixTrie:
         return self._deepest(keys, -1, len(keys))[0]
 
     def match(
-        self, keys: Sequence[int], allowed: Collection[str]
+        self, keys: Sequence[int], allowed: Collection[str], blocks: object = None
     ) -> tuple[int, tuple[str, ...]]:
         """The deepest depth at which some allowed target recorded the prefix of ``keys``,
-        and the allowed targets recorded there; ``(0, ())`` when none did.
+        and the allowed targets recorded there; ``(0, ())`` when none did. ``blocks`` (a
+        request's block keys) is for the peer layer's ``PeerSnapshot``; a trie of routing
+        decisions has no block state and ignores it.
 
         The targets come in first-recorded order, not as a set: a set of strings iterates
         in a per-process order, and routers break ties over this sequence with a seeded RNG.
