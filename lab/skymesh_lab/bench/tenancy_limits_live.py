@@ -10,7 +10,12 @@ processes:
 
 - ``even``: the requests alternate between the two balancers (round-robin DNS, an L4
   balancer);
-- ``one``: all go to the first balancer (the tolerance's bad case: it admits its half).
+- ``one``: all go to the first balancer (the tolerance's bad case: it admits its half);
+- ``sdk``: ``--sdk-clients`` closed-loop clients of the OpenAI SDK (``AsyncOpenAI``,
+  ``max_retries`` ``--sdk-retries``), half on each balancer, each sending its next request
+  when the last one ends, the SDK retrying every 429 after the ``retry-after-ms`` it
+  carried: what clients that honour Retry-After get (requests served, attempts each,
+  requests that ran out of retries).
 
 Per arm: the requests the balancers admitted (the added ``skymesh_tenant_admitted_total``
 of both), their rate over the run against the limit, the 429s, and the Retry-After
@@ -84,11 +89,13 @@ async def run_arm(s: aiohttp.ClientSession, lbs: Sequence[Daemon], spread: str, 
 
     t0 = time.monotonic()
     tasks = []
+    lag = 0.0  # how far behind its schedule the client sent
     for i in range(n):  # open loop: request i goes at t0 + i / rate, whatever came back
         at = i / rate
         delay = t0 + at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
+        lag = max(lag, -delay)
         tasks.append(asyncio.create_task(one(i, at)))
     await asyncio.gather(*tasks)
     late = time.monotonic() - t0 - duration  # how far the last answers came after the run
@@ -108,12 +115,63 @@ async def run_arm(s: aiohttp.ClientSession, lbs: Sequence[Daemon], spread: str, 
         "retry_after_s": dict(sorted(Counter(r[2] for r in records if r[1] == 429).items())),
         "retry_after_ms": {"min": ms[0], "p50": int(statistics.median(ms)), "max": ms[-1]}
         if ms else None,
-        "answers_done_s_after_run": round(late, 2),
+        "answers_done_s_after_run": round(late, 2), "send_lag_max_s": round(lag, 3),
+    }
+
+
+async def run_sdk_arm(s: aiohttp.ClientSession, lbs: Sequence[Daemon], *, limit: float,
+                      duration: float, clients: int, retries: int) -> dict[str, Any]:
+    """Closed-loop OpenAI SDK clients; every attempt seen through an httpx2 event hook."""
+    import openai  # the lab's own dependency, only this arm needs it
+
+    attempts: Counter[int] = Counter()
+    waits: list[float] = []  # retry-after-ms of each 429, seconds
+
+    async def seen(r: Any) -> None:  # an httpx2.Response
+        attempts[r.status_code] += 1
+        if r.status_code == 429 and r.headers.get("retry-after-ms"):
+            waits.append(int(r.headers["retry-after-ms"]) / 1000)
+
+    before = await _admitted(s, lbs)
+    served = exhausted = 0
+    end = time.monotonic() + duration
+
+    async def client(k: int) -> None:
+        nonlocal served, exhausted
+        http = openai.DefaultAsyncHttpx2Client(event_hooks={"response": [seen]})
+        sdk = openai.AsyncOpenAI(base_url=lbs[k % len(lbs)].url + "/v1", api_key=KEY,
+                                 max_retries=retries, http_client=http)
+        async with sdk:
+            while time.monotonic() < end:
+                try:
+                    await sdk.completions.create(model=MODEL, prompt=f"client {k}",
+                                                 max_tokens=4)
+                    served += 1
+                except openai.RateLimitError:
+                    exhausted += 1
+
+    await asyncio.gather(*(client(k) for k in range(clients)))
+    after = await _admitted(s, lbs)
+    admitted = sum(after) - sum(before)
+    total = sum(attempts.values())
+    return {
+        "spread": "sdk", "clients": clients, "max_retries": retries,
+        "admitted": int(admitted), "admitted_per_s": round(admitted / duration, 3),
+        "admitted_over_limit": round(admitted / duration / limit, 4),
+        "served": served, "out_of_retries": exhausted, "attempts": total,
+        "limited_429": attempts.get(429, 0),
+        "attempts_per_served": round(total / served, 2) if served else None,
+        "other": {str(k): v for k, v in attempts.items() if k not in (200, 429)},
+        "admitted_per_balancer": [int(a - b) for a, b in zip(after, before, strict=True)],
+        "retry_after_ms": {"min": round(1000 * min(waits)),
+                           "p50": round(1000 * statistics.median(waits)),
+                           "max": round(1000 * max(waits))} if waits else None,
     }
 
 
 async def measure(workdir: Path, *, limit: float, offered_x: float, duration: float,
-                  replicas: int, time_scale: float, arms: Sequence[str]) -> dict[str, Any]:
+                  replicas: int, time_scale: float, arms: Sequence[str], sdk_clients: int,
+                  sdk_retries: int) -> dict[str, Any]:
     reps = await start_replicas(workdir, replicas, time_scale=time_scale)
     lbs: list[Daemon] = []
     env = {"SKYMESH_API_KEYS": KEY}
@@ -135,8 +193,12 @@ async def measure(workdir: Path, *, limit: float, offered_x: float, duration: fl
             for arm in arms:
                 # Idle for more than a burst's refill: each arm starts with full buckets.
                 await asyncio.sleep(2 * BURST_S)
-                runs.append(await run_arm(s, lbs, arm, limit=limit, offered_x=offered_x,
-                                          duration=duration))
+                if arm == "sdk":
+                    runs.append(await run_sdk_arm(s, lbs, limit=limit, duration=duration,
+                                                  clients=sdk_clients, retries=sdk_retries))
+                else:
+                    runs.append(await run_arm(s, lbs, arm, limit=limit,
+                                              offered_x=offered_x, duration=duration))
     finally:
         for d in (*lbs, *reps):
             d.stop()
@@ -159,17 +221,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--time-scale", type=float, default=0.05)
-    ap.add_argument("--arms", default="even,one")
+    ap.add_argument("--arms", default="even,one,sdk")
+    ap.add_argument("--sdk-clients", type=int, default=6)
+    ap.add_argument("--sdk-retries", type=int, default=4)
     a = ap.parse_args(argv)
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="tenancy-limits-") as tmp:
         out = asyncio.run(measure(Path(tmp), limit=a.limit, offered_x=a.offered_x,
                                   duration=a.duration, replicas=a.replicas,
-                                  time_scale=a.time_scale, arms=a.arms.split(",")))
+                                  time_scale=a.time_scale, arms=a.arms.split(","),
+                                  sdk_clients=a.sdk_clients, sdk_retries=a.sdk_retries))
     doc = {"setup": {"limit_per_s": a.limit, "offered_x": a.offered_x,
                      "duration_s": a.duration, "balancers": BALANCERS,
                      "workers_per_balancer": 1, "replicas": a.replicas,
                      "time_scale": a.time_scale, "burst_s": BURST_S, "max_tokens": 4,
+                     "sdk_clients": a.sdk_clients, "sdk_max_retries": a.sdk_retries,
                      "load_average_1m_at_start": round(load0, 2),
                      "load_average_1m_at_end": round(os.getloadavg()[0], 2),
                      "cpus": os.cpu_count(), "commit": _commit()},
