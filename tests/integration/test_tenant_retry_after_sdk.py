@@ -24,7 +24,7 @@ import aiohttp
 import openai
 import pytest
 import yaml
-from support import get_metrics, until
+from support import get_metrics, http_call, wait_for
 
 from skymesh.util.procs import Daemon, start_daemon
 
@@ -68,11 +68,7 @@ async def test_the_sdk_waits_retry_after_and_is_then_served(tmp_path: Path) -> N
     lb = start(tmp_path, replica)
     seen: list[Any] = []  # every attempt the SDK made, retries included
     try:
-        async with aiohttp.ClientSession() as probe:
-            async def ready() -> bool:
-                async with probe.get(lb.url + "/ready") as r:
-                    return r.status == 200
-            await until(ready, "the balancer sees its replica")
+        wait_for(lambda: http_call(lb.url + "/ready")[0] == 200, "the balancer sees its replica")
 
         async def record(r: Any) -> None:  # an httpx2.Response, the SDK's own
             seen.append(r)
