@@ -51,7 +51,7 @@ from skymesh.balancer.handlers import Handlers
 from skymesh.balancer.health import HealthTracker
 from skymesh.balancer.kv_feed import ExactScorer, KVFeeds
 from skymesh.balancer.mesh_link import FORWARDED_HEADER, MeshLink
-from skymesh.balancer.metrics import BalancerMetrics
+from skymesh.balancer.metrics import BalancerMetrics, TenantQueueDepth
 from skymesh.balancer.moves import Mover
 from skymesh.balancer.overload import DrainMeter, RetryBook, can_serve, outage, stranded
 from skymesh.balancer.passthrough import Passthrough
@@ -171,10 +171,13 @@ class Balancer:
         self.kv_exact = self.handlers.exact = ExactScorer(self.kv_feeds)
         if cfg.tenants is not None:
             d = self.dispatcher
-            self.handlers.gate = TenantGate(
+            gate = self.handlers.gate = TenantGate(
                 cfg.tenants, share=pushing_share(cfg.pushing.balancers(), workers),
                 capacity=cfg.queue.max_length, queued=d.queue_length,
                 metrics=self.metrics.enable_tenants(), clock=self.now)
+            self.metrics.registry.register(TenantQueueDepth(
+                [(t.name, c) for t in gate.book.tenants.values() for c in t.classes],
+                gate.queue.depths))
         self.status = Status(core, cfg.region, self.health, self.edge, self.handlers,
                              self.predictor, self.moves, self.mesh, self.controller,
                              kv_figures=self.kv_exact.figures)

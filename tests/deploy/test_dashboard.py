@@ -139,7 +139,7 @@ def problems(ex: Exported, expr: str, legend: str) -> list[str]:
 
 def test_the_expressions_cover_every_dashboard_and_alert() -> None:
     dash = dashboard_exprs()
-    assert len(dash) >= 25 and len(alert_exprs()) >= 7
+    assert len(dash) >= 26 and len(alert_exprs()) >= 7
     assert {p.name for p in (DEPLOY / "grafana").glob("*.json")} >= {
         "skymesh-dashboard.json", "skymesh-controller-dashboard.json"}
 
@@ -155,11 +155,15 @@ def test_every_tenant_series_has_a_panel() -> None:
     """Issue #37: each per-tenant series (docs/tenancy.md) is on the dashboard, split by
     tenant where it carries the label."""
     main = [(w, e, lg) for w, e, lg in dashboard_exprs() if w.startswith("skymesh-dashboard")]
-    for metric in vars(BalancerMetrics().enable_tenants()).values():
-        name = metric._name + ("_total" if metric._type == "counter" else "")
-        uses = [(e, lg) for _, e, lg in main if name in e]
+    series = [(m._name + ("_total" if m._type == "counter" else ""), m._labelnames)
+              for m in vars(BalancerMetrics().enable_tenants()).values()]
+    # Read from the fair queue at scrape time (metrics.TenantQueueDepth).
+    series.append(("skymesh_tenant_queue_waiting", ("tenant", "priority")))
+    for name, labels in series:
+        used = re.compile(rf"\b{name}(?:_bucket|_count|_sum)?\b")
+        uses = [(e, lg) for _, e, lg in main if used.search(e)]
         assert uses, f"no panel queries {name}"
-        for label in metric._labelnames:
+        for label in labels:
             assert all(label in e and f"{{{{{label}}}}}" in lg for e, lg in uses), (name, label)
 
 
