@@ -12,12 +12,12 @@ dropped when it leaves (:meth:`BalancerMetrics.forget_replica`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import suppress
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # Where a client was found gone while the balancer wrote to it: with the first bytes of a
@@ -68,6 +68,30 @@ class TenantMetrics:
                               ["tenant", "priority"], registry=r)
         self.waiting = Gauge("skymesh_tenant_queue_length",
                              "Requests waiting in the tenant fair queue", registry=r)
+
+
+class TenantQueueDepth:
+    """``skymesh_tenant_queue_waiting{tenant,priority}``: the fair queue's waiters, read from
+    the queue at scrape time (no bookkeeping on the request path). Every configured
+    (tenant, class) pair is exported, 0 when none wait, so the series stay put; ``pairs``
+    is read at each scrape too (the controller's tenants change)."""
+
+    def __init__(self, pairs: Callable[[], Iterable[tuple[str, str]]],
+                 depths: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        self.pairs = pairs
+        self.depths = depths
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        fam = GaugeMetricFamily("skymesh_tenant_queue_waiting",
+                                "Requests waiting in the tenant fair queue, by tenant and class",
+                                labels=["tenant", "priority"])
+        now = self.depths()
+        for pair in self.pairs():
+            fam.add_metric(list(pair), now.get(pair, 0))
+        yield fam
 
 
 class BalancerMetrics:

@@ -51,7 +51,7 @@ from skymesh.balancer.handlers import Handlers
 from skymesh.balancer.health import HealthTracker
 from skymesh.balancer.kv_feed import ExactScorer, KVFeeds
 from skymesh.balancer.mesh_link import FORWARDED_HEADER, MeshLink
-from skymesh.balancer.metrics import BalancerMetrics
+from skymesh.balancer.metrics import BalancerMetrics, TenantQueueDepth
 from skymesh.balancer.moves import Mover
 from skymesh.balancer.overload import DrainMeter, RetryBook, can_serve, outage, stranded
 from skymesh.balancer.passthrough import Passthrough
@@ -297,10 +297,15 @@ class Balancer:
         log.info("policy is now %s %s", name, params or "")
 
     def _tenant_gate(self, tenants: TenantsConfig) -> TenantGate:
-        return TenantGate(
+        gate = TenantGate(
             tenants, share=pushing_share(self.cfg.pushing.balancers(), self.workers),
             capacity=self.cfg.queue.max_length, queued=self.dispatcher.queue_length,
             metrics=self.metrics.enable_tenants(), clock=self.now)
+        # Pairs read at scrape time: tenants pushed by the controller come and go.
+        self.metrics.registry.register(TenantQueueDepth(
+            lambda: [(t.name, c) for t in gate.book.tenants.values() for c in t.classes],
+            gate.queue.depths))
+        return gate
 
     def set_tenants(self, pushed: list[dict[str, Any]]) -> None:
         """The controller's tenants and this balancer's shares of their limits

@@ -284,6 +284,15 @@ class FairQueue:
     def models(self) -> list[str]:
         return list(self._q)
 
+    def depths(self) -> dict[tuple[str, str], int]:
+        """Waiters per (tenant, class), all models together (read at scrape time)."""
+        out: dict[tuple[str, str], int] = {}
+        for by_cls in self._q.values():
+            for cls, by_tenant in by_cls.items():
+                for tenant, fifo in by_tenant.items():
+                    out[tenant, cls] = out.get((tenant, cls), 0) + len(fifo)
+        return out
+
     def push(self, w: Waiter) -> None:
         if self.waiting >= self.capacity:
             raise Overloaded(f"the balancer's tenant queue is full ({self.capacity} "

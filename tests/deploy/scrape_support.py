@@ -49,7 +49,8 @@ def running_stack(tmp: Path) -> Iterator[Scrape]:
                 "region": region, "listen": {"port": 0}, "replicas": [{"url": replica.url}],
                 "mesh": {"id": me, "certs_dir": str(pki), "listen_port": ports[me],
                          "heartbeat_interval_s": 0.1,
-                         "peers": [{"id": peer, "address": f"127.0.0.1:{ports[peer]}"}]}}))
+                         "peers": [{"id": peer, "address": f"127.0.0.1:{ports[peer]}"}]},
+                "tenants": {}}))  # the per-tenant series (docs/tenancy.md)
             lbs.append(start_daemon("skymesh-lb", ["--config", str(path)],
                                     log_path=tmp / f"{me}.log"))
             started.append(lbs[-1])

@@ -80,7 +80,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exported]:
                     ex.labels[s.name] |= set(s.labels)
         # A labelled series nothing has touched yet (no retry happened, say) has no child
         # to show its label names: take those the balancer declares.
-        for metric in vars(BalancerMetrics()).values():
+        bm = BalancerMetrics()
+        for metric in [*vars(bm).values(), *vars(bm.enable_tenants()).values()]:
             declared = set(getattr(metric, "_labelnames", ()))
             for name in getattr(metric, "_name", None), f"{getattr(metric, '_name', '')}_total":
                 if name in ex.labels and not ex.labels[name]:
@@ -138,7 +139,7 @@ def problems(ex: Exported, expr: str, legend: str) -> list[str]:
 
 def test_the_expressions_cover_every_dashboard_and_alert() -> None:
     dash = dashboard_exprs()
-    assert len(dash) >= 19 and len(alert_exprs()) >= 7
+    assert len(dash) >= 26 and len(alert_exprs()) >= 7
     assert {p.name for p in (DEPLOY / "grafana").glob("*.json")} >= {
         "skymesh-dashboard.json", "skymesh-controller-dashboard.json"}
 
@@ -148,6 +149,22 @@ def test_the_expressions_cover_every_dashboard_and_alert() -> None:
 def test_queries_use_exported_names_counters_through_rate_and_real_labels(
         exported: Exported, where: str, expr: str, legend: str) -> None:
     assert not problems(exported, expr, legend), f"{where}: {problems(exported, expr, legend)}"
+
+
+def test_every_tenant_series_has_a_panel() -> None:
+    """Issue #37: each per-tenant series (docs/tenancy.md) is on the dashboard, split by
+    tenant where it carries the label."""
+    main = [(w, e, lg) for w, e, lg in dashboard_exprs() if w.startswith("skymesh-dashboard")]
+    series = [(m._name + ("_total" if m._type == "counter" else ""), m._labelnames)
+              for m in vars(BalancerMetrics().enable_tenants()).values()]
+    # Read from the fair queue at scrape time (metrics.TenantQueueDepth).
+    series.append(("skymesh_tenant_queue_waiting", ("tenant", "priority")))
+    for name, labels in series:
+        used = re.compile(rf"\b{name}(?:_bucket|_count|_sum)?\b")
+        uses = [(e, lg) for _, e, lg in main if used.search(e)]
+        assert uses, f"no panel queries {name}"
+        for label in labels:
+            assert all(label in e and f"{{{{{label}}}}}" in lg for e, lg in uses), (name, label)
 
 
 def test_the_checker_catches_what_it_is_for(exported: Exported) -> None:

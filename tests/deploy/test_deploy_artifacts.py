@@ -173,7 +173,10 @@ def lb_and_replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[D
     replica = start_daemon("skymesh-replica", ["--port", "0", "--time-scale", "0.05"],
                            log_path=tmp / "replica.log")
     try:
-        lb = start_daemon("skymesh-lb", ["--port", "0", "--replicas", replica.url],
+        # With a tenants section, for the per-tenant series the dashboard draws.
+        (tmp / "lb.yaml").write_text(yaml.safe_dump({
+            "listen": {"port": 0}, "replicas": [{"url": replica.url}], "tenants": {}}))
+        lb = start_daemon("skymesh-lb", ["--config", str(tmp / "lb.yaml")],
                           log_path=tmp / "lb.log")
         try:
             yield lb, replica

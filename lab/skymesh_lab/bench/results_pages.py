@@ -37,6 +37,7 @@ from skymesh_lab.bench import (
     lb_workers_page,
     router_overhead_page,
     security_page,
+    tenancy_limits_live_page,
     tenancy_page,
     tenancy_shares_page,
     terraform_apply_page,
@@ -372,6 +373,15 @@ SOURCES: tuple[Source, ...] = (
            "(../tenancy.md#with-a-controller).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy_shares", "--json", "{json}"),
            tenancy_shares_page.tenancy_shares),
+    Source("tenancy-limits", "Tenants: a request-rate limit through two live balancers "
+           "(issue #37)",
+           "A tenant at 3x its `requests_per_s` through two live skymesh-lb processes of one "
+           "region in front of emulated replicas, its requests alternating between the two "
+           "balancers and all sent to one: the rate the balancers admit against the limit, "
+           "the 429s and the Retry-After they carry. See [tenants](../tenancy.md).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy_limits_live", "--json",
+            "{json}"),
+           tenancy_limits_live_page.page),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 
