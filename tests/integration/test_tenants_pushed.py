@@ -94,6 +94,9 @@ async def test_tenant_from_the_controller_limits_both_balancers_and_delete_rever
                 assert int(headers["Retry-After"]) >= 30  # the bucket's own wait (~100 s)
                 err = json.loads(text)["error"]
                 assert "acme" in err["message"] and err["type"]
+                async with s.get(lb.url + "/metrics") as r:  # the pushed tenant's queue depth
+                    assert 'skymesh_tenant_queue_waiting{priority="standard",tenant="acme"} 0.0' \
+                        in await r.text()
 
             async with s.delete(ctl.url + "/v1/tenants/acme", headers=auth()) as r:
                 assert r.status == 204
