@@ -175,6 +175,11 @@ class Balancer:
                 cfg.tenants, share=pushing_share(cfg.pushing.balancers(), workers),
                 capacity=cfg.queue.max_length, queued=d.queue_length,
                 metrics=self.metrics.enable_tenants(), clock=self.now)
+            if cfg.tenants.batch_mesh is not None:  # batch across the mesh
+                d.batch_lane = True
+                d.batch_reserve = cfg.tenants.batch_mesh.reserve
+                fair = self.handlers.gate.queue  # batch itself skips it: better classes
+                d.better_waiting = lambda model: fair.waiting
         self.status = Status(core, cfg.region, self.health, self.edge, self.handlers,
                              self.predictor, self.moves, self.mesh, self.controller,
                              kv_figures=self.kv_exact.figures)

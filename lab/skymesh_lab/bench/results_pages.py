@@ -37,6 +37,7 @@ from skymesh_lab.bench import (
     lb_workers_page,
     router_overhead_page,
     security_page,
+    tenancy_mesh_page,
     tenancy_page,
     terraform_apply_page,
 )
@@ -363,6 +364,15 @@ SOURCES: tuple[Source, ...] = (
            "two balancers on a fake clock. See [tenants](../tenancy.md).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy", "--json", "{json}"),
            tenancy_page.tenancy),
+    Source("tenancy-mesh", "Batch across the mesh (issue #37)",
+           "The batch lane (`skymesh.balancer.batch_routing`, `SimBalancer.set_batch`) in "
+           "the simulator on the diurnal three-region workload plus a batch tenant with "
+           "deadlines: interactive SLO attainment without batch, with batch first come "
+           "first served, admitted last at home, and forwarded to idle peers first; the "
+           "share of batch finished by its deadline and where it ran. See "
+           "[batch across the mesh](../tenancy.md#batch-across-the-mesh).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy_mesh", "--json", "{json}"),
+           tenancy_mesh_page.tenancy_mesh),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 
