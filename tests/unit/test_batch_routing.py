@@ -11,6 +11,8 @@ from skymesh.balancer.batch_routing import (
     batch_move,
     busy,
     deadline_of,
+    idle,
+    reserved,
 )
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.policies import RouteRequest, build_policy
@@ -83,13 +85,13 @@ def ticket(name: str, *, batch: bool = False, due: float | None = None,
     return t
 
 
-def idle(d: Dispatcher, peer: str, seq: int, available: int, queue: int = 0) -> None:
+def beat(d: Dispatcher, peer: str, seq: int, available: int, queue: int = 0) -> None:
     d.on_peer_heartbeat(peer, 0.0, 1, seq, {"m": ModelLoad(available, 4, queue)})
 
 
 def test_batch_goes_to_the_idle_peer_while_interactive_takes_the_local_replicas() -> None:
     d = lane_dispatcher(replicas=1)
-    idle(d, "eu", 1, available=1)
+    beat(d, "eu", 1, available=1)
     batch, web = ticket("b", batch=True), ticket("w")
     d.offer(batch, 0.0)  # batch came first: FCFS would give it the local replica
     d.offer(web, 0.0)
@@ -103,7 +105,7 @@ def test_batch_is_forwarded_before_an_interactive_request_overflows_to_the_peer(
     busy_ = ticket("x")
     d.offer(busy_, 0.0)
     d.pump(0.0)  # the only replica is taken
-    idle(d, "eu", 1, available=1)  # room for one
+    beat(d, "eu", 1, available=1)  # room for one
     web, batch = ticket("w"), ticket("b", batch=True)
     d.offer(web, 0.0)
     d.offer(batch, 0.0)
@@ -132,7 +134,7 @@ def test_a_batch_request_past_its_deadline_stays_and_joins_the_ordinary_queue() 
     d.offer(late, 0.0)
     assert d.pump(1.0) == []  # busy, no idle peer: waits in the lane
     assert d.queue_length("m") == 0 and d.queued == 1
-    idle(d, "eu", 1, available=3)
+    beat(d, "eu", 1, available=3)
     assert d.pump(6.0) == []  # past its deadline: no longer forwarded, even to idle eu
     assert late.stay and d.queue_length("m") == 1
     d.complete(busy_, 7.0, ok=True)
@@ -155,3 +157,25 @@ def test_a_cancelled_batch_ticket_leaves_its_lane() -> None:
     t = ticket("b", batch=True)
     d.offer(t, 0.0)
     assert d.queued == 1 and d.cancel(t) and d.queued == 0 and not d.lanes["m"]
+
+
+def test_the_reserve_keeps_replicas_for_the_better_classes_here_and_at_peers() -> None:
+    assert [reserved(n, 0.25) for n in (0, 1, 3, 4, 5)] == [0, 1, 1, 1, 2]
+    assert reserved(4, 0.0) == 0 and reserved(4, 1.0) == 4
+    # Here: 2 free, 1 kept: one is left over for batch; with 1 free, none is.
+    assert move(free=2, keep=1) == (BatchMove.LOCAL, None)
+    assert move(free=1, keep=1, idle_peers=[EU]) == (BatchMove.PEER, "eu")
+    # At a peer: free replicas beyond its own reserve, and nothing queued.
+    assert idle(2, 4, 0, 0.25) and not idle(1, 4, 0, 0.25) and not idle(3, 4, 1, 0.25)
+
+
+def test_the_lane_reads_the_reserve_for_itself_and_for_its_peers() -> None:
+    d = lane_dispatcher(replicas=2)
+    d.batch_reserve = 0.5  # one of two replicas kept: 2 free -> batch may take one
+    beat(d, "eu", 1, available=2)  # eu: 4 replicas, reserve 2: 2 free is not idle
+    a, b = ticket("a", batch=True), ticket("b", batch=True)
+    d.offer(a, 0.0)
+    d.offer(b, 0.0)
+    assert d.pump(0.0) == [a] and not a.to_peer
+    beat(d, "eu", 2, available=3)
+    assert d.pump(0.1) == [b] and b.target == "eu"
