@@ -21,10 +21,9 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from support import get_metrics, until
+from support import get_metrics, mesh_pair, until
 
-from skymesh.mesh import certs
-from skymesh.util.procs import Daemon, free_port, start_daemon
+from skymesh.util.procs import Daemon, start_daemon
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -70,17 +69,7 @@ def bearer(key: str) -> dict[str, str]:
 
 async def test_batch_goes_to_the_idle_peer_and_stays_home_past_its_deadline(
         tmp_path: Path) -> None:
-    pki = tmp_path / "pki"
-    certs.create_ca(pki)
-    for name in ("lb-us", "lb-eu"):
-        certs.issue_cert(pki, name)
-    ports = {"lb-us": free_port(), "lb-eu": free_port()}
-
-    def mesh(me: str, peer: str) -> dict[str, Any]:
-        return {"id": me, "certs_dir": str(pki), "listen_port": ports[me],
-                "heartbeat_interval_s": 0.1,
-                "peers": [{"id": peer, "address": f"127.0.0.1:{ports[peer]}"}]}
-
+    mesh = mesh_pair(tmp_path)
     us = start_region(tmp_path, "us", mesh("lb-us", "lb-eu"))
     eu = start_region(tmp_path, "eu", mesh("lb-eu", "lb-us"))
     lb_us, lb_eu = us[0], eu[0]
