@@ -219,7 +219,10 @@ class MeshLink:
                    "X-Request-Id": req.request_id}
         if req.affinity_key:
             headers["X-Session-ID"] = req.affinity_key
-        if req.priority:  # batch across the mesh: admitted last here too
+        # Batch across the mesh: admitted last here too. Only a class name (lower-case
+        # word) is replayed: a peer's bytes never become a broken header line.
+        if req.priority and len(req.priority) <= 64 and req.priority.isascii() \
+                and req.priority.isidentifier():
             ten = self.cfg.tenants
             headers[ten.priority_header if ten else "X-SkyMesh-Priority"] = req.priority
             if req.batch_deadline_ms:
