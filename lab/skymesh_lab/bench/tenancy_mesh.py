@@ -116,6 +116,10 @@ def run_arm(arm: str, seed: int, duration_s: float) -> dict[str, Any]:
             row = ran.setdefault(r.item.region, {})
             row[r.served_region] = row.get(r.served_region, 0) + 1
     us_ttft = [r.t_first - r.t_arrival for r in chat if r.ok and r.item.region == "us"]
+    by_region = {}
+    for region in REGIONS:
+        ts = [r.t_first - r.t_arrival for r in chat if r.ok and r.item.region == region]
+        by_region[region] = sum(1 for t in ts if t <= TTFT_SLO_S) / len(ts) if ts else None
     return {
         "arm": arm, "seed": seed,
         "interactive_ok": len(ttft),
@@ -124,6 +128,7 @@ def run_arm(arm: str, seed: int, duration_s: float) -> dict[str, Any]:
         "interactive_ttft_p50_s": statistics.median(ttft) if ttft else None,
         "interactive_ttft_p90_s": _pct(ttft, 0.9),
         "interactive_us_ttft_p90_s": _pct(us_ttft, 0.9),
+        "interactive_slo_by_region": by_region,
         "batch_sent": len(batch), "batch_ok": sum(1 for r in batch if r.ok),
         "batch_by_deadline": (len(in_time) / len(batch)) if batch else None,
         "batch_e2e_p90_s": _pct([r.t_done - r.t_arrival for r in batch if r.ok], 0.9),

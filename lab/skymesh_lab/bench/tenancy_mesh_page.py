@@ -36,6 +36,26 @@ def _ran(rows: list[dict[str, Any]]) -> str:
     return table(["batch from \\ ran in", *regions], out, [False, *([True] * len(regions))])
 
 
+def _by_region(arms: dict[str, list[dict[str, Any]]]) -> str:
+    """Interactive SLO attainment per client region and arm (medians over the seeds)."""
+    regions: list[str] = []
+    for rs in arms.values():
+        for r in rs:
+            regions += [g for g in r.get("interactive_slo_by_region", {}) if g not in regions]
+    out = []
+    for arm, label in ARMS.items():
+        rs = arms.get(arm)
+        if not rs:
+            continue
+        cells = []
+        for g in regions:
+            xs = [r["interactive_slo_by_region"][g] for r in rs
+                  if isinstance(r.get("interactive_slo_by_region", {}).get(g), int | float)]
+            cells.append(num(statistics.median(xs) if xs else None, ".1%"))
+        out.append([label, *cells])
+    return table(["arm", *regions], out, [False, *([True] * len(regions))])
+
+
 def verdict(arms: dict[str, list[dict[str, Any]]]) -> str:
     """Whether interactive work stays where it is without batch (its SLO attainment
     within SLO_TOLERANCE, and as many of its requests served, to SERVED_TOLERANCE: the
@@ -115,6 +135,9 @@ def tenancy_mesh(doc: dict[str, Any]) -> str:
               [False, *([True] * 9)]), "",
         verdict(arms), "",
     ]
+    if any(r.get("interactive_slo_by_region") for rs in arms.values() for r in rs):
+        lines += ["### Interactive SLO attainment by the clients' region", "",
+                  _by_region(arms), ""]
     for arm in ("fcfs", "mesh_rule"):
         if arms.get(arm):
             lines += [f"### Where batch ran: {ARMS[arm]}", "",
