@@ -10,7 +10,7 @@ request, each time the dispatcher looks at it:
   this region's ordinary queue, first come first served with the other classes, and is
   never forwarded again;
 - **local**: this region has more free replicas than the better-class requests waiting
-  for them plus a *reserve* (``reserve`` of its replicas, rounded up), so one is left
+  for them plus a *reserve* (``reserve`` of its replicas, rounded down), so one is left
   over for batch. The reserve is there because a batch request on a replica slows the
   interactive ones that arrive after it: the better classes keep some room for what
   comes next, not only for what waits now;
@@ -55,8 +55,10 @@ class IdlePeer:
 
 
 def reserved(replicas: int, reserve: float) -> int:
-    """Replicas kept for the better classes: ``reserve`` of ``replicas``, rounded up."""
-    return math.ceil(reserve * replicas - 1e-9) if replicas > 0 else 0
+    """Replicas kept for the better classes: ``reserve`` of ``replicas``, rounded down, so
+    a region of a few replicas keeps none (rounded up, one replica of one would be kept
+    and batch would wait there for its deadline)."""
+    return math.floor(reserve * replicas + 1e-9) if replicas > 0 else 0
 
 
 def busy(free: int, better_waiting: int, keep: int = 0) -> bool:

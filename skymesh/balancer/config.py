@@ -508,7 +508,7 @@ class BatchMeshConfig(StrictModel):
 
     batch_class: str = "batch"
     deadline_h: float | None = Field(4.0, gt=0)  # null: no deadline
-    # Share of a region's replicas (rounded up) kept free for the better classes.
+    # Share of a region's replicas (rounded down) kept free for the better classes.
     reserve: float = Field(0.25, ge=0.0, le=1.0)
 
 

@@ -160,13 +160,14 @@ def test_a_cancelled_batch_ticket_leaves_its_lane() -> None:
 
 
 def test_the_reserve_keeps_replicas_for_the_better_classes_here_and_at_peers() -> None:
-    assert [reserved(n, 0.25) for n in (0, 1, 3, 4, 5)] == [0, 1, 1, 1, 2]
+    assert [reserved(n, 0.25) for n in (0, 1, 3, 4, 8, 9)] == [0, 0, 0, 1, 2, 2]
     assert reserved(4, 0.0) == 0 and reserved(4, 1.0) == 4
     # Here: 2 free, 1 kept: one is left over for batch; with 1 free, none is.
     assert move(free=2, keep=1) == (BatchMove.LOCAL, None)
     assert move(free=1, keep=1, idle_peers=[EU]) == (BatchMove.PEER, "eu")
     # At a peer: free replicas beyond its own reserve, and nothing queued.
     assert idle(2, 4, 0, 0.25) and not idle(1, 4, 0, 0.25) and not idle(3, 4, 1, 0.25)
+    assert idle(1, 1, 0, 0.25)  # a region of one replica keeps none
 
 
 def test_the_lane_reads_the_reserve_for_itself_and_for_its_peers() -> None:

@@ -2,7 +2,8 @@
 on the diurnal three-region workload (lab/skymesh_lab/bench/diurnal.py: ShareGPT chat
 clients skewed toward us, 120 / 40 / 40, at its peak; replicas spread evenly; SkyLB's
 overflow forwarding on) plus a batch tenant: Poisson batch jobs in every region, each with
-a deadline. Four arms on the same seeds:
+a deadline (``tenants.batch_mesh.reserve`` 0.34: one replica of each region's three).
+Four arms on the same seeds:
 
 - ``no_batch``: the chat clients alone: the interactive figures to keep;
 - ``fcfs``: batch jobs mixed in, first come first served, as without tenancy;
@@ -43,7 +44,9 @@ REPLICAS = 9
 ARMS = ("no_batch", "fcfs", "local_last", "mesh_rule")
 DURATION_S = 300.0
 BATCH_PER_S = 0.3  # batch jobs per second per region
-RESERVE = 0.25  # tenants.batch_mesh.reserve
+# tenants.batch_mesh.reserve: one replica of each region's three (the default, 0.25,
+# rounded down, keeps none of three).
+RESERVE = 0.34
 BATCH_PROMPT, BATCH_OUTPUT = 1500, 400
 DEADLINE_S = 240.0
 TTFT_SLO_S = 2.0
