@@ -17,10 +17,9 @@ request, each time the dispatcher looks at it:
 - **peer**: the region is *busy* (no free replica left over that way) and a peer region
   reports *idle* room for the model: nothing queued and more free replicas than its own
   share of the reserve, net of what was sent to it since its heartbeat; the nearest such
-  peer. A request a peer
-  forwarded to us is never forwarded again (one hop), and the pass that runs before the
-  better classes' own dispatch forwards only: batch goes to the idle peer before any
-  better-class request overflows there;
+  peer. A request a peer forwarded to us is never forwarded again (one hop), and the
+  pass that runs before the better classes' own dispatch forwards only: batch goes to
+  the idle peer before any better-class request overflows there;
 - **wait**: otherwise. Batch is admitted locally last: only what the better classes
   leave over.
 

@@ -180,3 +180,14 @@ def test_the_lane_reads_the_reserve_for_itself_and_for_its_peers() -> None:
     assert d.pump(0.0) == [a] and not a.to_peer
     beat(d, "eu", 2, available=3)
     assert d.pump(0.1) == [b] and b.target == "eu"
+
+
+def test_batch_mesh_config_names_a_configured_class() -> None:
+    from skymesh.balancer.config import ConfigError, parse_config
+
+    cfg = parse_config({"tenants": {"batch_mesh": {}}})
+    assert cfg.tenants is not None and cfg.tenants.batch_mesh is not None
+    assert cfg.tenants.batch_mesh.batch_class == "batch"
+    assert cfg.tenants.batch_mesh.deadline_h == 4.0 and cfg.tenants.batch_mesh.reserve == 0.25
+    with pytest.raises(ConfigError, match=r"tenants\.batch_mesh\.batch_class"):
+        parse_config({"tenants": {"batch_mesh": {"batch_class": "bulk"}}})
