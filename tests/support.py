@@ -140,6 +140,27 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def mesh_pair(tmp: Path, **extra: Any) -> Callable[[str, str], dict[str, Any]]:
+    """Certificates for ``lb-us`` and ``lb-eu`` under ``tmp/pki`` and free peering ports;
+    returns ``mesh(me, peer)``, the ``mesh:`` section of ``me`` peered with ``peer``
+    (heartbeats every 0.1 s, ``extra`` keys added)."""
+    from skymesh.mesh import certs
+    from skymesh.util.procs import free_port
+
+    pki = tmp / "pki"
+    certs.create_ca(pki)
+    for name in ("lb-us", "lb-eu"):
+        certs.issue_cert(pki, name)
+    ports = {"lb-us": free_port(), "lb-eu": free_port()}
+
+    def mesh(me: str, peer: str) -> dict[str, Any]:
+        return {"id": me, "certs_dir": str(pki), "listen_port": ports[me],
+                "heartbeat_interval_s": 0.1, **extra,
+                "peers": [{"id": peer, "address": f"127.0.0.1:{ports[peer]}"}]}
+
+    return mesh
+
+
 def make_pki(d: Path, rogue_id: str) -> Path:
     """A mesh CA with certificates for lb-a, lb-b and lb-x, plus a rogue CA in ``d/rogue``
     that issued ``rogue_id`` (same balancer id, wrong CA: must be refused)."""

@@ -473,6 +473,18 @@ class ControllerLinkConfig(StrictModel):
         return v.rstrip("/") if v else v
 
 
+class BatchMeshConfig(StrictModel):
+    """Batch across the mesh (docs/tenancy.md): requests of ``batch_class`` are forwarded
+    to an idle peer region first when this one is busy, admitted locally last, and past
+    their deadline (``X-SkyMesh-Batch-Deadline-Ms``, else ``deadline_h``) served where they
+    are. Set it in every region, so a peer admits forwarded batch work last too."""
+
+    batch_class: str = "batch"
+    deadline_h: float | None = Field(4.0, gt=0)  # null: no deadline
+    # Share of a region's replicas (rounded down) kept free for the better classes.
+    reserve: float = Field(0.25, ge=0.0, le=1.0)
+
+
 class TenantsConfig(StrictModel):
     """Tenants, priority classes, their limits and the fair queue (docs/tenancy.md).
     Without this section there is one tenant and one class, as before."""
@@ -492,6 +504,7 @@ class TenantsConfig(StrictModel):
     # Requests let into the dispatcher's queue per model while the rest wait in order.
     dispatch_queue: int = Field(2, ge=1, le=1024)
     members: list[TenantConfig] = Field(default_factory=list)
+    batch_mesh: BatchMeshConfig | None = None  # None: batch waits in the fair queue
 
     @field_validator("trusted_sources")
     @classmethod
@@ -559,6 +572,8 @@ def _check_tenants(t: TenantsConfig) -> None:
 
     check("tenants.default_class", [t.default_class])
     check("tenants.max_wait_s", list(t.max_wait_s))
+    if t.batch_mesh is not None:
+        check("tenants.batch_mesh.batch_class", [t.batch_mesh.batch_class])
     if any(v <= 0 for v in t.max_wait_s.values()):
         raise ConfigError("tenants.max_wait_s: bounds must be > 0 seconds")
     names: set[str] = set()

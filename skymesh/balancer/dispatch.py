@@ -23,6 +23,11 @@ queue may go to such a peer even while a local replica is available, when the pe
 per replica (from its heartbeats) is lower than ours by more than the trip and a lost
 prefix are worth: SkyLB's overflow rule leaves a region with more clients than replicas
 running big, slow batches while its peers idle.
+
+With ``batch_lane`` on (``tenants.batch_mesh``), tickets marked ``batch`` wait in a lane of
+their own per model, placed by ``skymesh.balancer.batch_routing``: forwarded to an idle peer
+before the ordinary queues are placed, admitted locally after them, and moved to the
+ordinary queue (never forwarded again) once past their deadline.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from skymesh.balancer.batch_routing import BatchMove, IdlePeer, batch_move, idle, reserved
 from skymesh.balancer.breaker import Breaker, BreakerState
 from skymesh.balancer.errors import Overloaded
 from skymesh.mesh.outlook import PeerOutlook
@@ -101,6 +107,12 @@ class Ticket:
     # always sees the budget from dispatch (GoodServe's D_r), net of the time spent queued
     # here or on a failed attempt.
     deadline_from: float | None = None
+    # The batch class under ``tenants.batch_mesh``: waits in the batch lane until placed
+    # (``skymesh.balancer.batch_routing``); ``batch_due``: its deadline on this clock;
+    # ``stay``: never forwarded (past that deadline, served where it is).
+    batch: bool = False
+    batch_due: float | None = None
+    stay: bool = False
     # The dispatcher's record of this ticket's last evaluation that dispatched nothing,
     # while its inputs stay unchanged (``Dispatcher._pick``); None: none.
     memo: _Memo | None = field(default=None, repr=False)
@@ -240,8 +252,16 @@ class Dispatcher:
         # Narrows overflow candidates by the controller's forecasts (skymesh.mesh.outlook).
         self.outlook: PeerOutlook | None = None
         self.queues: dict[str, deque[Ticket]] = {}
-        self.queued = 0
+        self.queued = 0  # the ordinary queues and the batch lanes
         self.now = 0.0  # the LoadView clock, set by every pump
+        # Batch across the mesh (skymesh.balancer.batch_routing): off unless configured.
+        # ``better_waiting``: requests of better classes waiting in front of this
+        # dispatcher (the tenants' fair queue), beside its own ordinary queue.
+        self.batch_lane = False
+        self.batch_forward = True
+        self.batch_reserve = 0.0  # share of the replicas kept free for better classes
+        self.better_waiting: Callable[[str], int] | None = None
+        self.lanes: dict[str, deque[Ticket]] = {}
 
     # -- settings (each change drops what was derived from the old value) --------------
     def _changed(self, *, availability: bool = False) -> None:
@@ -395,7 +415,7 @@ class Dispatcher:
         return out
 
     def peer_candidates(self, ticket: Ticket) -> list[str]:
-        if not self.forwarding or ticket.route.forwarded:
+        if not self.forwarding or ticket.route.forwarded or ticket.stay:
             return []
         model, tau = ticket.route.model, self.tau
         return [pid for pid, p in self.peers.items()
@@ -478,7 +498,10 @@ class Dispatcher:
                 f"the balancer's queue is full ({self.max_queue} requests waiting)",
                 retry_after_s=1.0,
             )
-        q = self.queues.setdefault(ticket.route.model, deque())
+        if ticket.batch and self.batch_lane and not ticket.stay:
+            q = self.lanes.setdefault(ticket.route.model, deque())
+        else:
+            q = self.queues.setdefault(ticket.route.model, deque())
         if front:
             q.appendleft(ticket)
         else:
@@ -495,7 +518,11 @@ class Dispatcher:
         """Take a still-queued ticket out (timeout, client gone). False if not queued."""
         if not ticket.queued:
             return False
-        self.queues[ticket.route.model].remove(ticket)
+        lane = self.lanes.get(ticket.route.model)
+        if lane is not None and ticket in lane:
+            lane.remove(ticket)
+        else:
+            self.queues[ticket.route.model].remove(ticket)
         ticket.queued = False
         self.queued -= 1
         self._stir += 1
@@ -515,7 +542,7 @@ class Dispatcher:
 
     def expired(self, now: float) -> list[Ticket]:
         """Queued tickets past their deadline, removed from the queue."""
-        out = [t for q in self.queues.values() for t in q
+        out = [t for q in (*self.queues.values(), *self.lanes.values()) for t in q
                if t.deadline is not None and t.deadline <= now]
         for t in out:
             self.cancel(t)
@@ -623,6 +650,8 @@ class Dispatcher:
         """
         self.now = now
         out: list[Ticket] = []
+        if self.lanes:  # batch first to an idle peer, before the better classes overflow
+            self._pump_lanes(now, out, local=False)
         for q in self.queues.values():
             while q:
                 picked = self._pick(q, now)
@@ -638,7 +667,60 @@ class Dispatcher:
                 else:
                     self._assign(ticket, target, now)
                 out.append(ticket)
+        if self.lanes:  # and last onto what the better classes left here
+            self._pump_lanes(now, out, local=True)
         return out
+
+    def _pump_lanes(self, now: float, out: list[Ticket], *, local: bool) -> None:
+        """Place the batch lanes' first ``window`` tickets (``batch_routing.batch_move``)."""
+        for model, lane in self.lanes.items():
+            k = 0
+            while k < min(len(lane), self.window):
+                ticket = lane[k]
+                self._refresh()
+                view = self._view(model)
+                cands = self._candidates(ticket, now, view)
+                q = self.queues.get(model)
+                better = (len(q) if q else 0) + (
+                    self.better_waiting(model) if self.better_waiting is not None else 0)
+                move, peer = batch_move(
+                    now=now, deadline_at=ticket.batch_due, forwarded=ticket.route.forwarded,
+                    free=len(cands), better_waiting=better,
+                    idle_peers=self._idle_peers(ticket), local=local,
+                    keep=reserved(len(view.serving), self.batch_reserve))
+                if move is BatchMove.WAIT:
+                    k += 1  # the next differs only by its deadline or its exclusions
+                    continue
+                target = peer
+                if move is BatchMove.LOCAL:
+                    target = self._policy.select(ticket.route_at(now), cands, self)
+                    if target is None:
+                        k += 1
+                        continue
+                del lane[k]
+                if move is BatchMove.DUE:  # served where it is, in turn with the rest
+                    ticket.stay = True
+                    self.queues.setdefault(model, deque()).append(ticket)
+                    self._stir += 1
+                    continue
+                assert target is not None
+                ticket.queued = False
+                ticket.memo = None
+                self.queued -= 1
+                if move is BatchMove.PEER:
+                    self._assign_peer(ticket, target, now)
+                else:
+                    self._assign(ticket, target, now)
+                out.append(ticket)
+
+    def _idle_peers(self, ticket: Ticket) -> list[IdlePeer]:
+        """Peers whose heartbeats report room for batch (``batch_routing.idle``), net of
+        what was sent to them since."""
+        if not self.batch_forward or ticket.stay:
+            return []
+        model, reserve = ticket.route.model, self.batch_reserve
+        return [IdlePeer(pid, self.peers[pid].rtt_s) for pid in self.peer_candidates(ticket)
+                if idle(*self.peers[pid].spare_for(model), reserve)]
 
     def _pick(self, q: deque[Ticket], now: float) -> tuple[int, Ticket, str, bool] | None:
         self._refresh()

@@ -226,9 +226,17 @@ class Forwarder:
         assert self.mesh is not None
         route = ticket.route
         stream = intake.stream
+        priority, left_ms = "", 0
+        batch = self.cfg.tenants.batch_mesh if self.cfg.tenants else None
+        if ticket.batch and batch is not None:  # the peer admits it as batch too
+            priority = batch.batch_class
+            if ticket.batch_due is not None:
+                left_ms = max(1, int((ticket.batch_due - self.core.now()) * 1000))
         try:
             call = self.mesh.forward(peer, route.request_id, route.model, request.path, raw,
-                                   stream, route.affinity_key, self.cfg.upstream.read_timeout_s)
+                                     stream, route.affinity_key,
+                                     self.cfg.upstream.read_timeout_s, priority=priority,
+                                     batch_deadline_ms=left_ms)
         except PeerError as exc:  # the peer went down after the dispatcher chose it
             raise ReplicaFault(str(exc)) from exc
         async with call:

@@ -34,6 +34,7 @@ from dataclasses import replace
 from aiohttp import web
 
 from skymesh.balancer.auth import EdgeFiles
+from skymesh.balancer.batch_routing import BATCH_DEADLINE_HEADER, deadline_of
 from skymesh.balancer.config import BalancerConfig
 from skymesh.balancer.controller_link import Tally
 from skymesh.balancer.dispatch import Ticket
@@ -129,6 +130,7 @@ class Handlers:
                 admission = await self._wait_turn(gate, request, model, route.prompt_len, t0,
                                                   timeout)
             ticket = Ticket(route, t0)
+            self._mark_batch(request, ticket, admission, forwarded, t0)
             try:
                 d.offer(ticket, t0)
             except Overloaded as exc:  # the queue is full: back when it has drained
@@ -177,6 +179,9 @@ class Handlers:
         tenant, cls = gate.classify(digest, request.headers, request.remote)
         note(request, tenant=tenant, priority=cls)  # the access log's, refused or not
         adm = gate.admit(tenant, cls, model, prompt_tokens)
+        batch = self.cfg.tenants.batch_mesh if self.cfg.tenants else None
+        if batch is not None and cls == batch.batch_class:
+            return adm  # it waits in the dispatcher's batch lane instead (_mark_batch)
         try:
             if not await gate.wait_turn(adm, max(0.0, t0 + timeout - self.core.now())):
                 raise NoCapacity(f"no replica could take the request within {timeout:.1f} s",
@@ -185,6 +190,31 @@ class Handlers:
             gate.leave(adm, 0)
             raise
         return adm
+
+    def _mark_batch(self, request: web.Request, ticket: Ticket, adm: Admission | None,
+                    forwarded: bool, t0: float) -> None:
+        """Batch across the mesh: a request of the batch class (a forwarded one: as its
+        origin said) waits in the dispatcher's batch lane, with its deadline."""
+        ten = self.cfg.tenants
+        if ten is None or ten.batch_mesh is None:
+            return
+        batch = ten.batch_mesh
+        if forwarded:
+            cls = (request.headers.get(ten.priority_header) or "").strip().lower()
+            if cls == batch.batch_class:
+                # The access log's: batch here too (its tenant is counted at its origin).
+                note(request, tenant="-", priority=cls)
+        else:
+            cls = adm.cls if adm is not None else ""
+        if cls != batch.batch_class:
+            return
+        default = batch.deadline_h * 3600.0 if batch.deadline_h is not None else None
+        try:
+            deadline = deadline_of(request.headers.get(BATCH_DEADLINE_HEADER), default)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        ticket.batch = True
+        ticket.batch_due = None if deadline is None else t0 + deadline
 
     def _booked_back(self, request: web.Request, ticket: Ticket, now: float) -> bool:
         """Queue, past the queue's cap (by at most the cap again), a retry that found it

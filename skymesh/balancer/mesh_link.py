@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from skymesh.balancer.batch_routing import BATCH_DEADLINE_HEADER
 from skymesh.policies.peers import ModelLoad
 
 if TYPE_CHECKING:
@@ -230,13 +231,15 @@ class MeshLink:
 
     # -- forwarding out --------------------------------------------------------------------
     def forward(self, peer: str, request_id: str, model: str, path: str, body: bytes,
-                stream: bool, affinity: str | None, timeout: float) -> Any:
+                stream: bool, affinity: str | None, timeout: float, *, priority: str = "",
+                batch_deadline_ms: int = 0) -> Any:
         from skymesh.mesh import pb
 
         self.forwarded_out += 1
         req = pb.ForwardRequest(request_id=request_id, origin_region=self.cfg.region,
                                 model=model, path=path, body=body, stream=stream,
-                                affinity_key=affinity or "")
+                                affinity_key=affinity or "", priority=priority,
+                                batch_deadline_ms=batch_deadline_ms)
         return self.node.forward(peer, req, timeout)
 
     # -- forwarding in ---------------------------------------------------------------------
@@ -256,6 +259,14 @@ class MeshLink:
                    "X-Request-Id": req.request_id}
         if req.affinity_key:
             headers["X-Session-ID"] = req.affinity_key
+        # Batch across the mesh: admitted last here too. Only a class name (lower-case
+        # word) is replayed: a peer's bytes never become a broken header line.
+        if req.priority and len(req.priority) <= 64 and req.priority.isascii() \
+                and req.priority.isidentifier():
+            ten = self.cfg.tenants
+            headers[ten.priority_header if ten else "X-SkyMesh-Priority"] = req.priority
+            if req.batch_deadline_ms:
+                headers[BATCH_DEADLINE_HEADER] = str(req.batch_deadline_ms)
         remaining = ctx.time_remaining()
         timeout = aiohttp.ClientTimeout(total=remaining) if remaining else None
         try:

@@ -174,6 +174,12 @@ class Balancer:
             self.mesh.feeds = self.kv_feeds  # the heartbeat's exact prefix summary
         if cfg.tenants is not None:
             self.handlers.gate = self._tenant_gate(cfg.tenants)
+            if cfg.tenants.batch_mesh is not None:  # batch across the mesh
+                d = self.dispatcher
+                d.batch_lane = True
+                d.batch_reserve = cfg.tenants.batch_mesh.reserve
+                fair = self.handlers.gate.queue  # batch itself skips it: better classes
+                d.better_waiting = lambda model: fair.waiting
         self.status = Status(core, cfg.region, self.health, self.edge, self.handlers,
                              self.predictor, self.moves, self.mesh, self.controller,
                              kv_figures=self.kv_exact.figures)

@@ -188,6 +188,14 @@ class PeerLoad:
             return None
         return (m.outstanding + m.queue + self._since.get(model, 0) + 1) / m.total
 
+    def spare_for(self, model: str) -> tuple[int, int, int]:
+        """(free replicas net of what was sent since the heartbeat, replicas, queue) for
+        ``model``; zeros when down or silent about it."""
+        m = self.models.get(model) if self.alive else None
+        if m is None:
+            return 0, 0, 0
+        return m.available - self._since.get(model, 0), m.total, m.queue
+
     def available_for(self, model: str, tau: int) -> bool:
         if not self.alive:
             return False

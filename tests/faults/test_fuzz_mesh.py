@@ -169,6 +169,12 @@ async def test_oversized_unknown_and_impersonating_messages(
     hop2 = pb.ForwardRequest(request_id="h", model=MODEL, path="/v1/chat/completions",
                              body=b"{}", forwarded_hops=2).SerializeToString()
     assert await forward_raw(address, good, hop2) is grpc.StatusCode.FAILED_PRECONDITION
+    # a priority that is no class name is not replayed as a header (batch_mesh)
+    for bad in ("bat\nch", "x" * 65, "bätch"):
+        odd = pb.ForwardRequest(request_id="p", model=MODEL, path="/v1/chat/completions",
+                                body=b"{}", priority=bad, batch_deadline_ms=5)
+        assert await forward_raw(address, good, odd.SerializeToString()) is \
+            grpc.StatusCode.OK, bad
     assert await healthy(lb)
 
 

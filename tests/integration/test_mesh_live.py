@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 import yaml
-from support import until
+from support import mesh_pair, until
 
 from skymesh.mesh import certs
 from skymesh.util.procs import Daemon, free_port, start_daemon
@@ -48,16 +48,8 @@ async def status(s: aiohttp.ClientSession, lb: Daemon, key: str | None = None
 
 
 async def test_a_saturated_region_forwards_and_streams_arrive_intact(tmp_path: Path) -> None:
+    mesh = mesh_pair(tmp_path)
     pki = tmp_path / "pki"
-    certs.create_ca(pki)
-    for name in ("lb-us", "lb-eu"):
-        certs.issue_cert(pki, name)
-    ports = {"lb-us": free_port(), "lb-eu": free_port()}
-
-    def mesh(me: str, peer: str) -> dict[str, Any]:
-        return {"id": me, "certs_dir": str(pki), "listen_port": ports[me],
-                "heartbeat_interval_s": 0.1,
-                "peers": [{"id": peer, "address": f"127.0.0.1:{ports[peer]}"}]}
 
     # Each region has its own client keys: a request us forwards is served by eu without
     # eu's key (the peer link is authenticated by certificate). eu's clients come over
@@ -190,20 +182,10 @@ async def test_the_balanced_rule_lends_to_a_lighter_peer_while_local_replicas_ad
     """Short requests never fill the one us replica, so SkyLB's overflow rule would keep
     them all at home; the balanced rule sends some to the idle eu region, learning eu's
     load from its heartbeats over gRPC."""
-    pki = tmp_path / "pki"
-    certs.create_ca(pki)
-    for name in ("lb-us", "lb-eu"):
-        certs.issue_cert(pki, name)
-    ports = {"lb-us": free_port(), "lb-eu": free_port()}
-
-    def mesh(me: str, peer: str, rule: str) -> dict[str, Any]:
-        return {"id": me, "certs_dir": str(pki), "listen_port": ports[me],
-                "heartbeat_interval_s": 0.1, "forwarding_rule": rule,
-                "balance_margin": 0.5, "locality_margin": 0.0, "rtt_weight": 0.0,
-                "peers": [{"id": peer, "address": f"127.0.0.1:{ports[peer]}"}]}
-
-    us = start_region(tmp_path, "us", 1, mesh("lb-us", "lb-eu", "balanced"))
-    eu = start_region(tmp_path, "eu", 1, mesh("lb-eu", "lb-us", "balanced"))
+    mesh = mesh_pair(tmp_path, forwarding_rule="balanced", balance_margin=0.5,
+                     locality_margin=0.0, rtt_weight=0.0)
+    us = start_region(tmp_path, "us", 1, mesh("lb-us", "lb-eu"))
+    eu = start_region(tmp_path, "eu", 1, mesh("lb-eu", "lb-us"))
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
             async def eu_ready() -> bool:

@@ -38,6 +38,7 @@ from skymesh_lab.bench import (
     router_overhead_page,
     security_page,
     tenancy_limits_live_page,
+    tenancy_mesh_page,
     tenancy_page,
     tenancy_shares_page,
     terraform_apply_page,
@@ -382,6 +383,15 @@ SOURCES: tuple[Source, ...] = (
            (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy_limits_live", "--json",
             "{json}"),
            tenancy_limits_live_page.page),
+    Source("tenancy-mesh", "Batch across the mesh (issue #37)",
+           "The batch lane (`skymesh.balancer.batch_routing`, `SimBalancer.set_batch`) in "
+           "the simulator on the diurnal three-region workload plus a batch tenant with "
+           "deadlines: interactive SLO attainment without batch, with batch first come "
+           "first served, admitted last at home, and forwarded to idle peers first; the "
+           "share of batch finished by its deadline and where it ran. See "
+           "[batch across the mesh](../tenancy.md#batch-across-the-mesh).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy_mesh", "--json", "{json}"),
+           tenancy_mesh_page.tenancy_mesh),
 )
 BY_NAME = {s.name: s for s in SOURCES}
 

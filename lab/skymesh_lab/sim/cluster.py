@@ -73,6 +73,18 @@ class SimTenancy:
     bound: int = 2
 
 
+@dataclass
+class SimBatch:
+    """Batch across the mesh (``tenants.batch_mesh``): ``is_batch`` says which requests
+    are batch; ``deadline_s``: their deadline after arrival (None: none); ``forward``
+    False keeps batch at home (the lane's local order only)."""
+
+    is_batch: Callable[[RequestRecord], bool]
+    deadline_s: float | None = None
+    forward: bool = True
+    reserve: float = 0.0  # tenants.batch_mesh.reserve
+
+
 class SimReplica:
     def __init__(
         self,
@@ -218,6 +230,14 @@ class SimBalancer:
         # Tenancy's fair queue in front of the dispatcher (skymesh.balancer.tenancy), as
         # the live balancer's with a tenants section; None: first come, first served.
         self.tenancy: SimTenancy | None = None
+        self.batch: SimBatch | None = None
+
+    def set_batch(self, batch: SimBatch) -> None:
+        """Batch requests wait in the dispatcher's batch lane, as the live balancer's."""
+        self.batch = batch
+        d = self.dispatcher
+        d.batch_lane, d.batch_forward, d.batch_reserve = True, batch.forward, batch.reserve
+        d.better_waiting = lambda model: self.tenancy.queue.waiting if self.tenancy else 0
 
     @property
     def policy(self) -> Policy:
@@ -242,7 +262,9 @@ class SimBalancer:
         ticket = Ticket(route, self.loop.now, payload=rec)
         rec.path.append((self, ticket))
         ten = self.tenancy
-        if ten is not None and not route.forwarded:  # forwarded: ordered at its origin
+        if self.batch is not None and self._mark_batch(ticket, rec):
+            self.dispatcher.offer(ticket, self.loop.now)  # the lane, not the fair queue
+        elif ten is not None and not route.forwarded:  # forwarded: ordered at its origin
             tenant, cls = ten.classify(rec)
             ten.queue.push(Waiter(route.model, tenant, cls, route.prompt_len,
                                   self.loop.now, ticket))
@@ -255,6 +277,15 @@ class SimBalancer:
                 self._heartbeat()
         else:
             self._pump()
+
+    def _mark_batch(self, ticket: Ticket, rec: RequestRecord) -> bool:
+        b = self.batch
+        assert b is not None
+        if not b.is_batch(rec):
+            return False
+        ticket.batch = True
+        ticket.batch_due = None if b.deadline_s is None else rec.t_arrival + b.deadline_s
+        return True
 
     # -- periodic signals ------------------------------------------------------------------
     def _probe(self) -> None:

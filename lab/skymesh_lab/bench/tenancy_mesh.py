@@ -1,0 +1,173 @@
+"""Batch across the mesh (skymesh.balancer.batch_routing, docs/tenancy.md) in the simulator,
+on the diurnal three-region workload (lab/skymesh_lab/bench/diurnal.py: ShareGPT chat
+clients skewed toward us, 120 / 40 / 40, at its peak; replicas spread evenly; SkyLB's
+overflow forwarding on) plus a batch tenant: Poisson batch jobs in every region, each with
+a deadline (``tenants.batch_mesh.reserve`` 0.34: one replica of each region's three).
+Four arms on the same seeds:
+
+- ``no_batch``: the chat clients alone: the interactive figures to keep;
+- ``fcfs``: batch jobs mixed in, first come first served, as without tenancy;
+- ``local_last``: batch in the dispatcher's batch lane, admitted last, never forwarded;
+- ``mesh_rule``: the rule: batch forwarded to an idle peer first while its region is
+  busy, admitted last locally, served where it is past its deadline.
+
+Interactive SLO attainment is the share of chat requests whose TTFT is within
+``TTFT_SLO_S``; batch is judged by the share finished within its deadline, and where it ran.
+The simulated day is compressed: deadlines are simulated seconds standing for the hours
+of ``tenants.batch_mesh.deadline_h``.
+
+    python -m skymesh_lab.bench.tenancy_mesh --json docs/results/data/tenancy-mesh.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+import statistics
+import time
+from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from skymesh_lab.sim.cluster import RequestRecord, SimBatch
+from skymesh_lab.sim.runner import SimConfig, Simulation, spread_replicas
+from skymesh_lab.sim.workload import Arrival, WorkItem, Workload
+from skymesh_lab.sim.workloads import build_workload
+from skymesh_replica.engine.hashing import BLOCK_SIZE, hash_token_blocks
+
+REGIONS = ["us", "eu", "asia"]
+CLIENTS = {"us": 120, "eu": 40, "asia": 40}
+REPLICAS = 9
+ARMS = ("no_batch", "fcfs", "local_last", "mesh_rule")
+DURATION_S = 300.0
+BATCH_PER_S = 0.3  # batch jobs per second per region
+# tenants.batch_mesh.reserve: one replica of each region's three (the default, 0.25,
+# rounded down, keeps none of three).
+RESERVE = 0.34
+BATCH_PROMPT, BATCH_OUTPUT = 1500, 400
+DEADLINE_S = 240.0
+TTFT_SLO_S = 2.0
+
+
+class WithBatch(Workload):
+    """``inner`` plus a Poisson stream of batch jobs per region (request ids ``batch-``)."""
+
+    def __init__(self, inner: Workload, seed: int, duration_s: float) -> None:
+        self.inner = inner
+        self.name = inner.name
+        rng = random.Random(seed ^ 0xBA7C)
+        self.jobs: list[Arrival] = []
+        for region in REGIONS:
+            t = rng.expovariate(BATCH_PER_S)
+            while t < duration_s:
+                toks = [rng.randrange(150_000) for _ in range(BATCH_PROMPT)]
+                item = WorkItem(f"batch-{region}-{len(self.jobs)}", region, len(toks),
+                                BATCH_OUTPUT, hash_token_blocks(toks, BLOCK_SIZE))
+                self.jobs.append((t, item))
+                t += rng.expovariate(BATCH_PER_S)
+        self.jobs.sort(key=lambda a: a[0])
+
+    def initial(self) -> Iterator[Arrival]:
+        return heapq.merge(self.inner.initial(), self.jobs, key=lambda a: a[0])
+
+    def on_complete(self, item: WorkItem, now: float, ok: bool = True) -> Iterable[Arrival]:
+        if is_batch_item(item):
+            return ()
+        return self.inner.on_complete(item, now, ok)
+
+
+def is_batch_item(item: WorkItem) -> bool:
+    return item.request_id.startswith("batch-")
+
+
+def _is_batch(rec: RequestRecord) -> bool:
+    return is_batch_item(rec.item)
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run_arm(arm: str, seed: int, duration_s: float) -> dict[str, Any]:
+    cfg = SimConfig(workload="sharegpt-chat", regions=REGIONS,
+                    replicas=spread_replicas(REGIONS, REPLICAS), policy="prefix-tree",
+                    forwarding=True, seed=seed, duration_s=duration_s,
+                    workload_params={"clients_per_region": CLIENTS})
+    workload: Workload = build_workload(cfg.workload, regions=REGIONS, seed=seed,
+                                        duration_s=duration_s, **cfg.workload_params)
+    if arm != "no_batch":
+        workload = WithBatch(workload, seed, duration_s)
+    sim = Simulation(cfg, workload)
+    if arm in ("local_last", "mesh_rule"):
+        for bal in sim.balancers.values():
+            bal.set_batch(SimBatch(_is_batch, DEADLINE_S, forward=arm == "mesh_rule",
+                                   reserve=RESERVE))
+    sim.run()
+    chat = [r for r in sim.records if not _is_batch(r)]
+    batch = [r for r in sim.records if _is_batch(r)]
+    ttft = [r.t_first - r.t_arrival for r in chat if r.ok]
+    in_time = [r for r in batch if r.ok and r.t_done - r.t_arrival <= DEADLINE_S]
+    ran: dict[str, dict[str, int]] = {}
+    for r in batch:
+        if r.ok:
+            row = ran.setdefault(r.item.region, {})
+            row[r.served_region] = row.get(r.served_region, 0) + 1
+    us_ttft = [r.t_first - r.t_arrival for r in chat if r.ok and r.item.region == "us"]
+    by_region = {}
+    for region in REGIONS:
+        ts = [r.t_first - r.t_arrival for r in chat if r.ok and r.item.region == region]
+        by_region[region] = sum(1 for t in ts if t <= TTFT_SLO_S) / len(ts) if ts else None
+    return {
+        "arm": arm, "seed": seed,
+        "interactive_ok": len(ttft),
+        "interactive_slo_attainment": (sum(1 for t in ttft if t <= TTFT_SLO_S) / len(ttft)
+                                       if ttft else None),
+        "interactive_ttft_p50_s": statistics.median(ttft) if ttft else None,
+        "interactive_ttft_p90_s": _pct(ttft, 0.9),
+        "interactive_us_ttft_p90_s": _pct(us_ttft, 0.9),
+        "interactive_slo_by_region": by_region,
+        "batch_sent": len(batch), "batch_ok": sum(1 for r in batch if r.ok),
+        "batch_by_deadline": (len(in_time) / len(batch)) if batch else None,
+        "batch_e2e_p90_s": _pct([r.t_done - r.t_arrival for r in batch if r.ok], 0.9),
+        "batch_ran": ran,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--duration", type=float, default=DURATION_S)
+    args = ap.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    t0 = time.monotonic()
+    runs = []
+    for seed in seeds:
+        for arm in ARMS:
+            r = run_arm(arm, seed, args.duration)
+            runs.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "batch_ran"}), flush=True)
+    doc: dict[str, Any] = {
+        "setup": {"regions": REGIONS, "clients": CLIENTS, "replicas": REPLICAS,
+                  "workload": "sharegpt-chat", "policy": "prefix-tree",
+                  "forwarding_rule": "overflow", "duration_s": args.duration,
+                  "batch_per_s_per_region": BATCH_PER_S, "batch_prompt": BATCH_PROMPT,
+                  "batch_output": BATCH_OUTPUT, "deadline_s": DEADLINE_S, "reserve": RESERVE,
+                  "ttft_slo_s": TTFT_SLO_S, "seeds": seeds},
+        "runs": runs,
+        "wall_seconds": round(time.monotonic() - t0, 1),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
