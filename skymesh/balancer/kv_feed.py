@@ -35,7 +35,7 @@ from prometheus_client.metrics_core import Metric
 from skymesh.balancer.config import KVEventsConfig, KVEventsEndpoint, ReplicaConfig
 from skymesh.balancer.intake import Intake
 from skymesh.policies.base import RouteRequest
-from skymesh.prefix.kv_index import ReplicaBlockIndex, longest_prefix
+from skymesh.prefix.kv_index import ReplicaBlockIndex, longest_prefix, lost_first
 from skymesh.prefix.kv_tokenize import EngineTokenizer
 from skymesh.prefix.prompt import PromptError, Tokenizer, completion_prompt, get_tokenizer
 
@@ -255,6 +255,7 @@ class ExactScorer:
         if not groups:
             return route
         prefix: dict[str, int] = {}
+        lost: set[str] = set()
         blocks = 0
         for key, urls in groups.items():
             live = self.feeds.live_indexes(urls)
@@ -273,12 +274,14 @@ class ExactScorer:
                 continue
             block_size = max(i.block_size for i in live.values()) or 16
             prefix.update(longest_prefix(live, ids))
+            lost.update(lost_first(live, ids))
             # One model's candidates share a tokenizer; were there several, the longest
             # prompt's blocks bound every fraction.
             blocks = max(blocks, len(ids) // block_size)
         if not prefix:
             return route
-        return dataclasses.replace(route, exact_prefix=prefix, exact_blocks=blocks)
+        return dataclasses.replace(route, exact_prefix=prefix, exact_blocks=blocks,
+                                   exact_lost=frozenset(lost))
 
 
 def prompt_ids(intake: Intake, tokenizer: Tokenizer | EngineTokenizer) -> list[int]:

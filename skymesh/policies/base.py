@@ -47,6 +47,9 @@ class RouteRequest:
     # ``exact_blocks``; None when no such target.
     exact_prefix: Mapping[str, int] | None = None
     exact_blocks: int = 0
+    # Targets whose events say they dropped the prompt's leading block (evicted, cleared,
+    # restarted) and have not stored it again: the trie's record of them is stale.
+    exact_lost: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
