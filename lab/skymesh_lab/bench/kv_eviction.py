@@ -26,6 +26,12 @@ Two arms: ``trie`` (the balancer without ``kv_events``: its trie of its own deci
 interleaved, ``--repeats`` of each.
 
     python -m skymesh_lab.bench.kv_eviction --json out.json [--repeats 3] [--followups 8]
+        [--arms trie,events] [--into runs]
+
+``--into KEY`` keeps the rest of an existing ``--json`` file and puts these runs under
+``KEY`` (with the commit measured): how ``before_fix`` was recorded, the events arm at the
+commit before the balancer stopped believing its trie for a prompt the replica's events
+said it lost.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import contextlib
 import json
 import os
 import random
+import subprocess
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -44,10 +51,8 @@ from typing import Any
 
 import aiohttp
 import yaml
-import zmq
-import zmq.asyncio
 
-from skymesh.prefix.kv_events import apply_events, decode_batch
+from skymesh.prefix.kv_events import KVEventSubscriber, SubscriberSettings
 from skymesh.prefix.kv_index import ReplicaBlockIndex
 from skymesh.util.procs import Daemon, free_port, start_daemon
 from skymesh_lab.faults.cluster import metrics, status, wait_for
@@ -62,9 +67,9 @@ FILL_PROMPTS, FILL_TOKENS = 4, 12_000  # 3,000 blocks through a 2,400-block cach
 QUESTION_TOKENS = 24
 
 
-def token_ids(seed: int, n: int) -> list[int]:
+def token_ids(seed: int, n: int, vocab: int = 30_000) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(1000, 30_000) for _ in range(n)]
+    return [rng.randrange(1000, vocab) for _ in range(n)]
 
 
 class Replica:
@@ -122,21 +127,24 @@ async def decisions(s: aiohttp.ClientSession, lb: str) -> dict[str, float]:
     return out
 
 
-async def complete(s: aiohttp.ClientSession, url: str, ids: list[int]) -> int:
-    """Cached prompt tokens of one completion of ``ids`` (``max_tokens`` 1)."""
+async def complete(s: aiohttp.ClientSession, url: str, ids: list[int], model: str = MODEL
+                   ) -> int:
+    """Cached prompt tokens of one completion of ``ids`` (``max_tokens`` 1; 0 from an
+    engine that does not report them)."""
     async with s.post(f"{url}/v1/completions",
-                      json={"model": MODEL, "prompt": ids, "max_tokens": 1}) as r:
+                      json={"model": model, "prompt": ids, "max_tokens": 1}) as r:
         if r.status != 200:
             raise RuntimeError(f"{url}: HTTP {r.status}: {await r.text()}")
-        cached: int = (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
-        return cached
+        details = (await r.json())["usage"].get("prompt_tokens_details") or {}
+        return int(details.get("cached_tokens") or 0)
 
 
-async def routed(s: aiohttp.ClientSession, lb: str, ids: list[int]) -> tuple[str, int]:
+async def routed(s: aiohttp.ClientSession, lb: str, ids: list[int], model: str = MODEL
+                 ) -> tuple[str, int]:
     """(the replica the balancer sent ``ids`` to, the prompt tokens it had cached);
     one request at a time."""
     before = await decisions(s, lb)
-    cached = await complete(s, lb, ids)
+    cached = await complete(s, lb, ids, model)
     after = await decisions(s, lb)
     (target,) = [t for t, v in after.items() if v > before.get(t, 0.0)]
     return target, cached
@@ -148,9 +156,11 @@ async def replica_status(s: aiohttp.ClientSession, lb: str, url: str) -> dict[st
 
 
 @contextlib.asynccontextmanager
-async def busy(s: aiohttp.ClientSession, lb: str, url: str) -> AsyncIterator[None]:
+async def busy(s: aiohttp.ClientSession, lb: str, url: str, model: str = MODEL,
+               max_tokens: int = 16_000) -> AsyncIterator[None]:
     """Another client's long generation on ``url``, once the balancer's probe sees it."""
-    body = {"model": MODEL, "prompt": [11, 12, 13], "max_tokens": 16_000, "stream": True}
+    body = {"model": model, "prompt": [11, 12, 13], "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True}
 
     async def run() -> None:
         # A session of its own: a pooled connection to a replica since restarted is dead.
@@ -163,6 +173,8 @@ async def busy(s: aiohttp.ClientSession, lb: str, url: str) -> AsyncIterator[Non
     task = asyncio.create_task(run())
 
     async def seen() -> bool:
+        if task.done():  # refused or cut: say why rather than time out
+            raise RuntimeError(f"the busy request on {url} ended: {task.exception()!r}")
         return bool((await replica_status(s, lb, url)).get("running"))
 
     try:
@@ -175,35 +187,29 @@ async def busy(s: aiohttp.ClientSession, lb: str, url: str) -> AsyncIterator[Non
 
 
 @dataclass
-class Follow:
-    """A's event stream as the bench sees it: batches, and whether DOC is still held."""
+class Follow(KVEventSubscriber):
+    """A's event stream as the bench sees it (the balancer's own subscriber, so a batch
+    published before the SUB socket joined is replayed): batches, and when DOC went."""
 
-    endpoint: str
-    doc: list[int]
-    index: ReplicaBlockIndex = field(default_factory=ReplicaBlockIndex)
+    doc: list[int] = field(default_factory=list)
     batches: int = 0
     lost_at: float | None = None  # monotonic time of the batch that dropped DOC's head
     lost_batch: int | None = None
 
-    async def run(self) -> None:
-        ctx = zmq.asyncio.Context.instance()
-        sock = ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(self.endpoint)
-        try:
-            while True:
-                _topic, _seq, payload = await sock.recv_multipart()
-                held = self.index.match_tokens(self.doc) > 0
-                apply_events(self.index, decode_batch(payload)[0])
-                self.batches += 1
-                if held and self.index.match_tokens(self.doc) == 0 and self.lost_at is None:
-                    self.lost_at, self.lost_batch = time.monotonic(), self.batches
-        finally:
-            sock.close(linger=0)
+    def _apply(self, seq: int, payload: bytes) -> None:
+        held = self.index.match_tokens(self.doc) > 0
+        super()._apply(seq, payload)
+        self.batches += 1
+        if held and self.lost_at is None and self.index.match_tokens(self.doc) == 0:
+            self.lost_at, self.lost_batch = time.monotonic(), self.batches
 
     def mark_loss(self) -> None:
         self.lost_at, self.lost_batch = time.monotonic(), self.batches
+
+
+def follow_replica(replica_pub: int, replay: int, doc: list[int]) -> Follow:
+    return Follow(f"tcp://127.0.0.1:{replica_pub}", f"tcp://127.0.0.1:{replay}",
+                  ReplicaBlockIndex(), SubscriberSettings(heartbeat_s=0.2), doc=doc)
 
 
 async def run_one(workdir: Path, scenario: str, arm: str, seed: int, followups: int
@@ -212,7 +218,7 @@ async def run_one(workdir: Path, scenario: str, arm: str, seed: int, followups: 
     a, b = Replica(workdir, "a"), Replica(workdir, "b")
     lb = start_lb(workdir, lb_config([a, b], events=arm == "events"))
     doc = token_ids(1000 + seed, DOC_TOKENS)
-    follow = Follow(f"tcp://127.0.0.1:{a.pub}", doc)
+    follow = follow_replica(a.pub, a.replay, doc)
     task = asyncio.create_task(follow.run())
     out: dict[str, Any] = {"scenario": scenario, "arm": arm, "seed": seed}
     try:
@@ -284,12 +290,12 @@ async def _true(v: bool) -> bool:
     return v
 
 
-def summary(run: dict[str, Any]) -> dict[str, Any]:
+def summary(run: dict[str, Any], doc_tokens: int = DOC_TOKENS) -> dict[str, Any]:
     reqs = run["requests"]
     to_lost = [r for r in reqs if r["to_lost"]]
     return {"to_lost": len(to_lost), "followups": len(reqs),
             "hit_rate": sum(r["cached"] for r in reqs) / sum(r["prompt_tokens"] for r in reqs),
-            "hits": sum(r["cached"] >= DOC_TOKENS for r in reqs),
+            "hits": sum(r["cached"] >= doc_tokens for r in reqs),
             "last_to_lost_after_s": max((r["after_loss_s"] for r in to_lost), default=None),
             "last_to_lost_batches": max((r["batches_after_loss"] for r in to_lost),
                                         default=None)}
@@ -301,7 +307,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     runs = []
     for rep in range(args.repeats):
         for scenario in SCENARIOS:
-            arms = ARMS if rep % 2 == 0 else ARMS[::-1]
+            arms = args.arms if rep % 2 == 0 else args.arms[::-1]
             for arm in arms:
                 r = await run_one(workdir / f"{scenario}-{arm}-{rep}", scenario, arm, rep,
                                   args.followups)
@@ -327,9 +333,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workdir", default="out/kv-eviction")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--followups", type=int, default=8)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--into", default="runs")
+    ap.add_argument("--code", help="what code ran, for --into (default: the commit)")
     args = ap.parse_args(argv)
+    args.arms = tuple(args.arms.split(","))
+    if not set(args.arms) <= set(ARMS):
+        ap.error(f"--arms: of {', '.join(ARMS)}")
     out = asyncio.run(main_async(args))
-    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    path = Path(args.json)
+    if args.into != "runs":
+        commit = args.code or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            check=False).stdout.strip()
+        runs = [{**r, "commit": commit} for r in out["runs"]]
+        out = {**json.loads(path.read_text()), args.into: runs}
+    path.write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 

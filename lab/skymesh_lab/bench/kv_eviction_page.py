@@ -27,20 +27,29 @@ def _spread(vals: list[float], fmt: str) -> str:
 
 def table(doc: dict[str, Any]) -> str:
     n = doc["setup"]["followups"]
-    out = ["| loss | routing | follow-ups sent to A, of " f"{n} | last one sent to A, s after "
-           "the loss | A's event batches by then | cache hit rate | full hits | runs |",
-           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out = ["| loss | routing | first follow-up, s after the loss | A's event batches by then "
+           f"| follow-ups sent to A, of {n} | last one sent to A, s after the loss "
+           "| A's event batches by then | cache hit rate | full hits | runs |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    arms = [("runs", arm, label) for arm, label in ARMS.items()]
+    if doc.get("before_fix"):
+        arms.append(("before_fix", "events", "events, before this change"))
     for scenario, what in SCENARIOS.items():
-        for arm, label in ARMS.items():
-            rows = [r for r in doc["runs"] if r["scenario"] == scenario and r["arm"] == arm]
+        for key, arm, label in arms:
+            rows = [r for r in doc.get(key, ())
+                    if r["scenario"] == scenario and r["arm"] == arm]
             if not rows:
                 continue
             last_s = [r["last_to_lost_after_s"] for r in rows
                       if r["last_to_lost_after_s"] is not None]
             last_b = [r["last_to_lost_batches"] for r in rows
                       if r["last_to_lost_batches"] is not None]
+            first = [r["requests"][0] for r in rows]
             out.append(
-                f"| {what} | {label} | {_spread([r['to_lost'] for r in rows], 'g')} "
+                f"| {what} | {label} "
+                f"| {_spread([f['after_loss_s'] for f in first], '.2f')} "
+                f"| {_spread([f['batches_after_loss'] for f in first], 'g')} "
+                f"| {_spread([r['to_lost'] for r in rows], 'g')} "
                 f"| {_spread(last_s, '.2f') if last_s else 'none'} "
                 f"| {_spread(last_b, 'g') if last_b else 'none'} "
                 f"| {_spread([100 * r['hit_rate'] for r in rows], '.1f')}% "
@@ -48,19 +57,44 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _back_s(doc: dict[str, Any], arm: str) -> list[float]:
+    return [r["a_back_in_balancer_s"] for r in doc["runs"]
+            if r["scenario"] == "restart" and r["arm"] == arm
+            and r.get("a_back_in_balancer_s") is not None]
+
+
 def detection(doc: dict[str, Any]) -> str:
-    rows = [r["a_back_in_balancer_s"] for r in doc["runs"]
-            if r["scenario"] == "restart" and r["arm"] == "events"
-            and r.get("a_back_in_balancer_s") is not None]
-    trie = [r["a_back_in_balancer_s"] for r in doc["runs"]
-            if r["scenario"] == "restart" and r["arm"] == "trie"
-            and r.get("a_back_in_balancer_s") is not None]
+    rows, trie = _back_s(doc, "events"), _back_s(doc, "trie")
     if not rows:
         return ""
     return (f"After the restart, the balancer's `/status` showed A healthy with its events "
             f"`live` and its index empty {_spread(rows, '.2f')} s after the new process "
             f"was up (events arm; A healthy again after {_spread(trie, '.2f')} s in the "
             "trie arm, which has no index to empty).")
+
+
+def vllm_section(doc: dict[str, Any]) -> str:
+    v = doc.get("vllm")
+    if not v:
+        return ("(Not measured in this run. `skymesh_lab.bench.kv_eviction_vllm` runs the "
+                "eviction case on two vLLM CPU servers; it needs the e2e lane's environment.)")
+    s = v["setup"]
+    cache = s.get("cache", {})
+    return "\n".join([
+        f"Engine: {s['engine']}, {s['replicas']} servers with KV events on, each KV cache "
+        f"{cache.get('num_gpu_blocks', '?')} blocks of {cache.get('block_size', '?')} "
+        f"tokens (`--kv-cache-memory-bytes` {s['kv_cache_memory_bytes']:,}); the servers "
+        "shared by the runs, their prefix caches reset between runs, a fresh balancer for "
+        f"each. A document of {s['doc_tokens']:,} token ids cached on server A and routed "
+        f"there once; other clients' prompts of {s['fill_tokens']:,} tokens sent to A until "
+        f"its events removed the document's first block; then {s['followups']} follow-ups "
+        "through the balancer with A busy, one at a time. The cache hit is vLLM's own "
+        "(`vllm:prefix_cache_hits_total` added on the server that took the request). "
+        f"{s['repeats']} runs per row. Load average (1 min) "
+        f"{s['load_average_1m_at_start']:g} at the start, {s['load_average_1m_at_end']:g} "
+        "at the end. No restart here: a vLLM CPU server takes minutes to start on this "
+        "shared machine.", "",
+        table(v)])
 
 
 def page(doc: dict[str, Any]) -> str:
@@ -94,13 +128,22 @@ def page(doc: dict[str, Any]) -> str:
         "or-restarts)). The follow-ups are then scored by load. \"A's event batches by "
         "then\": batches A published between the loss (the batch that removed the "
         "document's first block; for a restart, the new process's start) and the last "
-        "follow-up sent to A. The hit rate is the replicas' own "
+        "follow-up sent to A; the first follow-up's column bounds how soon the balancer knew "
+        "(already then, where none went to A). The hit rate is the replicas' own "
         "(`usage.prompt_tokens_details.cached_tokens` over prompt tokens); a full hit "
         "served the whole document from cache. Whichever replica takes the first "
         "follow-up computes the document again and serves the rest from cache, so the hit "
         "rates are alike: what the events change is where the requests for a lost prefix "
-        "go (to the busy replica for no cache benefit, or by load).", "",
-        detection(doc)])
+        "go (to the busy replica for no cache benefit, or by load)."
+        + (f" `events, before this change`: the events arm at "
+           f"`{doc['before_fix'][0]['commit']}`, when a prompt no replica's events held "
+           "went by the trie's record, stale or not: the events emptied A's index, and the "
+           "trie sent the requests back to A all the same (recorded with `--arms events "
+           "--into before_fix` on that code)." if doc.get("before_fix")
+           else ""), "",
+        detection(doc), "",
+        "## On real vLLM (eviction)", "",
+        vllm_section(doc)])
 
 
-__all__ = ["page", "table"]
+__all__ = ["page", "table", "vllm_section"]
