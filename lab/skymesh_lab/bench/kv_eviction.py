@@ -23,7 +23,8 @@ removed the document's first block (``evict``), the new process's start (``resta
 
 Two arms: ``trie`` (the balancer without ``kv_events``: its trie of its own decisions) and
 ``events`` (the replicas' ``kv_events`` in its config). Fresh processes for each run; arms
-interleaved, ``--repeats`` of each.
+interleaved, ``--repeats`` of each. The eviction case on real vLLM:
+:mod:`skymesh_lab.bench.kv_eviction_vllm`.
 
     python -m skymesh_lab.bench.kv_eviction --json out.json [--repeats 3] [--followups 8]
         [--arms trie,events] [--into runs]
@@ -164,17 +165,19 @@ async def busy(s: aiohttp.ClientSession, lb: str, url: str, model: str = MODEL,
 
     async def run() -> None:
         # A session of its own: a pooled connection to a replica since restarted is dead.
-        async with aiohttp.ClientSession() as own, \
-                own.post(f"{url}/v1/completions", json=body) as r:
-            r.raise_for_status()
-            async for _chunk in r.content.iter_any():
-                pass
+        # Again and again: a short context (real vLLM's) ends a generation in seconds.
+        async with aiohttp.ClientSession() as own:
+            while True:
+                async with own.post(f"{url}/v1/completions", json=body) as r:
+                    r.raise_for_status()
+                    async for _chunk in r.content.iter_any():
+                        pass
 
     task = asyncio.create_task(run())
 
     async def seen() -> bool:
         if task.done():  # refused or cut: say why rather than time out
-            raise RuntimeError(f"the busy request on {url} ended: {task.exception()!r}")
+            raise RuntimeError(f"the busy requests on {url} failed: {task.exception()!r}")
         return bool((await replica_status(s, lb, url)).get("running"))
 
     try:

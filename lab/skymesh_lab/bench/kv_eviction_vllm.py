@@ -42,7 +42,7 @@ from skymesh_lab.bench.kv_eviction import (
     summary,
     token_ids,
 )
-from skymesh_lab.faults.cluster import metrics, status, wait_for
+from skymesh_lab.faults.cluster import parse_metrics, status, wait_for
 
 VOCAB = 4000  # the tiny model's vocabulary is 4,096
 DOC_TOKENS, FILL_TOKENS, QUESTION_TOKENS = 1024, 1800, 24
@@ -63,14 +63,19 @@ def lb_config(engines: Sequence[Engine], arm: str, tokenizer: str) -> dict[str, 
 
 
 async def hits(s: aiohttp.ClientSession, url: str) -> float:
-    return (await metrics(s, url)).get("vllm:prefix_cache_hits_total", 0.0)
+    # A CPU server busy generating answers its /metrics late on a loaded machine.
+    async with s.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=60)) as r:
+        r.raise_for_status()
+        return parse_metrics(await r.text()).get("vllm:prefix_cache_hits_total", 0.0)
 
 
 async def run_one(workdir: Path, engines: Sequence[Engine], arm: str, seed: int,
                   tokenizer: str, followups: int) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     a, b = engines
-    doc = token_ids(1000 + seed, DOC_TOKENS, VOCAB)
+    # A document of its own per run: the servers' replay buffers still hold the batches of
+    # earlier runs, which the bench's subscriber replays when it joins.
+    doc = token_ids(1000 + 10 * seed + ("trie", "events").index(arm), DOC_TOKENS, VOCAB)
     out: dict[str, Any] = {"scenario": "evict", "arm": arm, "seed": seed}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         for e in engines:
