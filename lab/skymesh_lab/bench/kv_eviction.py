@@ -45,7 +45,7 @@ import os
 import random
 import subprocess
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,7 +158,7 @@ async def replica_status(s: aiohttp.ClientSession, lb: str, url: str) -> dict[st
 
 @contextlib.asynccontextmanager
 async def busy(s: aiohttp.ClientSession, lb: str, url: str, model: str = MODEL,
-               max_tokens: int = 16_000) -> AsyncIterator[None]:
+               max_tokens: int = 16_000, deadline_s: float = 15) -> AsyncIterator[None]:
     """Another client's long generation on ``url``, once the balancer's probe sees it."""
     body = {"model": model, "prompt": [11, 12, 13], "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True}
@@ -181,7 +181,7 @@ async def busy(s: aiohttp.ClientSession, lb: str, url: str, model: str = MODEL,
         return bool((await replica_status(s, lb, url)).get("running"))
 
     try:
-        await wait_for(seen, "the balancer's probe sees the replica busy", 15)
+        await wait_for(seen, "the balancer's probe sees the replica busy", deadline_s)
         yield
     finally:
         task.cancel()
@@ -265,20 +265,11 @@ async def run_one(workdir: Path, scenario: str, arm: str, seed: int, followups: 
                 await wait_for(lambda: _true(follow.lost_at is not None), "DOC evicted", 20)
             out["batches_to_loss"] = follow.lost_batch
 
-            requests = []
             async with busy(s, lb.url, a.url):
-                for k in range(followups):
-                    ids = doc + token_ids(3000 + 100 * seed + k, QUESTION_TOKENS)
-                    sent = time.monotonic()
-                    assert follow.lost_at is not None and follow.lost_batch is not None
-                    since_s = sent - follow.lost_at
-                    since_batches = follow.batches - follow.lost_batch
-                    target, cached = await routed(s, lb.url, ids)
-                    requests.append({"to_lost": target == a.url, "cached": cached,
-                                     "prompt_tokens": len(ids),
-                                     "after_loss_s": round(since_s, 3),
-                                     "batches_after_loss": since_batches})
-            out["requests"] = requests
+                out["requests"] = await follow_ups(
+                    follow, a.url, [doc + token_ids(3000 + 100 * seed + k, QUESTION_TOKENS)
+                                    for k in range(followups)],
+                    lambda ids: routed(s, lb.url, ids))
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -286,6 +277,23 @@ async def run_one(workdir: Path, scenario: str, arm: str, seed: int, followups: 
         lb.stop()
         a.daemon.stop()
         b.daemon.stop()
+    return out
+
+
+async def follow_ups(follow: Follow, lost_url: str, prompts: list[list[int]],
+                     send: Callable[[list[int]], Awaitable[tuple[str, int]]]
+                     ) -> list[dict[str, Any]]:
+    """Send ``prompts`` one at a time (``send``: the target and its cached tokens) and
+    record each against the loss ``follow`` saw."""
+    out = []
+    for ids in prompts:
+        assert follow.lost_at is not None and follow.lost_batch is not None
+        since_s = time.monotonic() - follow.lost_at
+        since_batches = follow.batches - follow.lost_batch
+        target, cached = await send(ids)
+        out.append({"to_lost": target == lost_url, "cached": cached,
+                    "prompt_tokens": len(ids), "after_loss_s": round(since_s, 3),
+                    "batches_after_loss": since_batches})
     return out
 
 

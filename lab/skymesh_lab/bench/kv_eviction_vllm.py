@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import json
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,10 +32,12 @@ from typing import Any
 import aiohttp
 
 from skymesh_lab.bench.kv_events_live import MODEL, Engine, cache_info, start_vllm
+from skymesh_lab.bench.kv_events_live import lb_config as live_lb_config
 from skymesh_lab.bench.kv_eviction import (
     busy,
     complete,
     follow_replica,
+    follow_ups,
     routed,
     start_lb,
     summary,
@@ -50,16 +51,9 @@ MAX_FILL = 16
 
 
 def lb_config(engines: Sequence[Engine], arm: str, tokenizer: str) -> dict[str, Any]:
-    reps: list[dict[str, Any]] = []
-    for e in engines:
-        rep: dict[str, Any] = {"url": e.url, "kind": "vllm"}
-        if arm == "events":
-            rep["tokenizer"] = tokenizer
-            rep["kv_events"] = {"endpoint": f"tcp://127.0.0.1:{e.pub}",
-                                "replay_endpoint": f"tcp://127.0.0.1:{e.replay}"}
-        reps.append(rep)
-    return {"listen": {"host": "127.0.0.1", "port": 0}, "policy": {"name": "prefix-tree"},
-            "replicas": reps, "kv_events": {"heartbeat_s": 0.5}}
+    cfg = live_lb_config(engines, "exact" if arm == "events" else "trie", tokenizer)
+    # A CPU server generating answers its probes late on a loaded machine: a patient probe.
+    return {**cfg, "probe": {"interval_s": 0.2, "timeout_s": 5.0}}
 
 
 async def hits(s: aiohttp.ClientSession, url: str) -> float:
@@ -102,7 +96,7 @@ async def run_one(workdir: Path, engines: Sequence[Engine], arm: str, seed: int,
                     st = (await status(s, lb.url))["replicas"][a.url]
                     return bool(st["kv_blocks"]) and st["kv_blocks"] >= DOC_TOKENS // 128
                 await wait_for(indexed, "A's blocks in the balancer's index", 30)
-            async with busy(s, lb.url, b.url, MODEL, 1900):
+            async with busy(s, lb.url, b.url, MODEL, 1900, 90):
                 target, _ = await routed(s, lb.url, doc, MODEL)
             if target != a.url:
                 raise RuntimeError("the warm-up request was not routed to A")
@@ -117,21 +111,16 @@ async def run_one(workdir: Path, engines: Sequence[Engine], arm: str, seed: int,
 
             await wait_for(lost, "DOC evicted", 30)
             out["batches_to_loss"] = follow.lost_batch
-            requests = []
-            async with busy(s, lb.url, a.url, MODEL, 1900):
-                for k in range(followups):
-                    ids = doc + token_ids(3000 + 100 * seed + k, QUESTION_TOKENS, VOCAB)
-                    assert follow.lost_at is not None and follow.lost_batch is not None
-                    since_s = time.monotonic() - follow.lost_at
-                    since_batches = follow.batches - follow.lost_batch
-                    before = {e.url: await hits(s, e.url) for e in engines}
-                    target, _ = await routed(s, lb.url, ids, MODEL)
-                    cached = await hits(s, target) - before[target]
-                    requests.append({"to_lost": target == a.url, "cached": int(cached),
-                                     "prompt_tokens": len(ids),
-                                     "after_loss_s": round(since_s, 3),
-                                     "batches_after_loss": since_batches})
-            out["requests"] = requests
+            async def send(ids: list[int]) -> tuple[str, int]:
+                before = {e.url: await hits(s, e.url) for e in engines}
+                target, _ = await routed(s, lb.url, ids, MODEL)
+                return target, int(await hits(s, target) - before[target])
+
+            async with busy(s, lb.url, a.url, MODEL, 1900, 90):
+                out["requests"] = await follow_ups(
+                    follow, a.url,
+                    [doc + token_ids(3000 + 100 * seed + k, QUESTION_TOKENS, VOCAB)
+                     for k in range(followups)], send)
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
