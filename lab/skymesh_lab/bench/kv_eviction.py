@@ -56,7 +56,7 @@ import yaml
 from skymesh.prefix.kv_events import KVEventSubscriber, SubscriberSettings
 from skymesh.prefix.kv_index import ReplicaBlockIndex
 from skymesh.util.procs import Daemon, free_port, start_daemon
-from skymesh_lab.faults.cluster import metrics, status, wait_for
+from skymesh_lab.faults.cluster import parse_metrics, status, wait_for
 from skymesh_replica.engine.profiles import DEFAULT_PROFILE, get_profile
 
 MODEL = get_profile(DEFAULT_PROFILE).model
@@ -121,7 +121,12 @@ def start_lb(workdir: Path, cfg: dict[str, Any]) -> Daemon:
 async def decisions(s: aiohttp.ClientSession, lb: str) -> dict[str, float]:
     """Requests placed per target so far (``skymesh_routing_decisions_total``)."""
     out: dict[str, float] = {}
-    for series, v in (await metrics(s, lb)).items():
+    # Patient: next to a busy vLLM CPU server on a shared machine, an answer can take
+    # seconds.
+    async with s.get(lb + "/metrics", timeout=aiohttp.ClientTimeout(total=60)) as r:
+        r.raise_for_status()
+        text = await r.text()
+    for series, v in parse_metrics(text).items():
         if series.startswith("skymesh_routing_decisions_total{"):
             target = series.split('target="', 1)[1].split('"', 1)[0]
             out[target] = out.get(target, 0.0) + v

@@ -19,10 +19,8 @@ def _spread(vals: list[float], fmt: str) -> str:
     """Median, and the range when the runs differ."""
     if not vals:
         return "-"
-    med, lo, hi = statistics.median(vals), min(vals), max(vals)
-    if lo == hi:
-        return format(med, fmt)
-    return f"{format(med, fmt)} ({format(lo, fmt)}-{format(hi, fmt)})"
+    med, lo, hi = (format(v, fmt) for v in (statistics.median(vals), min(vals), max(vals)))
+    return med if lo == hi else f"{med} ({lo}-{hi})"
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -93,8 +91,13 @@ def vllm_section(doc: dict[str, Any]) -> str:
         f"{s['repeats']} runs per row. Load average (1 min) "
         f"{s['load_average_1m_at_start']:g} at the start, {s['load_average_1m_at_end']:g} "
         "at the end. No restart here: a vLLM CPU server takes minutes to start on this "
-        "shared machine.", "",
-        table(v)])
+        "shared machine. The first follow-up waits for the balancer's probe to see A "
+        "busy, which took seconds on this load (its batches meanwhile are A's own "
+        "generation's).", "",
+        table(v), "",
+        "Measured with `.venv/bin/python -m skymesh_lab.bench.kv_eviction_vllm --json "
+        "docs/results/data/kv-eviction.json --vllm-env $SKYMESH_E2E_ENV` (it adds its runs "
+        "under `vllm`)."])
 
 
 def page(doc: dict[str, Any]) -> str:
