@@ -38,7 +38,7 @@ from prometheus_client.metrics_core import Metric
 from skymesh.balancer.config import KVEventsConfig, KVEventsEndpoint, ReplicaConfig
 from skymesh.balancer.intake import Intake
 from skymesh.policies.base import RouteRequest
-from skymesh.prefix.kv_index import ReplicaBlockIndex, block_keys, longest_prefix
+from skymesh.prefix.kv_index import ReplicaBlockIndex, block_keys, longest_prefix, lost_first
 from skymesh.prefix.kv_tokenize import EngineTokenizer
 from skymesh.prefix.prompt import PromptError, Tokenizer, completion_prompt, get_tokenizer
 
@@ -277,6 +277,7 @@ class ExactScorer:
             return route
         prefix: dict[str, int] = {}
         keys_of: dict[tuple[str, int], list[int]] = {}
+        lost: set[str] = set()
         blocks = 0
         for key, urls in groups.items():
             live = self.feeds.live_indexes(urls)
@@ -300,13 +301,14 @@ class ExactScorer:
                        for bs in {i.block_size for i in live.values() if i.block_size}}
             prefix.update(longest_prefix(live, ids, keys_by_size=by_size))
             keys_of.update(((key, bs), k) for bs, k in by_size.items())
+            lost.update(lost_first(live, ids))
             # One model's candidates share a tokenizer; were there several, the longest
             # prompt's blocks bound every fraction.
             blocks = max(blocks, len(ids) // block_size)
         if not prefix:
             return route
         return dataclasses.replace(route, exact_prefix=prefix, exact_blocks=blocks,
-                                   block_keys=keys_of or None)
+                                   block_keys=keys_of or None, exact_lost=frozenset(lost))
 
 
 def prompt_ids(intake: Intake, tokenizer: Tokenizer | EngineTokenizer) -> list[int]:

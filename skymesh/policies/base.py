@@ -50,6 +50,9 @@ class RouteRequest:
     # The prompt's full-block keys per (scoring key, block size) computed for that state
     # (skymesh.prefix.kv_index.BlockKeys): probed against peers' exact summaries.
     block_keys: Mapping[tuple[str, int], Sequence[int]] | None = None
+    # Targets whose events say they dropped the prompt's leading block (evicted, cleared,
+    # restarted) and have not stored it again: the trie's record of them is stale.
+    exact_lost: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,11 @@ KV-cache events, docs/kv-events.md) for *every* candidate, the match is read fro
 instead of the trie: the deepest match is the most leading blocks cached, the matched
 fraction those blocks over the prompt's full blocks. A candidate without live events
 sends the decision back to the trie (one scale for all candidates), and so does a prompt
-no candidate holds any block of (requests for it may be in flight, not yet published).
+no candidate holds any block of (requests for it may be in flight, not yet published). The
+trie then ignores the targets whose events say they dropped the prompt's leading block
+(``exact_lost``: evicted, cleared, restarted): its record of them is stale, so a prompt a
+replica lost is scored by load from the batch that told it, not sent back there until the
+trie's entries age out.
 As the peer layer's policy, its trie is a ``PeerSnapshot`` that also reads the request's
 ``block_keys`` against the peers' exact summaries (skymesh.mesh.summary).
 """
@@ -77,7 +81,7 @@ class PrefixTree(Policy, name="prefix-tree"):
             return self._least_loaded(candidates, view)
         keys = request.prefix_keys
         if keys and candidates:
-            depth, matched = self.trie.match(keys, candidates, request.block_keys)
+            depth, matched = self.trie.match(keys, trie_targets(request, candidates), request.block_keys)
             if matched and depth >= self.match_threshold * len(keys):
                 return self._least_loaded(matched, view)
         return self._least_loaded(candidates, view)
@@ -99,7 +103,7 @@ class PrefixTree(Policy, name="prefix-tree"):
         if not keys or not targets:
             return None
         trie = self.trie
-        depth, matched = trie.match(keys, targets, request.block_keys)
+        depth, matched = trie.match(keys, trie_targets(request, targets), request.block_keys)
         # Only an insert through the deepest matched key (or the first, if none) can
         # change this answer: keys are chained.
         self.memo_key = keys[depth - 1] if depth else keys[0]
@@ -119,6 +123,15 @@ class PrefixTree(Policy, name="prefix-tree"):
 
     def on_membership(self, targets: Sequence[str]) -> None:
         self.trie.retain(targets)
+
+
+def trie_targets(request: RouteRequest, targets: Sequence[str]) -> Sequence[str]:
+    """The targets whose trie records may be believed for this request: not those whose
+    events say they dropped its prompt."""
+    lost = request.exact_lost
+    if not lost:
+        return targets
+    return [t for t in targets if t not in lost]
 
 
 def exact_match(request: RouteRequest, targets: Sequence[str]

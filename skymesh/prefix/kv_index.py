@@ -17,8 +17,15 @@ the engine, never blocks the engine has dropped (as far as the events tell).
 (the balancer's queries and any sibling's); it is not cryptographic, and a collision only
 misroutes a request.
 
+Lost prompts: the index also remembers which *first* blocks (a prompt's leading block)
+the engine removed or lost in a clear or restart, until the engine stores them again
+(:meth:`ReplicaBlockIndex.lost`, :func:`lost_first`). The balancer's trie still says the
+replica holds such a prompt (it cannot tell an evicted prompt from one in flight, not yet
+published); this is how the router knows not to believe it.
+
 Parameters: ``max_blocks`` (default 100_000 per replica, config ``kv_events.max_blocks``):
-beyond it the least recently stored block is forgotten (LRU), counted in ``evicted``.
+beyond it the least recently stored block is forgotten (LRU), counted in ``evicted``; the
+lost first blocks are capped at the same number (oldest forgotten first).
 
 :meth:`ReplicaBlockIndex.hot_runs` walks the held blocks most recently stored first, each
 with its not yet walked ancestors and their depths: the mesh heartbeat's exact prefix
@@ -66,8 +73,8 @@ def block_keys(token_ids: Sequence[int], block_size: int, lora_name: str | None 
 class ReplicaBlockIndex:
     """One replica's cached blocks. Not thread-safe: one event loop owns it."""
 
-    __slots__ = ("_by_engine", "_keys", "_parent", "block_size", "evicted", "max_blocks",
-                 "orphans")
+    __slots__ = ("_by_engine", "_firsts", "_keys", "_lost", "_parent", "block_size",
+                 "evicted", "max_blocks", "orphans")
 
     def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
         if max_blocks <= 0:
@@ -80,6 +87,10 @@ class ReplicaBlockIndex:
         # adapters or salts are two engine blocks and one key only if their roots agree)
         self._keys: dict[int, int] = {}
         self._parent: dict[int, int] = {}  # held key -> its parent's key (or _TOP)
+        # engine hashes of leading blocks (stored with no parent), and the keys of leading
+        # blocks the engine dropped since (oldest first): see lost()
+        self._firsts: set[EngineHash] = set()
+        self._lost: OrderedDict[int, None] = OrderedDict()
         self.evicted = 0
         self.orphans = 0
 
@@ -117,6 +128,9 @@ class ReplicaBlockIndex:
                 # Multimodal placeholders or a salt: equal tokens, other content. The key
                 # (and every child's) leaves the space prompts' tokens reach.
                 h = hash((h, _EXTRA, repr(extra))) & _MASK
+            if parent is None and i == 0:
+                self._firsts.add(eh)
+                self._lost.pop(h, None)
             old = by_engine.get(eh)
             if old is not None:
                 by_engine.move_to_end(eh)
@@ -127,7 +141,9 @@ class ReplicaBlockIndex:
             keys[h] = keys.get(h, 0) + 1
             parents[h] = up
         while len(by_engine) > self.max_blocks:
-            _eh, k = by_engine.popitem(last=False)
+            # Our cap, not the engine's eviction: nothing is marked lost.
+            eh, k = by_engine.popitem(last=False)
+            self._firsts.discard(eh)
             self._drop_key(k)
             self.evicted += 1
 
@@ -137,11 +153,31 @@ class ReplicaBlockIndex:
             k = by_engine.pop(eh, None)
             if k is not None:
                 self._drop_key(k)
+                if eh in self._firsts:
+                    self._firsts.discard(eh)
+                    if k not in self._keys:
+                        self._mark_lost(k)
 
     def clear(self) -> None:
+        """The engine dropped everything (``AllBlocksCleared``, a restart, a lost gap)."""
+        for eh in self._firsts:
+            self._mark_lost(self._by_engine[eh])
+        self._firsts.clear()
         self._by_engine.clear()
         self._keys.clear()
         self._parent.clear()
+
+    def _mark_lost(self, k: int) -> None:
+        lost = self._lost
+        lost[k] = None
+        lost.move_to_end(k)
+        while len(lost) > self.max_blocks:
+            lost.popitem(last=False)
+
+    def lost(self, first_key: int) -> bool:
+        """Whether the engine dropped this leading block (by eviction, a clear or a
+        restart) and has not stored it again."""
+        return first_key in self._lost
 
     def _drop_key(self, k: int) -> None:
         n = self._keys.get(k, 0) - 1
@@ -226,4 +262,22 @@ def longest_prefix(indexes: dict[str, ReplicaBlockIndex], token_ids: Sequence[in
         if keys is None:
             keys = by_size[bs] = block_keys(token_ids, bs, lora_name)
         out[name] = idx.match(keys)
+    return out
+
+
+def lost_first(indexes: dict[str, ReplicaBlockIndex], token_ids: Sequence[int],
+               lora_name: str | None = None) -> set[str]:
+    """The replicas whose engine dropped the leading block of ``token_ids`` (evicted it,
+    cleared or restarted) and has not stored it since."""
+    out: set[str] = set()
+    by_size: dict[int, list[int]] = {}
+    for name, idx in indexes.items():
+        bs = idx.block_size
+        if not bs:
+            continue
+        first = by_size.get(bs)
+        if first is None:
+            first = by_size[bs] = block_keys(token_ids, bs, lora_name, limit=1)
+        if first and idx.lost(first[0]):
+            out.add(name)
     return out

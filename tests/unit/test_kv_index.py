@@ -21,7 +21,7 @@ from skymesh.prefix.kv_events import (
     decode_batch,
     encode_batch,
 )
-from skymesh.prefix.kv_index import ReplicaBlockIndex, block_keys, longest_prefix
+from skymesh.prefix.kv_index import ReplicaBlockIndex, block_keys, longest_prefix, lost_first
 
 BS = 4
 
@@ -303,3 +303,43 @@ def test_batches_encoded_by_vllm_itself() -> None:
     events, _ = decode_batch((FIXTURES / "cleared.msgpack").read_bytes())
     apply_events(idx, events)
     assert len(idx) == 0
+
+
+# -- lost prompts ----------------------------------------------------------------------
+def test_a_removed_or_cleared_leading_block_is_lost_until_stored_again() -> None:
+    idx = ReplicaBlockIndex()
+    doc, other = tokens(12), tokens(8, base=500)
+    store_chain(idx, doc, [1, 2, 3])
+    store_chain(idx, other, [7, 8])
+    first = block_keys(doc, BS, limit=1)[0]
+    assert not idx.lost(first)
+    assert lost_first({"a": idx}, doc) == set()
+    idx.removed([3])  # a tail block: the prompt's head is still held
+    assert not idx.lost(first)
+    idx.removed([1])
+    assert idx.lost(first)
+    assert lost_first({"a": idx}, doc + tokens(4, base=900)) == {"a"}
+    assert lost_first({"a": idx}, other) == set()
+    store_chain(idx, doc, [11, 12])  # stored again (new engine hashes)
+    assert not idx.lost(first)
+    idx.clear()  # AllBlocksCleared, a restart, a gap the replay buffer lost
+    assert idx.lost(first)
+    assert lost_first({"a": idx}, other) == {"a"}
+
+
+def test_the_indexs_own_cap_marks_nothing_lost() -> None:
+    idx = ReplicaBlockIndex(max_blocks=2)
+    doc = tokens(12)
+    store_chain(idx, doc, [1, 2, 3])  # block 1 forgotten by the cap, not by the engine
+    assert idx.evicted == 1
+    assert lost_first({"a": idx}, doc) == set()
+
+
+def test_lost_leading_blocks_are_bounded() -> None:
+    idx = ReplicaBlockIndex(max_blocks=3)
+    for i in range(10):
+        store_chain(idx, tokens(4, base=100 * i), [i])
+        idx.removed([i])
+    assert len(idx._lost) == 3
+    assert idx.lost(block_keys(tokens(4, base=900), BS)[0])
+    assert not idx.lost(block_keys(tokens(4, base=0), BS)[0])

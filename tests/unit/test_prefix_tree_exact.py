@@ -60,6 +60,27 @@ def test_select_follows_the_engines_over_the_trie() -> None:
     assert p.select(req({"a": 10, "b": 0}, keys=keys), ALL, view) == "c"
 
 
+def test_the_trie_is_not_believed_for_a_prompt_its_target_lost() -> None:
+    """Evicted from a (or a restarted): the events hold it nowhere, and the trie's record
+    of a is stale; the prompt is scored by load, not sent back to a."""
+    p = PrefixTree(rng=random.Random(0))
+    view = View().set(a=0, b=1, c=1)
+    keys = tuple(range(10))
+    p.trie.insert(keys, "a")
+    nowhere = {"a": 0, "b": 0, "c": 0}
+    lost = RouteRequest("r", prefix_keys=keys, exact_prefix=nowhere, exact_blocks=10,
+                        exact_lost=frozenset({"a"}))
+    busy_a = View().set(a=3, b=1, c=0)
+    assert p.select(lost, ALL, busy_a) == "c"
+    assert p.preferred(lost, ALL, busy_a) is None  # no prefix preference: load decides
+    # Not lost (in flight, unpublished): the trie's word stands, loaded or not.
+    assert p.select(req(nowhere, keys=keys), ALL, busy_a) == "a"
+    # Another target the trie knows of (sent there since) is still followed.
+    p.trie.insert(keys, "b")
+    assert p.select(lost, ALL, busy_a) == "b"
+    assert p.preferred(lost, ALL, view) == "b"
+
+
 def live_feeds(clock: list[float]) -> tuple[KVFeeds, str, str]:
     feeds = KVFeeds(KVEventsConfig(heartbeat_s=60.0), clock=lambda: clock[0])
     a, b = "http://127.0.0.1:1", "http://127.0.0.1:2"
@@ -98,6 +119,12 @@ async def test_scorer_counts_cached_blocks_of_the_rendered_prompt() -> None:
         # vLLM replicas without a tokenizer folder are followed but not scored.
         assert out.exact_prefix == {a: 3, b: 0}
         assert out.exact_blocks == len(ids) // 16
+        assert out.exact_lost == frozenset()
+        ia.removed([1])  # evicted: a holds none of it, and says so
+        out = await scorer.annotate(route, intake)
+        assert out.exact_prefix == {a: 0, b: 0}
+        assert out.exact_lost == {a}
+        ia.stored([1, 2, 3], None, ids[:48], 16)
         assert scorer.figures(a) == {"kv_events": "live", "kv_blocks": 3, "kv_exact": True}
         assert scorer.figures("http://127.0.0.1:3")["kv_exact"] is False
         clock[0] += 60  # stale: back to the trie

@@ -33,6 +33,7 @@ from skymesh_lab.bench import (
     ha_region_page,
     image_sizes_page,
     kv_events_live_page,
+    kv_eviction_page,
     kv_index_cost,
     lb_workers_page,
     router_overhead_page,
@@ -327,6 +328,15 @@ SOURCES: tuple[Source, ...] = (
            (".venv/bin/python", "-m", "skymesh_lab.bench.kv_events_live", "--vllm-env",
             "$SKYMESH_E2E_ENV", "--data-dir", DATA_ARG, "--json", "{json}"),
            kv_events_live_page.page),
+    Source("kv-eviction", "After a replica restarts or evicts a prefix: trie vs events",
+           "Issue #36's eviction item, live on loopback: one skymesh-lb (prefix-tree) in "
+           "front of two emulated replicas publishing KV-cache events; a document cached on "
+           "replica A, then lost by a restart or by eviction, then requests for it through "
+           "the balancer: how many still go to A, how long after the loss, and the "
+           "replicas' cache hit rate, when the balancer scores on its own trie and on the "
+           "events. See [KV-cache events](../kv-events.md).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.kv_eviction", "--json", "{json}"),
+           kv_eviction_page.page),
     Source("lb-workers", "skymesh-lb on every core: 1 and N workers",
            "skymesh-lb serving one port from several worker processes (`listen.workers`, "
            "[operations](../operations.md#workers-every-core)), against one process, live "
