@@ -81,7 +81,8 @@ class PrefixTree(Policy, name="prefix-tree"):
             return self._least_loaded(candidates, view)
         keys = request.prefix_keys
         if keys and candidates:
-            depth, matched = self.trie.match(keys, trie_targets(request, candidates), request.block_keys)
+            depth, matched = self.trie.match(keys, trie_targets(request, candidates),
+                                             request.block_keys)
             if matched and depth >= self.match_threshold * len(keys):
                 return self._least_loaded(matched, view)
         return self._least_loaded(candidates, view)
