@@ -126,7 +126,9 @@ class Ticket:
         return replace(self.route, deadline_s=d - (now - start))
 
 
-@dataclass(slots=True)
+# eq=False: memos are compared by identity only, and a generated __eq__ would run for
+# every memo of the window each time ``_pick`` asks whether one is missing.
+@dataclass(slots=True, eq=False)
 class _Memo:
     """A queued ticket's evaluation that dispatched nothing. The events that could change
     it drop it (``Dispatcher._remember`` says which); what is left to check when it is
@@ -217,10 +219,14 @@ class Dispatcher:
         self._pq: dict[str, bool] = {}
         self._dirty: set[str] = set()
         self._views: dict[str, _ModelView] = {}
+        # model -> (_gen, routable targets, their ids, every breaker closed): _view's part
+        # that only a broad change (_gen) can change.
+        self._serving: dict[str, tuple[int, tuple[Target, ...], tuple[str, ...], bool]] = {}
         self._by_target: dict[str, list[_Entry]] = {}  # memos that read a replica's load
         self._by_key: dict[int, list[_Entry]] = {}  # memos an insert of the key may change
         self._by_pref: dict[str, list[_Entry]] = {}  # holds for a replica (_Memo.pref)
         self._entries = 0  # index entries since the last reset (a bound on memory)
+        self._told: Sequence[int] | None = None  # the keys _inserted was last told
         # Bumped by whatever may end a memo or change a queue: a queue whose last pick
         # found every request remembered, with nothing stirred since, is passed at once.
         self._stir = 0
@@ -583,12 +589,20 @@ class Dispatcher:
         if v is not None and v.gen == self._gen:
             return v
         codes, pqs = self._codes, self._pq
-        routable = tuple(t for t in self.targets.values() if model in t.models and t.healthy)
-        timeless = all(t.breaker.state is BreakerState.CLOSED for t in routable)
+        # Views go whenever an availability changes (most completions under load), while
+        # who serves the model, healthy and with which breakers, changes only with _gen.
+        base = self._serving.get(model)
+        if base is None or base[0] != self._gen:
+            routable = tuple(t for t in self.targets.values()
+                             if model in t.models and t.healthy)
+            base = self._serving[model] = (
+                self._gen, routable, tuple(t.id for t in routable),
+                all(t.breaker.state is BreakerState.CLOSED for t in routable))
+        _, routable, serving, timeless = base
         tokens = tuple(t.id for t in routable if codes[t.id] == IF_TOKENS_FIT)
         v = _ModelView(
             gen=self._gen, routable=routable,
-            serving=tuple(t.id for t in routable),
+            serving=serving,
             ready=tuple(t.id for t in routable if codes[t.id] == AVAILABLE),
             tokens=tokens, plain=timeless and not tokens, timeless=timeless,
             prefer_on=any(pqs[t.id] for t in routable),
@@ -611,12 +625,17 @@ class Dispatcher:
             if excluded:
                 routable = [t for t in routable if t.id not in excluded]
             codes, room, tokens = self._codes, self._kv_headroom, route.prompt_len
-            out = [t.id for t in routable
-                   if ((c := codes[t.id]) == AVAILABLE
-                       or (c == IF_TOKENS_FIT and fits_tokens(t.load, room, tokens)))
-                   and t.breaker.allows(now)]
+            if view.timeless:  # every breaker closed: allows() is True, no need to ask
+                out = [t.id for t in routable
+                       if (c := codes[t.id]) == AVAILABLE
+                       or (c == IF_TOKENS_FIT and fits_tokens(t.load, room, tokens))]
+            else:
+                out = [t.id for t in routable
+                       if ((c := codes[t.id]) == AVAILABLE
+                           or (c == IF_TOKENS_FIT and fits_tokens(t.load, room, tokens)))
+                       and t.breaker.allows(now)]
             pqs = self._pq
-            prefer_on = any(pqs[t.id] for t in routable)
+            prefer_on = view.prefer_on if not excluded else any(pqs[t.id] for t in routable)
             # Every breaker closed and nothing excluded: every routable target is usable.
             usable = view.serving if view.timeless and not excluded else None
         if self._mode is PushMode.SP_P and route.prefix_keys and self._names_preferred \
@@ -975,12 +994,16 @@ class Dispatcher:
         if t.breaker.state is not BreakerState.CLOSED:
             t.breaker.on_dispatch()
             self._changed()
+        keys = ticket.route.prefix_keys
+        self._told = None
         self._policy.on_dispatch(ticket.route, target, self)
-        self._inserted(ticket.route.prefix_keys)
+        if self._told is not keys:  # (a trie's on_keys hook has told these already)
+            self._inserted(keys)
 
     def _inserted(self, keys: Sequence[int]) -> None:
         """The policy may have recorded ``keys``: a queued request whose policy answer
         depended on one of them is evaluated again (``Policy.memo_key``)."""
+        self._told = keys
         by_key = self._by_key
         if keys and by_key:
             for key in by_key.keys() & keys:
@@ -1035,8 +1058,10 @@ class Dispatcher:
         if not keys:
             return
         if target in self.targets:
+            self._told = None
             self._policy.on_cached(route, target, keys)
-            self._inserted(keys)
+            if self._told is not keys:
+                self._inserted(keys)
         elif target in self.peers and self.peer_policy is not None:
             self.peer_policy.on_cached(route, target, keys)
 

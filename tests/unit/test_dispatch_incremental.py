@@ -347,3 +347,29 @@ def test_a_request_held_on_its_exact_match_follows_the_holders_loads() -> None:
     assert d.pump(0.2) == []
     d.complete(on_b, 0.3, ok=True)  # b is now the less loaded holder, and free
     assert [t.target for t in d.pump(0.3)] == ["b"]
+
+
+# Faults, health and membership weigh more here: they end the parts of the state kept per
+# generation (a model's serving replicas and whether every breaker is closed, which lets
+# candidates skip asking each breaker) and bring the breakers' clock-driven half-open in.
+churn = st.one_of(
+    offer, offer, first, done,
+    st.tuples(st.just("done"), st.integers(0, 50), st.just("fault")),
+    st.tuples(st.just("retry"), st.integers(0, 50)),
+    st.tuples(st.just("probe"), st.integers(0, 3), st.integers(0, 3), st.integers(0, 6),
+              st.sampled_from([None, 8000, 100_000]), st.sampled_from([None, 2, 4]),
+              st.sampled_from([None, 0, 2])),
+    st.tuples(st.just("cached"), st.integers(0, 50), st.integers(0, 4)),
+    st.tuples(st.just("health"), st.integers(0, 3), st.booleans()),
+    st.tuples(st.just("members"), st.integers(1, 15)),
+    st.tuples(st.just("clock"), st.sampled_from([0.5, 11.0])),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([("prefix-tree", PushMode.SP_P), ("least-load", PushMode.SP_P)]),
+       st.lists(churn, min_size=60, max_size=150))
+def test_breakers_health_and_membership_change_candidates_as_a_full_rescan(
+        policy: tuple[str, PushMode], events: list[tuple[Any, ...]]) -> None:
+    test_incremental_dispatcher_decides_as_a_full_rescan.hypothesis.inner_test(  # type: ignore[attr-defined]
+        policy, 2.0, events)

@@ -51,3 +51,50 @@ def test_short_texts_key_as_the_vectorised_path_does(s: str, chunk: int) -> None
         assert text_prefix_keys(s, chunk) == fast
     finally:
         k._SMALL = small
+
+
+def _plain_keys(s: str, chunk: int, cap: int = MAX_KEYS) -> list[int]:
+    """The keys as the module docstring defines them, one chunk at a time in plain
+    integers: each chunk's code points (two to a 64-bit word when the chunk size is
+    even) weighted and finalised, chained as h_i = h_(i-1) * P + c_i, finalised."""
+    import struct
+
+    from skymesh.prefix import keys as k
+
+    m64 = (1 << 64) - 1
+    out: list[int] = []
+    h = 0
+    for i in range(min(len(s) // chunk, cap)):
+        data = s[i * chunk:(i + 1) * chunk].encode("utf-32-le", "surrogatepass")
+        words = (struct.unpack(f"<{chunk // 2}Q", data) if chunk % 2 == 0
+                 else struct.unpack(f"<{chunk}I", data))
+        weights = [k._splitmix64(k._SEED + j) | 1 for j in range(len(words))]
+        c = sum(w * x for w, x in zip(weights, words, strict=True)) & m64
+        h = (h * k._P + k._splitmix_out(c)) & m64
+        out.append(k._splitmix_out(h))
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(text, text, st.sampled_from([1, 2, 7, 64]))
+def test_keys_match_a_plain_chunk_by_chunk_hash(prompt: str, reply: str, chunk: int) -> None:
+    """Differential: the vectorised path, the small path and the extension from the
+    remembered chained sum (``_chained``) all give the keys of the plain definition."""
+    from skymesh.prefix import keys as k
+
+    whole = prompt + reply
+    expected = _plain_keys(whole, chunk)
+    assert text_prefix_keys(whole, chunk) == expected
+    head = text_prefix_keys(prompt, chunk)  # remembers its last chained sum
+    assert extend_prefix_keys(whole, head, chunk) == expected
+    k._chained.clear()  # the same extension by inverting the finaliser
+    assert extend_prefix_keys(whole, head, chunk) == expected
+
+
+def test_the_remembered_chained_sums_stay_bounded() -> None:
+    from skymesh.prefix import keys as k
+
+    k._chained.clear()
+    for i in range(k._CHAINED_MAX + 50):
+        text_prefix_keys(f"{i:08d}" * 8)  # one 64-character chunk each
+    assert 0 < len(k._chained) <= k._CHAINED_MAX
