@@ -250,9 +250,24 @@ class ControllerLink:
                     "kind": rep.kind, "balancer": self.balancer_id}
             if rep.kv_events is not None:  # for the other balancers sharing the replica
                 body["kv_events"] = rep.kv_events.model_dump()
-            await self._call("POST", "/v1/replicas", json=body)
+            await self._register_replica(body)
         self.registered = True
         log.info("registered with the controller as %s", self.balancer_id)
+
+    async def _register_replica(self, body: dict[str, Any]) -> None:
+        """POST one replica; if the controller refuses its kv_events (one older than the
+        field, or an endpoint past its bounds), again without: the replica is still
+        served, its events followed by this balancer only."""
+        try:
+            await self._call("POST", "/v1/replicas", json=body)
+        except ControllerRejected as exc:
+            if "kv_events" not in body or "HTTP 422" not in str(exc) \
+                    or "kv_events" not in str(exc):
+                raise
+            log.warning("the controller refused the kv_events of replica %s (%s); "
+                        "registered without them", body["url"], exc)
+            await self._call("POST", "/v1/replicas",
+                             json={k: v for k, v in body.items() if k != "kv_events"})
 
     async def _allowed(self, what: str, url: str) -> bool:
         """The URL policy again on this side: the controller's store may hold a record

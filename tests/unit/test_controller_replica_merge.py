@@ -6,10 +6,13 @@ with the kv-events extra. The resolver is injected: no real DNS."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import pytest
+from aiohttp import web
+from support import eventually, serving
 
 from skymesh.balancer import controller_link
 from skymesh.balancer.config import KVEventsEndpoint, ReplicaConfig, parse_config
@@ -132,3 +135,59 @@ async def test_without_the_extra_one_warning_and_no_feed(
         await lb.controller.apply(membership(*others))
     assert all(r.kv_events is None for r in got[-1]) and len(got[-1]) == 2
     assert caplog.text.count("kv-events extra is not installed") == 1
+
+
+class OlderController:
+    """A controller from before the kv_events field: its replica model forbids the key
+    (422 in the admin error shape); then an empty membership."""
+
+    def __init__(self) -> None:
+        self.replicas: list[dict[str, Any]] = []
+        self.done = asyncio.Event()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/balancers", self.created)
+        app.router.add_post("/v1/replicas", self.replica)
+        app.router.add_get("/v1/balancers/{id}/membership", self.membership)
+        return app
+
+    async def created(self, request: web.Request) -> web.Response:
+        return web.json_response({}, status=201)
+
+    async def replica(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if "kv_events" in body:
+            return web.json_response({"error": {
+                "type": "invalid", "message": "kv_events: Extra inputs are not permitted",
+                "fields": [{"field": "kv_events", "message": "Extra inputs"}]}}, status=422)
+        self.replicas.append(body)
+        return web.json_response(body, status=201)
+
+    async def membership(self, request: web.Request) -> web.Response:
+        if "after" in request.query:
+            await self.done.wait()
+        return web.json_response({"revision": 1, "replicas": [], "peers": []})
+
+
+async def test_an_older_controller_gets_the_replica_without_its_kv_events(
+        caplog: pytest.LogCaptureFixture) -> None:
+    fake = OlderController()
+    async with serving(fake.app()) as port:
+        cfg = parse_config({
+            "region": "us",
+            "replicas": [{"url": URL, "models": ["m"],
+                          "kv_events": {"endpoint": "tcp://10.0.0.5:5557"}}],
+            "controller": {"url": f"http://127.0.0.1:{port}", "balancer_id": "lb-us",
+                           "url_policy": {"allow_loopback": True}}})
+        link = Balancer(cfg).controller
+        assert link is not None
+        with caplog.at_level(logging.WARNING, logger="skymesh.balancer.controller"):
+            await link.start("http://127.0.0.1:1")
+            try:
+                await eventually(lambda: link.registered, "registered")
+            finally:
+                fake.done.set()
+                await link.stop()
+    assert [r["url"] for r in fake.replicas] == [URL]
+    assert "refused the kv_events of replica" in caplog.text
