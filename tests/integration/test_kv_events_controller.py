@@ -10,8 +10,10 @@ Waits are on conditions, never on the clock."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -85,47 +87,47 @@ async def follows_after_membership(s: aiohttp.ClientSession, lb: Daemon, url: st
         assert f'skymesh_kv_events_live{{replica="{url}"}} 1.0' in await r.text()
 
 
-async def test_membership_keeps_the_lb_yaml_kv_events(tmp_path: Path) -> None:
-    rep, kv = publishing_replica(tmp_path)
-    ctl = start_controller(tmp_path, probe_s=0.3, timeout_s=0.25)
+@contextlib.asynccontextmanager
+async def cluster(tmp: Path) -> AsyncIterator[tuple[aiohttp.ClientSession, Daemon,
+                                                    dict[str, str], Daemon, list[Daemon]]]:
+    """A publishing replica and a controller with the region; the daemons appended to the
+    list (the balancer) are stopped with them."""
+    rep, kv = publishing_replica(tmp)
+    ctl = start_controller(tmp, probe_s=0.3, timeout_s=0.25)
     daemons = [rep, ctl]
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
             async with s.post(ctl.url + "/v1/regions", json=REGION, headers=auth()) as r:
                 assert r.status == 201
-            lb = start_lb(tmp_path, ctl.url, [{"url": rep.url, "kind": "skymesh",
-                                                "models": [MODEL], "kv_events": kv}])
-            daemons.append(lb)
-            await follows_after_membership(s, lb, rep.url)
-            # ... and the balancer registered the endpoint for the others sharing it
-            async with s.get(ctl.url + "/v1/replicas", headers=auth()) as r:
-                (record,) = await r.json()
-            assert record["kv_events"] == kv
+            yield s, rep, kv, ctl, daemons
     finally:
         for d in daemons:
             d.stop()
+
+
+async def test_membership_keeps_the_lb_yaml_kv_events(tmp_path: Path) -> None:
+    async with cluster(tmp_path) as (s, rep, kv, ctl, daemons):
+        lb = start_lb(tmp_path, ctl.url, [{"url": rep.url, "kind": "skymesh",
+                                            "models": [MODEL], "kv_events": kv}])
+        daemons.append(lb)
+        await follows_after_membership(s, lb, rep.url)
+        # ... and the balancer registered the endpoint for the others sharing it
+        async with s.get(ctl.url + "/v1/replicas", headers=auth()) as r:
+            (record,) = await r.json()
+        assert record["kv_events"] == kv
 
 
 async def test_a_balancer_follows_the_endpoint_the_controller_gives(tmp_path: Path) -> None:
-    rep, kv = publishing_replica(tmp_path)
-    ctl = start_controller(tmp_path, probe_s=0.3, timeout_s=0.25)
-    daemons = [rep, ctl]
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-            async with s.post(ctl.url + "/v1/regions", json=REGION, headers=auth()) as r:
-                assert r.status == 201
-            lb = start_lb(tmp_path, ctl.url, [])
-            daemons.append(lb)
+    async with cluster(tmp_path) as (s, rep, kv, ctl, daemons):
+        lb = start_lb(tmp_path, ctl.url, [])
+        daemons.append(lb)
 
-            async def registered() -> bool:
-                return (await status(s, lb))["controller"]["registered"]
+        async def registered() -> bool:
+            return (await status(s, lb))["controller"]["registered"]
 
-            await until(registered, "the balancer registered")
-            async with s.post(ctl.url + "/v1/replicas", headers=auth(), json={
-                    "url": rep.url, "model": MODEL, "region": "us-east", "gpu": "L4",
-                    "kind": "skymesh", "kv_events": kv}) as r:
-                assert r.status == 201, await r.text()
-            await follows_after_membership(s, lb, rep.url)
-    finally:
-        for d in daemons:
-            d.stop()
+        await until(registered, "the balancer registered")
+        async with s.post(ctl.url + "/v1/replicas", headers=auth(), json={
+                "url": rep.url, "model": MODEL, "region": "us-east", "gpu": "L4",
+                "kind": "skymesh", "kv_events": kv}) as r:
+            assert r.status == 201, await r.text()
+        await follows_after_membership(s, lb, rep.url)

@@ -6,13 +6,13 @@ with the kv-events extra. The resolver is injected: no real DNS."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
 import pytest
 from aiohttp import web
 from support import eventually, serving
+from test_controller_link_backoff import FakeController
 
 from skymesh.balancer import controller_link
 from skymesh.balancer.config import KVEventsEndpoint, ReplicaConfig, parse_config
@@ -137,37 +137,23 @@ async def test_without_the_extra_one_warning_and_no_feed(
     assert caplog.text.count("kv-events extra is not installed") == 1
 
 
-class OlderController:
+class OlderController(FakeController):
     """A controller from before the kv_events field: its replica model forbids the key
-    (422 in the admin error shape); then an empty membership."""
+    (422 in the admin error shape)."""
 
     def __init__(self) -> None:
-        self.replicas: list[dict[str, Any]] = []
-        self.done = asyncio.Event()
+        super().__init__()
+        self.region_created = True
+        self.seen: list[dict[str, Any]] = []
 
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/balancers", self.created)
-        app.router.add_post("/v1/replicas", self.replica)
-        app.router.add_get("/v1/balancers/{id}/membership", self.membership)
-        return app
-
-    async def created(self, request: web.Request) -> web.Response:
-        return web.json_response({}, status=201)
-
-    async def replica(self, request: web.Request) -> web.Response:
+    async def replicas(self, request: web.Request) -> web.Response:
         body = await request.json()
         if "kv_events" in body:
             return web.json_response({"error": {
                 "type": "invalid", "message": "kv_events: Extra inputs are not permitted",
                 "fields": [{"field": "kv_events", "message": "Extra inputs"}]}}, status=422)
-        self.replicas.append(body)
+        self.seen.append(body)
         return web.json_response(body, status=201)
-
-    async def membership(self, request: web.Request) -> web.Response:
-        if "after" in request.query:
-            await self.done.wait()
-        return web.json_response({"revision": 1, "replicas": [], "peers": []})
 
 
 async def test_an_older_controller_gets_the_replica_without_its_kv_events(
@@ -189,5 +175,5 @@ async def test_an_older_controller_gets_the_replica_without_its_kv_events(
             finally:
                 fake.done.set()
                 await link.stop()
-    assert [r["url"] for r in fake.replicas] == [URL]
+    assert [r["url"] for r in fake.seen] == [URL]
     assert "refused the kv_events of replica" in caplog.text
