@@ -46,7 +46,9 @@ class Membership:
         me = await self.records.read("balancers", bid, "balancer")
         balancers = await self.store.all("balancers")
         replicas = await self.store.all("replicas")
-        mine = [{k: r[k] for k in ("id", "url", "model", "gpu", "kind", "region", "balancer")}
+        # kv_events: records stored before it have none.
+        mine = [{**{k: r[k] for k in ("id", "url", "model", "gpu", "kind", "region",
+                                      "balancer")}, "kv_events": r.get("kv_events")}
                 for r in sorted(replicas.values(), key=lambda r: r["id"])
                 if placement.shares(bid, r.get("assigned"), balancers) and placement.serving(r)]
         peers = [{"id": b["id"], "region": b["region"], "url": b["url"],

@@ -139,6 +139,37 @@ class BalancerPatch(_In):
     _peer = field_validator("peer_address")(_host_port)
 
 
+MAX_ENDPOINT_CHARS = 512
+
+
+def _zmq_endpoint(v: str | None) -> str | None:
+    """A ZeroMQ endpoint to connect to, as the balancer's KVEventsEndpoint accepts it. A
+    balancer follows a tcp:// one only if its own url_policy allows the host, and never an
+    ipc:// one from here (a path on its host is for its own config to name)."""
+    if v is None:
+        return None
+    if not v.startswith(("tcp://", "ipc://")) or len(v) < 7:
+        raise ValueError("must be tcp://HOST:PORT or ipc://PATH")
+    if "*" in v:
+        raise ValueError("is the publisher's bind address; give HOST:PORT to connect to")
+    if any(ord(c) < 0x20 or ord(c) == 0x7f for c in v):
+        raise ValueError("must not contain control characters")
+    return v
+
+
+class KVEventsIn(_In):
+    """Where a replica publishes its KV-cache events (docs/kv-events.md)."""
+
+    endpoint: str = Field(max_length=MAX_ENDPOINT_CHARS)
+    replay_endpoint: str | None = Field(None, max_length=MAX_ENDPOINT_CHARS)
+
+    _zmq = field_validator("endpoint", "replay_endpoint")(_zmq_endpoint)
+
+
+KV_EVENTS_DOC = ("where the replica publishes KV-cache events, as its balancers reach it; "
+                 "balancers follow it only if their url_policy allows its host")
+
+
 class ReplicaUpdate(_In):
     """``PUT /v1/replicas/{rid}``: every field but the id."""
 
@@ -150,6 +181,7 @@ class ReplicaUpdate(_In):
     balancer: Name | None = Field(None, description="home balancer; default: one in the region")
     kind: Literal["vllm", "sglang", "skymesh"] = "vllm"
     owner: Name | None = Field(None, description=OWNER_DOC)
+    kv_events: KVEventsIn | None = Field(None, description=KV_EVENTS_DOC)
 
     _url = field_validator("url")(_http_url)
 
@@ -172,6 +204,7 @@ class ReplicaPatch(_In):
         None, validate_default=False)
     owner: Name = Field(None, description=OWNER_DOC,  # type: ignore[assignment]
                         validate_default=False)
+    kv_events: KVEventsIn | None = Field(None, description=KV_EVENTS_DOC + "; null removes it")
 
     _url = field_validator("url")(_http_url)
 

@@ -74,7 +74,7 @@ class Replicas:
         for other in replicas.values():
             if other["url"] == fields["url"] and other["id"] != rid:
                 raise conflict(f"url {fields['url']} is already replica {other['id']!r}")
-        obj = {k: fields.get(k) for k in ("url", "model", "region", "gpu", "kind")}
+        obj = {k: fields.get(k) for k in ("url", "model", "region", "gpu", "kind", "kv_events")}
         obj.update(id=rid, balancer=home, owner=owner_after(old, fields, who),
                    state=old.get("state", "unknown"), assigned=old.get("assigned"))
         replicas[rid] = obj

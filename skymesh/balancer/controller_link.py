@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import time
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import aiohttp
+from pydantic import ValidationError
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -27,7 +29,12 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from skymesh.balancer.config import BalancerConfig, ControllerLinkConfig, ReplicaConfig
+from skymesh.balancer.config import (
+    BalancerConfig,
+    ControllerLinkConfig,
+    KVEventsEndpoint,
+    ReplicaConfig,
+)
 from skymesh.balancer.dispatch import Dispatcher
 from skymesh.balancer.health import HealthTracker
 from skymesh.mesh.outlook import OutlookParams, PeerOutlook, RegionOutlook
@@ -72,6 +79,42 @@ def region_balancers(membership: dict[str, Any], region: str) -> int:
     if isinstance(n, int) and n >= 1:
         return n
     return 1 + sum(1 for p in membership.get("peers", []) if p.get("region") == region)
+
+
+def merge_replica(member: dict[str, Any], local: ReplicaConfig | None,
+                  kv_events: KVEventsEndpoint | None = None) -> ReplicaConfig:
+    """One membership replica as this balancer serves it. The controller says what the
+    replica is: its model, gpu and kind win over lb.yaml's entry for the same URL. How
+    this balancer reaches and reads it is local: that entry's kv_events, tokenizer,
+    max_num_seqs and metrics_lag_s stay, and its kv_events wins over ``kv_events`` (the
+    controller's, already checked against the URL policy), used only when the entry
+    names none. Without the merge a balancer stopped following its replicas' KV events
+    as soon as its controller answered."""
+    what = {"kind": member.get("kind", "vllm"), "models": [member["model"]],
+            "gpu": member.get("gpu", "unknown")}
+    if local is None:
+        return ReplicaConfig(url=member["url"], kv_events=kv_events, **what)
+    merged = local.model_copy(update=what)
+    if merged.kv_events is None and kv_events is not None:
+        merged = merged.model_copy(update={"kv_events": kv_events})
+    if merged.kind == "skymesh" and merged.tokenizer is not None:
+        # A skymesh replica tokenizes as the balancer does (ReplicaConfig refuses both).
+        merged = merged.model_copy(update={"tokenizer": None})
+    return merged
+
+
+def kv_endpoint_url(endpoint: str) -> str:
+    """A controller-given KV-event endpoint as the URL the URL policy checks (same host
+    and port). Only tcp:// is followed from the controller: an ipc:// path names a file
+    on this balancer's host, which only its own config may do."""
+    if not endpoint.startswith("tcp://"):
+        raise UrlRejected("only tcp:// endpoints are followed from the controller "
+                          "(an ipc:// path may be named in lb.yaml only)")
+    return "http://" + endpoint.removeprefix("tcp://")
+
+
+def kv_events_installed() -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in ("zmq", "msgspec"))
 
 
 def read_token(cfg: ControllerLinkConfig) -> str:
@@ -149,6 +192,7 @@ class ControllerLink:
         self._url = ""
         self.policy = cfg.url_policy.policy()
         self.resolver: urlpolicy.Resolver = urlpolicy.system_resolver
+        self._kv_missing_told = False
         if mesh_cfg is not None and mesh_cfg.outlook.enabled:  # read from GET /v1/outlook
             o = mesh_cfg.outlook
             dispatcher.outlook = PeerOutlook(OutlookParams(o.horizon, o.slack,
@@ -202,11 +246,28 @@ class ControllerLink:
             if model is None:
                 raise ControllerRejected(f"replica {rep.url}: model not known yet "
                                          "(list it under models, or wait for a probe)")
-            await self._call("POST", "/v1/replicas", json={
-                "url": rep.url, "model": model, "region": cfg.region, "gpu": rep.gpu,
-                "kind": rep.kind, "balancer": self.balancer_id})
+            body = {"url": rep.url, "model": model, "region": cfg.region, "gpu": rep.gpu,
+                    "kind": rep.kind, "balancer": self.balancer_id}
+            if rep.kv_events is not None:  # for the other balancers sharing the replica
+                body["kv_events"] = rep.kv_events.model_dump()
+            await self._register_replica(body)
         self.registered = True
         log.info("registered with the controller as %s", self.balancer_id)
+
+    async def _register_replica(self, body: dict[str, Any]) -> None:
+        """POST one replica; if the controller refuses its kv_events (one older than the
+        field, or an endpoint past its bounds), again without: the replica is still
+        served, its events followed by this balancer only."""
+        try:
+            await self._call("POST", "/v1/replicas", json=body)
+        except ControllerRejected as exc:
+            if "kv_events" not in body or "HTTP 422" not in str(exc) \
+                    or "kv_events" not in str(exc):
+                raise
+            log.warning("the controller refused the kv_events of replica %s (%s); "
+                        "registered without them", body["url"], exc)
+            await self._call("POST", "/v1/replicas",
+                             json={k: v for k, v in body.items() if k != "kv_events"})
 
     async def _allowed(self, what: str, url: str) -> bool:
         """The URL policy again on this side: the controller's store may hold a record
@@ -218,12 +279,45 @@ class ControllerLink:
             log.warning("ignoring %s %s from the controller: %s", what, url, exc)
             return False
 
+    async def _kv_events(self, member: dict[str, Any]) -> KVEventsEndpoint | None:
+        """The controller's KV-event endpoint of ``member`` if this balancer may follow
+        it: the kv-events extra installed, every endpoint tcp:// to a host the URL policy
+        allows (the rule of replica URLs)."""
+        raw = member.get("kv_events")
+        if not isinstance(raw, dict) or not raw.get("endpoint"):
+            return None
+        if not kv_events_installed():
+            if not self._kv_missing_told:
+                self._kv_missing_told = True
+                log.warning("the controller gives KV-event endpoints (replica %s) but the "
+                            "kv-events extra is not installed: pip install "
+                            "'skymesh[kv-events]' to follow them", member["url"])
+            return None
+        what = f"kv events endpoint of replica {member['url']}:"
+        try:
+            ep = KVEventsEndpoint.model_validate(raw)
+            urls = [kv_endpoint_url(e) for e in (ep.endpoint, ep.replay_endpoint) if e]
+        except (ValidationError, UrlRejected) as exc:
+            log.warning("ignoring %s %s", what, exc)
+            return None
+        for url in urls:
+            if not await self._allowed(what, url):
+                return None
+        return ep
+
     async def apply(self, m: dict[str, Any]) -> None:
         """Membership from the controller: replicas, policy, tenants and peers."""
         self.revision = int(m["revision"])
-        self.set_replicas([ReplicaConfig(url=r["url"], kind=r.get("kind", "vllm"),
-                                            models=[r["model"]], gpu=r.get("gpu", "unknown"))
-                              for r in m["replicas"] if await self._allowed("replica", r["url"])])
+        local = {r.url: r for r in self.config().replicas}
+        replicas = []
+        for r in m["replicas"]:
+            if not await self._allowed("replica", r["url"]):
+                continue
+            own = local.get(r["url"].rstrip("/"))
+            theirs = (None if own is not None and own.kv_events is not None
+                      else await self._kv_events(r))
+            replicas.append(merge_replica(r, own, theirs))
+        self.set_replicas(replicas)
         if m.get("policy"):
             self.set_policy(m["policy"], m.get("policy_params") or {})
         # An older controller sends no tenants: those applied before stay.
