@@ -174,7 +174,7 @@ class Balancer:
             self.handlers.gate = TenantGate(
                 cfg.tenants, share=pushing_share(cfg.pushing.balancers(), workers),
                 capacity=cfg.queue.max_length, queued=d.queue_length,
-                metrics=self.metrics.enable_tenants(), clock=self.now)
+                metrics=self.metrics.enable_tenants(), clock=self.now, slots=d.slots)
         self.status = Status(core, cfg.region, self.health, self.edge, self.handlers,
                              self.predictor, self.moves, self.mesh, self.controller,
                              kv_figures=self.kv_exact.figures)

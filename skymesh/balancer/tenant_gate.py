@@ -15,6 +15,7 @@ place back in ``leave``: nothing stays behind.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,13 +24,17 @@ from skymesh.balancer.config import TenantsConfig
 from skymesh.balancer.metrics import TenantMetrics
 from skymesh.balancer.tenancy import (
     Limiter,
+    Slots,
     TenantLimited,
     Waiter,
     book_of,
     queue_of,
     release_into,
+    reserve_of,
     tenants_of,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -46,16 +51,20 @@ class Admission:
 class TenantGate:
     def __init__(self, cfg: TenantsConfig, *, share: int, capacity: int,
                  queued: Callable[[str], int], metrics: TenantMetrics,
-                 clock: Callable[[], float], wall: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float], wall: Callable[[], float] = time.time,
+                 slots: Slots | None = None) -> None:
         self.book = book_of(cfg)
         self.limiter = Limiter(tenants_of(cfg), share=share, now=clock())
-        self.queue = queue_of(cfg, capacity)
+        self.queue = queue_of(cfg, capacity, clock())
         self.bound = cfg.dispatch_queue
         self.queued = queued  # the dispatcher's queue length for a model
         self.metrics = metrics
         self.clock = clock
         self.wall = wall
         self.reserved: dict[str, int] = {}  # woken per model, not yet offered
+        self.reserve = reserve_of(cfg)
+        self.slots = slots  # the replicas' free slots per model (Dispatcher.slots)
+        self.held: set[str] = set()  # classes the reserve held back at the last release
 
     def classify(self, digest: bytes | None, headers: Mapping[str, str],
                  peer_ip: str | None) -> tuple[str, str]:
@@ -96,12 +105,23 @@ class TenantGate:
         return True
 
     def release(self, now: float) -> None:
-        for w in release_into(self.queue, self.queued, self.reserved, self.bound, now):
+        held: set[str] = set()
+        for w in release_into(self.queue, self.queued, self.reserved, self.bound, now,
+                              reserve=self.reserve, slots=self.slots, held_out=held):
             fut: asyncio.Future[None] = w.payload
             if fut.done():  # cannot happen: a done waiter is out of the queue
                 continue
             fut.set_result(None)
             self.reserved[w.model] = self.reserved.get(w.model, 0) + 1
+        for cls in held:
+            self.metrics.reserve_held.labels(cls).inc()
+        if held != self.held:
+            # Once per change, not per release: it bites on every pump of a flood.
+            if held - self.held:
+                log.info("slot reserve: holding class %s back; the replicas' free slots "
+                         "are kept for better classes (tenants.reserve)",
+                         ", ".join(sorted(held - self.held)))
+            self.held = held
         self.metrics.waiting.set(self.queue.waiting)
 
     def fail_stranded(self, servable: Callable[[str], bool],
