@@ -529,6 +529,9 @@ class TenantsConfig(StrictModel):
     # docs/results/tenancy.md). None: DEFAULT_RESERVE for the last class ({}: none).
     reserve: dict[str, float] | None = None
     reserve_idle_s: float = Field(30.0, ge=0)
+    # A class with a reserve goes to a replica only while fewer than this many requests
+    # wait to start there, so a burst of its prefills cannot stall a better request.
+    reserve_pace: int = Field(1, ge=1)
     members: list[TenantConfig] = Field(default_factory=list)
 
     def reserve_fractions(self) -> dict[str, float]:

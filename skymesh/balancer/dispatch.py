@@ -513,10 +513,11 @@ class Dispatcher:
         q = self.queues.get(model)
         return len(q) if q else 0
 
-    def slots(self, model: str) -> list[tuple[int, int]]:
-        """(free, slots) of each healthy replica serving ``model`` whose slots are known:
-        sp-p's ``max_num_seqs`` less ``slots_taken``, sp-o's ``max_outstanding`` less
-        ours in flight (tenancy's slot reserve reads it)."""
+    def slots(self, model: str) -> list[tuple[int, int, int]]:
+        """(free, slots, not started) of each healthy replica serving ``model`` whose
+        slots are known: sp-p's ``max_num_seqs`` less ``slots_taken``, sp-o's
+        ``max_outstanding`` less ours in flight; not started: waiting in the last probe
+        plus ours pushed and not yet admitted (tenancy's slot reserve reads it)."""
         out = []
         for t in self.targets.values():
             if not t.healthy or model not in t.models:
@@ -528,7 +529,7 @@ class Dispatcher:
                 cap, used = load.max_num_seqs, load.slots_taken
             else:
                 continue
-            out.append((max(0, cap - used), cap))
+            out.append((max(0, cap - used), cap, load.waiting + load.unadmitted))
         return out
 
     def expired(self, now: float) -> list[Ticket]:

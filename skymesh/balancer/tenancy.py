@@ -33,7 +33,10 @@ Pure: no sockets, no sleeps; every clock is passed in, so tests drive a fake one
   queue orders, but a slot once taken is held for the whole request). The reserve lapses
   while no request of a better class has arrived for ``reserve_idle_s``: then the lower
   class may fill every slot, and the first better request after the lull waits for one
-  to free.
+  to free. While it holds, such a class also goes to a replica only while fewer than
+  ``reserve_pace`` requests wait to start there (the probe's waiting plus ours not yet
+  admitted): a burst of its prefills, queued first come first served inside the engine,
+  would otherwise stall the better request that arrives next.
 """
 
 from __future__ import annotations
@@ -434,11 +437,13 @@ def queue_of(cfg: TenantsConfig, capacity: int, now: float = -math.inf) -> FairQ
 @dataclass(frozen=True)
 class Reserve:
     """Per class, the fraction of each replica's slots it leaves free for the better
-    classes (a class absent leaves none), while one of them arrived within ``idle_s``."""
+    classes (a class absent leaves none), while one of them arrived within ``idle_s``;
+    and while it does, at most ``pace`` requests not yet started per replica."""
 
     classes: tuple[str, ...]  # best first
     fractions: Mapping[str, float]
     idle_s: float
+    pace: int = 1 << 30
 
     def slots(self, cls: str, capacity: int) -> int:
         """Slots of a replica with ``capacity`` that ``cls`` leaves free: the fraction
@@ -454,18 +459,22 @@ class Reserve:
         since = now - self.idle_s
         return any(arrived.get(c, -math.inf) >= since for c in self.classes[:rank])
 
-    def room(self, cls: str, free: Sequence[tuple[int, int]]) -> int:
-        """Requests of ``cls`` the replicas (``(free, capacity)`` each) can start now
-        beyond what it leaves free."""
-        return sum(max(0, f - self.slots(cls, cap)) for f, cap in free)
+    def room(self, cls: str, free: Sequence[tuple[int, int, int]]) -> int:
+        """Requests of ``cls`` the replicas (``(free, capacity, not started)`` each) may
+        take now: their free slots beyond what it leaves free, and on each at most
+        ``pace`` not started at a time."""
+        return sum(min(max(0, f - self.slots(cls, cap)), max(0, self.pace - pending))
+                   for f, cap, pending in free)
 
 
-# Replicas' (free slots, slots) for a model: the dispatcher's view (Dispatcher.slots).
-Slots = Callable[[str], Sequence[tuple[int, int]]]
+# Replicas' (free slots, slots, not started) for a model: the dispatcher's view
+# (Dispatcher.slots).
+Slots = Callable[[str], Sequence[tuple[int, int, int]]]
 
 
 def reserve_of(cfg: TenantsConfig) -> Reserve:
-    return Reserve(tuple(cfg.classes), cfg.reserve_fractions(), cfg.reserve_idle_s)
+    return Reserve(tuple(cfg.classes), cfg.reserve_fractions(), cfg.reserve_idle_s,
+                   cfg.reserve_pace)
 
 
 def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mapping[str, int],
@@ -475,11 +484,11 @@ def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mappi
     """Waiters to let into the dispatcher now: per model, while its dispatcher queue
     (``queued(model)``) plus those released but not yet offered (``reserved``) is below
     ``bound``; with a ``reserve`` (and the replicas' ``slots``), a class it applies to only
-    while the free slots beyond its reserve outnumber those pending (queued, reserved and
-    released here). A replica whose slots are unknown is not counted; with none known the
-    reserve cannot be judged and nothing is held. The classes held back that had waiters
-    are added to ``held_out``. The one release rule of the live balancer and the
-    simulator."""
+    while the free slots beyond its reserve, paced (:meth:`Reserve.room`), outnumber
+    those pending (queued, reserved and released here). A replica whose slots are
+    unknown is not counted; with none known the reserve cannot be judged and nothing is
+    held. The classes held back that had waiters are added to ``held_out``. The one
+    release rule of the live balancer and the simulator."""
     out: list[Waiter] = []
     for model in queue.models():
         pending = queued(model) + reserved.get(model, 0)

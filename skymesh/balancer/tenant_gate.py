@@ -35,6 +35,7 @@ from skymesh.balancer.tenancy import (
 )
 
 log = logging.getLogger(__name__)
+LOG_EVERY_S = 60.0
 
 
 @dataclass(eq=False)
@@ -64,7 +65,7 @@ class TenantGate:
         self.reserved: dict[str, int] = {}  # woken per model, not yet offered
         self.reserve = reserve_of(cfg)
         self.slots = slots  # the replicas' free slots per model (Dispatcher.slots)
-        self.held: set[str] = set()  # classes the reserve held back at the last release
+        self.logged_at = -LOG_EVERY_S  # the reserve's last log line
 
     def classify(self, digest: bytes | None, headers: Mapping[str, str],
                  peer_ip: str | None) -> tuple[str, str]:
@@ -115,13 +116,12 @@ class TenantGate:
             self.reserved[w.model] = self.reserved.get(w.model, 0) + 1
         for cls in held:
             self.metrics.reserve_held.labels(cls).inc()
-        if held != self.held:
-            # Once per change, not per release: it bites on every pump of a flood.
-            if held - self.held:
-                log.info("slot reserve: holding class %s back; the replicas' free slots "
-                         "are kept for better classes (tenants.reserve)",
-                         ", ".join(sorted(held - self.held)))
-            self.held = held
+        if held and now - self.logged_at >= LOG_EVERY_S:
+            # At most once a minute: under a flood it bites on nearly every pump.
+            self.logged_at = now
+            log.warning("slot reserve: holding class %s back while the replicas' free "
+                        "slots are kept for better classes (tenants.reserve; counted in "
+                        "skymesh_tenant_reserve_held_total)", ", ".join(sorted(held)))
         self.metrics.waiting.set(self.queue.waiting)
 
     def fail_stranded(self, servable: Callable[[str], bool],

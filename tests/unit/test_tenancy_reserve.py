@@ -3,11 +3,16 @@ a replica's free slot only while slots stay free for the better classes. Fake cl
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import pytest
 
-from skymesh.balancer.config import parse_config
+from skymesh.balancer.config import TenantsConfig, parse_config
 from skymesh.balancer.dispatch import Dispatcher, Ticket
+from skymesh.balancer.metrics import BalancerMetrics
 from skymesh.balancer.tenancy import FairQueue, Reserve, Waiter, release_into, reserve_of
+from skymesh.balancer.tenant_gate import TenantGate
 from skymesh.common.config import ConfigError
 from skymesh.policies import build_policy
 from skymesh.policies.base import RouteRequest
@@ -32,7 +37,16 @@ def test_reserve_counts_a_fraction_of_each_replicas_slots_rounded_up() -> None:
     assert RESERVE.slots("batch", 2) == 1
     assert RESERVE.slots("interactive", 8) == 0 and RESERVE.slots("standard", 8) == 0
     # Free slots beyond it, per replica: (3, 8) gives 1, (2, 8) and (0, 8) none.
-    assert RESERVE.room("batch", [(3, 8), (2, 8), (0, 8)]) == 1
+    assert RESERVE.room("batch", [(3, 8, 0), (2, 8, 0), (0, 8, 0)]) == 1
+
+
+def test_pace_lets_a_reserved_class_start_only_so_many_at_once_per_replica() -> None:
+    paced = Reserve(CLASSES, {"batch": 0.25}, idle_s=30.0, pace=1)
+    # (free, slots, not started): 6 beyond the reserve on each, but one at a time.
+    assert paced.room("batch", [(8, 8, 0), (8, 8, 0)]) == 2
+    assert paced.room("batch", [(8, 8, 1), (8, 8, 0)]) == 1  # one still starting there
+    assert paced.room("batch", [(8, 8, 3), (2, 8, 0)]) == 0
+    assert RESERVE.room("batch", [(8, 8, 3)]) == 6  # no pace: the slots alone
 
 
 def test_reserve_holds_the_lower_class_while_better_ones_arrive_and_lapses_after() -> None:
@@ -40,7 +54,7 @@ def test_reserve_holds_the_lower_class_while_better_ones_arrive_and_lapses_after
     for _ in range(10):
         q.push(w("batch"))
     q.push(w("interactive", since=0.0))
-    free = {"m": [(4, 8), (3, 8)]}  # beyond the reserve of 2 each: 2 + 1
+    free = {"m": [(4, 8, 0), (3, 8, 0)]}  # beyond the reserve of 2 each: 2 + 1
     held: set[str] = set()
     out = release_into(q, none_queued, {}, 100, 1.0, reserve=RESERVE,
                        slots=free.__getitem__, held_out=held)
@@ -50,10 +64,10 @@ def test_reserve_holds_the_lower_class_while_better_ones_arrive_and_lapses_after
     assert held == {"batch"}
     # Still held while the slots stay taken, within idle_s of the interactive arrival.
     assert release_into(q, none_queued, {}, 100, 30.0, reserve=RESERVE,
-                        slots={"m": [(2, 8), (2, 8)]}.__getitem__) == []
+                        slots={"m": [(2, 8, 0), (2, 8, 0)]}.__getitem__) == []
     # No better request for idle_s: the reserve lapses and batch fills every free slot.
     out = release_into(q, none_queued, {}, 100, 31.0, reserve=RESERVE,
-                       slots={"m": [(2, 8), (2, 8)]}.__getitem__)
+                       slots={"m": [(2, 8, 0), (2, 8, 0)]}.__getitem__)
     assert [x.cls for x in out] == ["batch"] * 8
 
 
@@ -63,7 +77,7 @@ def test_reserve_counts_the_dispatcher_queue_and_the_woken_as_pending() -> None:
     q.pop("m", 0.0)
     for _ in range(5):
         q.push(w("batch", since=1.0))
-    slots = {"m": [(5, 8)]}.__getitem__  # 3 beyond the reserve
+    slots = {"m": [(5, 8, 0)]}.__getitem__  # 3 beyond the reserve
     out = release_into(q, lambda m: 1, {"m": 1}, 100, 1.0, reserve=RESERVE, slots=slots)
     assert len(out) == 1  # 3 less the queued one and the woken one
 
@@ -83,7 +97,7 @@ def test_a_held_class_does_not_block_the_better_ones_or_the_aging_guard_order() 
     q.push(w("standard", since=1.0))
     # The batch head is past its bound, but held by the reserve: standard goes instead.
     out = release_into(q, none_queued, {}, 100, 10.0, reserve=RESERVE,
-                       slots={"m": [(2, 8)]}.__getitem__)
+                       slots={"m": [(2, 8, 0)]}.__getitem__)
     assert [x.cls for x in out] == ["standard"]
     assert q.has("m", "batch")
 
@@ -96,12 +110,14 @@ def test_dispatcher_slots_are_sp_p_max_num_seqs_or_sp_o_max_outstanding() -> Non
     d.set_targets({"a": ["m"], "b": ["m"], "c": ["other"]})
     assert d.slots("m") == []  # max_num_seqs unknown
     d.on_probe("a", 0.0, 0, 3, 0.1, max_num_seqs=8)
-    assert d.slots("m") == [(5, 8)]
+    assert d.slots("m") == [(5, 8, 0)]
+    d.on_probe("a", 1.0, 2, 3, 0.1)  # two wait to start inside the engine
+    assert d.slots("m") == [(3, 8, 2)]
     d.set_healthy("a", False)
     assert d.slots("m") == []
     o = Dispatcher(build_policy("least-load"), PushMode.SP_O, max_outstanding=4)
     o.set_targets({"a": ["m"]})
-    assert o.slots("m") == [(4, 4)]
+    assert o.slots("m") == [(4, 4, 0)]
     assert Dispatcher(build_policy("least-load"), PushMode.BP).slots("m") == []
 
 
@@ -173,3 +189,33 @@ def test_default_reserve_is_for_the_last_class() -> None:
 def test_bad_reserve_names_the_culprit(reserve: dict[str, float], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         parse_config({"tenants": {"reserve": reserve}})
+
+
+# -- the live gate: counted, logged once a minute -------------------------------------------
+
+
+async def test_gate_holds_batch_by_the_reserve_counts_it_and_logs_once_a_minute(
+        caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    metrics = BalancerMetrics().enable_tenants()
+    slots = {"m": [(1, 4, 0)]}  # one free slot of 4: the reserve of 0.25 keeps it
+    g = TenantGate(TenantsConfig(reserve_idle_s=120), share=1, capacity=10,
+                   queued=lambda m: 0, metrics=metrics, clock=lambda: now[0],
+                   wall=lambda: 0.0, slots=slots.__getitem__)
+    caplog.set_level(logging.WARNING, "skymesh.balancer.tenant_gate")
+    adm = g.admit("default", "batch", "m", 10)
+    # A balancer that just started keeps the reserve: the batch request waits.
+    waiting = asyncio.create_task(g.wait_turn(adm, 60.0))
+    await asyncio.sleep(0)
+    assert not waiting.done() and g.queue.has("m", "batch")
+    g.release(101.0)
+    assert metrics.reserve_held.labels("batch")._value.get() == 2
+    assert caplog.text.count("slot reserve: holding class batch") == 1
+    g.release(161.0)
+    assert caplog.text.count("slot reserve: holding class batch") == 2  # a minute on
+    # No better class for reserve_idle_s: the reserve lapses and batch takes the slot.
+    g.release(221.0)
+    assert await waiting
+    assert metrics.reserve_held.labels("batch")._value.get() == 3
+    g.settle(adm)
+    g.leave(adm, 0)
