@@ -18,8 +18,9 @@ Pure: no sockets, no sleeps; every clock is passed in, so tests drive a fake one
 - :class:`FairQueue`: requests wait here, per model, class and tenant, and are released
   into the dispatcher only while its queue for the model is short, so the routing policy
   still chooses the replica and this queue chooses the order: strict priority between
-  classes, except that a lower class whose oldest request has waited ``max_wait_s[class]``
-  goes first (the aging guard: no class waits much longer than that while the replicas
+  classes, except that a lower class that has gone unserved for ``max_wait_s[class]``
+  (since its oldest request arrived, or since it was last served if later) goes first
+  (the aging guard: no class goes unserved much longer than that while the replicas
   serve); within a class the backlogged tenant with the least service first, a virtual
   token counter over prompt + output tokens divided by the tenant's weight (Sheng et al.,
   "Fairness in Serving Large Language Models", OSDI'24): a tenant that becomes backlogged
@@ -294,6 +295,9 @@ class FairQueue:
         # (model, class) -> the counter of the tenant last served there (bounded: models
         # are the replicas', classes configured)
         self._last: dict[tuple[str, str], float] = {}
+        # (model, class) -> when a request of it was last released (the aging guard counts
+        # from there, so a class's own backlog does not make it overdue for ever)
+        self._served_at: dict[tuple[str, str], float] = {}
 
     def __len__(self) -> int:
         return self.waiting
@@ -363,20 +367,24 @@ class FairQueue:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + \
             tokens / self.weights.get(tenant, 1.0)
 
-    def _class_to_serve(self, by_cls: dict[str, dict[str, OrderedDict[int, Waiter]]],
+    def _class_to_serve(self, model: str,
+                        by_cls: dict[str, dict[str, OrderedDict[int, Waiter]]],
                         now: float, held: Container[str]) -> str | None:
         present = [c for c in self.classes if c in by_cls and c not in held]
         if not present:
             return None
-        # Aging: of the classes whose oldest waiter is past its bound, the one past it by
-        # most; otherwise the best class.
+        # Aging: of the classes unserved past their bound, the one past it by most;
+        # otherwise the best class.
         overdue: tuple[float, str] | None = None
         for c in present[1:]:
             bound = self.max_wait_s.get(c)
             if bound is None:
                 continue
             oldest = min(next(iter(f.values())).since for f in by_cls[c].values())
-            late = now - oldest - bound
+            # Unserved since its oldest arrived or it was last served, whichever is later:
+            # the bound is on the class going unserved, not on the wait behind its own
+            # backlog (else a long flood is overdue for ever and outranks every class).
+            late = now - max(oldest, self._served_at.get((model, c), oldest)) - bound
             if late >= 0 and (overdue is None or late > overdue[0]):
                 overdue = (late, c)
         return overdue[1] if overdue is not None else present[0]
@@ -387,7 +395,7 @@ class FairQueue:
         by_cls = self._q.get(model)
         if not by_cls:
             return None
-        cls = self._class_to_serve(by_cls, now, held)
+        cls = self._class_to_serve(model, by_cls, now, held)
         if cls is None:
             return None
         by_tenant = by_cls[cls]
@@ -396,6 +404,7 @@ class FairQueue:
                                                next(iter(by_tenant[t]))))
         _, w = by_tenant[tenant].popitem(last=False)
         self._last[(model, w.cls)] = self.counters.get(tenant, 0.0)
+        self._served_at[(model, w.cls)] = now
         self._prune(w)
         self.charge(tenant, w.cost)
         return w

@@ -77,3 +77,15 @@ def test_share_and_limit_tables() -> None:
     assert _row(page, "first come first served")[4] == "9.0%"
     assert _row(page, "alternating")[3:] == ["10.10/s", "10/s", "101.0%"]
     assert _row(page, "all to one")[-1] == "50.0%"
+
+
+def test_lull_table_compares_reserve_idle_times_with_the_fair_queue_alone() -> None:
+    lull = [{"seed": 0, "idle_s": None, "ttft_p50_s": 3.0, "ttft_after_lull_max_s": 5.0,
+             "batch_tokens_per_s": 1000.0},
+            {"seed": 0, "idle_s": 30.0, "ttft_p50_s": 0.16, "ttft_after_lull_max_s": 1.1,
+             "batch_tokens_per_s": 950.0}]
+    page = tenancy({**DOC, "lull": lull, "setup": {**DOC["setup"], "lull_s": 60.0}})
+    assert "falls silent for 60.0 s" in page
+    assert _row(page, "fair queue alone")[2:] == ["3.000 s", "5.00 s", "1,000", "100.0%"]
+    assert _row(page, "reserve, idle 30 s")[3:] == ["1.10 s", "950", "95.0%"]
+    assert "### A lull" not in tenancy(DOC)

@@ -219,3 +219,25 @@ async def test_gate_holds_batch_by_the_reserve_counts_it_and_logs_once_a_minute(
     assert metrics.reserve_held.labels("batch")._value.get() == 3
     g.settle(adm)
     g.leave(adm, 0)
+
+
+# -- the aging guard under a long flood ------------------------------------------------------
+
+
+def test_aging_counts_from_the_last_service_so_a_long_flood_does_not_outrank_all() -> None:
+    """A batch backlog older than its bound, served recently: an interactive request that
+    arrives goes first. (Counting from the oldest waiter's arrival, the flood's head was
+    overdue for as long as the flood lasted, and batch outranked interactive: a batch
+    flood older than 60 s starved the interactive tenant behind the whole backlog.)"""
+    q = FairQueue(CLASSES, max_wait_s={"batch": 60.0}, capacity=1000)
+    for _ in range(200):
+        q.push(w("batch", since=0.0))
+    for now in range(61, 100):  # batch overdue: served first, once a second
+        assert q.pop("m", float(now)).cls == "batch"  # type: ignore[union-attr]
+    q.push(w("interactive", since=100.0))
+    assert q.pop("m", 100.0).cls == "interactive"  # type: ignore[union-attr]
+    # Batch goes unserved again only up to its bound.
+    for _ in range(50):
+        q.push(w("interactive", since=100.0))
+    assert q.pop("m", 158.0).cls == "interactive"  # type: ignore[union-attr]
+    assert q.pop("m", 159.0).cls == "batch"  # type: ignore[union-attr]  # 60 s since 99

@@ -8,6 +8,9 @@ and, for the limits, with the pure buckets on a fake clock:
   flood at all; the batch tenant's completions and tokens/s; the batch class's longest
   wait. Replicas admit ``SEQS`` requests each (``max_num_seqs``, known to the balancer
   as a live engine publishes it), so the reserve has slots to count.
+- ``lull``: the flood, with the interactive tenant silent for ``LULL_S`` between two
+  bursts: the fair queue alone and the reserve lapsing after several ``reserve_idle_s``
+  (the first interactive requests after the lull against the batch tenant's throughput).
 - ``share``: two tenants of equal weight in one class, one sending 10x the other, both
   backlogged from the start; the service (prompt + output tokens finished) each received
   per window while both were backlogged, FCFS against the fair queue.
@@ -76,6 +79,9 @@ PACES: dict[str, int | None] = {"fair_reserve": RESERVE_PACE, "fair_reserve_pace
 FLOOD_ARMS = ("no_flood", "fcfs", "fair", *PACES)
 LIVE_TIME_SCALE, LIVE_FLOOD = 0.5, 200
 WEB_KEY, BULK_KEY = "sk-bench-web", "sk-bench-bulk"
+# The lull: two bursts of interactive requests LULL_S apart; the first LULL_FIRST after it.
+LULL_BURST, LULL_S, LULL_FIRST = 20, 60.0, 3
+LULL_IDLE_S: tuple[float | None, ...] = (None, 10.0, 30.0, 120.0)
 HEAVY, LIGHT, WINDOW_S = 1000, 100, 5.0
 LIMIT_RPS, OFFERED_X, LIMIT_RUN_S = 10.0, 3.0, 60.0
 
@@ -122,7 +128,9 @@ def _reserve(arm: str) -> Reserve | None:
 
 
 def _sim(arrivals: list[Arrival], classify: Any, arm: str, seed: int,
-         seqs: int | None = None) -> tuple[Simulation, _WatchedQueue | None]:
+         seqs: int | None = None, reserve: Reserve | None = None
+         ) -> tuple[Simulation, _WatchedQueue | None]:
+    """``reserve``: this one instead of the arm's (the fair queue with it)."""
     cfg = SimConfig(regions=["us"], replicas={"us": 2}, policy="least-load",
                     push_mode="sp-p", forwarding=False, seed=seed)
     sim = Simulation(cfg, _Arrivals(arrivals))
@@ -131,11 +139,11 @@ def _sim(arrivals: list[Arrival], classify: Any, arm: str, seed: int,
         rep.profile = rep.engine.profile = replace(rep.profile, max_num_seqs=seqs)
         lb.dispatcher.targets[rid].load.max_num_seqs = seqs  # as a live engine publishes
     queue = None
-    if arm == "fair" or arm in PACES:
+    if arm == "fair" or arm in PACES or reserve is not None:
         queue = _WatchedQueue(CLASSES, max_wait_s=MAX_WAIT_S, capacity=100_000,
                               started=0.0)
         lb.tenancy = SimTenancy(queue, classify,
-                                reserve=_reserve(arm))
+                                reserve=reserve or _reserve(arm))
     sim.run()
     return sim, queue
 
@@ -179,6 +187,38 @@ def flood_run(seed: int, arm: str) -> dict[str, Any]:
         out["batch_longest_wait_s"] = queue.longest.get("batch", 0.0)
         out["batch_longest_unserved_s"] = queue.head.get("batch", 0.0)
     return out
+
+
+def lull_run(seed: int, idle_s: float | None) -> dict[str, Any]:
+    """The flood, with the interactive tenant sending LULL_BURST requests, falling silent
+    for LULL_S, then sending LULL_BURST more; the fair queue with the reserve lapsing
+    after ``idle_s`` (None: the fair queue alone). The first requests after the lull pay
+    for a lapsed reserve; the batch tenant gains while it is lapsed."""
+    rng = random.Random(seed)
+    arrivals: list[Arrival] = [(0.001 * i, _item(rng, f"bulk-{i}", 400, 200))
+                               for i in range(FLOOD)]
+    t, after = 0.5, []
+    for i in range(2 * LULL_BURST):
+        if i == LULL_BURST:
+            t += LULL_S
+        arrivals.append((t, _item(rng, f"web-{i}", 200, 50)))
+        if i >= LULL_BURST:
+            after.append(f"web-{i}")
+        t += rng.expovariate(RATE)
+
+    def classify(rec: RequestRecord) -> tuple[str, str]:
+        return ("web", "interactive") if _tenant_of_id(rec) == "web" else ("bulk", "batch")
+
+    reserve = replace(RESERVE, idle_s=idle_s) if idle_s is not None else None
+    sim, _ = _sim(arrivals, classify, "fair", seed, SEQS, reserve)
+    web = {r.item.request_id: r for r in sim.records if _tenant_of_id(r) == "web"}
+    first = [web[k].t_first - web[k].t_arrival for k in after[:LULL_FIRST]]
+    done = [r for r in sim.records if _tenant_of_id(r) == "bulk" and r.ok]
+    end = max(r.t_done for r in done)
+    return {"seed": seed, "idle_s": idle_s, "ttft_after_lull_max_s": max(first),
+            "ttft_p50_s": statistics.median(r.t_first - r.t_arrival for r in web.values()),
+            "batch_tokens_per_s": sum(r.item.prompt_len + r.item.output_len
+                                      for r in done) / end}
 
 
 def _tenants(arm: str) -> dict[str, Any]:
@@ -367,11 +407,13 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {"replicas": 2, "policy": "least-load", "push_mode": "sp-p",
                   "max_num_seqs": SEQS, "reserve": RESERVE.fractions,
                   "reserve_idle_s": RESERVE_IDLE_S, "reserve_pace": RESERVE_PACE,
+                  "lull_burst": LULL_BURST, "lull_s": LULL_S, "lull_first": LULL_FIRST,
                   "flood": FLOOD, "steady": STEADY, "steady_rate_per_s": RATE,
                   "max_wait_s": MAX_WAIT_S, "heavy": HEAVY, "light": LIGHT,
                   "window_s": WINDOW_S, "limit_per_s": LIMIT_RPS, "offered_x": OFFERED_X,
                   "limit_run_s": LIMIT_RUN_S, "seeds": seeds},
         "flood": [flood_run(s, arm) for s in seeds for arm in FLOOD_ARMS],
+        "lull": [lull_run(s, idle) for s in seeds for idle in LULL_IDLE_S],
         "share": [share_run(s, fair) for s in seeds for fair in (False, True)],
         "limits": [limit_run(s, spread) for s in seeds for spread in ("even", "one")],
     }

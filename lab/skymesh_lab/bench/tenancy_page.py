@@ -87,6 +87,29 @@ def _live(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
         *_flood(rows, setup)]
 
 
+def _lull(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
+    by = _by(rows, "idle_s")
+    alone = _med(by.get(None, []), "batch_tokens_per_s")
+    out = []
+    for idle, rs in sorted(by.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        tps = _med(rs, "batch_tokens_per_s")
+        out.append(["fair queue alone" if idle is None else f"reserve, idle {idle:.0f} s",
+                    str(len(rs)), num(_med(rs, "ttft_p50_s"), ".3f", suffix=" s"),
+                    num(_med(rs, "ttft_after_lull_max_s"), ".2f", suffix=" s"),
+                    num(tps, ",.0f"),
+                    num(tps / alone if tps is not None and alone else None, ".1%")])
+    return [
+        "### A lull in the interactive traffic (`reserve_idle_s`), simulator", "",
+        f"The same flood; the interactive tenant sends {setup.get('lull_burst', '?')} "
+        f"requests, falls silent for {setup.get('lull_s', '?')} s, then sends "
+        f"{setup.get('lull_burst', '?')} more. A reserve that lapses during the lull gives "
+        "the batch tenant the idle slots, and the first interactive requests after it "
+        f"wait for slots to free (worst of the first {setup.get('lull_first', '?')}).", "",
+        table(["setting", "seeds", "interactive TTFT p50",
+               "worst TTFT just after the lull", "batch tokens/s",
+               "vs the fair queue alone"], out, [False, True, True, True, True, True]), ""]
+
+
 def _share(rows: list[dict[str, Any]]) -> str:
     out = []
     for arm, rs in sorted(_by(rows, "arm").items(), key=lambda kv: kv[0] != "fcfs"):
@@ -133,6 +156,7 @@ def tenancy(doc: dict[str, Any]) -> str:
         "reserve and loosen its pacing (the trade-off of `reserve_pace`).",
         "", "### Simulator", "", *_flood(doc["flood"], s),
         *(_live(doc["live"], s) if doc.get("live") else []),
+        *(_lull(doc["lull"], s) if doc.get("lull") else []),
         "## Two tenants of equal weight, one sending 10x the other", "",
         f"Both in one class, both backlogged from the start ({s.get('heavy', '?')} and "
         f"{s.get('light', '?')} requests of the same size within the first second). "
