@@ -485,6 +485,11 @@ class BatchMeshConfig(StrictModel):
     reserve: float = Field(0.25, ge=0.0, le=1.0)
 
 
+# The slot fraction the last (lowest) class leaves free on each replica for the better
+# ones when tenants.reserve is not given: measured on docs/results/tenancy.md.
+DEFAULT_RESERVE = 0.25
+
+
 class TenantsConfig(StrictModel):
     """Tenants, priority classes, their limits and the fair queue (docs/tenancy.md).
     Without this section there is one tenant and one class, as before."""
@@ -503,8 +508,22 @@ class TenantsConfig(StrictModel):
     fallback: str | None = None  # the tenant of unmatched requests; default: "default"
     # Requests let into the dispatcher's queue per model while the rest wait in order.
     dispatch_queue: int = Field(2, ge=1, le=1024)
+    # The slot reserve: per class, the fraction of each replica's slots (max_num_seqs,
+    # sp-o's max_outstanding) it leaves free for better classes; it lapses while no
+    # better request arrived for reserve_idle_s (docs/tenancy.md, measured on
+    # docs/results/tenancy.md). None: DEFAULT_RESERVE for the last class ({}: none).
+    reserve: dict[str, float] | None = None
+    reserve_idle_s: float = Field(30.0, ge=0)
+    # A class with a reserve goes to a replica only while fewer than this many requests
+    # wait to start there, so a burst of its prefills cannot stall a better request.
+    reserve_pace: int = Field(1, ge=1)
     members: list[TenantConfig] = Field(default_factory=list)
     batch_mesh: BatchMeshConfig | None = None  # None: batch waits in the fair queue
+
+    def reserve_fractions(self) -> dict[str, float]:
+        if self.reserve is not None:
+            return dict(self.reserve)
+        return {self.classes[-1]: DEFAULT_RESERVE} if len(self.classes) > 1 else {}
 
     @field_validator("trusted_sources")
     @classmethod
@@ -576,6 +595,13 @@ def _check_tenants(t: TenantsConfig) -> None:
         check("tenants.batch_mesh.batch_class", [t.batch_mesh.batch_class])
     if any(v <= 0 for v in t.max_wait_s.values()):
         raise ConfigError("tenants.max_wait_s: bounds must be > 0 seconds")
+    reserve = t.reserve or {}
+    check("tenants.reserve", list(reserve))
+    if any(not 0 <= v < 1 for v in reserve.values()):
+        raise ConfigError("tenants.reserve: fractions of a replica's slots, 0 <= f < 1")
+    if reserve.get(classes[0], 0) > 0:
+        raise ConfigError(f"tenants.reserve: {classes[0]!r} is the best class; there is "
+                          "no better one to keep slots for")
     names: set[str] = set()
     digests: set[str] = set()
     for i, tc in enumerate(t.members):

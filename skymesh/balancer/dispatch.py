@@ -546,6 +546,25 @@ class Dispatcher:
         q = self.queues.get(model)
         return len(q) if q else 0
 
+    def slots(self, model: str) -> list[tuple[int, int, int]]:
+        """(free, slots, not started) of each healthy replica serving ``model`` whose
+        slots are known: sp-p's ``max_num_seqs`` less ``slots_taken``, sp-o's
+        ``max_outstanding`` less ours in flight; not started: waiting in the last probe
+        plus ours pushed and not yet admitted (tenancy's slot reserve reads it)."""
+        out = []
+        for t in self.targets.values():
+            if not t.healthy or model not in t.models:
+                continue
+            load = t.load
+            if self._mode is PushMode.SP_O:
+                cap, used = self._max_outstanding, load.in_flight
+            elif self._mode is PushMode.SP_P and load.max_num_seqs:
+                cap, used = load.max_num_seqs, load.slots_taken
+            else:
+                continue
+            out.append((max(0, cap - used), cap, load.waiting + load.unadmitted))
+        return out
+
     def expired(self, now: float) -> list[Ticket]:
         """Queued tickets past their deadline, removed from the queue."""
         out = [t for q in (*self.queues.values(), *self.lanes.values()) for t in q

@@ -68,6 +68,10 @@ class TenantMetrics:
                               ["tenant", "priority"], registry=r)
         self.waiting = Gauge("skymesh_tenant_queue_length",
                              "Requests waiting in the tenant fair queue", registry=r)
+        self.reserve_held = Counter("skymesh_tenant_reserve_held_total",
+                                    "Releases at which a class with waiters was held back "
+                                    "by the slot reserve for better classes",
+                                    ["priority"], registry=r)
 
 
 class TenantQueueDepth:

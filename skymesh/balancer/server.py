@@ -306,7 +306,8 @@ class Balancer:
         gate = TenantGate(
             tenants, share=pushing_share(self.cfg.pushing.balancers(), self.workers),
             capacity=self.cfg.queue.max_length, queued=self.dispatcher.queue_length,
-            metrics=self.metrics.enable_tenants(), clock=self.now)
+            metrics=self.metrics.enable_tenants(), clock=self.now,
+            slots=self.dispatcher.slots)
         # Pairs read at scrape time: tenants pushed by the controller come and go.
         self.metrics.registry.register(TenantQueueDepth(
             lambda: [(t.name, c) for t in gate.book.tenants.values() for c in t.classes],

@@ -18,13 +18,26 @@ Pure: no sockets, no sleeps; every clock is passed in, so tests drive a fake one
 - :class:`FairQueue`: requests wait here, per model, class and tenant, and are released
   into the dispatcher only while its queue for the model is short, so the routing policy
   still chooses the replica and this queue chooses the order: strict priority between
-  classes, except that a lower class whose oldest request has waited ``max_wait_s[class]``
-  goes first (the aging guard: no class waits much longer than that while the replicas
+  classes, except that a lower class that has gone unserved for ``max_wait_s[class]``
+  (since its oldest request arrived, or since it was last served if later) goes first
+  (the aging guard: no class goes unserved much longer than that while the replicas
   serve); within a class the backlogged tenant with the least service first, a virtual
   token counter over prompt + output tokens divided by the tenant's weight (Sheng et al.,
   "Fairness in Serving Large Language Models", OSDI'24): a tenant that becomes backlogged
   is lifted to the least counter of those already backlogged (with none, to the counter
   last served there), so idle time is not credit.
+- The slot reserve (:class:`Reserve`, ``tenants.reserve``): a class with a reserve
+  fraction ``f`` is released only while the replicas of the model have free slots beyond
+  ``ceil(f x slots)`` each, at most all but one (slots: the replica's ``max_num_seqs``
+  under sp-p, when known, or sp-o's ``max_outstanding``), so a better class arriving
+  finds a slot free instead of waiting for a long batch request to finish (the fair
+  queue orders, but a slot once taken is held for the whole request). The reserve lapses
+  while no request of a better class has arrived for ``reserve_idle_s``: then the lower
+  class may fill every slot, and the first better request after the lull waits for one
+  to free. While it holds, such a class also goes to a replica only while fewer than
+  ``reserve_pace`` requests wait to start there (the probe's waiting plus ours not yet
+  admitted): a burst of its prefills, queued first come first served inside the engine,
+  would otherwise stall the better request that arrives next.
 """
 
 from __future__ import annotations
@@ -32,7 +45,7 @@ from __future__ import annotations
 import ipaddress
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,15 +274,20 @@ class Waiter:
 class FairQueue:
     """See the module docstring. ``max_wait_s``: the aging bound per class (a class
     absent has none); ``weights``: per tenant (default 1); ``capacity``: waiters in all,
-    beyond it :meth:`push` raises :class:`Overloaded`."""
+    beyond it :meth:`push` raises :class:`Overloaded`; ``started``: when the queue began,
+    counted as an arrival of every class (a balancer that just started keeps the slot
+    reserve for ``reserve_idle_s``, as it cannot know the better classes are absent)."""
 
     def __init__(self, classes: Iterable[str], *, max_wait_s: Mapping[str, float] | None = None,
-                 weights: Mapping[str, float] | None = None, capacity: int = 1024) -> None:
+                 weights: Mapping[str, float] | None = None, capacity: int = 1024,
+                 started: float = -math.inf) -> None:
         self.classes = tuple(classes)
         self.max_wait_s = dict(max_wait_s or {})
         self.weights = dict(weights or {})
         self.capacity = capacity
         self.counters: dict[str, float] = {}  # tenant -> service / weight (VTC)
+        # class -> its latest arrival (the reserve)
+        self.arrived: dict[str, float] = dict.fromkeys(self.classes, started)
         # model -> class -> tenant -> waiters in arrival order (keyed by seq)
         self._q: dict[str, dict[str, dict[str, OrderedDict[int, Waiter]]]] = {}
         self._seq = 0
@@ -277,6 +295,9 @@ class FairQueue:
         # (model, class) -> the counter of the tenant last served there (bounded: models
         # are the replicas', classes configured)
         self._last: dict[tuple[str, str], float] = {}
+        # (model, class) -> when a request of it was last released (the aging guard counts
+        # from there, so a class's own backlog does not make it overdue for ever)
+        self._served_at: dict[tuple[str, str], float] = {}
 
     def __len__(self) -> int:
         return self.waiting
@@ -293,12 +314,18 @@ class FairQueue:
                     out[tenant, cls] = out.get((tenant, cls), 0) + len(fifo)
         return out
 
+    def has(self, model: str, cls: str) -> bool:
+        """Whether a request of ``cls`` waits for ``model``."""
+        return cls in self._q.get(model, {})
+
     def push(self, w: Waiter) -> None:
         if self.waiting >= self.capacity:
             raise Overloaded(f"the balancer's tenant queue is full ({self.capacity} "
                              "requests waiting)")
         by_cls = self._q.setdefault(w.model, {})
         by_tenant = by_cls.setdefault(w.cls, {})
+        if w.since > self.arrived.get(w.cls, -math.inf):
+            self.arrived[w.cls] = w.since
         fifo = by_tenant.get(w.tenant)
         if fifo is None:
             # Newly backlogged here: lifted to the least counter of the backlogged ones,
@@ -349,33 +376,44 @@ class FairQueue:
         self.counters[tenant] = self.counters.get(tenant, 0.0) + \
             tokens / self.weights.get(tenant, 1.0)
 
-    def _class_to_serve(self, by_cls: dict[str, dict[str, OrderedDict[int, Waiter]]],
-                        now: float) -> str:
-        present = [c for c in self.classes if c in by_cls]
-        # Aging: of the classes whose oldest waiter is past its bound, the one past it by
-        # most; otherwise the best class.
+    def _class_to_serve(self, model: str,
+                        by_cls: dict[str, dict[str, OrderedDict[int, Waiter]]],
+                        now: float, held: Container[str]) -> str | None:
+        present = [c for c in self.classes if c in by_cls and c not in held]
+        if not present:
+            return None
+        # Aging: of the classes unserved past their bound, the one past it by most;
+        # otherwise the best class.
         overdue: tuple[float, str] | None = None
         for c in present[1:]:
             bound = self.max_wait_s.get(c)
             if bound is None:
                 continue
             oldest = min(next(iter(f.values())).since for f in by_cls[c].values())
-            late = now - oldest - bound
+            # Unserved since its oldest arrived or it was last served, whichever is later:
+            # the bound is on the class going unserved, not on the wait behind its own
+            # backlog (else a long flood is overdue for ever and outranks every class).
+            late = now - max(oldest, self._served_at.get((model, c), oldest)) - bound
             if late >= 0 and (overdue is None or late > overdue[0]):
                 overdue = (late, c)
         return overdue[1] if overdue is not None else present[0]
 
-    def pop(self, model: str, now: float) -> Waiter | None:
-        """The next waiter for ``model`` (None: none), removed and charged its cost."""
+    def pop(self, model: str, now: float, held: Container[str] = ()) -> Waiter | None:
+        """The next waiter for ``model`` of a class not ``held`` (None: none), removed
+        and charged its cost."""
         by_cls = self._q.get(model)
         if not by_cls:
             return None
-        by_tenant = by_cls[self._class_to_serve(by_cls, now)]
+        cls = self._class_to_serve(model, by_cls, now, held)
+        if cls is None:
+            return None
+        by_tenant = by_cls[cls]
         # Least counter first; ties by arrival, so equal tenants alternate.
         tenant = min(by_tenant, key=lambda t: (self.counters.get(t, 0.0),
                                                next(iter(by_tenant[t]))))
         _, w = by_tenant[tenant].popitem(last=False)
         self._last[(model, w.cls)] = self.counters.get(tenant, 0.0)
+        self._served_at[(model, w.cls)] = now
         self._prune(w)
         self.charge(tenant, w.cost)
         return w
@@ -405,27 +443,92 @@ def book_of(cfg: TenantsConfig) -> TenantBook:
                       priority_header=cfg.priority_header)
 
 
-def queue_of(cfg: TenantsConfig, capacity: int) -> FairQueue:
+def queue_of(cfg: TenantsConfig, capacity: int, now: float = -math.inf) -> FairQueue:
     return FairQueue(cfg.classes, max_wait_s=cfg.max_wait_s,
-                     weights={t.name: t.weight for t in cfg.members}, capacity=capacity)
+                     weights={t.name: t.weight for t in cfg.members}, capacity=capacity,
+                     started=now)
 
 
-def release_into(queue: FairQueue, queued: Any, reserved: Mapping[str, int], bound: int,
-                 now: float) -> list[Waiter]:
+# -- the slot reserve --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """Per class, the fraction of each replica's slots it leaves free for the better
+    classes (a class absent leaves none), while one of them arrived within ``idle_s``;
+    and while it does, at most ``pace`` requests not yet started per replica."""
+
+    classes: tuple[str, ...]  # best first
+    fractions: Mapping[str, float]
+    idle_s: float
+    pace: int = 1 << 30
+
+    def slots(self, cls: str, capacity: int) -> int:
+        """Slots of a replica with ``capacity`` that ``cls`` leaves free: the fraction
+        rounded up, but never the last one, so the reserve cannot starve the class."""
+        f = self.fractions.get(cls, 0.0)
+        return max(0, min(capacity - 1, math.ceil(f * capacity - 1e-9))) if f > 0 else 0
+
+    def applies(self, cls: str, arrived: Mapping[str, float], now: float) -> bool:
+        """Whether a better class than ``cls`` arrived within ``idle_s`` (else it lapses)."""
+        if self.fractions.get(cls, 0.0) <= 0:
+            return False
+        rank = self.classes.index(cls)
+        since = now - self.idle_s
+        return any(arrived.get(c, -math.inf) >= since for c in self.classes[:rank])
+
+    def room(self, cls: str, free: Sequence[tuple[int, int, int]]) -> int:
+        """Requests of ``cls`` the replicas (``(free, capacity, not started)`` each) may
+        take now: their free slots beyond what it leaves free, and on each at most
+        ``pace`` not started at a time."""
+        return sum(min(max(0, f - self.slots(cls, cap)), max(0, self.pace - pending))
+                   for f, cap, pending in free)
+
+
+# Replicas' (free slots, slots, not started) for a model: the dispatcher's view
+# (Dispatcher.slots).
+Slots = Callable[[str], Sequence[tuple[int, int, int]]]
+
+
+def reserve_of(cfg: TenantsConfig) -> Reserve:
+    return Reserve(tuple(cfg.classes), cfg.reserve_fractions(), cfg.reserve_idle_s,
+                   cfg.reserve_pace)
+
+
+def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mapping[str, int],
+                 bound: int, now: float, *, reserve: Reserve | None = None,
+                 slots: Slots | None = None,
+                 held_out: set[str] | None = None) -> list[Waiter]:
     """Waiters to let into the dispatcher now: per model, while its dispatcher queue
     (``queued(model)``) plus those released but not yet offered (``reserved``) is below
-    ``bound``. The one release rule of the live balancer and the simulator."""
+    ``bound``; with a ``reserve`` (and the replicas' ``slots``), a class it applies to only
+    while the free slots beyond its reserve, paced (:meth:`Reserve.room`), outnumber
+    those pending (queued, reserved and released here). A replica whose slots are
+    unknown is not counted; with none known the reserve cannot be judged and nothing is
+    held. The classes held back that had waiters are added to ``held_out``. The one
+    release rule of the live balancer and the simulator."""
     out: list[Waiter] = []
     for model in queue.models():
-        room = bound - queued(model) - reserved.get(model, 0)
+        pending = queued(model) + reserved.get(model, 0)
+        room = bound - pending
+        free = slots(model) if reserve is not None and slots is not None else ()
+        # class -> free slots beyond its reserve, for the classes the reserve binds now
+        beyond = {c: reserve.room(c, free) for c in queue.classes
+                  if reserve is not None and reserve.applies(c, queue.arrived, now)} \
+            if free else {}
         while room > 0:
-            w = queue.pop(model, now)
+            held = {c for c, n in beyond.items() if n <= pending}
+            w = queue.pop(model, now, held)
             if w is None:
+                if held_out is not None:
+                    held_out.update(c for c in held if queue.has(model, c))
                 break
             out.append(w)
             room -= 1
+            pending += 1
     return out
 
 
-__all__ = ["DEFAULT_TENANT", "FairQueue", "Limiter", "Tenant", "TenantBook", "TenantLimited",
-           "TokenBucket", "Waiter", "book_of", "queue_of", "release_into", "tenants_of"]
+__all__ = ["DEFAULT_TENANT", "FairQueue", "Limiter", "Reserve", "Slots", "Tenant", "TenantBook",
+           "TenantLimited", "TokenBucket", "Waiter", "book_of", "queue_of", "release_into",
+           "reserve_of", "tenants_of"]

@@ -19,6 +19,7 @@ the book and the limiter between two requests; the fair queue and its waiters st
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,14 +29,19 @@ from skymesh.balancer.config import TenantsConfig
 from skymesh.balancer.metrics import TenantMetrics
 from skymesh.balancer.tenancy import (
     Limiter,
+    Slots,
     TenantLimited,
     Waiter,
     book_of,
     queue_of,
     release_into,
+    reserve_of,
     tenants_of,
 )
 from skymesh.balancer.tenant_push import limiter_of, merge
+
+log = logging.getLogger(__name__)
+LOG_EVERY_S = 60.0
 
 
 @dataclass(eq=False)
@@ -52,19 +58,23 @@ class Admission:
 class TenantGate:
     def __init__(self, cfg: TenantsConfig, *, share: int, capacity: int,
                  queued: Callable[[str], int], metrics: TenantMetrics,
-                 clock: Callable[[], float], wall: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float], wall: Callable[[], float] = time.time,
+                 slots: Slots | None = None) -> None:
         self.cfg = cfg  # lb.yaml's section (the controller's tenants are merged into it)
         self.share = share
         self.pushed: list[Any] | None = None  # as the controller last sent them
         self.book = book_of(cfg)
         self.limiter = Limiter(tenants_of(cfg), share=share, now=clock())
-        self.queue = queue_of(cfg, capacity)
+        self.queue = queue_of(cfg, capacity, clock())
         self.bound = cfg.dispatch_queue
         self.queued = queued  # the dispatcher's queue length for a model
         self.metrics = metrics
         self.clock = clock
         self.wall = wall
         self.reserved: dict[str, int] = {}  # woken per model, not yet offered
+        self.reserve = reserve_of(cfg)
+        self.slots = slots  # the replicas' free slots per model (Dispatcher.slots)
+        self.logged_at = -LOG_EVERY_S  # the reserve's last log line
 
     def set_pushed(self, tenants: Sequence[Mapping[str, Any]]) -> bool:
         """The controller's tenants, each with its ``share`` (False: the same as last)."""
@@ -119,12 +129,22 @@ class TenantGate:
         return True
 
     def release(self, now: float) -> None:
-        for w in release_into(self.queue, self.queued, self.reserved, self.bound, now):
+        held: set[str] = set()
+        for w in release_into(self.queue, self.queued, self.reserved, self.bound, now,
+                              reserve=self.reserve, slots=self.slots, held_out=held):
             fut: asyncio.Future[None] = w.payload
             if fut.done():  # cannot happen: a done waiter is out of the queue
                 continue
             fut.set_result(None)
             self.reserved[w.model] = self.reserved.get(w.model, 0) + 1
+        for cls in held:
+            self.metrics.reserve_held.labels(cls).inc()
+        if held and now - self.logged_at >= LOG_EVERY_S:
+            # At most once a minute: under a flood it bites on nearly every pump.
+            self.logged_at = now
+            log.warning("slot reserve: holding class %s back while the replicas' free "
+                        "slots are kept for better classes (tenants.reserve; counted in "
+                        "skymesh_tenant_reserve_held_total)", ", ".join(sorted(held)))
         self.metrics.waiting.set(self.queue.waiting)
 
     def fail_stranded(self, servable: Callable[[str], bool],

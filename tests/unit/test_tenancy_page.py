@@ -1,5 +1,6 @@
 """The tenancy results page renders medians over the seeds from its JSON, and says whether
-the interactive TTFT under a flood is within 20% of the no-flood one."""
+the interactive TTFT under a flood is within 20% of the no-flood one, for the fair queue
+and the slot reserve, in the simulator and live."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ DOC: dict[str, Any] = {
     "flood": [_flood("no_flood", 0, 0.1), _flood("no_flood", 1, 0.3), _flood("no_flood", 2, 0.2),
               _flood("fcfs", 0, 5.0), _flood("fcfs", 1, 6.0), _flood("fcfs", 2, 7.0),
               *(_flood("fair", s, 0.3, batch_longest_wait_s=40.0 + s,
-                       batch_longest_unserved_s=1.5) for s in range(3))],
+                       batch_longest_unserved_s=1.5) for s in range(3)),
+              *(_flood("fair_reserve", s, 0.22, batch_tokens_per_s=950.0,
+                       batch_longest_unserved_s=2.5) for s in range(3))],
     "share": [{"arm": "fcfs", "both_backlogged_s": 50.0, "windows": 9, "light_share": 0.09,
                "light_share_window_min": 0.05, "light_share_window_max": 0.12},
               {"arm": "fair", "both_backlogged_s": 20.0, "windows": 3, "light_share": 0.5,
@@ -41,10 +44,31 @@ def test_flood_rows_are_medians_and_the_20_percent_verdict_follows() -> None:
     page = tenancy(DOC)
     assert _row(page, "no flood")[:6] == ["no flood", "3", "0.200 s", "0.400 s", "-", "-"]
     assert _row(page, "flood, fair queue") == ["flood, fair queue", "3", "0.300 s", "0.600 s",
-                                               "10 / 10", "1,000", "41.0 s", "1.50 s"]
-    assert "1.50x the no-flood one: not within 20%" in page
+                                               "10 / 10", "1,000", "100.0%", "41.0 s",
+                                               "1.50 s"]
+    assert _row(page, "flood, fair queue + slot reserve")[5:7] == ["950", "95.0%"]
+    assert "fair queue: the interactive TTFT p50 under the flood is 1.50x the no-flood " \
+        "one: not within 20%" in page
+    assert "slot reserve: the interactive TTFT p50 under the flood is 1.10x the no-flood " \
+        "one: within 20%" in page
+    assert "slot reserve: the interactive TTFT p99 under the flood is 1.10x" in page
+    assert "unserved for at most 2.5 s, within its aging bound (`max_wait_s.batch`, 60 s)" \
+        in page
     close = {**DOC, "flood": [_flood("no_flood", 0, 0.25), _flood("fair", 0, 0.3)]}
     assert "1.20x the no-flood one: within 20%" in tenancy(close)
+    assert "### Live" not in page
+
+
+def test_live_section_renders_the_same_arms_when_present() -> None:
+    live = [_flood("no_flood", 0, 0.1), _flood("fcfs", 0, 3.0),
+            _flood("fair_reserve", 0, 0.15, batch_tokens_per_s=900.0)]
+    page = tenancy({**DOC, "live": live, "setup": {**DOC["setup"], "live_time_scale": 0.5,
+                                                   "live_flood": 200, "max_num_seqs": 16}})
+    live_part = page[page.index("### Live"):]
+    assert "`--max-num-seqs 16 --time-scale 0.5`" in live_part
+    assert _row(live_part, "flood, fair queue + slot reserve")[2:7] == [
+        "0.150 s", "0.300 s", "10 / 10", "900", "90.0%"]
+    assert "p50 under the flood is 1.50x the no-flood one: not within 20%" in live_part
 
 
 def test_share_and_limit_tables() -> None:
@@ -53,3 +77,15 @@ def test_share_and_limit_tables() -> None:
     assert _row(page, "first come first served")[4] == "9.0%"
     assert _row(page, "alternating")[3:] == ["10.10/s", "10/s", "101.0%"]
     assert _row(page, "all to one")[-1] == "50.0%"
+
+
+def test_lull_table_compares_reserve_idle_times_with_the_fair_queue_alone() -> None:
+    lull = [{"seed": 0, "idle_s": None, "ttft_p50_s": 3.0, "ttft_after_lull_max_s": 5.0,
+             "batch_tokens_per_s": 1000.0},
+            {"seed": 0, "idle_s": 30.0, "ttft_p50_s": 0.16, "ttft_after_lull_max_s": 1.1,
+             "batch_tokens_per_s": 950.0}]
+    page = tenancy({**DOC, "lull": lull, "setup": {**DOC["setup"], "lull_s": 60.0}})
+    assert "falls silent for 60.0 s" in page
+    assert _row(page, "fair queue alone")[2:] == ["3.000 s", "5.00 s", "1,000", "100.0%"]
+    assert _row(page, "reserve, idle 30 s")[3:] == ["1.10 s", "950", "95.0%"]
+    assert "### A lull" not in tenancy(DOC)

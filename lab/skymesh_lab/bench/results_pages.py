@@ -371,10 +371,13 @@ SOURCES: tuple[Source, ...] = (
     Source("tenancy", "Tenants: the fair queue and the limits (issue #37)",
            "The balancer's tenancy in the simulator, with the live balancer's `FairQueue` "
            "and release rule (`SimBalancer.tenancy`): an interactive tenant beside a batch "
-           "flood, and two tenants one sending 10x the other, each first come first "
+           "flood (first come first served, the fair queue, and its slot reserve; in the "
+           "simulator and live, a real `skymesh-lb` before two emulated replicas), and "
+           "two tenants one sending 10x the other, each first come first "
            "served and through the fair queue; and the per-tenant request-rate buckets of "
            "two balancers on a fake clock. See [tenants](../tenancy.md).",
-           (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy", "--json", "{json}"),
+           (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy", "--live", "--json",
+            "{json}"),
            tenancy_page.tenancy),
     Source("tenancy-shares", "Tenants: a limit held by shares pushed from the controller",
            "The per-tenant buckets of three balancers in two regions on a fake clock, each "

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from skymesh.balancer.dispatch import DEFAULT_HOLD_S, Dispatcher, Ticket
-from skymesh.balancer.tenancy import FairQueue, Waiter, release_into
+from skymesh.balancer.tenancy import FairQueue, Reserve, Waiter, release_into
 from skymesh.policies.base import Policy, RequestTiming, RouteRequest
 from skymesh.policies.load import PushMode
 from skymesh.policies.peers import (
@@ -66,11 +66,13 @@ class RequestRecord:
 @dataclass
 class SimTenancy:
     """The fair queue a :class:`SimBalancer` orders its requests with: ``classify`` gives
-    a request's (tenant, class); ``bound``: ``tenants.dispatch_queue``."""
+    a request's (tenant, class); ``bound``: ``tenants.dispatch_queue``; ``reserve``: the
+    slot reserve (``tenants.reserve``; None: none)."""
 
     queue: FairQueue
     classify: Callable[[RequestRecord], tuple[str, str]]
     bound: int = 2
+    reserve: Reserve | None = None
 
 
 @dataclass
@@ -340,7 +342,8 @@ class SimBalancer:
         ten = self.tenancy
         if ten is not None and ten.queue.waiting:
             now, d = self.loop.now, self.dispatcher
-            for w in release_into(ten.queue, d.queue_length, {}, ten.bound, now):
+            for w in release_into(ten.queue, d.queue_length, {}, ten.bound, now,
+                                  reserve=ten.reserve, slots=d.slots):
                 d.offer(w.payload, now)
 
     def _pump(self) -> None:
