@@ -36,6 +36,7 @@ from skymesh_lab.bench import (
     kv_index_cost,
     lb_workers_page,
     router_overhead_page,
+    rss_soak_page,
     security_page,
     tenancy_page,
     terraform_apply_page,
@@ -355,6 +356,16 @@ SOURCES: tuple[Source, ...] = (
            (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "8",
             "--duration", "4", "--base", "b6a33fb", "--json", "{json}"),
            access_log_cost_page.access_log_cost),
+    Source("rss-soak-1m", "skymesh-lb's memory over 1M requests (issue #35 item 5)",
+           "skymesh-lb with its default configuration (every worker) in front of two stub "
+           "replicas answering in microseconds, driven by 32 clients cycling through mixed "
+           "scenarios: whole and streamed replies, clients that leave, bad bodies, unknown "
+           "models, replica errors and prompts that never repeat. RSS and CPU of the "
+           "supervisor and its workers are summed. See [the balancer's memory]"
+           "(../notes/memory-1m.md).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.rss_soak", "--requests", "1000000",
+            "--json", "{json}"),
+           rss_soak_page.rss_soak),
     Source("tenancy", "Tenants: the fair queue and the limits (issue #37)",
            "The balancer's tenancy in the simulator, with the live balancer's `FairQueue` "
            "and release rule (`SimBalancer.tenancy`): an interactive tenant beside a batch "
