@@ -540,6 +540,19 @@ def _text(fields: dict[str, Any]) -> str:
     return f"{head} {rest}"
 
 
+def ms_text(seconds: float) -> str:
+    """``repr(round(seconds * 1e3, 3))``, the text a line gives a time, at a third of its
+    cost (round() with digits and repr() each run the decimal conversion). Both round
+    the exact binary value correctly to 3 decimals; under 1e12 ms a double is finer than
+    0.001, so the shortest repr of the rounded value is those decimals, trailing zeros
+    dropped."""
+    ms = seconds * 1e3
+    if not -1e12 < ms < 1e12:  # huge, inf or nan: the slow way
+        return repr(round(ms, 3))
+    text = f"{ms:.3f}".rstrip("0")
+    return text + "0" if text[-1] == "." else text
+
+
 def _record_text(rec: AccessRecord, tokens: tuple[int | None, int | None]) -> str:
     """:func:`_text` of :func:`record_fields`, straight from the record."""
     start, first = rec.start, rec.first_byte_at
@@ -550,8 +563,7 @@ def _record_text(rec: AccessRecord, tokens: tuple[int | None, int | None]) -> st
             and not rec.disconnected and rec.tenant is None):  # served, with its usage
         return (f"{rec.method} {rec.path} {rec.code} request_id={rec.request_id} "
                 f"model={rec.model} served_by={rec.served_by} via={rec.via} "
-                f"ttft_ms={round((first - start) * 1e3, 3)!r} "
-                f"duration_ms={round((rec.end - start) * 1e3, 3)!r} "
+                f"ttft_ms={ms_text(first - start)} duration_ms={ms_text(rec.end - start)} "
                 f"prompt_tokens={prompt} completion_tokens={completion} client={rec.client}")
     out = f"{rec.method} {rec.path} {rec.code}"
     if rec.request_id is not None:
@@ -563,8 +575,8 @@ def _record_text(rec: AccessRecord, tokens: tuple[int | None, int | None]) -> st
     if rec.via is not None:
         out += f" via={rec.via}"
     if first is not None:
-        out += f" ttft_ms={round((first - start) * 1e3, 3)}"
-    out += f" duration_ms={round((rec.end - start) * 1e3, 3)}"
+        out += f" ttft_ms={ms_text(first - start)}"
+    out += f" duration_ms={ms_text(rec.end - start)}"
     if prompt is not None:
         out += f" prompt_tokens={prompt}"
     if completion is not None:
