@@ -350,11 +350,11 @@ SOURCES: tuple[Source, ...] = (
            "Process CPU per request of skymesh-lb (one worker, round-robin, `bp`) in front "
            "of two C stub replicas, driven by wrk, with the access log on and off "
            "(`--no-access-log`), in alternating turns; per thread, so the event loop's "
-           "share and the writer thread's show apart. The revision before the batched "
-           "lines runs in the same rounds. See [the access log's cost]"
+           "share and the writer thread's show apart. The revision before the last "
+           "change to the access log runs in the same rounds. See [the access log's cost]"
            "(../operations-logs.md#cost).",
-           (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "8",
-            "--duration", "4", "--base", "b6a33fb", "--json", "{json}"),
+           (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "12",
+            "--duration", "4", "--base", "e1577fc", "--json", "{json}"),
            access_log_cost_page.access_log_cost),
     Source("rss-soak-1m", "skymesh-lb's memory over 1M requests (issue #35 item 5)",
            "skymesh-lb with its default configuration (every worker) in front of two stub "
