@@ -356,7 +356,7 @@ SOURCES: tuple[Source, ...] = (
            (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "12",
             "--duration", "4", "--base", "e1577fc", "--json", "{json}"),
            access_log_cost_page.access_log_cost),
-    Source("rss-soak-1m", "skymesh-lb's memory over 1M requests (issue #35 item 5)",
+    Source("rss-soak-1m", "skymesh-lb's memory over a long run (issue #35 item 5)",
            "skymesh-lb with its default configuration (every worker) in front of two stub "
            "replicas answering in microseconds, driven by 32 clients cycling through mixed "
            "scenarios: whole and streamed replies, clients that leave, bad bodies, unknown "

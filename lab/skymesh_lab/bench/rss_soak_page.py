@@ -22,7 +22,9 @@ def _row(s: dict[str, Any], first: dict[str, Any], prev: dict[str, Any] | None) 
 
 def _table(samples: list[dict[str, Any]]) -> str:
     first = samples[0]
-    picked = [s for s in samples if s["requests"] % EVERY == 0]
+    # every 100,000 requests; every sample of a run too short for that
+    step = EVERY if samples[-1]["requests"] >= 2 * EVERY else 1
+    picked = [s for s in samples if s["requests"] % step == 0]
     if picked[-1] is not samples[-1]:
         picked.append(samples[-1])  # a run that stopped between two steps
     out = ["| requests | RSS, MB | since the start | processes | CPU ms per 1,000 requests "
