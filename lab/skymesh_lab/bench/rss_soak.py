@@ -14,14 +14,14 @@ balancer runs with its default configuration unless ``--policy``/``--workers`` s
     python -m skymesh_lab.bench.rss_soak --requests 1000000 --json out.json
 
 The JSON: ``{"requests", "scenarios", "samples": [{"requests", "rss_mb", "cpu_s",
-"procs", "t_s"}], "rss_start_mb", "rss_warm_mb", "rss_end_mb", "cpu_ms_per_1000", ...}``.
+"procs", "t_s", "outcomes"}], "rss_start_mb", "rss_warm_mb", "rss_end_mb", "cpu_ms_per_1000",
+...}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -185,13 +185,14 @@ def _body(scenario: str, n: int, rng: random.Random) -> dict[str, Any]:
 
 
 async def _one(session: aiohttp.ClientSession, url: str, scenario: str, n: int,
-               rng: random.Random) -> None:
+               rng: random.Random) -> str:
+    """One request; what the client saw: the status, or ``left`` when it went away."""
     target = url + "/v1/chat/completions"
     if scenario == "bad_json":
         async with session.post(target, data=b'{"model": "m", "messages": [',
                                 headers={"Content-Type": "application/json"}) as r:
             await r.read()
-        return
+        return str(r.status)
     body = _body(scenario, n, rng)
     if scenario == "leave_at_once":
         try:
@@ -199,14 +200,15 @@ async def _one(session: aiohttp.ClientSession, url: str, scenario: str, n: int,
                 async with session.post(target, json=body) as r:
                     await r.read()
         except TimeoutError:
-            pass
-        return
+            return "left"
+        return str(r.status)
     async with session.post(target, json=body) as r:
         if scenario == "leave_mid_stream":
             await r.content.readany()
             r.close()  # drops the connection with the stream half read
-            return
+            return "left"
         await r.read()
+    return str(r.status)
 
 
 async def drive(url: str, requests: int, concurrency: int, pid: int,
@@ -223,6 +225,7 @@ async def drive(url: str, requests: int, concurrency: int, pid: int,
                     "t_s": 0.0})
     done = 0
     next_id = 0
+    seen: dict[str, int] = {}
     conn = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=conn) as session:
         async def worker() -> None:
@@ -230,13 +233,20 @@ async def drive(url: str, requests: int, concurrency: int, pid: int,
             while next_id < requests:
                 n = next_id
                 next_id += 1
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    await _one(session, url, SCENARIOS[n % len(SCENARIOS)], n, rng)
+                try:
+                    got = await _one(session, url, SCENARIOS[n % len(SCENARIOS)], n, rng)
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    got = type(exc).__name__
+                seen[got] = seen.get(got, 0) + 1
                 done += 1
                 if done % sample_every == 0:
                     rss, cpu, procs = read_proc(pid)
+                    # what the clients saw since the sample before: a stalled balancer
+                    # shows as 503s and a long t_s, not in its RSS
                     samples.append({"requests": done, "rss_mb": round(rss, 2), "cpu_s": cpu,
-                                    "procs": procs, "t_s": round(time.monotonic() - t0, 1)})
+                                    "procs": procs, "t_s": round(time.monotonic() - t0, 1),
+                                    "outcomes": dict(sorted(seen.items()))})
+                    seen.clear()
                     print(f"{done} requests: RSS {rss:.1f} MB in {procs} processes",
                           file=sys.stderr, flush=True)
                     if on_sample is not None:

@@ -28,10 +28,15 @@ def _table(samples: list[dict[str, Any]]) -> str:
     if picked[-1] is not samples[-1]:
         picked.append(samples[-1])  # a run that stopped between two steps
     out = ["| requests | RSS, MB | since the start | processes | CPU ms per 1,000 requests "
-           "since the row before |", "| ---: | ---: | ---: | ---: | ---: |"]
+           "since the row before | 503s since the row before |",
+           "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     prev = None
     for s in picked:
-        out.append(_row(s, first, prev))
+        lo = prev["requests"] if prev is not None else -1
+        # older runs recorded no outcomes: the column stays empty for them
+        busy = [x["outcomes"].get("503", 0) for x in samples
+                if lo < x["requests"] <= s["requests"] and "outcomes" in x]
+        out.append(f"{_row(s, first, prev)} {sum(busy) if busy else ''} |")
         prev = s
     return "\n".join(out)
 
