@@ -20,9 +20,19 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from support import eventually, wait_for
 
-from skymesh.obs.access import BATCH, AccessRecord, AccessWriter, install, note, usage_tokens
+from skymesh.obs.access import (
+    BATCH,
+    AccessRecord,
+    AccessWriter,
+    install,
+    ms_text,
+    note,
+    usage_tokens,
+)
 from skymesh.obs.logs import ACCESS_LOGGER, JsonFormatter, batched_writes, setup_logging
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
@@ -473,3 +483,16 @@ async def test_a_loop_batch_is_refused_when_the_thread_is_that_far_behind() -> N
     finally:
         writer.stop()
     assert out.getvalue() == ""
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.floats() | st.floats(min_value=-1e3, max_value=1e3)
+       | st.floats(min_value=0, max_value=1e-2))
+@example(0.0)
+@example(-0.0)
+@example(5e-7)  # 0.0005 ms: half-way, rounded as the binary value lies
+@example(2.675e-3)
+@example(1e9 + 0.5)  # the slow path's edge
+def test_a_time_in_a_line_is_the_repr_of_its_rounded_milliseconds(seconds: float) -> None:
+    """Lines stay byte for byte what ``round(ms, 3)`` gave (ms_text is the fast form)."""
+    assert ms_text(seconds) == repr(round(seconds * 1e3, 3))

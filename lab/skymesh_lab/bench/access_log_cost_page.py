@@ -7,6 +7,7 @@ page from the JSON alone.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 TARGET = 0.05  # issue #35 item 3: at most 5% of a request's CPU
@@ -18,6 +19,20 @@ def _us(s: dict[str, float]) -> str:
 
 def _share(s: dict[str, float]) -> str:
     return f"{s['median']:.1%} [{s['min']:.1%}, {s['max']:.1%}]"
+
+
+def _paired(segments: list[dict[str, Any]]) -> str:
+    """Now's cost minus before's, round by round (both ran in the same stretch)."""
+    cpu = {(s["setup"], s["round"]): s["cpu_us"] for s in segments}
+    rounds = sorted({r for _, r in cpu})
+    diffs = [(cpu[("current/on", r)] - cpu[("current/off", r)])
+             - (cpu[("base/on", r)] - cpu[("base/off", r)])
+             for r in rounds if ("base/on", r) in cpu and ("current/on", r) in cpu]
+    if not diffs:
+        return ""
+    return (f" Now's cost minus before's, paired by round: {statistics.median(diffs):+.1f} us "
+            f"[{min(diffs):+.1f}, {max(diffs):+.1f}], the noise of this machine next to "
+            "changes of a few microseconds.")
 
 
 def access_log_cost(doc: dict[str, Any]) -> str:
@@ -32,10 +47,12 @@ def access_log_cost(doc: dict[str, Any]) -> str:
         row = summary.get(build)
         if row is None:
             continue
-        writer = row["writer_us"] if build == "current" else row["threads_cost_us"]
+        # a base from before the thread was named shows its writer as "other threads"
+        writer = row["writer_us"] if row["writer_us"]["max"] > 0 else row["threads_cost_us"]
         out.append(f"| {label[build]} | {_us(row['off_us'])} | {_us(row['on_us'])} | "
                    f"{_us(row['cost_us'])} | {_share(row['share'])} | "
                    f"{_us(row['loop_cost_us'])} | {_us(writer)} |")
+    paired = _paired(doc.get("segments", []))
     cur = summary["current"]["share"]["median"]
     verdict = ("within" if cur <= TARGET else "above")
     notes = [
@@ -46,7 +63,8 @@ def access_log_cost(doc: dict[str, Any]) -> str:
         f"The access log now costs **{cur:.1%}** of a request's CPU, {verdict} the "
         f"{TARGET:.0%} aimed at. \"The loop\" is the balancer's main thread (on minus off); "
         "\"the writer thread\" is the access log's own thread (named `skymesh-access`; "
-        "before, unnamed, it is the difference of all threads but the main one).",
+        "in a base from before it was named, the difference of all threads but the main "
+        "one)." + paired,
         f"Setup: `skymesh-lb {' '.join(setup['lb_flags'])}` in front of two C stub "
         f"replicas, wrk with {setup['connections']} connections, non-streaming chat "
         "completions whose replies carry `usage`; the access log goes to the daemon's "

@@ -37,6 +37,7 @@ from skymesh_lab.bench import (
     kv_index_cost,
     lb_workers_page,
     router_overhead_page,
+    rss_soak_page,
     security_page,
     tenancy_limits_live_page,
     tenancy_mesh_page,
@@ -362,12 +363,22 @@ SOURCES: tuple[Source, ...] = (
            "Process CPU per request of skymesh-lb (one worker, round-robin, `bp`) in front "
            "of two C stub replicas, driven by wrk, with the access log on and off "
            "(`--no-access-log`), in alternating turns; per thread, so the event loop's "
-           "share and the writer thread's show apart. The revision before the batched "
-           "lines runs in the same rounds. See [the access log's cost]"
+           "share and the writer thread's show apart. The revision before the last "
+           "change to the access log runs in the same rounds. See [the access log's cost]"
            "(../operations-logs.md#cost).",
-           (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "8",
-            "--duration", "4", "--base", "b6a33fb", "--json", "{json}"),
+           (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "12",
+            "--duration", "4", "--base", "e1577fc", "--json", "{json}"),
            access_log_cost_page.access_log_cost),
+    Source("rss-soak-1m", "skymesh-lb's memory over a long run (issue #35 item 5)",
+           "skymesh-lb with its default configuration (every worker) in front of two stub "
+           "replicas answering in microseconds, driven by 32 clients cycling through mixed "
+           "scenarios: whole and streamed replies, clients that leave, bad bodies, unknown "
+           "models, replica errors and prompts that never repeat. RSS and CPU of the "
+           "supervisor and its workers are summed. See [the balancer's memory]"
+           "(../notes/memory-1m.md).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.rss_soak", "--requests", "1000000",
+            "--json", "{json}"),
+           rss_soak_page.rss_soak),
     Source("tenancy", "Tenants: the fair queue and the limits (issue #37)",
            "The balancer's tenancy in the simulator, with the live balancer's `FairQueue` "
            "and release rule (`SimBalancer.tenancy`): an interactive tenant beside a batch "

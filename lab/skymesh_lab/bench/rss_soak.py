@@ -7,23 +7,27 @@ non-streamed and streamed replies (with and without ``include_usage``), clients 
 leave mid-stream or right after sending, bad JSON bodies (400), unknown models (404),
 replica errors (500, retried then 502) and prompts that never repeat (the prefix state's
 growth). The balancer's RSS is sampled every ``--sample-every`` requests from
-``/proc/PID/status``; its CPU time from ``/proc/PID/stat``.
+``/proc/PID/status``, its CPU time from ``/proc/PID/stat``, both summed over the
+supervisor and its workers (``listen.workers``, default ``auto``: one per core). The
+balancer runs with its default configuration unless ``--policy``/``--workers`` say.
 
-    python -m skymesh_lab.bench.rss_soak --requests 200000 --json out.json
+    python -m skymesh_lab.bench.rss_soak --requests 1000000 --json out.json
 
-The JSON: ``{"requests", "scenarios", "samples": [{"requests", "rss_mb", "cpu_s"}],
-"rss_start_mb", "rss_end_mb", "cpu_ms_per_1000", ...}``.
+The JSON: ``{"requests", "scenarios", "samples": [{"requests", "rss_mb", "cpu_s",
+"procs", "t_s", "outcomes"}], "rss_start_mb", "rss_warm_mb", "rss_end_mb", "cpu_ms_per_1000",
+...}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,15 +109,58 @@ async def serve_stub() -> tuple[asyncio.base_events.Server, str]:
     return server, f"http://127.0.0.1:{port}"
 
 
-def read_proc(pid: int) -> tuple[float, float]:
-    """(RSS in MB, user+system CPU seconds) of ``pid``."""
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (a scan of /proc: /proc/PID/task/*/children needs a
+    kernel option not every kernel has)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone since the listing
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            kids.append(int(entry.name))
+    return kids
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants: the supervisor and every worker with
+    ``listen.workers`` above 1, the one process otherwise."""
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(_children(p))
+    return tree
+
+
+def read_one(pid: int, *, reaped: bool = False) -> tuple[float, float]:
+    """(RSS in MB, user+system CPU seconds) of ``pid``; with ``reaped``, plus the CPU of
+    its children that ended and were waited for (a worker the supervisor restarted)."""
     rss_kb = 0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             rss_kb = int(line.split()[1])
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return rss_kb / 1024, (int(fields[11]) + int(fields[12])) / ticks
+    ticks = sum(int(f) for f in fields[11:15 if reaped else 13])
+    return rss_kb / 1024, ticks / os.sysconf("SC_CLK_TCK")
+
+
+def read_proc(pid: int) -> tuple[float, float, int]:
+    """(RSS in MB, CPU seconds, processes) of the balancer: ``pid`` and its workers
+    summed. RSS counts pages shared after the fork once per process (the figure ``ps``
+    and the kernel's OOM accounting of each process give)."""
+    rss = cpu = 0.0
+    procs = 0
+    for p in process_tree(pid):
+        try:
+            r, c = read_one(p, reaped=p == pid)
+        except (OSError, IndexError):  # ended between the scan and the read
+            continue
+        rss, cpu, procs = rss + r, cpu + c, procs + 1
+    return rss, cpu, procs
 
 
 SCENARIOS = ("plain", "stream", "stream_usage", "unique_prompt", "leave_mid_stream",
@@ -138,13 +185,14 @@ def _body(scenario: str, n: int, rng: random.Random) -> dict[str, Any]:
 
 
 async def _one(session: aiohttp.ClientSession, url: str, scenario: str, n: int,
-               rng: random.Random) -> None:
+               rng: random.Random) -> str:
+    """One request; what the client saw: the status, or ``left`` when it went away."""
     target = url + "/v1/chat/completions"
     if scenario == "bad_json":
         async with session.post(target, data=b'{"model": "m", "messages": [',
                                 headers={"Content-Type": "application/json"}) as r:
             await r.read()
-        return
+        return str(r.status)
     body = _body(scenario, n, rng)
     if scenario == "leave_at_once":
         try:
@@ -152,24 +200,32 @@ async def _one(session: aiohttp.ClientSession, url: str, scenario: str, n: int,
                 async with session.post(target, json=body) as r:
                     await r.read()
         except TimeoutError:
-            pass
-        return
+            return "left"
+        return str(r.status)
     async with session.post(target, json=body) as r:
         if scenario == "leave_mid_stream":
             await r.content.readany()
             r.close()  # drops the connection with the stream half read
-            return
+            return "left"
         await r.read()
+    return str(r.status)
 
 
 async def drive(url: str, requests: int, concurrency: int, pid: int,
-                sample_every: int, seed: int) -> list[dict[str, float]]:
+                sample_every: int, seed: int,
+                on_sample: Callable[[list[dict[str, float]]], None] | None = None
+                ) -> list[dict[str, float]]:
+    """Drive the balancer; ``on_sample`` gets the samples so far after each one (a long
+    run keeps its figures if it is stopped)."""
     rng = random.Random(seed)
     samples: list[dict[str, float]] = []
-    rss, cpu = read_proc(pid)
-    samples.append({"requests": 0, "rss_mb": round(rss, 2), "cpu_s": cpu})
+    t0 = time.monotonic()
+    rss, cpu, procs = read_proc(pid)
+    samples.append({"requests": 0, "rss_mb": round(rss, 2), "cpu_s": cpu, "procs": procs,
+                    "t_s": 0.0})
     done = 0
     next_id = 0
+    seen: dict[str, int] = {}
     conn = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=conn) as session:
         async def worker() -> None:
@@ -177,13 +233,24 @@ async def drive(url: str, requests: int, concurrency: int, pid: int,
             while next_id < requests:
                 n = next_id
                 next_id += 1
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    await _one(session, url, SCENARIOS[n % len(SCENARIOS)], n, rng)
+                try:
+                    got = await _one(session, url, SCENARIOS[n % len(SCENARIOS)], n, rng)
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    got = type(exc).__name__
+                seen[got] = seen.get(got, 0) + 1
                 done += 1
                 if done % sample_every == 0:
-                    rss, cpu = read_proc(pid)
-                    samples.append({"requests": done, "rss_mb": round(rss, 2), "cpu_s": cpu})
-                    print(f"{done} requests: RSS {rss:.1f} MB", file=sys.stderr, flush=True)
+                    rss, cpu, procs = read_proc(pid)
+                    # what the clients saw since the sample before: a stalled balancer
+                    # shows as 503s and a long t_s, not in its RSS
+                    samples.append({"requests": done, "rss_mb": round(rss, 2), "cpu_s": cpu,
+                                    "procs": procs, "t_s": round(time.monotonic() - t0, 1),
+                                    "outcomes": dict(sorted(seen.items()))})
+                    seen.clear()
+                    print(f"{done} requests: RSS {rss:.1f} MB in {procs} processes",
+                          file=sys.stderr, flush=True)
+                    if on_sample is not None:
+                        on_sample(samples)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return samples
@@ -192,18 +259,24 @@ async def drive(url: str, requests: int, concurrency: int, pid: int,
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
     if args.lb_url:  # a balancer started elsewhere (e.g. under tracemalloc)
         samples = await drive(args.lb_url, args.requests, args.concurrency, args.lb_pid,
-                              args.sample_every, args.seed)
+                              args.sample_every, args.seed, _checkpoint(args))
         return _result(args, samples)
     servers = [await serve_stub() for _ in range(2)]
     urls = ",".join(u for _, u in servers)
     extra = [] if args.access_log else ["--no-access-log"]
     log = Path(args.log) if args.log else None
+    # no --policy / --workers: the balancer's defaults (prefix-tree + sp-p, one worker
+    # per core) unless asked
+    if args.policy:
+        extra += ["--policy", args.policy]
+    if args.workers:
+        extra += ["--workers", args.workers]
     lb = await asyncio.to_thread(start_daemon, "skymesh-lb", [
-        "--port", "0", "--replicas", urls, "--policy", args.policy, *extra], log_path=log)
+        "--port", "0", "--replicas", urls, *extra], log_path=log)
     try:
         await asyncio.sleep(1.0)  # first probes: the replicas are up
         samples = await drive(lb.url, args.requests, args.concurrency, lb.proc.pid,
-                              args.sample_every, args.seed)
+                              args.sample_every, args.seed, _checkpoint(args))
     finally:
         lb.stop()
         for server, _ in servers:
@@ -211,14 +284,36 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     return _result(args, samples)
 
 
-def _result(args: argparse.Namespace, samples: list[dict[str, float]]) -> dict[str, Any]:
+def _checkpoint(args: argparse.Namespace) -> Callable[[list[dict[str, float]]], None]:
+    """Writes the result so far to ``--json`` (``"complete": false``) after each sample."""
+    def write(samples: list[dict[str, float]]) -> None:
+        if args.json:
+            _write(Path(args.json), _result(args, samples, complete=False))
+
+    return write
+
+
+def _write(path: Path, out: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1) + "\n")
+    tmp.replace(path)  # a reader never sees half a file
+
+
+def _result(args: argparse.Namespace, samples: list[dict[str, float]],
+            complete: bool = True) -> dict[str, Any]:
     first, last = samples[0], samples[-1]
-    return {"requests": args.requests, "concurrency": args.concurrency,
-            "policy": args.policy, "access_log": args.access_log,
-            "scenarios": list(SCENARIOS), "samples": samples,
-            "rss_start_mb": first["rss_mb"], "rss_end_mb": last["rss_mb"],
+    done = int(last["requests"]) or 1
+    warm = next((s for s in samples if s["requests"] >= args.warmup), last)
+    return {"requests": int(last["requests"]), "requests_asked": args.requests,
+            "complete": complete, "concurrency": args.concurrency,
+            "policy": args.policy or "default", "workers": args.workers or "default",
+            "processes": last.get("procs", 1), "access_log": args.access_log,
+            "nice": os.nice(0), "loadavg_now": [round(x, 2) for x in os.getloadavg()],
+            "scenarios": list(SCENARIOS), "samples": samples, "warmup": args.warmup,
+            "rss_start_mb": first["rss_mb"], "rss_warm_mb": warm["rss_mb"],
+            "rss_end_mb": last["rss_mb"],
             "rss_max_mb": max(s["rss_mb"] for s in samples),
-            "cpu_ms_per_1000": round((last["cpu_s"] - first["cpu_s"]) * 1e6 / args.requests,
+            "cpu_ms_per_1000": round((last["cpu_s"] - first["cpu_s"]) * 1e6 / done,
                                      1)}
 
 
@@ -227,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=200_000)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--sample-every", type=int, default=10_000)
-    p.add_argument("--policy", default="prefix-tree")
+    p.add_argument("--policy", help="default: the balancer's (prefix-tree)")
+    p.add_argument("--workers", help="listen.workers (default: the balancer's, auto)")
+    p.add_argument("--warmup", type=int, default=20_000,
+                   help="requests after which the RSS counts as warmed up")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-access-log", dest="access_log", action="store_false")
     p.add_argument("--log", help="the balancer's log file (default: a temporary one)")
@@ -236,9 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lb-pid", type=int, help="... whose process this is")
     args = p.parse_args(argv)
     out = asyncio.run(soak(args))
-    text = json.dumps(out, indent=1)
     if args.json:
-        Path(args.json).write_text(text + "\n")
+        _write(Path(args.json), out)
     print(json.dumps({k: v for k, v in out.items() if k != "samples"}))
     return 0
 
