@@ -58,7 +58,7 @@ class TenantMetrics:
         self.limited = Counter("skymesh_tenant_limited_total",
                                "Requests turned away (429) by a tenant limit (reason: "
                                "requests, tokens, concurrency, daily_quota)",
-                               ["tenant", "reason"], registry=r)
+                               ["tenant", "priority", "reason"], registry=r)
         self.queue_wait = Histogram("skymesh_tenant_queue_wait_seconds",
                                     "Time waiting in the tenant fair queue",
                                     ["tenant", "priority"], buckets=_LATENCY_BUCKETS,

@@ -101,7 +101,7 @@ class TenantGate:
         try:
             self.limiter.admit(tenant, prompt_tokens, self.clock(), self.wall())
         except TenantLimited as exc:
-            self.metrics.limited.labels(tenant, exc.reason).inc()
+            self.metrics.limited.labels(tenant, cls, exc.reason).inc()
             raise
         self.metrics.admitted.labels(tenant, cls).inc()
         return Admission(tenant, cls, model, prompt_tokens)

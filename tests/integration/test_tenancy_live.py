@@ -168,4 +168,5 @@ async def test_a_tenant_over_its_rate_gets_429_with_retry_after(
     assert "capped" in refusal["error"]["message"]
     assert headers["Retry-After"] == "1"
     assert 0 < int(headers["retry-after-ms"]) <= 1000
-    assert m['skymesh_tenant_limited_total{reason="requests",tenant="capped"}'] >= 1
+    limited = 'skymesh_tenant_limited_total{priority="standard",reason="requests",tenant="capped"}'
+    assert m[limited] >= 1

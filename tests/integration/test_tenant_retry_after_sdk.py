@@ -98,7 +98,8 @@ async def test_the_sdk_waits_retry_after_and_is_then_served(tmp_path: Path) -> N
     assert err.response.headers["Retry-After"] == "1"
     assert 0 < int(err.response.headers["retry-after-ms"]) <= 1000
     assert [r.status_code for r in seen] == [200, 429, 429, 200]
-    assert m['skymesh_tenant_limited_total{reason="requests",tenant="capped"}'] == 2
+    limited = 'skymesh_tenant_limited_total{priority="standard",reason="requests",tenant="capped"}'
+    assert m[limited] == 2
     assert m['skymesh_tenant_admitted_total{priority="standard",tenant="capped"}'] == 2
 
     lines = access_lines(tmp_path / "lb.log")
