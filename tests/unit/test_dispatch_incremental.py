@@ -88,9 +88,8 @@ offer = st.tuples(st.just("offer"), st.integers(0, 1), st.integers(0, 2), st.int
 first = st.tuples(st.just("first"), st.integers(0, 50))
 done = st.tuples(st.just("done"), st.integers(0, 50),
                  st.sampled_from(["ok", "ok", "ok", "fault", "neutral"]))
-# Offers, first bytes and completions weigh more: they make the queues the memos are for.
-event = st.one_of(
-    offer, offer, offer, first, first, done, done,
+# Retries, probes, cache reports, health and membership: in every sequence below.
+state_changes = [
     st.tuples(st.just("retry"), st.integers(0, 50)),
     st.tuples(st.just("probe"), st.integers(0, 3), st.integers(0, 3), st.integers(0, 6),
               st.sampled_from([None, 8000, 100_000]), st.sampled_from([None, 2, 4]),
@@ -98,6 +97,10 @@ event = st.one_of(
     st.tuples(st.just("cached"), st.integers(0, 50), st.integers(0, 4)),
     st.tuples(st.just("health"), st.integers(0, 3), st.booleans()),
     st.tuples(st.just("members"), st.integers(1, 15)),
+]
+# Offers, first bytes and completions weigh more: they make the queues the memos are for.
+event = st.one_of(
+    offer, offer, offer, first, first, done, done, *state_changes,
     st.tuples(st.just("cancel"), st.integers(0, 50)),
     st.tuples(st.just("setting"), st.sampled_from(["mode", "n", "hold", "prefer", "room"]),
               st.integers(0, 2)),
@@ -354,14 +357,7 @@ def test_a_request_held_on_its_exact_match_follows_the_holders_loads() -> None:
 # candidates skip asking each breaker) and bring the breakers' clock-driven half-open in.
 churn = st.one_of(
     offer, offer, first, done,
-    st.tuples(st.just("done"), st.integers(0, 50), st.just("fault")),
-    st.tuples(st.just("retry"), st.integers(0, 50)),
-    st.tuples(st.just("probe"), st.integers(0, 3), st.integers(0, 3), st.integers(0, 6),
-              st.sampled_from([None, 8000, 100_000]), st.sampled_from([None, 2, 4]),
-              st.sampled_from([None, 0, 2])),
-    st.tuples(st.just("cached"), st.integers(0, 50), st.integers(0, 4)),
-    st.tuples(st.just("health"), st.integers(0, 3), st.booleans()),
-    st.tuples(st.just("members"), st.integers(1, 15)),
+    st.tuples(st.just("done"), st.integers(0, 50), st.just("fault")), *state_changes,
     st.tuples(st.just("clock"), st.sampled_from([0.5, 11.0])),
 )
 
