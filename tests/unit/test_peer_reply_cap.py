@@ -61,7 +61,7 @@ def forwarder(call: ScriptedCall, cap: int) -> tuple[Forwarder, BalancerMetrics]
                                  complete=lambda *a, **k: None)
     core = RequestCore(dispatcher, metrics, lambda: 0.0, lambda: None,  # type: ignore[arg-type]
                        Switches(SimpleNamespace(records_peer=False)))  # type: ignore[arg-type]
-    cfg = SimpleNamespace(upstream=UpstreamConfig(max_response_body_bytes=cap))
+    cfg = SimpleNamespace(upstream=UpstreamConfig(max_response_body_bytes=cap), tenants=None)
     mesh = SimpleNamespace(forward=lambda *args: call)
     return Forwarder(core, cfg, None, None, mesh, None, None, {},  # type: ignore[arg-type]
                      lambda model: 1.0), metrics
