@@ -62,14 +62,14 @@ def forwarder(call: ScriptedCall, cap: int) -> tuple[Forwarder, BalancerMetrics]
     core = RequestCore(dispatcher, metrics, lambda: 0.0, lambda: None,  # type: ignore[arg-type]
                        Switches(SimpleNamespace(records_peer=False)))  # type: ignore[arg-type]
     cfg = SimpleNamespace(upstream=UpstreamConfig(max_response_body_bytes=cap), tenants=None)
-    mesh = SimpleNamespace(forward=lambda *args: call)
+    mesh = SimpleNamespace(forward=lambda *args, **kwargs: call)
     return Forwarder(core, cfg, None, None, mesh, None, None, {},  # type: ignore[arg-type]
                      lambda model: 1.0), metrics
 
 
 def request_parts() -> tuple[Any, Any, Any]:
     route = SimpleNamespace(request_id="r1", model="m", affinity_key=None)
-    return (SimpleNamespace(path="/v1/chat/completions"), SimpleNamespace(route=route),
+    return (SimpleNamespace(path="/v1/chat/completions"), SimpleNamespace(route=route, batch=False),
             SimpleNamespace(stream=False))
 
 
