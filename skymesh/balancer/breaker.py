@@ -35,6 +35,11 @@ class Breaker:
             self.trial_in_flight = False
         return self.state is BreakerState.HALF_OPEN and not self.trial_in_flight
 
+    def shut(self, now: float) -> bool:
+        """Open and not yet due for its trial at ``now``: nothing may go there before
+        ``opened_at + open_s``. Asks without moving the state (``allows`` moves it)."""
+        return self.state is BreakerState.OPEN and now - self.opened_at < self.open_s
+
     def on_dispatch(self) -> None:
         if self.state is BreakerState.HALF_OPEN:
             self.trial_in_flight = True

@@ -34,7 +34,7 @@ from skymesh.balancer.output_text import (
     reply_text,
     sse_output_text,
 )
-from skymesh.balancer.overload import can_serve
+from skymesh.balancer.overload import can_retry
 from skymesh.balancer.relay import (
     OUTPUT_TOKENS_KEY,
     CoalescedStream,
@@ -152,8 +152,8 @@ class Forwarder:
                 self.core.metrics.retries.labels(target).inc()
                 ticket.excluded.add(target)
                 if (ticket.attempts >= max_attempts
-                        or not can_serve(self.core.dispatcher, model, ticket.excluded,
-                                         forwarded=ticket.route.forwarded)):
+                        or not can_retry(self.core.dispatcher, model, ticket.excluded,
+                                         self.core.now(), forwarded=ticket.route.forwarded)):
                     raise UpstreamFailed(
                         f"the request failed on {ticket.attempts} replica(s) before any "
                         f"response: {exc}"

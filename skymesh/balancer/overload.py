@@ -9,7 +9,9 @@ queue:
   it (not for a request a peer already forwarded here: it is never forwarded again). When
   the answer is no, the request gets a 503 ``no_healthy_replica`` at once instead of
   waiting out the queue timeout, and :func:`stranded` finds the queued requests that the
-  last replica's fall left with nowhere to go.
+  last replica's fall left with nowhere to go. A *retry* also has nowhere to go when every
+  replica it has not failed on is behind an open breaker (:func:`can_retry`; queued:
+  :func:`dead_retries`): it ends with a 502 rather than wait for the breaker's trial.
 * **When should a turned-away client come back?** (:class:`RetryBook`) When the queue
   will have room for it, so that a client that honours ``Retry-After`` is served. Each
   429 (queue full) or queue-timeout 503 books a time to come back (:func:`next_slot`):
@@ -62,6 +64,7 @@ No I/O and no clock of its own: the time and the random draw are the caller's.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Collection, Iterator
@@ -217,6 +220,38 @@ def can_serve(d: Dispatcher, model: str, excluded: Collection[str] = (), *,
         return False
     return any(p.alive and model in p.models and pid not in excluded
                for pid, p in d.peers.items())
+
+
+def can_retry(d: Dispatcher, model: str, excluded: Collection[str], now: float, *,
+              forwarded: bool = False) -> bool:
+    """Whether a request that failed on the replicas in ``excluded`` has somewhere to go
+    now: :func:`can_serve`, less the replicas whose breaker is open (``Breaker.shut``).
+
+    Unlike a new request, a retry must not wait for a breaker: it holds the front of the
+    queue, and when the breaker's trial comes it takes it, though it has just failed
+    elsewhere. A request that fails on every replica (a bad prompt answered with a 500)
+    then fails the trial too and opens the breaker again, every ``open_s``, for good,
+    while the retries behind it fill the window of the queue and nothing else is
+    dispatched (issue #35). Such a retry ends with the upstream's failure instead."""
+    shut = [tid for tid, t in d.targets.items() if t.breaker.shut(now)]
+    if shut:
+        excluded = {*excluded, *shut}
+    return can_serve(d, model, excluded, forwarded=forwarded)
+
+
+def dead_retries(d: Dispatcher, eligible: Collection[str], now: float) -> Iterator[Ticket]:
+    """Queued retries, among those keyed in ``eligible``, that :func:`can_retry` finds
+    nowhere to go now (the breaker of every replica left opened after they were queued),
+    in queue order. Nothing to look at unless a breaker is open; then only each queue's
+    first ``window`` requests, those a pump reads: one further back is found when it gets
+    there, and a deep queue costs no more per pump."""
+    if not any(t.breaker.shut(now) for t in d.targets.values()):
+        return
+    for model, q in d.queues.items():
+        for t in list(itertools.islice(q, d.window)):
+            if t.excluded and t.key in eligible and not can_retry(
+                    d, model, t.excluded, now, forwarded=t.route.forwarded):
+                yield t
 
 
 def unlisted_replicas(d: Dispatcher) -> int:

@@ -46,6 +46,7 @@ from skymesh.balancer.config import BalancerConfig, ReplicaConfig, TenantsConfig
 from skymesh.balancer.controller_link import ControllerLink, Tally, fetch_resolver
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.edge import OwnedRoutes, request_id, stamp_request_id
+from skymesh.balancer.errors import UpstreamFailed
 from skymesh.balancer.forwarding import Forwarder
 from skymesh.balancer.handlers import Handlers
 from skymesh.balancer.health import HealthTracker
@@ -53,7 +54,14 @@ from skymesh.balancer.kv_feed import ExactScorer, KVFeeds
 from skymesh.balancer.mesh_link import FORWARDED_HEADER, MeshLink
 from skymesh.balancer.metrics import BalancerMetrics, TenantQueueDepth
 from skymesh.balancer.moves import Mover
-from skymesh.balancer.overload import DrainMeter, RetryBook, can_serve, outage, stranded
+from skymesh.balancer.overload import (
+    DrainMeter,
+    RetryBook,
+    can_serve,
+    dead_retries,
+    outage,
+    stranded,
+)
 from skymesh.balancer.passthrough import Passthrough
 from skymesh.balancer.prediction import LivePredictor
 from skymesh.balancer.probing import Prober
@@ -364,13 +372,23 @@ class Balancer:
 
     def _fail_stranded(self) -> None:
         """Queued requests that nothing up can serve any more (the last replica of their
-        model went down) get their 503 now, not at the queue timeout."""
+        model went down) get their 503 now, not at the queue timeout; queued retries with
+        no replica left but those behind an open breaker, their 502."""
         d = self.dispatcher
         for ticket in list(stranded(d, self.failfast)):
             d.cancel(ticket)
             fut: asyncio.Future[None] = ticket.payload
             if not fut.done():
                 fut.set_exception(outage(d, ticket.route.model, self.rng.random()))
+        # Retries whose other replicas' breakers opened while they waited: they would
+        # take each breaker's trial and fail it (overload.can_retry).
+        for ticket in list(dead_retries(d, self.failfast, self.now())):
+            d.cancel(ticket)
+            fut = ticket.payload
+            if not fut.done():
+                fut.set_exception(UpstreamFailed(
+                    f"the request failed on {ticket.attempts} replica(s) before any "
+                    "response, and the breakers of the others are open"))
 
     def drain_retry_s(self, model: str) -> float:
         """Retry-After for a request turned away from the queue (full, or its timeout):

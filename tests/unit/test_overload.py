@@ -9,6 +9,7 @@ import math
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
+from skymesh.balancer.breaker import BreakerState
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.errors import NoCapacity, Overloaded
 from skymesh.balancer.handlers import RETRY_COUNT_HEADER, _is_retry
@@ -21,8 +22,10 @@ from skymesh.balancer.overload import (
     RETRY_MIN_S,
     DrainMeter,
     RetryBook,
+    can_retry,
     can_serve,
     cold_retry_s,
+    dead_retries,
     next_slot,
     stranded,
     unlisted_replicas,
@@ -245,3 +248,62 @@ def test_only_a_request_marked_as_a_retry_may_claim_a_booked_place(
     headers = {} if value is None else {RETRY_COUNT_HEADER: value}
     request = make_mocked_request("POST", "/v1/chat/completions", headers=headers)
     assert _is_retry(request) is retry
+
+
+def _failing(d: Dispatcher, target: str, now: float, times: int) -> None:
+    """``times`` requests on ``target`` that end in a replica fault at ``now``."""
+    for i in range(times):
+        t = _ticket(100 + i)
+        t.excluded = set(d.targets) - {target}
+        d.offer(t, now)
+        d.pump(now)
+        assert t.target == target
+        d.complete(t, now, ok=False, replica_fault=True)
+
+
+def test_a_retry_does_not_count_a_replica_whose_breaker_is_open() -> None:
+    """Issue #35: a retry that waited for a replica behind an open breaker took the
+    breaker's trial, failed it (the prompt fails everywhere) and opened it again, for
+    good, while the retries behind it filled the queue's window. can_serve still counts
+    that replica (a new request may wait for it); can_retry does not, until its trial."""
+    d = Dispatcher(build_policy("round-robin"), PushMode.SP_O, breaker_threshold=2,
+                   breaker_open_s=10.0)
+    d.set_targets({"a": ["m"], "b": ["m"]})
+    assert can_retry(d, "m", {"b"}, 0.0)
+    _failing(d, "a", 0.0, 1)
+    assert can_retry(d, "m", {"b"}, 0.0)  # one failure: the breaker is still closed
+    _failing(d, "a", 1.0, 1)
+    assert d.targets["a"].breaker.shut(5.0)
+    assert can_serve(d, "m", {"b"})
+    assert not can_retry(d, "m", {"b"}, 5.0)
+    assert can_retry(d, "m", set(), 5.0)  # b itself is fine
+    assert can_retry(d, "m", {"b"}, 11.0)  # a's trial is due: a retry may take it
+    assert d.targets["a"].breaker.state is BreakerState.OPEN  # asking moved nothing
+
+
+def test_queued_retries_leave_when_the_breakers_they_wait_for_open() -> None:
+    """A retry queued for a busy replica whose breaker then opens has nowhere to go: the
+    pump fails it (dead_retries) instead of letting it wait for the breaker's trial; new
+    requests wait, and nothing is found once the trial is due."""
+    d = Dispatcher(build_policy("round-robin"), PushMode.SP_O, max_outstanding=1,
+                   breaker_threshold=1, breaker_open_s=10.0)
+    d.set_targets({"a": ["m"], "b": ["m"]})
+    busy = _ticket(0)
+    busy.excluded = {"b"}
+    d.offer(busy, 0.0)
+    d.pump(0.0)
+    assert busy.target == "a"
+    retry, fresh = _ticket(1), _ticket(2)
+    retry.excluded, retry.attempts = {"b"}, 1  # failed on b: only a is left
+    d.offer(retry, 0.5, front=True)
+    d.offer(fresh, 0.5)
+    d.pump(0.5)  # fresh takes b; the retry waits for a (busy)
+    assert retry.queued and fresh.target == "b"
+    eligible = {retry.key, fresh.key}
+    assert list(dead_retries(d, eligible, 0.5)) == []
+    d.complete(busy, 1.0, ok=False, replica_fault=True)  # a's breaker opens
+    late = _ticket(3)
+    d.offer(late, 1.0)
+    assert list(dead_retries(d, eligible | {late.key}, 1.0)) == [retry]
+    assert list(dead_retries(d, {late.key}, 1.0)) == []  # only those it may fail
+    assert list(dead_retries(d, eligible, 11.0)) == []  # the trial is due
