@@ -14,7 +14,10 @@ Pure: no sockets, no sleeps; every clock is passed in, so tests drive a fake one
   sp-p uses), so the region's sum is the configured limit. Tokens are prompt + output
   from the engine's ``usage``: the prompt estimate is taken at admission, the rest when
   the response ends (the bucket may go below zero, and the tenant waits it out).
-  Retry-After is the time until the tenant's own bucket holds the request's cost.
+  Retry-After is the time until the tenant's own bucket holds the request's cost, and
+  no earlier than the times already told to the tenant's refused requests, one refill
+  apart (up to a horizon of one burst's refill, at least 1 s): clients refused together
+  come back in turn rather than together, where only one of them would be admitted.
 - :class:`FairQueue`: requests wait here, per model, class and tenant, and are released
   into the dispatcher only while its queue for the model is short, so the routing policy
   still chooses the replica and this queue chooses the order: strict priority between
@@ -146,13 +149,14 @@ class TokenBucket:
     """``rate`` per second up to ``burst``; ``debit`` may take it below zero (tokens
     counted after the fact), and a request then waits until it is refilled."""
 
-    __slots__ = ("burst", "level", "rate", "stamp")
+    __slots__ = ("burst", "level", "promised", "rate", "stamp")
 
     def __init__(self, rate: float, burst: float, now: float) -> None:
         self.rate = rate
         self.burst = burst
         self.level = burst
         self.stamp = now
+        self.promised = now  # the latest time told to a refused request
 
     def _refill(self, now: float) -> None:
         if now > self.stamp:
@@ -165,6 +169,21 @@ class TokenBucket:
         self._refill(now)
         need = min(cost, self.burst) - self.level
         return 0.0 if need <= 0 else need / self.rate
+
+    def retry_in(self, cost: float, now: float) -> float:
+        """Seconds a refused request of ``cost`` should wait (0: it passes now): until
+        the bucket holds it, and one refill of its cost after the last time told, so
+        refused clients come back in turn. The stagger reaches at most one burst's
+        refill (at least 1 s) past the earliest time: beyond that, clients that never
+        return would push every later one out for nothing."""
+        wait = self.wait_for(cost, now)
+        if wait <= 0:
+            return 0.0
+        earliest = now + wait
+        step = min(cost, self.burst) / self.rate
+        horizon = max(1.0, self.burst / self.rate)
+        self.promised = min(max(earliest, self.promised + step), earliest + horizon)
+        return self.promised - now
 
     def debit(self, cost: float, now: float) -> None:
         self._refill(now)
@@ -221,13 +240,13 @@ class Limiter:
                                     reason="daily_quota",
                                     retry_after_s=(day + 1) * DAY_S - wall)
         if st.requests is not None:
-            wait = st.requests.wait_for(1.0, now)
+            wait = st.requests.retry_in(1.0, now)
             if wait > 0:
                 raise TenantLimited(f"tenant {tenant!r} is over its request rate "
                                     "(requests_per_s)", reason="requests",
                                     retry_after_s=wait)
         if st.tokens is not None:
-            wait = st.tokens.wait_for(max(1, prompt_tokens), now)
+            wait = st.tokens.retry_in(max(1, prompt_tokens), now)
             if wait > 0:
                 raise TenantLimited(f"tenant {tenant!r} is over its token rate "
                                     "(tokens_per_min)", reason="tokens", retry_after_s=wait)

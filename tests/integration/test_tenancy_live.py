@@ -154,12 +154,15 @@ async def test_a_tenant_over_its_rate_gets_429_with_retry_after(
             statuses = []
             refusal: dict[str, Any] = {}
             headers: dict[str, str] = {}
+            told_ms = []  # each refusal's retry-after-ms
             for _ in range(3):  # 1 request/s
                 async with s.post(lb.url + "/v1/completions", json=body,
                                   headers=bearer(CAPPED_KEY)) as r:
                     statuses.append(r.status)
                     if r.status == 429:
-                        refusal, headers = await r.json(), dict(r.headers)
+                        told_ms.append(int(r.headers["retry-after-ms"]))
+                        if not refusal:  # the first refusal's
+                            refusal, headers = await r.json(), dict(r.headers)
             m = await get_metrics(s, lb.url)
     finally:
         lb.stop()
@@ -168,5 +171,7 @@ async def test_a_tenant_over_its_rate_gets_429_with_retry_after(
     assert "capped" in refusal["error"]["message"]
     assert headers["Retry-After"] == "1"
     assert 0 < int(headers["retry-after-ms"]) <= 1000
+    # Refused one after the other, told to come back in turn (one refill, 1 s, apart).
+    assert told_ms == sorted(told_ms) and len(set(told_ms)) == len(told_ms), told_ms
     limited = 'skymesh_tenant_limited_total{priority="standard",reason="requests",tenant="capped"}'
     assert m[limited] >= 1

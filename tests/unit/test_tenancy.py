@@ -60,8 +60,31 @@ def test_requests_per_s_admits_the_rate_and_retry_after_is_the_buckets_own() -> 
             refusals.append(exc.retry_after_s)
         now += 1 / 6
     assert 20 <= admitted <= 22  # rate x time + one burst
-    assert refusals and max(refusals) <= 0.5 + 1e-9  # one request's refill at 2/s
+    # One request's refill at 2/s, staggered at most one burst's refill (1 s) further.
+    assert refusals and max(refusals) <= 0.5 + 1.0 + 1e-9
     lim.admit("nobody", 10, now, 0.0)  # a tenant with no limits is not counted
+
+
+def test_clients_refused_together_are_told_to_come_back_in_turn() -> None:
+    """Four clients refused at once (2/s, burst 2, empty): each told one refill (0.5 s)
+    after the one before, up to the horizon (one burst's refill, 1 s past the earliest);
+    each that comes back when told is admitted. Told one moment, all four would come
+    back together and one would pass."""
+    lim = Limiter([tenant("a", requests_per_s=2.0)], share=1, now=0.0)
+    lim.admit("a", 1, 0.0, 0.0)
+    lim.admit("a", 1, 0.0, 0.0)  # the burst is spent
+    told = []
+    for _ in range(4):
+        with pytest.raises(TenantLimited) as info:
+            lim.admit("a", 1, 0.0, 0.0)
+        told.append(info.value.retry_after_s)
+    assert told == pytest.approx([0.5, 1.0, 1.5, 1.5])
+    for t in told[:3]:
+        lim.admit("a", 1, t, 0.0)  # back when told: admitted, no refusal
+    with pytest.raises(TenantLimited) as info:  # the one told past the horizon waits on
+        lim.admit("a", 1, told[3], 0.0)
+    # Later refusals start from the bucket again once the told times have passed.
+    assert info.value.retry_after_s == pytest.approx(0.5)
 
 
 def test_limits_are_shared_by_the_regions_balancers_and_workers() -> None:

@@ -40,12 +40,13 @@ def sdk_section(runs: list[dict[str, Any]], limit: float, duration: float) -> li
                "served", "attempts", "attempts per served", "out of retries",
                "other errors", "retry-after-ms min / p50 / max"], rows,
               [True] * 10 + [False]), "",
-        "The admitted rate holds with clients that honour Retry-After. Every client "
-        "refused while a balancer's bucket is empty is told about the same moment (when "
-        "the bucket next holds one request) and the SDK adds no jitter to a wait the "
-        "server gave, so the refused clients come back together and one of them is "
-        "admitted: with more clients than the limit serves at once, some run out of "
-        "retries (`out of retries`: the SDK raised `RateLimitError`)."]
+        "The admitted rate holds with clients that honour Retry-After. Clients refused "
+        "while a balancer's bucket is empty are told to come back in turn, one refill "
+        "apart (up to one burst's refill past the bucket's own time), since the SDK adds "
+        "no jitter to a wait the server gave. "
+        + (f"{ran_out} requests ran out of retries (the SDK raised `RateLimitError`)."
+           if (ran_out := sum(r["out_of_retries"] for r in runs))
+           else "No request ran out of retries.")]
 
 
 def page(doc: dict[str, Any]) -> str:
@@ -85,10 +86,12 @@ def page(doc: dict[str, Any]) -> str:
                 "tenant gets that balancer's share only: the tolerance "
                 f"[tenants]({ANCHOR}) describes.", ""]
     out.append("Every refusal's `Retry-After` is the time until the tenant's bucket at that "
-               "balancer holds a request (whole seconds, rounded up; `retry-after-ms` to the "
-               "millisecond, which the OpenAI SDKs read first): a client that waits it is "
-               "admitted (`tests/integration/test_tenant_retry_after_sdk.py`, with the "
-               "OpenAI SDK's own retries).")
+               "balancer holds a request, and no sooner than one refill after the time told "
+               "to the refusal before it, at most one burst's refill (at least 1 s) later "
+               "(whole seconds, rounded up; `retry-after-ms` to the millisecond, which the "
+               "OpenAI SDKs read first): a client that waits it is admitted unless another "
+               "request took the token first (`tests/integration/"
+               "test_tenant_retry_after_sdk.py`, with the OpenAI SDK's own retries).")
     if sdk:
         out += ["", *sdk_section(sdk, s["limit_per_s"], s["duration_s"])]
     lags = [r["send_lag_max_s"] for r in open_loop if "send_lag_max_s" in r]
