@@ -4,7 +4,8 @@
     skymesh ctl regions list | regions add NAME --lat X --lon Y [--cloud-region R]
     skymesh ctl balancers list
     skymesh ctl replicas list | replicas add --url U --model M --region R --gpu G
-        [--balancer B] | replicas remove|drain|undrain ID
+        [--balancer B] [--kv-events-endpoint tcp://H:P [--kv-events-replay tcp://H:P]]
+        | replicas remove|drain|undrain ID
     skymesh ctl policy set BALANCER NAME [--param K=V ...]
     skymesh ctl models list
     skymesh ctl tenants list | tenants set NAME [--key-sha256 H ...] [--requests-per-s X]
@@ -255,6 +256,11 @@ def run(args: argparse.Namespace, c: Client) -> None:
         body = {"url": args.url, "model": args.model, "region": args.region, "gpu": args.gpu}
         if args.balancer:
             body["balancer"] = args.balancer
+        if args.kv_events_endpoint:
+            body["kv_events"] = {"endpoint": args.kv_events_endpoint,
+                                 "replay_endpoint": args.kv_events_replay}
+        elif args.kv_events_replay:
+            raise CtlError("--kv-events-replay needs --kv-events-endpoint")
         _emit(args, c.call("POST", "/v1/replicas", body), _replica_line("added"))
     elif what in (("replicas", "update"), ("balancers", "update")):
         # PATCH: only the fields given change (an agent token may update what it owns).
@@ -396,6 +402,10 @@ def register(subparsers: Any) -> None:
     rp.add_argument("--region", required=True)
     rp.add_argument("--gpu", required=True, help="e.g. L4, A100, H100")
     rp.add_argument("--balancer", help="home balancer (default: one in the region)")
+    rp.add_argument("--kv-events-endpoint", metavar="tcp://HOST:PORT",
+                    help="its engine's KV-cache event publisher (docs/kv-events.md)")
+    rp.add_argument("--kv-events-replay", metavar="tcp://HOST:PORT",
+                    help="the publisher's replay endpoint")
     ru = replicas.add_parser("update", parents=leaf, help="change fields of a replica")
     ru.add_argument("id")
     for name in UPDATABLE["replicas"]:

@@ -148,6 +148,20 @@ def test_ctl_replica_default_home_is_in_its_region(controller: Daemon) -> None:
     ok(controller.url, "replicas", "remove", data["id"])
 
 
+def test_ctl_replica_add_with_its_kv_events_endpoint(controller: Daemon) -> None:
+    rep_url = f"http://127.0.0.1:{free_port()}"
+    data = json.loads(ok(controller.url, "--json", "replicas", "add", "--url", rep_url,
+                         "--model", "m", "--region", "us-east", "--gpu", "L4",
+                         "--kv-events-endpoint", "tcp://10.0.0.5:5557",
+                         "--kv-events-replay", "tcp://10.0.0.5:5558"))
+    assert data["kv_events"] == {"endpoint": "tcp://10.0.0.5:5557",
+                                 "replay_endpoint": "tcp://10.0.0.5:5558"}
+    ok(controller.url, "replicas", "remove", data["id"])
+    bad = ctl(controller.url, "replicas", "add", "--url", rep_url, "--model", "m",
+              "--region", "us-east", "--gpu", "L4", "--kv-events-endpoint", "http://x:1")
+    assert bad.returncode == 2 and "kv_events" in bad.stderr  # the API's 422, named
+
+
 def test_ctl_policy_set(controller: Daemon) -> None:
     url = controller.url
     ok(url, "policy", "set", "lb-eu-west", "consistent-hash", "--param", "virtual_nodes=40")
