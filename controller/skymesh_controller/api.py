@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Body, Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
@@ -261,10 +261,18 @@ def build_app(cfg: ControllerConfig, store: Store | None = None, dns: DnsHook | 
             await changes.wait(after, wait)
         return await members.view(bid)
 
-    @app.post("/v1/balancers/{bid}/telemetry", tags=["balancers"], status_code=204,
-              responses=ERRORS)
-    async def telemetry_in(bid: str, body: TelemetryIn, who: Principal = agent) -> None:
+    @app.post("/v1/balancers/{bid}/telemetry", tags=["balancers"], response_model=None,
+              responses={**ERRORS, 204: {"description": "taken (a report without tenants)"},
+                         200: {"description": "a report with ``tenants``: the balancer's "
+                               "tenants and its fractions of their limits (tenants.py)"}})
+    async def telemetry_in(bid: str, body: TelemetryIn, who: Principal = agent) -> Response:
+        """Take a report (204). One that carries ``tenants`` (their demand at the
+        balancer) is answered with the balancer's tenants and its fractions of their
+        limits, split by the demand reported (200; tenants.py)."""
         await reports.report(bid, body, who)
+        if "tenants" not in body.model_fields_set:
+            return Response(status_code=204)
+        return JSONResponse(await members.tenants_for(bid))
 
     # -- replicas --------------------------------------------------------------------------
     @app.get("/v1/replicas", tags=["replicas"], responses=ERRORS, dependencies=[read])

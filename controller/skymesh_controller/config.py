@@ -22,6 +22,8 @@ Example::
     telemetry_balancer_bytes: 4194304       # ... and at most about this many bytes
     max_balancers_per_agent: 64             # balancers one agent token may register
     max_tenants: 1000                       # tenants stored (each balancer gets them all)
+    tenant_share_floor: 0.05                # of a limit, at most, held by idle balancers
+    tenant_demand_stale_s: 20.0             # a tenant demand report counts this long
     shared_balancer_owners: []              # token names whose balancers take anyone's
                                             # replicas on failover (default: owner only)
     ha: {lease_ttl_s: 3.0, renew_interval_s: 1.0}  # leader lease: docs/operations-control-ha.md
@@ -138,6 +140,11 @@ class ControllerConfig(StrictModel):
     max_balancers_per_agent: int = Field(64, ge=1)  # admin tokens have no cap
     # Tenants (/v1/tenants): every membership answer carries them all.
     max_tenants: int = Field(1000, ge=1, le=100_000)
+    # Each balancer's part of a tenant's limits follows the demand it reports (tenants.py):
+    # none holds less than tenant_share_floor / n of a limit (n balancers in scope), and
+    # a report older than tenant_demand_stale_s counts as no demand.
+    tenant_share_floor: float = Field(0.05, gt=0, le=0.5)
+    tenant_demand_stale_s: float = Field(20.0, gt=0)
     # Token names whose balancers take any owner's replicas on failover and planner
     # moves (a shared pool); otherwise a replica goes only to its owner's balancers.
     shared_balancer_owners: list[str] = Field(default_factory=list)

@@ -4,12 +4,15 @@
 (placement.py decides: home balancer, else failover by distance, within what owners
 trust); ``view`` is one balancer's membership, the answer to its long poll; ``note_poll``
 and ``applied`` keep the newest revision each balancer long-polled after, which is the
-membership it has applied (a move waits for it before it trusts a replica's idle count).
+membership it has applied (a move waits for it before it trusts a replica's idle count);
+``tenants_for`` is the tenants part of a view alone, the answer to a telemetry report
+(their fractions follow the demand the balancers report: tenants.py).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 from skymesh_controller import placement, tenants
 from skymesh_controller.records import Records
@@ -19,8 +22,14 @@ log = logging.getLogger("skymesh.controller")
 
 
 class Membership:
-    def __init__(self, store: Store, records: Records, trust: placement.Trust) -> None:
+    # The newest reports read per balancer for its workers' tenant demand.
+    DEMAND_TAIL = 32
+
+    def __init__(self, store: Store, records: Records, trust: placement.Trust, *,
+                 share_floor: float = tenants.DEFAULT_FLOOR,
+                 demand_stale_s: float = 20.0) -> None:
         self.store, self.records, self.trust = store, records, trust
+        self.share_floor, self.demand_stale_s = share_floor, demand_stale_s
         self.polled: dict[str, int] = {}
 
     async def reassign(self, balancers: dict[str, Obj],
@@ -59,12 +68,32 @@ class Membership:
         # (pushing.balancers_per_region: auto).
         siblings = sum(1 for b in balancers.values() if b["id"] != bid and placement.live(b)
                        and b["region"] == me["region"] and b.get("owner") == me.get("owner"))
-        # Tenants and this balancer's share of their limits (tenants.py).
-        pushed = tenants.pushed(await self.store.all("tenants"), me, balancers)
+        pushed = await self._tenants(me, balancers)
         return {"revision": rev, "balancer": bid, "state": me.get("state", "unknown"),
                 "policy": me.get("policy"), "policy_params": me.get("policy_params", {}),
                 "replicas": mine, "peers": peers, "region_balancers": 1 + siblings,
                 "tenants": pushed}
+
+    async def tenants_for(self, bid: str) -> Obj:
+        """``bid``'s tenants with its fractions of their limits, and the revision they
+        were read at (the balancer ignores an answer older than its membership)."""
+        rev = await self.store.revision()
+        me = await self.records.read("balancers", bid, "balancer")
+        return {"revision": rev,
+                "tenants": await self._tenants(me, await self.store.all("balancers"))}
+
+    async def _tenants(self, me: Obj, balancers: dict[str, Obj]) -> list[Obj]:
+        """The tenants and ``me``'s part of their limits (tenants.py), split by the demand
+        the live balancers reported within ``demand_stale_s`` (read from the store, so
+        every controller of an HA pair computes the same)."""
+        stored = await self.store.all("tenants")
+        if not stored:
+            return []
+        since = time.time() - self.demand_stale_s
+        demand = {bid: tenants.demand_of(
+                      await self.store.tail(f"balancer:{bid}", self.DEMAND_TAIL), since)
+                  for bid in tenants.scopes(me, balancers)["global"]}
+        return tenants.pushed(stored, me, balancers, demand, self.share_floor)
 
     def note_poll(self, bid: str, after: int) -> None:
         self.polled[bid] = max(after, self.polled.get(bid, -1))

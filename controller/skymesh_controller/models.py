@@ -247,6 +247,13 @@ class ModelStats(_In):
     output_tokens: int = Field(0, ge=0, le=10**15)
 
 
+class TenantDemandIn(_In):
+    """What a tenant offered one balancer worker (admitted or refused), smoothed."""
+
+    requests_per_s: float = Field(0.0, ge=0, le=1e9)
+    tokens_per_min: float = Field(0.0, ge=0, le=1e12)
+
+
 class TelemetryIn(_In):
     window_s: float = Field(gt=0, le=3600, description="seconds these counts cover")
     # The count of models is capped again by the config (telemetry_max_models) and the
@@ -257,6 +264,11 @@ class TelemetryIn(_In):
     replicas: dict[Annotated[str, Field(max_length=2048)],
                    Literal["healthy", "unhealthy"]] = Field(default_factory=dict,
                                                             max_length=4096)
+    # Per tenant the controller pushed: its demand here, by which each balancer's part of
+    # its limits is split (tenants.py); ``worker``: the reporting worker of the balancer.
+    tenants: dict[Annotated[str, Field(max_length=64)], TenantDemandIn] = Field(
+        default_factory=dict, max_length=100_000)
+    worker: int = Field(0, ge=0, le=1023)
 
 
 class DnsSyncIn(_In):

@@ -68,7 +68,9 @@ class Controller:
         self.refusals = Refusals()
         self.changes = Changes(store, cfg.long_poll_max_s, cfg.ha.revision_poll_s)
         self.records = Records(store, self.changes, self.refusals, url_policy, resolver)
-        self.members = Membership(store, self.records, trust)
+        self.members = Membership(store, self.records, trust,
+                                  share_floor=cfg.tenant_share_floor,
+                                  demand_stale_s=cfg.tenant_demand_stale_s)
         self.balancers = Balancers(cfg, store, self.changes, self.records, self.members,
                                    self.refusals)
         self.replicas = Replicas(store, self.changes, self.records, self.members)

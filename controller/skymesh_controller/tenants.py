@@ -4,19 +4,33 @@ membership (issue #37; docs/tenancy.md, "With a controller").
 A tenant record is the balancer's ``tenants.members[]`` entry (one schema, in the kernel:
 ``skymesh.common.tenants.TenantConfig``) plus ``scope``:
 
-- ``global`` (the default): each limit is for the whole mesh, split evenly among the live
+- ``global`` (the default): each limit is for the whole mesh, split among the live
   balancers of every region;
 - ``region``: each limit holds in every region on its own, split among that region's
   live balancers.
 
-Each balancer's membership carries every tenant with ``share``, the number of live
-balancers its limits are divided by (this one included): local token buckets sized
-``limit / share``, so no request waits on the network. A balancer that dies is left out
-at the next push, and the others' shares grow.
+Each balancer's membership carries every tenant with its part of the limits, which the
+balancer holds in local token buckets, so no request waits on the network:
+
+- ``share``: the number of live balancers in scope (this one included), the even split
+  ``1/share`` that balancers older than the fractions use;
+- ``fraction`` and ``tokens_fraction``: this balancer's part of the request limits
+  (requests/s, concurrency) and of the token limits (tokens/min, the daily quota), in
+  proportion to the demand each balancer of the scope reported for the tenant in its
+  telemetry (requests and tokens offered, admitted or refused, smoothed:
+  ``skymesh.balancer.tenancy.Demand``); :func:`split` is the rule. A balancer whose
+  newest report is older than ``tenant_demand_stale_s`` counts as offering nothing;
+  with no report in scope the split is even. None falls below ``tenant_share_floor / n``
+  (n balancers in scope), so a balancer whose traffic just started admits some of it at
+  once, and more at its next report; the balancers at the floor together hold at most
+  ``tenant_share_floor`` of a limit, which bounds what a skewed split loses.
+
+A balancer that dies is left out at the next push, and the others' parts grow.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -24,6 +38,7 @@ from pydantic import ConfigDict, Field, model_validator
 from skymesh.common.tenants import TenantConfig
 from skymesh_controller import placement
 from skymesh_controller.changes import Changes
+from skymesh_controller.config import ControllerConfig
 from skymesh_controller.errors import ApiError, conflict, invalid_field
 from skymesh_controller.records import Records
 from skymesh_controller.refusals import Refusals
@@ -58,19 +73,82 @@ class TenantIn(TenantConfig):
         return self
 
 
-def shares(me: Obj, balancers: dict[str, Obj]) -> dict[str, int]:
-    """The live balancers a limit of each scope is divided by, as ``me`` sees them (``me``
-    counts even while the prober has not seen it yet: it is the one asking)."""
+# balancer id -> tenant -> (requests/s, tokens/min) offered there, from fresh reports
+Demand = Mapping[str, Mapping[str, tuple[float, float]]]
+DEFAULT_FLOOR: float = ControllerConfig.model_fields["tenant_share_floor"].default
+
+
+def split(demand: Mapping[str, float], floor: float = DEFAULT_FLOOR) -> dict[str, float]:
+    """Each balancer's fraction of a limit: in proportion to its ``demand``, none below
+    ``floor / n``, summing to 1; even when nobody offers anything. Water-filling: the
+    balancers whose proportional part is under the floor are held at it and the rest is
+    shared by the others in proportion (``floor`` at most 0.5 keeps the busiest above it)."""
+    n = len(demand)
+    if n == 0:
+        return {}
+    total = sum(max(0.0, d) for d in demand.values())
+    if total <= 0:
+        return dict.fromkeys(demand, 1.0 / n)
+    low = floor / n
+    pinned: set[str] = set()
+    while True:
+        free = {b: max(0.0, d) for b, d in demand.items() if b not in pinned}
+        rest, free_total = 1.0 - low * len(pinned), sum(free.values())
+        out = {b: rest * d / free_total for b, d in free.items()} | dict.fromkeys(pinned, low)
+        under = {b for b in free if out[b] < low}
+        if not under:
+            return out
+        pinned |= under
+
+
+def scopes(me: Obj, balancers: dict[str, Obj]) -> dict[str, list[str]]:
+    """The live balancers a limit of each scope is split among, as ``me`` sees them
+    (``me`` counts even while the prober has not seen it yet: it is the one asking)."""
     others = [b for b in balancers.values() if b["id"] != me["id"] and placement.live(b)]
-    return {"global": 1 + len(others),
-            "region": 1 + sum(1 for b in others if b["region"] == me["region"])}
+    return {"global": sorted([me["id"], *(b["id"] for b in others)]),
+            "region": sorted([me["id"], *(b["id"] for b in others
+                                          if b["region"] == me["region"])])}
 
 
-def pushed(tenants: dict[str, Obj], me: Obj, balancers: dict[str, Obj]) -> list[Obj]:
-    """The tenants as membership carries them to ``me``: each record with its share."""
-    n = shares(me, balancers)
-    return [{**t, "share": n["region"] if t.get("scope") == "region" else n["global"]}
-            for _, t in sorted(tenants.items())]
+def fractions(tenant: str, me: str, ids: list[str], demand: Demand,
+              floor: float = DEFAULT_FLOOR) -> tuple[float, float]:
+    """``me``'s (requests, tokens) fraction of ``tenant``'s limits among ``ids``."""
+    rows = [demand.get(b, {}).get(tenant, (0.0, 0.0)) for b in ids]
+    return (split({b: r[0] for b, r in zip(ids, rows, strict=True)}, floor)[me],
+            split({b: r[1] for b, r in zip(ids, rows, strict=True)}, floor)[me])
+
+
+def pushed(tenants: dict[str, Obj], me: Obj, balancers: dict[str, Obj],
+           demand: Demand | None = None, floor: float = DEFAULT_FLOOR) -> list[Obj]:
+    """The tenants as membership carries them to ``me``: each record with its share and
+    its fractions (see the module docstring)."""
+    scoped = scopes(me, balancers)
+    out = []
+    for _, t in sorted(tenants.items()):
+        ids = scoped["region" if t.get("scope") == "region" else "global"]
+        fr, ft = fractions(t["name"], me["id"], ids, demand or {}, floor)
+        out.append({**t, "share": len(ids), "fraction": round(fr, 6),
+                    "tokens_fraction": round(ft, 6)})
+    return out
+
+
+def demand_of(samples: Iterable[Obj], since: float) -> dict[str, tuple[float, float]]:
+    """One balancer's demand per tenant from its newest telemetry ``samples`` (any
+    order): the newest report of each of its workers made at ``since`` or later, summed.
+    Reports without ``tenants`` (a balancer older than them) count for nothing."""
+    newest: dict[int, Obj] = {}
+    for x in samples:
+        if x.get("ts", 0.0) < since or not isinstance(x.get("tenants"), dict):
+            continue
+        w = int(x.get("worker", 0))
+        if w not in newest or x["ts"] > newest[w]["ts"]:
+            newest[w] = x
+    out: dict[str, tuple[float, float]] = {}
+    for x in newest.values():
+        for name, d in x["tenants"].items():
+            r, t = out.get(name, (0.0, 0.0))
+            out[name] = (r + d.get("requests_per_s", 0.0), t + d.get("tokens_per_min", 0.0))
+    return out
 
 
 class Tenants:
@@ -106,4 +184,5 @@ class Tenants:
             await self.changes.commit([], [("tenants", name)])
 
 
-__all__ = ["MAX_KEYS", "Scope", "TenantIn", "Tenants", "pushed", "shares"]
+__all__ = ["DEFAULT_FLOOR", "MAX_KEYS", "Demand", "Scope", "TenantIn", "Tenants", "demand_of",
+           "fractions", "pushed", "scopes", "split"]

@@ -172,7 +172,8 @@ def serve(args: argparse.Namespace, cfg: Any) -> int:
     require("tracing" if cfg.tracing.enabled else None, "skymesh-lb")
     try:
         # reads the API keys and the TLS files
-        app = build_app(cfg, workers=args.worker_count if worker else 1)
+        app = build_app(cfg, workers=args.worker_count if worker else 1,
+                        worker=args.worker_index if worker else 0)
     except ConfigError as exc:
         print(f"skymesh-lb: config error: {exc}", file=sys.stderr)
         return 2

@@ -4,6 +4,12 @@ Membership arrives by long poll (``GET /v1/balancers/ID/membership?after=REV&wai
 a change reaches the balancer as soon as the controller commits it, with no minute-long
 polling. When the controller is unreachable the balancer keeps serving with what it last
 received and retries; the controller is never on a request's path.
+
+Telemetry (``POST /v1/balancers/ID/telemetry``, every ``telemetry_interval_s``) carries
+the demand each pushed tenant offers here; the answer carries the tenants again with this
+balancer's fractions of their limits, split by everyone's demand (docs/tenancy.md,
+"Shares follow the traffic"): the shares follow the traffic one report behind, with no
+revision spent on them.
 """
 
 from __future__ import annotations
@@ -170,7 +176,9 @@ class ControllerLink:
                  tally: Tally, set_replicas: Callable[[list[ReplicaConfig]], None],
                  set_policy: Callable[[str, dict[str, Any]], None],
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep, *,
-                 set_tenants: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
+                 set_tenants: Callable[[list[dict[str, Any]]], None] | None = None,
+                 tenant_demand: Callable[[], dict[str, tuple[float, float]]] | None = None,
+                 worker: int = 0) -> None:
         self.cfg = cfg
         self.config = config  # the balancer's, as in effect (a reload changes pushing)
         self.dispatcher = dispatcher
@@ -180,6 +188,8 @@ class ControllerLink:
         self.set_replicas = set_replicas  # membership from the controller ...
         self.set_policy = set_policy  # ... and its policy, applied to the balancer
         self.set_tenants = set_tenants  # ... and its tenants (tenant_push)
+        self.tenant_demand = tenant_demand  # per pushed tenant: (requests/s, tokens/min)
+        self.worker = worker  # this process's index among the balancer's workers
         self.sleep = sleep  # between retries (a fake one in tests)
         mesh_cfg = config().mesh
         self.balancer_id = cfg.balancer_id or (mesh_cfg.id if mesh_cfg is not None
@@ -380,12 +390,29 @@ class ControllerLink:
     def telemetry(self) -> dict[str, Any]:
         window, models = self.tally.take()
         d = self.dispatcher
-        return {
+        out: dict[str, Any] = {
             "window_s": min(window, 3600.0), "models": models, "queue_length": d.queued,
             "in_flight": sum(t.load.in_flight for t in d.targets.values()),
             "replicas": {url: "healthy" if h.healthy else "unhealthy"
                          for url, h in self.health.replicas.items()},
         }
+        if self.tenant_demand is not None:
+            out["tenants"] = {name: {"requests_per_s": round(r, 4),
+                                     "tokens_per_min": round(t, 2)}
+                              for name, (r, t) in sorted(self.tenant_demand().items())}
+            out["worker"] = self.worker
+        return out
+
+    def apply_shares(self, answer: Any) -> None:
+        """The telemetry answer: the tenants with this balancer's fractions of their
+        limits. One computed before a membership this balancer applied since (a tenant
+        deleted meanwhile) is ignored: the next report brings a newer one. An older
+        controller answers 204 (None): membership's shares stay."""
+        if not isinstance(answer, dict) or self.set_tenants is None:
+            return
+        tenants, rev = answer.get("tenants"), answer.get("revision")
+        if isinstance(tenants, list) and isinstance(rev, int) and rev >= self.revision:
+            self.set_tenants(tenants)
 
     async def _report_loop(self) -> None:
         while True:
@@ -393,8 +420,9 @@ class ControllerLink:
             if not self.registered:
                 continue
             try:
-                await self._call("POST", f"/v1/balancers/{self.balancer_id}/telemetry",
-                                 json=self.telemetry())
+                self.apply_shares(await self._call(
+                    "POST", f"/v1/balancers/{self.balancer_id}/telemetry",
+                    json=self.telemetry()))
             except (ControllerRejected, aiohttp.ClientError, TimeoutError, OSError) as exc:
                 log.warning("telemetry not delivered: %s", exc)
             if self.dispatcher.outlook is not None:

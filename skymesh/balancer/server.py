@@ -75,6 +75,7 @@ from skymesh.balancer.relay import (
 from skymesh.balancer.status import Status
 from skymesh.balancer.streaming import Streams
 from skymesh.balancer.tenant_gate import TenantGate
+from skymesh.balancer.tenant_push import described, without_fractions
 from skymesh.balancer.upstream import Upstream
 from skymesh.balancer.workers import pushing_share
 from skymesh.common.health import HealthRule
@@ -91,11 +92,13 @@ STREAM_GRACE_S = 3.5
 
 
 class Balancer:
-    def __init__(self, cfg: BalancerConfig, *, workers: int = 1) -> None:
+    def __init__(self, cfg: BalancerConfig, *, workers: int = 1, worker: int = 0) -> None:
         """``workers``: processes serving this balancer's port, this one included
-        (skymesh.balancer.workers); each pushes as one balancer of the region."""
+        (skymesh.balancer.workers); each pushes as one balancer of the region.
+        ``worker``: this one's index (its tenant demand reports are told apart by it)."""
         self.cfg = cfg
         self.workers = workers
+        self.worker = worker
         policy = build_policy(cfg.policy.name, cfg.policy.params, rng=random.Random())
         peer_policy = None
         if cfg.mesh is not None and cfg.mesh.forwarding:
@@ -158,7 +161,8 @@ class Balancer:
         self.controller: ControllerLink | None = (
             ControllerLink(cfg.controller, lambda: self.cfg, self.dispatcher, self.health,
                            self.mesh, self.tally, self.set_replicas, self.set_policy,
-                           set_tenants=self.set_tenants)
+                           set_tenants=self.set_tenants, tenant_demand=self.tenant_demand,
+                           worker=worker)
             if cfg.controller is not None else None)
         # The rooms (see the module docstring), each given only what it uses; a request
         # flows one way: handlers -> forwarder -> streams -> moves.
@@ -315,7 +319,7 @@ class Balancer:
             tenants, share=pushing_share(self.cfg.pushing.balancers(), self.workers),
             capacity=self.cfg.queue.max_length, queued=self.dispatcher.queue_length,
             metrics=self.metrics.enable_tenants(), clock=self.now,
-            slots=self.dispatcher.slots)
+            slots=self.dispatcher.slots, workers=self.workers)
         # Pairs read at scrape time: tenants pushed by the controller come and go.
         self.metrics.registry.register(TenantQueueDepth(
             lambda: [(t.name, c) for t in gate.book.tenants.values() for c in t.classes],
@@ -331,9 +335,22 @@ class Balancer:
             if not pushed:
                 return
             gate = self.handlers.gate = self._tenant_gate(TenantsConfig())
+        before = [without_fractions(t) for t in gate.pushed or []]
         if gate.set_pushed(pushed):
-            log.info("tenants from the controller: %s", ", ".join(
-                f"{t.get('name')} (share 1/{t.get('share')})" for t in pushed) or "none")
+            # Fractions follow the traffic at every telemetry report: a line only when
+            # the tenants themselves change.
+            log.log(logging.INFO if before != [without_fractions(t) for t in pushed]
+                    else logging.DEBUG, "tenants from the controller: %s", described(pushed))
+
+    def tenant_demand(self) -> dict[str, tuple[float, float]]:
+        """The smoothed demand offered here per tenant the controller pushed (what the
+        controller splits their limits by); lb.yaml's own tenants are not its to split."""
+        gate = self.handlers.gate
+        if gate is None or not gate.pushed:
+            return {}
+        mine = {t.get("name") for t in gate.pushed}
+        return {name: rate for name, rate in gate.limiter.demand.rates(self.now()).items()
+                if name in mine}
 
     # -- the dispatcher's driver ---------------------------------------------------------
     _loop: asyncio.AbstractEventLoop | None = None  # pump's, asked once
@@ -406,15 +423,15 @@ class Balancer:
         c.inc()
 
 
-def build_app(cfg: BalancerConfig, *, workers: int = 1) -> web.Application:
+def build_app(cfg: BalancerConfig, *, workers: int = 1, worker: int = 0) -> web.Application:
     """The aiohttp app: its routes, the request-id stamp (``on_response_prepare``), the
     access log and tracing middleware (``skymesh.obs.access``) and the lifecycle hooks.
-    ``workers``: see :class:`Balancer`."""
+    ``workers``, ``worker``: see :class:`Balancer`."""
     # The body limit is enforced by Handlers.read_body (a clean 413 in the OpenAI shape);
     # the server's own cap only stops abuse of the other endpoints.
     app = web.Application(client_max_size=cfg.limits.max_body_bytes + 1,
                           handler_args={"max_field_size": 16384})
-    lb = Balancer(cfg, workers=workers)
+    lb = Balancer(cfg, workers=workers, worker=worker)
     app["balancer"] = lb
     edge, status = lb.handlers, lb.status
     catalog = ModelCatalog(lb.dispatcher, lambda: lb.session, cfg.probe.timeout_s, edge.refused)

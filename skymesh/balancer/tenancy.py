@@ -11,7 +11,10 @@ Pure: no sockets, no sleeps; every clock is passed in, so tests drive a fake one
 - :class:`Limiter`: per tenant a requests/s and a tokens/min token bucket, a concurrency
   cap and a daily token quota, all local to this process; each configured limit is
   divided by ``share`` (the balancers of the region x this balancer's workers, the share
-  sp-p uses), so the region's sum is the configured limit. Tokens are prompt + output
+  sp-p uses), so the region's sum is the configured limit; with a controller, a tenant's
+  ``fractions`` (of requests and of tokens) replace ``1/share``: the controller splits each
+  limit among the balancers by the demand they report (:class:`Demand`, the requests and
+  tokens offered here, admitted or not). Tokens are prompt + output
   from the engine's ``usage``: the prompt estimate is taken at admission, the rest when
   the response ends (the bucket may go below zero, and the tenant waits it out).
   Retry-After is the time until the tenant's own bucket holds the request's cost, and
@@ -201,24 +204,71 @@ class _TenantState:
     day_tokens: float = 0.0
 
 
-class Limiter:
-    """Per-tenant limits of this process: ``share`` of the configured ones (see the module
-    docstring). ``now`` is monotonic seconds; ``wall`` is Unix time, for the UTC day."""
+class Demand:
+    """Per tenant, the requests and tokens offered to this process (admitted and
+    limited: what its clients asked, not what its share let through), as rates smoothed
+    over ``half_life_s``; reported to the controller, which splits each tenant's limits
+    among the balancers in proportion (docs/tenancy.md, "Shares follow the traffic").
+    Tokens are the prompt estimate of every request plus the output of those served."""
 
-    def __init__(self, tenants: Iterable[Tenant], *, share: int, now: float) -> None:
+    def __init__(self, now: float, half_life_s: float = 2.0) -> None:
+        self.half_life_s = half_life_s
+        self.counts: dict[str, list[float]] = {}  # tenant -> [requests, tokens] since last
+        self.smoothed: dict[str, tuple[float, float]] = {}  # tenant -> (per s, per min)
+        self.since = now
+
+    def add(self, tenant: str, requests: float, tokens: float) -> None:
+        c = self.counts.get(tenant)
+        if c is None:
+            c = self.counts[tenant] = [0.0, 0.0]
+        c[0] += requests
+        c[1] += tokens
+
+    def rates(self, now: float) -> dict[str, tuple[float, float]]:
+        """Fold the counts since the last call in; per tenant (requests/s, tokens/min).
+        A tenant no longer offered fades out and is dropped below 0.1% of a request/s,
+        so the map holds only tenants recently seen (bounded by the configured ones)."""
+        dt = now - self.since
+        if dt <= 0:
+            return dict(self.smoothed)
+        self.since = now
+        keep = 0.5 ** (dt / self.half_life_s)  # of the old rate: exponential smoothing
+        counts, self.counts = self.counts, {}
+        out: dict[str, tuple[float, float]] = {}
+        for name in set(self.smoothed) | set(counts):
+            old_r, old_t = self.smoothed.get(name, (0.0, 0.0))
+            req, tok = counts.get(name, (0.0, 0.0))
+            r = keep * old_r + (1 - keep) * req / dt
+            t = keep * old_t + (1 - keep) * tok * 60.0 / dt
+            if r >= 1e-3 or name in counts:
+                out[name] = (r, t)
+        self.smoothed = out
+        return dict(out)
+
+
+class Limiter:
+    """Per-tenant limits of this process: ``share`` of the configured ones, or the
+    tenant's ``fractions`` (of requests: rate and concurrency; of tokens: rate and daily
+    quota) where given (see the module docstring). ``now`` is monotonic seconds; ``wall``
+    is Unix time, for the UTC day."""
+
+    def __init__(self, tenants: Iterable[Tenant], *, share: int, now: float,
+                 fractions: Mapping[str, tuple[float, float]] | None = None) -> None:
         self.share = max(1, share)
         self.state: dict[str, _TenantState] = {}
+        self.demand = Demand(now)
+        even = (1.0 / self.share, 1.0 / self.share)
         for t in tenants:
-            n = self.share
-            rps = t.requests_per_s / n if t.requests_per_s else None
-            tpm = t.tokens_per_min / n if t.tokens_per_min else None
+            fr, ft = (fractions or {}).get(t.name, even)
+            rps = t.requests_per_s * fr if t.requests_per_s else None
+            tpm = t.tokens_per_min * ft if t.tokens_per_min else None
             self.state[t.name] = _TenantState(
                 requests=TokenBucket(rps, max(1.0, rps), now) if rps else None,
                 # One minute's worth of tokens as the burst, as the limit is per minute.
                 tokens=TokenBucket(tpm / 60.0, tpm, now) if tpm else None,
-                max_concurrency=(max(1, math.ceil(t.max_concurrency / n))
+                max_concurrency=(max(1, math.ceil(t.max_concurrency * fr - 1e-9))
                                  if t.max_concurrency else None),
-                tokens_per_day=t.tokens_per_day / n if t.tokens_per_day else None)
+                tokens_per_day=t.tokens_per_day * ft if t.tokens_per_day else None)
 
     def admit(self, tenant: str, prompt_tokens: int, now: float, wall: float) -> None:
         """Take one request of ``tenant`` (raises :class:`TenantLimited`); the caller
@@ -226,6 +276,7 @@ class Limiter:
         st = self.state.get(tenant)
         if st is None:
             return
+        self.demand.add(tenant, 1.0, prompt_tokens)
         if st.max_concurrency is not None and st.in_flight >= st.max_concurrency:
             raise TenantLimited(f"tenant {tenant!r} has {st.in_flight} requests in flight "
                                 "here, its limit (max_concurrency)", reason="concurrency",
@@ -264,6 +315,7 @@ class Limiter:
         if st is None:
             return
         st.in_flight = max(0, st.in_flight - 1)
+        self.demand.add(tenant, 0.0, tokens - prompt_estimate)
         if st.tokens is not None:
             st.tokens.debit(tokens - prompt_estimate, now)
         if st.tokens_per_day is not None:
@@ -548,6 +600,6 @@ def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mappi
     return out
 
 
-__all__ = ["DEFAULT_TENANT", "FairQueue", "Limiter", "Reserve", "Slots", "Tenant", "TenantBook",
-           "TenantLimited", "TokenBucket", "Waiter", "book_of", "queue_of", "release_into",
-           "reserve_of", "tenants_of"]
+__all__ = ["DEFAULT_TENANT", "Demand", "FairQueue", "Limiter", "Reserve", "Slots", "Tenant",
+           "TenantBook", "TenantLimited", "TokenBucket", "Waiter", "book_of", "queue_of",
+           "release_into", "reserve_of", "tenants_of"]

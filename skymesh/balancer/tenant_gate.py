@@ -59,9 +59,10 @@ class TenantGate:
     def __init__(self, cfg: TenantsConfig, *, share: int, capacity: int,
                  queued: Callable[[str], int], metrics: TenantMetrics,
                  clock: Callable[[], float], wall: Callable[[], float] = time.time,
-                 slots: Slots | None = None) -> None:
+                 slots: Slots | None = None, workers: int = 1) -> None:
         self.cfg = cfg  # lb.yaml's section (the controller's tenants are merged into it)
         self.share = share
+        self.workers = workers  # a pushed share is this balancer's: split among them
         self.pushed: list[Any] | None = None  # as the controller last sent them
         self.book = book_of(cfg)
         self.limiter = Limiter(tenants_of(cfg), share=share, now=clock())
@@ -85,7 +86,8 @@ class TenantGate:
         merged = merge(self.cfg, pushed)
         # Built whole, then swapped: a request sees the old book and limiter or the new.
         book = book_of(merged.cfg)
-        self.limiter = limiter_of(merged, self.share, self.clock(), self.limiter)
+        self.limiter = limiter_of(merged, self.share, self.clock(), self.limiter,
+                                  workers=self.workers)
         self.book = book
         self.queue.weights = {t.name: t.weight for t in merged.cfg.members}
         return True

@@ -9,21 +9,24 @@ tenants). A pushed tenant naming a class this balancer does not have loses that 
 (it may then use all of them); its limits still hold.
 
 Shares: an ``lb.yaml`` tenant's limits are divided by this balancer's local share (the
-region's balancers x workers, as before); a pushed tenant's by the ``share`` the
-controller sent (the live balancers its limits are split among).
+region's balancers x workers, as before); a pushed tenant's limits are multiplied by the
+``fraction`` (requests) and ``tokens_fraction`` (tokens) the controller sent, this
+balancer's part by the demand it reported (a controller older than them: ``1/share``,
+the live balancers its limits are split among), and divided among this balancer's
+workers: the controller splits per balancer, each worker holds its part.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
 from skymesh.balancer.config import TenantsConfig
-from skymesh.balancer.tenancy import Limiter, Tenant, tenants_of
+from skymesh.balancer.tenancy import Limiter, tenants_of
 from skymesh.common.tenants import TenantConfig
 
 log = logging.getLogger("skymesh.balancer.tenants")
@@ -33,6 +36,16 @@ log = logging.getLogger("skymesh.balancer.tenants")
 class Merged:
     cfg: TenantsConfig  # lb.yaml's section with the pushed tenants in its members
     shares: dict[str, int]  # pushed tenant -> the balancers its limits are split among
+    # pushed tenant -> this balancer's (requests, tokens) fraction of its limits
+    fractions: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+def _fraction(raw: Mapping[str, Any], key: str, share: int) -> float:
+    """The pushed fraction ``key``, or ``1/share`` when absent or not in (0, 1]."""
+    f = raw.get(key)
+    if isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1:
+        return float(f)
+    return 1.0 / share
 
 
 def _fit(t: TenantConfig, base: TenantsConfig) -> TenantConfig:
@@ -55,6 +68,7 @@ def merge(base: TenantsConfig, pushed: Iterable[Mapping[str, Any]]) -> Merged:
     fields = set(TenantConfig.model_fields)
     mine: list[TenantConfig] = []
     shares: dict[str, int] = {}
+    fractions: dict[str, tuple[float, float]] = {}
     digests: set[str] = set()
     for raw in pushed:
         try:
@@ -70,26 +84,29 @@ def merge(base: TenantsConfig, pushed: Iterable[Mapping[str, Any]]) -> Merged:
                                                  if h not in digests]})
         digests |= set(t.keys_sha256)
         mine.append(_fit(t, base))
-        shares[t.name] = max(1, share)
+        shares[t.name] = share = max(1, share)
+        fractions[t.name] = (_fraction(raw, "fraction", share),
+                             _fraction(raw, "tokens_fraction", share))
     kept = [t.model_copy(update={"keys_sha256": [h for h in t.keys_sha256
                                                  if h not in digests]})
             for t in base.members if t.name not in shares]
-    return Merged(base.model_copy(update={"members": kept + mine}), shares)
+    return Merged(base.model_copy(update={"members": kept + mine}), shares, fractions)
 
 
 def limiter_of(merged: Merged, local_share: int, now: float,
-               old: Limiter | None = None) -> Limiter:
-    """The limiter for ``merged``: each tenant's limits divided by its share. What
-    ``old`` counted for a tenant (requests in flight, the day's tokens, what its buckets
-    hold, at most the new burst) carries over, so a push is no reset of anyone's limits."""
-    groups: dict[int, list[Tenant]] = {}
-    for t in tenants_of(merged.cfg):
-        groups.setdefault(merged.shares.get(t.name, local_share), []).append(t)
-    new = Limiter([], share=1, now=now)
-    for share, tenants in groups.items():
-        new.state.update(Limiter(tenants, share=share, now=now).state)
+               old: Limiter | None = None, *, workers: int = 1) -> Limiter:
+    """The limiter for ``merged``: an ``lb.yaml`` tenant's limits divided by
+    ``local_share``, a pushed one's this balancer's fractions divided by its ``workers``.
+    What ``old`` counted for a tenant (requests in flight, the day's tokens, what its
+    buckets hold, at most the new burst, the demand offered) carries over, so a push is no
+    reset of anyone's limits."""
+    w = max(1, workers)
+    new = Limiter(tenants_of(merged.cfg), share=local_share, now=now,
+                  fractions={name: (fr / w, ft / w)
+                             for name, (fr, ft) in merged.fractions.items()})
     if old is None:
         return new
+    new.demand = old.demand
     for name, st in new.state.items():
         was = old.state.get(name)
         if was is None:
@@ -102,4 +119,22 @@ def limiter_of(merged: Merged, local_share: int, now: float,
     return new
 
 
-__all__ = ["Merged", "limiter_of", "merge"]
+FRACTIONS = ("fraction", "tokens_fraction")
+
+
+def without_fractions(pushed: Mapping[str, Any]) -> dict[str, Any]:
+    """A pushed tenant but for its fractions (which follow the traffic)."""
+    return {k: v for k, v in pushed.items() if k not in FRACTIONS}
+
+
+def described(pushed: Iterable[Mapping[str, Any]]) -> str:
+    """The pushed tenants and this balancer's part of each, for a log line."""
+    out = []
+    for t in pushed:
+        share = t.get("share", 1)
+        f = _fraction(t, "fraction", share if isinstance(share, int) and share >= 1 else 1)
+        out.append(f"{t.get('name')} ({f:.1%} of its limits here)")
+    return ", ".join(out) or "none"
+
+
+__all__ = ["FRACTIONS", "Merged", "described", "limiter_of", "merge", "without_fractions"]

@@ -158,3 +158,44 @@ def test_membership_carries_tenants_with_each_balancers_share(store_spec: str) -
 
         assert c.delete("/v1/tenants/acme", headers=auth()).status_code == 204
         assert set(pushed("us-a")) == {"local"}
+
+
+def test_telemetry_demand_moves_the_fractions_and_its_answer_carries_them(
+        store_spec: str) -> None:
+    with client(store_spec, tenant_share_floor=0.2) as c:
+        assert c.post("/v1/regions", headers=auth(), json={
+            "name": "us", "latitude": 38.9, "longitude": 0.0}).status_code == 201
+        for bid in ("us-a", "us-b"):
+            r = c.post("/v1/balancers", headers=auth(AGENT), json={
+                "id": bid, "region": "us", "url": f"http://127.0.0.1:{len(bid) + 1}"})
+            assert r.status_code == 201, r.text
+        assert c.put("/v1/tenants/acme", json=ACME, headers=auth()).status_code == 200
+
+        def report(bid: str, rps: float, worker: int = 0) -> Any:
+            return c.post(f"/v1/balancers/{bid}/telemetry", headers=auth(AGENT), json={
+                "window_s": 5, "worker": worker,
+                "tenants": {"acme": {"requests_per_s": rps, "tokens_per_min": 0.0}}})
+
+        def fraction(bid: str) -> float:
+            m = c.get(f"/v1/balancers/{bid}/membership", headers=auth(AGENT)).json()
+            return float(m["tenants"][0]["fraction"])
+
+        assert fraction("us-a") == 0.5  # nothing reported yet: even
+        # A report without tenants (an older balancer) is answered as before.
+        assert c.post("/v1/balancers/us-a/telemetry", headers=auth(AGENT),
+                      json={"window_s": 5}).status_code == 204
+        r = report("us-a", 30.0)
+        assert r.status_code == 200, r.text
+        (acme,) = r.json()["tenants"]
+        assert r.json()["revision"] >= 0 and acme["name"] == "acme"
+        # All traffic at us-a: us-b (no report) holds the floor, 0.2 / 2.
+        assert acme["fraction"] == pytest.approx(0.9) and acme["share"] == 2
+        assert fraction("us-b") == pytest.approx(0.1)
+        # us-b's two workers report 10/s each: 30 against 20.
+        assert report("us-b", 10.0, worker=0).status_code == 200
+        got = report("us-b", 10.0, worker=1).json()["tenants"][0]
+        assert got["fraction"] == pytest.approx(0.4)
+        assert fraction("us-a") == pytest.approx(0.6)
+        bad = c.post("/v1/balancers/us-a/telemetry", headers=auth(AGENT), json={
+            "window_s": 5, "tenants": {"acme": {"requests_per_s": -1}}})
+        assert "requests_per_s" in error(bad, 422)
