@@ -392,10 +392,11 @@ SOURCES: tuple[Source, ...] = (
            tenancy_page.tenancy),
     Source("tenancy-shares", "Tenants: a limit held by shares pushed from the controller",
            "The per-tenant buckets of three balancers in two regions on a fake clock, each "
-           "holding the share of a global limit the controller's membership gives it "
-           "(`tenants.pushed`, merged and built as the live balancer does), under even "
-           "and uneven traffic and when a balancer dies. See [tenants with a controller]"
-           "(../tenancy.md#with-a-controller).",
+           "holding the part of a global limit the controller gives it (`tenants.pushed`, "
+           "merged and built as the live balancer does): an equal 1/n, or a fraction "
+           "weighted by the demand each balancer reports with its telemetry, under even, "
+           "uneven, 90/10 and all-to-one traffic, when the traffic moves and when a "
+           "balancer dies. See [tenants with a controller](../tenancy.md#with-a-controller).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy_shares", "--json", "{json}"),
            tenancy_shares_page.tenancy_shares),
     Source("tenancy-limits", "Tenants: a request-rate limit through two live balancers "
