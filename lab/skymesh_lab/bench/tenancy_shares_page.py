@@ -56,20 +56,22 @@ def tenancy_shares(doc: dict[str, Any]) -> str:
                      num(_med(rs, "after_over_limit"), ".1%")])
     names = ", ".join(f"{b} ({r})" for b, r in s.get("balancers", []))
     tol = s.get("tolerance", 0.1)
-    return "\n".join([
-        f"Balancers {names}; a global limit of {s.get('limit_per_s', '?')} requests/s, "
-        f"offered {s.get('offered_x', '?')}x for {s.get('run_s', '?')} s. **equal**: each "
-        "live balancer holds 1/n of the limit (a death is pushed "
-        f"{s.get('push_s', '?')} s later). **weighted**: every {s.get('report_s', '?')} s "
-        "(the telemetry interval) each balancer reports the demand its limiter counted, "
-        "smoothed, and holds the fraction the controller answers, in proportion to the "
-        f"demand, none under {s.get('floor', '?')} / n. Per window of one report: "
-        "admitted / limit. *Reports to converge*: from the start (from halfway in the "
-        f"last two rows) until every later window is within {tol:.0%} of the limit, the "
-        "worst seed; *converged*: admitted / limit over those windows, median; *worst "
-        "window*: the farthest of them from the limit, worst seed. Medians over the "
-        "seeds otherwise.", "",
-        table(["traffic", "split", "seeds", "traffic us-a / us-b / eu-a", "offered",
+    setup = " ".join([
+        f"Balancers {names}; a global limit of {s.get('limit_per_s', '?')} requests/s,",
+        f"offered {s.get('offered_x', '?')}x for {s.get('run_s', '?')} s.",
+        "**equal**: each live balancer holds 1/n of the limit (a death is pushed",
+        f"{s.get('push_s', '?')} s later).",
+        f"**weighted**: every {s.get('report_s', '?')} s (the telemetry interval) each",
+        "balancer reports the demand its limiter counted, smoothed, and holds the fraction",
+        "the controller answers, in proportion to the demand, none under",
+        f"{s.get('floor', '?')} / n.",
+        "Per window of one report: admitted / limit.",
+        "*Reports to converge*: from the start (from halfway in the last two rows) until",
+        f"every later window is within {tol:.0%} of the limit, the worst seed;",
+        "*converged*: admitted / limit over those windows, median; *worst window*: the",
+        "farthest of them from the limit, worst seed. Medians over the seeds otherwise."])
+    headers = ["traffic", "split", "seeds", "traffic us-a / us-b / eu-a", "offered",
                "admitted / limit", "reports to converge", "converged", "worst window",
-               "first half", "second half"], rows,
-              [False, False, True, False, True, True, True, True, True, True, True]), ""])
+               "first half", "second half"]
+    return "\n".join([setup, "", table(headers, rows, [False, False, True, False,
+                                                       *[True] * 7]), ""])
