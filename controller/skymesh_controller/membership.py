@@ -22,8 +22,10 @@ log = logging.getLogger("skymesh.controller")
 
 
 class Membership:
-    # The newest reports read per balancer for its workers' tenant demand.
+    # The newest reports read per balancer for its workers' tenant demand, and how long
+    # what was read serves other views (every long poll and report asks for all of it).
     DEMAND_TAIL = 32
+    DEMAND_CACHE_S = 1.0
 
     def __init__(self, store: Store, records: Records, trust: placement.Trust, *,
                  share_floor: float = tenants.DEFAULT_FLOOR,
@@ -31,6 +33,8 @@ class Membership:
         self.store, self.records, self.trust = store, records, trust
         self.share_floor, self.demand_stale_s = share_floor, demand_stale_s
         self.polled: dict[str, int] = {}
+        # balancer -> (monotonic time read, its demand per tenant)
+        self._demand: dict[str, tuple[float, dict[str, tuple[float, float]]]] = {}
 
     async def reassign(self, balancers: dict[str, Obj],
                        replicas: dict[str, Obj] | None = None) -> list[Put]:
@@ -76,7 +80,9 @@ class Membership:
 
     async def tenants_for(self, bid: str) -> Obj:
         """``bid``'s tenants with its fractions of their limits, and the revision they
-        were read at (the balancer ignores an answer older than its membership)."""
+        were read at (the balancer ignores an answer older than its membership), after a
+        report of ``bid``: its demand is read again."""
+        self._demand.pop(bid, None)
         rev = await self.store.revision()
         me = await self.records.read("balancers", bid, "balancer")
         return {"revision": rev,
@@ -89,11 +95,22 @@ class Membership:
         stored = await self.store.all("tenants")
         if not stored:
             return []
-        since = time.time() - self.demand_stale_s
-        demand = {bid: tenants.demand_of(
-                      await self.store.tail(f"balancer:{bid}", self.DEMAND_TAIL), since)
-                  for bid in tenants.scopes(me, balancers)["global"]}
+        ids = tenants.scopes(me, balancers)["global"]
+        demand = {bid: await self._demand_of(bid) for bid in ids}
+        for gone in set(self._demand) - set(balancers):
+            del self._demand[gone]
         return tenants.pushed(stored, me, balancers, demand, self.share_floor)
+
+    async def _demand_of(self, bid: str) -> dict[str, tuple[float, float]]:
+        now = time.monotonic()
+        cached = self._demand.get(bid)
+        if cached is not None and now - cached[0] < self.DEMAND_CACHE_S:
+            return cached[1]
+        since = time.time() - self.demand_stale_s
+        got = tenants.demand_of(await self.store.tail(f"balancer:{bid}", self.DEMAND_TAIL),
+                                since)
+        self._demand[bid] = (now, got)
+        return got
 
     def note_poll(self, bid: str, after: int) -> None:
         self.polled[bid] = max(after, self.polled.get(bid, -1))
