@@ -404,7 +404,9 @@ SOURCES: tuple[Source, ...] = (
            "A tenant at 3x its `requests_per_s` through two live skymesh-lb processes of one "
            "region in front of emulated replicas, its requests alternating between the two "
            "balancers and all sent to one: the rate the balancers admit against the limit, "
-           "the 429s and the Retry-After they carry. See [tenants](../tenancy.md).",
+           "the 429s and the Retry-After they carry; then through two balancers fed by a "
+           "controller, whose shares follow the demand they report (even, 90/10, all to "
+           "one). See [tenants](../tenancy.md).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy_limits_live", "--json",
             "{json}"),
            tenancy_limits_live_page.page),

@@ -17,6 +17,14 @@ processes:
   carried: what clients that honour Retry-After get (requests served, attempts each,
   requests that ran out of retries).
 
+With a controller (``--controller-arms``, default ``even,90/10,one``): two more balancers
+of the region that take the tenant from a ``skymesh-controller`` instead of ``lb.yaml``,
+reporting telemetry every ``--report-s`` seconds, so each holds the part of the limit the
+controller splits by the demand they report (docs/tenancy.md, "Shares follow the
+traffic"). Each arm first sends its spread for ``--warmup-reports`` reports (the shares
+settle), then is measured as above; ``90/10`` sends every tenth request to the second
+balancer.
+
 Per arm: the requests the balancers admitted (the added ``skymesh_tenant_admitted_total``
 of both), their rate over the run against the limit, the 429s, and the Retry-After
 values. The first second of a run spends each balancer's burst (one second of its share),
@@ -50,6 +58,7 @@ from skymesh_lab.faults.cluster import (
     MODEL,
     healthy_replicas,
     metrics,
+    start_controller,
     start_lb,
     start_replicas,
     wait_for,
@@ -59,6 +68,15 @@ KEY = "sk-bench-capped"
 TENANT = "capped"
 BALANCERS = 2
 BURST_S = 1.0  # a requests_per_s bucket holds one second's worth (docs/tenancy.md)
+
+
+def _target(spread: str, i: int) -> int:
+    """Which balancer request ``i`` goes to."""
+    if spread == "even":
+        return i % 2
+    if spread == "90/10":
+        return int(i % 10 == 9)
+    return 0
 
 
 def tenant_config(limit: float) -> dict[str, Any]:
@@ -73,16 +91,15 @@ async def _admitted(s: aiohttp.ClientSession, lbs: Sequence[Daemon]) -> list[flo
 
 async def run_arm(s: aiohttp.ClientSession, lbs: Sequence[Daemon], spread: str, *,
                   limit: float, offered_x: float, duration: float) -> dict[str, Any]:
-    targets = list(lbs) if spread == "even" else [lbs[0]]
     rate = offered_x * limit
     n = int(rate * duration)
     before = await _admitted(s, lbs)
     records: list[tuple[float, int, str, str, int]] = []  # sent_at, status, RA, RA-ms, lb
 
     async def one(i: int, at: float) -> None:
-        lb = i % len(targets)
+        lb = _target(spread, i)
         body = {"model": MODEL, "max_tokens": 4, "prompt": f"request {i}"}
-        async with s.post(targets[lb].url + "/v1/completions", json=body) as r:
+        async with s.post(lbs[lb].url + "/v1/completions", json=body) as r:
             await r.read()
             records.append((at, r.status, r.headers.get("Retry-After", ""),
                             r.headers.get("retry-after-ms", ""), lb))
@@ -171,7 +188,8 @@ async def run_sdk_arm(s: aiohttp.ClientSession, lbs: Sequence[Daemon], *, limit:
 
 async def measure(workdir: Path, *, limit: float, offered_x: float, duration: float,
                   replicas: int, time_scale: float, arms: Sequence[str], sdk_clients: int,
-                  sdk_retries: int) -> dict[str, Any]:
+                  sdk_retries: int, controller_arms: Sequence[str] = (),
+                  report_s: float = 1.0, warmup_reports: int = 5) -> dict[str, Any]:
     reps = await start_replicas(workdir, replicas, time_scale=time_scale)
     lbs: list[Daemon] = []
     env = {"SKYMESH_API_KEYS": KEY}
@@ -199,10 +217,61 @@ async def measure(workdir: Path, *, limit: float, offered_x: float, duration: fl
                 else:
                     runs.append(await run_arm(s, lbs, arm, limit=limit,
                                               offered_x=offered_x, duration=duration))
+        if controller_arms:
+            runs += await measure_controlled(workdir, reps, limit=limit, offered_x=offered_x,
+                                             duration=duration, arms=controller_arms,
+                                             report_s=report_s, warmup=warmup_reports)
     finally:
         for d in (*lbs, *reps):
             d.stop()
     return {"runs": runs}
+
+
+ADMIN = "bench-admin-" + "b" * 24  # the throwaway controller's token (also the agents')
+
+
+async def measure_controlled(workdir: Path, reps: Sequence[Daemon], *, limit: float,
+                             offered_x: float, duration: float, arms: Sequence[str],
+                             report_s: float, warmup: int) -> list[dict[str, Any]]:
+    """The arms again through two balancers that take the tenant from a controller."""
+    ctl = await start_controller(workdir, ADMIN, name="controller")
+    lbs: list[Daemon] = []
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    runs = []
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as c:
+            async with c.post(ctl.url + "/v1/regions", headers=auth, json={
+                    "name": "us", "latitude": 38.9, "longitude": -77.0}) as r:
+                r.raise_for_status()
+            async with c.put(f"{ctl.url}/v1/tenants/{TENANT}", headers=auth, json={
+                    "keys_sha256": [hashlib.sha256(KEY.encode()).hexdigest()],
+                    "requests_per_s": limit}) as r:
+                r.raise_for_status()
+        for i in range(BALANCERS):
+            lbs.append(await start_lb(workdir, list(reps), name=f"ctl-lb{i}", env={
+                "SKYMESH_API_KEYS": KEY, "SKYMESH_AGENT_TOKEN": ADMIN}, overrides={
+                "region": "us", "logging": {"access_log": False},
+                "controller": {"url": ctl.url, "balancer_id": f"ctl-lb{i}", "retry_s": 0.2,
+                               "poll_wait_s": 5, "telemetry_interval_s": report_s,
+                               "url_policy": {"allow_loopback": True}}}))
+        series = f'skymesh_tenant_queue_waiting{{priority="standard",tenant="{TENANT}"}}'
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         headers={"Authorization": f"Bearer {KEY}"},
+                                         timeout=aiohttp.ClientTimeout(total=60)) as s:
+            for lb in lbs:
+                async def pushed(url: str = lb.url) -> bool:
+                    return (await healthy_replicas(s, url) == len(reps)
+                            and series in await metrics(s, url))
+                await wait_for(pushed, "the controller's tenant at every balancer", 60)
+            for arm in arms:
+                await run_arm(s, lbs, arm, limit=limit, offered_x=offered_x,
+                              duration=warmup * report_s)  # the shares settle
+                runs.append({**await run_arm(s, lbs, arm, limit=limit, offered_x=offered_x,
+                                             duration=duration), "controller": True})
+    finally:
+        for d in (*lbs, ctl):
+            d.stop()
+    return runs
 
 
 def _commit() -> str | None:
@@ -224,18 +293,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default="even,one,sdk")
     ap.add_argument("--sdk-clients", type=int, default=6)
     ap.add_argument("--sdk-retries", type=int, default=4)
+    # Through balancers fed by a controller ('' for none), reporting every --report-s,
+    # each arm measured after --warmup-reports reports.
+    ap.add_argument("--controller-arms", default="even,90/10,one")
+    ap.add_argument("--report-s", type=float, default=1.0)
+    ap.add_argument("--warmup-reports", type=int, default=5)
     a = ap.parse_args(argv)
+    ctl_arms = [x for x in a.controller_arms.split(",") if x]
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="tenancy-limits-") as tmp:
         out = asyncio.run(measure(Path(tmp), limit=a.limit, offered_x=a.offered_x,
                                   duration=a.duration, replicas=a.replicas,
                                   time_scale=a.time_scale, arms=a.arms.split(","),
-                                  sdk_clients=a.sdk_clients, sdk_retries=a.sdk_retries))
+                                  sdk_clients=a.sdk_clients, sdk_retries=a.sdk_retries,
+                                  controller_arms=ctl_arms, report_s=a.report_s,
+                                  warmup_reports=a.warmup_reports))
     doc = {"setup": {"limit_per_s": a.limit, "offered_x": a.offered_x,
                      "duration_s": a.duration, "balancers": BALANCERS,
                      "workers_per_balancer": 1, "replicas": a.replicas,
                      "time_scale": a.time_scale, "burst_s": BURST_S, "max_tokens": 4,
                      "sdk_clients": a.sdk_clients, "sdk_max_retries": a.sdk_retries,
+                     "controller_arms": ctl_arms, "report_s": a.report_s,
+                     "warmup_reports": a.warmup_reports,
                      "load_average_1m_at_start": round(load0, 2),
                      "load_average_1m_at_end": round(os.getloadavg()[0], 2),
                      "cpus": os.cpu_count(), "commit": _commit()},
