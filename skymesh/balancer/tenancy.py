@@ -239,7 +239,8 @@ class Demand:
             old_r, old_t = self.smoothed.get(name, (0.0, 0.0))
             req, tok = counts.get(name, (0.0, 0.0))
             r = keep * old_r + (1 - keep) * req / dt
-            t = keep * old_t + (1 - keep) * tok * 60.0 / dt
+            # Usage below the prompt estimate is given back later: never below 0.
+            t = max(0.0, keep * old_t + (1 - keep) * tok * 60.0 / dt)
             if r >= 1e-3 or name in counts:
                 out[name] = (r, t)
         self.smoothed = out

@@ -98,8 +98,8 @@ def limiter_of(merged: Merged, local_share: int, now: float,
     """The limiter for ``merged``: an ``lb.yaml`` tenant's limits divided by
     ``local_share``, a pushed one's this balancer's fractions divided by its ``workers``.
     What ``old`` counted for a tenant (requests in flight, the day's tokens, what its
-    buckets hold, at most the new burst, the demand offered) carries over, so a push is no
-    reset of anyone's limits."""
+    buckets hold, at most the new burst, the times told to refused clients, the demand
+    offered) carries over, so a push is no reset of anyone's limits."""
     w = max(1, workers)
     new = Limiter(tenants_of(merged.cfg), share=local_share, now=now,
                   fractions={name: (fr / w, ft / w)
@@ -116,6 +116,9 @@ def limiter_of(merged: Merged, local_share: int, now: float,
             if bucket is not None and before is not None:
                 before.wait_for(0.0, now)  # refilled up to now
                 bucket.level = min(bucket.burst, before.level)
+                # The times told to refused clients stand: a refresh of the fractions
+                # (every telemetry report) must not send the next ones back together.
+                bucket.promised = before.promised
     return new
 
 

@@ -42,6 +42,32 @@ def test_demand_smooths_toward_the_offered_rate_and_forgets_an_idle_tenant() -> 
     assert rates == {}  # faded below the threshold: dropped, memory back
 
 
+def test_tokens_given_back_in_a_later_window_never_report_a_negative_demand() -> None:
+    d = Demand(now=0.0)
+    d.add("acme", 1.0, 1000.0)  # the prompt estimate at admission
+    d.rates(1.0)
+    d.add("acme", 0.0, -990.0)  # usage far below the estimate, seen at the end
+    r, t = d.rates(5.0)["acme"]
+    assert r >= 0 and t == 0.0
+
+
+def test_a_push_keeps_the_times_told_to_refused_clients() -> None:
+    pushed = [{"name": "acme", "requests_per_s": 2.0, "share": 1, "fraction": 0.5}]
+    old = limiter_of(merge(TenantsConfig(), pushed), 1, now=0.0)
+    old.admit("acme", 1, 0.0, 0.0)  # 1/s, a burst of 1: the next waits
+    told = []
+    for _ in range(2):
+        with pytest.raises(TenantLimited) as e:
+            old.admit("acme", 1, 0.0, 0.0)
+        told.append(e.value.retry_after_s)
+    new = limiter_of(merge(TenantsConfig(), pushed), 1, now=0.0, old=old)
+    with pytest.raises(TenantLimited) as e:
+        new.admit("acme", 1, 0.0, 0.0)
+    assert told == pytest.approx([1.0, 2.0])
+    # After the others (up to the stagger's horizon), not with the first of them.
+    assert e.value.retry_after_s == pytest.approx(2.0)
+
+
 def test_the_limiter_counts_what_was_offered_admitted_or_not() -> None:
     lim = Limiter([tenant("acme", requests_per_s=2.0)], share=1, now=0.0)
     refused = 0
