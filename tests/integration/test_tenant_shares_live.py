@@ -61,7 +61,7 @@ async def flood(s: aiohttp.ClientSession, lb: Daemon) -> None:
     body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     while True:
         # A keep-alive connection the server closed as it was reused: the next one goes.
-        with contextlib.suppress(aiohttp.ClientError):
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             async with s.post(lb.url + "/v1/chat/completions", json=body,
                               headers={"Authorization": f"Bearer {KEY}"}) as r:
                 await r.read()
@@ -118,9 +118,9 @@ async def test_the_controller_moves_a_tenants_limit_to_where_its_traffic_is(
                 # The balancer applied the answer to its telemetry (a debug line each).
                 assert "tenants from the controller: acme (9" in busy.log()
     finally:
+        for d in daemons:  # first: whatever the load task ended with, nothing is left
+            d.stop()
         if traffic is not None:
             traffic.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
                 await traffic
-        for d in daemons:
-            d.stop()
