@@ -4,18 +4,23 @@ The parts (records, probing, moves) take ``lock`` around a read-decide-commit, s
 writes never interleave: the lock is this process's, then the store's writer lock, which
 several controllers on one store share (store.py). Balancers long-poll their membership on
 the store's revision (``wait``): a commit here wakes them at once, another controller's
-within ``poll_s``.
+within ``poll_s``. ``close`` answers the pending polls at once when the server shuts down:
+uvicorn would otherwise cancel them after its graceful timeout, each with a traceback in
+the log and a 500 to its balancer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from types import TracebackType
 from typing import Any
 
 from skymesh_controller.store import Delete, Put, Store
+
+log = logging.getLogger("skymesh.controller")
 
 
 class _WriterLock:
@@ -53,6 +58,8 @@ class Changes:
         self.long_poll_max_s, self.poll_s = long_poll_max_s, poll_s
         self.lock = _WriterLock(store)
         self._changed = asyncio.Event()
+        self.closing = False
+        self.waiting = 0  # long polls pending now
 
     async def commit(self, puts: list[Put], deletes: list[Delete] | None = None) -> int:
         rev = await self.store.commit(puts, deletes)
@@ -60,14 +67,25 @@ class Changes:
         old.set()
         return rev
 
+    def close(self) -> None:
+        """Answer the pending long polls now, and any later one at once (shutting down)."""
+        self.closing = True
+        log.debug("shutting down: answering %d long poll(s) now", self.waiting)
+        self._changed.set()
+
     async def wait(self, after: int, timeout: float) -> int:
-        """Return the revision once it is past ``after``, or when ``timeout`` runs out."""
+        """Return the revision once it is past ``after``, or when ``timeout`` runs out, or
+        at once after ``close``."""
         deadline = time.monotonic() + min(timeout, self.long_poll_max_s)
-        while True:
-            event = self._changed
-            rev = await self.store.revision()
-            left = deadline - time.monotonic()
-            if rev > after or left <= 0:
-                return rev
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), min(left, self.poll_s))
+        self.waiting += 1
+        try:
+            while True:
+                event = self._changed
+                rev = await self.store.revision()
+                left = deadline - time.monotonic()
+                if rev > after or left <= 0 or self.closing:
+                    return rev
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), min(left, self.poll_s))
+        finally:
+            self.waiting -= 1

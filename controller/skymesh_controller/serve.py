@@ -30,7 +30,6 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve(cfg: ControllerConfig) -> int:
-    import uvicorn
 
     from skymesh_controller.api import build_app
     from skymesh_controller.dns_hook import dns_hook
@@ -43,7 +42,7 @@ def serve(cfg: ControllerConfig) -> int:
         return 1
     app = build_app(cfg, dns=dns_hook(cfg))
     limits = fit_file_limit(cfg.limits.connections(), "skymesh-controller")
-    server = uvicorn.Server(uvicorn_config(app, limits))
+    server = make_server(app, limits)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"skymesh-controller listening on http://{shown}:{port} (store {_safe(cfg.store)})",
@@ -54,6 +53,22 @@ def serve(cfg: ControllerConfig) -> int:
         signal.signal(sig, _exit_cleanly)
     asyncio.run(server.serve(sockets=[sock]))
     return 0
+
+
+def make_server(app: Any, limits: ConnLimits) -> Any:
+    """uvicorn's server for ``app`` that answers the long polls as it starts shutting down
+    (``Changes.close``): waiting them out would take ``long_poll_max_s``, and uvicorn
+    cancels what is left after its graceful timeout (a traceback each in the log)."""
+    import uvicorn
+
+    changes = app.state.controller.changes
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            changes.close()
+            await super().shutdown(sockets)
+
+    return Server(uvicorn_config(app, limits))
 
 
 def uvicorn_config(app: Any, limits: ConnLimits) -> Any:

@@ -26,6 +26,7 @@ periodic re-check may move a streaming request mid-response (``skymesh.balancer.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import random
 from collections.abc import Callable
@@ -145,6 +146,10 @@ class Handlers:
         except SkyMeshError as exc:
             outcome = type(exc).__name__
             return error_response(exc)
+        except asyncio.CancelledError:
+            # The client left (aiohttp's handler_cancellation): its loss, not our error.
+            outcome = "client_disconnected"
+            raise
         finally:
             if holder is not None:
                 left = self.in_flight_by_key[holder] - 1

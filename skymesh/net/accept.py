@@ -58,7 +58,7 @@ def listen_sockets(host: str | None, port: int, backlog: int) -> list[socket.soc
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                flags=socket.AI_PASSIVE)
     socks: list[socket.socket] = []
-    seen: set[tuple[int, str]] = set()
+    seen: set[tuple[int, str | int]] = set()
     try:
         for family, kind, proto, _, addr in infos:
             if (family, addr[0]) in seen:

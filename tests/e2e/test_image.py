@@ -25,6 +25,7 @@ run; the test's containers are removed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -32,7 +33,6 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +41,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from support import until
+from support import until, wait_for
 
 from skymesh.util.procs import free_port
 
@@ -112,14 +112,14 @@ def _start(ctr: Container, argv: list[str], log: Path) -> Running:
     with log.open("wb") as out:
         proc = subprocess.Popen(ctr.run_args("/usr/local/lib/skymesh/entrypoint.sh", *argv),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        m = _LISTENING.search(log.read_text(errors="replace"))
-        if m:
-            return Running(proc, m.group(1), log)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
+
+    def listening_or_exited() -> re.Match[str] | bool:
+        return _LISTENING.search(log.read_text(errors="replace")) or proc.poll() is not None
+
+    with contextlib.suppress(AssertionError):  # a timeout fails below, with the log
+        got = wait_for(listening_or_exited, f"{argv[0]} listening", timeout=120)
+        if isinstance(got, re.Match):
+            return Running(proc, got.group(1), log)
     Running(proc, "", log).stop()
     raise AssertionError(f"{argv[0]} did not start:\n{log.read_text(errors='replace')}")
 

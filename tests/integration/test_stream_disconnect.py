@@ -78,6 +78,28 @@ def _tcp() -> list[tuple[int, int, int, int]]:
 _ESTABLISHED = 1
 
 
+async def _until_ready(s: aiohttp.ClientSession, lb: Daemon) -> None:
+    async def ready() -> bool:
+        async with s.get(lb.url + "/ready") as r:
+            return r.status == 200
+    await until(ready, "the replica is healthy")
+
+
+def _post(lb: Daemon, request_id: str, body: bytes) -> socket.socket:
+    """A chat completion sent on a raw socket (the test decides how it goes away)."""
+    client = socket.create_connection(("127.0.0.1", int(lb.url.rsplit(":", 1)[1])))
+    client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: lb\r\n"
+                   b"Content-Type: application/json\r\nX-Request-Id: %s\r\n"
+                   b"Content-Length: %d\r\n\r\n%s" % (request_id.encode(), len(body), body))
+    return client
+
+
+def _reset(client: socket.socket) -> None:
+    # SO_LINGER 0: close sends a reset, as a client killed mid-request does.
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()
+
+
 @pytest.fixture
 async def lb_and_replica() -> AsyncIterator[tuple[Daemon, HeldReplica]]:
     replica = HeldReplica()
@@ -100,17 +122,10 @@ async def test_a_client_gone_as_the_first_chunk_is_written_is_counted_not_an_err
     lb, replica = lb_and_replica
     lb_port = int(lb.url.rsplit(":", 1)[1])
     async with aiohttp.ClientSession() as s:
-        async def ready() -> bool:
-            async with s.get(lb.url + "/ready") as r:
-                return r.status == 200
-        await until(ready, "the replica is healthy")
-
+        await _until_ready(s, lb)
         body = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "x"}]}'
-        client = socket.create_connection(("127.0.0.1", lb_port))
+        client = _post(lb, "gone-1", body)
         client_port = client.getsockname()[1]
-        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: lb\r\n"
-                       b"Content-Type: application/json\r\nX-Request-Id: gone-1\r\n"
-                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         writer = await asyncio.wait_for(replica.held.get(), 15)
         upstream_port = writer.get_extra_info("peername")[1]  # the balancer's end
 
@@ -118,9 +133,7 @@ async def test_a_client_gone_as_the_first_chunk_is_written_is_counted_not_an_err
         try:
             replica.first_chunk(writer)
             await writer.drain()
-            # SO_LINGER 0: close sends a reset, as a client killed mid-request does.
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            client.close()
+            _reset(client)
 
             def both_pending() -> bool:
                 rows = _tcp()
@@ -142,3 +155,24 @@ async def test_a_client_gone_as_the_first_chunk_is_written_is_counted_not_an_err
     assert "disconnected=True" in line, line
     assert metrics.get('skymesh_client_disconnects_total{phase="first_chunk"}') == 1.0
 
+
+async def test_a_client_gone_while_its_request_is_at_a_replica_is_counted_as_gone(
+        lb_and_replica: tuple[Daemon, HeldReplica]) -> None:
+    """A whole (not streamed) reply: the client leaves while the replica holds its
+    request, the balancer's handler is cancelled (aiohttp's ``handler_cancellation``). Its
+    outcome is ``client_disconnected``, not ``error`` (the rss soak's leave-at-once clients
+    were thousands of ``error`` in a million requests)."""
+    lb, replica = lb_and_replica
+    async with aiohttp.ClientSession() as s:
+        await _until_ready(s, lb)
+        client = _post(lb, "gone-2",
+                       b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}')
+        writer = await asyncio.wait_for(replica.held.get(), 15)
+        _reset(client)
+        await eventually(lambda: "request_id=gone-2" in lb.log(), "the request's access line",
+                         timeout=15)
+        metrics = await get_metrics(s, lb.url)
+        writer.close()
+    outcomes = {k: v for k, v in metrics.items() if k.startswith("skymesh_requests_total{")}
+    assert outcomes == {'skymesh_requests_total{model="m",outcome="client_disconnected"}': 1.0}
+    assert "Traceback" not in lb.log()

@@ -7,7 +7,8 @@ import sys
 
 from support import wait_for
 
-from skymesh_lab.bench.rss_soak import process_tree, read_one, read_proc
+from skymesh_lab.bench.rss_soak import balancer_outcomes, process_tree, read_one, read_proc
+from skymesh_lab.bench.rss_soak_page import outcomes_note
 
 # A stand-in for skymesh-lb with workers: a parent that starts two children and waits.
 _PARENT = ("import subprocess, sys, time\n"
@@ -33,3 +34,19 @@ def test_rss_and_cpu_are_those_of_the_supervisor_and_every_worker() -> None:
             subprocess.run(["kill", str(pid)], check=False)
         parent.kill()
         parent.wait()
+
+
+def test_the_balancers_outcomes_are_summed_over_models_and_workers() -> None:
+    text = ('# HELP skymesh_requests_total Requests by final outcome\n'
+            'skymesh_requests_total{model="m",outcome="ok",worker="0"} 10.0\n'
+            'skymesh_requests_total{model="m",outcome="ok",worker="1"} 5.0\n'
+            'skymesh_requests_total{model="?",outcome="BadRequest",worker="0"} 2.0\n'
+            'skymesh_requests_created{model="m",outcome="ok",worker="0"} 1.7e9\n')
+    assert balancer_outcomes(text) == {"BadRequest": 2, "ok": 15}
+
+
+def test_the_page_names_the_errors_and_where_each_outcome_comes_from() -> None:
+    note = outcomes_note({"ok": 50, "client_disconnected": 3, "error": 2})
+    assert note.index("`ok` 50") < note.index("`client_disconnected` 3")
+    assert "mid-stream" in note and "**2 `error`**" in note
+    assert "no `error`" in outcomes_note({"ok": 50})

@@ -81,6 +81,62 @@ def test_cleared_empties_the_view_after_the_delay() -> None:
     assert view.held(KEYS) == 0
 
 
+def test_a_dropped_leading_block_is_lost_once_its_event_applies() -> None:
+    """As the daemon's index: the replica whose engine evicted a prompt's first block is
+    named in ``exact_lost`` (its trie record of the prompt is stale) until it stores the
+    block again; a later block's eviction loses nothing."""
+    loop = EventLoop()
+    view = EventView(loop, transit_s=0.0, delay_s=0.05)
+    view.stored(11, None, [], 16)
+    view.stored(12, 11, [], 16)
+    view.publish(0.01)
+    loop.run()
+    view.removed(12)
+    view.publish(0.01)
+    loop.run()
+    assert not view.lost(11) and not view.lost(12)
+    view.removed(11)
+    view.publish(0.01)
+    assert not view.lost(11)  # not yet applied
+    loop.run()
+    assert view.lost(11)
+    view.stored(11, None, [], 16)
+    view.publish(0.01)
+    loop.run()
+    assert not view.lost(11)
+
+
+def test_a_reset_loses_every_leading_block_and_the_memory_is_bounded() -> None:
+    loop = EventLoop()
+    view = EventView(loop, transit_s=0.0, delay_s=0.0, max_lost=2)
+    for h in (11, 21, 31):
+        view.stored(h, None, [], 16)
+    view.stored(12, 11, [], 16)
+    view.publish(0.01)
+    loop.run()
+    view.cleared()
+    view.publish(0.01)
+    loop.run()
+    assert sum(view.lost(h) for h in (11, 21, 31)) == 2  # the oldest forgotten
+    assert not view.lost(12)
+
+
+def test_the_route_names_the_replicas_that_dropped_its_prompt() -> None:
+    loop = EventLoop()
+    reps = [SimReplica(f"r{i}", "us", get_profile(DEFAULT_PROFILE), loop, lambda *a: None)
+            for i in range(2)]
+    views = [r.follow_events(transit_s=0.0, delay_s=0.0) for r in reps]
+    for v in views:
+        v.stored(11, None, [], 16)
+        v.publish(0.01)
+    views[0].removed(11)
+    views[0].publish(0.01)
+    loop.run()
+    route = with_exact_prefix(RouteRequest("r", prefix_keys=KEYS), reps)
+    assert route.exact_lost == {"r0"} and route.exact_prefix == {"r0": 0, "r1": 1}
+    assert with_exact_prefix(RouteRequest("r", prefix_keys=()), reps).exact_lost == set()
+
+
 def test_negative_delays_are_refused() -> None:
     with pytest.raises(ValueError, match="delays must be >= 0"):
         EventView(EventLoop(), transit_s=0.0, delay_s=-1.0)

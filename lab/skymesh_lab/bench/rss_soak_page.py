@@ -41,6 +41,28 @@ def _table(samples: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+# Which scenarios end in which outcome of skymesh_requests_total.
+_WHY = {"ok": "the replies, and clients that left after theirs was written",
+        "BadRequest": "bad_json", "ModelNotFound": "unknown_model",
+        "UpstreamFailed": "replica_error, after its retry",
+        "cancelled": "clients that left while their request was queued",
+        "client_disconnected": "clients that left while a replica held their request or "
+                               "mid-stream"}
+
+
+def outcomes_note(outcomes: dict[str, int]) -> str:
+    """The balancer's own count by outcome, each with the scenarios it comes from."""
+    parts = [f"`{k}` {v:,}" + (f" ({_WHY[k]})" if k in _WHY else "")
+             for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1])]
+    errors = outcomes.get("error", 0)
+    verdict = (f"**{errors:,} `error`**: exceptions the balancer did not expect (its log "
+               "says which)" if errors else
+               "no `error` (an exception the balancer did not expect)")
+    return (f"The balancer's own count at the end (`skymesh_requests_total` by outcome, all "
+            f"workers): {'; '.join(parts)}. The clients that leave do so by design; "
+            f"{verdict}.")
+
+
 def rss_soak(doc: dict[str, Any]) -> str:
     samples = doc["samples"]
     first, last = samples[0], samples[-1]
@@ -71,6 +93,7 @@ def rss_soak(doc: dict[str, Any]) -> str:
         f"requests ({slope}); the balancer used **{doc['cpu_ms_per_1000']:.0f} ms of CPU "
         f"per 1,000 requests** (all its processes, user + system).{stopped}",
         _table(samples),
+        *([outcomes_note(doc["lb_outcomes"])] if "lb_outcomes" in doc else []),
         f"Setup: `skymesh-lb` with policy `{policy}` and workers `{workers}` (\"default\": "
         f"the balancer's own, prefix-tree with sp-p and `listen.workers: auto`), "
         f"{doc.get('processes', 1)} processes at the end (the supervisor and its workers; "

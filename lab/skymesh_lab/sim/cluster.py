@@ -169,7 +169,7 @@ class SimReplica:
         if self.kv_view is not None:
             self.kv_view.publish(batch.duration / max(1, batch.num_steps))
         for ev in events:
-            self._on_event(self, ev.seq.payload, ev)  # type: ignore[arg-type]
+            self._on_event(self, ev.seq.payload, ev)
         self._start_step()
 
 

@@ -118,12 +118,17 @@ class SimConfig:
 
 def with_exact_prefix(route: RouteRequest, replicas: Iterable[SimReplica]) -> RouteRequest:
     """``route`` with the blocks of its prompt each replica holds as far as its KV events
-    have told (``SimReplica.kv_view``; a replica without one: its cache as it is now)."""
+    have told (``SimReplica.kv_view``; a replica without one: its cache as it is now), and
+    the replicas whose events say they dropped its leading block (``exact_lost``, as the
+    daemon's ``kv_feed``)."""
     keys = route.prefix_keys
+    replicas = list(replicas)
+    lost = frozenset(r.id for r in replicas
+                     if keys and r.kv_view is not None and r.kv_view.lost(keys[0]))
     return dataclasses.replace(
         route, exact_prefix={r.id: (len(r.engine.kv.match_prefix(keys)) if r.kv_view is None
                                     else r.kv_view.held(keys)) for r in replicas},
-        exact_blocks=len(keys))
+        exact_blocks=len(keys), exact_lost=lost)
 
 
 def share_tries(loop: EventLoop, workers: list[SimBalancer], delay_s: float) -> None:
