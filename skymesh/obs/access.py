@@ -170,7 +170,7 @@ def usage_tokens(body: bytes) -> tuple[int | None, int | None]:
         end = i
         if i and body[i - 1] == 0x5C:  # \"usage\": inside a string (generated text)
             continue
-        if body[i + 7:i + 8] == b":":  # compact JSON, as engines send it: no regex yet
+        if i + 7 < len(body) and body[i + 7] == 0x3A:  # compact, as engines send it
             plain = _PLAIN_USAGE.match(body, i + 8)
             if plain is not None:
                 return int(plain[1]), int(plain[2])
@@ -213,25 +213,23 @@ class _Access:
 
     @web.middleware
     async def log_only(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """:meth:`middleware` without a span (tracing off): no context manager either."""
+        """:meth:`middleware` without a span (tracing off): no context manager, and no
+        ``finally`` (an answered request, the common case, finishes on its own path)."""
         rec = AccessRecord(self.clock(), self.clock, None)
         request[RECORD_KEY] = rec
-        status: int | None = None
-        resp: web.StreamResponse | None = None
         try:
             resp = await handler(request)
-            status = resp.status
-            return resp
         except web.HTTPException as exc:
-            status = exc.status
+            self._finish(request, rec, None, exc.status)
             raise
         except asyncio.CancelledError:  # the client went away (handler_cancellation)
+            self._finish(request, rec, None, None)
             raise
         except Exception:
-            status = 500  # aiohttp answers an unhandled exception with a 500
+            self._finish(request, rec, None, 500)  # aiohttp answers it with a 500
             raise
-        finally:
-            self._finish(request, rec, resp, status)
+        self._finish(request, rec, resp, resp.status)
+        return resp
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -278,8 +276,8 @@ class _Access:
             status = rec.status if rec.status is not None else CLIENT_CLOSED
         elif rec.first_byte_at is None:
             rec.first_byte_at = end  # a whole body: it leaves now, with the headers
-        # The record is the writer's from here: the prepare hook of a whole body, which
-        # runs after this, writes ``status`` but not ``code``.
+        # The record is the writer's from here (the prepare hook of a whole body, which
+        # runs after this, leaves it alone).
         rec.code = status
         rec.end = end
         rec.method = request.method
@@ -305,8 +303,16 @@ class _Access:
             fields["trace_id"] = trace_id(rec.span)
             _end_span(rec.span, fields)
             self._write(fields, None)
-        else:
-            self._write(rec, body)
+            return
+        writer = self.writer
+        if writer is not None:
+            pending = writer.pending
+            if pending:  # a batch is open: join it (put() opens one)
+                pending.append((rec, body, time.time()))
+                if len(pending) >= BATCH:
+                    writer.flush()
+                return
+        self._write(rec, body)
 
     def _write(self, what: AccessRecord | dict[str, Any], body: bytes | None) -> None:
         if self.writer is not None and not self.writer.put(what, body):
@@ -358,7 +364,9 @@ class AccessWriter:
         self._queue: queue.SimpleQueue[tuple[_Handler, str] | _Item | None] = (
             queue.SimpleQueue())
         self._thread: threading.Thread | None = None
-        self._pending: list[_Item] = []  # the loop's current batch
+        # The loop's current batch; while it is not empty the middleware appends to it
+        # directly (put() opens a batch: where its lines go, its linger timer).
+        self.pending: list[_Item] = []
         self._timer: asyncio.TimerHandle | None = None
         self._handler: _Handler | None = None  # where the batch's lines go
 
@@ -382,7 +390,7 @@ class AccessWriter:
         if self._thread is None:
             return False
         item = (what, body, time.time())
-        pending = self._pending
+        pending = self.pending
         if not pending:  # a new batch: where its lines go is decided once for it
             # Only here: on Python 3.11 get_running_loop() is a getpid() system call.
             try:
@@ -409,7 +417,7 @@ class AccessWriter:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        items, self._pending = self._pending, []
+        items, self.pending = self.pending, []
         if items and self._handler is not None:
             self._queue.put((self._handler, "".join(self._lines(self._handler, items))))
 
@@ -471,19 +479,21 @@ class AccessWriter:
         fmt = handler.formatter
         assert isinstance(fmt, TextFormatter | JsonFormatter)
         name, end = self.log.name, handler.terminator
-        lines = []
+        lines: list[str] = []
+        append = lines.append
+        if isinstance(fmt, TextFormatter):  # what fmt.line gives, its parts bound once
+            stamp, head = fmt.asctime, f" INFO {name}: "
         for what, body, created in items:
-            if isinstance(what, AccessRecord):  # the common case: no dict of fields
+            if type(what) is AccessRecord:  # the common case: no dict of fields
                 tokens = _NO_TOKENS if body is None else usage_tokens(body)
-                msg = _record_text(what, tokens)
                 if isinstance(fmt, TextFormatter):
-                    lines.append(f"{fmt.line(created, name, msg, _NONE)}{end}")
+                    append(f"{stamp(created)}{head}{_record_text(what, tokens)}{end}")
                 else:
-                    lines.append(fmt.plain_line(created, name, msg, _record_json(what, tokens))
-                                 + end)
+                    append(fmt.plain_line(created, name, _record_text(what, tokens),
+                                          _record_json(what, tokens)) + end)
                 continue
             fields = _fields(what, body)
-            lines.append(fmt.line(created, name, _text(fields), fields) + end)
+            append(fmt.line(created, name, _text(fields), fields) + end)
         return lines
 
 
@@ -611,14 +621,15 @@ def _record_json(rec: AccessRecord, tokens: tuple[int | None, int | None]
 
 
 async def _watch_body(request: web.Request, response: web.StreamResponse) -> None:
-    """``on_response_prepare``: note the status, and for a streamed body the time of its
-    first byte and its last chunks (the usage event)."""
+    """``on_response_prepare``: for a streamed body, its status (logged if the client
+    leaves mid-stream), the time of its first byte and its last chunks (the usage event).
+    A whole body is prepared after the middleware has finished its record: nothing to do."""
+    if isinstance(response, web.Response):  # a whole body: the middleware is done with it
+        return
     rec = request.get(RECORD_KEY)
     if rec is None:
         return
     rec.status = response.status
-    if isinstance(response, web.Response):  # a whole body: the middleware has it
-        return
     write = response.write
     tail = rec.tail = deque(maxlen=_TAIL_CHUNKS)
     rec.watched = response

@@ -107,3 +107,18 @@ def test_the_flags_override_the_file(tmp_path: Path) -> None:
     assert cfg.tracing.otlp_endpoint == "http://127.0.0.1:4318/v1/traces"
     assert config_from_args(build_parser().parse_args(["--config", str(path)])).logging \
         .format == "text"
+
+
+@pytest.mark.parametrize("created", [1795885290.0, 1795885290.0421, 1795885290.9999,
+                                     1795885290.99999994, 0.5, 1.0 - 2 ** -53])
+def test_the_text_time_is_the_stdlib_formatters(created: float) -> None:
+    """TextFormatter caches the second and looks the milliseconds up (the access log
+    stamps every line with it): the text stays what logging.Formatter writes."""
+    from skymesh.obs.logs import TEXT_FORMAT, TextFormatter
+
+    record = logging.makeLogRecord({"name": "skymesh.access", "levelno": logging.INFO,
+                                    "levelname": "INFO", "msg": "GET / 200"})
+    record.created, record.msecs = created, (created - int(created)) * 1000
+    ours = TextFormatter()
+    assert ours.format(record) == logging.Formatter(TEXT_FORMAT).format(record)
+    assert ours.format(record) == ours.line(created, "skymesh.access", "GET / 200", {})

@@ -21,6 +21,10 @@ How
 ``--base REV``: also run skymesh-lb of git revision ``REV`` (extracted with ``git
 archive``), on and off, in the same rounds: the before and after of a change.
 
+Each build is also measured in process (``skymesh_lab.bench.access_log_loop``: the same
+request through the access log without the network, the loop thread's CPU): a steadier
+figure for the loop's part, next to the live one's spread.
+
     python -m skymesh_lab.bench.access_log_cost --rounds 5 --duration 5 --base b6a33fb \\
         --json docs/results/data/access-log-cost.json
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import shlex
@@ -54,6 +59,7 @@ _TICK = os.sysconf("SC_CLK_TCK")
 LOOP, WRITER, THREADS = "loop", "writer", "threads"
 WRITER_COMM = "skymesh-access"  # skymesh.obs.access.AccessWriter's OS thread name
 REPO = Path(__file__).resolve().parents[3]
+IN_PROCESS_REQUESTS, IN_PROCESS_REPEATS = 20000, 7
 
 
 def thread_ticks(root: int) -> dict[str, int]:
@@ -81,6 +87,21 @@ def extract(rev: str, into: Path) -> Path:
                              check=True, capture_output=True, timeout=120).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True, timeout=120)
     return into
+
+
+def in_process(pythonpath: Path | None, cwd: Path) -> dict[str, Any]:
+    """``access_log_loop`` of the build on ``pythonpath`` (None: this checkout), run in
+    ``cwd``: ``python -m`` puts the working directory first on the path, and a checkout's
+    own ``skymesh`` there would win over ``pythonpath``."""
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    r = subprocess.run([sys.executable, "-m", "skymesh_lab.bench.access_log_loop",
+                        "--requests", str(IN_PROCESS_REQUESTS),
+                        "--repeats", str(IN_PROCESS_REPEATS)],
+                       env=env, cwd=cwd, capture_output=True, text=True, timeout=900,
+                       check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def start_lb(stubs: list[str], access_log: bool, pythonpath: Path | None,
@@ -213,6 +234,11 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
                     print(f"r{rnd} {name:<12} {s['rps']:>8.0f} req/s {s['cpu_us']:6.1f} "
                           f"us/req {s['threads_us']}", flush=True)
                 time.sleep(ro.SETTLE_S)
+        loop_only = {}  # the daemons idle meanwhile
+        for build in builds:
+            loop_only[build] = in_process(Path(tmp) / "base" if build == "base" else None,
+                                          Path(tmp))
+            print(f"in process {build}: {loop_only[build]['cost_us']}", flush=True)
     cmd = (f"python -m skymesh_lab.bench.access_log_cost --rounds {rounds} "
            f"--duration {duration_s:g}" + (f" --base {base}" if base else "")
            + (f" --lb-args {shlex.quote(shlex.join(extra))}" if extra else ""))
@@ -223,7 +249,7 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
                       "loadavg_before": list(load_before),
                       "loadavg_after": list(os.getloadavg()), "started": started,
                       "finished": datetime.now(UTC).isoformat(timespec="seconds")},
-            "summary": summarize(segments), "segments": segments}
+            "summary": summarize(segments), "in_process": loop_only, "segments": segments}
 
 
 def _head() -> str:

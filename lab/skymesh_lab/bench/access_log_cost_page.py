@@ -35,6 +35,20 @@ def _paired(segments: list[dict[str, Any]]) -> str:
             "changes of a few microseconds.")
 
 
+def _in_process(doc: dict[str, Any], label: dict[str, str]) -> str:
+    """The loop's part measured in process (skymesh_lab.bench.access_log_loop)."""
+    runs = doc.get("in_process") or {}
+    parts = [f"{label[b]} {_us(runs[b]['cost_us'])} us" for b in ("base", "current")
+             if b in runs]
+    if not parts:
+        return ""
+    some = next(iter(runs.values()))
+    return (" In process (the same reply through the access log's middleware, hook and "
+            "batches, without the network or aiohttp's server; the loop thread's CPU per "
+            f"request on minus off, median of {some['repeats']} repeats of "
+            f"{some['requests']:,} requests [min, max]): " + ", ".join(parts) + ".")
+
+
 def access_log_cost(doc: dict[str, Any]) -> str:
     setup, summary = doc["setup"], doc["summary"]
     base = setup.get("base")
@@ -64,7 +78,7 @@ def access_log_cost(doc: dict[str, Any]) -> str:
         f"{TARGET:.0%} aimed at. \"The loop\" is the balancer's main thread (on minus off); "
         "\"the writer thread\" is the access log's own thread (named `skymesh-access`; "
         "in a base from before it was named, the difference of all threads but the main "
-        "one)." + paired,
+        "one)." + paired + _in_process(doc, label),
         f"Setup: `skymesh-lb {' '.join(setup['lb_flags'])}` in front of two C stub "
         f"replicas, wrk with {setup['connections']} connections, non-streaming chat "
         "completions whose replies carry `usage`; the access log goes to the daemon's "

@@ -367,7 +367,7 @@ SOURCES: tuple[Source, ...] = (
            "change to the access log runs in the same rounds. See [the access log's cost]"
            "(../operations-logs.md#cost).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "12",
-            "--duration", "4", "--base", "e1577fc", "--json", "{json}"),
+            "--duration", "4", "--base", "7ed796e", "--json", "{json}"),
            access_log_cost_page.access_log_cost),
     Source("rss-soak-1m", "skymesh-lb's memory over a long run (issue #35 item 5)",
            "skymesh-lb with its default configuration (every worker) in front of two stub "

@@ -1,0 +1,106 @@
+"""The access log's work on the event loop for one request, measured in process.
+
+The live figure (``access_log_cost``) is a difference of two CPU counts on a shared
+machine and moves by several microseconds from round to round. This one takes the
+network, aiohttp's server and the balancer out: a non-streamed reply carrying ``usage``
+goes through what ``skymesh.obs.access.install`` adds to an app (the middleware, the
+prepare hooks) with the balancer's notes and request id, and the writer's batches are
+made on the loop as in the daemon (the thread writes them to /dev/null). The figure is
+the loop thread's CPU (``time.thread_time``) per request with the access log on minus
+the same with it off, repeated; run once per build (``PYTHONPATH`` picks the build).
+
+    python -m skymesh_lab.bench.access_log_loop --requests 20000 --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+# The C stub's reply (lab/skymesh_lab/bench/stub/stub.c): what the live figure sends.
+BODY = (b'{"id":"chatcmpl-stub","object":"chat.completion","created":1700000000,'
+        b'"model":"stub","choices":[{"index":0,"message":{"role":"assistant",'
+        b'"content":"ok"},"finish_reason":"stop"}],'
+        b'"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}')
+POOL = 64  # requests made once and reused (a mocked request costs more than the log)
+
+
+async def loop_us(requests: int, on: bool) -> float:
+    """Loop-thread CPU microseconds per request through an app with the access log
+    ``on`` (or nothing installed)."""
+    from skymesh.balancer.edge import request_id
+    from skymesh.obs.access import install, note
+
+    app = web.Application()
+    install(app, access_log=on, request_id=request_id)
+    hooks = list(app.on_response_prepare)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        note(request, model="stub")
+        note(request, served_by="http://127.0.0.1:8001")
+        resp = web.Response(body=BODY)
+        for hook in hooks:  # what aiohttp runs when it prepares the reply
+            await hook(request, resp)
+        return resp
+
+    chain: Any = handler
+    for mw in reversed(app.middlewares):
+        chain = _bind(mw, chain)
+    for cb in app.on_startup:
+        await cb(app)
+    pool = [make_mocked_request("POST", "/v1/chat/completions", app=app,
+                                headers={"X-Request-Id": f"req-{i}"}) for i in range(POOL)]
+    t0 = time.thread_time()
+    for i in range(requests):
+        await chain(pool[i % POOL])
+    spent = time.thread_time() - t0
+    for cb in app.on_cleanup:
+        await cb(app)
+    return spent / requests * 1e6
+
+
+def _bind(mw: Any, inner: Any) -> Any:
+    async def call(request: web.Request) -> web.StreamResponse:
+        return await mw(request, inner)
+    return call
+
+
+def measure(requests: int, repeats: int) -> dict[str, Any]:
+    from skymesh.obs.logs import setup_logging
+
+    with open(os.devnull, "w") as sink:
+        setup_logging("warning", "text", stream=sink)
+        on: list[float] = []
+        off: list[float] = []
+        for _ in range(repeats):  # alternating, so both see the same stretch
+            on.append(asyncio.run(loop_us(requests, True)))
+            off.append(asyncio.run(loop_us(requests, False)))
+    cost = [a - b for a, b in zip(on, off, strict=True)]
+    return {"requests": requests, "repeats": repeats, "on_us": on, "off_us": off,
+            "cost_us": {"median": round(statistics.median(cost), 3),
+                        "min": round(min(cost), 3), "max": round(max(cost), 3)}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m skymesh_lab.bench.access_log_loop",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=20000)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args(argv)
+    json.dump(measure(args.requests, args.repeats), sys.stdout)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
