@@ -46,6 +46,7 @@ from skymesh.balancer.relay import (
 )
 from skymesh.balancer.streaming import Streams
 from skymesh.balancer.upstream import Reply, ReplyTooLarge, Upstream, read_capped, read_head
+from skymesh.net.jsonbody import NOT_DECODED, fast_usage
 from skymesh.obs.access import note, upstream_span
 from skymesh.policies.base import RequestTiming
 
@@ -65,6 +66,13 @@ def usage(reply: Any) -> tuple[int, int, int | None]:
                 int(cached) if cached is not None else None)
     except (ValueError, AttributeError, TypeError):
         return 0, 0, None
+
+
+def reply_usage(body: bytes) -> tuple[int, int, int | None]:
+    """:func:`usage` of a non-streamed response body, decoding only its ``usage`` where
+    msgspec can (the rest of the reply is not needed unless a policy records it)."""
+    u = fast_usage(body)
+    return usage(parse_json(body) if u is NOT_DECODED else {"usage": u})
 
 
 class Forwarder:
@@ -197,9 +205,10 @@ class Forwarder:
                 d.first_byte(ticket)
                 self.core.metrics.model(model).ttft.observe(self.core.now() - t0)
                 ok = up.status < 400
-                reply = parse_json(body) if ok else None
+                records = ok and self.core.switches.flags.records
+                reply = parse_json(body) if records else None
                 if ok:
-                    prompt, out, hits = usage(reply)
+                    prompt, out, hits = usage(reply) if records else reply_usage(body)
                     request[OUTPUT_TOKENS_KEY] = out
                     if self.core.switches.flags.timed:
                         # No first-token time is observable without streaming: the end
@@ -208,7 +217,7 @@ class Forwarder:
                             self.core.now(), sent, None, out, True,
                             prompt or ticket.route.prompt_len, hits))
                 d.complete(ticket, self.core.now(), ok=ok)
-                if ok and self.core.switches.flags.records:
+                if records:
                     self.core.record_later(ticket.route, target, intake,
                                       reply_text(reply, intake.kind))
                 resp = web.Response(status=up.status, body=body, headers=copy_headers(up))
@@ -298,4 +307,4 @@ class Forwarder:
             return resp, "ok" if ok else "upstream_broken"
 
 
-__all__ = ["Forwarder", "usage"]
+__all__ = ["Forwarder", "reply_usage", "usage"]
