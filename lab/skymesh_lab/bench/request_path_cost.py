@@ -4,11 +4,12 @@ What is measured
     Process CPU per request of ``skymesh-lb --workers 1 --no-access-log`` in front of two
     C stub replicas (``stub/stub.c``, an answer in microseconds), driven by wrk
     (``-c64``, non-streaming, ``stub/post.lua``), for the working tree ("current") and
-    for git revision ``--base`` ("base", extracted with ``git archive``). Configurations:
-    ``rr`` (``--policy round-robin --push-mode bp``: the request path with the least
-    routing work) and, with ``--configs rr,default``, the default configuration
-    (cache-aware, shared-prefix bodies). CPU is read from /proc/PID/task/*/stat around
-    each wrk run (every thread of the balancer; the stubs and wrk are not counted).
+    for git revision ``--base`` ("base", extracted with ``git archive``). Configurations
+    (``--configs``): ``rr`` (``--policy round-robin --push-mode bp``: the request path
+    with the least routing work), ``stream`` (the same, streamed replies of 64 events)
+    and ``default`` (the default policy and push mode, shared-prefix bodies). CPU is read
+    from /proc/PID/task/*/stat around each wrk run (every thread of the balancer; the
+    stubs and wrk are not counted).
 
 How
     Both builds run side by side for the whole run and take short turns (current, base,
@@ -44,9 +45,11 @@ from skymesh_lab.bench import router_overhead as ro
 from skymesh_lab.bench import router_overhead_stats as st
 
 CONNECTIONS = 64
-CONFIGS: dict[str, tuple[list[str], str]] = {  # flags, post.lua's body mode
-    "rr": (["--policy", "round-robin", "--push-mode", "bp"], "fixed"),
-    "default": ([], "prefix"),
+RR_FLAGS = ["--policy", "round-robin", "--push-mode", "bp"]
+CONFIGS: dict[str, tuple[list[str], str, bool]] = {  # flags, post.lua's body mode, stream
+    "rr": (RR_FLAGS, "fixed", False),
+    "stream": (RR_FLAGS, "fixed", True),
+    "default": ([], "prefix", False),
 }
 COMMON_FLAGS = ["--workers", "1", "--no-access-log"]
 BUILDS = ("current", "base")
@@ -86,7 +89,8 @@ def _stack(base: str, configs: list[str], workdir: Path) -> Iterator[dict[str, D
 
 
 def case(config: str) -> ro.Case:
-    return ro.Case(f"{config}-c{CONNECTIONS}", config, CONNECTIONS, False, CONFIGS[config][1])
+    _, body, stream = CONFIGS[config]
+    return ro.Case(f"{config}-c{CONNECTIONS}", config, CONNECTIONS, stream, body)
 
 
 def segment(d: Daemon, config: str, duration_s: float) -> dict[str, Any]:
@@ -166,6 +170,8 @@ def run(rounds: int, duration_s: float, base: str, configs: list[str],
     return {"setup": {"command": cmd, "common_flags": COMMON_FLAGS,
                       "config_flags": {c: CONFIGS[c][0] for c in configs},
                       "bodies": {c: CONFIGS[c][1] for c in configs},
+                      "streamed": {c: CONFIGS[c][2] for c in configs},
+                      "stream_events": ro.STREAM_EVENTS,
                       "connections": CONNECTIONS, "rounds": rounds, "duration_s": duration_s,
                       "base": base, "current": alc._head(), "cores": os.cpu_count(),
                       "loadavg_before": list(load_before),
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--duration", type=float, default=4.0)
     ap.add_argument("--base", required=True, metavar="REV")
-    ap.add_argument("--configs", default="rr", help="comma-separated: rr, default")
+    ap.add_argument("--configs", default="rr", help="comma-separated: rr, stream, default")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, metavar="PATH")
     args = ap.parse_args(argv)
