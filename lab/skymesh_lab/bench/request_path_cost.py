@@ -69,23 +69,26 @@ def start_lb(stubs: list[str], config: str, pythonpath: Path | None) -> Daemon:
 def _stack(base: str, configs: list[str], workdir: Path) -> Iterator[dict[str, Daemon]]:
     with contextlib.ExitStack() as exits:
         binary = ro.build_stub(workdir)
-        stubs = []
-        for i in range(2):
-            d = ro.start_stub(binary, ro.STREAM_EVENTS, workdir, i)
-            exits.callback(d.stop)
-            stubs.append(d.url)
+        stubs = [exits.enter_context(_stopping(ro.start_stub(binary, ro.STREAM_EVENTS,
+                                                             workdir, i))).url
+                 for i in range(2)]
         (workdir / "base").mkdir()
         paths: dict[str, Path | None] = {"current": None,
                                          "base": alc.extract(base, workdir / "base")}
-        lbs: dict[str, Daemon] = {}
-        for config in configs:
-            for build, path in paths.items():
-                d = start_lb(stubs, config, path)
-                exits.callback(d.stop)
-                lbs[f"{config}/{build}"] = d
+        lbs = {f"{config}/{build}": exits.enter_context(_stopping(start_lb(stubs, config,
+                                                                           path)))
+               for config in configs for build, path in paths.items()}
         for d in lbs.values():
             ro.wait_ready(d)
         yield lbs
+
+
+@contextlib.contextmanager
+def _stopping(d: Daemon) -> Iterator[Daemon]:
+    try:
+        yield d
+    finally:
+        d.stop()
 
 
 def case(config: str) -> ro.Case:
@@ -184,10 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m skymesh_lab.bench.request_path_cost",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, metavar="REV", help="the revision to compare")
+    ap.add_argument("--configs", default="rr", help="comma-separated: rr, stream, default")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--duration", type=float, default=4.0)
-    ap.add_argument("--base", required=True, metavar="REV")
-    ap.add_argument("--configs", default="rr", help="comma-separated: rr, stream, default")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, metavar="PATH")
     args = ap.parse_args(argv)
@@ -197,13 +200,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--configs: unknown {unknown}; choose from {sorted(CONFIGS)}")
     executable("skymesh-lb")  # fails early without it
     res = run(args.rounds, args.duration, args.base, configs, args.seed)
-    for config, row in res["summary"].items():
-        print(f"{config}: base {row['base_us']['median']:.1f} us, current "
-              f"{row['current_us']['median']:.1f} us per request; current/base "
-              f"{row['ratio']['median']:.3f} [{row['ratio']['min']:.3f}, "
-              f"{row['ratio']['max']:.3f}]")
     write_json(args.json, res)
+    print("\n".join(verdict(config, row) for config, row in res["summary"].items()))
     return 0
+
+
+def verdict(config: str, row: dict[str, Any]) -> str:
+    r = row["ratio"]
+    return (f"{config}: base {row['base_us']['median']:.1f} us, current "
+            f"{row['current_us']['median']:.1f} us per request; current/base "
+            f"{r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]")
 
 
 if __name__ == "__main__":
