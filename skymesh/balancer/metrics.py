@@ -84,6 +84,8 @@ class LoopHistograms:
 
     def collect(self) -> Iterator[Metric]:
         fam = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+        # prometheus_client's own switch (PROMETHEUS_DISABLE_CREATED_SERIES), private but
+        # what its Histogram follows: the two exports stay the same.
         created = _get_use_created()
         for value, h in list(self._children.items()):
             counts, total = list(h.counts), h.sum  # one read each: the loop may write on
