@@ -100,22 +100,39 @@ class Forwarder:
         return loop
 
     async def wait_dispatch(self, ticket: Ticket, timeout: float) -> str:
+        """The replica (or peer) the queued ``ticket`` went to, within ``timeout``.
+        ``serve`` takes the same steps inline, so that a request dispatched at once
+        creates no coroutine for it."""
+        fut = self.offer_wait(ticket)
+        if not fut.done():
+            await self.wait_queued(ticket, fut, timeout)
+        return self.dispatched(ticket, fut)
+
+    def offer_wait(self, ticket: Ticket) -> asyncio.Future[None]:
+        """The ticket's dispatch as a future, after a pump: done already when a replica
+        took it at once."""
         fut: asyncio.Future[None] = self.loop.create_future()
         ticket.payload = fut
         self.core.pump()
-        if not fut.done():
-            # One timer per waiting request, awaited bare: wait_for(shield(fut)) cost two
-            # more futures, a task and its timer each (and the getpid()s of asking for the
-            # loop). A client that leaves cancels ``fut`` with it; nothing resolves a
-            # cancelled future (the pump checks done()), and the handler's ``finally``
-            # takes the ticket out of the queue.
-            self.failfast[ticket.key] = ticket
-            timer = self.loop.call_later(timeout, self._time_out, ticket, fut, timeout)
-            try:
-                await fut
-            finally:
-                timer.cancel()
-                self.failfast.pop(ticket.key, None)
+        return fut
+
+    async def wait_queued(self, ticket: Ticket, fut: asyncio.Future[None],
+                          timeout: float) -> None:
+        # One timer per waiting request, awaited bare: wait_for(shield(fut)) cost two
+        # more futures, a task and its timer each (and the getpid()s of asking for the
+        # loop). A client that leaves cancels ``fut`` with it; nothing resolves a
+        # cancelled future (the pump checks done()), and the handler's ``finally``
+        # takes the ticket out of the queue.
+        self.failfast[ticket.key] = ticket
+        timer = self.loop.call_later(timeout, self._time_out, ticket, fut, timeout)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self.failfast.pop(ticket.key, None)
+
+    @staticmethod
+    def dispatched(ticket: Ticket, fut: asyncio.Future[None]) -> str:
         fut.result()  # NoCapacity (timeout) or Balancer._fail_stranded's NoHealthyReplica
         assert ticket.target is not None
         return ticket.target
@@ -141,7 +158,10 @@ class Forwarder:
         max_attempts = self.cfg.retry.max_attempts
         model = ticket.route.model
         while True:
-            target = await self.wait_dispatch(ticket, max(0.0, t0 + timeout - self.core.now()))
+            fut = self.offer_wait(ticket)  # wait_dispatch, inline
+            if not fut.done():
+                await self.wait_queued(ticket, fut, max(0.0, t0 + timeout - self.core.now()))
+            target = self.dispatched(ticket, fut)
             sent = self.core.now()
             if ticket.attempts == 1:  # recorded after the write to the replica, as above
                 self.loop.call_soon(self._observe_wait, model, sent - t0)

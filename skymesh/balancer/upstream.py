@@ -292,18 +292,21 @@ class UpstreamReply:
     def content(self) -> UpstreamReply:
         return self
 
-    async def _wait(self) -> None:
-        """Until something arrives (bytes, the end, an error), at most the read timeout
-        (the connection's deadline timer, :meth:`_Conn.arm`)."""
+    # A wait for bytes is ``await reply._expect()`` then ``reply._expected()`` in a
+    # ``finally``, in the reading coroutine itself: a helper coroutine would be one more
+    # frame to create per wait (per chunk of a stream) and to pass through at each resume.
+    def _expect(self) -> asyncio.Future[None]:
+        """A future resolved when something arrives (bytes, the end, an error), or failed
+        at the read timeout (the connection's deadline timer, :meth:`_Conn.arm`)."""
         conn = self._conn
         loop = conn.loop or asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
         conn.arm(loop, self._read_timeout)
-        try:
-            await waiter
-        finally:
-            conn.deadline = 0.0
-            self._waiter = None
+        return waiter
+
+    def _expected(self) -> None:
+        self._conn.deadline = 0.0
+        self._waiter = None
 
     def timed_out(self) -> None:
         """The read timeout passed with nothing from the replica: the waiting read fails."""
@@ -334,7 +337,10 @@ class UpstreamReply:
                 raise StopAsyncIteration
             if self._error is not None:
                 raise self._error
-            await self._wait()
+            try:
+                await self._expect()
+            finally:
+                self._expected()
         return self._take()
 
     def whole(self) -> bytes | None:
@@ -541,11 +547,13 @@ class Upstream:
             conn.reply = reply
             assert conn.transport is not None
             conn.transport.write(message)
-            # Waited for here, not in a helper coroutine: every frame between the loop
-            # and the wait is passed through again each time the request resumes.
+            # Waited for here, not in a helper coroutine (see UpstreamReply._expect).
             try:
                 while not reply.status and reply._error is None:  # the headers
-                    await reply._wait()
+                    try:
+                        await reply._expect()
+                    finally:
+                        reply._expected()
                 if reply._error is not None:
                     raise reply._error
             except UpstreamConnectionError:

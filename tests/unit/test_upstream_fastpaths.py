@@ -98,7 +98,7 @@ async def test_each_wait_moves_the_deadline_without_a_timer_of_its_own() -> None
 async def test_nobody_waiting_stops_the_timer_and_a_shorter_wait_replaces_it() -> None:
     loop = FakeLoop()
     conn, _, waiter = waiting_reply(loop, 5.0)
-    conn.deadline = 0.0  # the wait ended (what _wait's finally does)
+    conn.deadline = 0.0  # the wait ended (what UpstreamReply._expected does)
     loop.advance(100.0)
     assert not waiter.done() and not loop.live()  # fired, found nobody, not re-armed
     conn.arm(cast(asyncio.AbstractEventLoop, loop), 5.0)  # next wait: 105
