@@ -46,6 +46,7 @@ from skymesh.balancer.relay import (
 )
 from skymesh.balancer.streaming import Streams
 from skymesh.balancer.upstream import Reply, ReplyTooLarge, Upstream, read_capped, read_head
+from skymesh.net.jsonbody import NOT_DECODED, fast_usage
 from skymesh.obs.access import note, upstream_span
 from skymesh.policies.base import RequestTiming
 
@@ -65,6 +66,13 @@ def usage(reply: Any) -> tuple[int, int, int | None]:
                 int(cached) if cached is not None else None)
     except (ValueError, AttributeError, TypeError):
         return 0, 0, None
+
+
+def reply_usage(body: bytes) -> tuple[int, int, int | None]:
+    """:func:`usage` of a non-streamed response body, decoding only its ``usage`` where
+    msgspec can (the rest of the reply is not needed unless a policy records it)."""
+    u = fast_usage(body)
+    return usage(parse_json(body) if u is NOT_DECODED else {"usage": u})
 
 
 class Forwarder:
@@ -92,22 +100,39 @@ class Forwarder:
         return loop
 
     async def wait_dispatch(self, ticket: Ticket, timeout: float) -> str:
+        """The replica (or peer) the queued ``ticket`` went to, within ``timeout``.
+        ``serve`` takes the same steps inline, so that a request dispatched at once
+        creates no coroutine for it."""
+        fut = self.offer_wait(ticket)
+        if not fut.done():
+            await self.wait_queued(ticket, fut, timeout)
+        return self.dispatched(ticket, fut)
+
+    def offer_wait(self, ticket: Ticket) -> asyncio.Future[None]:
+        """The ticket's dispatch as a future, after a pump: done already when a replica
+        took it at once."""
         fut: asyncio.Future[None] = self.loop.create_future()
         ticket.payload = fut
         self.core.pump()
-        if not fut.done():
-            # One timer per waiting request, awaited bare: wait_for(shield(fut)) cost two
-            # more futures, a task and its timer each (and the getpid()s of asking for the
-            # loop). A client that leaves cancels ``fut`` with it; nothing resolves a
-            # cancelled future (the pump checks done()), and the handler's ``finally``
-            # takes the ticket out of the queue.
-            self.failfast[ticket.key] = ticket
-            timer = self.loop.call_later(timeout, self._time_out, ticket, fut, timeout)
-            try:
-                await fut
-            finally:
-                timer.cancel()
-                self.failfast.pop(ticket.key, None)
+        return fut
+
+    async def wait_queued(self, ticket: Ticket, fut: asyncio.Future[None],
+                          timeout: float) -> None:
+        # One timer per waiting request, awaited bare: wait_for(shield(fut)) cost two
+        # more futures, a task and its timer each (and the getpid()s of asking for the
+        # loop). A client that leaves cancels ``fut`` with it; nothing resolves a
+        # cancelled future (the pump checks done()), and the handler's ``finally``
+        # takes the ticket out of the queue.
+        self.failfast[ticket.key] = ticket
+        timer = self.loop.call_later(timeout, self._time_out, ticket, fut, timeout)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self.failfast.pop(ticket.key, None)
+
+    @staticmethod
+    def dispatched(ticket: Ticket, fut: asyncio.Future[None]) -> str:
         fut.result()  # NoCapacity (timeout) or Balancer._fail_stranded's NoHealthyReplica
         assert ticket.target is not None
         return ticket.target
@@ -133,7 +158,10 @@ class Forwarder:
         max_attempts = self.cfg.retry.max_attempts
         model = ticket.route.model
         while True:
-            target = await self.wait_dispatch(ticket, max(0.0, t0 + timeout - self.core.now()))
+            fut = self.offer_wait(ticket)  # wait_dispatch, inline
+            if not fut.done():
+                await self.wait_queued(ticket, fut, max(0.0, t0 + timeout - self.core.now()))
+            target = self.dispatched(ticket, fut)
             sent = self.core.now()
             if ticket.attempts == 1:  # recorded after the write to the replica, as above
                 self.loop.call_soon(self._observe_wait, model, sent - t0)
@@ -197,9 +225,10 @@ class Forwarder:
                 d.first_byte(ticket)
                 self.core.metrics.model(model).ttft.observe(self.core.now() - t0)
                 ok = up.status < 400
-                reply = parse_json(body) if ok else None
+                records = ok and self.core.switches.flags.records
+                reply = parse_json(body) if records else None
                 if ok:
-                    prompt, out, hits = usage(reply)
+                    prompt, out, hits = usage(reply) if records else reply_usage(body)
                     request[OUTPUT_TOKENS_KEY] = out
                     if self.core.switches.flags.timed:
                         # No first-token time is observable without streaming: the end
@@ -208,7 +237,7 @@ class Forwarder:
                             self.core.now(), sent, None, out, True,
                             prompt or ticket.route.prompt_len, hits))
                 d.complete(ticket, self.core.now(), ok=ok)
-                if ok and self.core.switches.flags.records:
+                if records:
                     self.core.record_later(ticket.route, target, intake,
                                       reply_text(reply, intake.kind))
                 resp = web.Response(status=up.status, body=body, headers=copy_headers(up))
@@ -298,4 +327,4 @@ class Forwarder:
             return resp, "ok" if ok else "upstream_broken"
 
 
-__all__ = ["Forwarder", "usage"]
+__all__ = ["Forwarder", "reply_usage", "usage"]

@@ -8,21 +8,96 @@ The request path takes its series from :meth:`BalancerMetrics.model` and
 :attr:`BalancerMetrics.client_left`: children resolved once, not a ``labels()`` lookup
 (a lock, a tuple of strings, a dict) per observation. Series labelled by a replica are
 dropped when it leaves (:meth:`BalancerMetrics.forget_replica`).
+
+The three latency histograms per model (time to first byte, duration, queue wait) are
+observed three times per request, and prometheus_client's ``Histogram.observe`` takes a
+lock for the sum and one for the bucket (1.3 us on this machine, against 0.2 us for
+:class:`LoopHistogram`): they are plain counters, written only by the event loop, read by
+a collector at scrape time, and exported exactly as prometheus_client would (buckets,
+``_count``, ``_sum``, ``_created``). A scrape from another thread may see a request's sum
+without its bucket, as it could see one bucket and not the next with the locks.
 """
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import suppress
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.metrics import _get_use_created
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # Where a client was found gone while the balancer wrote to it: with the first bytes of a
 # stream, between two chunks, at its end.
 DISCONNECT_PHASES = ("first_chunk", "mid_stream", "end")
+
+
+class LoopHistogram:
+    """One histogram child observed by the event loop alone: no locks (see the module
+    docstring). ``counts[i]`` counts the values in bucket ``i`` only (not cumulative);
+    the last is +Inf's."""
+
+    __slots__ = ("bounds", "counts", "created", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        self.sum += amount
+        self.counts[bisect_left(self.bounds, amount)] += 1  # le: amount <= bound
+
+
+class LoopHistograms:
+    """A histogram family labelled by ``label``, its children :class:`LoopHistogram`s;
+    registered as a collector that exports them as prometheus_client's ``Histogram``."""
+
+    def __init__(self, name: str, documentation: str, label: str,
+                 buckets: tuple[float, ...], registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.label = name, documentation, label
+        self.bounds = tuple(float(b) for b in buckets)
+        self._les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        self._children: dict[str, LoopHistogram] = {}
+        registry.register(self)
+
+    def labels(self, value: str) -> LoopHistogram:
+        h = self._children.get(value)
+        if h is None:
+            h = self._children[value] = LoopHistogram(self.bounds)
+        return h
+
+    def describe(self) -> list[Metric]:
+        return [HistogramMetricFamily(self.name, self.documentation, labels=[self.label])]
+
+    def collect(self) -> Iterator[Metric]:
+        fam = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+        # prometheus_client's own switch (PROMETHEUS_DISABLE_CREATED_SERIES), private but
+        # what its Histogram follows: the two exports stay the same.
+        created = _get_use_created()
+        for value, h in list(self._children.items()):
+            counts, total = list(h.counts), h.sum  # one read each: the loop may write on
+            cum, buckets = 0, []
+            for le, n in zip(self._les, counts, strict=True):
+                cum += n
+                buckets.append((le, float(cum)))
+            fam.add_metric([value], buckets, total)
+            if created:
+                fam.samples.append(Sample(f"{self.name}_created", {self.label: value},
+                                          h.created))
+        yield fam
 
 
 class ModelSeries:
@@ -113,15 +188,15 @@ class BalancerMetrics:
                                ["target"], registry=r)
         self.queue_length = Gauge("skymesh_queue_length", "Requests waiting in the balancer",
                                   ["model"], registry=r)
-        self.queue_wait = Histogram("skymesh_queue_wait_seconds",
-                                    "Time from arrival to dispatch", ["model"],
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("skymesh_time_to_first_byte_seconds",
-                              "Arrival to first response byte, at the balancer", ["model"],
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("skymesh_request_duration_seconds",
-                             "Arrival to end of response, at the balancer", ["model"],
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_wait = LoopHistograms("skymesh_queue_wait_seconds",
+                                         "Time from arrival to dispatch", "model",
+                                         _LATENCY_BUCKETS, r)
+        self.ttft = LoopHistograms("skymesh_time_to_first_byte_seconds",
+                                   "Arrival to first response byte, at the balancer",
+                                   "model", _LATENCY_BUCKETS, r)
+        self.e2e = LoopHistograms("skymesh_request_duration_seconds",
+                                  "Arrival to end of response, at the balancer", "model",
+                                  _LATENCY_BUCKETS, r)
         self.migrations = Counter("skymesh_migrations_total",
                                   "Streaming requests moved to another replica mid-response "
                                   "(GoodServe's migration)", ["source", "target"], registry=r)

@@ -23,7 +23,7 @@ import collections
 import ipaddress
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from typing import Any, Protocol, cast
 
 import aiohttp
@@ -44,6 +44,9 @@ IDLE_S = 15.0
 # upstream.max_response_header_bytes); llhttp keeps a header it is still reading, so
 # an endless one would otherwise grow without bound.
 MAX_HEADER_BYTES = 64 * 1024
+# A deadline timer may run this much before its time (the loop's clock resolution):
+# it then counts as due rather than re-arming for a fraction of a millisecond.
+_TIMER_SLACK_S = 0.001
 
 
 class ReplyBody(Protocol):
@@ -96,6 +99,12 @@ class _Conn(asyncio.Protocol):
         # The loop it was made on (_connect), so that a reply waiting for bytes does not
         # ask asyncio: on Python 3.11 each get_running_loop() is a getpid() system call.
         self.loop: asyncio.AbstractEventLoop | None = None
+        # The read timeout is a deadline (loop time; 0: nobody waits) checked by one
+        # timer per connection that re-arms when the deadline moved, so a wait for bytes
+        # costs no timer of its own (a call_later and its cancel per wait, per chunk of
+        # a stream).
+        self.deadline = 0.0
+        self.timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -124,6 +133,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        self._stop_timer()
         reply = self.reply
         if reply is None or reply.complete or reply.failed:
             return
@@ -170,6 +180,34 @@ class _Conn(asyncio.Protocol):
             reply.complete = True
             reply.wake()
 
+    # -- the read timeout ---------------------------------------------------------------
+    def arm(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        """A reply waits for bytes from now on, for at most ``timeout`` seconds."""
+        deadline = self.deadline = loop.time() + timeout
+        timer = self.timer
+        if timer is not None:
+            if timer.when() <= deadline:
+                return  # it fires first and re-arms for this deadline
+            timer.cancel()
+        self.timer = loop.call_at(deadline, self._check_deadline, loop)
+
+    def _check_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.timer = None
+        deadline = self.deadline
+        reply = self.reply
+        if not deadline or reply is None:
+            return  # nobody waits: the next wait arms the timer again
+        if loop.time() < deadline - _TIMER_SLACK_S:
+            self.timer = loop.call_at(deadline, self._check_deadline, loop)
+            return
+        reply.timed_out()
+
+    def _stop_timer(self) -> None:
+        self.deadline = 0.0
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
     # -- helpers ------------------------------------------------------------------------
     def _fail(self, exc: Exception) -> None:
         if self.reply is not None and not self.reply.complete:  # a whole one stands
@@ -178,6 +216,7 @@ class _Conn(asyncio.Protocol):
 
     def abort(self) -> None:
         self.lost = True
+        self._stop_timer()
         if self.transport is not None:
             self.transport.abort()
 
@@ -253,27 +292,28 @@ class UpstreamReply:
     def content(self) -> UpstreamReply:
         return self
 
-    async def _wait(self) -> None:
-        """Until something arrives (bytes, the end, an error), at most the read timeout."""
-        loop = self._conn.loop or asyncio.get_running_loop()
-        self._waiter = loop.create_future()
-        handle = loop.call_later(self._read_timeout, self._timed_out, self._waiter)
-        try:
-            await self._waiter
-        finally:
-            handle.cancel()
-            self._waiter = None
+    # A wait for bytes is ``await reply._expect()`` then ``reply._expected()`` in a
+    # ``finally``, in the reading coroutine itself: a helper coroutine would be one more
+    # frame to create per wait (per chunk of a stream) and to pass through at each resume.
+    def _expect(self) -> asyncio.Future[None]:
+        """A future resolved when something arrives (bytes, the end, an error), or failed
+        at the read timeout (the connection's deadline timer, :meth:`_Conn.arm`)."""
+        conn = self._conn
+        loop = conn.loop or asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        conn.arm(loop, self._read_timeout)
+        return waiter
 
-    def _timed_out(self, waiter: asyncio.Future[None]) -> None:
-        if not waiter.done():
-            waiter.set_exception(TimeoutError(
+    def _expected(self) -> None:
+        self._conn.deadline = 0.0
+        self._waiter = None
+
+    def timed_out(self) -> None:
+        """The read timeout passed with nothing from the replica: the waiting read fails."""
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_exception(TimeoutError(
                 f"no bytes from the replica for {self._read_timeout:g} s"))
-
-    async def _headers_ready(self) -> None:
-        while not self.status and self._error is None:
-            await self._wait()
-        if self._error is not None:
-            raise self._error
 
     def _take(self) -> bytes:
         data = self._buf.popleft() if len(self._buf) == 1 else b"".join(self._buf)
@@ -297,8 +337,18 @@ class UpstreamReply:
                 raise StopAsyncIteration
             if self._error is not None:
                 raise self._error
-            await self._wait()
+            try:
+                await self._expect()
+            finally:
+                self._expected()
         return self._take()
+
+    def whole(self) -> bytes | None:
+        """The whole body when all of it is here already (a small reply usually comes
+        with its headers), else None: then read it as it comes."""
+        if not self.complete or self._error is not None:
+            return None
+        return self._take() if self._buf else b""
 
     async def read(self) -> bytes:
         parts = []
@@ -335,15 +385,22 @@ async def read_capped(reply: Reply, limit: int, what: str = "body") -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise ReplyTooLarge(what, f"the replica's response {what} is {declared} bytes, "
                             f"over the {limit}-byte cap")
+    if isinstance(reply, UpstreamReply) and (body := reply.whole()) is not None:
+        if len(body) > limit:
+            raise _over(what, limit)
+        return body  # no async iteration for what is in hand
     parts: list[bytes] = []
     size = 0
     async for chunk in reply.content.iter_any():
         size += len(chunk)
         if size > limit:
-            raise ReplyTooLarge(what, f"the replica's response {what} exceeds the "
-                                f"{limit}-byte cap")
+            raise _over(what, limit)
         parts.append(chunk)
     return b"".join(parts)
+
+
+def _over(what: str, limit: int) -> ReplyTooLarge:
+    return ReplyTooLarge(what, f"the replica's response {what} exceeds the {limit}-byte cap")
 
 
 async def read_head(reply: Reply, limit: int) -> bytes:
@@ -448,17 +505,20 @@ class Upstream:
         found = await self.resolver.resolve(host, port)
         return str(found[0]["host"])
 
-    async def post(self, target: str, path: str, body: bytes, headers: Mapping[str, str]
-                   ) -> UpstreamReply:
+    # post and get hand back _request's coroutine rather than awaiting it: one frame
+    # fewer for the loop to pass through each time the request resumes.
+    def post(self, target: str, path: str, body: bytes, headers: Mapping[str, str]
+             ) -> Coroutine[Any, Any, UpstreamReply]:
         """POST ``body`` to ``target`` + ``path``; returns once the reply's status and
         headers are in. A kept-alive connection the replica closed before answering is
         retried once on a fresh one (nothing reached the engine)."""
-        return await self._request("POST", target, path, body, headers)
+        return self._request("POST", target, path, body, headers)
 
-    async def get(self, target: str, path: str, headers: Mapping[str, str]) -> UpstreamReply:
+    def get(self, target: str, path: str, headers: Mapping[str, str]
+            ) -> Coroutine[Any, Any, UpstreamReply]:
         """GET ``target`` + ``path`` (the load probes: ten a second per replica, where
         aiohttp's client costs several times this one's CPU)."""
-        return await self._request("GET", target, path, None, headers)
+        return self._request("GET", target, path, None, headers)
 
     async def _request(self, method: str, target: str, path: str, body: bytes | None,
                        headers: Mapping[str, str]) -> UpstreamReply:
@@ -477,38 +537,37 @@ class Upstream:
             head.append(b"Content-Length: %d\r\n\r\n" % len(body))
             message = b"".join(head) + body
         conn = self._get(key)
-        if conn is not None:
-            reply = await self._exchange(conn, message)
-            if reply.status or not conn.lost:
-                return await self._answered(reply)
-            reply.release()  # stale: the replica closed it as we sent
-        return await self._answered(await self._exchange(await self._connect(key), message))
-
-    async def _exchange(self, conn: _Conn, message: bytes) -> UpstreamReply:
-        reply = UpstreamReply(conn, self, self.read_timeout_s)
-        # The connection's parser carries on: a pooled connection's last reply ended
-        # cleanly, and llhttp starts the next message from there.
-        conn.reply = reply
-        assert conn.transport is not None
-        conn.transport.write(message)
-        try:
-            await reply._headers_ready()
-        except UpstreamConnectionError:
-            if reply.status:
+        reused = conn is not None
+        while True:
+            if conn is None:
+                conn = await self._connect(key)
+            reply = UpstreamReply(conn, self, self.read_timeout_s)
+            # The connection's parser carries on: a pooled connection's last reply ended
+            # cleanly, and llhttp starts the next message from there.
+            conn.reply = reply
+            assert conn.transport is not None
+            conn.transport.write(message)
+            # Waited for here, not in a helper coroutine (see UpstreamReply._expect).
+            try:
+                while not reply.status and reply._error is None:  # the headers
+                    try:
+                        await reply._expect()
+                    finally:
+                        reply._expected()
+                if reply._error is not None:
+                    raise reply._error
+            except UpstreamConnectionError:
+                reply.release()
+                if reply.status or not reused or not conn.lost:
+                    raise
+                # Lost before any reply on a kept-alive connection: the replica closed
+                # it as we sent. Once more on a fresh one (nothing reached the engine).
+                reused, conn = False, None
+                continue
+            except BaseException:
+                reply.release()
                 raise
-            # Lost before any reply: the caller may retry a reused connection.
-        except BaseException:
-            reply.release()
-            raise
-        return reply
-
-    @staticmethod
-    async def _answered(reply: UpstreamReply) -> UpstreamReply:
-        if not reply.status:
-            err = reply._error or UpstreamConnectionError("the replica sent no reply")
-            reply.release()
-            raise err
-        return reply
+            return reply
 
     async def close(self) -> None:
         self.closed = True

@@ -99,7 +99,6 @@ async def start_app(app: web.Application, host: str, port: int, name: str,
     """Set ``app`` up and listen on ``host:port`` (or the listening ``sock``) behind the
     connection limits; the caller ends it with ``runner.cleanup()``."""
     guard = ConnectionGuard(limits, name)
-    app.middlewares.insert(0, guard.aiohttp_middleware())
     registry = app.get(METRICS_REGISTRY)
     if registry is not None:
         registry.register(guard)
@@ -111,6 +110,10 @@ async def start_app(app: web.Application, host: str, port: int, name: str,
                            keepalive_timeout=limits.idle_timeout_s)
     await runner.setup()
     try:
+        # Before any connection: each takes the server's handler when it is made.
+        server = runner.server
+        assert server is not None
+        server.request_handler = guard.aiohttp_handler(server.request_handler)
         await GuardedSite(runner, host, port, guard, ssl_context=ssl_context,
                           sock=sock).start()
     except BaseException:

@@ -187,6 +187,28 @@ async def test_a_body_that_never_completes_is_closed() -> None:
         writer.close()
 
 
+async def test_the_guard_wraps_the_servers_handler_and_adds_no_middleware() -> None:
+    """An app without middleware of its own keeps none (aiohttp then skips its middleware
+    chain per request); the guard still sees each request: a stalled body is cut while
+    the handler has it, as above, and a finished request leaves the connection idle."""
+    registry = CollectorRegistry()
+    app = demo_app(registry)
+    # Unmarked, the request would leave the header timer running: it is the shorter.
+    limits = replace(SMALL, header_timeout_s=0.2, idle_timeout_s=1.0)
+    runner, _guard = await start_app(app, "127.0.0.1", 0, "test", limits)
+    try:
+        assert not app.middlewares
+        reader, writer = await connect(runner.addresses[0][1])
+        writer.write(request("/ok"))
+        assert (await read_response(reader))[::2] == (200, b"ok")
+        assert await closed_by_peer(reader), "the idle connection was kept"
+        assert metric(registry, "skymesh_connections_closed_total",
+                      reason="header_timeout") == 0
+        writer.close()
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_streaming_response_is_not_cut_while_bytes_flow() -> None:
     async with serving() as (port, _guard, registry):
         reader, writer = await connect(port)

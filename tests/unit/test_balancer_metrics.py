@@ -45,3 +45,26 @@ def test_a_replica_that_leaves_takes_all_its_series_with_it() -> None:
     assert kept >= {"skymesh_routing_decisions_total", "skymesh_retries_total",
                     "skymesh_replica_limit_hits_total", "skymesh_replica_healthy",
                     "skymesh_replica_breaker_state"}
+
+
+def test_the_loop_histograms_export_what_prometheus_clients_would() -> None:
+    """The request path's lock-free histograms read, at a scrape, as prometheus_client's
+    Histogram with the same observations: buckets (edges included), count, sum, created."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from skymesh.balancer.metrics import _LATENCY_BUCKETS, LoopHistograms
+
+    ours_reg, ref_reg = CollectorRegistry(), CollectorRegistry()
+    ours = LoopHistograms("x_seconds", "doc", "model", _LATENCY_BUCKETS, ours_reg)
+    ref = Histogram("x_seconds", "doc", ["model"], buckets=_LATENCY_BUCKETS, registry=ref_reg)
+    for model, values in (("a", [0.0, 0.005, 0.0051, 1, 120, 121, 3e9]), ("b", [0.3])):
+        for v in values:
+            ours.labels(model).observe(v)
+            ref.labels(model).observe(v)
+
+    def exported(r: CollectorRegistry) -> list[tuple[str, dict[str, str], float]]:
+        return [(s.name, s.labels, 0.0 if s.name.endswith("_created") else s.value)
+                for fam in r.collect() for s in fam.samples]
+
+    assert exported(ours_reg) == exported(ref_reg)
+    assert [m.name for m in ours_reg.collect()] == [m.name for m in ref_reg.collect()]

@@ -36,6 +36,7 @@ from skymesh_lab.bench import (
     kv_eviction_page,
     kv_index_cost,
     lb_workers_page,
+    request_path_cost_page,
     router_overhead_page,
     rss_soak_page,
     security_page,
@@ -369,6 +370,17 @@ SOURCES: tuple[Source, ...] = (
            (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "12",
             "--duration", "4", "--base", "7ed796e", "--json", "{json}"),
            access_log_cost_page.access_log_cost),
+    Source("request-path-cost", "The request path's CPU per request (issue #35)",
+           "Process CPU per request of skymesh-lb (one worker, access log off) in front of "
+           "two C stub replicas, driven by wrk at 64 connections: non-streamed and streamed "
+           "at round-robin with `bp`, and the default policy on shared-prefix bodies. The "
+           "revision before the request path's last rework runs in the same rounds, in "
+           "alternating turns, and the ratio is paired by round. See [the lab](../lab.md"
+           "#benchmarks).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.request_path_cost", "--rounds", "10",
+            "--duration", "4", "--base", "7ed796e", "--configs", "rr,stream,default",
+            "--json", "{json}"),
+           request_path_cost_page.request_path_cost),
     Source("rss-soak-1m", "skymesh-lb's memory over a long run (issue #35 item 5)",
            "skymesh-lb with its default configuration (every worker) in front of two stub "
            "replicas answering in microseconds, driven by 32 clients cycling through mixed "

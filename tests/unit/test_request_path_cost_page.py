@@ -1,0 +1,42 @@
+"""The request-path-cost page: a row per measured configuration, the paired ratio as the
+headline, and the summary the bench computes from its turns."""
+
+from __future__ import annotations
+
+from skymesh_lab.bench.request_path_cost import summarize, verdict
+from skymesh_lab.bench.request_path_cost_page import request_path_cost
+
+
+def turn(config: str, build: str, rnd: int, cpu_us: float) -> dict[str, object]:
+    return {"config": config, "build": build, "round": rnd, "requests": 1000.0,
+            "errors": 0.0, "rps": 5000.0 + rnd, "cpu_us": cpu_us}
+
+
+SEGMENTS = [turn("rr", "current", 0, 90.0), turn("rr", "base", 0, 100.0),
+            turn("rr", "current", 1, 99.0), turn("rr", "base", 1, 110.0),
+            turn("rr", "current", 2, 120.0), turn("rr", "base", 2, 100.0),
+            turn("stream", "current", 0, 130.0), turn("stream", "base", 0, 140.0)]
+
+
+def test_the_ratio_is_paired_within_each_round() -> None:
+    s = summarize(SEGMENTS)
+    assert s["rr"]["ratio"] == {"median": 0.9, "min": 0.9, "max": 1.2}
+    assert s["rr"]["current_us"]["median"] == 99.0 and s["rr"]["base_us"]["median"] == 100.0
+    assert s["stream"]["ratio"]["median"] == round(130 / 140, 4)
+    assert verdict("rr", s["rr"]) == ("rr: base 100.0 us, current 99.0 us per request; "
+                                      "current/base 0.900 [0.900, 1.200]")
+
+
+def test_the_page_has_a_row_per_configuration_and_the_rr_headline() -> None:
+    doc = {"setup": {"base": "7ed796e", "current": "abc1234", "rounds": 3,
+                     "duration_s": 4.0, "connections": 64, "cores": 2,
+                     "common_flags": ["--workers", "1", "--no-access-log"],
+                     "loadavg_before": [3.0], "loadavg_after": [4.0], "stream_events": 64},
+           "summary": summarize(SEGMENTS), "segments": SEGMENTS}
+    page = request_path_cost(doc)
+    rows = [line for line in page.splitlines() if line.startswith("| ")][2:]
+    assert [r.split(" | ")[0] for r in rows] == [
+        "| non-streamed, round-robin + `bp`", "| streamed (64 events), round-robin + `bp`"]
+    assert "**99.0 us**" in page and "100.0 us before: 10.0% less" in page
+    assert "before (`7ed796e`)" in page and "now (`abc1234`)" in page
+    assert "No socket error" in page
