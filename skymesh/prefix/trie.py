@@ -105,9 +105,10 @@ class PrefixTrie:
         self._walk: tuple[Sequence[int], int, _Segment | None, int] | None = None
         # Told every insert (the balancer's workers share their routing decisions).
         self.on_insert: Callable[[Sequence[int], str], None] | None = None
-        # Told the keys of every insert, whoever makes it (the dispatcher's memos of
-        # queued requests watch the trie's keys: skymesh.balancer.dispatch).
-        self.on_keys: Callable[[Sequence[int]], None] | None = None
+        # Told the keys of every insert, whoever makes it, and the depth of the first
+        # prefix whose record changed (``_insert``; the dispatcher's memos of queued
+        # requests watch the trie's keys: skymesh.balancer.dispatch).
+        self.on_keys: Callable[[Sequence[int], int], None] | None = None
 
     def __len__(self) -> int:
         return self._size
@@ -318,11 +319,18 @@ class PrefixTrie:
         """Record that ``target`` served the prefix ``keys`` (and so all its prefixes)."""
         if self.on_insert is not None:
             self.on_insert(keys, target)
+        start = self._insert(keys, target)
         if self.on_keys is not None:
-            self.on_keys(keys)
+            self.on_keys(keys, start)
+
+    def _insert(self, keys: Sequence[int], target: str) -> int:
+        """:meth:`insert`; returns the depth of the first prefix of ``keys`` whose record
+        changed (a key added, or ``target`` added to its set), ``len(keys)`` if none did.
+        Only a match through that prefix can answer differently after the insert (keys
+        are chained): an insert that repeats a known decision changes no answer."""
         n = min(len(keys), self.max_nodes)
         if n == 0:
-            return
+            return len(keys)
         b = self._intern(target)
         bit = 1 << b
         index = self._index
@@ -334,6 +342,7 @@ class PrefixTrie:
             d, last = self._deepest(keys, -1, n)  # -1: any target: "the prefix exists"
         self._version += 1
         self._walk = None
+        changed = d if d < n else len(keys)
         if last is not None:
             cut = d - last.start  # keys of ``last`` on this path
             if d < last.end and (d < n or not last.mask & bit):
@@ -345,13 +354,14 @@ class PrefixTrie:
             while up is not None and not up.mask & bit:
                 up.mask |= bit
                 self._sizes[b] += len(up.keys)
+                changed = up.start
                 up = up.parent
             # Newest now, so evicting room for the new suffix never takes the path itself
             # (it is already when the lookup before this insert just touched it).
             if last.stamp != self._tick:
                 self._touch(last)
         if d == n:
-            return
+            return changed
         excess = self._size + (n - d) - self.max_nodes
         if excess > 0:
             # Never more than the keys off this path (excess alone never is: n <= cap),
@@ -362,18 +372,19 @@ class PrefixTrie:
         else:
             seg = _Segment([], d, last, bit)
             if index.setdefault(keys[d], seg) is not seg:
-                return  # the key heads another run: unchained keys or a collision
+                return changed  # the key heads another run: unchained keys or a collision
         seg.keys.extend(keys[d:n])
         added = n - d
         seg.end += added
         self._size += added
         self._sizes[b] += added
         if seg is last:
-            return
+            return changed
         self._segments.add(seg)
         if last is not None:
             last.children.add(seg)
         self._touch(seg)
+        return changed
 
     def _split(self, seg: _Segment, cut: int) -> None:
         """Keep ``seg.keys[:cut]`` in ``seg``; the rest becomes its only child."""
