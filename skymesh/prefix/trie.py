@@ -98,7 +98,12 @@ class PrefixTrie:
         self._live = 0  # the bits of every interned target
         # A lookup's walk, kept for the insert that usually follows it for the same keys
         # (select, then on_dispatch): (keys, depth, segment, version it is valid for).
-        self._version = 0  # bumped by every structural change
+        self._version = 0  # bumped by every change a lookup's answer may depend on
+        # Recent lookups (``match``): id(keys) -> (keys, allowed mask, version, deepest
+        # segment, answer). The dispatcher asks again about the same queued requests
+        # on every pump; until the trie changes, only their recency needs refreshing.
+        self._matches: dict[int, tuple[Sequence[int], int, int, _Segment | None,
+                                       tuple[int, tuple[str, ...]]]] = {}
         # Bumped when prefixes are lost (eviction, departed targets): a match's answer
         # can then change for any keys, not only for keys an insert shares a head with.
         self.epoch = 0
@@ -262,11 +267,23 @@ class PrefixTrie:
         amask = self._mask(allowed)
         if not amask or not keys:
             return 0, ()
+        matches = self._matches
+        memo = matches.get(id(keys))
+        if memo is not None and memo[0] is keys and memo[1] == amask \
+                and memo[2] == self._version:
+            seg, answer = memo[3], memo[4]
+            if seg is not None:
+                self._touch(seg)  # as the walk would: recency decides evictions
+            return answer
         d, seg = self._lookup(keys, amask)
-        if seg is None:
-            return 0, ()
-        self._touch(seg)
-        return d, self._decode(seg.mask & amask)
+        answer: tuple[int, tuple[str, ...]] = (0, ())
+        if seg is not None:
+            self._touch(seg)
+            answer = (d, self._decode(seg.mask & amask))
+        if len(matches) >= _CACHE_LIMIT:
+            matches.clear()
+        matches[id(keys)] = (keys, amask, self._version, seg, answer)
+        return answer
 
     def depths(self, keys: Sequence[int], allowed: Collection[str]) -> dict[str, int]:
         """Match depth of every allowed target that matched at least one key."""
@@ -340,6 +357,12 @@ class PrefixTrie:
             _, d, last, _ = walk
         else:
             d, last = self._deepest(keys, -1, n)  # -1: any target: "the prefix exists"
+        if d == n and last is not None and last.mask & bit:
+            # A decision recorded already (every prefix holds the target: the subset
+            # invariant): only recency moves, so lookups remembered stay valid.
+            if last.stamp != self._tick:
+                self._touch(last)
+            return len(keys)
         self._version += 1
         self._walk = None
         changed = d if d < n else len(keys)

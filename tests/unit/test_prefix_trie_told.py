@@ -72,3 +72,27 @@ def test_a_repeated_decision_tells_no_change() -> None:
     longer = chain([1, 2, 3, 4, 5, 6])
     trie.insert(longer, "b")  # two new keys past the path
     assert told == [0, 4, 2, 0, 4]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_remembered_lookups_answer_and_age_as_fresh_ones(seed: int) -> None:
+    """``match`` remembers recent lookups until the trie changes; a trie that forgets
+    them before every lookup answers the same, and (recency being refreshed the same
+    way) evicts the same prefixes under a small cap."""
+    rng = random.Random(seed)
+    fast, plain = PrefixTrie(max_nodes=24), PrefixTrie(max_nodes=24)
+    prompts = [chain([rng.randrange(4) for _ in range(rng.randrange(1, 8))])
+               for _ in range(10)]
+    for _ in range(120):
+        keys = rng.choice(prompts)
+        if rng.random() < 0.3:
+            target = rng.choice(TARGETS)
+            fast.insert(keys, target)
+            plain.insert(keys, target)
+        else:
+            allowed = rng.choice((TARGETS, TARGETS[1:], ("a",)))
+            plain._matches.clear()
+            assert fast.match(keys, allowed) == plain.match(keys, allowed)
+        assert set(fast._index) == set(plain._index)
+        assert fast.sizes_of(TARGETS) == plain.sizes_of(TARGETS)
