@@ -899,10 +899,11 @@ class Dispatcher:
         again. The policy's answer read no load that changed, so it is the same."""
         if not m.recheck:
             return False
-        codes, room, tokens = self._codes, self._kv_headroom, ticket.route.prompt_len
-        for t in view.routable:
-            c = codes[t.id]
-            if c == AVAILABLE or (c == IF_TOKENS_FIT and fits_tokens(t.load, room, tokens)):
+        if view.ready:  # the view's own lists: no routable replica's code to look up
+            return False
+        room, tokens = self._kv_headroom, ticket.route.prompt_len
+        for tid in view.tokens:
+            if fits_tokens(self.targets[tid].load, room, tokens):
                 return False
         if m.pref is not None:
             home = self.targets.get(m.pref)
