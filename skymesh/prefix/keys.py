@@ -91,10 +91,11 @@ def text_prefix_keys(text: str, chunk_chars: int = CHUNK_CHARS, max_keys: int = 
 
 # Prompts whose keyed text repeats (a template or system prompt followed by less than a
 # chunk of its own, the identical prompts of a tree's siblings) are hashed once: the keys
-# of the last prompts, by their keyed text (what ``prompt_keys`` reads of them). Bounded
-# by entries, the oldest dropped first: at most this many times KEYED_CHARS characters.
+# of the last prompts, found by the length and last chunk of their keyed text (hashing
+# all of it would cost a fifth of keying it) and then compared whole. Bounded by
+# entries, the oldest dropped first: at most this many times KEYED_CHARS characters.
 _PROMPTS_MAX = 32
-_prompts: dict[str, tuple[int, ...]] = {}
+_prompts: dict[tuple[int, str], tuple[str, tuple[int, ...]]] = {}
 
 
 def prompt_keys(text: str) -> tuple[int, ...]:
@@ -104,13 +105,15 @@ def prompt_keys(text: str) -> tuple[int, ...]:
     if n == 0:
         return ()
     end = n * CHUNK_CHARS
+    slot = (end, text[end - CHUNK_CHARS: end])
+    known = _prompts.get(slot)
+    if known is not None and text.startswith(known[0]):  # the same length: equal
+        return known[1]
     keyed = text if len(text) == end else text[:end]
-    keys = _prompts.get(keyed)
-    if keys is None:
-        keys = tuple(extend_prefix_keys(keyed, ()))
-        if len(_prompts) >= _PROMPTS_MAX:
-            del _prompts[next(iter(_prompts))]
-        _prompts[keyed] = keys
+    keys = tuple(extend_prefix_keys(keyed, ()))
+    if known is None and len(_prompts) >= _PROMPTS_MAX:
+        del _prompts[next(iter(_prompts))]
+    _prompts[slot] = (keyed, keys)
     return keys
 
 
