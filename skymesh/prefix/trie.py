@@ -50,6 +50,9 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 
 DEFAULT_MAX_NODES = 100_000
 _CACHE_LIMIT = 4096
+# Lookups remembered (``match``): a few pumps' windows of queued requests. Each entry
+# keeps its keys alive, so few: a long-lived heap is what the cyclic GC walks.
+_MATCHES_LIMIT = 256
 _BIT_BYTES = bytes.maketrans(b"01", b"\x00\x01")  # "0"/"1" characters -> falsy/truthy
 
 
@@ -280,7 +283,7 @@ class PrefixTrie:
         if seg is not None:
             self._touch(seg)
             answer = (d, self._decode(seg.mask & amask))
-        if len(matches) >= _CACHE_LIMIT:
+        if len(matches) >= _MATCHES_LIMIT:
             matches.clear()
         matches[id(keys)] = (keys, amask, self._version, seg, answer)
         return answer
