@@ -798,18 +798,18 @@ class Dispatcher:
                 break
             draws = policy.draws
             watch: list[str] = []
-            keys: list[int | None] = []
+            keys: list[int] = []
             if balanced:
                 peer = self._balanced_peer(ticket)
                 if peer is not None:
                     return i, ticket, peer, True
             if memo_ok:  # what a preferred() call inside leaves, if one is made
-                policy.considered, policy.memo_key = (), None
+                policy.considered, policy.memo_keys = (), ()
             self._seen_pref = _UNSEEN
             cands = self._candidates(ticket, now, view)
             if memo_ok:
                 watch.extend(policy.considered)
-                keys.append(policy.memo_key)
+                keys.extend(policy.memo_keys)
             if not cands:
                 # SkyLB Algorithm 1: no local replica can take it now -> an available peer.
                 peers = self.peer_candidates(ticket)
@@ -853,7 +853,7 @@ class Dispatcher:
                         ticket.held_since = now
                     if memo_ok:
                         watch.extend(policy.considered)
-                        keys.append(policy.memo_key)
+                        keys.extend(policy.memo_keys)
                         watch.append(pref)
                         if ticket.excluded:
                             # Then the two preferred() calls see different targets, and
@@ -899,10 +899,11 @@ class Dispatcher:
         again. The policy's answer read no load that changed, so it is the same."""
         if not m.recheck:
             return False
-        codes, room, tokens = self._codes, self._kv_headroom, ticket.route.prompt_len
-        for t in view.routable:
-            c = codes[t.id]
-            if c == AVAILABLE or (c == IF_TOKENS_FIT and fits_tokens(t.load, room, tokens)):
+        if view.ready:  # the view's own lists: no routable replica's code to look up
+            return False
+        room, tokens = self._kv_headroom, ticket.route.prompt_len
+        for tid in view.tokens:
+            if fits_tokens(self.targets[tid].load, room, tokens):
                 return False
         if m.pref is not None:
             home = self.targets.get(m.pref)
@@ -918,7 +919,7 @@ class Dispatcher:
         return True
 
     def _remember(self, ticket: Ticket, draws: int, epoch: int, holds: bool,
-                  held_since: float | None, watch: list[str], keys: list[int | None],
+                  held_since: float | None, watch: list[str], keys: list[int],
                   view: _ModelView, pref: str | None = None,
                   recheck: tuple[str, ...] | None = None) -> None:
         """Keep ``ticket``'s evaluation, indexed by what may change it: the loads of
@@ -951,12 +952,11 @@ class Dispatcher:
             else:
                 lst.append(entry)
         for key in keys:
-            if key is not None:
-                lst2 = by_key.get(key)
-                if lst2 is None:
-                    by_key[key] = [entry]
-                else:
-                    lst2.append(entry)
+            lst2 = by_key.get(key)
+            if lst2 is None:
+                by_key[key] = [entry]
+            else:
+                lst2.append(entry)
         self._entries += len(watch) + len(keys) + 1
 
     def _balanced_peer(self, ticket: Ticket) -> str | None:
@@ -1019,13 +1019,15 @@ class Dispatcher:
         if self._told is not keys:  # (a trie's on_keys hook has told these already)
             self._inserted(keys)
 
-    def _inserted(self, keys: Sequence[int]) -> None:
+    def _inserted(self, keys: Sequence[int], start: int = 0) -> None:
         """The policy may have recorded ``keys``: a queued request whose policy answer
-        depended on one of them is evaluated again (``Policy.memo_key``)."""
+        depended on one of them is evaluated again (``Policy.memo_keys``). ``start``: a
+        trie's first prefix whose record changed (``PrefixTrie.on_keys``); the keys
+        before it were recorded already, so no answer that depends on them alone moved."""
         self._told = keys
         by_key = self._by_key
-        if keys and by_key:
-            for key in by_key.keys() & keys:
+        if len(keys) > start and by_key:
+            for key in by_key.keys() & (keys[start:] if start else keys):
                 self._stir += 1
                 _drop(by_key.pop(key))
 

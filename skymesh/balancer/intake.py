@@ -130,9 +130,9 @@ def route_request(request_id: str, intake: Intake, *, prefix_keys: bool = True,
     """``prefix_keys``: hash the prompt into chunk keys (only policies that read them)."""
     keys: Sequence[int] = ()
     if prefix_keys:  # the import only then: it is a lookup per call, on the TTFT path
-        from skymesh.prefix.keys import text_prefix_keys
+        from skymesh.prefix.keys import prompt_keys
 
-        keys = text_prefix_keys(intake.prompt_text)
+        keys = prompt_keys(intake.prompt_text)
     body = intake.body
     out = body.get("max_completion_tokens") or body.get("max_tokens")
     return RouteRequest(

@@ -128,8 +128,9 @@ class Policy(ABC):
     # Memo support (skymesh.balancer.dispatch): a dispatcher re-asks ``preferred`` about
     # the same queued request on every pump, so a policy may declare that, after each
     # call, its answer depends only on the request, on the loads of the targets it names
-    # in ``considered``, on no ``on_dispatch``/``on_cached`` whose keys include
-    # ``memo_key`` (None: any may matter), and on nothing that leaves ``memo_epoch`` as
+    # in ``considered``, on no ``on_dispatch``/``on_cached`` that changes the record of a
+    # key in ``memo_keys`` (a trie tells which: ``PrefixTrie.on_keys``; () when no key
+    # matters), and on nothing that leaves ``memo_epoch`` as
     # it was; that it draws from the RNG only through ``_argmin`` (counted in ``draws``);
     # and that a call changes nothing a decision reads (a prefix trie's recency is
     # allowed: the dispatcher's docstring says why). The dispatcher then skips calls
@@ -137,7 +138,7 @@ class Policy(ABC):
     memo_preferred: ClassVar[bool] = False
     draws: int = 0
     considered: tuple[str, ...] = ()
-    memo_key: int | None = None
+    memo_keys: tuple[int, ...] = ()
 
     def __init_subclass__(cls, name: str = "", **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

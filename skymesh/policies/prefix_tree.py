@@ -94,20 +94,26 @@ class PrefixTree(Policy, name="prefix-tree"):
             frac, holders = exact
             # The request carries its exact match (taken at arrival), so only the holders'
             # loads can change this answer (memo_preferred): no trie key matters.
-            self.considered, self.memo_key = (), None
+            self.considered, self.memo_keys = (), ()
             if holders and frac >= self.match_threshold:
                 self.considered = tuple(holders)
                 return self._least_loaded(holders, view)
             return None
         keys = request.prefix_keys
-        self.considered, self.memo_key = (), None
+        self.considered, self.memo_keys = (), ()
         if not keys or not targets:
             return None
         trie = self.trie
         depth, matched = trie.match(keys, trie_targets(request, targets), request.block_keys)
-        # Only an insert through the deepest matched key (or the first, if none) can
-        # change this answer: keys are chained.
-        self.memo_key = keys[depth - 1] if depth else keys[0]
+        # Keys are chained, so only an insert that changes the record of the deepest
+        # matched key (another target there) or of the next one (a deeper match) can
+        # change this answer; of the first key, if none matched.
+        if not depth:
+            self.memo_keys = (keys[0],)
+        elif depth < len(keys):
+            self.memo_keys = (keys[depth - 1], keys[depth])
+        else:
+            self.memo_keys = (keys[depth - 1],)
         if matched and depth >= self.match_threshold * len(keys):
             self.considered = matched
             return self._least_loaded(matched, view)

@@ -89,6 +89,34 @@ def text_prefix_keys(text: str, chunk_chars: int = CHUNK_CHARS, max_keys: int = 
     return extend_prefix_keys(text, (), chunk_chars, max_keys)
 
 
+# Prompts whose keyed text repeats (a template or system prompt followed by less than a
+# chunk of its own, the identical prompts of a tree's siblings) are hashed once: the keys
+# of the last prompts, found by the length and last chunk of their keyed text (hashing
+# all of it would cost a fifth of keying it) and then compared whole. Bounded by
+# entries, the oldest dropped first: at most this many times KEYED_CHARS characters.
+_PROMPTS_MAX = 32
+_prompts: dict[tuple[int, str], tuple[str, tuple[int, ...]]] = {}
+
+
+def prompt_keys(text: str) -> tuple[int, ...]:
+    """:func:`text_prefix_keys` of a request's prompt, as a tuple that requests with the
+    same keyed text share (it must not be changed)."""
+    n = min(len(text) // CHUNK_CHARS, MAX_KEYS)
+    if n == 0:
+        return ()
+    end = n * CHUNK_CHARS
+    slot = (end, text[end - CHUNK_CHARS: end])
+    known = _prompts.get(slot)
+    if known is not None and text.startswith(known[0]):  # the same length: equal
+        return known[1]
+    keyed = text if len(text) == end else text[:end]
+    keys = tuple(extend_prefix_keys(keyed, ()))
+    if known is None and len(_prompts) >= _PROMPTS_MAX:
+        del _prompts[next(iter(_prompts))]
+    _prompts[slot] = (keyed, keys)
+    return keys
+
+
 # The chained sum behind the last key of each recent result: extending a prompt's keys
 # by its reply (cached_keys) then skips inverting the finaliser (a few us of big-int work).
 # Bounded: cleared when full, which only costs the inversions again.

@@ -50,6 +50,9 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 
 DEFAULT_MAX_NODES = 100_000
 _CACHE_LIMIT = 4096
+# Lookups remembered (``match``): a few pumps' windows of queued requests. Each entry
+# keeps its keys alive, so few: a long-lived heap is what the cyclic GC walks.
+_MATCHES_LIMIT = 256
 _BIT_BYTES = bytes.maketrans(b"01", b"\x00\x01")  # "0"/"1" characters -> falsy/truthy
 
 
@@ -98,16 +101,22 @@ class PrefixTrie:
         self._live = 0  # the bits of every interned target
         # A lookup's walk, kept for the insert that usually follows it for the same keys
         # (select, then on_dispatch): (keys, depth, segment, version it is valid for).
-        self._version = 0  # bumped by every structural change
+        self._version = 0  # bumped by every change a lookup's answer may depend on
+        # Recent lookups (``match``): id(keys) -> (keys, allowed mask, version, deepest
+        # segment, answer). The dispatcher asks again about the same queued requests
+        # on every pump; until the trie changes, only their recency needs refreshing.
+        self._matches: dict[int, tuple[Sequence[int], int, int, _Segment | None,
+                                       tuple[int, tuple[str, ...]]]] = {}
         # Bumped when prefixes are lost (eviction, departed targets): a match's answer
         # can then change for any keys, not only for keys an insert shares a head with.
         self.epoch = 0
         self._walk: tuple[Sequence[int], int, _Segment | None, int] | None = None
         # Told every insert (the balancer's workers share their routing decisions).
         self.on_insert: Callable[[Sequence[int], str], None] | None = None
-        # Told the keys of every insert, whoever makes it (the dispatcher's memos of
-        # queued requests watch the trie's keys: skymesh.balancer.dispatch).
-        self.on_keys: Callable[[Sequence[int]], None] | None = None
+        # Told the keys of every insert, whoever makes it, and the depth of the first
+        # prefix whose record changed (``_insert``; the dispatcher's memos of queued
+        # requests watch the trie's keys: skymesh.balancer.dispatch).
+        self.on_keys: Callable[[Sequence[int], int], None] | None = None
 
     def __len__(self) -> int:
         return self._size
@@ -261,11 +270,23 @@ class PrefixTrie:
         amask = self._mask(allowed)
         if not amask or not keys:
             return 0, ()
+        matches = self._matches
+        memo = matches.get(id(keys))
+        if memo is not None and memo[0] is keys and memo[1] == amask \
+                and memo[2] == self._version:
+            seg, answer = memo[3], memo[4]
+            if seg is not None:
+                self._touch(seg)  # as the walk would: recency decides evictions
+            return answer
         d, seg = self._lookup(keys, amask)
-        if seg is None:
-            return 0, ()
-        self._touch(seg)
-        return d, self._decode(seg.mask & amask)
+        answer: tuple[int, tuple[str, ...]] = (0, ())
+        if seg is not None:
+            self._touch(seg)
+            answer = (d, self._decode(seg.mask & amask))
+        if len(matches) >= _MATCHES_LIMIT:
+            matches.clear()
+        matches[id(keys)] = (keys, amask, self._version, seg, answer)
+        return answer
 
     def depths(self, keys: Sequence[int], allowed: Collection[str]) -> dict[str, int]:
         """Match depth of every allowed target that matched at least one key."""
@@ -318,11 +339,18 @@ class PrefixTrie:
         """Record that ``target`` served the prefix ``keys`` (and so all its prefixes)."""
         if self.on_insert is not None:
             self.on_insert(keys, target)
+        start = self._insert(keys, target)
         if self.on_keys is not None:
-            self.on_keys(keys)
+            self.on_keys(keys, start)
+
+    def _insert(self, keys: Sequence[int], target: str) -> int:
+        """:meth:`insert`; returns the depth of the first prefix of ``keys`` whose record
+        changed (a key added, or ``target`` added to its set), ``len(keys)`` if none did.
+        Only a match through that prefix can answer differently after the insert (keys
+        are chained): an insert that repeats a known decision changes no answer."""
         n = min(len(keys), self.max_nodes)
         if n == 0:
-            return
+            return len(keys)
         b = self._intern(target)
         bit = 1 << b
         index = self._index
@@ -332,8 +360,15 @@ class PrefixTrie:
             _, d, last, _ = walk
         else:
             d, last = self._deepest(keys, -1, n)  # -1: any target: "the prefix exists"
+        if d == n and last is not None and last.mask & bit:
+            # A decision recorded already (every prefix holds the target: the subset
+            # invariant): only recency moves, so lookups remembered stay valid.
+            if last.stamp != self._tick:
+                self._touch(last)
+            return len(keys)
         self._version += 1
         self._walk = None
+        changed = d if d < n else len(keys)
         if last is not None:
             cut = d - last.start  # keys of ``last`` on this path
             if d < last.end and (d < n or not last.mask & bit):
@@ -345,13 +380,14 @@ class PrefixTrie:
             while up is not None and not up.mask & bit:
                 up.mask |= bit
                 self._sizes[b] += len(up.keys)
+                changed = up.start
                 up = up.parent
             # Newest now, so evicting room for the new suffix never takes the path itself
             # (it is already when the lookup before this insert just touched it).
             if last.stamp != self._tick:
                 self._touch(last)
         if d == n:
-            return
+            return changed
         excess = self._size + (n - d) - self.max_nodes
         if excess > 0:
             # Never more than the keys off this path (excess alone never is: n <= cap),
@@ -362,18 +398,19 @@ class PrefixTrie:
         else:
             seg = _Segment([], d, last, bit)
             if index.setdefault(keys[d], seg) is not seg:
-                return  # the key heads another run: unchained keys or a collision
+                return changed  # the key heads another run: unchained keys or a collision
         seg.keys.extend(keys[d:n])
         added = n - d
         seg.end += added
         self._size += added
         self._sizes[b] += added
         if seg is last:
-            return
+            return changed
         self._segments.add(seg)
         if last is not None:
             last.children.add(seg)
         self._touch(seg)
+        return changed
 
     def _split(self, seg: _Segment, cut: int) -> None:
         """Keep ``seg.keys[:cut]`` in ``seg``; the rest becomes its only child."""

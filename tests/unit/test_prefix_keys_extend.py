@@ -98,3 +98,31 @@ def test_the_remembered_chained_sums_stay_bounded() -> None:
     for i in range(k._CHAINED_MAX + 50):
         text_prefix_keys(f"{i:08d}" * 8)  # one 64-character chunk each
     assert 0 < len(k._chained) <= k._CHAINED_MAX
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from(["", "x", "é" * 70, "shared system prompt " * 20,
+                                 "\ud800" * 65, "q" * 63]), min_size=1, max_size=4),
+       st.lists(text, min_size=1, max_size=3))
+def test_prompt_keys_are_the_text_keys_however_often_a_prompt_repeats(
+        heads: list[str], tails: list[str]) -> None:
+    """``prompt_keys`` (the request path's, remembered by keyed text) gives
+    ``text_prefix_keys`` for prompts that share their keyed text or only part of it."""
+    from skymesh.prefix import keys as k
+
+    for _ in range(2):
+        for tail in tails:
+            prompt = "".join(heads) + tail
+            assert k.prompt_keys(prompt) == tuple(text_prefix_keys(prompt))
+    assert len(k._prompts) <= k._PROMPTS_MAX
+
+
+def test_prompt_keys_remember_a_bounded_number_of_prompts() -> None:
+    from skymesh.prefix import keys as k
+
+    for i in range(3 * k._PROMPTS_MAX):
+        prompt = f"{i:064d}" + "tail"
+        assert k.prompt_keys(prompt) == tuple(text_prefix_keys(prompt))
+        assert len(k._prompts) <= k._PROMPTS_MAX
+    again = f"{0:064d}" + "another tail"  # the same keyed text: the same tuple
+    assert k.prompt_keys(again) is k.prompt_keys(f"{0:064d}")

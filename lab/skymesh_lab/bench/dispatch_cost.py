@@ -61,6 +61,8 @@ from skymesh.prefix.keys import text_prefix_keys
 
 # The daemon's keys of prompt + reply (skymesh.balancer.relay); older commits rehash all.
 cached_keys = getattr(_keys, "cached_keys", None)
+# The daemon's keys of a prompt (remembered by keyed text); older commits hash each.
+prompt_keys = getattr(_keys, "prompt_keys", text_prefix_keys)
 
 MODES: tuple[tuple[str, str], ...] = (
     ("round-robin", "bp"), ("prefix-tree", "sp-p"), ("least-load", "sp-p"))
@@ -139,7 +141,7 @@ class Bench:
         return d.pump(self.now) if d.queued else []
 
     def _arrive(self, rid: str, prompt: str) -> list[Ticket]:
-        keys = text_prefix_keys(prompt) if self.keys else ()
+        keys = prompt_keys(prompt) if self.keys else ()
         route = RouteRequest(rid, model="m", prompt_len=max(1, len(prompt) // CHARS_PER_TOKEN),
                              prefix_keys=keys)
         self.d.offer(Ticket(route, self.now), self.now)

@@ -14,21 +14,25 @@ What is measured
 ``--base REV`` also runs the ``skymesh`` package of git revision ``REV`` (or a directory
 holding a checkout), put first on the balancer's PYTHONPATH, in the same rounds; segments
 are shuffled in every round. Prints the medians, each round's default/rr ratio, and their
-median. Not in ``make test``; needs gcc and wrk.
+median; ``--json PATH`` writes them too (the dispatch-cost results page shows them,
+``dispatch_cost_page``). Not in ``make test``; needs gcc and wrk.
 
     python -m skymesh_lab.bench.dispatch_cost_live [--base b6a33fb] [--rounds 4]
-        [--duration 4]
+        [--duration 4] [--json docs/results/data/dispatch-cost-live.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
 import subprocess
 import tempfile
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from skymesh.util.procs import start_daemon
 from skymesh_lab.bench import router_overhead as ro
@@ -81,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--duration", type=float, default=4.0, help="seconds per segment")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
+    load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="dispatch-cost-live-") as tmp:
         trees: dict[str, str | None] = {"current": None}
         if args.base:
@@ -110,7 +116,42 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [a / b for a, b in zip(res[(v, "default")], res[(v, "rr")], strict=True)]
         print(f"{v} default/rr per round {[round(x, 2) for x in ratios]}, "
               f"median {statistics.median(ratios):.2f}")
+    if args.json is not None:
+        doc = summary(res, list(trees), args, load)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
     return 0
+
+
+def summary(res: dict[tuple[str, str], list[float]], versions: list[str],
+            args: argparse.Namespace, load_at_start: float) -> dict[str, Any]:
+    """What ``--json`` writes: per version, each configuration's CPU us per request in
+    every round, its median and spread, and the default/rr ratio of every round."""
+    out: dict[str, Any] = {}
+    for v in versions:
+        ratios = [a / b for a, b in zip(res[(v, "default")], res[(v, "rr")], strict=True)]
+        out[v] = {
+            "configs": {c: {"rounds": [round(x, 1) for x in res[(v, c)]],
+                            "median": round(statistics.median(res[(v, c)]), 1),
+                            "min": round(min(res[(v, c)]), 1),
+                            "max": round(max(res[(v, c)]), 1)} for c in CONFIGS},
+            "ratio_rounds": [round(x, 2) for x in ratios],
+            "ratio_median": round(statistics.median(ratios), 2),
+        }
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                            text=True, check=False).stdout.strip()
+    command = "python -m skymesh_lab.bench.dispatch_cost_live" + (
+        f" --base {args.base}" if args.base else "") + (
+        f" --rounds {args.rounds} --duration {args.duration:g}")
+    if args.json is not None:
+        command += f" --json {args.json}"
+    return {"setup": {"rounds": args.rounds, "duration_s": args.duration,
+                      "seed": args.seed, "connections": 64, "workers": 1,
+                      "configs": {c: " ".join(f) or "(no flags)" for c, f in CONFIGS.items()},
+                      "base": args.base, "commit": commit or None,
+                      "load_average_1m_at_start": round(load_at_start, 2),
+                      "cpus": os.cpu_count(),
+                      "date": datetime.now(UTC).strftime("%Y-%m-%d")},
+            "command": command, "versions": out}
 
 
 if __name__ == "__main__":

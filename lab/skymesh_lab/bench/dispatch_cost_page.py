@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+LIVE = "dispatch-cost-live"  # the attached live run (results_pages.Source.attach)
 DEFAULT = "prefix-tree+sp-p"
 BASELINE = "round-robin+bp"
 ORDER = (BASELINE, DEFAULT, "least-load+sp-p")
@@ -56,4 +57,55 @@ def dispatch_cost(doc: dict[str, Any]) -> str:
         f"seed {setup['seed']}. \"Same decisions\": the digest of every (request, replica) "
         "decision in order is equal in both versions.",
     ]
+    live = doc.get(LIVE)
+    if live is not None:
+        notes.append(live_section(live))
     return "\n\n".join(notes)
+
+
+def _cell(c: dict[str, Any]) -> str:
+    return f"{c['median']:g} [{c['min']:g}, {c['max']:g}]"
+
+
+def live_section(live: dict[str, Any]) -> str:
+    """The whole daemon's CPU per request, default against round-robin + bp
+    (``skymesh_lab.bench.dispatch_cost_live``)."""
+    setup, versions = live["setup"], live["versions"]
+    rows = ["| version | default: CPU us per request, median [min, max] | round-robin + bp "
+            "| default/rr per round | median |",
+            "| --- | ---: | ---: | --- | ---: |"]
+    for v, name in (("current", "now"), ("base", f"`{setup.get('base')}`")):
+        r = versions.get(v)
+        if r is None:
+            continue
+        per_round = ", ".join(f"{x:g}" for x in r["ratio_rounds"])
+        rows.append(f"| {name} | {_cell(r['configs']['default'])} | "
+                    f"{_cell(r['configs']['rr'])} | {per_round} | "
+                    f"**{r['ratio_median']:g}x** |")
+    flags = setup["configs"]
+    return "\n\n".join([
+        "## The whole daemon, live",
+        "\n".join(rows),
+        f"skymesh-lb (`--workers {setup['workers']}`) in front of the router-overhead "
+        f"benchmark's two C stub backends, wrk on {setup['connections']} connections with "
+        "its shared-prefix bodies; the balancer's process CPU (user + system, from /proc) "
+        "per completed request, a fresh balancer per segment, "
+        f"{setup['rounds']} rounds of {setup['duration_s']:g} s segments shuffled in each "
+        f"round (seed {setup['seed']}). default: `{flags['default']}`; rr: "
+        f"`{flags['rr']}`. The stubs publish neither `max_num_seqs` nor a KV capacity, so "
+        "sp-p gives each replica one request until its first byte (a few more to the "
+        "replica holding the prompt's prefix, `prefer_queue`) and a queue stands at the "
+        "balancer, which round-robin never has. Beyond rr, the default hashes the "
+        "prompt's keys (once per distinct keyed text), re-asks the policy about the "
+        "queue's window when a completion frees a replica, inserts into the trie at "
+        "dispatch and again with the reply, and checks the queue for stranded requests "
+        "at each pump. Where two replicas hold a prompt's prefix with equal loads, each "
+        "re-ask breaks the tie with the seeded RNG: those asks cannot be skipped without "
+        "changing the decisions, and how often the trie ends up with both is luck of "
+        "the segment, the main spread of the default's figure. Measured "
+        f"{setup['date']} on {setup['cpus']} CPUs shared with other jobs (load average "
+        f"{setup['load_average_1m_at_start']:g} at start), commit `{setup['commit']}`; "
+        "per-round ratios spread widely on the loaded machine, so the median is the "
+        "figure.",
+        f"```sh\n{live['command']}\n```",
+    ])

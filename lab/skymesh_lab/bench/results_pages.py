@@ -68,6 +68,9 @@ class Source:
     about: str  # what the benchmark does; prose, no figures
     argv: tuple[str, ...]  # "{json}" is the data file, $SKYMESH_DATA_DIR the traces folder
     render: tables.Renderer
+    # Other data files (names without .json) whose JSON the page shows too, passed to
+    # ``render`` under their names when present (another benchmark's section).
+    attach: tuple[str, ...] = ()
 
     def command(self, json_path: str) -> str:
         return " ".join(a.replace("{json}", json_path) for a in self.argv)
@@ -354,12 +357,12 @@ SOURCES: tuple[Source, ...] = (
            "completion, each followed by a pump, and the cached keys of prompt and "
            "output; every replica probed each 50 ms. Only those calls are timed, in CPU "
            "time (`thread_time`), so other work on the shared machine costs little "
-           "accuracy. The commit before the incremental state runs the same file in the "
-           "same run, interleaved. See [the cost of a decision](../policies.md"
-           "#the-cost-of-a-decision).",
+           "accuracy. An earlier commit runs the same file in the same run, interleaved; "
+           "the last section is the whole daemon's CPU, live. See [the cost of a "
+           "decision](../policies.md#the-cost-of-a-decision).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.dispatch_cost", "--base",
-            "8061ca5", "--json", "{json}"),
-           dispatch_cost_page.dispatch_cost),
+            "7ed796e", "--json", "{json}"),
+           dispatch_cost_page.dispatch_cost, attach=(dispatch_cost_page.LIVE,)),
     Source("access-log-cost", "What the access log costs a request (issue #35 item 3)",
            "Process CPU per request of skymesh-lb (one worker, round-robin, `bp`) in front "
            "of two C stub replicas, driven by wrk, with the access log on and off "
@@ -468,8 +471,13 @@ def render_pages(data_dir: Path, out_dir: Path) -> dict[Path, str]:
         present.append(source)
         run_path = data_dir / f"{source.name}.run.json"
         run = json.loads(run_path.read_text()) if run_path.exists() else None
-        pages[out_dir / f"{source.name}.md"] = page(source, json.loads(path.read_text()),
-                                                     run, f"{DATA_REL}/{path.name}")
+        doc = json.loads(path.read_text())
+        for name in source.attach:
+            extra = data_dir / f"{name}.json"
+            if extra.exists():
+                doc[name] = json.loads(extra.read_text())
+        pages[out_dir / f"{source.name}.md"] = page(source, doc, run,
+                                                     f"{DATA_REL}/{path.name}")
     pages[out_dir / "README.md"] = index(present)
     return pages
 
