@@ -1095,7 +1095,7 @@ class Dispatcher:
             if self.peer_policy is not None:
                 self.peer_policy.on_complete(ticket.route, tid, ok)
             return
-        if ticket.batch and (n := self.batch_on.get(tid, 0)):
+        if ticket.batch and (n := self.batch_on.pop(tid, 0)) > 1:
             self.batch_on[tid] = n - 1
         t = self.targets.get(tid)
         if t is not None:

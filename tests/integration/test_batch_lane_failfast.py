@@ -81,6 +81,9 @@ async def test_batch_waiting_in_its_lane_fails_fast_when_the_last_replica_goes(
                     return (await r.json())["queued"] >= 1
 
             await until(queued, "the batch request waiting in its lane")
+            lane = await get_metrics(s, lb.url)
+            assert lane["skymesh_batch_lane_length"] == 1  # seen there, not in the queue
+            assert lane.get("skymesh_queue_length", 0) == 0
             assert not long.done()  # the replica is still held: batch waits for it
             # The replica hangs (its probes time out until it is marked down) rather than
             # exits: an exit would free its slot first and the batch would go to it.
