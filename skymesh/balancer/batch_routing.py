@@ -7,13 +7,13 @@ request beside interactive ones slows their decoding (its prefill takes whole en
 steps, its context is read at every step), and closed-loop clients then send less. The
 rule, per batch request, each time the dispatcher looks at it:
 
+- **peer, fail fast**: no healthy local replica serves its model (the last one went
+  down): it goes to the nearest live peer that serves it, busy or not, due or not (the
+  peer places it in its own lane); with none, it waits for the caller's stranded check,
+  which answers 503 with Retry-After at once;
 - **due**: within ``urgent_s`` of its deadline (``deadline_at``) it is served wherever it
   is: it joins this region's ordinary queue, first come first served with the other
   classes, and is never forwarded again;
-- **peer, fail fast**: no healthy local replica serves its model (the last one went
-  down): it goes to the nearest live peer that serves it, busy or not (the peer admits it
-  last, in its own lane); with none, it waits for the caller's stranded check, which
-  answers 503 with Retry-After at once;
 - **local**: this region has more *quiet* replicas (running no better-class work and
   fewer than ``max_per_replica`` batch requests) than the better-class requests waiting
   plus a *reserve* (``reserve`` of its replicas, rounded down); the caller places it on a
@@ -96,12 +96,12 @@ def batch_move(*, now: float, deadline_at: float | None, forwarded: bool, quiet:
     replica serves its model; ``live_peers``: the live peers that serve it, idle or not.
     ``local`` False: the pass before the better classes are placed, which may only
     forward (their demand is not settled yet)."""
-    if deadline_at is not None and now >= deadline_at - urgent_s:
-        return BatchMove.DUE, None
-    if not local_up:  # nothing here will take it before its deadline: fail fast
+    if not local_up:  # nothing here will take it, due or not: fail fast
         if not forwarded and live_peers:
             return BatchMove.PEER, nearest(live_peers)
         return BatchMove.WAIT, None
+    if deadline_at is not None and now >= deadline_at - urgent_s:
+        return BatchMove.DUE, None
     if not busy(quiet, better_waiting, keep):
         return (BatchMove.LOCAL, None) if local else (BatchMove.WAIT, None)
     if not forwarded and idle_peers:

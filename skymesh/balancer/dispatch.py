@@ -783,9 +783,10 @@ class Dispatcher:
             p = self.peers[pid]
             m = p.models[model]
             free, total, queue = p.spare_for(model)
-            # Requests on its replicas (busy ones, if it did not say), and ours since.
+            sent_since = m.available - free  # ours since its heartbeat
+            # Requests on its replicas (its busy ones, if it did not say).
             on = m.outstanding if m.outstanding is not None else total - m.available
-            if idle(on + m.available - free, total, queue, reserve):
+            if idle(on + sent_since, total, queue, reserve):
                 out.append(IdlePeer(pid, p.rtt_s))
         return out
 

@@ -216,6 +216,9 @@ def test_with_no_local_replica_up_batch_goes_to_any_live_peer_or_waits_to_fail()
     # Not only an idle peer: a busy one admits it in its own lane.
     assert move(local_up=False, live_peers=[ASIA, EU]) == (BatchMove.PEER, "eu")
     assert move(local_up=False, live_peers=[EU], local=False) == (BatchMove.PEER, "eu")
+    # Due or not: waiting here is waiting for nothing.
+    assert move(local_up=False, live_peers=[EU], now=9.0, deadline_at=10.0, urgent_s=5.0) == (
+        BatchMove.PEER, "eu")
     # Forwarded to us already, or no live peer: the stranded check's 503.
     assert move(local_up=False, live_peers=[EU], forwarded=True) == (BatchMove.WAIT, None)
     assert move(local_up=False) == (BatchMove.WAIT, None)
@@ -287,3 +290,19 @@ def test_when_the_last_local_replica_goes_down_batch_leaves_its_lane_at_once() -
     alone.set_healthy("r0", False)
     alone.pump(0.1)
     assert list(stranded(alone, {late.key})) == [late]
+
+
+def test_a_due_batch_request_in_the_ordinary_queue_is_stranded_with_its_replicas() -> None:
+    d = lane_dispatcher(replicas=1)
+    hold = ticket("x")
+    d.offer(hold, 0.0)
+    d.pump(0.0)
+    beat(d, "eu", 1, available=0)
+    due = ticket("b", batch=True, due=1.0)
+    d.offer(due, 0.0)
+    d.pump(2.0)
+    assert due.stay and d.queue_length("m") == 1  # due: served here, never forwarded
+    d.set_healthy("r0", False)
+    d.pump(2.1)
+    # eu is alive, but a due request may not go there: the 503 now, not at the timeout.
+    assert list(stranded(d, {due.key})) == [due]

@@ -76,7 +76,7 @@ def test_the_page_says_why_interactive_work_lost_and_shows_the_night_scenario() 
     doc["runs"] += night
     doc["setup"]["scenarios"] = {"night": {"us": 2, "eu": 0}}
     page = tenancy_mesh(doc)
-    assert "the 25% of batch jobs whose deadlines came before the peak's end" in page
+    assert "25% of batch jobs started during the peak" in page
     assert "80 ms per output token against 70 ms" in page
     assert "| batch, first come first served | 600 | 300 | 50 | 80 ms | 70 ms | 75% |" in page
     assert "## The same hour with eu and asia at night" in page

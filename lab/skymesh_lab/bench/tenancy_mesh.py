@@ -155,11 +155,23 @@ def run_arm(arm: str, seed: int, duration_s: float,
         # Batch whose first token came after the chat clients stopped: run in the trough.
         "batch_after_peak": (sum(1 for r in batch if r.ok and r.t_first > duration_s)
                              / len(batch)) if batch else None,
+        # Of those that started during the peak, the share that waited until due first
+        # (within urgent_h of the deadline): none found a quiet replica before.
+        "batch_in_peak_due": _due_share(batch, duration_s),
         "batch_sent": len(batch), "batch_ok": sum(1 for r in batch if r.ok),
         "batch_by_deadline": (len(in_time) / len(batch)) if batch else None,
         "batch_e2e_p90_s": _pct([r.t_done - r.t_arrival for r in batch if r.ok], 0.9),
         "batch_ran": ran,
     }
+
+
+def _due_share(batch: list[RequestRecord], duration_s: float) -> float | None:
+    urgent_s = BATCH_CFG.urgent_h * SECONDS_PER_H
+    started = [r for r in batch if r.ok and r.t_first <= duration_s]
+    if not started:
+        return None
+    return sum(1 for r in started
+               if r.t_first - r.t_arrival >= DEADLINE_S - urgent_s) / len(started)
 
 
 def _tpot_beside_batch(chat: list[RequestRecord], batch: list[RequestRecord]

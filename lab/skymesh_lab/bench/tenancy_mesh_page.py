@@ -104,11 +104,14 @@ def _why(rule: list[dict[str, Any]], lost: float) -> str:
     after = _med(rule, "batch_after_peak")
     beside = _med(rule, "interactive_tpot_p50_beside_batch_s")
     alone = _med(rule, "interactive_tpot_p50_alone_s")
+    due = _med(rule, "batch_in_peak_due")
     if after is None or beside is None or alone is None:
         return ""
-    return (f", {lost:.0f} fewer. Why: the {1 - after:.0%} of batch jobs whose deadlines "
-            "came before the peak's end (with the urgency margin) ran during the peak, "
-            "where no replica of any region is free of chat work, and a chat request "
+    when = ("" if due is None else
+            f" ({due:.0%} of them only once due, within `urgent_h` of their deadline: "
+            "no replica of any region was free of chat work before)")
+    return (f", {lost:.0f} fewer. Why: {1 - after:.0%} of batch jobs started during the "
+            f"peak{when}, and a chat request "
             "sharing its replica with a decoding batch job took "
             f"{beside * 1000:.0f} ms per output token against {alone * 1000:.0f} ms "
             "without (a batch prefill takes whole engine steps): closed-loop clients "
