@@ -1,29 +1,32 @@
 """Batch across the mesh (issue #37, docs/tenancy.md "Batch across the mesh"): where a
 request of the batch class goes while its region is busy.
 
-Batch work has hours to finish, interactive work has seconds, so a region that runs out of
-room should send its batch requests away first and keep its better classes at home,
-where no cross-region trip is added to their time to first token. The rule, per batch
-request, each time the dispatcher looks at it:
+Batch work has hours to finish, interactive work has seconds, so batch should run only on
+capacity nobody better needs, and wait otherwise. Waiting is what costs nothing: a batch
+request beside interactive ones slows their decoding (its prefill takes whole engine
+steps, its context is read at every step), and closed-loop clients then send less. The
+rule, per batch request, each time the dispatcher looks at it:
 
-- **due**: past its deadline (``deadline_at``) it is served wherever it is: it joins
-  this region's ordinary queue, first come first served with the other classes, and is
-  never forwarded again;
-- **local**: this region has more free replicas than the better-class requests waiting
-  for them plus a *reserve* (``reserve`` of its replicas, rounded down), so one is left
-  over for batch. The reserve is there because a batch request on a replica slows the
-  interactive ones that arrive after it: the better classes keep some room for what
-  comes next, not only for what waits now;
-- **peer**: the region is *busy* (no free replica left over that way) and a peer region
-  reports *idle* room for the model: nothing queued and more free replicas than its own
-  share of the reserve, net of what was sent to it since its heartbeat; the nearest such
-  peer. A request a peer forwarded to us is never forwarded again (one hop), and the
-  pass that runs before the better classes' own dispatch forwards only: batch goes to
-  the idle peer before any better-class request overflows there;
-- **wait**: otherwise. Batch is admitted locally last: only what the better classes
-  leave over.
+- **peer, fail fast**: no healthy local replica serves its model (the last one went
+  down): it goes to the nearest live peer that serves it, busy or not, due or not (the
+  peer places it in its own lane); with none, it waits for the caller's stranded check,
+  which answers 503 with Retry-After at once;
+- **due**: within ``urgent_s`` of its deadline (``deadline_at``) it is served wherever it
+  is: it joins this region's ordinary queue, first come first served with the other
+  classes, and is never forwarded again;
+- **local**: this region has more *quiet* replicas (running no better-class work and
+  fewer than ``max_per_replica`` batch requests) than the better-class requests waiting
+  plus a *reserve* (``reserve`` of its replicas, rounded down); the caller places it on a
+  quiet one. A replica busy with interactive work never takes batch before it is due;
+- **peer**: a peer region reports *idle* room for the model: nothing queued and fewer
+  requests on its replicas than replicas beyond its reserve, net of what was sent to it
+  since its heartbeat; the nearest such peer. A request a peer forwarded to us is never
+  forwarded again (one hop), and the pass that runs before the better classes' own
+  dispatch forwards only: batch goes to the idle peer before any better-class request
+  overflows there;
+- **wait**: otherwise, until a replica goes quiet, a peer goes idle or it is due.
 
-Pure: the caller (``skymesh.balancer.dispatch``) counts free replicas, waiting requests
+Pure: the caller (``skymesh.balancer.dispatch``) counts quiet replicas, waiting requests
 and idle peers, and carries the decision out.
 """
 
@@ -60,31 +63,49 @@ def reserved(replicas: int, reserve: float) -> int:
     return math.floor(reserve * replicas + 1e-9) if replicas > 0 else 0
 
 
-def busy(free: int, better_waiting: int, keep: int = 0) -> bool:
-    """No free replica is left over once the better classes' waiting requests take theirs
-    and ``keep`` more stay free for them."""
-    return free <= better_waiting + keep
+def quiet(better_running: int, batch_running: int, max_per_replica: int) -> bool:
+    """A replica batch may join: no better-class work on it, room for one more batch."""
+    return better_running <= 0 and batch_running < max_per_replica
 
 
-def idle(free: int, replicas: int, queue: int, reserve: float) -> bool:
-    """A peer's room for batch: nothing queued, a free replica beyond its reserve."""
-    return queue == 0 and free > reserved(replicas, reserve)
+def busy(quiet_replicas: int, better_waiting: int, keep: int = 0) -> bool:
+    """No quiet replica is left over once the better classes' waiting requests take
+    theirs and ``keep`` more stay free for them."""
+    return quiet_replicas <= better_waiting + keep
 
 
-def batch_move(*, now: float, deadline_at: float | None, forwarded: bool, free: int,
+def idle(outstanding: int, replicas: int, queue: int, reserve: float) -> bool:
+    """A peer's room for batch: nothing queued and fewer requests on its replicas than
+    replicas beyond its reserve, so one of them, at least, runs nothing. (Free replicas
+    are no sign of idleness: a replica decoding for dozens of clients is free to take
+    one more.)"""
+    return queue == 0 and outstanding < replicas - reserved(replicas, reserve)
+
+
+def nearest(peers: Sequence[IdlePeer]) -> str:
+    return min(peers, key=lambda p: (p.rtt_s, p.peer)).peer
+
+
+def batch_move(*, now: float, deadline_at: float | None, forwarded: bool, quiet: int,
                better_waiting: int, idle_peers: Sequence[IdlePeer], keep: int = 0,
-               local: bool = True) -> tuple[BatchMove, str | None]:
+               local: bool = True, urgent_s: float = 0.0, local_up: bool = True,
+               live_peers: Sequence[IdlePeer] = ()) -> tuple[BatchMove, str | None]:
     """Where a batch request goes now: ``(move, peer)``; ``peer`` only with PEER.
 
+    ``quiet``: the quiet replicas it could take here; ``local_up``: some healthy local
+    replica serves its model; ``live_peers``: the live peers that serve it, idle or not.
     ``local`` False: the pass before the better classes are placed, which may only
     forward (their demand is not settled yet)."""
-    if deadline_at is not None and now >= deadline_at:
+    if not local_up:  # nothing here will take it, due or not: fail fast
+        if not forwarded and live_peers:
+            return BatchMove.PEER, nearest(live_peers)
+        return BatchMove.WAIT, None
+    if deadline_at is not None and now >= deadline_at - urgent_s:
         return BatchMove.DUE, None
-    if not busy(free, better_waiting, keep):
+    if not busy(quiet, better_waiting, keep):
         return (BatchMove.LOCAL, None) if local else (BatchMove.WAIT, None)
     if not forwarded and idle_peers:
-        best = min(idle_peers, key=lambda p: (p.rtt_s, p.peer))
-        return BatchMove.PEER, best.peer
+        return BatchMove.PEER, nearest(idle_peers)
     return BatchMove.WAIT, None
 
 
@@ -104,4 +125,4 @@ def deadline_of(header: str | None, default_s: float | None) -> float | None:
 
 
 __all__ = ["BATCH_DEADLINE_HEADER", "BatchMove", "IdlePeer", "batch_move", "busy",
-           "deadline_of", "idle", "reserved"]
+           "deadline_of", "idle", "nearest", "quiet", "reserved"]

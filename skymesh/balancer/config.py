@@ -474,15 +474,21 @@ class ControllerLinkConfig(StrictModel):
 
 
 class BatchMeshConfig(StrictModel):
-    """Batch across the mesh (docs/tenancy.md): requests of ``batch_class`` are forwarded
-    to an idle peer region first when this one is busy, admitted locally last, and past
-    their deadline (``X-SkyMesh-Batch-Deadline-Ms``, else ``deadline_h``) served where they
-    are. Set it in every region, so a peer admits forwarded batch work last too."""
+    """Batch across the mesh (docs/tenancy.md): requests of ``batch_class`` run only on
+    quiet replicas (no better-class work on them), at home or at an idle peer region, and
+    wait otherwise; within ``urgent_h`` of their deadline (``X-SkyMesh-Batch-Deadline-Ms``,
+    else ``deadline_h``) they are served where they are. Set it in every region, so a
+    peer admits forwarded batch work the same way."""
 
     batch_class: str = "batch"
     deadline_h: float | None = Field(4.0, gt=0)  # null: no deadline
     # Share of a region's replicas (rounded down) kept free for the better classes.
     reserve: float = Field(0.25, ge=0.0, le=1.0)
+    # Hours before its deadline from which a batch request is served wherever it is,
+    # beside interactive work if need be: long enough for a job to run once started.
+    urgent_h: float = Field(1.0, ge=0)
+    # Batch requests of this balancer's on one quiet replica at once.
+    max_per_replica: int = Field(4, ge=1, le=1024)
 
 
 # The slot fraction the last (lowest) class leaves free on each replica for the better

@@ -26,8 +26,9 @@ running big, slow batches while its peers idle.
 
 With ``batch_lane`` on (``tenants.batch_mesh``), tickets marked ``batch`` wait in a lane of
 their own per model, placed by ``skymesh.balancer.batch_routing``: forwarded to an idle peer
-before the ordinary queues are placed, admitted locally after them, and moved to the
-ordinary queue (never forwarded again) once past their deadline.
+before the ordinary queues are placed, admitted locally after them onto quiet replicas only
+(no better-class work, fewer than ``batch_max_per_replica`` batch), and moved to the
+ordinary queue (never forwarded again) within ``batch_urgent_s`` of their deadline.
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from skymesh.balancer.batch_routing import BatchMove, IdlePeer, batch_move, idle, reserved
+from skymesh.balancer.batch_routing import (
+    BatchMove,
+    IdlePeer,
+    batch_move,
+    idle,
+    quiet,
+    reserved,
+)
 from skymesh.balancer.breaker import Breaker, BreakerState
 from skymesh.balancer.errors import Overloaded
 from skymesh.mesh.outlook import PeerOutlook
@@ -266,6 +274,9 @@ class Dispatcher:
         self.batch_lane = False
         self.batch_forward = True
         self.batch_reserve = 0.0  # share of the replicas kept free for better classes
+        self.batch_urgent_s = 0.0  # before its deadline a batch request is served anyway
+        self.batch_max_per_replica = 1 << 30  # batch requests on one quiet replica
+        self.batch_on: dict[str, int] = {}  # batch requests of ours on each replica
         self.better_waiting: Callable[[str], int] | None = None
         self.lanes: dict[str, deque[Ticket]] = {}
 
@@ -717,15 +728,18 @@ class Dispatcher:
                 ticket = lane[k]
                 self._refresh()
                 view = self._view(model)
-                cands = self._candidates(ticket, now, view)
+                cands = self._batch_room(self._candidates(ticket, now, view))
                 q = self.queues.get(model)
                 better = (len(q) if q else 0) + (
                     self.better_waiting(model) if self.better_waiting is not None else 0)
+                up = bool(view.serving)  # healthy replicas serving the model
                 move, peer = batch_move(
                     now=now, deadline_at=ticket.batch_due, forwarded=ticket.route.forwarded,
-                    free=len(cands), better_waiting=better,
-                    idle_peers=self._idle_peers(ticket), local=local,
-                    keep=reserved(len(view.serving), self.batch_reserve))
+                    quiet=len(cands), better_waiting=better,
+                    idle_peers=self._idle_peers(ticket) if up else (), local=local,
+                    keep=reserved(len(view.serving), self.batch_reserve),
+                    urgent_s=self.batch_urgent_s, local_up=up,
+                    live_peers=() if up else self._live_peers(ticket))
                 if move is BatchMove.WAIT:
                     k += 1  # the next differs only by its deadline or its exclusions
                     continue
@@ -751,14 +765,39 @@ class Dispatcher:
                     self._assign(ticket, target, now)
                 out.append(ticket)
 
+    def _batch_room(self, cands: Sequence[str]) -> list[str]:
+        """The candidates batch may join (``batch_routing.quiet``): what is on each, as
+        far as we can tell, less our batch there."""
+        on, cap, targets = self.batch_on, self.batch_max_per_replica, self.targets
+        return [tid for tid in cands
+                if quiet(targets[tid].load.outstanding - (b := on.get(tid, 0)), b, cap)]
+
     def _idle_peers(self, ticket: Ticket) -> list[IdlePeer]:
         """Peers whose heartbeats report room for batch (``batch_routing.idle``), net of
         what was sent to them since."""
         if not self.batch_forward or ticket.stay:
             return []
         model, reserve = ticket.route.model, self.batch_reserve
-        return [IdlePeer(pid, self.peers[pid].rtt_s) for pid in self.peer_candidates(ticket)
-                if idle(*self.peers[pid].spare_for(model), reserve)]
+        out = []
+        for pid in self.peer_candidates(ticket):
+            p = self.peers[pid]
+            m = p.models[model]
+            free, total, queue = p.spare_for(model)
+            sent_since = m.available - free  # ours since its heartbeat
+            # Requests on its replicas (its busy ones, if it did not say).
+            on = m.outstanding if m.outstanding is not None else total - m.available
+            if idle(on + sent_since, total, queue, reserve):
+                out.append(IdlePeer(pid, p.rtt_s))
+        return out
+
+    def _live_peers(self, ticket: Ticket) -> list[IdlePeer]:
+        """Live peers serving the ticket's model, busy or not: where batch goes when no
+        local replica is up (it would otherwise wait for one until its deadline)."""
+        if not self.batch_forward or not self.forwarding or ticket.stay:
+            return []
+        model = ticket.route.model
+        return [IdlePeer(pid, p.rtt_s) for pid, p in self.peers.items()
+                if p.alive and model in p.models and pid not in ticket.excluded]
 
     def _pick(self, q: deque[Ticket], now: float) -> tuple[int, Ticket, str, bool] | None:
         self._refresh()
@@ -1010,6 +1049,8 @@ class Dispatcher:
         ticket.target = target
         ticket.attempts += 1
         t.load.on_dispatch(ticket.key, now, ticket.route.prompt_len)
+        if ticket.batch:
+            self.batch_on[target] = self.batch_on.get(target, 0) + 1
         if t.breaker.state is not BreakerState.CLOSED:
             t.breaker.on_dispatch()
             self._changed()
@@ -1057,6 +1098,8 @@ class Dispatcher:
             if self.peer_policy is not None:
                 self.peer_policy.on_complete(ticket.route, tid, ok)
             return
+        if ticket.batch and (n := self.batch_on.pop(tid, 0)) > 1:
+            self.batch_on[tid] = n - 1
         t = self.targets.get(tid)
         if t is not None:
             t.load.on_complete(ticket.key, now)

@@ -188,6 +188,10 @@ class BalancerMetrics:
                                ["target"], registry=r)
         self.queue_length = Gauge("skymesh_queue_length", "Requests waiting in the balancer",
                                   ["model"], registry=r)
+        # Batch waiting for quiet capacity or its deadline (tenants.batch_mesh): for hours.
+        self.batch_lane_length = Gauge("skymesh_batch_lane_length",
+                                       "Batch requests waiting in the batch lane",
+                                       ["model"], registry=r)
         self.queue_wait = LoopHistograms("skymesh_queue_wait_seconds",
                                          "Time from arrival to dispatch", "model",
                                          _LATENCY_BUCKETS, r)

@@ -263,8 +263,10 @@ def unlisted_replicas(d: Dispatcher) -> int:
 def stranded(d: Dispatcher, eligible: Collection[str]) -> Iterator[Ticket]:
     """Queued tickets, among those keyed in ``eligible``, that nothing can serve now (in
     queue order). One :func:`can_serve` per queued model: cheap enough to call on every
-    pump while requests wait."""
-    for model, q in d.queues.items():
+    pump while requests wait. The batch lanes too: batch waits there for hours, and a
+    model nothing here serves any more would keep it until its deadline; and a due batch
+    request (``stay``), which no peer may take."""
+    for model, q in itertools.chain(d.queues.items(), d.lanes.items()):
         if not q:
             continue
         local = can_serve(d, model, forwarded=True)
@@ -272,7 +274,7 @@ def stranded(d: Dispatcher, eligible: Collection[str]) -> Iterator[Ticket]:
             continue
         via_peer = can_serve(d, model)
         for t in list(q):
-            if t.key in eligible and (not via_peer or t.route.forwarded):
+            if t.key in eligible and (not via_peer or t.route.forwarded or t.stay):
                 yield t
 
 

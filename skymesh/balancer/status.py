@@ -72,6 +72,8 @@ class Status:
             m.breaker_state.labels(tid).set(int(t.breaker.state))
         for model, q in d.queues.items():
             m.queue_length.labels(model).set(len(q))
+        for model, q in d.lanes.items():
+            m.batch_lane_length.labels(model).set(len(q))
         if self.mesh is not None:
             states = {"alive": 0, "suspected": 1, "down": 2}
             for v in self.mesh.peer_views():

@@ -12,9 +12,11 @@ from skymesh.balancer.batch_routing import (
     busy,
     deadline_of,
     idle,
+    quiet,
     reserved,
 )
 from skymesh.balancer.dispatch import Dispatcher, Ticket
+from skymesh.balancer.overload import stranded
 from skymesh.policies import RouteRequest, build_policy
 from skymesh.policies.load import PushMode
 from skymesh.policies.peers import ModelLoad
@@ -24,31 +26,31 @@ EU, ASIA = IdlePeer("eu", 0.09), IdlePeer("asia", 0.2)
 
 def move(**kw: object) -> tuple[BatchMove, str | None]:
     args: dict[str, object] = {"now": 0.0, "deadline_at": None, "forwarded": False,
-                               "free": 0, "better_waiting": 0, "idle_peers": ()}
+                               "quiet": 0, "better_waiting": 0, "idle_peers": ()}
     args.update(kw)
     return batch_move(**args)  # type: ignore[arg-type]
 
 
-def test_busy_means_no_free_replica_left_over_for_batch() -> None:
+def test_busy_means_no_quiet_replica_left_over_for_batch() -> None:
     assert busy(0, 0) and busy(2, 2) and busy(1, 3)
     assert not busy(3, 2) and not busy(1, 0)
 
 
-def test_a_free_replica_the_better_classes_do_not_need_takes_batch_locally() -> None:
-    assert move(free=3, better_waiting=2, idle_peers=[EU]) == (BatchMove.LOCAL, None)
+def test_a_quiet_replica_the_better_classes_do_not_need_takes_batch_locally() -> None:
+    assert move(quiet=3, better_waiting=2, idle_peers=[EU]) == (BatchMove.LOCAL, None)
     # ...but not in the pass before the better classes are placed: that one only forwards.
-    assert move(free=3, better_waiting=2, idle_peers=[EU], local=False) == (BatchMove.WAIT,
+    assert move(quiet=3, better_waiting=2, idle_peers=[EU], local=False) == (BatchMove.WAIT,
                                                                              None)
 
 
 def test_a_busy_region_sends_batch_to_the_nearest_idle_peer() -> None:
-    assert move(free=2, better_waiting=2, idle_peers=[ASIA, EU]) == (BatchMove.PEER, "eu")
-    assert move(free=0, idle_peers=[ASIA], local=False) == (BatchMove.PEER, "asia")
+    assert move(quiet=2, better_waiting=2, idle_peers=[ASIA, EU]) == (BatchMove.PEER, "eu")
+    assert move(quiet=0, idle_peers=[ASIA], local=False) == (BatchMove.PEER, "asia")
 
 
 def test_busy_with_no_idle_peer_or_already_forwarded_waits() -> None:
-    assert move(free=1, better_waiting=4) == (BatchMove.WAIT, None)
-    assert move(free=0, forwarded=True, idle_peers=[EU]) == (BatchMove.WAIT, None)
+    assert move(quiet=1, better_waiting=4) == (BatchMove.WAIT, None)
+    assert move(quiet=0, forwarded=True, idle_peers=[EU]) == (BatchMove.WAIT, None)
 
 
 def test_past_its_deadline_a_request_is_served_where_it_is() -> None:
@@ -163,11 +165,12 @@ def test_the_reserve_keeps_replicas_for_the_better_classes_here_and_at_peers() -
     assert [reserved(n, 0.25) for n in (0, 1, 3, 4, 8, 9)] == [0, 0, 0, 1, 2, 2]
     assert reserved(4, 0.0) == 0 and reserved(4, 1.0) == 4
     # Here: 2 free, 1 kept: one is left over for batch; with 1 free, none is.
-    assert move(free=2, keep=1) == (BatchMove.LOCAL, None)
-    assert move(free=1, keep=1, idle_peers=[EU]) == (BatchMove.PEER, "eu")
-    # At a peer: free replicas beyond its own reserve, and nothing queued.
-    assert idle(2, 4, 0, 0.25) and not idle(1, 4, 0, 0.25) and not idle(3, 4, 1, 0.25)
-    assert idle(1, 1, 0, 0.25)  # a region of one replica keeps none
+    assert move(quiet=2, keep=1) == (BatchMove.LOCAL, None)
+    assert move(quiet=1, keep=1, idle_peers=[EU]) == (BatchMove.PEER, "eu")
+    # At a peer: fewer requests on its replicas than replicas beyond its own reserve,
+    # and nothing queued.
+    assert idle(2, 4, 0, 0.25) and not idle(3, 4, 0, 0.25) and not idle(1, 4, 1, 0.25)
+    assert idle(0, 1, 0, 0.25) and not idle(1, 1, 0, 0.25)  # one replica: none kept
 
 
 def test_the_lane_reads_the_reserve_for_itself_and_for_its_peers() -> None:
@@ -191,3 +194,115 @@ def test_batch_mesh_config_names_a_configured_class() -> None:
     assert cfg.tenants.batch_mesh.deadline_h == 4.0 and cfg.tenants.batch_mesh.reserve == 0.25
     with pytest.raises(ConfigError, match=r"tenants\.batch_mesh\.batch_class"):
         parse_config({"tenants": {"batch_mesh": {"batch_class": "bulk"}}})
+
+
+# -- quiet replicas, urgency, fail fast (the interactive loss on docs/results/tenancy-mesh.md)
+
+
+def test_a_quiet_replica_runs_no_better_work_and_has_room_for_batch() -> None:
+    assert quiet(0, 0, 1) and quiet(0, 3, 4)
+    assert not quiet(1, 0, 4)  # one interactive request on it: not for batch
+    assert not quiet(0, 4, 4)  # its share of batch already
+
+
+def test_within_urgent_s_of_its_deadline_a_request_is_due() -> None:
+    assert move(now=6.0, deadline_at=10.0, urgent_s=4.0, idle_peers=[EU]) == (
+        BatchMove.DUE, None)
+    assert move(now=5.9, deadline_at=10.0, urgent_s=4.0, idle_peers=[EU]) == (
+        BatchMove.PEER, "eu")
+
+
+def test_with_no_local_replica_up_batch_goes_to_any_live_peer_or_waits_to_fail() -> None:
+    # Not only an idle peer: a busy one admits it in its own lane.
+    assert move(local_up=False, live_peers=[ASIA, EU]) == (BatchMove.PEER, "eu")
+    assert move(local_up=False, live_peers=[EU], local=False) == (BatchMove.PEER, "eu")
+    # Due or not: waiting here is waiting for nothing.
+    assert move(local_up=False, live_peers=[EU], now=9.0, deadline_at=10.0, urgent_s=5.0) == (
+        BatchMove.PEER, "eu")
+    # Forwarded to us already, or no live peer: the stranded check's 503.
+    assert move(local_up=False, live_peers=[EU], forwarded=True) == (BatchMove.WAIT, None)
+    assert move(local_up=False) == (BatchMove.WAIT, None)
+
+
+def test_batch_waits_beside_interactive_work_on_a_replica_that_would_take_more() -> None:
+    d = Dispatcher(build_policy("least-load"), PushMode.SP_O, max_outstanding=4,
+                   hold_s=0.0)
+    d.set_targets({"r0": ["m"]})
+    d.batch_lane = True
+    web, batch = ticket("w"), ticket("b", batch=True)
+    d.offer(web, 0.0)
+    assert d.pump(0.0) == [web]
+    d.offer(batch, 0.1)
+    assert d.pump(0.1) == []  # r0 has three free slots, but it decodes for a client
+    d.complete(web, 1.0, ok=True)
+    assert d.pump(1.0) == [batch] and batch.target == "r0"
+
+
+def test_at_most_max_per_replica_batch_requests_share_a_quiet_replica() -> None:
+    d = Dispatcher(build_policy("least-load"), PushMode.SP_O, max_outstanding=8,
+                   hold_s=0.0)
+    d.set_targets({"r0": ["m"]})
+    d.batch_lane, d.batch_max_per_replica = True, 2
+    jobs = [ticket(f"b{i}", batch=True) for i in range(3)]
+    for t in jobs:
+        d.offer(t, 0.0)
+    assert d.pump(0.0) == jobs[:2]
+    d.complete(jobs[0], 1.0, ok=True)
+    assert d.pump(1.0) == [jobs[2]] and d.batch_on == {"r0": 2}
+
+
+def test_a_peer_with_free_replicas_busy_with_its_own_clients_is_not_idle() -> None:
+    d = lane_dispatcher(replicas=1)
+    busy_ = ticket("x")
+    d.offer(busy_, 0.0)
+    d.pump(0.0)
+    # eu: 4 replicas, 3 free to take one more, 6 requests decoding on them.
+    d.on_peer_heartbeat("eu", 0.0, 1, 1, {"m": ModelLoad(3, 4, 0, outstanding=6)})
+    batch = ticket("b", batch=True)
+    d.offer(batch, 0.0)
+    assert d.pump(0.0) == []
+    d.on_peer_heartbeat("eu", 0.0, 1, 2, {"m": ModelLoad(3, 4, 0, outstanding=2)})
+    assert d.pump(0.1) == [batch] and batch.target == "eu"
+
+
+def test_when_the_last_local_replica_goes_down_batch_leaves_its_lane_at_once() -> None:
+    d = lane_dispatcher(replicas=1)
+    hold = ticket("x")
+    d.offer(hold, 0.0)
+    d.pump(0.0)
+    beat(d, "eu", 1, available=0)  # eu alive but busy: not idle
+    batch = ticket("b", batch=True, due=4 * 3600.0)
+    d.offer(batch, 0.0)
+    assert d.pump(0.0) == [] and list(stranded(d, {batch.key})) == []
+    d.set_healthy("r0", False)  # the last replica serving "m" here goes down
+    assert d.pump(0.1) == [batch] and batch.target == "eu" and batch.to_peer
+
+    # With no peer to take it, the stranded check (the live balancer's 503) finds it.
+    alone = Dispatcher(build_policy("least-load"), PushMode.SP_O, max_outstanding=1,
+                       hold_s=0.0)
+    alone.set_targets({"r0": ["m"]})
+    alone.batch_lane = True
+    late = ticket("b2", batch=True, due=4 * 3600.0)
+    alone.offer(ticket("y"), 0.0)
+    alone.pump(0.0)
+    alone.offer(late, 0.0)
+    assert alone.pump(0.0) == []
+    alone.set_healthy("r0", False)
+    alone.pump(0.1)
+    assert list(stranded(alone, {late.key})) == [late]
+
+
+def test_a_due_batch_request_in_the_ordinary_queue_is_stranded_with_its_replicas() -> None:
+    d = lane_dispatcher(replicas=1)
+    hold = ticket("x")
+    d.offer(hold, 0.0)
+    d.pump(0.0)
+    beat(d, "eu", 1, available=0)
+    due = ticket("b", batch=True, due=1.0)
+    d.offer(due, 0.0)
+    d.pump(2.0)
+    assert due.stay and d.queue_length("m") == 1  # due: served here, never forwarded
+    d.set_healthy("r0", False)
+    d.pump(2.1)
+    # eu is alive, but a due request may not go there: the 503 now, not at the timeout.
+    assert list(stranded(d, {due.key})) == [due]

@@ -14,15 +14,28 @@ def _elsewhere(run: dict[str, Any]) -> int:
                for region, n in where.items() if region != origin)
 
 
-def test_the_rule_sends_batch_to_peers_and_local_last_keeps_it_home() -> None:
-    home = run_arm("local_last", 0, 60.0)
-    mesh = run_arm("mesh_rule", 0, 60.0)
+def test_the_rule_sends_batch_to_idle_peers_and_local_last_keeps_it_home() -> None:
+    # us at its peak while eu and asia are at night: their replicas run next to nothing.
+    night = {"us": 120, "eu": 2, "asia": 2}
+    home = run_arm("local_last", 0, 60.0, night)
+    mesh = run_arm("mesh_rule", 0, 60.0, night)
     assert home["batch_sent"] == mesh["batch_sent"] > 0
     assert home["batch_ok"] == home["batch_sent"] and mesh["batch_ok"] == mesh["batch_sent"]
     assert _elsewhere(home) == 0
-    assert _elsewhere(mesh) > 0
-    # us, the busy region at its peak, is the one that sends batch away.
+    # us, the busy region, sends its batch away; the idle regions keep theirs.
     assert sum(n for r, n in mesh["batch_ran"]["us"].items() if r != "us") > 0
+    assert mesh["batch_ran"]["eu"].get("us", 0) == mesh["batch_ran"]["asia"].get("us", 0) == 0
+
+
+def test_at_the_peak_of_a_busy_day_the_rule_keeps_batch_off_interactive_replicas() -> None:
+    # Every replica of every region serves chat: batch waits for the trough (the drain
+    # after the clients stop) unless its deadline is near, where first come first served
+    # runs it at once beside the chat requests.
+    fcfs = run_arm("fcfs", 0, 60.0)
+    mesh = run_arm("mesh_rule", 0, 60.0)
+    assert fcfs["batch_after_peak"] < 0.2
+    assert mesh["batch_after_peak"] > 0.9 and mesh["batch_by_deadline"] == 1.0
+    assert mesh["interactive_beside_batch"] < fcfs["interactive_beside_batch"] / 5
 
 
 def _run(arm: str, seed: int, att: float, ok: int, by: float | None) -> dict[str, Any]:
@@ -50,3 +63,21 @@ def test_the_verdict_needs_slo_served_requests_and_deadlines_all_kept() -> None:
     assert "| us | 4 | 6 |" in page  # where us's batch ran: eu 4, us 6
     assert "recovers part of the loss" in page
     assert "| no batch | 97.0% | 99.0% |" in page  # attainment by the clients' region
+    assert "not within 5%: 5.0 points short" in tenancy_mesh(_doc(0.975, 900, 1.0))
+
+
+def test_the_page_says_why_interactive_work_lost_and_shows_the_night_scenario() -> None:
+    doc = _doc(0.975, 900, 1.0)
+    for r in doc["runs"]:
+        r.update(interactive_ok_by_region={"us": 600, "eu": r["interactive_ok"] - 600},
+                 interactive_tpot_p50_beside_batch_s=0.08, interactive_tpot_p50_alone_s=0.07,
+                 interactive_beside_batch=50, batch_after_peak=0.75)
+    night = [{**r, "scenario": "night"} for r in doc["runs"]]
+    doc["runs"] += night
+    doc["setup"]["scenarios"] = {"night": {"us": 2, "eu": 0}}
+    page = tenancy_mesh(doc)
+    assert "25% of batch jobs started during the peak" in page
+    assert "80 ms per output token against 70 ms" in page
+    assert "| batch, first come first served | 600 | 300 | 50 | 80 ms | 70 ms | 75% |" in page
+    assert "## The same hour with eu and asia at night" in page
+    assert "40% of us's batch jobs ran in eu or asia" in page

@@ -1,6 +1,7 @@
 """The results page of ``skymesh_lab.bench.tenancy_mesh``: interactive SLO attainment and
 batch deadlines on the diurnal three-region workload, without batch, with batch first come
-first served, admitted last at home, and under the mesh rule. Medians over the seeds."""
+first served, kept at home, and under the mesh rule; where the interactive loss is.
+Medians over the seeds."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 from skymesh_lab.bench.results_tables import num, table
 
 ARMS = {"no_batch": "no batch", "fcfs": "batch, first come first served",
-        "local_last": "batch admitted last, never forwarded",
+        "local_last": "the rule, never forwarded",
         "mesh_rule": "batch across the mesh (the rule)"}
 # "Stays where it is": the rule's interactive attainment at most this far below no batch.
 SLO_TOLERANCE = 0.01
@@ -36,12 +37,14 @@ def _ran(rows: list[dict[str, Any]]) -> str:
     return table(["batch from \\ ran in", *regions], out, [False, *([True] * len(regions))])
 
 
-def _by_region(arms: dict[str, list[dict[str, Any]]]) -> str:
-    """Interactive SLO attainment per client region and arm (medians over the seeds)."""
+def _per_region(arms: dict[str, list[dict[str, Any]]], key: str, fmt: str
+                ) -> tuple[list[str], list[tuple[str, list[dict[str, Any]], list[str]]]]:
+    """The client regions named under ``key`` (a dict per run), and per arm its label,
+    runs and the median of each region's figure over the seeds."""
     regions: list[str] = []
     for rs in arms.values():
         for r in rs:
-            regions += [g for g in r.get("interactive_slo_by_region", {}) if g not in regions]
+            regions += [g for g in r.get(key, {}) if g not in regions]
     out = []
     for arm, label in ARMS.items():
         rs = arms.get(arm)
@@ -49,11 +52,17 @@ def _by_region(arms: dict[str, list[dict[str, Any]]]) -> str:
             continue
         cells = []
         for g in regions:
-            xs = [r["interactive_slo_by_region"][g] for r in rs
-                  if isinstance(r.get("interactive_slo_by_region", {}).get(g), int | float)]
-            cells.append(num(statistics.median(xs) if xs else None, ".1%"))
-        out.append([label, *cells])
-    return table(["arm", *regions], out, [False, *([True] * len(regions))])
+            xs = [r[key][g] for r in rs if isinstance(r.get(key, {}).get(g), int | float)]
+            cells.append(num(statistics.median(xs) if xs else None, fmt))
+        out.append((label, rs, cells))
+    return regions, out
+
+
+def _by_region(arms: dict[str, list[dict[str, Any]]]) -> str:
+    """Interactive SLO attainment per client region and arm (medians over the seeds)."""
+    regions, rows = _per_region(arms, "interactive_slo_by_region", ".1%")
+    return table(["arm", *regions], [[label, *cells] for label, _, cells in rows],
+                 [False, *([True] * len(regions))])
 
 
 def verdict(arms: dict[str, list[dict[str, Any]]]) -> str:
@@ -72,15 +81,62 @@ def verdict(arms: dict[str, list[dict[str, Any]]]) -> str:
     served_ok = served >= (1 - SERVED_TOLERANCE) * served0
     batch_ok = by >= 0.99
     holds = "holds" if slo_ok and served_ok and batch_ok else "does not hold"
-    why = ("" if served_ok else ": batch running beside interactive work slows its "
-           "decoding wherever it runs, and closed-loop clients then send less")
+    why = "" if served_ok else _why(rule, served0 - served)
     return (f"**The goal {holds}.** Under the rule {by:.1%} of batch jobs finish by their "
             f"deadline; interactive SLO attainment is {att:.1%} against {base:.1%} "
             f"without batch ({'within' if slo_ok else 'not within'} "
             f"{SLO_TOLERANCE * 100:.0f} point), and the chat clients were served "
-            f"{served / served0:.0%} of the requests they were without batch "
-            f"({'within' if served_ok else 'not within'} {SERVED_TOLERANCE:.0%}){why}."
+            f"{served / served0:.1%} of the requests they were without batch "
+            f"({'within' if served_ok else 'not within'} {SERVED_TOLERANCE:.0%}"
+            f"{_short(served / served0)}){why}."
             f"{_against_fcfs(arms, att, served)}")
+
+
+def _short(ratio: float) -> str:
+    gap = (1 - SERVED_TOLERANCE) - ratio
+    return f": {gap * 100:.1f} points short" if gap > 0 else ""
+
+
+def _why(rule: list[dict[str, Any]], lost: float) -> str:
+    """The loss, as the page's figures explain it: the batch that ran during the peak,
+    beside interactive work, and how much it slowed the decoding it shared a replica
+    with."""
+    after = _med(rule, "batch_after_peak")
+    beside = _med(rule, "interactive_tpot_p50_beside_batch_s")
+    alone = _med(rule, "interactive_tpot_p50_alone_s")
+    due = _med(rule, "batch_in_peak_due")
+    if after is None or beside is None or alone is None:
+        return ""
+    when = ("" if due is None else
+            f" ({due:.0%} of them only once due, within `urgent_h` of their deadline: "
+            "no replica of any region was free of chat work before)")
+    return (f", {lost:.0f} fewer. Why: {1 - after:.0%} of batch jobs started during the "
+            f"peak{when}, and a chat request "
+            "sharing its replica with a decoding batch job took "
+            f"{beside * 1000:.0f} ms per output token against {alone * 1000:.0f} ms "
+            "without (a batch prefill takes whole engine steps): closed-loop clients "
+            f"then send less. The other {after:.0%} waited and ran in the trough, after "
+            "the chat clients stopped")
+
+
+def _loss(arms: dict[str, list[dict[str, Any]]]) -> str:
+    """Where the interactive loss is: requests served per client region, and the time per
+    output token of chat requests beside a decoding batch job and without one."""
+    regions, rows = _per_region(arms, "interactive_ok_by_region", ".0f")
+    out = []
+    for label, rs, cells in rows:
+        out.append([label, *cells, num(_med(rs, "interactive_beside_batch"), ".0f"),
+                     num(_ms(_med(rs, "interactive_tpot_p50_beside_batch_s")), ".0f",
+                         suffix=" ms"),
+                     num(_ms(_med(rs, "interactive_tpot_p50_alone_s")), ".0f", suffix=" ms"),
+                     num(_med(rs, "batch_after_peak"), ".0%")])
+    return table(["arm", *(f"{g} served" for g in regions), "chat beside batch",
+                  "TPOT p50 beside batch", "TPOT p50 without", "batch run after the peak"],
+                 out, [False, *([True] * (len(regions) + 4))])
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1000
 
 
 def _against_fcfs(arms: dict[str, list[dict[str, Any]]], att: float, served: float) -> str:
@@ -94,11 +150,15 @@ def _against_fcfs(arms: dict[str, list[dict[str, Any]]], att: float, served: flo
             f"requests served) the rule {said} ({att:.1%}, {served:.0f}).")
 
 
-def tenancy_mesh(doc: dict[str, Any]) -> str:
-    s = doc.get("setup", {})
+def _arms(doc: dict[str, Any], scenario: str) -> dict[str, list[dict[str, Any]]]:
     arms: dict[str, list[dict[str, Any]]] = {}
     for r in doc["runs"]:
-        arms.setdefault(r["arm"], []).append(r)
+        if r.get("scenario", "peak") == scenario:
+            arms.setdefault(r["arm"], []).append(r)
+    return arms
+
+
+def _main_table(arms: dict[str, list[dict[str, Any]]]) -> str:
     rows = []
     for arm, label in ARMS.items():
         rs = arms.get(arm)
@@ -113,6 +173,46 @@ def tenancy_mesh(doc: dict[str, Any]) -> str:
                      f"{_med(rs, 'batch_ok'):.0f} / {sent:.0f}" if sent else "-",
                      num(_med(rs, "batch_by_deadline"), ".1%") if sent else "-",
                      num(_med(rs, "batch_e2e_p90_s"), ".0f", suffix=" s") if sent else "-"])
+    return table(["arm", "seeds", "interactive SLO attainment", "TTFT p50", "TTFT p90",
+                  "us TTFT p90", "interactive done", "batch done / sent",
+                  "batch by deadline", "batch end-to-end p90"], rows,
+                 [False, *([True] * 9)])
+
+
+def _night(doc: dict[str, Any]) -> list[str]:
+    """The same arms with eu and asia at night: where the mesh part of the rule acts."""
+    arms = _arms(doc, "night")
+    if not arms:
+        return []
+    clients = doc.get("setup", {}).get("scenarios", {}).get("night", {})
+    nb, rule = arms.get("no_batch", []), arms.get("mesh_rule", [])
+    served0, served = _med(nb, "interactive_ok"), _med(rule, "interactive_ok")
+    sent = sum(sum(where.values()) for r in rule for o, where in r.get("batch_ran", {}).items()
+               if o == "us")
+    away = sum(n for r in rule for o, where in r.get("batch_ran", {}).items() if o == "us"
+               for g, n in where.items() if g != "us")
+    att0, att = _med(nb, "interactive_slo_attainment"), _med(rule, "interactive_slo_attainment")
+    said = ""
+    if served0 and served is not None and sent and att0 is not None and att is not None:
+        said = (f"Under the rule {away / sent:.0%} of us's batch jobs ran in eu or asia; "
+                f"the chat clients were served {served / served0:.1%} of the requests "
+                f"they were without batch, at {att:.1%} SLO attainment against "
+                f"{att0:.1%}.")
+    lines = ["## The same hour with eu and asia at night", "",
+             "Chat clients " + " / ".join(f"{g} {n}" for g, n in clients.items())
+             + ": eu and asia have few clients of their own, while us is at its peak. "
+             "Their replicas are not idle for all that: they take us's interactive "
+             "overflow (SkyLB's forwarding) first, as they should, and an idle peer "
+             "(`batch_routing.idle`) is one with fewer requests than replicas. " + said,
+             "", _main_table(arms), ""]
+    if rule:
+        lines += ["Where batch ran under the rule, summed over the seeds:", "", _ran(rule), ""]
+    return lines
+
+
+def tenancy_mesh(doc: dict[str, Any]) -> str:
+    s = doc.get("setup", {})
+    arms = _arms(doc, "peak")
     clients = s.get("clients", {})
     lines = [
         "## Setup", "",
@@ -124,18 +224,25 @@ def tenancy_mesh(doc: dict[str, Any]) -> str:
         f"{s.get('batch_per_s_per_region', '?')} jobs/s per region (Poisson; "
         f"{s.get('batch_prompt', '?')} prompt, {s.get('batch_output', '?')} output tokens), "
         f"each with a deadline of {s.get('deadline_s', 0):.0f} s (the day is compressed: "
-        "the seconds stand for `tenants.batch_mesh.deadline_h`'s hours); `reserve` "
-        f"{s.get('reserve', '?')}. "
+        "the seconds stand for `tenants.batch_mesh.deadline_h`'s hours); "
+        "`tenants.batch_mesh`'s defaults: `reserve` "
+        f"{s.get('reserve', '?')}, `max_per_replica` {s.get('max_per_replica', '?')}, "
+        f"`urgent_h` as {s.get('urgent_s', 0):.0f} s. The chat clients stop at the end "
+        "of the run and what they sent drains: the simulated day's trough. "
         "Interactive SLO: "
         f"TTFT within {s.get('ttft_slo_s', '?')} s. Medians over seeds "
         f"{s.get('seeds', [])}.", "",
         "## Interactive SLO attainment and batch deadlines", "",
-        table(["arm", "seeds", "interactive SLO attainment", "TTFT p50", "TTFT p90",
-               "us TTFT p90", "interactive done", "batch done / sent",
-               "batch by deadline", "batch end-to-end p90"], rows,
-              [False, *([True] * 9)]), "",
+        _main_table(arms), "",
         verdict(arms), "",
     ]
+    if any(r.get("interactive_ok_by_region") for rs in arms.values() for r in rs):
+        lines += ["### Where the interactive loss is", "",
+                  "Chat requests served by the clients' region; chat requests that shared "
+                  "their replica with a decoding batch job, and the median time per "
+                  "output token with and without one; the share of batch jobs whose "
+                  "first token came after the chat clients stopped.", "",
+                  _loss(arms), ""]
     if any(r.get("interactive_slo_by_region") for rs in arms.values() for r in rs):
         lines += ["### Interactive SLO attainment by the clients' region", "",
                   _by_region(arms), ""]
@@ -144,4 +251,4 @@ def tenancy_mesh(doc: dict[str, Any]) -> str:
             lines += [f"### Where batch ran: {ARMS[arm]}", "",
                       "Batch jobs by the region they came from and the one that served "
                       "them, summed over the seeds.", "", _ran(arms[arm]), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + _night(doc))

@@ -85,6 +85,8 @@ class SimBatch:
     deadline_s: float | None = None
     forward: bool = True
     reserve: float = 0.0  # tenants.batch_mesh.reserve
+    urgent_s: float = 0.0  # tenants.batch_mesh.urgent_h, in seconds
+    max_per_replica: int = 1 << 30  # tenants.batch_mesh.max_per_replica
 
 
 class SimReplica:
@@ -239,6 +241,7 @@ class SimBalancer:
         self.batch = batch
         d = self.dispatcher
         d.batch_lane, d.batch_forward, d.batch_reserve = True, batch.forward, batch.reserve
+        d.batch_urgent_s, d.batch_max_per_replica = batch.urgent_s, batch.max_per_replica
         d.better_waiting = lambda model: self.tenancy.queue.waiting if self.tenancy else 0
 
     @property

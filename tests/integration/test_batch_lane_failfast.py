@@ -1,0 +1,101 @@
+"""Batch across the mesh: a batch request waiting in the balancer's batch lane when the
+last replica serving its model goes down gets its 503 (with Retry-After) at once, not at
+the queue timeout nor at its deadline hours later (the lane was not in the stranded
+check). One real ``skymesh-lb`` with one emulated replica admitting one request at a time;
+the replica is held by a long interactive request while the batch request arrives, then
+hangs (SIGSTOP) until its probes mark it down. Order of events, never seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from support import get_metrics, until
+
+from skymesh.util.procs import start_daemon
+
+pytestmark = pytest.mark.timeout(120)
+
+WEB_KEY, BULK_KEY = "sk-web-1", "sk-bulk-1"
+
+
+def sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+async def test_batch_waiting_in_its_lane_fails_fast_when_the_last_replica_goes(
+        tmp_path: Path) -> None:
+    rep = start_daemon("skymesh-replica", ["--port", "0", "--time-scale", "0.2",
+                                           "--max-num-seqs", "1"],
+                       log_path=tmp_path / "rep.log")
+    cfg = {"region": "us", "listen": {"host": "127.0.0.1", "port": 0, "workers": 1},
+           "probe": {"interval_s": 0.05, "timeout_s": 0.2}, "queue": {"timeout_s": 3600},
+           "pushing": {"mode": "sp-p", "max_num_seqs": 1, "max_outstanding": 1},
+           "replicas": [{"url": rep.url, "kind": "skymesh", "max_num_seqs": 1}],
+           "tenants": {"members": [
+               {"name": "web", "keys_sha256": [sha(WEB_KEY)], "default_class": "interactive"},
+               {"name": "bulk", "keys_sha256": [sha(BULK_KEY)], "classes": ["batch"],
+                "default_class": "batch"}],
+               "batch_mesh": {"deadline_h": 4}}}
+    path = tmp_path / "lb.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**{k: v for k, v in os.environ.items() if k != "SKYMESH_API_KEYS"},
+           "SKYMESH_API_KEYS": f"{WEB_KEY},{BULK_KEY}"}
+    lb = start_daemon("skymesh-lb", ["--config", str(path)], log_path=tmp_path / "lb.log",
+                      env=env)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def models() -> list[dict[str, str]] | None:
+                async with s.get(lb.url + "/v1/models",
+                                 headers={"Authorization": f"Bearer {WEB_KEY}"}) as r:
+                    return (await r.json()).get("data") if r.status == 200 else None
+
+            await until(models, "the replica's model listed")
+            model = (await models() or [{}])[0]["id"]
+
+            async def post(key: str, max_tokens: int) -> tuple[int, dict[str, str], str]:
+                body = {"model": model, "max_tokens": max_tokens, "ignore_eos": True,
+                        "prompt": "tell me"}
+                async with s.post(lb.url + "/v1/completions", json=body,
+                                  headers={"Authorization": f"Bearer {key}"}) as r:
+                    return r.status, dict(r.headers), await r.text()
+
+            async def held() -> bool:
+                m = await get_metrics(s, lb.url)
+                return sum(v for k, v in m.items()
+                           if k.startswith("skymesh_replica_in_flight_requests")) >= 1
+
+            long = asyncio.create_task(post(WEB_KEY, 1500))
+            await until(held, "the long request on the only replica")
+            batch = asyncio.create_task(post(BULK_KEY, 8))
+
+            async def queued() -> bool:  # /status's count includes the batch lanes
+                async with s.get(lb.url + "/status",
+                                 headers={"Authorization": f"Bearer {WEB_KEY}"}) as r:
+                    return (await r.json())["queued"] >= 1
+
+            await until(queued, "the batch request waiting in its lane")
+            lane = await get_metrics(s, lb.url)
+            assert lane["skymesh_batch_lane_length"] == 1  # seen there, not in the queue
+            assert lane.get("skymesh_queue_length", 0) == 0
+            assert not long.done()  # the replica is still held: batch waits for it
+            # The replica hangs (its probes time out until it is marked down) rather than
+            # exits: an exit would free its slot first and the batch would go to it.
+            rep.proc.send_signal(signal.SIGSTOP)
+            status, headers, text = await asyncio.wait_for(batch, 90)
+            assert status == 503, text
+            assert "no healthy replica serves model" in text
+            assert float(headers["Retry-After"]) > 0
+            long.cancel()
+            await asyncio.gather(long, return_exceptions=True)
+    finally:
+        lb.stop()
+        if rep.alive():
+            rep.proc.send_signal(signal.SIGCONT)
+        rep.stop()
