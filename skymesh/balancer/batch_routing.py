@@ -124,5 +124,16 @@ def deadline_of(header: str | None, default_s: float | None) -> float | None:
     return ms / 1000.0
 
 
+def lane_timeout(deadline_s: float | None, queue_timeout_s: float, max_wait_s: float) -> float:
+    """How long a batch request may wait before it is dispatched, in all: until its
+    deadline (seconds from arrival; it may wait that long for quiet capacity), then as
+    long as any request waits in the queue; never past ``max_wait_s``, nor past it when
+    it has no deadline. ``queue.timeout_s`` alone would end the wait for the trough at a
+    minute."""
+    if deadline_s is None:
+        return max_wait_s
+    return min(deadline_s + queue_timeout_s, max_wait_s)
+
+
 __all__ = ["BATCH_DEADLINE_HEADER", "BatchMove", "IdlePeer", "batch_move", "busy",
-           "deadline_of", "idle", "nearest", "quiet", "reserved"]
+           "deadline_of", "idle", "lane_timeout", "nearest", "quiet", "reserved"]

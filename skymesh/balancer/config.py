@@ -489,6 +489,9 @@ class BatchMeshConfig(StrictModel):
     urgent_h: float = Field(1.0, ge=0)
     # Batch requests of this balancer's on one quiet replica at once.
     max_per_replica: int = Field(4, ge=1, le=1024)
+    # The longest a batch request waits to be dispatched, whatever its deadline says
+    # (hours): a client's header cannot hold a connection and a queue place for ever.
+    max_wait_h: float = Field(24.0, gt=0)
 
 
 # The slot fraction the last (lowest) class leaves free on each replica for the better

@@ -35,7 +35,7 @@ from dataclasses import replace
 from aiohttp import web
 
 from skymesh.balancer.auth import EdgeFiles
-from skymesh.balancer.batch_routing import BATCH_DEADLINE_HEADER, deadline_of
+from skymesh.balancer.batch_routing import BATCH_DEADLINE_HEADER, deadline_of, lane_timeout
 from skymesh.balancer.config import BalancerConfig
 from skymesh.balancer.controller_link import Tally
 from skymesh.balancer.dispatch import Ticket
@@ -132,6 +132,8 @@ class Handlers:
                                                   timeout)
             ticket = Ticket(route, t0)
             self._mark_batch(request, ticket, admission, forwarded, t0)
+            if ticket.batch:  # it may wait for the trough, up to its deadline
+                timeout = self._lane_timeout(ticket, t0, deadline_s)
             try:
                 d.offer(ticket, t0)
             except Overloaded as exc:  # the queue is full: back when it has drained
@@ -220,6 +222,13 @@ class Handlers:
             raise BadRequest(str(exc)) from None
         ticket.batch = True
         ticket.batch_due = None if deadline is None else t0 + deadline
+
+    def _lane_timeout(self, ticket: Ticket, t0: float, slo_deadline_s: float | None) -> float:
+        batch = self.cfg.tenants.batch_mesh if self.cfg.tenants is not None else None
+        assert batch is not None  # a ticket is batch only with a batch lane
+        due = None if ticket.batch_due is None else ticket.batch_due - t0
+        timeout = lane_timeout(due, self.cfg.queue.timeout_s, batch.max_wait_h * 3600.0)
+        return timeout if slo_deadline_s is None else min(timeout, slo_deadline_s)
 
     def _booked_back(self, request: web.Request, ticket: Ticket, now: float) -> bool:
         """Queue, past the queue's cap (by at most the cap again), a retry that found it

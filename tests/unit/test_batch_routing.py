@@ -12,6 +12,7 @@ from skymesh.balancer.batch_routing import (
     busy,
     deadline_of,
     idle,
+    lane_timeout,
     quiet,
     reserved,
 )
@@ -65,6 +66,14 @@ def test_the_deadline_header_wins_over_the_default_and_bad_ones_are_refused() ->
     for bad in ("0", "-5", "soon", "nan", "inf"):
         with pytest.raises(ValueError, match="X-SkyMesh-Batch-Deadline-Ms"):
             deadline_of(bad, None)
+
+
+def test_a_batch_request_waits_until_its_deadline_then_as_long_as_the_queue_lets_it() -> None:
+    assert lane_timeout(4 * 3600.0, 60.0, 24 * 3600.0) == 4 * 3600.0 + 60.0
+    # A header asking for a week: held to max_wait_h, as one with no deadline is.
+    assert lane_timeout(7 * 86400.0, 60.0, 24 * 3600.0) == 24 * 3600.0
+    assert lane_timeout(None, 60.0, 24 * 3600.0) == 24 * 3600.0
+    assert lane_timeout(0.5, 60.0, 24 * 3600.0) == 60.5
 
 
 # -- the dispatcher's batch lane -----------------------------------------------------------
