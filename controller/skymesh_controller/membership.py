@@ -33,8 +33,8 @@ class Membership:
         self.store, self.records, self.trust = store, records, trust
         self.share_floor, self.demand_stale_s = share_floor, demand_stale_s
         self.polled: dict[str, int] = {}
-        # balancer -> (monotonic time read, its demand per tenant)
-        self._demand: dict[str, tuple[float, dict[str, tuple[float, float]]]] = {}
+        # balancer -> (monotonic time read, its demand per tenant; None: an older one)
+        self._demand: dict[str, tuple[float, dict[str, tuple[float, float]] | None]] = {}
 
     async def reassign(self, balancers: dict[str, Obj],
                        replicas: dict[str, Obj] | None = None) -> list[Put]:
@@ -101,7 +101,7 @@ class Membership:
             del self._demand[gone]
         return tenants.pushed(stored, me, balancers, demand, self.share_floor)
 
-    async def _demand_of(self, bid: str) -> dict[str, tuple[float, float]]:
+    async def _demand_of(self, bid: str) -> dict[str, tuple[float, float]] | None:
         now = time.monotonic()
         cached = self._demand.get(bid)
         if cached is not None and now - cached[0] < self.DEMAND_CACHE_S:

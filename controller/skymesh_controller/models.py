@@ -266,8 +266,9 @@ class TelemetryIn(_In):
                                                             max_length=4096)
     # Per tenant the controller pushed: its demand here, by which each balancer's part of
     # its limits is split (tenants.py); ``worker``: the reporting worker of the balancer.
-    tenants: dict[Annotated[str, Field(max_length=64)], TenantDemandIn] = Field(
-        default_factory=dict, max_length=100_000)
+    # None (absent): a balancer older than the demand reports, which holds 1/n of each.
+    tenants: dict[Annotated[str, Field(max_length=64)], TenantDemandIn] | None = Field(
+        None, max_length=100_000)
     worker: int = Field(0, ge=0, le=1023)
 
 

@@ -25,6 +25,13 @@ balancer holds in local token buckets, so no request waits on the network:
   once, and more at its next report; the balancers at the floor together hold at most
   ``tenant_share_floor`` of a limit, which bounds what a skewed split loses.
 
+A balancer reports at most its busiest tenants (``controller.telemetry_max_tenants``, so
+the report stays under ``telemetry_max_bytes``): a tenant its report leaves out counts as
+offering nothing there, the floor, like a tenant it has no traffic for. A balancer older
+than the demand reports (its fresh reports carry no ``tenants``) still divides every
+limit by ``share``: it counts as holding ``1/n``, and the others split the rest by their
+demand, so during a rolling upgrade the scope never allows more than the limit.
+
 A balancer that dies is left out at the next push, and the others' parts grow.
 """
 
@@ -73,16 +80,31 @@ class TenantIn(TenantConfig):
         return self
 
 
-# balancer id -> tenant -> (requests/s, tokens/min) offered there, from fresh reports
-Demand = Mapping[str, Mapping[str, tuple[float, float]]]
+# balancer id -> tenant -> (requests/s, tokens/min) offered there, from fresh reports;
+# None for a balancer whose fresh reports carry no demand (older than it: it holds 1/n)
+Demand = Mapping[str, Mapping[str, tuple[float, float]] | None]
 DEFAULT_FLOOR: float = ControllerConfig.model_fields["tenant_share_floor"].default
 
 
-def split(demand: Mapping[str, float], floor: float = DEFAULT_FLOOR) -> dict[str, float]:
+def split(demand: Mapping[str, float | None], floor: float = DEFAULT_FLOOR
+          ) -> dict[str, float]:
     """Each balancer's fraction of a limit: in proportion to its ``demand``, none below
     ``floor / n``, summing to 1; even when nobody offers anything. Water-filling: the
     balancers whose proportional part is under the floor are held at it and the rest is
-    shared by the others in proportion (``floor`` at most 0.5 keeps the busiest above it)."""
+    shared by the others in proportion (``floor`` at most 0.5 keeps the busiest above it).
+    A ``None`` demand is a balancer that reports none (older than the fractions): it uses
+    ``1/n`` whatever it is pushed, so it is counted at ``1/n`` and the others share the
+    rest, by the same rule (their floor stays ``floor / n`` of the whole limit)."""
+    n = len(demand)
+    if n == 0:
+        return {}
+    known = {b: d for b, d in demand.items() if d is not None}
+    rest = len(known) / n
+    return dict.fromkeys(set(demand) - set(known), 1.0 / n) | {
+        b: rest * f for b, f in _split(known, floor).items()}
+
+
+def _split(demand: Mapping[str, float], floor: float) -> dict[str, float]:
     n = len(demand)
     if n == 0:
         return {}
@@ -112,10 +134,15 @@ def scopes(me: Obj, balancers: dict[str, Obj]) -> dict[str, list[str]]:
 
 def fractions(tenant: str, me: str, ids: list[str], demand: Demand,
               floor: float = DEFAULT_FLOOR) -> tuple[float, float]:
-    """``me``'s (requests, tokens) fraction of ``tenant``'s limits among ``ids``."""
-    rows = [demand.get(b, {}).get(tenant, (0.0, 0.0)) for b in ids]
-    return (split({b: r[0] for b, r in zip(ids, rows, strict=True)}, floor)[me],
-            split({b: r[1] for b, r in zip(ids, rows, strict=True)}, floor)[me])
+    """``me``'s (requests, tokens) fraction of ``tenant``'s limits among ``ids``. A
+    balancer with no report, or whose report leaves ``tenant`` out, offers nothing; one
+    that reports no demand at all (``None``: older) holds ``1/n`` (:func:`split`)."""
+    rows: dict[str, tuple[float, float] | None] = {}
+    for b in ids:
+        mine = demand.get(b, {})
+        rows[b] = None if mine is None else mine.get(tenant, (0.0, 0.0))
+    return (split({b: None if r is None else r[0] for b, r in rows.items()}, floor)[me],
+            split({b: None if r is None else r[1] for b, r in rows.items()}, floor)[me])
 
 
 def pushed(tenants: dict[str, Obj], me: Obj, balancers: dict[str, Obj],
@@ -132,17 +159,26 @@ def pushed(tenants: dict[str, Obj], me: Obj, balancers: dict[str, Obj],
     return out
 
 
-def demand_of(samples: Iterable[Obj], since: float) -> dict[str, tuple[float, float]]:
+def demand_of(samples: Iterable[Obj], since: float
+              ) -> dict[str, tuple[float, float]] | None:
     """One balancer's demand per tenant from its newest telemetry ``samples`` (any
     order): the newest report of each of its workers made at ``since`` or later, summed.
-    Reports without ``tenants`` (a balancer older than them) count for nothing."""
+    Reports without ``tenants`` (a balancer older than them) count for nothing; None
+    when there are fresh reports and none carries ``tenants``: a balancer that divides
+    by ``share`` (:func:`split`). A tenant a report leaves out offers nothing there."""
     newest: dict[int, Obj] = {}
+    fresh = False
     for x in samples:
-        if x.get("ts", 0.0) < since or not isinstance(x.get("tenants"), dict):
+        if x.get("ts", 0.0) < since:
+            continue
+        fresh = True
+        if not isinstance(x.get("tenants"), dict):
             continue
         w = int(x.get("worker", 0))
         if w not in newest or x["ts"] > newest[w]["ts"]:
             newest[w] = x
+    if fresh and not newest:
+        return None
     out: dict[str, tuple[float, float]] = {}
     for x in newest.values():
         for name, d in x["tenants"].items():

@@ -452,6 +452,10 @@ class ControllerLinkConfig(StrictModel):
     token_file: str | None = None
     advertise_url: str | None = None  # default: the URL the HTTP edge bound
     telemetry_interval_s: float = Field(5.0, gt=0)
+    # A report carries the demand of at most this many tenants (the busiest): each adds
+    # about 80-150 bytes, and a report over the controller's telemetry_max_bytes (64 KB)
+    # is refused whole. A tenant left out holds the floor of its limit here.
+    telemetry_max_tenants: int = Field(200, ge=0, le=100_000)
     poll_wait_s: float = Field(30.0, gt=0, le=300)
     # After a failed call: retry_s, doubling (with jitter) up to retry_max_s while calls
     # keep failing (a balancer registering in a region the controller does not know yet).

@@ -129,6 +129,18 @@ def read_token(cfg: ControllerLinkConfig) -> str:
     return os.environ.get(cfg.token_env, "")
 
 
+def busiest(demand: dict[str, tuple[float, float]], limit: int
+            ) -> dict[str, tuple[float, float]]:
+    """The ``limit`` tenants of ``demand`` offering the most requests (then tokens): what
+    a telemetry report carries, so it stays under the controller's size cap however many
+    tenants are active here. The controller counts a tenant left out as offering nothing
+    here (this balancer keeps the floor of its limits)."""
+    if len(demand) <= limit:
+        return demand
+    top = sorted(demand.items(), key=lambda kv: (-kv[1][0], -kv[1][1], kv[0]))[:limit]
+    return dict(top)
+
+
 class Tally:
     """Requests and tokens per model since the last report (the telemetry the controller
     turns into demand series for forecasting)."""
@@ -178,6 +190,7 @@ class ControllerLink:
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep, *,
                  set_tenants: Callable[[list[dict[str, Any]]], None] | None = None,
                  tenant_demand: Callable[[], dict[str, tuple[float, float]]] | None = None,
+                 tenants_unreported: Callable[[int], None] | None = None,
                  worker: int = 0) -> None:
         self.cfg = cfg
         self.config = config  # the balancer's, as in effect (a reload changes pushing)
@@ -189,6 +202,8 @@ class ControllerLink:
         self.set_policy = set_policy  # ... and its policy, applied to the balancer
         self.set_tenants = set_tenants  # ... and its tenants (tenant_push)
         self.tenant_demand = tenant_demand  # per pushed tenant: (requests/s, tokens/min)
+        self.tenants_unreported = tenants_unreported  # counts those a report left out
+        self._unreported = 0  # left out of the last report (a warning when it starts)
         self.worker = worker  # this process's index among the balancer's workers
         self.sleep = sleep  # between retries (a fake one in tests)
         mesh_cfg = config().mesh
@@ -397,11 +412,24 @@ class ControllerLink:
                          for url, h in self.health.replicas.items()},
         }
         if self.tenant_demand is not None:
+            demand = self.tenant_demand()
+            kept = busiest(demand, self.cfg.telemetry_max_tenants)
+            self._left_out(len(demand) - len(kept), len(demand))
             out["tenants"] = {name: {"requests_per_s": round(r, 4),
                                      "tokens_per_min": round(t, 2)}
-                              for name, (r, t) in sorted(self.tenant_demand().items())}
+                              for name, (r, t) in sorted(kept.items())}
             out["worker"] = self.worker
         return out
+
+    def _left_out(self, n: int, active: int) -> None:
+        """Count the tenants a report left out; warn when it starts (not every report)."""
+        if n > 0 and self.tenants_unreported is not None:
+            self.tenants_unreported(n)
+        if n > 0 and self._unreported == 0:
+            log.warning("%d tenants are active here: the telemetry report carries the "
+                        "demand of the busiest %d (controller.telemetry_max_tenants); the "
+                        "others hold the floor of their limits here", active, active - n)
+        self._unreported = n
 
     def apply_shares(self, answer: Any) -> None:
         """The telemetry answer: the tenants with this balancer's fractions of their

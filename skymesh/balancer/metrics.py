@@ -147,6 +147,16 @@ class TenantMetrics:
                                     "Releases at which a class with waiters was held back "
                                     "by the slot reserve for better classes",
                                     ["priority"], registry=r)
+        # Set when the controller's tenants (and this balancer's part of their limits)
+        # are applied: this worker's part, so the balancer's is the sum over ``worker``.
+        self.share = Gauge("skymesh_tenant_share",
+                           "Part of a tenant's limit this worker holds, as the controller "
+                           "split it (limit: requests, tokens)",
+                           ["tenant", "limit"], registry=r)
+        self.unreported = Counter("skymesh_tenant_demand_unreported_total",
+                                  "Tenants left out of a telemetry report's demand (past "
+                                  "controller.telemetry_max_tenants): they hold the floor",
+                                  registry=r)
 
 
 class TenantQueueDepth:

@@ -162,7 +162,7 @@ class Balancer:
             ControllerLink(cfg.controller, lambda: self.cfg, self.dispatcher, self.health,
                            self.mesh, self.tally, self.set_replicas, self.set_policy,
                            set_tenants=self.set_tenants, tenant_demand=self.tenant_demand,
-                           worker=worker)
+                           tenants_unreported=self._tenants_unreported, worker=worker)
             if cfg.controller is not None else None)
         # The rooms (see the module docstring), each given only what it uses; a request
         # flows one way: handlers -> forwarder -> streams -> moves.
@@ -343,6 +343,9 @@ class Balancer:
             # the tenants themselves change.
             log.log(logging.INFO if before != [without_fractions(t) for t in pushed]
                     else logging.DEBUG, "tenants from the controller: %s", described(pushed))
+
+    def _tenants_unreported(self, n: int) -> None:
+        self.metrics.enable_tenants().unreported.inc(n)
 
     def tenant_demand(self) -> dict[str, tuple[float, float]]:
         """The smoothed demand offered here per tenant the controller pushed (what the

@@ -38,7 +38,7 @@ from skymesh.balancer.tenancy import (
     reserve_of,
     tenants_of,
 )
-from skymesh.balancer.tenant_push import limiter_of, merge
+from skymesh.balancer.tenant_push import limiter_of, merge, show_shares
 
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 60.0
@@ -88,6 +88,7 @@ class TenantGate:
         book = book_of(merged.cfg)
         self.limiter = limiter_of(merged, self.share, self.clock(), self.limiter,
                                   workers=self.workers)
+        show_shares(self.metrics.share, merged, self.workers)
         self.book = book
         self.queue.weights = {t.name: t.weight for t in merged.cfg.members}
         return True

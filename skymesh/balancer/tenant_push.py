@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import Gauge
 from pydantic import ValidationError
 
 from skymesh.balancer.config import TenantsConfig
@@ -122,6 +123,22 @@ def limiter_of(merged: Merged, local_share: int, now: float,
     return new
 
 
+def show_shares(gauge: Gauge, merged: Merged, workers: int = 1) -> None:
+    """``skymesh_tenant_share{tenant,limit}``: each pushed tenant's part of its request and
+    token limits this worker holds (the balancer's fraction divided among its workers);
+    the series of tenants no longer pushed go."""
+    w = max(1, workers)
+    now = {(name, limit): f / w for name, (fr, ft) in merged.fractions.items()
+           for limit, f in (("requests", fr), ("tokens", ft))}
+    for metric in gauge.collect():
+        for sample in metric.samples:
+            key = (sample.labels["tenant"], sample.labels["limit"])
+            if key not in now:
+                gauge.remove(*key)
+    for (name, limit), f in now.items():
+        gauge.labels(name, limit).set(round(f, 6))
+
+
 FRACTIONS = ("fraction", "tokens_fraction")
 
 
@@ -140,4 +157,5 @@ def described(pushed: Iterable[Mapping[str, Any]]) -> str:
     return ", ".join(out) or "none"
 
 
-__all__ = ["FRACTIONS", "Merged", "described", "limiter_of", "merge", "without_fractions"]
+__all__ = ["FRACTIONS", "Merged", "described", "limiter_of", "merge", "show_shares",
+           "without_fractions"]

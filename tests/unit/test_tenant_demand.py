@@ -7,14 +7,23 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import logging
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from skymesh.balancer.config import TenantsConfig, parse_config
 from skymesh.balancer.server import Balancer
 from skymesh.balancer.tenancy import Demand, Limiter, Tenant, TenantLimited
 from skymesh.balancer.tenant_push import limiter_of, merge
+from skymesh_controller.config import ControllerConfig
+from skymesh_controller.models import TelemetryIn
+from skymesh_controller.refusals import Refusals
+from skymesh_controller.store import MemoryStore
+from skymesh_controller.telemetry import Telemetry
 
 
 def sha(key: str) -> str:
@@ -170,3 +179,62 @@ async def test_telemetry_reports_demand_and_its_answer_sets_the_fractions() -> N
     assert rate() == pytest.approx(8.0 * 0.75 / 2)
     link.apply_shares(None)  # an older controller's 204
     assert rate() == pytest.approx(8.0 * 0.75 / 2)
+
+
+def share_series(lb: Balancer) -> dict[tuple[str, str], float]:
+    got = {}
+    for fam in text_string_to_metric_families(generate_latest(lb.metrics.registry).decode()):
+        if fam.name == "skymesh_tenant_share":
+            got |= {(s.labels["tenant"], s.labels["limit"]): s.value for s in fam.samples}
+    return got
+
+
+async def test_the_share_a_worker_holds_is_a_gauge_set_at_each_push() -> None:
+    """``skymesh_tenant_share{tenant,limit}``: this worker's part of each pushed tenant's
+    limits (the balancer's fraction over its two workers), changed by the fractions a
+    telemetry answer brings, gone with the tenant."""
+    lb = balancer(workers=2)
+    link = lb.controller
+    assert link is not None
+    acme = {"name": "acme", "keys_sha256": [sha("k")], "requests_per_s": 8.0, "share": 2,
+            "fraction": 0.8, "tokens_fraction": 0.6}
+    beta = {"name": "beta", "requests_per_s": 8.0, "share": 4}  # an older controller
+    await link.apply({"revision": 1, "replicas": [], "peers": [], "tenants": [acme, beta]})
+    assert share_series(lb) == pytest.approx({
+        ("acme", "requests"): 0.4, ("acme", "tokens"): 0.3,
+        ("beta", "requests"): 0.125, ("beta", "tokens"): 0.125})
+    link.apply_shares({"revision": 1, "tenants": [{**acme, "fraction": 0.5}]})
+    assert share_series(lb) == pytest.approx({("acme", "requests"): 0.25,
+                                              ("acme", "tokens"): 0.3})
+
+
+async def test_a_report_carries_the_busiest_tenants_and_the_controller_takes_it_whole(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """3000 tenants active at one balancer: the report carries the busiest 200
+    (controller.telemetry_max_tenants), so it stays under the controller's 64 KB cap and
+    is stored, its load and health with it (it was refused whole, 413); the rest are
+    counted and told once."""
+    lb = balancer()
+    link = lb.controller
+    assert link is not None
+    names = [f"tenant-with-a-rather-long-name-{i:05d}" for i in range(3000)]
+    demand = {n: (float(i), 60.0 * i) for i, n in enumerate(names)}
+    link.tenant_demand = lambda: demand
+    with caplog.at_level(logging.WARNING, logger="skymesh.balancer.controller"):
+        report = link.telemetry()
+        link.telemetry()
+    assert set(report["tenants"]) == set(names[-200:])  # the busiest
+    assert [r.getMessage() for r in caplog.records if "telemetry_max_tenants" in
+            r.getMessage()] == [
+        "3000 tenants are active here: the telemetry report carries the demand of the "
+        "busiest 200 (controller.telemetry_max_tenants); the others hold the floor of "
+        "their limits here"]
+    assert lb.metrics.registry.get_sample_value(
+        "skymesh_tenant_demand_unreported_total") == 2 * 2800
+    store = MemoryStore()
+    await store.commit([("balancers", "lb-us", {"id": "lb-us", "region": "us"})])
+    await Telemetry(ControllerConfig(), store, Refusals()).report(
+        "lb-us", TelemetryIn.model_validate(report))
+    stored = await store.tail("balancer:lb-us", 1)
+    assert len(json.dumps(stored[0])) < ControllerConfig().telemetry_max_bytes
+    assert stored[0]["replicas"] == report["replicas"] and len(stored[0]["tenants"]) == 200

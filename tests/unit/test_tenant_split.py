@@ -103,3 +103,44 @@ def test_a_dead_balancer_drops_out_of_the_split() -> None:
     down = {**BALANCERS, "eu-a": {**BALANCERS["eu-a"], "state": "down"}}
     assert parts("us-a", demand)["acme"][:2] == (3, 0.25)
     assert parts("us-a", demand, down)["acme"][:2] == (2, 0.5)
+
+
+# -- a rolling upgrade: balancers older than the demand reports ---------------------------
+
+
+@pytest.mark.parametrize(("demand", "floor", "want"), [
+    # The old one divides by n whatever it is pushed: it is counted at 1/n, the two new
+    # ones share the other 2/3 by demand (the idle one at floor / n of the whole).
+    ({"old": None, "a": 30.0, "b": 0.0}, 0.3, {"old": 1 / 3, "a": 0.9 - 1 / 3, "b": 0.1}),
+    ({"old": None, "a": 3.0, "b": 1.0}, 0.1, {"old": 1 / 3, "a": 0.5, "b": 1 / 6}),
+    ({"old": None, "old2": None}, 0.1, {"old": 0.5, "old2": 0.5}),
+    ({"old": None, "a": 0.0}, 0.1, {"old": 0.5, "a": 0.5}),
+])
+def test_split_counts_a_balancer_without_demand_reports_at_its_even_share(
+        demand: dict[str, float | None], floor: float, want: dict[str, float]) -> None:
+    got = split(demand, floor)
+    assert got.keys() == want.keys() and sum(got.values()) == pytest.approx(1.0)
+    for b, f in want.items():
+        assert got[b] == pytest.approx(f, abs=1e-6), (b, got)
+
+
+def test_demand_of_a_balancer_whose_fresh_reports_carry_no_demand_is_none() -> None:
+    old = [{"ts": 100.0, "window_s": 5, "models": {}, "tenants": None},
+           {"ts": 101.0, "window_s": 5, "models": {}}]
+    assert demand_of(old, since=90.0) is None  # an older balancer: it holds 1/n
+    assert demand_of(old, since=200.0) == {}  # no fresh report at all: nothing offered
+    # A new balancer with nothing to report says so ({}): it offers nothing.
+    assert demand_of([*old, report(102.0)], since=90.0) == {}
+
+
+def test_an_older_balancer_in_scope_leaves_the_others_the_rest_of_the_limit() -> None:
+    """Mid-upgrade, eu-a (old) admits 1/3 of acme's limit whatever it is pushed: the new
+    ones share 2/3 by their demand, so the three never allow more than the limit (they
+    were given 1 - floor between them and eu-a its floor: 1/3 over it)."""
+    demand: dict[str, Any] = {"us-a": {"acme": (27.0, 900.0)}, "us-b": {}, "eu-a": None}
+    got = {b: parts(b, demand)["acme"] for b in BALANCERS}
+    assert got["eu-a"][1] == pytest.approx(1 / 3, abs=1e-5)
+    assert got["us-b"][1] == pytest.approx(0.1 / 3, abs=1e-5)  # the floor, as before
+    assert got["us-a"][1] == pytest.approx(1 - 1 / 3 - 0.1 / 3, abs=1e-5)
+    assert sum(f for _, f, _ in got.values()) == pytest.approx(1.0, abs=1e-5)
+    assert sum(ft for _, _, ft in got.values()) == pytest.approx(1.0, abs=1e-5)
