@@ -523,7 +523,8 @@ class TenantsConfig(StrictModel):
     # ({}: none).
     reserve: dict[str, float | Literal["auto"]] | None = None
     reserve_headroom: float = Field(DEFAULT_RESERVE_HEADROOM, gt=0)
-    # The time over which an adaptive reserve forgets the better classes' load.
+    # The time over which an adaptive reserve forgets the better classes' load; pacing
+    # (reserve_pace) holds only while a better request arrived within it.
     reserve_window_s: float = Field(10.0, gt=0)
     # 120 s since the adaptive reserve (30 s before): it shrinks by itself in a lull,
     # down to one slot a replica, so holding that slot longer is cheap and keeps the

@@ -44,7 +44,9 @@ Pure: no sockets, no sleeps; every clock is passed in, so tests drive a fake one
   to free. While it holds, such a class also goes to a replica only while fewer than
   ``reserve_pace`` requests wait to start there (the probe's waiting plus ours not yet
   admitted): a burst of its prefills, queued first come first served inside the engine,
-  would otherwise stall the better request that arrives next.
+  would otherwise stall the better request that arrives next; pacing holds only while a
+  better request arrived within ``reserve_window_s`` (it is what costs the lower class
+  most).
 """
 
 from __future__ import annotations
@@ -548,6 +550,10 @@ class Reserve:
     pace: int = 1 << 30
     adaptive: frozenset[str] = frozenset()
     headroom: float = 1.0
+    # Pacing holds while a better class arrived within this long (at most idle_s): it
+    # costs the lower class most (its starts wait on a lagging probe), and guards only
+    # better requests that arrive soon.
+    pace_s: float = math.inf
 
     def better(self, cls: str) -> tuple[str, ...]:
         return self.classes[:self.classes.index(cls)]
@@ -572,12 +578,19 @@ class Reserve:
         since = now - self.idle_s
         return any(arrived.get(c, -math.inf) >= since for c in self.better(cls))
 
-    def room(self, cls: str, free: Sequence[tuple[int, int, int]], better: float = 0.0) -> int:
+    def paces(self, cls: str, arrived: Mapping[str, float], now: float) -> bool:
+        """Whether pacing holds for ``cls``: a better class arrived within ``pace_s``."""
+        since = now - min(self.pace_s, self.idle_s)
+        return any(arrived.get(c, -math.inf) >= since for c in self.better(cls))
+
+    def room(self, cls: str, free: Sequence[tuple[int, int, int]], better: float = 0.0,
+             paced: bool = True) -> int:
         """Requests of ``cls`` the replicas (``(free, capacity, not started)`` each) may
-        take now: their free slots beyond what it leaves free, and on each at most
-        ``pace`` not started at a time."""
+        take now: their free slots beyond what it leaves free, and on each, ``paced``, at
+        most ``pace`` not started at a time."""
         n = len(free)
-        return sum(min(max(0, f - self.slots(cls, cap, better, n)), max(0, self.pace - pending))
+        pace = self.pace if paced else 1 << 30
+        return sum(min(max(0, f - self.slots(cls, cap, better, n)), max(0, pace - pending))
                    for f, cap, pending in free)
 
 
@@ -592,7 +605,7 @@ def reserve_of(cfg: TenantsConfig) -> Reserve:
                    {c: float(f) for c, f in given.items() if f != AUTO_RESERVE},
                    cfg.reserve_idle_s, cfg.reserve_pace,
                    adaptive=frozenset(c for c, f in given.items() if f == AUTO_RESERVE),
-                   headroom=cfg.reserve_headroom)
+                   headroom=cfg.reserve_headroom, pace_s=cfg.reserve_window_s)
 
 
 def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mapping[str, int],
@@ -613,7 +626,8 @@ def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mappi
         room = bound - pending
         free = slots(model) if reserve is not None and slots is not None else ()
         # class -> free slots beyond its reserve, for the classes the reserve binds now
-        beyond = {c: reserve.room(c, free, queue.occupancy.mean(model, reserve.better(c), now))
+        beyond = {c: reserve.room(c, free, queue.occupancy.mean(model, reserve.better(c), now),
+                                  reserve.paces(c, queue.arrived, now))
                   for c in queue.classes
                   if reserve is not None and reserve.applies(c, queue.arrived, now)} \
             if free else {}

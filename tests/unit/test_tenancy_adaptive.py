@@ -122,3 +122,23 @@ async def test_gate_counts_a_released_request_until_it_leaves_and_a_refused_one_
     assert not await g2.wait_turn(late, 0.0)
     g2.leave(late, 0)
     assert ("m", "batch") not in g2.queue.occupancy._s
+
+
+def test_pacing_holds_only_while_better_requests_arrived_within_pace_s() -> None:
+    """Pacing (one batch start at a time per replica) costs the batch class most, as its
+    starts wait on a lagging probe: it stops reserve_window_s after the last better
+    arrival, while the reserve's slot stays until reserve_idle_s."""
+    r = Reserve(CLASSES, {}, idle_s=120.0, pace=1, adaptive=frozenset({"batch"}),
+                pace_s=10.0)
+    free = {"m": [(16, 16, 1), (16, 16, 0)]}.__getitem__  # one starting on the first
+    q = FairQueue(CLASSES, capacity=1000, started=-1000.0)
+    _interactive(q, 1, 0.0)
+    for now, want in ((5.0, 1), (11.0, 15 + 15), (121.0, 40)):
+        for _ in range(40):
+            q.push(Waiter("m", "bulk", "batch", 10, now))
+        got = release_into(q, none_queued, {}, 1000, now, reserve=r, slots=free)
+        q.drain("m")
+        assert len(got) == want, now
+    assert r.paces("batch", {"interactive": 0.0}, 10.0)
+    assert not r.paces("batch", {"interactive": 0.0}, 10.5)
+    assert not r.paces("interactive", {"interactive": 0.0}, 1.0)  # nothing better

@@ -88,9 +88,10 @@ FIXED_IDLE_S = 30.0  # reserve_idle_s's default with the fixed reserve, before
 RESERVE_PACE = 1  # tenants.reserve_pace's default
 # The default reserve (adaptive), and the fixed quarter it replaced.
 RESERVE = Reserve(CLASSES, {}, RESERVE_IDLE_S, RESERVE_PACE, adaptive=frozenset({"batch"}),
-                  headroom=DEFAULT_RESERVE_HEADROOM)
+                  headroom=DEFAULT_RESERVE_HEADROOM, pace_s=RESERVE_WINDOW_S)
+# As before: paced for as long as the reserve held.
 FIXED = replace(RESERVE, fractions={"batch": DEFAULT_RESERVE}, adaptive=frozenset(),
-                idle_s=FIXED_IDLE_S)
+                idle_s=FIXED_IDLE_S, pace_s=FIXED_IDLE_S)
 # The reserve arms by reserve_pace: the default, and two looser ones (the trade-off of
 # pacing, batch throughput against the interactive tail). None: no pacing.
 PACES: dict[str, int | None] = {"fair_reserve": RESERVE_PACE, "fair_reserve_pace2": 2,
@@ -398,6 +399,7 @@ def _tenants(arm: str) -> dict[str, Any]:
     elif arm == "fair_reserve_fixed":
         out["reserve"] = {"batch": DEFAULT_RESERVE}
         out["reserve_idle_s"] = FIXED_IDLE_S
+        out["reserve_window_s"] = FIXED_IDLE_S  # paced while it holds, as before
     elif arm in PACES:
         out["reserve_pace"] = PACES[arm] or 1 << 20
     return out
