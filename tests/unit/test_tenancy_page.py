@@ -126,7 +126,8 @@ def test_tail_engine_and_light_sections_render_from_their_rows() -> None:
                                    batch_last_done_s=300.0)]
     live = [_flood("fair_reserve", 0, 0.2, interactive_last_arrival_s=15.0,
                    batch_last_done_s=90.0)]
-    setup = {**DOC["setup"], "reserve_idle_s": 30.0, "tail_share": 0.05,
+    setup = {**DOC["setup"], "reserve_idle_s": 30.0, "reserve_window_s": 10.0,
+             "tail_share": 0.05,
              "light_rate_per_s": 0.5}
     page = tenancy({**DOC, "flood": flood, "tail": tail, "engine": engine, "live": live,
                     "light": DOC["flood"], "setup": setup})
@@ -136,6 +137,8 @@ def test_tail_engine_and_light_sections_render_from_their_rows() -> None:
     assert "the largest part is engine: prefill step(s) and reply (0.400 s); inside the " \
         "engine 0.550 s, at the balancer 0.050 s." in page
     assert _row(page, "12")[1:] == ["480", "80.0%", "75.0%"]
-    # Held from the start to reserve_idle_s after the last interactive arrival.
-    assert "20% of the batch run in the simulator and 50% live" in page
+    # Held from the start to reserve_idle_s (30 s; pacing: reserve_window_s, 10 s) after
+    # the last interactive arrival.
+    assert "Here the reserve covers 20% of it in the simulator and 50% live; its pacing " \
+        "covers 13% of it in the simulator and 28% live." in page
     assert "### A light interactive tenant" in page and "at 0.5/s" in page

@@ -145,14 +145,16 @@ def _engine(rows: list[dict[str, Any]], flood: list[dict[str, Any]],
             num(r["tokens_per_s"] / full["tokens_per_s"], ".1%"),
             num(r["seqs"] / full["seqs"], ".1%")] for r in sorted(rows, key=lambda r: r["seqs"])]
     idle = setup.get("reserve_idle_s", 0.0)
+    window = setup.get("reserve_window_s", idle)
 
-    def held(rs: list[dict[str, Any]]) -> float | None:
-        xs = [min(1.0, (r["interactive_last_arrival_s"] + idle) / r["batch_last_done_s"])
+    def held(rs: list[dict[str, Any]], after: float) -> float | None:
+        """The median share of the batch run from its start to ``after`` seconds past the
+        interactive tenant's last arrival."""
+        xs = [min(1.0, (r["interactive_last_arrival_s"] + after) / r["batch_last_done_s"])
               for r in rs if r.get("arm") == "fair_reserve" and r.get("batch_last_done_s")
               and r.get("interactive_last_arrival_s") is not None]
         return statistics.median(xs) if xs else None
 
-    sim, lv = held(flood), held(live)
     lines = [
         "### Why the batch tenant loses more live than in the simulator", "",
         f"One engine ({full.get('profile', '?')}, the simulator's and `skymesh-replica`'s: "
@@ -162,19 +164,23 @@ def _engine(rows: list[dict[str, Any]], flood: list[dict[str, Any]],
                "slots vs the full replica"], out, [True, True, True, True]), "",
         "Throughput is below linear in the requests running (each prefill is a fixed "
         "cost a fuller batch does not share), so slots kept free cost the batch tenant "
-        "less than their share while the reserve holds. The difference between the two "
-        "runs is how long it holds: until `reserve_idle_s` "
-        f"({idle:.0f} s) after the interactive tenant's last request"]
-    if sim is not None and lv is not None:
-        lines[-1] += (f", {sim:.0%} of the batch run in the simulator and {lv:.0%} live "
-                      "(the live flood is a third as long and the replicas twice as fast, "
-                      "while `reserve_idle_s` is wall-clock seconds in both).")
-    else:
-        lines[-1] += "."
-    lines.append("Live, pacing costs more too: a batch request is not streamed, so it "
-                 "counts as not started until a probe after the engine's metrics lag shows "
-                 "it (about a second), and `reserve_pace` 1 starts one per replica per such "
-                 "interval (compare the `reserve_pace` 2 and no-pacing arms).")
+        "less than their share while the reserve holds. What differs between the two "
+        "runs is how much of the batch run the reserve and its pacing cover: they hold "
+        f"until `reserve_idle_s` ({idle:.0f} s) and `reserve_window_s` ({window:.0f} s) "
+        "after the interactive tenant's last request, wall-clock seconds in both runs, "
+        "while the live flood is a third as long and its replicas twice as fast."]
+    shares = [(name, held(flood, after), held(live, after))
+              for name, after in (("the reserve", idle), ("its pacing", window))]
+    said = [f"{name} covers {sim:.0%} of it in the simulator and {lv:.0%} live"
+            for name, sim, lv in shares if sim is not None and lv is not None]
+    if said:
+        lines[-1] += " Here " + "; ".join(said) + "."
+    lines.append("")
+    lines.append("Live, pacing costs more: a batch request is not streamed, so it counts as "
+                 "not started until a probe after the engine's metrics lag shows it (about "
+                 "a second), and `reserve_pace` 1 starts one per replica per such interval "
+                 "(compare the `reserve_pace` 2 and no-pacing arms; the fixed reserve's arm "
+                 "paces for as long as its reserve holds, as before).")
     return [*lines, ""]
 
 
