@@ -498,9 +498,16 @@ class BatchMeshConfig(StrictModel):
     max_wait_h: float = Field(24.0, gt=0)
 
 
-# The slot fraction the last (lowest) class leaves free on each replica for the better
-# ones when tenants.reserve is not given: measured on docs/results/tenancy.md.
+# The slot fraction the last (lowest) class left free on each replica for the better
+# ones before the adaptive reserve (now a fixed reserve's example value in the docs and
+# the results page's "fixed" arm).
 DEFAULT_RESERVE = 0.25
+# tenants.reserve's value for a class whose reserve follows the better classes' load.
+AUTO_RESERVE = "auto"
+# An adaptive reserve keeps this many times the better classes' recent mean in service
+# free (measured on docs/results/tenancy.md: 1.5 cut the flood's interactive p99 and
+# gave a light interactive load's idle slots to batch; 2 cost batch more for little).
+DEFAULT_RESERVE_HEADROOM = 1.5
 
 
 class TenantsConfig(StrictModel):
@@ -524,19 +531,28 @@ class TenantsConfig(StrictModel):
     # The slot reserve: per class, the fraction of each replica's slots (max_num_seqs,
     # sp-o's max_outstanding) it leaves free for better classes; it lapses while no
     # better request arrived for reserve_idle_s (docs/tenancy.md, measured on
-    # docs/results/tenancy.md). None: DEFAULT_RESERVE for the last class ({}: none).
-    reserve: dict[str, float] | None = None
-    reserve_idle_s: float = Field(30.0, ge=0)
+    # docs/results/tenancy.md); "auto": reserve_headroom x the better classes' recent
+    # mean in service per replica, at least one slot. None: "auto" for the last class
+    # ({}: none).
+    reserve: dict[str, float | Literal["auto"]] | None = None
+    reserve_headroom: float = Field(DEFAULT_RESERVE_HEADROOM, gt=0)
+    # The time over which an adaptive reserve forgets the better classes' load; pacing
+    # (reserve_pace) holds only while a better request arrived within it.
+    reserve_window_s: float = Field(10.0, gt=0)
+    # 120 s since the adaptive reserve (30 s before): it shrinks by itself in a lull,
+    # down to one slot a replica, so holding that slot longer is cheap and keeps the
+    # first requests after a lull fast (docs/results/tenancy.md, the lull).
+    reserve_idle_s: float = Field(120.0, ge=0)
     # A class with a reserve goes to a replica only while fewer than this many requests
     # wait to start there, so a burst of its prefills cannot stall a better request.
     reserve_pace: int = Field(1, ge=1)
     members: list[TenantConfig] = Field(default_factory=list)
     batch_mesh: BatchMeshConfig | None = None  # None: batch waits in the fair queue
 
-    def reserve_fractions(self) -> dict[str, float]:
+    def reserve_fractions(self) -> dict[str, float | str]:
         if self.reserve is not None:
             return dict(self.reserve)
-        return {self.classes[-1]: DEFAULT_RESERVE} if len(self.classes) > 1 else {}
+        return {self.classes[-1]: AUTO_RESERVE} if len(self.classes) > 1 else {}
 
     @field_validator("trusted_sources")
     @classmethod
@@ -610,9 +626,10 @@ def _check_tenants(t: TenantsConfig) -> None:
         raise ConfigError("tenants.max_wait_s: bounds must be > 0 seconds")
     reserve = t.reserve or {}
     check("tenants.reserve", list(reserve))
-    if any(not 0 <= v < 1 for v in reserve.values()):
-        raise ConfigError("tenants.reserve: fractions of a replica's slots, 0 <= f < 1")
-    if reserve.get(classes[0], 0) > 0:
+    if any(not isinstance(v, str) and not 0 <= v < 1 for v in reserve.values()):
+        raise ConfigError("tenants.reserve: fractions of a replica's slots, 0 <= f < 1, "
+                          f"or {AUTO_RESERVE!r}")
+    if reserve.get(classes[0], 0) != 0:
         raise ConfigError(f"tenants.reserve: {classes[0]!r} is the best class; there is "
                           "no better one to keep slots for")
     names: set[str] = set()

@@ -32,18 +32,24 @@ Pure: no sockets, no sleeps; every clock is passed in, so tests drive a fake one
   "Fairness in Serving Large Language Models", OSDI'24): a tenant that becomes backlogged
   is lifted to the least counter of those already backlogged (with none, to the counter
   last served there), so idle time is not credit.
-- The slot reserve (:class:`Reserve`, ``tenants.reserve``): a class with a reserve
-  fraction ``f`` is released only while the replicas of the model have free slots beyond
-  ``ceil(f x slots)`` each, at most all but one (slots: the replica's ``max_num_seqs``
-  under sp-p, when known, or sp-o's ``max_outstanding``), so a better class arriving
-  finds a slot free instead of waiting for a long batch request to finish (the fair
-  queue orders, but a slot once taken is held for the whole request). The reserve lapses
+- The slot reserve (:class:`Reserve`, ``tenants.reserve``): a class with a reserve is
+  released only while the replicas of the model have free slots beyond it on each, at
+  most all but one (slots: the replica's ``max_num_seqs`` under sp-p, when known, or
+  sp-o's ``max_outstanding``). The reserve is ``auto`` (the default): ``reserve_headroom``
+  x the better classes' recent mean in service per replica (:class:`Occupancy`; Little's
+  law: their arrival rate x their time in service), at least one slot, so the idle
+  capacity goes to the lower class; or a fixed fraction ``f``: ``ceil(f x slots)``. So a
+  better class arriving finds a slot free instead of waiting for a long batch request to
+  finish (the fair queue orders, but a slot once taken is held for the whole request).
+  The reserve lapses
   while no request of a better class has arrived for ``reserve_idle_s``: then the lower
   class may fill every slot, and the first better request after the lull waits for one
   to free. While it holds, such a class also goes to a replica only while fewer than
   ``reserve_pace`` requests wait to start there (the probe's waiting plus ours not yet
   admitted): a burst of its prefills, queued first come first served inside the engine,
-  would otherwise stall the better request that arrives next.
+  would otherwise stall the better request that arrives next; pacing holds only while a
+  better request arrived within ``reserve_window_s`` (it is what costs the lower class
+  most).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from skymesh.balancer.config import TenantsConfig
+from skymesh.balancer.config import AUTO_RESERVE, TenantsConfig
 from skymesh.balancer.errors import BadRequest, Overloaded
 
 DAY_S = 86_400.0
@@ -329,6 +335,52 @@ class Limiter:
 # -- the fair queue ----------------------------------------------------------------------
 
 
+class Occupancy:
+    """Per model and class, how many requests are in service (released by the fair queue
+    and not ended) and their recent mean: a time average that follows a rise within
+    ``rise_s`` and a fall within ``fall_s`` (exponentially), so the adaptive reserve grows
+    with a burst of better requests at once and gives their slots back slowly. By
+    Little's law the mean is the class's arrival rate times its time in service."""
+
+    def __init__(self, rise_s: float = 1.0, fall_s: float = 10.0) -> None:
+        self.rise_s = rise_s
+        self.fall_s = fall_s
+        # (model, class) -> [in service, mean, as of]
+        self._s: dict[tuple[str, str], list[float]] = {}
+
+    def _at(self, key: tuple[str, str], now: float) -> list[float]:
+        st = self._s.get(key)
+        if st is None:
+            st = self._s[key] = [0, 0.0, now]
+        n, mean, then = st
+        if now > then:
+            tau = self.rise_s if n > mean else self.fall_s
+            st[1] = n + (mean - n) * math.exp(-(now - then) / tau) if tau > 0 else n
+            st[2] = now
+        return st
+
+    def start(self, model: str, cls: str, now: float) -> None:
+        self._at((model, cls), now)[0] += 1
+
+    def end(self, model: str, cls: str, now: float) -> None:
+        st = self._at((model, cls), now)
+        st[0] = max(0, st[0] - 1)
+
+    def mean(self, model: str, classes: Iterable[str], now: float) -> float:
+        """The recent mean in service of ``classes`` together, for ``model``."""
+        total = 0.0
+        for c in classes:
+            key = (model, c)
+            if key not in self._s:
+                continue
+            st = self._at(key, now)
+            if st[0] == 0 and st[1] < 0.01:
+                del self._s[key]  # idle: forgotten (models come and go)
+                continue
+            total += st[1]
+        return total
+
+
 @dataclass(eq=False)
 class Waiter:
     """One request waiting in the :class:`FairQueue`; ``payload`` is the caller's (a
@@ -341,6 +393,7 @@ class Waiter:
     since: float
     payload: Any = None
     seq: int = field(default=0)
+    released_at: float | None = None  # when the queue let it go (FairQueue.pop)
 
 
 class FairQueue:
@@ -370,6 +423,8 @@ class FairQueue:
         # (model, class) -> when a request of it was last released (the aging guard counts
         # from there, so a class's own backlog does not make it overdue for ever)
         self._served_at: dict[tuple[str, str], float] = {}
+        # The released and not finished, per model and class (the adaptive reserve).
+        self.occupancy = Occupancy()
 
     def __len__(self) -> int:
         return self.waiting
@@ -488,7 +543,15 @@ class FairQueue:
         self._served_at[(model, w.cls)] = now
         self._prune(w)
         self.charge(tenant, w.cost)
+        w.released_at = now
+        self.occupancy.start(model, w.cls, now)
         return w
+
+    def finished(self, w: Waiter, now: float) -> None:
+        """A released request ended (its slot is free again); once per waiter."""
+        if w.released_at is not None:
+            w.released_at = None
+            self.occupancy.end(w.model, w.cls, now)
 
 
 def tenants_of(cfg: TenantsConfig) -> list[Tenant]:
@@ -516,9 +579,11 @@ def book_of(cfg: TenantsConfig) -> TenantBook:
 
 
 def queue_of(cfg: TenantsConfig, capacity: int, now: float = -math.inf) -> FairQueue:
-    return FairQueue(cfg.classes, max_wait_s=cfg.max_wait_s,
-                     weights={t.name: t.weight for t in cfg.members}, capacity=capacity,
-                     started=now)
+    q = FairQueue(cfg.classes, max_wait_s=cfg.max_wait_s,
+                  weights={t.name: t.weight for t in cfg.members}, capacity=capacity,
+                  started=now)
+    q.occupancy.fall_s = cfg.reserve_window_s
+    return q
 
 
 # -- the slot reserve --------------------------------------------------------------------
@@ -526,34 +591,59 @@ def queue_of(cfg: TenantsConfig, capacity: int, now: float = -math.inf) -> FairQ
 
 @dataclass(frozen=True)
 class Reserve:
-    """Per class, the fraction of each replica's slots it leaves free for the better
-    classes (a class absent leaves none), while one of them arrived within ``idle_s``;
-    and while it does, at most ``pace`` requests not yet started per replica."""
+    """Per class, the slots of each replica it leaves free for the better classes (a
+    class absent leaves none), while one of them arrived within ``idle_s``; and while it
+    does, at most ``pace`` requests not yet started per replica. A class in ``adaptive``
+    leaves ``headroom`` x the better classes' recent mean in service per replica
+    (:class:`Occupancy`), at least one slot; the others their fixed fraction."""
 
     classes: tuple[str, ...]  # best first
     fractions: Mapping[str, float]
     idle_s: float
     pace: int = 1 << 30
+    adaptive: frozenset[str] = frozenset()
+    headroom: float = 1.0
+    # Pacing holds while a better class arrived within this long (at most idle_s): it
+    # costs the lower class most (its starts wait on a lagging probe), and guards only
+    # better requests that arrive soon.
+    pace_s: float = math.inf
 
-    def slots(self, cls: str, capacity: int) -> int:
-        """Slots of a replica with ``capacity`` that ``cls`` leaves free: the fraction
-        rounded up, but never the last one, so the reserve cannot starve the class."""
-        f = self.fractions.get(cls, 0.0)
-        return max(0, min(capacity - 1, math.ceil(f * capacity - 1e-9))) if f > 0 else 0
+    def better(self, cls: str) -> tuple[str, ...]:
+        return self.classes[:self.classes.index(cls)]
+
+    def slots(self, cls: str, capacity: int, better: float = 0.0, replicas: int = 1) -> int:
+        """Slots of a replica with ``capacity`` that ``cls`` leaves free (``better``: the
+        better classes' mean in service on the ``replicas`` together), rounded up, but
+        never the last one, so the reserve cannot starve the class."""
+        if cls in self.adaptive:
+            want = max(1, math.ceil(self.headroom * better / max(1, replicas) - 1e-9))
+        else:
+            f = self.fractions.get(cls, 0.0)
+            if f <= 0:
+                return 0
+            want = math.ceil(f * capacity - 1e-9)
+        return max(0, min(capacity - 1, want))
 
     def applies(self, cls: str, arrived: Mapping[str, float], now: float) -> bool:
         """Whether a better class than ``cls`` arrived within ``idle_s`` (else it lapses)."""
-        if self.fractions.get(cls, 0.0) <= 0:
+        if cls not in self.adaptive and self.fractions.get(cls, 0.0) <= 0:
             return False
-        rank = self.classes.index(cls)
         since = now - self.idle_s
-        return any(arrived.get(c, -math.inf) >= since for c in self.classes[:rank])
+        return any(arrived.get(c, -math.inf) >= since for c in self.better(cls))
 
-    def room(self, cls: str, free: Sequence[tuple[int, int, int]]) -> int:
+    def paces(self, cls: str, arrived: Mapping[str, float], now: float) -> bool:
+        """Whether pacing holds for ``cls``: a better class arrived within ``pace_s``."""
+        since = now - min(self.pace_s, self.idle_s)
+        return any(arrived.get(c, -math.inf) >= since for c in self.better(cls))
+
+    def room(self, cls: str, free: Sequence[tuple[int, int, int]], better: float = 0.0,
+             paced: bool = True) -> int:
         """Requests of ``cls`` the replicas (``(free, capacity, not started)`` each) may
-        take now: their free slots beyond what it leaves free, and on each at most
-        ``pace`` not started at a time."""
-        return sum(min(max(0, f - self.slots(cls, cap)), max(0, self.pace - pending))
+        take now: their free slots beyond what it leaves free, and on each, ``paced``, at
+        most ``pace`` not started at a time."""
+        n = len(free)
+        pace = self.pace if paced else 1 << 30
+        return sum(min(max(0, f - self.slots(cls, cap, better, n)), max(0, pace - pending))
                    for f, cap, pending in free)
 
 
@@ -563,8 +653,12 @@ Slots = Callable[[str], Sequence[tuple[int, int, int]]]
 
 
 def reserve_of(cfg: TenantsConfig) -> Reserve:
-    return Reserve(tuple(cfg.classes), cfg.reserve_fractions(), cfg.reserve_idle_s,
-                   cfg.reserve_pace)
+    given = cfg.reserve_fractions()
+    return Reserve(tuple(cfg.classes),
+                   {c: float(f) for c, f in given.items() if f != AUTO_RESERVE},
+                   cfg.reserve_idle_s, cfg.reserve_pace,
+                   adaptive=frozenset(c for c, f in given.items() if f == AUTO_RESERVE),
+                   headroom=cfg.reserve_headroom, pace_s=cfg.reserve_window_s)
 
 
 def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mapping[str, int],
@@ -585,7 +679,9 @@ def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mappi
         room = bound - pending
         free = slots(model) if reserve is not None and slots is not None else ()
         # class -> free slots beyond its reserve, for the classes the reserve binds now
-        beyond = {c: reserve.room(c, free) for c in queue.classes
+        beyond = {c: reserve.room(c, free, queue.occupancy.mean(model, reserve.better(c), now),
+                                  reserve.paces(c, queue.arrived, now))
+                  for c in queue.classes
                   if reserve is not None and reserve.applies(c, queue.arrived, now)} \
             if free else {}
         while room > 0:
@@ -601,6 +697,6 @@ def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mappi
     return out
 
 
-__all__ = ["DEFAULT_TENANT", "Demand", "FairQueue", "Limiter", "Reserve", "Slots", "Tenant",
-           "TenantBook", "TenantLimited", "TokenBucket", "Waiter", "book_of", "queue_of",
+__all__ = ["DEFAULT_TENANT", "Demand", "FairQueue", "Limiter", "Occupancy", "Reserve", "Slots",
+           "Tenant", "TenantBook", "TenantLimited", "TokenBucket", "Waiter", "book_of", "queue_of",
            "release_into", "reserve_of", "tenants_of"]

@@ -187,6 +187,7 @@ class TenantGate:
         self._release_reservation(adm)
         if adm.waiter is not None:
             self.queue.remove(adm.waiter)
+            self.queue.finished(adm.waiter, self.clock())
         self.limiter.release(adm.tenant, tokens, adm.prompt_tokens, self.clock(), self.wall())
         output = max(0, tokens - adm.prompt_tokens)
         if output:

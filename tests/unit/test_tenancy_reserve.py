@@ -169,15 +169,24 @@ def test_default_reserve_is_for_the_last_class() -> None:
     cfg = parse_config({"tenants": {}}).tenants
     assert cfg is not None
     r = reserve_of(cfg)
-    assert r.fractions == {"batch": 0.25} and r.idle_s == 30.0
+    # Adaptive by default (the better classes' load x 1.5), fixed fractions when given.
+    assert r.fractions == {} and r.adaptive == {"batch"} and r.headroom == 1.5
+    assert r.idle_s == 120.0
     two = parse_config({"tenants": {"classes": ["hi", "lo"], "default_class": "lo",
                                     "max_wait_s": {}}}).tenants
-    assert two is not None and reserve_of(two).fractions == {"lo": 0.25}
+    assert two is not None and reserve_of(two).adaptive == {"lo"}
     one = parse_config({"tenants": {"classes": ["all"], "default_class": "all",
                                     "max_wait_s": {}}}).tenants
     assert one is not None and reserve_of(one).fractions == {}
+    assert not reserve_of(one).adaptive
     off = parse_config({"tenants": {"reserve": {}}}).tenants
-    assert off is not None and reserve_of(off).fractions == {}
+    assert off is not None and reserve_of(off).fractions == {} and not reserve_of(off).adaptive
+    fixed = parse_config({"tenants": {"reserve": {"batch": 0.25, "standard": "auto"},
+                                      "reserve_headroom": 2}}).tenants
+    assert fixed is not None
+    rf = reserve_of(fixed)
+    assert rf.fractions == {"batch": 0.25} and rf.adaptive == {"standard"}
+    assert rf.headroom == 2.0
 
 
 @pytest.mark.parametrize(("reserve", "match"), [
@@ -185,9 +194,11 @@ def test_default_reserve_is_for_the_last_class() -> None:
     ({"batch": 1.0}, "fractions"),
     ({"batch": -0.1}, "fractions"),
     ({"interactive": 0.2}, "best class"),
+    ({"interactive": "auto"}, "best class"),
+    ({"batch": "some"}, "reserve"),
 ])
-def test_bad_reserve_names_the_culprit(reserve: dict[str, float], match: str) -> None:
-    with pytest.raises(ConfigError, match=match):
+def test_bad_reserve_names_the_culprit(reserve: dict[str, float | str], match: str) -> None:
+    with pytest.raises((ConfigError, ValueError), match=match):
         parse_config({"tenants": {"reserve": reserve}})
 
 

@@ -4,10 +4,20 @@ and, for the limits, with the pure buckets on a fake clock:
 
 - ``flood``: an interactive tenant at a steady rate beside a batch tenant that floods the
   region at once; the interactive TTFT with first come first served, with the fair queue,
-  with the fair queue and its slot reserve (``tenants.reserve``'s default), and with no
-  flood at all; the batch tenant's completions and tokens/s; the batch class's longest
-  wait. Replicas admit ``SEQS`` requests each (``max_num_seqs``, known to the balancer
-  as a live engine publishes it), so the reserve has slots to count.
+  with the fair queue and its slot reserve (``tenants.reserve``'s default, adaptive, and
+  the fixed quarter it replaced), and with no flood at all; the batch tenant's
+  completions and tokens/s (to its last, and while the interactive tenant sends); the
+  batch class's longest wait. Replicas admit ``SEQS`` requests each (``max_num_seqs``,
+  known to the balancer as a live engine publishes it), so the reserve has slots to count.
+- ``light``: the same with the interactive tenant at ``LIGHT_RATE``: a fixed reserve
+  keeps slots idle that an adaptive one gives the batch tenant.
+- ``tail``: where the interactive TTFT goes under the flood, per request: waiting in the
+  fair queue, in the dispatcher's queue (and the hop to the replica), for admission inside
+  the engine (the step in progress, or a full replica), and its prefill step(s), with the
+  batch prefills that shared them; the mean of all requests and of the slowest 5%.
+- ``engine``: one emulated replica's batch throughput (the same ``Engine`` and profile in
+  the simulator and ``skymesh-replica``) with ``n`` batch requests running at once, kept
+  full: how far below linear in ``n`` it is (prefill is a fixed cost per request).
 - ``lull``: the flood, with the interactive tenant silent for ``LULL_S`` between two
   bursts: the fair queue alone and the reserve lapsing after several ``reserve_idle_s``
   (the first interactive requests after the lull against the batch tenant's throughput).
@@ -45,7 +55,7 @@ from typing import Any
 
 import aiohttp
 
-from skymesh.balancer.config import DEFAULT_RESERVE
+from skymesh.balancer.config import AUTO_RESERVE, DEFAULT_RESERVE, DEFAULT_RESERVE_HEADROOM
 from skymesh.balancer.tenancy import (
     FairQueue,
     Limiter,
@@ -63,20 +73,36 @@ from skymesh_lab.faults.cluster import (
 from skymesh_lab.sim.cluster import RequestRecord, SimTenancy
 from skymesh_lab.sim.runner import SimConfig, Simulation
 from skymesh_lab.sim.workload import Arrival, WorkItem, Workload
+from skymesh_replica.engine.batch import Sequence
+from skymesh_replica.engine.core import Engine
 from skymesh_replica.engine.hashing import BLOCK_SIZE, hash_token_blocks
+from skymesh_replica.engine.profiles import DEFAULT_PROFILE, get_profile
 
 CLASSES = ("interactive", "standard", "batch")
 MAX_WAIT_S = {"standard": 10.0, "batch": 60.0}  # the configuration's defaults
 FLOOD, STEADY, RATE = 600, 60, 2.0
 SEQS = 16  # each replica's max_num_seqs
-RESERVE_IDLE_S = 30.0  # tenants.reserve_idle_s's default
+RESERVE_IDLE_S = 120.0  # tenants.reserve_idle_s's default
+RESERVE_WINDOW_S = 10.0  # tenants.reserve_window_s's default
+FIXED_IDLE_S = 30.0  # reserve_idle_s's default with the fixed reserve, before
 RESERVE_PACE = 1  # tenants.reserve_pace's default
-RESERVE = Reserve(CLASSES, {"batch": DEFAULT_RESERVE}, RESERVE_IDLE_S, RESERVE_PACE)
+# The default reserve (adaptive), and the fixed quarter it replaced.
+RESERVE = Reserve(CLASSES, {}, RESERVE_IDLE_S, RESERVE_PACE, adaptive=frozenset({"batch"}),
+                  headroom=DEFAULT_RESERVE_HEADROOM, pace_s=RESERVE_WINDOW_S)
+# As before: paced for as long as the reserve held.
+FIXED = replace(RESERVE, fractions={"batch": DEFAULT_RESERVE}, adaptive=frozenset(),
+                idle_s=FIXED_IDLE_S, pace_s=FIXED_IDLE_S)
 # The reserve arms by reserve_pace: the default, and two looser ones (the trade-off of
 # pacing, batch throughput against the interactive tail). None: no pacing.
 PACES: dict[str, int | None] = {"fair_reserve": RESERVE_PACE, "fair_reserve_pace2": 2,
                                 "fair_reserve_nopace": None}
-FLOOD_ARMS = ("no_flood", "fcfs", "fair", *PACES)
+FLOOD_ARMS = ("no_flood", "fcfs", "fair", "fair_reserve", "fair_reserve_fixed",
+              "fair_reserve_pace2", "fair_reserve_nopace")
+LIGHT_RATE = 0.5  # the interactive rate of the light arms
+LIGHT_ARMS = ("no_flood", "fcfs", "fair_reserve", "fair_reserve_fixed")
+TAIL_ARMS = ("fair_reserve", "fair_reserve_fixed")
+TAIL_SHARE = 0.05  # the slowest 5% of the interactive requests
+ENGINE_SEQS = (9, 12, 16)
 LIVE_TIME_SCALE, LIVE_FLOOD = 0.5, 200
 WEB_KEY, BULK_KEY = "sk-bench-web", "sk-bench-bulk"
 # The lull: two bursts of interactive requests LULL_S apart; the first LULL_FIRST after it.
@@ -121,16 +147,88 @@ class _WatchedQueue(FairQueue):
 
 
 def _reserve(arm: str) -> Reserve | None:
+    if arm == "fair_reserve_fixed":
+        return FIXED
     if arm not in PACES:
         return None
     pace = PACES[arm]
     return replace(RESERVE, pace=pace) if pace is not None else replace(RESERVE, pace=1 << 20)
 
 
+def _is_prefill(seq: Sequence, n: int) -> bool:
+    return not (n == 1 and seq.num_output > 0)  # as Engine.timed tells decodes
+
+
+class _Trace:
+    """Per interactive request: when the fair queue let it go, when it reached its
+    replica's engine, when the engine first scheduled it and for how long its prefill
+    step(s) ran, with the batch prefills (and their tokens) that shared them; and whether
+    a step with batch prefill was running as it arrived. Wraps the replicas' ``submit``
+    and their engines' ``timed`` (what they compute is unchanged)."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, dict[str, Any]] = {}
+
+    def follow(self, sim: Simulation, queue: _WatchedQueue | None) -> None:
+        loop = sim.loop
+        for rep in sim.balancers["us"].replicas.values():
+            running: list[Any] = [None]  # the step in progress: (its batch prefills)
+            submit, timed = rep.submit, rep.engine.timed
+
+            def on_submit(rec: RequestRecord, submit: Any = submit,
+                          running: list[Any] = running) -> str | None:
+                if _tenant_of_id(rec) == "web":
+                    d = self.at.setdefault(rec.item.request_id, {})
+                    d["delivered"] = loop.now
+                    d["batch_prefill_running"] = bool(running[0])
+                return submit(rec)
+
+            def on_timed(entries: list[tuple[Sequence, int]], timed: Any = timed,
+                         running: list[Any] = running) -> Any:
+                batch = timed(entries)
+                bulk = [n for seq, n in entries
+                        if seq.request_id.startswith("bulk") and _is_prefill(seq, n)]
+                running[0] = bulk
+                for seq, n in entries:
+                    if seq.request_id.startswith("web") and _is_prefill(seq, n):
+                        d = self.at.setdefault(seq.request_id, {})
+                        d.setdefault("admitted", loop.now)
+                        d["prefill_s"] = d.get("prefill_s", 0.0) + batch.duration
+                        d["batch_prefills"] = d.get("batch_prefills", 0) + len(bulk)
+                return batch
+
+            rep.submit = on_submit  # type: ignore[method-assign]
+            rep.engine.timed = on_timed
+        if queue is not None:
+            pop = queue.pop
+
+            def on_pop(model: str, now: float, held: Container[str] = ()) -> Waiter | None:
+                w = pop(model, now, held)
+                if w is not None and w.tenant == "web":
+                    rec: RequestRecord = w.payload.payload
+                    self.at.setdefault(rec.item.request_id, {})["released"] = now
+                return w
+
+            queue.pop = on_pop  # type: ignore[method-assign]
+
+    def parts(self, rec: RequestRecord) -> dict[str, float]:
+        """Its TTFT in parts (seconds; they add up to it, the reply's hop in the last)."""
+        d = self.at[rec.item.request_id]
+        released = d.get("released", rec.t_arrival)
+        return {"ttft_s": rec.t_first - rec.t_arrival,
+                "fair_queue_s": released - rec.t_arrival,
+                "dispatch_s": d["delivered"] - released,
+                "engine_wait_s": d["admitted"] - d["delivered"],
+                "prefill_s": rec.t_first - d["admitted"],
+                "batch_prefills": float(d.get("batch_prefills", 0)),
+                "batch_prefill_running": float(d["batch_prefill_running"])}
+
+
 def _sim(arrivals: list[Arrival], classify: Any, arm: str, seed: int,
-         seqs: int | None = None, reserve: Reserve | None = None
-         ) -> tuple[Simulation, _WatchedQueue | None]:
-    """``reserve``: this one instead of the arm's (the fair queue with it)."""
+         seqs: int | None = None, reserve: Reserve | None = None,
+         trace: _Trace | None = None) -> tuple[Simulation, _WatchedQueue | None]:
+    """``reserve``: this one instead of the arm's (the fair queue with it); ``trace``:
+    follows the interactive requests through the balancer and the engines."""
     cfg = SimConfig(regions=["us"], replicas={"us": 2}, policy="least-load",
                     push_mode="sp-p", forwarding=False, seed=seed)
     sim = Simulation(cfg, _Arrivals(arrivals))
@@ -139,11 +237,14 @@ def _sim(arrivals: list[Arrival], classify: Any, arm: str, seed: int,
         rep.profile = rep.engine.profile = replace(rep.profile, max_num_seqs=seqs)
         lb.dispatcher.targets[rid].load.max_num_seqs = seqs  # as a live engine publishes
     queue = None
-    if arm == "fair" or arm in PACES or reserve is not None:
+    if arm not in ("fcfs", "no_flood") or reserve is not None:
         queue = _WatchedQueue(CLASSES, max_wait_s=MAX_WAIT_S, capacity=100_000,
                               started=0.0)
+        queue.occupancy.fall_s = RESERVE_WINDOW_S  # as queue_of sets it
         lb.tenancy = SimTenancy(queue, classify,
                                 reserve=reserve or _reserve(arm))
+    if trace is not None:
+        trace.follow(sim, queue)
     sim.run()
     return sim, queue
 
@@ -157,43 +258,103 @@ def _tenant_of_id(rec: RequestRecord) -> str:
     return rec.item.request_id.split("-")[0]
 
 
-def flood_run(seed: int, arm: str) -> dict[str, Any]:
+def _flood_sim(seed: int, arm: str, rate: float = RATE, trace: _Trace | None = None
+               ) -> tuple[Simulation, _WatchedQueue | None, float]:
+    """The flood run, and the interactive tenant's last arrival."""
     rng = random.Random(seed)
     arrivals: list[Arrival] = []
     if arm != "no_flood":
         arrivals += [(0.001 * i, _item(rng, f"bulk-{i}", 400, 200)) for i in range(FLOOD)]
-    t = 0.5
+    t = last = 0.5
     for i in range(STEADY):
         arrivals.append((t, _item(rng, f"web-{i}", 200, 50)))
-        t += rng.expovariate(RATE)
+        last = t
+        t += rng.expovariate(rate)
 
     def classify(rec: RequestRecord) -> tuple[str, str]:
         return ("web", "interactive") if _tenant_of_id(rec) == "web" else ("bulk", "batch")
 
-    sim, queue = _sim(arrivals, classify, arm, seed, SEQS)
+    sim, queue = _sim(arrivals, classify, arm, seed, SEQS, trace=trace)
+    return sim, queue, last
+
+
+def flood_run(seed: int, arm: str, rate: float = RATE) -> dict[str, Any]:
+    sim, queue, last = _flood_sim(seed, arm, rate)
     web = [r for r in sim.records if _tenant_of_id(r) == "web"]
     bulk = [r for r in sim.records if _tenant_of_id(r) == "bulk"]
     ttft = [r.t_first - r.t_arrival for r in web if r.ok]
     done = [r for r in bulk if r.ok]
     end = max((r.t_done for r in done), default=0.0)
     out: dict[str, Any] = {
-        "seed": seed, "arm": arm, "interactive_sent": len(web),
+        "seed": seed, "arm": arm, "interactive_rate_per_s": rate,
+        "interactive_sent": len(web), "interactive_last_arrival_s": last,
         "interactive_ok": len(ttft), "ttft_p50_s": statistics.median(ttft),
         "ttft_p99_s": _pct(ttft, 0.99), "batch_sent": FLOOD if arm != "no_flood" else 0,
         "batch_completed": len(done), "batch_last_done_s": end,
         "batch_tokens_per_s": (sum(r.item.prompt_len + r.item.output_len for r in done) / end
-                               if end else None)}
+                               if end else None),
+        # While the interactive tenant sends (to its last arrival): the capacity it
+        # leaves, which first come first served gives the flood whole.
+        "batch_tokens_per_s_while_interactive": (
+            sum(r.item.prompt_len + r.item.output_len for r in done if r.t_done <= last)
+            / last if done else None)}
     if queue is not None:
         out["batch_longest_wait_s"] = queue.longest.get("batch", 0.0)
         out["batch_longest_unserved_s"] = queue.head.get("batch", 0.0)
     return out
 
 
-def lull_run(seed: int, idle_s: float | None) -> dict[str, Any]:
+def tail_run(seed: int, arm: str) -> dict[str, Any]:
+    """The flood's interactive TTFT in parts (:class:`_Trace`): the mean over all the
+    interactive requests and over the slowest ``TAIL_SHARE`` of them."""
+    trace = _Trace()
+    sim, _, _ = _flood_sim(seed, arm, trace=trace)
+    parts = sorted((trace.parts(r) for r in sim.records
+                    if _tenant_of_id(r) == "web" and r.ok), key=lambda p: -p["ttft_s"])
+    slow = parts[:max(1, round(TAIL_SHARE * len(parts)))]
+
+    def mean(rows: list[dict[str, float]]) -> dict[str, float]:
+        return {k: statistics.fmean(r[k] for r in rows) for k in rows[0]}
+
+    return {"seed": seed, "arm": arm, "all": mean(parts), "slowest": mean(slow),
+            "slowest_n": len(slow)}
+
+
+def engine_run(seqs: int, requests: int = 400) -> dict[str, Any]:
+    """One engine (the simulator's and ``skymesh-replica``'s) kept full with ``seqs``
+    batch requests (400 prompt, 200 output tokens, no shared prefix): tokens/s of the
+    requests finished, over emulated time from the first start to the last finish."""
+    rng = random.Random(seqs)
+    eng = Engine(replace(get_profile(DEFAULT_PROFILE), max_num_seqs=seqs))
+    started = done = 0
+    now = 0.0
+
+    def add() -> None:
+        nonlocal started
+        toks = [rng.randrange(150_000) for _ in range(400)]
+        eng.add(Sequence(f"b{started}", 400, 200, hash_token_blocks(toks, BLOCK_SIZE)))
+        started += 1
+
+    for _ in range(seqs):
+        add()
+    while done < requests:
+        batch = eng.schedule()
+        assert batch is not None
+        now += batch.duration
+        for ev in eng.complete(batch):
+            if ev.finished:
+                done += 1
+                add()  # refilled at once: the replica stays full
+    return {"seqs": seqs, "profile": DEFAULT_PROFILE, "requests": done,
+            "tokens_per_s": done * 600 / now}
+
+
+def lull_run(seed: int, idle_s: float | None, fixed: bool = False) -> dict[str, Any]:
     """The flood, with the interactive tenant sending LULL_BURST requests, falling silent
     for LULL_S, then sending LULL_BURST more; the fair queue with the reserve lapsing
-    after ``idle_s`` (None: the fair queue alone). The first requests after the lull pay
-    for a lapsed reserve; the batch tenant gains while it is lapsed."""
+    after ``idle_s`` (None: the fair queue alone; ``fixed``: the fixed reserve, else the
+    default adaptive one). The first requests after the lull pay for a lapsed reserve;
+    the batch tenant gains while it is lapsed."""
     rng = random.Random(seed)
     arrivals: list[Arrival] = [(0.001 * i, _item(rng, f"bulk-{i}", 400, 200))
                                for i in range(FLOOD)]
@@ -209,13 +370,15 @@ def lull_run(seed: int, idle_s: float | None) -> dict[str, Any]:
     def classify(rec: RequestRecord) -> tuple[str, str]:
         return ("web", "interactive") if _tenant_of_id(rec) == "web" else ("bulk", "batch")
 
-    reserve = replace(RESERVE, idle_s=idle_s) if idle_s is not None else None
+    reserve = replace(FIXED if fixed else RESERVE, idle_s=idle_s) \
+        if idle_s is not None else None
     sim, _ = _sim(arrivals, classify, "fair", seed, SEQS, reserve)
     web = {r.item.request_id: r for r in sim.records if _tenant_of_id(r) == "web"}
     first = [web[k].t_first - web[k].t_arrival for k in after[:LULL_FIRST]]
     done = [r for r in sim.records if _tenant_of_id(r) == "bulk" and r.ok]
     end = max(r.t_done for r in done)
-    return {"seed": seed, "idle_s": idle_s, "ttft_after_lull_max_s": max(first),
+    return {"seed": seed, "idle_s": idle_s, "reserve": "fixed" if fixed else AUTO_RESERVE,
+            "ttft_after_lull_max_s": max(first),
             "ttft_p50_s": statistics.median(r.t_first - r.t_arrival for r in web.values()),
             "batch_tokens_per_s": sum(r.item.prompt_len + r.item.output_len
                                       for r in done) / end}
@@ -233,6 +396,10 @@ def _tenants(arm: str) -> dict[str, Any]:
                      "default_class": "batch"}]}
     if arm == "fair":
         out["reserve"] = {}  # the fair queue alone; the reserve arms keep the default
+    elif arm == "fair_reserve_fixed":
+        out["reserve"] = {"batch": DEFAULT_RESERVE}
+        out["reserve_idle_s"] = FIXED_IDLE_S
+        out["reserve_window_s"] = FIXED_IDLE_S  # paced while it holds, as before
     elif arm in PACES:
         out["reserve_pace"] = PACES[arm] or 1 << 20
     return out
@@ -250,13 +417,14 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
                                 extra=["--max-num-seqs", str(SEQS)])
     overrides: dict[str, Any] = {"pushing": {"mode": "sp-p"},
                                  "queue": {"timeout_s": 600, "max_length": 4096}}
-    if arm == "fair" or arm in PACES:
+    if arm not in ("fcfs", "no_flood"):
         overrides["tenants"] = _tenants(arm)
     lb = await start_lb(workdir, reps, name=f"{arm}-lb", overrides=overrides,
                         env={"SKYMESH_API_KEYS": f"{WEB_KEY},{BULK_KEY}"})
     ttft: list[float] = []
     ends: list[float] = []
     tokens = 0
+    last = 0.0  # the interactive tenant's last request sent (s after the start)
     try:
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn) as s:
@@ -297,8 +465,10 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
 
             async def web() -> None:
                 await asyncio.sleep(0.5 * LIVE_TIME_SCALE)
+                nonlocal last
                 waits = []
                 for _ in range(STEADY):
+                    last = time.perf_counter() - t0
                     waits.append(asyncio.create_task(one(WEB_KEY, 200, 50, True)))
                     await asyncio.sleep(rng.expovariate(RATE / LIVE_TIME_SCALE))
                 for f in waits:
@@ -318,7 +488,10 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
         "interactive_ok": len(ttft), "ttft_p50_s": statistics.median(ttft),
         "ttft_p99_s": _pct(ttft, 0.99), "batch_sent": LIVE_FLOOD if arm != "no_flood" else 0,
         "batch_completed": len(ends), "batch_last_done_s": max(ends, default=0.0),
-        "batch_tokens_per_s": tokens / max(ends) if ends else None}
+        "batch_tokens_per_s": tokens / max(ends) if ends else None,
+        "interactive_last_arrival_s": last,
+        "batch_tokens_per_s_while_interactive": (
+            600 * sum(e <= last for e in ends) / last if ends and last else None)}
     if ends:
         # The longest the batch class went without a request finishing, after its first
         # (what the client can see of it going unserved; its requests are not streamed).
@@ -405,15 +578,24 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     doc: dict[str, Any] = {
         "setup": {"replicas": 2, "policy": "least-load", "push_mode": "sp-p",
-                  "max_num_seqs": SEQS, "reserve": RESERVE.fractions,
-                  "reserve_idle_s": RESERVE_IDLE_S, "reserve_pace": RESERVE_PACE,
+                  "max_num_seqs": SEQS, "reserve": {"batch": AUTO_RESERVE},
+                  "reserve_headroom": RESERVE.headroom,
+                  "reserve_fixed": FIXED.fractions, "light_rate_per_s": LIGHT_RATE,
+                  "tail_share": TAIL_SHARE, "reserve_idle_s": RESERVE_IDLE_S,
+                  "reserve_window_s": RESERVE_WINDOW_S, "reserve_fixed_idle_s": FIXED_IDLE_S,
+                  "reserve_pace": RESERVE_PACE, "interactive_request_tokens": 250,
+                  "batch_request_tokens": 600,
                   "lull_burst": LULL_BURST, "lull_s": LULL_S, "lull_first": LULL_FIRST,
                   "flood": FLOOD, "steady": STEADY, "steady_rate_per_s": RATE,
                   "max_wait_s": MAX_WAIT_S, "heavy": HEAVY, "light": LIGHT,
                   "window_s": WINDOW_S, "limit_per_s": LIMIT_RPS, "offered_x": OFFERED_X,
                   "limit_run_s": LIMIT_RUN_S, "seeds": seeds},
         "flood": [flood_run(s, arm) for s in seeds for arm in FLOOD_ARMS],
-        "lull": [lull_run(s, idle) for s in seeds for idle in LULL_IDLE_S],
+        "light": [flood_run(s, arm, LIGHT_RATE) for s in seeds for arm in LIGHT_ARMS],
+        "tail": [tail_run(s, arm) for s in seeds for arm in TAIL_ARMS],
+        "engine": [engine_run(n) for n in ENGINE_SEQS],
+        "lull": [*(lull_run(s, idle) for s in seeds for idle in LULL_IDLE_S),
+                 *(lull_run(s, FIXED_IDLE_S, fixed=True) for s in seeds)],
         "share": [share_run(s, fair) for s in seeds for fair in (False, True)],
         "limits": [limit_run(s, spread) for s in seeds for spread in ("even", "one")],
     }

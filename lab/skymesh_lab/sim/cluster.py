@@ -73,6 +73,8 @@ class SimTenancy:
     classify: Callable[[RequestRecord], tuple[str, str]]
     bound: int = 2
     reserve: Reserve | None = None
+    # Released, by ticket key, until done: the queue's occupancy (the adaptive reserve).
+    released: dict[str, Waiter] = field(default_factory=dict)
 
 
 @dataclass
@@ -347,6 +349,7 @@ class SimBalancer:
             now, d = self.loop.now, self.dispatcher
             for w in release_into(ten.queue, d.queue_length, {}, ten.bound, now,
                                   reserve=ten.reserve, slots=d.slots):
+                ten.released[w.payload.key] = w
                 d.offer(w.payload, now)
 
     def _pump(self) -> None:
@@ -394,9 +397,12 @@ class SimBalancer:
                                       self._timing(ticket, finished=True))
             del self._sent[ticket.key]
         target = ticket.target
-        if self.tenancy is not None and ok and not ticket.route.forwarded:
+        ten = self.tenancy
+        if ten is not None and (w := ten.released.pop(ticket.key, None)) is not None:
+            ten.queue.finished(w, self.loop.now)
+        if ten is not None and ok and not ticket.route.forwarded:
             rec_: RequestRecord = ticket.payload  # its output: service received (VTC)
-            self.tenancy.queue.charge(self.tenancy.classify(rec_)[0], rec_.item.output_len)
+            ten.queue.charge(ten.classify(rec_)[0], rec_.item.output_len)
         self.dispatcher.complete(ticket, self.loop.now, ok=ok)
         if ok and target is not None:
             # The replica (or the peer region's) cache now holds prompt and output.
