@@ -240,6 +240,8 @@ class Dispatcher:
         self._stir = 0
         self._quiet: dict[str, tuple[int, int, bool, int, float | None]] = {}
         self._seen_pref: object = _UNSEEN
+        # (_gen, models a healthy replica serves, some breaker open): ``health_summary``.
+        self._health: tuple[int, frozenset[str], bool] = (-1, frozenset(), False)
         self._mode = PushMode(mode)
         self._max_outstanding = max_outstanding
         self._balancers = balancers_per_region
@@ -493,6 +495,19 @@ class Dispatcher:
         if t is not None and t.healthy != healthy:
             t.healthy = healthy
             self._changed()
+
+    def health_summary(self) -> tuple[frozenset[str], bool]:
+        """The models some healthy replica serves, and whether some breaker is open:
+        what ``overload.may_strand`` asks at every pump. Health, models, membership and
+        breaker states change only with ``_gen`` (an open breaker may half-open with the
+        clock, which only shuts fewer), so this is recomputed only after a broad change."""
+        h = self._health
+        if h[0] != self._gen:
+            targets = self.targets.values()
+            h = self._health = (
+                self._gen, frozenset(m for t in targets if t.healthy for m in t.models),
+                any(t.breaker.state is BreakerState.OPEN for t in targets))
+        return h[1], h[2]
 
     def models(self) -> set[str]:
         return {m for t in self.targets.values() for m in t.models}

@@ -254,6 +254,21 @@ def dead_retries(d: Dispatcher, eligible: Collection[str], now: float) -> Iterat
                 yield t
 
 
+def may_strand(d: Dispatcher) -> bool:
+    """Whether :func:`stranded` or :func:`dead_retries` may find anything: some queued
+    model that no healthy replica here serves (then a peer's state decides), or some
+    breaker open. False under an ordinary backlog, so a pump under a standing queue does
+    not look at every queue and every breaker (``Dispatcher.health_summary`` changes only
+    with health, membership, models and breakers)."""
+    served, some_open = d.health_summary()
+    if some_open:
+        return True
+    for model, q in itertools.chain(d.queues.items(), d.lanes.items()):
+        if q and model not in served:
+            return True
+    return False
+
+
 def unlisted_replicas(d: Dispatcher) -> int:
     """Replicas whose models are not known yet (never answered, none configured): while
     there are some, an unknown model name may be theirs."""

@@ -59,6 +59,7 @@ from skymesh.balancer.overload import (
     RetryBook,
     can_serve,
     dead_retries,
+    may_strand,
     outage,
     stranded,
 )
@@ -389,7 +390,7 @@ class Balancer:
             # Counted once the loop comes round, after the request is on its way to the
             # replica: at low rates every step before that write is TTFT.
             loop.call_soon(self._count_decision, ticket.target or "")
-        if d.queued and self.failfast:
+        if d.queued and self.failfast and may_strand(d):
             self._fail_stranded()
 
     def _fail_stranded(self) -> None:
