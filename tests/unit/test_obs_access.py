@@ -28,11 +28,14 @@ from skymesh.net.limits import ConnLimits
 from skymesh.net.serving import start_app
 from skymesh.obs.access import (
     BATCH,
+    RECORD_KEY,
     AccessRecord,
     AccessWriter,
+    inject_trace,
     install,
     ms_text,
     note,
+    upstream_span,
     usage_tokens,
 )
 from skymesh.obs.logs import ACCESS_LOGGER, JsonFormatter, batched_writes, setup_logging
@@ -529,3 +532,17 @@ async def test_a_loop_batch_is_refused_when_the_thread_is_that_far_behind() -> N
 def test_a_time_in_a_line_is_the_repr_of_its_rounded_milliseconds(seconds: float) -> None:
     """Lines stay byte for byte what ``round(ms, 3)`` gave (ms_text is the fast form)."""
     assert ms_text(seconds) == repr(round(seconds * 1e3, 3))
+
+
+def test_notes_on_an_app_without_the_access_log_do_nothing() -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    install(web.Application())  # another app of the process has it
+    request = make_mocked_request("POST", "/v1/chat/completions", app=web.Application())
+    note(request, model="m1", served_by="http://10.0.0.1:8000", left=True)
+    assert RECORD_KEY not in request
+    headers: dict[str, str] = {}
+    inject_trace(request, headers)
+    with upstream_span(request, "http://10.0.0.1:8000"):
+        pass
+    assert headers == {}
