@@ -271,6 +271,22 @@ def test_usage_tokens(body: bytes, expected: tuple[int | None, int | None]) -> N
     assert usage_tokens(body) == expected
 
 
+@pytest.mark.parametrize("body", [
+    json.dumps({"model": "m", "usage": USAGE}).encode(),
+    b'{"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}',
+    b'{"usage":{"prompt_tokens":"8","completion_tokens":1}}',
+    b'{"usage":null}',
+    b'{"choices":[]}',
+])
+def test_usage_tokens_reads_the_same_without_msgspec(
+        monkeypatch: pytest.MonkeyPatch, body: bytes) -> None:
+    from skymesh.obs import access
+
+    with_msgspec = usage_tokens(body)
+    monkeypatch.setattr(access, "_USAGE_DECODER", None)  # the lean core (no fast extra)
+    assert usage_tokens(body) == with_msgspec
+
+
 async def test_the_json_line_has_every_field(
         served: tuple[str, FakeClock, asyncio.Event], records: Records) -> None:
     url, _, _ = served
