@@ -747,7 +747,10 @@ def outside_chain(app: web.Application) -> Callable[[Any], Any] | None:
     access = app.get(_ACCESS_KEY)
     if access is None or access.tracing is not None:
         return None
-    app.middlewares.remove(access.log_only)
+    if access.log_only in app.middlewares:  # not yet taken out (a first start)
+        if app.frozen:  # set up by someone else already: it stays a middleware
+            return None
+        app.middlewares.remove(access.log_only)
 
     def wrap(handler: Any) -> Any:  # the server's: it takes aiohttp's BaseRequest
         # A partial, not a closure: no frame of its own between the server and log_only.
