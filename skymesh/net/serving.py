@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from skymesh.net.accept import BatchAcceptServer, listen_sockets
 from skymesh.net.limits import ConnectionGuard, ConnLimits, fit_file_limit
+from skymesh.obs.access import outside_chain
 
 # Where an app keeps its Prometheus registry, if it has one: the connection metrics
 # (skymesh_open_connections, ..._refused_total, ..._closed_total) are added to it.
@@ -99,6 +100,7 @@ async def start_app(app: web.Application, host: str, port: int, name: str,
     """Set ``app`` up and listen on ``host:port`` (or the listening ``sock``) behind the
     connection limits; the caller ends it with ``runner.cleanup()``."""
     guard = ConnectionGuard(limits, name)
+    logged = outside_chain(app)  # before setup() freezes the app's middlewares
     registry = app.get(METRICS_REGISTRY)
     if registry is not None:
         registry.register(guard)
@@ -113,7 +115,10 @@ async def start_app(app: web.Application, host: str, port: int, name: str,
         # Before any connection: each takes the server's handler when it is made.
         server = runner.server
         assert server is not None
-        server.request_handler = guard.aiohttp_handler(server.request_handler)
+        handler = server.request_handler
+        if logged is not None:  # the access log: around the app, not in its chain
+            handler = logged(handler)
+        server.request_handler = guard.aiohttp_handler(handler)
         await GuardedSite(runner, host, port, guard, ssl_context=ssl_context,
                           sock=sock).start()
     except BaseException:

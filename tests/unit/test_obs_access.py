@@ -24,13 +24,18 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from support import eventually, wait_for
 
+from skymesh.net.limits import ConnLimits
+from skymesh.net.serving import start_app
 from skymesh.obs.access import (
     BATCH,
+    RECORD_KEY,
     AccessRecord,
     AccessWriter,
+    inject_trace,
     install,
     ms_text,
     note,
+    upstream_span,
     usage_tokens,
 )
 from skymesh.obs.logs import ACCESS_LOGGER, JsonFormatter, batched_writes, setup_logging
@@ -93,6 +98,8 @@ def build(clock: FakeClock, hang: asyncio.Event) -> web.Application:
         note(request, served_by="http://10.0.0.1:8000")  # a first attempt failed over:
         note(request, served_by="http://10.0.0.2:8000")  # the last one is logged
         clock.t += 0.2  # queueing and the replica's prefill
+        if body.get("wait"):
+            await hang.wait()  # the client leaves before any response
         if not body.get("stream"):
             clock.t += 0.3
             return web.json_response({"model": body["model"], "usage": USAGE,
@@ -124,14 +131,23 @@ def build(clock: FakeClock, hang: asyncio.Event) -> web.Application:
     return app
 
 
-@pytest.fixture
-async def served() -> AsyncIterator[tuple[str, FakeClock, asyncio.Event]]:
+@pytest.fixture(params=["middleware", "around_app"])
+async def served(request: pytest.FixtureRequest
+                 ) -> AsyncIterator[tuple[str, FakeClock, asyncio.Event]]:
+    """The app served by a plain runner (the log is a middleware), or as the daemons
+    serve theirs (skymesh.net.serving: the log wraps the server's handler instead)."""
     clock, hang = FakeClock(), asyncio.Event()
-    runner = web.AppRunner(build(clock, hang), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    app = build(clock, hang)
+    if request.param == "middleware":
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    else:
+        runner, _ = await start_app(app, "127.0.0.1", 0, "test", ConnLimits())
+        assert not app.middlewares  # no chain left to run
+        port = runner.addresses[0][1]
     yield f"http://127.0.0.1:{port}", clock, hang
     hang.set()
     await runner.cleanup()
@@ -200,6 +216,19 @@ async def test_a_client_that_leaves_mid_stream_is_logged_as_disconnected(
     assert (line["status"], line["disconnected"], line["ttft_ms"]) == (200, True, 300.0)
 
 
+async def test_a_client_that_leaves_before_any_response_is_logged_as_499(
+        served: tuple[str, FakeClock, asyncio.Event], records: Records) -> None:
+    url, _, _ = served
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(asyncio.TimeoutError):
+            await s.post(url + "/v1/chat/completions", json={"model": "m1", "wait": True},
+                         timeout=aiohttp.ClientTimeout(total=0.2))
+    await eventually(lambda: bool(records.records), "the access line of the cancelled request")
+    (line,) = records.fields()
+    assert (line["status"], line["disconnected"], line["model"]) == (499, True, "m1")
+    assert line["ttft_ms"] is None
+
+
 def test_nothing_is_installed_when_both_are_off() -> None:
     app = web.Application()
     install(app, access_log=False, tracing=None)
@@ -230,9 +259,32 @@ def usage_event(usage: Any) -> bytes:
      b'"prompt_tokens_details":{"cached_tokens":4}}}', (8, 1)),
     (b'{"usage":{"completion_tokens":1,"prompt_tokens":8}}', (8, 1)),
     (b'{"usage":{"prompt_tokens":08,"completion_tokens":1}}', (None, None)),  # not JSON
+    # a reply's top-level usage (decoded alone by msgspec), else any usage object in it
+    (b'{"usage":{"prompt_tokens":1,"completion_tokens":2},'
+     b'"x":{"usage":{"prompt_tokens":3,"completion_tokens":4}}}', (1, 2)),
+    (b'{"usage":null,"x":{"usage":{"prompt_tokens":3,"completion_tokens":4}}}', (3, 4)),
+    (b'{"usage":{"prompt_tokens":"8","completion_tokens":1}}', (None, 1)),
+    (b'{"usage":[1],"x":{"usage":{"prompt_tokens":3}}}', (3, None)),
+    (b'{"usage":{}}', (None, None)),
 ])
 def test_usage_tokens(body: bytes, expected: tuple[int | None, int | None]) -> None:
     assert usage_tokens(body) == expected
+
+
+@pytest.mark.parametrize("body", [
+    json.dumps({"model": "m", "usage": USAGE}).encode(),
+    b'{"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}',
+    b'{"usage":{"prompt_tokens":"8","completion_tokens":1}}',
+    b'{"usage":null}',
+    b'{"choices":[]}',
+])
+def test_usage_tokens_reads_the_same_without_msgspec(
+        monkeypatch: pytest.MonkeyPatch, body: bytes) -> None:
+    from skymesh.obs import access
+
+    with_msgspec = usage_tokens(body)
+    monkeypatch.setattr(access, "_USAGE_DECODER", None)  # the lean core (no fast extra)
+    assert usage_tokens(body) == with_msgspec
 
 
 async def test_the_json_line_has_every_field(
@@ -496,3 +548,17 @@ async def test_a_loop_batch_is_refused_when_the_thread_is_that_far_behind() -> N
 def test_a_time_in_a_line_is_the_repr_of_its_rounded_milliseconds(seconds: float) -> None:
     """Lines stay byte for byte what ``round(ms, 3)`` gave (ms_text is the fast form)."""
     assert ms_text(seconds) == repr(round(seconds * 1e3, 3))
+
+
+def test_notes_on_an_app_without_the_access_log_do_nothing() -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    install(web.Application())  # another app of the process has it
+    request = make_mocked_request("POST", "/v1/chat/completions", app=web.Application())
+    note(request, model="m1", served_by="http://10.0.0.1:8000", left=True)
+    assert RECORD_KEY not in request
+    headers: dict[str, str] = {}
+    inject_trace(request, headers)
+    with upstream_span(request, "http://10.0.0.1:8000"):
+        pass
+    assert headers == {}

@@ -43,8 +43,9 @@ def _in_process(doc: dict[str, Any], label: dict[str, str]) -> str:
     if not parts:
         return ""
     some = next(iter(runs.values()))
-    return (" In process (the same reply through the access log's middleware, hook and "
-            "batches, without the network or aiohttp's server; the loop thread's CPU per "
+    return (" In process (the same reply through the app's entry point with the access "
+            "log as each build installs it for the daemon, its hook and batches, without the "
+            "network or aiohttp's server; the loop thread's CPU per "
             f"request on minus off, median of {some['repeats']} repeats of "
             f"{some['requests']:,} requests [min, max]): " + ", ".join(parts) + ".")
 

@@ -3,8 +3,9 @@
 The live figure (``access_log_cost``) is a difference of two CPU counts on a shared
 machine and moves by several microseconds from round to round. This one takes the
 network, aiohttp's server and the balancer out: a non-streamed reply carrying ``usage``
-goes through what ``skymesh.obs.access.install`` adds to an app (the middleware, the
-prepare hooks) with the balancer's notes and request id, and the writer's batches are
+goes through the app's entry point with what ``skymesh.obs.access.install`` adds (the
+middleware, or the wrapper around the app that the daemons' server puts in its place;
+the prepare hooks) with the balancer's notes and request id, and the writer's batches are
 made on the loop as in the daemon (the thread writes them to /dev/null). The figure is
 the loop thread's CPU (``time.thread_time``) per request with the access log on minus
 the same with it off, repeated; run once per build (``PYTHONPATH`` picks the build).
@@ -36,42 +37,40 @@ POOL = 64  # requests made once and reused (a mocked request costs more than the
 
 async def loop_us(requests: int, on: bool) -> float:
     """Loop-thread CPU microseconds per request through an app with the access log
-    ``on`` (or nothing installed)."""
+    ``on`` (or nothing installed), from the app's entry point as the server calls it
+    (routing, the middleware chain if there is one)."""
     from skymesh.balancer.edge import request_id
-    from skymesh.obs.access import install, note
+    from skymesh.obs import access
 
     app = web.Application()
-    install(app, access_log=on, request_id=request_id)
-    hooks = list(app.on_response_prepare)
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        note(request, model="stub")
-        note(request, served_by="http://127.0.0.1:8001")
+        access.note(request, model="stub")
+        access.note(request, served_by="http://127.0.0.1:8001")
         resp = web.Response(body=BODY)
         for hook in hooks:  # what aiohttp runs when it prepares the reply
             await hook(request, resp)
         return resp
 
-    chain: Any = handler
-    for mw in reversed(app.middlewares):
-        chain = _bind(mw, chain)
+    app.router.add_post("/v1/chat/completions", handler)
+    access.install(app, access_log=on, request_id=request_id)
+    hooks = list(app.on_response_prepare)
+    # What skymesh.net.serving.start_app does with the log, in builds that have it.
+    outside = getattr(access, "outside_chain", None)
+    wrap = outside(app) if outside is not None else None
+    app.freeze()
+    entry: Any = app._handle if wrap is None else wrap(app._handle)
     for cb in app.on_startup:
         await cb(app)
     pool = [make_mocked_request("POST", "/v1/chat/completions", app=app,
                                 headers={"X-Request-Id": f"req-{i}"}) for i in range(POOL)]
     t0 = time.thread_time()
     for i in range(requests):
-        await chain(pool[i % POOL])
+        await entry(pool[i % POOL])
     spent = time.thread_time() - t0
     for cb in app.on_cleanup:
         await cb(app)
     return spent / requests * 1e6
-
-
-def _bind(mw: Any, inner: Any) -> Any:
-    async def call(request: web.Request) -> web.StreamResponse:
-        return await mw(request, inner)
-    return call
 
 
 def measure(requests: int, repeats: int) -> dict[str, Any]:
