@@ -1,5 +1,6 @@
 """A streaming client that disconnects as its first chunk is written: no ERROR traceback
-from skymesh-lb, a count in ``skymesh_client_disconnects_total`` and an access line.
+from skymesh-lb, one ``client_disconnected`` outcome (and, when the write found it gone,
+a count in ``skymesh_client_disconnects_total``) and an access line.
 
 The race is made exact rather than waited for: the balancer is stopped (SIGSTOP) while
 the replica sends its first chunk and the client resets its connection, and continued
@@ -153,7 +154,14 @@ async def test_a_client_gone_as_the_first_chunk_is_written_is_counted_not_an_err
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
     line = next(x for x in log.splitlines() if "request_id=gone-1" in x)
     assert "disconnected=True" in line, line
-    assert metrics.get('skymesh_client_disconnects_total{phase="first_chunk"}') == 1.0
+    # Which of the two the loop takes first is its own affair: the write of the first chunk
+    # to the closing connection (the phase counted), or the handler's cancellation by the
+    # reset (aiohttp's handler_cancellation, before the handler resumes with the chunk).
+    # Either way the departure is counted once, as the client's, never as an error.
+    outcomes = {k: v for k, v in metrics.items() if k.startswith("skymesh_requests_total{")}
+    assert outcomes == {'skymesh_requests_total{model="m",outcome="client_disconnected"}': 1.0}
+    assert metrics.get('skymesh_client_disconnects_total{phase="first_chunk"}') in (0.0, 1.0)
+    assert not metrics.get('skymesh_client_disconnects_total{phase="mid_stream"}')
 
 
 async def test_a_client_gone_while_its_request_is_at_a_replica_is_counted_as_gone(

@@ -95,14 +95,15 @@ def install_hooks(records: list[dict[str, int]]) -> None:
             if all(k in rec for k in STAMPS):
                 records.append(rec)
 
-    exchange = upstream.Upstream._exchange
+    # A reply is made on its connection just before the request is written to it.
+    reply_init = upstream.UpstreamReply.__init__
 
-    async def _exchange(self: Any, conn: Any, message: bytes) -> Any:
+    def reply_made(self: Any, conn: Any, pool: Any, read_timeout: float) -> None:
+        reply_init(self, conn, pool, read_timeout)
         rec = current.get()
         if rec is not None:
             rec["upstream_write"] = clock()
             conn._critical_path = rec
-        return await exchange(self, conn, message)
 
     conn_recv = upstream._Conn.data_received
 
@@ -124,7 +125,7 @@ def install_hooks(records: list[dict[str, int]]) -> None:
 
     for cls, name, wrapper in ((web_protocol.RequestHandler, "data_received", data_received),
                                (handlers.Handlers, "handle_generate", handle_generate),
-                               (upstream.Upstream, "_exchange", _exchange),
+                               (upstream.UpstreamReply, "__init__", reply_made),
                                (upstream._Conn, "data_received", conn_data_received),
                                (streaming.Streams, "_open_stream", _open_stream)):
         setattr(cls, name, wrapper)
