@@ -27,6 +27,7 @@ from skymesh.util.procs import Daemon, start_daemon
 pytestmark = pytest.mark.timeout(120)
 
 WEB_KEY, BULK_KEY = "sk-web-1", "sk-bulk-1"
+_Reply = asyncio.Task[tuple[int, dict[str, str], str]]
 
 
 def sha(key: str) -> str:
@@ -86,18 +87,23 @@ class _Client:
                               headers={"Authorization": f"Bearer {WEB_KEY}"}) as r:
             return (await r.json())["queued"] >= 1
 
+    async def batch_behind(self, long_tokens: int) -> tuple[_Reply, _Reply]:
+        """An interactive request of ``long_tokens`` holding the only replica, and a
+        batch request waiting in its lane behind it."""
+        await self.ready()
+        long = asyncio.create_task(self.post(WEB_KEY, long_tokens))
+        await until(self.held, "the long request on the only replica")
+        batch = asyncio.create_task(self.post(BULK_KEY, 8))
+        await until(self.queued, "the batch request waiting in its lane")
+        return long, batch
+
 
 async def test_batch_waiting_in_its_lane_fails_fast_when_the_last_replica_goes(
         tmp_path: Path) -> None:
     rep, lb = _start(tmp_path, 3600)
     try:
         async with aiohttp.ClientSession() as s:
-            c = _Client(s, lb.url)
-            await c.ready()
-            long = asyncio.create_task(c.post(WEB_KEY, 1500))
-            await until(c.held, "the long request on the only replica")
-            batch = asyncio.create_task(c.post(BULK_KEY, 8))
-            await until(c.queued, "the batch request waiting in its lane")
+            long, batch = await _Client(s, lb.url).batch_behind(1500)
             lane = await get_metrics(s, lb.url)
             assert lane["skymesh_batch_lane_length"] == 1  # seen there, not in the queue
             assert lane.get("skymesh_queue_length", 0) == 0
@@ -124,12 +130,7 @@ async def test_batch_waits_for_a_busy_replica_past_the_queue_timeout(tmp_path: P
     rep, lb = _start(tmp_path, 0.2)
     try:
         async with aiohttp.ClientSession() as s:
-            c = _Client(s, lb.url)
-            await c.ready()
-            long = asyncio.create_task(c.post(WEB_KEY, 400))
-            await until(c.held, "the long request on the only replica")
-            batch = asyncio.create_task(c.post(BULK_KEY, 8))
-            await until(c.queued, "the batch request waiting in its lane")
+            long, batch = await _Client(s, lb.url).batch_behind(400)
             status, _, text = await asyncio.wait_for(long, 90)
             assert status == 200, text
             assert not batch.done(), await batch  # it waited out the long request
