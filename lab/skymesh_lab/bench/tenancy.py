@@ -66,6 +66,7 @@ from skymesh.balancer.tenancy import (
 )
 from skymesh_lab.faults.cluster import (
     MODEL,
+    metrics,
     start_lb,
     start_replicas,
     wait_for,
@@ -423,8 +424,11 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
                         env={"SKYMESH_API_KEYS": f"{WEB_KEY},{BULK_KEY}"})
     ttft: list[float] = []
     ends: list[float] = []
+    started_at: list[float] = []  # the interactive requests' first tokens (s after t0)
     tokens = 0
     last = 0.0  # the interactive tenant's last request sent (s after the start)
+    samples: list[tuple[float, list[tuple[float, float]]]] = []  # see _sample
+    held = 0.0
     try:
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn) as s:
@@ -435,6 +439,7 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
 
             await wait_for(both_up, "both replicas healthy behind the balancer", 30)
             t0 = time.perf_counter()
+            sampler = asyncio.create_task(_sample(s, reps, t0, samples))
 
             async def one(key: str, prompt: int, output: int,
                           stream: bool) -> tuple[float, float, float]:
@@ -474,11 +479,14 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
                 for f in waits:
                     sent, first, _ = await f
                     ttft.append(first - sent)
+                    started_at.append(first - t0)
 
             jobs = [web()]
             if arm != "no_flood":
                 jobs += [bulk(i) for i in range(LIVE_FLOOD)]
             await asyncio.gather(*jobs)
+            sampler.cancel()
+            held = (await metrics(s, lb.url)).get("skymesh_tenant_reserve_held_total", 0.0)
     finally:
         lb.stop()
         for r in reps:
@@ -498,7 +506,57 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
         done = sorted(ends)
         out["batch_longest_unserved_s"] = max(
             (b - a for a, b in itertools.pairwise(done)), default=0.0)
+        out.update(_live_phases(arm, samples, started_at, last, max(ends), held))
     return out
+
+
+SAMPLE_S = 0.5  # the replicas' counters, read this often during a live arm
+
+
+async def _sample(s: aiohttp.ClientSession, reps: list[Any], t0: float,
+                  out: list[tuple[float, list[tuple[float, float]]]]) -> None:
+    """Every ``SAMPLE_S``: each replica's prompt tokens so far (a current counter) and
+    requests running (a gauge as of its metrics lag ago)."""
+    while True:
+        got = await asyncio.gather(*(metrics(s, r.url) for r in reps))
+        out.append((time.perf_counter() - t0,
+                    [(m.get("vllm:prompt_tokens_total", 0.0),
+                      m.get("vllm:num_requests_running", 0.0)) for m in got]))
+        await asyncio.sleep(SAMPLE_S)
+
+
+def _live_phases(arm: str, samples: list[tuple[float, list[tuple[float, float]]]],
+                 started_at: list[float], last: float, end: float,
+                 held: float) -> dict[str, Any]:
+    """Per phase of a live arm: while pacing may hold (to ``reserve_window_s`` after the
+    interactive tenant's last request) and after: batch requests started per second per
+    replica (prompt tokens less the interactive ones started then, over the batch prompt),
+    and requests running per replica; how long the reserve could hold (to
+    ``reserve_idle_s`` after that last request) as a share of the batch run; and the
+    releases the reserve held back (``skymesh_tenant_reserve_held_total``)."""
+    tenants = _tenants(arm) if arm not in ("fcfs", "no_flood") else {}
+    window = tenants.get("reserve_window_s", RESERVE_WINDOW_S)
+    idle = tenants.get("reserve_idle_s", RESERVE_IDLE_S)
+    reps = len(samples[0][1]) if samples else 1
+    split = min(end, last + window)
+
+    def phase(a: float, b: float) -> dict[str, float] | None:
+        xs = [(t, r) for t, r in samples if a <= t <= b]
+        if len(xs) < 2 or xs[-1][0] <= xs[0][0]:
+            return None
+        (ta, ra), (tb, rb) = xs[0], xs[-1]
+        prompt = sum(y[0] - x[0] for x, y in zip(ra, rb, strict=True))
+        web = 200 * sum(ta <= t < tb for t in started_at)
+        return {"from_s": ta, "to_s": tb,
+                "batch_starts_per_s_per_replica": max(0.0, prompt - web) / 400
+                / (tb - ta) / reps,
+                "running_per_replica": statistics.fmean(sum(x[1] for x in r) / reps
+                                                        for _, r in xs)}
+
+    return {"paced_phase": phase(0.0, split), "after_phase": phase(split, end),
+            "reserve_could_hold_share": (min(end, last + idle) / end) if tenants
+            and tenants.get("reserve") != {} else 0.0,
+            "reserve_held_total": held}
 
 
 async def live_flood(seed: int) -> list[dict[str, Any]]:
