@@ -33,7 +33,14 @@ balancer per arm: the same shapes, the interactive rate scaled with the replicas
 and the flood cut to ``LIVE_FLOOD`` so an arm takes about a minute. Wall-clock figures on
 a shared machine: the interactive TTFT carries the loopback and the balancer's own time.
 
+Each live arm also records, per phase (while pacing may hold: to ``reserve_window_s``
+after the interactive tenant's last request; and after), the batch requests started per
+second per replica (from the replicas' prompt-token counters) and the requests running
+per replica, how much of the batch run the reserve could hold (``reserve_idle_s``), and
+the balancer's ``skymesh_tenant_reserve_held_total``.
+
     python -m skymesh_lab.bench.tenancy --json out.json [--seeds 0,1,2,3,4] [--live]
+        [--live-seeds 0,1]
 """
 
 from __future__ import annotations
@@ -559,11 +566,12 @@ def _live_phases(arm: str, samples: list[tuple[float, list[tuple[float, float]]]
             "reserve_held_total": held}
 
 
-async def live_flood(seed: int) -> list[dict[str, Any]]:
+async def live_flood(seeds: list[int]) -> list[dict[str, Any]]:
+    """Every arm once per seed, the arms of a seed one after another (a repetition)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="tenancy-live-") as d:
-        return [await _live_arm(Path(d), arm, seed) for arm in FLOOD_ARMS]
+        return [await _live_arm(Path(d), arm, seed) for seed in seeds for arm in FLOOD_ARMS]
 
 
 def share_run(seed: int, fair: bool) -> dict[str, Any]:
@@ -610,8 +618,8 @@ def limit_run(seed: int, spread: str) -> dict[str, Any]:
             "admitted_per_s": admitted / LIMIT_RUN_S, "limit_per_s": LIMIT_RPS}
 
 
-def _live_setup() -> dict[str, Any]:
-    return {"live_time_scale": LIVE_TIME_SCALE, "live_flood": LIVE_FLOOD,
+def _live_setup(seeds: list[int]) -> dict[str, Any]:
+    return {"live_time_scale": LIVE_TIME_SCALE, "live_flood": LIVE_FLOOD, "live_seeds": seeds,
             "live_rate_per_s": RATE / LIVE_TIME_SCALE, "live_cpus": os.cpu_count()}
 
 
@@ -620,15 +628,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--seeds", default="0,1,2,3,4")
     ap.add_argument("--live", action="store_true",
-                    help="also run the flood on a live balancer (seed 0; keeps the "
-                         "JSON's other sections when only --live-only is given)")
+                    help="also run the flood on a live balancer (once per --live-seeds)")
+    ap.add_argument("--live-seeds", default="0,1",
+                    help="the live repetitions' seeds (their interactive arrivals)")
     ap.add_argument("--live-only", action="store_true",
                     help="run only the live flood, into the existing --json file")
     args = ap.parse_args(argv)
+    live_seeds = [int(x) for x in args.live_seeds.split(",")]
     if args.live_only:
         doc = json.loads(args.json.read_text())
-        doc["live"] = asyncio.run(live_flood(0))
-        doc["setup"].update(_live_setup())
+        doc["live"] = asyncio.run(live_flood(live_seeds))
+        doc["setup"].update(_live_setup(live_seeds))
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         print(json.dumps(doc["live"], indent=1))
         return 0
@@ -658,8 +668,8 @@ def main(argv: list[str] | None = None) -> int:
         "limits": [limit_run(s, spread) for s in seeds for spread in ("even", "one")],
     }
     if args.live:
-        doc["live"] = asyncio.run(live_flood(0))
-        doc["setup"].update(_live_setup())
+        doc["live"] = asyncio.run(live_flood(live_seeds))
+        doc["setup"].update(_live_setup(live_seeds))
     doc["wall_seconds"] = round(time.monotonic() - t0, 1)
     doc["date"] = datetime.now(UTC).strftime("%Y-%m-%d")
     args.json.parent.mkdir(parents=True, exist_ok=True)
