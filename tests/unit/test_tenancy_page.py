@@ -90,6 +90,13 @@ def test_live_phases_table_gives_medians_over_the_runs() -> None:
     phases = live_part[live_part.index("releases held back"):]
     assert _row(phases, "flood, fair queue + slot reserve")[1:] == [
         "3", "2.00", "10.0", "2.00", "15.0", "100%", "300"]
+    assert "While pacing may hold" not in phases  # no unpaced arm to compare
+    nopace = [{**r, "arm": "fair_reserve_nopace"} for r in live if r["arm"] == "fair_reserve"]
+    fcfs = [{**phased(0, 2.5, 0.0), "arm": "fcfs"}]
+    page = tenancy({**DOC, "live": [*live, *nopace, *fcfs], "setup": DOC["setup"]})
+    assert "starts 2.00 batch requests per second per replica, without pacing 2.00; the " \
+        "requests running per replica are 10.0 against first come first served's 10.0" in page
+    assert "not the pacing." in page
 
 
 def test_share_and_limit_tables() -> None:

@@ -191,19 +191,20 @@ def _phases(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
     hold and after, the share of the batch run the reserve could hold, and the releases
     it held back."""
     out = []
-    for arm, rs in _by(rows, "arm").items():
+    arms = _by(rows, "arm")
+
+    def ph(rs: list[dict[str, Any]], phase: str, key: str) -> float | None:
+        xs = [r[phase][key] for r in rs if r.get(phase)]
+        return statistics.median(xs) if xs else None
+
+    for arm, rs in arms.items():
         if arm == "no_flood" or not any(r.get("paced_phase") for r in rs):
             continue
-
-        def ph(phase: str, key: str, rs: list[dict[str, Any]] = rs) -> float | None:
-            xs = [r[phase][key] for r in rs if r.get(phase)]
-            return statistics.median(xs) if xs else None
-
         out.append([ARMS.get(arm, arm), str(len(rs)),
-                    num(ph("paced_phase", "batch_starts_per_s_per_replica"), ".2f"),
-                    num(ph("paced_phase", "running_per_replica"), ".1f"),
-                    num(ph("after_phase", "batch_starts_per_s_per_replica"), ".2f"),
-                    num(ph("after_phase", "running_per_replica"), ".1f"),
+                    num(ph(rs, "paced_phase", "batch_starts_per_s_per_replica"), ".2f"),
+                    num(ph(rs, "paced_phase", "running_per_replica"), ".1f"),
+                    num(ph(rs, "after_phase", "batch_starts_per_s_per_replica"), ".2f"),
+                    num(ph(rs, "after_phase", "running_per_replica"), ".1f"),
                     num(_med(rs, "reserve_could_hold_share"), ".0%"),
                     num(_med(rs, "reserve_held_total"), ",.0f")])
     if not out:
@@ -221,7 +222,34 @@ def _phases(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
         table(["arm", "runs", "batch starts/s per replica, paced", "running per replica, "
                "paced", "batch starts/s per replica, after", "running per replica, after",
                "reserve could hold", "releases held back"], out,
-              [False, True, True, True, True, True, True, True]), ""]
+              [False, True, True, True, True, True, True, True]), "",
+        *_phase_notes(arms, ph), ""]
+
+
+def _phase_notes(arms: dict[str, list[dict[str, Any]]], ph: Any) -> list[str]:
+    """What the phases say: pacing's cost (the default arm against no pacing) and what is
+    left of the gap to first come first served (requests running per replica)."""
+    paced, nopace, fcfs = (arms.get(a, []) for a in ("fair_reserve", "fair_reserve_nopace",
+                                                     "fcfs"))
+    got = [ph(rs, phase, key) for rs, phase, key in (
+        (paced, "paced_phase", "batch_starts_per_s_per_replica"),
+        (nopace, "paced_phase", "batch_starts_per_s_per_replica"),
+        (paced, "paced_phase", "running_per_replica"),
+        (fcfs, "paced_phase", "running_per_replica"),
+        (paced, "after_phase", "running_per_replica"),
+        (fcfs, "after_phase", "running_per_replica"))]
+    if any(x is None for x in got):
+        return []
+    s_p, s_n, r_p, r_f, a_p, a_f = got
+    # Pacing is judged a cost when it starts a tenth fewer than no pacing (runs differ).
+    why = ("not the pacing" if s_p >= 0.9 * s_n else
+           "and the pacing, which starts fewer")
+    return [f"- While pacing may hold, the default reserve starts {s_p:.2f} batch requests "
+            f"per second per replica, without pacing {s_n:.2f}; the requests running per "
+            f"replica are {r_p:.1f} against first come first served's {r_f:.1f} then, and "
+            f"{a_p:.1f} against {a_f:.1f} after: the slots the reserve keeps free (beside "
+            "the interactive requests, and at least one per replica for as long as it holds), "
+            f"{why}."]
 
 
 def _light(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
