@@ -50,7 +50,7 @@ Pure: no sockets, no sleeps; every clock is passed in, so tests drive a fake one
   would otherwise stall the better request that arrives next; pacing holds only while a
   better request arrived within ``reserve_window_s`` (it is what costs the lower class
   most). A request the probe cannot show yet counts as not started only while it could
-  be (:class:`Starts`): for four of the engine's steps after its release, the step as this
+  be (:class:`Starts`): for eight of the engine's steps after its release, the step as this
   balancer sees it (a finished request's time from release to end over its output
   tokens). A request that is not streamed shows no first byte, and the probe shows it
   only after the engine's metrics lag (about a second on vLLM): counted until then,
@@ -393,11 +393,13 @@ class Starts:
     the newest) of a finished request's time from its release to its end over its output
     tokens, a slight overestimate (its wait and prefill count in it). A request released
     into a free slot starts at the engine's next step and has done its prefill by the end
-    of the one after; ``steps`` (4) leaves as much again for the hop and the dispatcher.
-    So :meth:`unstarted` counts the releases of the last ``steps`` step times (None until
-    a step time is known). At most ``keep`` release times are kept per model and class."""
+    of the one after; ``steps`` (8) leaves room for the hop, the dispatcher and a short
+    queue inside the engine (in the simulator, 4 let a burst after a lull in the better
+    class's traffic delay its first requests). So :meth:`unstarted` counts the releases
+    of the last ``steps`` step times (None until a step time is known). At most ``keep``
+    release times are kept per model and class."""
 
-    def __init__(self, alpha: float = 0.2, steps: float = 4.0, keep: int = 256) -> None:
+    def __init__(self, alpha: float = 0.2, steps: float = 8.0, keep: int = 256) -> None:
         self.alpha = alpha
         self.steps = steps
         self.keep = keep
@@ -663,8 +665,7 @@ class Reserve:
     adaptive: frozenset[str] = frozenset()
     headroom: float = 1.0
     # Pacing holds while a better class arrived within this long (at most idle_s): it
-    # costs the lower class most (its starts wait on a lagging probe), and guards only
-    # better requests that arrive soon.
+    # costs the lower class throughput, and guards only better requests that arrive soon.
     pace_s: float = math.inf
 
     def better(self, cls: str) -> tuple[str, ...]:

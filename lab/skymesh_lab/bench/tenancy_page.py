@@ -180,7 +180,7 @@ def _engine(rows: list[dict[str, Any]], flood: list[dict[str, Any]],
                  "and the probe shows it started only after the engine's metrics lag (about "
                  "a second). Pacing used to count it as not started until then, so "
                  "`reserve_pace` 1 started about one batch request per replica per second "
-                 "while it held; now it counts for four of the engine's steps after its "
+                 "while it held; now it counts for eight of the engine's steps after its "
                  "release (the step learnt from finished requests). The fixed reserve's arm "
                  "paces for as long as its reserve holds, as before.")
     return [*lines, ""]
