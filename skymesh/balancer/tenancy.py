@@ -49,14 +49,20 @@ Pure: no sockets, no sleeps; every clock is passed in, so tests drive a fake one
   admitted): a burst of its prefills, queued first come first served inside the engine,
   would otherwise stall the better request that arrives next; pacing holds only while a
   better request arrived within ``reserve_window_s`` (it is what costs the lower class
-  most).
+  most). A request the probe cannot show yet counts as not started only while it could
+  be (:class:`Starts`): for eight of the engine's steps after its release, the step as this
+  balancer sees it (a finished request's time from release to end over its output
+  tokens). A request that is not streamed shows no first byte, and the probe shows it
+  only after the engine's metrics lag (about a second on vLLM): counted until then,
+  pacing let one batch request start per replica per second, a fraction of what the
+  replica's free slots turn over.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -381,6 +387,57 @@ class Occupancy:
         return total
 
 
+class Starts:
+    """Pacing's view of which released requests have started, per model. The engine's
+    step time (``step_s``) as this balancer sees it: a recent mean (weight ``alpha`` for
+    the newest) of a finished request's time from its release to its end over its output
+    tokens, a slight overestimate (its wait and prefill count in it). A request released
+    into a free slot starts at the engine's next step and has done its prefill by the end
+    of the one after; ``steps`` (8) leaves room for the hop, the dispatcher and a short
+    queue inside the engine (in the simulator, 4 let a burst after a lull in the better
+    class's traffic delay its first requests). So :meth:`unstarted` counts the releases
+    of the last ``steps`` step times (None until a step time is known). At most ``keep``
+    release times are kept per model and class."""
+
+    def __init__(self, alpha: float = 0.2, steps: float = 8.0, keep: int = 256) -> None:
+        self.alpha = alpha
+        self.steps = steps
+        self.keep = keep
+        self.step_s: dict[str, float] = {}  # model -> its engine's step time
+        # (model, class) -> release times, oldest first
+        self._at: dict[tuple[str, str], deque[float]] = {}
+
+    def released(self, model: str, cls: str, now: float) -> None:
+        at = self._at.get((model, cls))
+        if at is None:
+            at = self._at[(model, cls)] = deque(maxlen=self.keep)
+        at.append(now)
+
+    def finished(self, model: str, released_at: float, output_tokens: int, now: float) -> None:
+        if output_tokens <= 0 or now <= released_at:
+            return
+        x = (now - released_at) / output_tokens
+        old = self.step_s.get(model)
+        self.step_s[model] = x if old is None else old + self.alpha * (x - old)
+
+    def unstarted(self, model: str, classes: Iterable[str], now: float) -> int | None:
+        """Releases of ``classes`` for ``model`` within the last ``steps`` step times
+        (None: no step time known for the model yet)."""
+        step = self.step_s.get(model)
+        if step is None:
+            return None
+        since = now - self.steps * step
+        n = 0
+        for c in classes:
+            at = self._at.get((model, c))
+            if not at:
+                continue
+            while at and at[0] < since:
+                at.popleft()
+            n += len(at)
+        return n
+
+
 @dataclass(eq=False)
 class Waiter:
     """One request waiting in the :class:`FairQueue`; ``payload`` is the caller's (a
@@ -425,6 +482,7 @@ class FairQueue:
         self._served_at: dict[tuple[str, str], float] = {}
         # The released and not finished, per model and class (the adaptive reserve).
         self.occupancy = Occupancy()
+        self.starts = Starts()  # the released not yet started (the reserve's pacing)
 
     def __len__(self) -> int:
         return self.waiting
@@ -545,11 +603,14 @@ class FairQueue:
         self.charge(tenant, w.cost)
         w.released_at = now
         self.occupancy.start(model, w.cls, now)
+        self.starts.released(model, w.cls, now)
         return w
 
-    def finished(self, w: Waiter, now: float) -> None:
-        """A released request ended (its slot is free again); once per waiter."""
+    def finished(self, w: Waiter, now: float, output_tokens: int = 0) -> None:
+        """A released request ended (its slot is free again) with ``output_tokens``
+        generated; once per waiter."""
         if w.released_at is not None:
+            self.starts.finished(w.model, w.released_at, output_tokens, now)
             w.released_at = None
             self.occupancy.end(w.model, w.cls, now)
 
@@ -604,8 +665,7 @@ class Reserve:
     adaptive: frozenset[str] = frozenset()
     headroom: float = 1.0
     # Pacing holds while a better class arrived within this long (at most idle_s): it
-    # costs the lower class most (its starts wait on a lagging probe), and guards only
-    # better requests that arrive soon.
+    # costs the lower class throughput, and guards only better requests that arrive soon.
     pace_s: float = math.inf
 
     def better(self, cls: str) -> tuple[str, ...]:
@@ -637,14 +697,23 @@ class Reserve:
         return any(arrived.get(c, -math.inf) >= since for c in self.better(cls))
 
     def room(self, cls: str, free: Sequence[tuple[int, int, int]], better: float = 0.0,
-             paced: bool = True) -> int:
+             paced: bool = True, unstarted: int | None = None) -> int:
         """Requests of ``cls`` the replicas (``(free, capacity, not started)`` each) may
         take now: their free slots beyond what it leaves free, and on each, ``paced``, at
-        most ``pace`` not started at a time."""
+        most ``pace`` not started at a time. ``unstarted``: how many of the not started
+        still can be (:meth:`Starts.unstarted`; None: unknown); fewer than the replicas
+        show, pacing counts that many, over the replicas together (``pace`` each)."""
         n = len(free)
-        pace = self.pace if paced else 1 << 30
-        return sum(min(max(0, f - self.slots(cls, cap, better, n)), max(0, pace - pending))
-                   for f, cap, pending in free)
+        if not paced or unstarted is None or unstarted >= sum(p for _, _, p in free):
+            pace = self.pace if paced else 1 << 30
+            return sum(min(max(0, f - self.slots(cls, cap, better, n)),
+                           max(0, pace - pending)) for f, cap, pending in free)
+        beyond = sum(max(0, f - self.slots(cls, cap, better, n)) for f, cap, _ in free)
+        return min(beyond, max(0, self.pace * n - unstarted))
+
+    def worse(self, cls: str) -> tuple[str, ...]:
+        """``cls`` and the classes below it (the prefills pacing spreads)."""
+        return self.classes[self.classes.index(cls):]
 
 
 # Replicas' (free slots, slots, not started) for a model: the dispatcher's view
@@ -680,7 +749,8 @@ def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mappi
         free = slots(model) if reserve is not None and slots is not None else ()
         # class -> free slots beyond its reserve, for the classes the reserve binds now
         beyond = {c: reserve.room(c, free, queue.occupancy.mean(model, reserve.better(c), now),
-                                  reserve.paces(c, queue.arrived, now))
+                                  reserve.paces(c, queue.arrived, now),
+                                  queue.starts.unstarted(model, queue.classes, now))
                   for c in queue.classes
                   if reserve is not None and reserve.applies(c, queue.arrived, now)} \
             if free else {}
@@ -698,5 +768,5 @@ def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mappi
 
 
 __all__ = ["DEFAULT_TENANT", "Demand", "FairQueue", "Limiter", "Occupancy", "Reserve", "Slots",
-           "Tenant", "TenantBook", "TenantLimited", "TokenBucket", "Waiter", "book_of", "queue_of",
-           "release_into", "reserve_of", "tenants_of"]
+           "Starts", "Tenant", "TenantBook", "TenantLimited", "TokenBucket", "Waiter", "book_of",
+           "queue_of", "release_into", "reserve_of", "tenants_of"]

@@ -185,11 +185,11 @@ class TenantGate:
             return
         adm.left = True
         self._release_reservation(adm)
+        output = max(0, tokens - adm.prompt_tokens)
         if adm.waiter is not None:
             self.queue.remove(adm.waiter)
-            self.queue.finished(adm.waiter, self.clock())
+            self.queue.finished(adm.waiter, self.clock(), output)
         self.limiter.release(adm.tenant, tokens, adm.prompt_tokens, self.clock(), self.wall())
-        output = max(0, tokens - adm.prompt_tokens)
         if output:
             self.queue.charge(adm.tenant, output)
         if tokens:

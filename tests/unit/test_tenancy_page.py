@@ -70,6 +70,33 @@ def test_live_section_renders_the_same_arms_when_present() -> None:
         "0.150 s", "0.300 s", "10 / 10", "900", "90.0%"]
     assert "p50 under the flood is 1.50x the no-flood one (goal: within 20%): goal not met" \
         in live_part
+    assert "one run" in live_part and "releases held back" not in live_part
+
+
+def test_live_phases_table_gives_medians_over_the_runs() -> None:
+    def phased(seed: int, starts: float, held: float) -> dict[str, object]:
+        return {**_flood("fair_reserve", seed, 0.15),
+                "paced_phase": {"batch_starts_per_s_per_replica": starts,
+                                "running_per_replica": 10.0},
+                "after_phase": {"batch_starts_per_s_per_replica": 2.0,
+                                "running_per_replica": 15.0},
+                "reserve_could_hold_share": 1.0, "reserve_held_total": held}
+
+    live = [_flood("no_flood", 0, 0.1), _flood("fcfs", 0, 3.0), _flood("fcfs", 1, 3.0),
+            phased(0, 1.0, 100.0), phased(1, 2.0, 300.0), phased(2, 2.5, 500.0)]
+    page = tenancy({**DOC, "live": live, "setup": {**DOC["setup"], "live_time_scale": 0.5}})
+    live_part = page[page.index("### Live"):]
+    assert "medians of 3 runs" in live_part
+    phases = live_part[live_part.index("releases held back"):]
+    assert _row(phases, "flood, fair queue + slot reserve")[1:] == [
+        "3", "2.00", "10.0", "2.00", "15.0", "100%", "300"]
+    assert "While pacing may hold" not in phases  # no unpaced arm to compare
+    nopace = [{**r, "arm": "fair_reserve_nopace"} for r in live if r["arm"] == "fair_reserve"]
+    fcfs = [{**phased(0, 2.5, 0.0), "arm": "fcfs"}]
+    page = tenancy({**DOC, "live": [*live, *nopace, *fcfs], "setup": DOC["setup"]})
+    assert "starts 2.00 batch requests per second per replica, without pacing 2.00; the " \
+        "requests running per replica are 10.0 against first come first served's 10.0" in page
+    assert "not the pacing." in page
 
 
 def test_share_and_limit_tables() -> None:

@@ -33,7 +33,14 @@ balancer per arm: the same shapes, the interactive rate scaled with the replicas
 and the flood cut to ``LIVE_FLOOD`` so an arm takes about a minute. Wall-clock figures on
 a shared machine: the interactive TTFT carries the loopback and the balancer's own time.
 
+Each live arm also records, per phase (while pacing may hold: to ``reserve_window_s``
+after the interactive tenant's last request; and after), the batch requests started per
+second per replica (from the replicas' prompt-token counters) and the requests running
+per replica, how much of the batch run the reserve could hold (``reserve_idle_s``), and
+the balancer's ``skymesh_tenant_reserve_held_total``.
+
     python -m skymesh_lab.bench.tenancy --json out.json [--seeds 0,1,2,3,4] [--live]
+        [--live-seeds 0,1]
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ from skymesh.balancer.tenancy import (
 )
 from skymesh_lab.faults.cluster import (
     MODEL,
+    metrics,
     start_lb,
     start_replicas,
     wait_for,
@@ -423,8 +431,11 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
                         env={"SKYMESH_API_KEYS": f"{WEB_KEY},{BULK_KEY}"})
     ttft: list[float] = []
     ends: list[float] = []
+    started_at: list[float] = []  # the interactive requests' first tokens (s after t0)
     tokens = 0
     last = 0.0  # the interactive tenant's last request sent (s after the start)
+    samples: list[tuple[float, list[tuple[float, float]]]] = []  # see _sample
+    held = 0.0
     try:
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn) as s:
@@ -435,6 +446,7 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
 
             await wait_for(both_up, "both replicas healthy behind the balancer", 30)
             t0 = time.perf_counter()
+            sampler = asyncio.create_task(_sample(s, reps, t0, samples))
 
             async def one(key: str, prompt: int, output: int,
                           stream: bool) -> tuple[float, float, float]:
@@ -474,11 +486,14 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
                 for f in waits:
                     sent, first, _ = await f
                     ttft.append(first - sent)
+                    started_at.append(first - t0)
 
             jobs = [web()]
             if arm != "no_flood":
                 jobs += [bulk(i) for i in range(LIVE_FLOOD)]
             await asyncio.gather(*jobs)
+            sampler.cancel()
+            held = (await metrics(s, lb.url)).get("skymesh_tenant_reserve_held_total", 0.0)
     finally:
         lb.stop()
         for r in reps:
@@ -498,14 +513,65 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
         done = sorted(ends)
         out["batch_longest_unserved_s"] = max(
             (b - a for a, b in itertools.pairwise(done)), default=0.0)
+        out.update(_live_phases(arm, samples, started_at, last, max(ends), held))
     return out
 
 
-async def live_flood(seed: int) -> list[dict[str, Any]]:
+SAMPLE_S = 0.5  # the replicas' counters, read this often during a live arm
+
+
+async def _sample(s: aiohttp.ClientSession, reps: list[Any], t0: float,
+                  out: list[tuple[float, list[tuple[float, float]]]]) -> None:
+    """Every ``SAMPLE_S``: each replica's prompt tokens so far (a current counter) and
+    requests running (a gauge as of its metrics lag ago)."""
+    while True:
+        got = await asyncio.gather(*(metrics(s, r.url) for r in reps))
+        out.append((time.perf_counter() - t0,
+                    [(m.get("vllm:prompt_tokens_total", 0.0),
+                      m.get("vllm:num_requests_running", 0.0)) for m in got]))
+        await asyncio.sleep(SAMPLE_S)
+
+
+def _live_phases(arm: str, samples: list[tuple[float, list[tuple[float, float]]]],
+                 started_at: list[float], last: float, end: float,
+                 held: float) -> dict[str, Any]:
+    """Per phase of a live arm: while pacing may hold (to ``reserve_window_s`` after the
+    interactive tenant's last request) and after: batch requests started per second per
+    replica (prompt tokens less the interactive ones started then, over the batch prompt),
+    and requests running per replica; how long the reserve could hold (to
+    ``reserve_idle_s`` after that last request) as a share of the batch run; and the
+    releases the reserve held back (``skymesh_tenant_reserve_held_total``)."""
+    tenants = _tenants(arm) if arm not in ("fcfs", "no_flood") else {}
+    window = tenants.get("reserve_window_s", RESERVE_WINDOW_S)
+    idle = tenants.get("reserve_idle_s", RESERVE_IDLE_S)
+    reps = len(samples[0][1]) if samples else 1
+    split = min(end, last + window)
+
+    def phase(a: float, b: float) -> dict[str, float] | None:
+        xs = [(t, r) for t, r in samples if a <= t <= b]
+        if len(xs) < 2 or xs[-1][0] <= xs[0][0]:
+            return None
+        (ta, ra), (tb, rb) = xs[0], xs[-1]
+        prompt = sum(y[0] - x[0] for x, y in zip(ra, rb, strict=True))
+        web = 200 * sum(ta <= t < tb for t in started_at)
+        return {"from_s": ta, "to_s": tb,
+                "batch_starts_per_s_per_replica": max(0.0, prompt - web) / 400
+                / (tb - ta) / reps,
+                "running_per_replica": statistics.fmean(sum(x[1] for x in r) / reps
+                                                        for _, r in xs)}
+
+    return {"paced_phase": phase(0.0, split), "after_phase": phase(split, end),
+            "reserve_could_hold_share": (min(end, last + idle) / end) if tenants
+            and tenants.get("reserve") != {} else 0.0,
+            "reserve_held_total": held}
+
+
+async def live_flood(seeds: list[int]) -> list[dict[str, Any]]:
+    """Every arm once per seed, the arms of a seed one after another (a repetition)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="tenancy-live-") as d:
-        return [await _live_arm(Path(d), arm, seed) for arm in FLOOD_ARMS]
+        return [await _live_arm(Path(d), arm, seed) for seed in seeds for arm in FLOOD_ARMS]
 
 
 def share_run(seed: int, fair: bool) -> dict[str, Any]:
@@ -552,8 +618,8 @@ def limit_run(seed: int, spread: str) -> dict[str, Any]:
             "admitted_per_s": admitted / LIMIT_RUN_S, "limit_per_s": LIMIT_RPS}
 
 
-def _live_setup() -> dict[str, Any]:
-    return {"live_time_scale": LIVE_TIME_SCALE, "live_flood": LIVE_FLOOD,
+def _live_setup(seeds: list[int]) -> dict[str, Any]:
+    return {"live_time_scale": LIVE_TIME_SCALE, "live_flood": LIVE_FLOOD, "live_seeds": seeds,
             "live_rate_per_s": RATE / LIVE_TIME_SCALE, "live_cpus": os.cpu_count()}
 
 
@@ -562,15 +628,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--seeds", default="0,1,2,3,4")
     ap.add_argument("--live", action="store_true",
-                    help="also run the flood on a live balancer (seed 0; keeps the "
-                         "JSON's other sections when only --live-only is given)")
+                    help="also run the flood on a live balancer (once per --live-seeds)")
+    ap.add_argument("--live-seeds", default="0,1",
+                    help="the live repetitions' seeds (their interactive arrivals)")
     ap.add_argument("--live-only", action="store_true",
                     help="run only the live flood, into the existing --json file")
     args = ap.parse_args(argv)
+    live_seeds = [int(x) for x in args.live_seeds.split(",")]
     if args.live_only:
         doc = json.loads(args.json.read_text())
-        doc["live"] = asyncio.run(live_flood(0))
-        doc["setup"].update(_live_setup())
+        doc["live"] = asyncio.run(live_flood(live_seeds))
+        doc["setup"].update(_live_setup(live_seeds))
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         print(json.dumps(doc["live"], indent=1))
         return 0
@@ -600,8 +668,8 @@ def main(argv: list[str] | None = None) -> int:
         "limits": [limit_run(s, spread) for s in seeds for spread in ("even", "one")],
     }
     if args.live:
-        doc["live"] = asyncio.run(live_flood(0))
-        doc["setup"].update(_live_setup())
+        doc["live"] = asyncio.run(live_flood(live_seeds))
+        doc["setup"].update(_live_setup(live_seeds))
     doc["wall_seconds"] = round(time.monotonic() - t0, 1)
     doc["date"] = datetime.now(UTC).strftime("%Y-%m-%d")
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -176,12 +176,80 @@ def _engine(rows: list[dict[str, Any]], flood: list[dict[str, Any]],
     if said:
         lines[-1] += " Here " + "; ".join(said) + "."
     lines.append("")
-    lines.append("Live, pacing costs more: a batch request is not streamed, so it counts as "
-                 "not started until a probe after the engine's metrics lag shows it (about "
-                 "a second), and `reserve_pace` 1 starts one per replica per such interval "
-                 "(compare the `reserve_pace` 2 and no-pacing arms; the fixed reserve's arm "
-                 "paces for as long as its reserve holds, as before).")
+    lines.append("A live batch request is not streamed: the balancer sees no first byte, "
+                 "and the probe shows it started only after the engine's metrics lag (about "
+                 "a second). Pacing used to count it as not started until then, so "
+                 "`reserve_pace` 1 started about one batch request per replica per second "
+                 "while it held; now it counts for eight of the engine's steps after its "
+                 "release (the step learnt from finished requests). The fixed reserve's arm "
+                 "paces for as long as its reserve holds, as before.")
     return [*lines, ""]
+
+
+def _phases(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
+    """Per live arm: batch starts and requests running per replica while pacing may
+    hold and after, the share of the batch run the reserve could hold, and the releases
+    it held back."""
+    out = []
+    arms = _by(rows, "arm")
+
+    def ph(rs: list[dict[str, Any]], phase: str, key: str) -> float | None:
+        xs = [r[phase][key] for r in rs if r.get(phase)]
+        return statistics.median(xs) if xs else None
+
+    for arm, rs in arms.items():
+        if arm == "no_flood" or not any(r.get("paced_phase") for r in rs):
+            continue
+        out.append([ARMS.get(arm, arm), str(len(rs)),
+                    num(ph(rs, "paced_phase", "batch_starts_per_s_per_replica"), ".2f"),
+                    num(ph(rs, "paced_phase", "running_per_replica"), ".1f"),
+                    num(ph(rs, "after_phase", "batch_starts_per_s_per_replica"), ".2f"),
+                    num(ph(rs, "after_phase", "running_per_replica"), ".1f"),
+                    num(_med(rs, "reserve_could_hold_share"), ".0%"),
+                    num(_med(rs, "reserve_held_total"), ",.0f")])
+    if not out:
+        return []
+    window = setup.get("reserve_window_s", "?")
+    return [
+        "Per live arm, while pacing may hold (to `reserve_window_s`, "
+        f"{window} s, after the interactive tenant's last request) and after it: batch "
+        "requests started per second per replica (the replicas' prompt-token counters, "
+        "less the interactive prompts started then) and requests running per replica (the "
+        "replicas' gauge, as of its metrics lag ago, sampled every half second); the share "
+        "of the batch run the reserve could hold (`reserve_idle_s` after that last "
+        "request); and the releases it held back (`skymesh_tenant_reserve_held_total`). "
+        "Medians over the runs.", "",
+        table(["arm", "runs", "batch starts/s per replica, paced", "running per replica, "
+               "paced", "batch starts/s per replica, after", "running per replica, after",
+               "reserve could hold", "releases held back"], out,
+              [False, True, True, True, True, True, True, True]), "",
+        *_phase_notes(arms, ph), ""]
+
+
+def _phase_notes(arms: dict[str, list[dict[str, Any]]], ph: Any) -> list[str]:
+    """What the phases say: pacing's cost (the default arm against no pacing) and what is
+    left of the gap to first come first served (requests running per replica)."""
+    paced, nopace, fcfs = (arms.get(a, []) for a in ("fair_reserve", "fair_reserve_nopace",
+                                                     "fcfs"))
+    got = [ph(rs, phase, key) for rs, phase, key in (
+        (paced, "paced_phase", "batch_starts_per_s_per_replica"),
+        (nopace, "paced_phase", "batch_starts_per_s_per_replica"),
+        (paced, "paced_phase", "running_per_replica"),
+        (fcfs, "paced_phase", "running_per_replica"),
+        (paced, "after_phase", "running_per_replica"),
+        (fcfs, "after_phase", "running_per_replica"))]
+    if any(x is None for x in got):
+        return []
+    s_p, s_n, r_p, r_f, a_p, a_f = got
+    # Pacing is judged a cost when it starts a tenth fewer than no pacing (runs differ).
+    why = ("not the pacing" if s_p >= 0.9 * s_n else
+           "and the pacing, which starts fewer")
+    return [f"- While pacing may hold, the default reserve starts {s_p:.2f} batch requests "
+            f"per second per replica, without pacing {s_n:.2f}; the requests running per "
+            f"replica are {r_p:.1f} against first come first served's {r_f:.1f} then, and "
+            f"{a_p:.1f} against {a_f:.1f} after: the slots the reserve keeps free (beside "
+            "the interactive requests, and at least one per replica for as long as it holds), "
+            f"{why}."]
 
 
 def _light(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
@@ -204,12 +272,18 @@ def _live(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
         f"request shapes, the interactive rate scaled with the replicas' speed "
         f"({setup.get('live_rate_per_s', '?')}/s), the flood cut to "
         f"{setup.get('live_flood', '?')} requests so an arm takes about a minute. Wall-clock "
-        f"figures from one run on a machine of {setup.get('live_cpus', '?')} cores shared "
-        "with other work: the TTFT includes the loopback and the balancer's own time, and "
-        "varies by some tens of milliseconds between runs. Longest unserved: the longest "
-        "gap between two batch completions as the client sees them (the batch requests "
-        "are not streamed).", "",
-        *_flood(rows, setup)]
+        f"figures, medians of {_runs(rows)} on a machine of "
+        f"{setup.get('live_cpus', '?')} cores shared with other work: the TTFT includes the "
+        "loopback and the balancer's own time, and varies by some tens of milliseconds "
+        "between runs. Longest unserved: the longest gap between two batch completions as "
+        "the client sees them (the batch requests are not streamed).", "",
+        *_flood(rows, setup), *_phases(rows, setup)]
+
+
+def _runs(rows: list[dict[str, Any]]) -> str:
+    n = len({r.get("seed") for r in rows})
+    return "one run" if n == 1 else \
+        f"{n} runs (each arm once per run, with its own interactive arrivals)"
 
 
 def _lull(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:

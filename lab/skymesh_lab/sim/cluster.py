@@ -399,7 +399,8 @@ class SimBalancer:
         target = ticket.target
         ten = self.tenancy
         if ten is not None and (w := ten.released.pop(ticket.key, None)) is not None:
-            ten.queue.finished(w, self.loop.now)
+            rec_done: RequestRecord = ticket.payload
+            ten.queue.finished(w, self.loop.now, rec_done.item.output_len if ok else 0)
         if ten is not None and ok and not ticket.route.forwarded:
             rec_: RequestRecord = ticket.payload  # its output: service received (VTC)
             ten.queue.charge(ten.classify(rec_)[0], rec_.item.output_len)
