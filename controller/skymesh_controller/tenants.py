@@ -18,7 +18,7 @@ balancer holds in local token buckets, so no request waits on the network:
   (requests/s, concurrency) and of the token limits (tokens/min, the daily quota), in
   proportion to the demand each balancer of the scope reported for the tenant in its
   telemetry (requests and tokens offered, admitted or refused, smoothed:
-  ``skymesh.balancer.tenancy.Demand``); :func:`split` is the rule. A balancer whose
+  ``skymesh.balancer.tenant_limits.Demand``); :func:`split` is the rule. A balancer whose
   newest report is older than ``tenant_demand_stale_s`` counts as offering nothing;
   with no report in scope the split is even. None falls below ``tenant_share_floor / n``
   (n balancers in scope), so a balancer whose traffic just started admits some of it at

@@ -28,9 +28,7 @@ from typing import Any
 from skymesh.balancer.config import TenantsConfig
 from skymesh.balancer.metrics import TenantMetrics
 from skymesh.balancer.tenancy import (
-    Limiter,
     Slots,
-    TenantLimited,
     Waiter,
     book_of,
     queue_of,
@@ -38,6 +36,7 @@ from skymesh.balancer.tenancy import (
     reserve_of,
     tenants_of,
 )
+from skymesh.balancer.tenant_limits import Limiter, TenantLimited
 from skymesh.balancer.tenant_push import limiter_of, merge, show_shares
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,8 @@ from prometheus_client import Gauge
 from pydantic import ValidationError
 
 from skymesh.balancer.config import TenantsConfig
-from skymesh.balancer.tenancy import Limiter, tenants_of
+from skymesh.balancer.tenancy import tenants_of
+from skymesh.balancer.tenant_limits import Limiter
 from skymesh.common.tenants import TenantConfig
 
 log = logging.getLogger("skymesh.balancer.tenants")

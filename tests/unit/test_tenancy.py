@@ -11,17 +11,14 @@ import pytest
 from skymesh.balancer.config import parse_config
 from skymesh.balancer.errors import BadRequest, Overloaded
 from skymesh.balancer.tenancy import (
-    DAY_S,
     DEFAULT_TENANT,
     FairQueue,
-    Limiter,
     Tenant,
-    TenantLimited,
-    TokenBucket,
     Waiter,
     book_of,
     release_into,
 )
+from skymesh.balancer.tenant_limits import DAY_S, Limiter, TenantLimited, TokenBucket
 from skymesh.common.config import ConfigError
 
 CLASSES = ("interactive", "standard", "batch")

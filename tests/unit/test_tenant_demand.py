@@ -1,5 +1,5 @@
 """The balancer's side of shares that follow the traffic: the demand it reports per
-tenant (``tenancy.Demand``, counted by the limiter: admitted and refused), the fractions
+tenant (``tenant_limits.Demand``, counted by the limiter: admitted and refused), the fractions
 the controller answers with (``tenant_push``), each divided among the balancer's workers,
 and the controller link that carries both. Fake clock; no network."""
 
@@ -17,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from skymesh.balancer.config import TenantsConfig, parse_config
 from skymesh.balancer.server import Balancer
-from skymesh.balancer.tenancy import Demand, Limiter, Tenant, TenantLimited
+from skymesh.balancer.tenancy import Tenant
+from skymesh.balancer.tenant_limits import Demand, Limiter, TenantLimited
 from skymesh.balancer.tenant_push import limiter_of, merge
 from skymesh_controller.config import ControllerConfig
 from skymesh_controller.models import TelemetryIn

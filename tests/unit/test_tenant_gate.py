@@ -12,8 +12,8 @@ import pytest
 from skymesh.balancer.config import TenantsConfig
 from skymesh.balancer.errors import NoHealthyReplica
 from skymesh.balancer.metrics import BalancerMetrics
-from skymesh.balancer.tenancy import TenantLimited
 from skymesh.balancer.tenant_gate import TenantGate
+from skymesh.balancer.tenant_limits import TenantLimited
 
 
 class Clock:

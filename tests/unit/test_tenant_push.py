@@ -11,8 +11,9 @@ import pytest
 
 from skymesh.balancer.config import TenantsConfig
 from skymesh.balancer.metrics import BalancerMetrics
-from skymesh.balancer.tenancy import DEFAULT_TENANT, TenantLimited
+from skymesh.balancer.tenancy import DEFAULT_TENANT
 from skymesh.balancer.tenant_gate import TenantGate
+from skymesh.balancer.tenant_limits import TenantLimited
 from skymesh.balancer.tenant_push import limiter_of, merge
 
 

@@ -63,14 +63,8 @@ from typing import Any
 import aiohttp
 
 from skymesh.balancer.config import AUTO_RESERVE, DEFAULT_RESERVE, DEFAULT_RESERVE_HEADROOM
-from skymesh.balancer.tenancy import (
-    FairQueue,
-    Limiter,
-    Reserve,
-    Tenant,
-    TenantLimited,
-    Waiter,
-)
+from skymesh.balancer.tenancy import FairQueue, Reserve, Tenant, Waiter
+from skymesh.balancer.tenant_limits import Limiter, TenantLimited
 from skymesh_lab.faults.cluster import (
     MODEL,
     metrics,

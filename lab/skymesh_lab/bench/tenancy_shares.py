@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from skymesh.balancer.config import TenantsConfig
-from skymesh.balancer.tenancy import Limiter, TenantLimited
+from skymesh.balancer.tenant_limits import Limiter, TenantLimited
 from skymesh.balancer.tenant_push import limiter_of, merge
 from skymesh_controller.tenants import DEFAULT_FLOOR, pushed
 
