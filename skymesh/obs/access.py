@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
 
+from skymesh.net.jsonbody import fast_usage
 from skymesh.obs.logs import (
     ACCESS_LOGGER,
     JsonFormatter,
@@ -77,26 +78,6 @@ _PLAIN_USAGE = re.compile(
     rb'\{"prompt_tokens":(0|[1-9]\d*),(?:"total_tokens":\d+,)?"completion_tokens":'
     rb'(0|[1-9]\d*)(?:,"total_tokens":\d+)?(?:,"prompt_tokens_details":null)?\}')
 _NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
-_USAGE_DECODER: Any = None
-_REFUSED: tuple[type[BaseException], ...] = ()
-try:  # the ``fast`` extra
-    import msgspec
-
-    class _Usage(msgspec.Struct):
-        prompt_tokens: int | None = None
-        completion_tokens: int | None = None
-
-    class _Reply(msgspec.Struct):
-        """A JSON reply's top-level ``usage``, its counts typed: msgspec skips the rest
-        unbuilt, and refuses counts of another type (then read as usage_tokens reads
-        any body)."""
-
-        usage: _Usage | None = None
-
-    _USAGE_DECODER = msgspec.json.Decoder(_Reply)
-    _REFUSED = (msgspec.MsgspecError, ValueError, RecursionError)
-except ImportError:
-    pass
 # Lines waiting for the writer thread before they are made on the loop instead (about
 # 1 KB each with a stream's tail: a few MB at most).
 MAX_BACKLOG = 4096
@@ -198,6 +179,10 @@ def inject_trace(request: web.Request, headers: dict[str, str]) -> None:
         rec.tracing.inject(headers)
 
 
+def _count_or_none(value: Any) -> bool:
+    return value is None or (type(value) is int)  # not a bool, not a float: read as below
+
+
 def usage_tokens(body: bytes) -> tuple[int | None, int | None]:
     """``(prompt_tokens, completion_tokens)`` of the last non-null OpenAI ``usage`` object
     in ``body`` (a JSON reply, or the tail of an SSE stream), else ``(None, None)``.
@@ -205,13 +190,12 @@ def usage_tokens(body: bytes) -> tuple[int | None, int | None]:
     Only the usage object is decoded, not the body: this runs once per request. A JSON
     reply's top-level ``usage`` is decoded alone by msgspec (when installed), at less
     than half the cost of finding it in the bytes."""
-    if body[:1] == b"{" and _USAGE_DECODER is not None:
-        try:
-            usage = _USAGE_DECODER.decode(body).usage
-        except _REFUSED:  # not JSON, or counts that are not integers: as below
-            usage = None
-        if usage is not None:
-            return usage.prompt_tokens, usage.completion_tokens
+    if body[:1] == b"{":
+        usage = fast_usage(body)  # NOT_DECODED without msgspec or for no JSON: as below
+        if isinstance(usage, dict):
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if _count_or_none(prompt) and _count_or_none(completion):
+                return prompt, completion
     end = len(body)
     while (i := body.rfind(b'"usage"', 0, end)) >= 0:
         end = i

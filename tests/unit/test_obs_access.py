@@ -280,10 +280,10 @@ def test_usage_tokens(body: bytes, expected: tuple[int | None, int | None]) -> N
 ])
 def test_usage_tokens_reads_the_same_without_msgspec(
         monkeypatch: pytest.MonkeyPatch, body: bytes) -> None:
-    from skymesh.obs import access
+    from skymesh.net import jsonbody
 
     with_msgspec = usage_tokens(body)
-    monkeypatch.setattr(access, "_USAGE_DECODER", None)  # the lean core (no fast extra)
+    monkeypatch.setattr(jsonbody, "_FAST_USAGE", None)  # the lean core (no fast extra)
     assert usage_tokens(body) == with_msgspec
 
 
