@@ -4,6 +4,7 @@ routers and skymesh-lb's prober ask (no benchmark run here)."""
 from __future__ import annotations
 
 import http.client
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 from skymesh.common.probe import parse_metrics
 from skymesh.util.procs import Daemon
 from skymesh_lab.bench import router_overhead as ro
+from skymesh_lab.bench import router_overhead_stats as st
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
                                 reason="gcc is needed to build the stub backend")
@@ -70,3 +72,30 @@ def test_stub_streams_k_events_and_reads_chunked_bodies(stub: Daemon) -> None:
     assert len(events) == EVENTS + 1 and events[-1] == "data: [DONE]"
     assert all('"content":"tok"' in e for e in events[:-1])
     c.close()
+
+
+def _ask(c: http.client.HTTPConnection, system: str) -> None:
+    body = json.dumps({"model": "stub", "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": "q"}]},
+        separators=(",", ":")).encode()
+    c.request("POST", "/v1/chat/completions", body=body,
+              headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    r.read()
+
+
+def test_stub_counts_prefix_hits_in_a_bounded_lru(stub: Daemon) -> None:
+    c = _conn(stub)
+    _ask(c, "prefix A")
+    _ask(c, "prefix A")  # a hit
+    for i in range(ro.STUB_PREFIX_CACHE):  # as many others: A is the least recent, evicted
+        _ask(c, f"other {i}")
+    _ask(c, "prefix A")  # a miss again
+    _ask(c, f"other {ro.STUB_PREFIX_CACHE - 1}")  # still cached: a hit
+    c.request("GET", "/metrics")
+    samples = st.prefix_samples(c.getresponse().read().decode())
+    c.close()
+    n = ro.STUB_PREFIX_CACHE + 4
+    assert samples == {"stub_prefix_lookups_total": n, "stub_prefix_hits_total": 2}
+    assert st.prefix_hit_rate({}, samples) == pytest.approx(2 / n)

@@ -187,7 +187,8 @@ def test_page_renders_the_fixture() -> None:
     assert "| skymesh-lb | 1,000,000 | 60.0 | 80.0 | 90.0 |" in text
     assert "load average 3.50 at the start, 4.00 at the end" in text
     assert "90% busy" in text and "used 0.40 cores" in text
-    assert "no prefix hit rate" in text
+    assert "No prefix hit rate in this run" in text
+    assert "## The floor" not in text  # no floor ran
     assert "No socket error" in text
     assert "skymesh-lb rr: `--policy round-robin`; skymesh-lb default: `(none)`" in text
     assert "c=256" not in text.split("## The generator")[0]  # no tail case in the fixture
@@ -294,3 +295,80 @@ def test_page_says_what_was_left_out() -> None:
     assert "Not measured as planned: vllm-router/rr: left out: never answered." in text
     assert "/tmp/x" not in text
     assert "Not measured as planned" not in page.router_overhead(FIXTURE)
+
+
+def _floor_segments(floor_rps: float) -> list[dict[str, object]]:
+    """Two rounds: skymesh-lb, sglang-router and the floors in the c=64 cases."""
+    out: list[dict[str, object]] = []
+    for rnd in (0, 1):
+        for router, rps, cpu in (("skymesh-lb", 7500, 214.0), ("sglang-router", 19500, 64.0),
+                                 ("aiohttp-floor", floor_rps * 0.8, 70.0),
+                                 ("lb-stack-floor", floor_rps, 40.0),
+                                 ("asyncio-floor", 60000, 12.0)):
+            out.append(_seg(router, "default-c64", rnd, rps, 3.0, 9.0, cpu_ms_per_1k=cpu,
+                            prefix_hit_rate=0.5 if router.endswith("floor") else 0.9))
+            out.append(_seg(router, "rr-c64", rnd, rps * 2, 2.0, 6.0,
+                            cpu_ms_per_1k=cpu / 2))
+    return out
+
+
+def test_floor_lines_say_the_target_is_out_of_reach_below_sglang() -> None:
+    lines = page.floor_lines(st.summarize(_floor_segments(15000)))
+    assert lines[0] == ("Non-streaming c=64 with the default case's bodies, medians: "
+                        "sglang-router's cache-aware path 19,500 req/s; the floors on "
+                        "aiohttp's server aiohttp-floor 12,000, lb-stack-floor 15,000 req/s; "
+                        "skymesh-lb's default 7,500 (its round-robin 15,000 with the fixed "
+                        "bodies).")
+    # rr: skymesh-lb 107 ms, lb-stack-floor 20 ms; default: 214 ms against 40 ms
+    assert lines[1] == ("Of skymesh-lb's round-robin CPU (107 ms per 1,000 requests), the "
+                        "HTTP stack alone (lb-stack-floor: 20 ms) is 19%; the other 87 ms "
+                        "(81%) is SkyMesh's own logic.")
+    assert "lb-stack-floor: 40 ms) is 19%" in lines[2]
+    assert lines[3].startswith("By this measurement the target is out of reach on this "
+                               "stack: a proxy with no logic at all on aiohttp's server and "
+                               "uvloop (lb-stack-floor) serves 15,000 req/s, 77% of")
+    assert "Without aiohttp (asyncio-floor) the floor is 60,000 req/s (308%" in lines[3]
+    assert lines[4].endswith("lb-stack-floor costs 40 ms per 1,000 requests with the default "
+                             "case's bodies, sglang-router's whole cache-aware path 64; to "
+                             "match it, SkyMesh's own logic may cost 24 ms per 1,000 requests "
+                             "(its default path's logic costs 174 today).")
+
+
+def test_floor_lines_say_within_reach_when_the_floor_passes_sglang() -> None:
+    lines = page.floor_lines(st.summarize(_floor_segments(25000)))
+    assert lines[-2].startswith("By this measurement the target is within this stack's "
+                                "reach: lb-stack-floor serves 25,000 req/s, 128% of")
+    assert page.floor_lines(st.summarize(SEGMENTS)) == []  # no floor in the run
+    dear = [{**seg, "cpu_ms_per_1k": 90.0} if seg["router"] == "lb-stack-floor" else seg
+            for seg in _floor_segments(25000)]
+    assert page.floor_lines(st.summarize(dear))[-1].endswith(
+        "the HTTP stack alone costs as much as sglang-router's whole path, so no SkyMesh "
+        "logic fits.")
+
+
+def test_page_shows_the_floor_table_and_every_prefix_hit_rate() -> None:
+    setup = {**FIXTURE["setup"], "floor_workers": 2, "stub_prefix_cache": 8,
+             "prefix_groups": 16}
+    text = page.router_overhead({**FIXTURE, "setup": setup,
+                                 "segments": _floor_segments(15000)})
+    floor = text.split("## The floor")[1].split("## Memory")[0]
+    assert "2 worker processes on one port with `SO_REUSEPORT`" in floor
+    assert ("| lb-stack-floor | aiohttp's server and skymesh-lb's own httptools client "
+            "(`skymesh.balancer.upstream`): skymesh-lb's HTTP stack | 30,000 [30,000, 30,000] "
+            "| 20 [20, 20] | 15,000 [15,000, 15,000] | 40 [40, 40] |") in floor
+    assert "out of reach on this stack" in floor
+    main = text.split("## The generator")[0]
+    assert "floor" not in main  # the floors stay out of the routers' table
+    assert ("each stub keeps the 8 most recently used of the 16 shared prefixes" in text)
+    assert ("skymesh-lb 90.0% [90.0%, 90.0%], sglang-router 90.0% [90.0%, 90.0%], "
+            "aiohttp-floor 50.0% [50.0%, 50.0%], lb-stack-floor 50.0% [50.0%, 50.0%], "
+            "asyncio-floor 50.0% [50.0%, 50.0%].") in text
+
+
+def test_floors_run_only_the_non_streaming_c64_cases() -> None:
+    assert set(ro.FLOORS) <= set(ro.ROUTERS)
+    assert {c.name for c in ro.CASES if c.name in ro.FLOOR_CASES} == {"rr-c64", "default-c64"}
+    assert ro.floor_workers(ro.Options(skymesh_workers=3)) == 3
+    from skymesh.balancer.workers import resolve_workers, usable_cores
+    assert ro.floor_workers(ro.Options()) == resolve_workers(
+        "auto", usable_cores(), mesh_or_controller=False)

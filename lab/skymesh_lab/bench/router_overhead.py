@@ -19,6 +19,14 @@ What is measured
     measured in every round beside the routers, so a reader sees how far above the
     routers the client was.
 
+    The floors (``skymesh_lab.bench.proxy_floor``) run the two non-streaming c=64 cases in
+    the same rounds: reverse proxies with no logic at all on skymesh-lb's stack (uvloop,
+    as many worker processes as skymesh-lb's default, ``SO_REUSEPORT``):
+    ``aiohttp-floor`` (aiohttp's server and ``ClientSession``), ``lb-stack-floor``
+    (aiohttp's server and skymesh-lb's own httptools client) and ``asyncio-floor``
+    (asyncio protocols and httptools, no aiohttp). They bound what skymesh-lb could reach
+    on this stack and machine, and split its CPU into the HTTP stack's and its own.
+
 How
     Every round runs every (router, case) once in a freshly shuffled order (the machine
     drifts: other tenants, thermal state), ``--duration`` seconds each; figures are the
@@ -28,8 +36,10 @@ How
     router is read after warm-up and at the end; ``--requests N`` adds a long run (every
     router, cases in turn, until N requests each) with RSS after every segment. The
     machine's busy share over each segment and the part of it used by processes outside
-    the benchmark are recorded, as is skymesh-lb's prefix hit rate when its /metrics
-    publishes one.
+    the benchmark are recorded. The stubs model a prefix cache (``STUB_PREFIX_CACHE``
+    most recently used prefixes each, fewer than the ``PREFIX_GROUPS`` of the default
+    case: a prefix stays cached only on a stub it keeps going to); their /metrics
+    counters around each default segment give every router's prefix hit rate.
 
     skymesh bench router-overhead --rounds 3 --duration 5 --json out/router-overhead.json
 """
@@ -56,6 +66,7 @@ from typing import Any
 
 from skymesh.util.jsonio import write_json
 from skymesh.util.procs import Daemon, executable, free_port, start_daemon
+from skymesh_lab.bench import proxy_floor
 from skymesh_lab.bench import router_overhead_stats as st
 from skymesh_lab.bench.venvs import ensure_package
 
@@ -70,7 +81,9 @@ PEERS: dict[str, dict[str, str]] = {
                     "module": "vllm_router.launch_router", "import": "vllm_router",
                     "venv": "/tmp/skymesh-bench-vllmr", "log_level": "warning"},
 }
-ROUTERS = (SKYMESH, *PEERS)
+FLOORS = st.FLOORS
+FLOOR_CASES = ("rr-c64", "default-c64")
+ROUTERS = (SKYMESH, *PEERS, *FLOORS)
 CONFIG_FLAGS: dict[str, dict[str, list[str]]] = {
     SKYMESH: {"rr": ["--policy", "round-robin", "--push-mode", "bp"], "default": []},
     "sglang-router": {"rr": ["--policy", "round_robin"], "default": []},
@@ -78,6 +91,9 @@ CONFIG_FLAGS: dict[str, dict[str, list[str]]] = {
 }
 STREAM_EVENTS = 64
 PREFIX_GROUPS = 16
+# Prefixes each stub keeps (LRU): the groups over the 2 stubs fit only if each group stays
+# on one stub; round-robin, each stub sees every group and keeps about half of them.
+STUB_PREFIX_CACHE = PREFIX_GROUPS // 2
 READY_TIMEOUT_S = 90.0
 SETTLE_S = 0.3  # between segments: the previous one's connections close
 
@@ -143,7 +159,8 @@ def start_stub(binary: Path, events: int, workdir: Path, idx: int) -> Daemon:
     log_path = workdir / f"stub{idx}.log"
     out = workdir / f"stub{idx}.port"
     with out.open("wb") as o, log_path.open("wb") as log:
-        proc = subprocess.Popen([str(binary), "0", str(events)], stdout=o, stderr=log)
+        proc = subprocess.Popen([str(binary), "0", str(events), str(STUB_PREFIX_CACHE)],
+                                stdout=o, stderr=log)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         text = out.read_text()
@@ -186,6 +203,34 @@ def start_peer(name: str, py: Path, config: str, stubs: Sequence[str], workdir: 
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     return Daemon(name, proc, f"http://127.0.0.1:{port}", log_path)
+
+
+def floor_workers(opts: Options) -> int:
+    """The floors' worker count: skymesh-lb's in this run (its default unless asked)."""
+    return (opts.skymesh_workers if opts.skymesh_workers is not None
+            else proxy_floor.default_workers())
+
+
+def start_floor(name: str, workers: int, config: str, stubs: Sequence[str], workdir: Path
+                ) -> tuple[Daemon, list[str]]:
+    """A floor proxy (``proxy_floor``), its Daemon once it printed its URL, and its flags."""
+    flags = ["--kind", FLOORS[name], "--workers", str(workers)]
+    log_path = workdir / f"{name}-{config}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "skymesh_lab.bench.proxy_floor",
+                                 *flags, "--upstreams", ",".join(stubs)],
+                                stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        text = log_path.read_text(errors="replace")
+        if "listening on " in text:
+            url = text.split("listening on ", 1)[1].split()[0]
+            return Daemon(name, proc, url, log_path), flags
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    raise RuntimeError(f"{name} did not start: {log_path.read_text()[-2000:]}")
 
 
 def http_request(url: str, method: str, path: str, body: bytes | None = None,
@@ -245,14 +290,16 @@ def rss_mb(pid: int) -> float:
     return st.tree_rss_bytes(st.tree(proc_snapshot(), pid), _PAGE) / 2**20
 
 
-def prefix_metrics(inst: Instance) -> dict[str, float]:
-    if inst.router != SKYMESH:
-        return {}
-    with contextlib.suppress(OSError):
-        status, text = http_request(inst.daemon.url, "GET", "/metrics")
-        if status == 200:
-            return st.prefix_samples(text.decode(errors="replace"))
-    return {}
+def prefix_metrics(stubs: Sequence[str]) -> dict[str, float]:
+    """The stubs' prefix-cache counters, summed over the stubs."""
+    out: dict[str, float] = {}
+    for url in stubs:
+        with contextlib.suppress(OSError):
+            status, text = http_request(url, "GET", "/metrics")
+            if status == 200:
+                for k, v in st.prefix_samples(text.decode(errors="replace")).items():
+                    out[k] = out.get(k, 0.0) + v
+    return out
 
 
 # -- segments --------------------------------------------------------------------------
@@ -268,17 +315,19 @@ def run_wrk(url: str, case: Case, duration_s: float) -> str:
 
 
 def segment(target: str, inst: Instance | None, url: str, case: Case, rnd: int,
-            duration_s: float, ours: Sequence[int]) -> dict[str, Any]:
-    """One wrk run at ``url``, with the router's CPU and the machine's load around it."""
+            duration_s: float, ours: Sequence[int], stubs: Sequence[str]
+            ) -> dict[str, Any]:
+    """One wrk run at ``url``, with the router's CPU and the machine's load around it, and
+    the stubs' prefix hits in the default case."""
     pid = inst.daemon.proc.pid if inst else None
     before_p = proc_snapshot()
     before_m = machine_cpu()
     before_wrk = resource.getrusage(resource.RUSAGE_CHILDREN)
-    before_x = prefix_metrics(inst) if inst and case.config == "default" else {}
+    before_x = prefix_metrics(stubs) if inst and case.config == "default" else {}
     t0 = time.monotonic()
     out = run_wrk(url, case, duration_s)
     wall = time.monotonic() - t0
-    after_x = prefix_metrics(inst) if inst and case.config == "default" else {}
+    after_x = prefix_metrics(stubs) if inst and case.config == "default" else {}
     after_wrk = resource.getrusage(resource.RUSAGE_CHILDREN)
     after_m = machine_cpu()
     after_p = proc_snapshot()
@@ -328,8 +377,16 @@ def _stack(opts: Options, workdir: Path, notes: dict[str, str]
         insts: dict[tuple[str, str], Instance] = {}
         help_text = skymesh_help() if SKYMESH in opts.routers else ""
         notes["skymesh_workers_flag"] = str("--workers" in help_text)
+        floor_configs = sorted({c.config for c in CASES
+                                if c.name in opts.cases and c.name in FLOOR_CASES})
         for router in opts.routers:
             py: Path | None = None
+            if router in FLOORS:
+                for config in floor_configs:
+                    d, flags = start_floor(router, floor_workers(opts), config, urls, workdir)
+                    exits.callback(d.stop)
+                    insts[(router, config)] = Instance(router, config, d, flags)
+                continue
             if router != SKYMESH:
                 spec = PEERS[router]
                 py, why = ensure_package(Path(spec["venv"]), spec["package"], spec["version"],
@@ -386,12 +443,14 @@ def run(opts: Options) -> dict[str, Any]:
             rss[f"{r}/{c}"] = {"before_mb": rss_mb(inst.daemon.proc.pid)}
         for rnd in range(opts.rounds):
             plan = [(r, c) for c in cases for r in (st.DIRECT, *routers)
-                    if r == st.DIRECT or (r, c.config) in insts]
+                    if r == st.DIRECT or ((r, c.config) in insts
+                                          and (r not in FLOORS or c.name in FLOOR_CASES))]
             rng.shuffle(plan)
             for target, case in plan:
                 inst = insts.get((target, case.config))
                 url = inst.daemon.url if inst else stubs[0].url
-                s = segment(target, inst, url, case, rnd, opts.duration_s, ours)
+                s = segment(target, inst, url, case, rnd, opts.duration_s, ours,
+                            [d.url for d in stubs])
                 segments.append(s)
                 print(_fmt(s), flush=True)
                 time.sleep(SETTLE_S)
@@ -412,6 +471,8 @@ def run(opts: Options) -> dict[str, Any]:
         "setup": {"command": command_line(opts), "rounds": opts.rounds,
                   "duration_s": opts.duration_s, "cases": [asdict(c) for c in cases],
                   "stream_events": STREAM_EVENTS, "prefix_groups": PREFIX_GROUPS,
+                  "stub_prefix_cache": STUB_PREFIX_CACHE, "floor_cases": list(FLOOR_CASES),
+                  "floor_workers": floor_workers(opts),
                   "routers": {r: {c: i.flags for (rr, c), i in insts.items() if rr == r}
                               for r in routers},
                   "versions": {r: PEERS[r]["version"] for r in routers if r in PEERS},
@@ -438,7 +499,7 @@ def _long_run(insts: dict[tuple[str, str], Instance], opts: Options,
            Case("long-prefix", "default", 64, False, "prefix"),
            Case("long-stream", "default", 64, True, "fixed")]
     for (router, config), inst in insts.items():
-        if config != "default":
+        if config != "default" or router in FLOORS:  # the floors bound speed, not memory
             continue
         done, i = 0.0, 0
         trace = out[router] = [{"requests": 0.0, "rss_mb": rss_mb(inst.daemon.proc.pid)}]

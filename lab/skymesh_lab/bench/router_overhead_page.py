@@ -9,6 +9,14 @@ from typing import Any
 from skymesh_lab.bench import router_overhead_stats as st
 
 ROUTER_ORDER = ("skymesh-lb", "sglang-router", "vllm-router")
+FLOOR_WHAT = {
+    "aiohttp-floor": "aiohttp's server and a pooled `aiohttp.ClientSession`",
+    "lb-stack-floor": "aiohttp's server and skymesh-lb's own httptools client "
+                      "(`skymesh.balancer.upstream`): skymesh-lb's HTTP stack",
+    "asyncio-floor": "asyncio protocols and httptools, no aiohttp",
+}
+# The floors that keep aiohttp's server: the stack the target question is about.
+AIOHTTP_FLOORS = ("aiohttp-floor", "lb-stack-floor")
 Row = tuple[str, str, str, Callable[[float], str]]  # label, case, metric, format
 
 
@@ -51,8 +59,97 @@ def cell(row: Mapping[str, Any], metric: str, fmt: Callable[[float], str]) -> st
 
 
 def routers_of(summary: Mapping[str, Any]) -> list[str]:
+    """The routers of the main table (not the generator's ceiling, not the floors)."""
     known = [r for r in ROUTER_ORDER if r in summary]
-    return known + sorted(r for r in summary if r not in known and r != st.DIRECT)
+    return known + sorted(r for r in summary
+                          if r not in known and r != st.DIRECT and r not in st.FLOORS)
+
+
+def _median(summary: Mapping[str, Any], router: str, case: str, metric: str
+            ) -> float | None:
+    return summary.get(router, {}).get(case, {}).get(metric, {}).get("median")
+
+
+def floor_table(summary: Mapping[str, Any]) -> str:
+    """skymesh-lb, the floors and the peers in the two non-streaming c=64 cases."""
+    arms = [r for r in ("skymesh-lb", *st.FLOORS, "sglang-router", "vllm-router")
+            if r in summary]
+    out = ["| | what | rr-c64 req/s | CPU ms per 1,000 | default-c64 req/s "
+           "| CPU ms per 1,000 |", "|---|---|---:|---:|---:|---:|"]
+    for r in arms:
+        rr, dflt = summary[r].get("rr-c64", {}), summary[r].get("default-c64", {})
+        what = FLOOR_WHAT.get(r, "round-robin; its default (cache-aware)")
+        out.append(f"| {r} | {what} | {cell(rr, 'rps', _n0)} | "
+                   f"{cell(rr, 'cpu_ms_per_1k', _n0)} | {cell(dflt, 'rps', _n0)} | "
+                   f"{cell(dflt, 'cpu_ms_per_1k', _n0)} |")
+    return "\n".join(out)
+
+
+def floor_lines(summary: Mapping[str, Any]) -> list[str]:
+    """What the floors say about the target (skymesh-lb's default at or above
+    sglang-router's cache-aware req/s, non-streaming c=64): sentences from the medians."""
+    floors = [f for f in AIOHTTP_FLOORS if _median(summary, f, "default-c64", "rps")]
+    target = _median(summary, "sglang-router", "default-c64", "rps")
+    if not floors:
+        return []
+    best = max(floors, key=lambda f: _median(summary, f, "default-c64", "rps") or 0.0)
+    best_rps = _median(summary, best, "default-c64", "rps") or 0.0
+    ours = {c: _median(summary, "skymesh-lb", f"{c}-c64", "rps") for c in ("default", "rr")}
+    parts = [f"{f} {_median(summary, f, 'default-c64', 'rps'):,.0f}" for f in floors]
+    out = [("Non-streaming c=64 with the default case's bodies, medians: "
+            + (f"sglang-router's cache-aware path {target:,.0f} req/s; " if target else "")
+            + "the floors on aiohttp's server " + ", ".join(parts) + " req/s"
+            + (f"; skymesh-lb's default {ours['default']:,.0f}" if ours["default"] else "")
+            + (f" (its round-robin {ours['rr']:,.0f} with the fixed bodies)"
+               if ours["rr"] else "") + ".")]
+    stack = "lb-stack-floor" if _median(summary, "lb-stack-floor", "rr-c64",
+                                        "cpu_ms_per_1k") else "aiohttp-floor"
+    for case, name in (("rr-c64", "round-robin"), ("default-c64", "default")):
+        lb = _median(summary, "skymesh-lb", case, "cpu_ms_per_1k")
+        fl = _median(summary, stack, case, "cpu_ms_per_1k")
+        if lb and fl:
+            out.append(f"Of skymesh-lb's {name} CPU ({lb:,.0f} ms per 1,000 requests), the "
+                       f"HTTP stack alone ({stack}: {fl:,.0f} ms) is {fl / lb:.0%}; the "
+                       f"other {lb - fl:,.0f} ms ({1 - fl / lb:.0%}) is SkyMesh's own logic.")
+    if target:
+        if best_rps < target:
+            verdict = (f"By this measurement the target is out of reach on this stack: "
+                       f"a proxy with no logic at all on aiohttp's server and uvloop "
+                       f"({best}) serves {best_rps:,.0f} req/s, {best_rps / target:.0%} of "
+                       f"sglang-router's cache-aware {target:,.0f}, before SkyMesh adds "
+                       "anything.")
+        else:
+            verdict = (f"By this measurement the target is within this stack's reach: "
+                       f"{best} serves {best_rps:,.0f} req/s, {best_rps / target:.0%} of "
+                       f"sglang-router's cache-aware {target:,.0f}; what SkyMesh's own "
+                       "logic adds must fit in the difference.")
+        bare = _median(summary, "asyncio-floor", "default-c64", "rps")
+        if bare:
+            verdict += (f" Without aiohttp (asyncio-floor) the floor is {bare:,.0f} req/s "
+                        f"({bare / target:.0%} of sglang-router's).")
+        out.append(verdict)
+    out += _cpu_budget(summary, stack)
+    return out
+
+
+def _cpu_budget(summary: Mapping[str, Any], stack: str) -> list[str]:
+    """The target in CPU per request, which a shared machine's load does not move: what
+    is left for SkyMesh's own logic once the HTTP stack is paid for."""
+    case = "default-c64"
+    target = _median(summary, "sglang-router", case, "cpu_ms_per_1k")
+    floor = _median(summary, stack, case, "cpu_ms_per_1k")
+    ours = _median(summary, "skymesh-lb", case, "cpu_ms_per_1k")
+    if not target or not floor:
+        return []
+    head = (f"In CPU per request (the figure a shared machine's load moves least): {stack} "
+            f"costs {floor:,.0f} ms per 1,000 requests with the default case's bodies, "
+            f"sglang-router's whole cache-aware path {target:,.0f}; ")
+    if floor >= target:
+        return [head + "the HTTP stack alone costs as much as sglang-router's whole path, "
+                "so no SkyMesh logic fits."]
+    today = f" (its default path's logic costs {ours - floor:,.0f} today)" if ours else ""
+    return [head + f"to match it, SkyMesh's own logic may cost {target - floor:,.0f} ms per "
+            f"1,000 requests{today}."]
 
 
 def main_table(summary: Mapping[str, Any]) -> str:
@@ -128,15 +225,24 @@ def load_lines(data: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def prefix_lines(summary: Mapping[str, Any], segments: list[Mapping[str, Any]]) -> list[str]:
-    row = summary.get("skymesh-lb", {}).get("default-c64", {})
-    if "prefix_hit_rate" in row:
-        return [f"skymesh-lb's prefix hit rate in the default case (from its /metrics): "
-                f"{cell(row, 'prefix_hit_rate', lambda x: f'{x:.1%}')}."]
-    seen = any(s.get("prefix_samples") for s in segments)
-    return ["skymesh-lb's /metrics published " + ("prefix samples but no hit rate"
-                                                   if seen else "no prefix hit rate")
-            + " in this run."]
+def prefix_lines(summary: Mapping[str, Any], setup: Mapping[str, Any]) -> list[str]:
+    """The prefix hit rate at the stubs in the default case, per router and floor."""
+    rates = [(r, summary[r]["default-c64"]) for r in (*routers_of(summary), *st.FLOORS)
+             if "prefix_hit_rate" in summary.get(r, {}).get("default-c64", {})]
+    if not rates:
+        return ["No prefix hit rate in this run: skymesh-lb's /metrics publishes no prefix "
+                "hit counter and this run's stubs modelled no prefix cache (the stubs count "
+                "hits since `stub_prefix_cache` is in the JSON's setup)."]
+    cache, groups = setup.get("stub_prefix_cache", "?"), setup.get("prefix_groups", "?")
+    def pct(x: float) -> str:
+        return f"{x:.1%}"
+
+    return [f"Prefix hit rate at the stubs in the default case (each stub keeps the {cache} "
+            f"most recently used of the {groups} shared prefixes, so a prefix hits only "
+            "while a router keeps sending it to the same stub; the floors, round-robin, "
+            "show the rate without any affinity): "
+            + ", ".join(f"{r} {cell(row, 'prefix_hit_rate', pct)}" for r, row in rates)
+            + "."]
 
 
 def router_overhead(data: dict[str, Any]) -> str:
@@ -156,7 +262,16 @@ def router_overhead(data: dict[str, Any]) -> str:
            "## The generator's ceiling", "",
            "wrk with the same script and connections straight at one stub, in every round "
            "beside the routers (the routers spread over two stubs).", "",
-           ceiling_table(summary), "", "## Memory", "", rss_table(data.get("rss", {})), ""]
+           ceiling_table(summary), ""]
+    if any(f in summary for f in st.FLOORS):
+        out += ["## The floor: what a Python proxy on this stack can do", "",
+                "Reverse proxies with no logic at all (round-robin over the two stubs, the "
+                "body passed through; no parsing, metrics or log: "
+                "`lab/skymesh_lab/bench/proxy_floor.py`), on uvloop, "
+                f"{setup.get('floor_workers', '?')} worker processes on one port with "
+                "`SO_REUSEPORT` as skymesh-lb's default, in the same rounds as the "
+                "routers.", "", floor_table(summary), "", " ".join(floor_lines(summary)), ""]
+    out += ["## Memory", "", rss_table(data.get("rss", {})), ""]
     if data.get("long_run"):
         out += ["Long run (non-streaming, prefix and streaming segments in turn):", "",
                 long_run_table(data["long_run"]), ""]
@@ -165,7 +280,7 @@ def router_overhead(data: dict[str, Any]) -> str:
     if trouble:
         out += ["Not measured as planned: " + "; ".join(
             f"{k}: {v.splitlines()[0]}" for k, v in sorted(trouble.items())) + ".", ""]
-    out += prefix_lines(summary, data["segments"])
+    out += prefix_lines(summary, setup)
     out += ["", "vllm-router's default (cache_aware) asks each backend for "
             "`/v1/chat/completions/render` and `/tokenize` before every request; the stub "
             "answers both with a fast 404 and the request is routed anyway. "

@@ -11,7 +11,8 @@
  *   GET  /health, /health_generate, /readiness, /liveness   -> 200
  *   GET  /v1/models                                        -> the one model, "stub"
  *   GET  /metrics   -> vLLM-style gauges (num_requests_running/waiting = 0), so a prober
- *                      that reads vLLM's /metrics sees an idle, healthy replica
+ *                      that reads vLLM's /metrics sees an idle, healthy replica; and
+ *                      stub_prefix_lookups_total / stub_prefix_hits_total (below)
  *   GET  /get_server_info, /get_model_info, /model_info, /server_info, /get_load
  *                   -> small JSON (sglang-router and vllm-router ask at startup)
  *   anything else   -> 404 (and the path on stderr with -v, to find what a router needs),
@@ -19,7 +20,14 @@
  *                      /v1/chat/completions/render in its cache_aware policy: a fast 404,
  *                      after which it routes on the request's text
  *
- * Build: gcc -O2 -o stub stub.c     Run: ./stub PORT [K] [-v]
+ * A prefix cache, modelled only as far as a hit rate needs: each completion's first
+ * message text (up to PREFIX_BYTES of it) is hashed and looked up among the CACHE most
+ * recently seen (LRU; 0, the default, keeps none and counts nothing). With fewer slots than
+ * the client has shared prefixes, a prefix stays cached only while a router keeps sending
+ * it to the same stub: the hit rate at the stubs says how well a router kept prefixes
+ * together, whatever the router publishes itself.
+ *
+ * Build: gcc -O2 -o stub stub.c     Run: ./stub PORT [K] [CACHE] [-v]
  * It prints "ready PORT" on stdout once listening (PORT 0 picks a free port).
  */
 #define _GNU_SOURCE
@@ -50,7 +58,13 @@ typedef struct {
     int waiting_out; /* registered for EPOLLOUT */
 } conn_t;
 
+#define PREFIX_BYTES 256
+#define MAX_CACHE 256
+
 static int verbose = 0;
+static unsigned long long lru[MAX_CACHE]; /* prefix hashes, most recent first */
+static int lru_len = 0, lru_cap = 0;
+static unsigned long long prefix_lookups = 0, prefix_hits = 0;
 static char *stream_reply;
 static size_t stream_reply_len;
 
@@ -130,6 +144,27 @@ static void build_stream_reply(int k) {
     stream_reply_len = n;
 }
 
+/* Look the body's first message text up in the LRU (and put it first). */
+static void prefix_lookup(const char *body, size_t len) {
+    static const char KEY[] = "\"content\":\"";
+    if (lru_cap == 0) return;
+    const char *p = memmem(body, len, KEY, sizeof KEY - 1);
+    if (!p) return;
+    p += sizeof KEY - 1;
+    const char *end = body + len;
+    unsigned long long h = 1469598103934665603ULL; /* FNV-1a */
+    for (int i = 0; p < end && *p != '"' && i < PREFIX_BYTES; p++, i++)
+        h = (h ^ (unsigned char)*p) * 1099511628211ULL;
+    prefix_lookups++;
+    int at = 0;
+    while (at < lru_len && lru[at] != h) at++;
+    if (at < lru_len) prefix_hits++;
+    else if (lru_len < lru_cap) at = lru_len++;
+    else at = lru_len - 1;
+    memmove(lru + 1, lru, (size_t)at * sizeof lru[0]);
+    lru[0] = h;
+}
+
 /* Case-insensitive search for a header name at a line start within [p, end). */
 static const char *find_header(const char *p, const char *end, const char *name) {
     size_t nl = strlen(name);
@@ -197,6 +232,7 @@ static int handle(conn_t *c) {
 #define IS(s) (plen == sizeof(s) - 1 && memcmp(path, s, plen) == 0)
         if (*start == 'P') {
             if (IS("/v1/chat/completions") || IS("/v1/completions") || IS("/generate")) {
+                prefix_lookup(body, used - (size_t)(body - start));
                 if (stream)
                     put(c, stream_reply, stream_reply_len);
                 else
@@ -210,7 +246,13 @@ static int handle(conn_t *c) {
         } else if (IS("/v1/models")) {
             reply(c, 200, "application/json", MODELS_BODY, sizeof MODELS_BODY - 1);
         } else if (IS("/metrics")) {
-            reply(c, 200, "text/plain; version=0.0.4", METRICS_BODY, sizeof METRICS_BODY - 1);
+            char m[sizeof METRICS_BODY + 256];
+            int n = snprintf(m, sizeof m, "%s# TYPE stub_prefix_lookups_total counter\n"
+                             "stub_prefix_lookups_total %llu\n"
+                             "# TYPE stub_prefix_hits_total counter\n"
+                             "stub_prefix_hits_total %llu\n",
+                             METRICS_BODY, prefix_lookups, prefix_hits);
+            reply(c, 200, "text/plain; version=0.0.4", m, (size_t)n);
         } else if (IS("/get_server_info") || IS("/get_model_info") || IS("/server_info") ||
                    IS("/model_info")) {
             reply(c, 200, "application/json", SERVER_INFO_BODY, sizeof SERVER_INFO_BODY - 1);
@@ -257,7 +299,14 @@ static int flush_out(conn_t *c) {
 int main(int argc, char **argv) {
     int port = argc > 1 ? atoi(argv[1]) : 0;
     int k = argc > 2 ? atoi(argv[2]) : 64;
-    verbose = argc > 3 && strcmp(argv[3], "-v") == 0;
+    for (int i = 3; i < argc; i++) {
+        if (strcmp(argv[i], "-v") == 0) verbose = 1;
+        else lru_cap = atoi(argv[i]);
+    }
+    if (lru_cap < 0 || lru_cap > MAX_CACHE) {
+        fprintf(stderr, "CACHE: 0 to %d\n", MAX_CACHE);
+        return 2;
+    }
     signal(SIGPIPE, SIG_IGN);
     build_stream_reply(k);
 

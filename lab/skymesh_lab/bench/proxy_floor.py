@@ -1,0 +1,286 @@
+"""Floor proxies for ``skymesh bench router-overhead``: the least a Python proxy on
+skymesh-lb's stack costs per request on this machine.
+
+Lab code, never product. Each kind is a reverse proxy with nothing but the proxying:
+round-robin over the upstreams, the request body passed through, the reply returned; no
+parsing of JSON, no metrics, no log. Served as skymesh-lb serves (``--workers`` processes,
+default skymesh-lb's own ``auto`` count, each listening on the same port with
+``SO_REUSEPORT``: :func:`skymesh.balancer.workers.bind_shared`), on uvloop, so the figure
+bounds what skymesh-lb could reach with its logic taken away:
+
+* ``aiohttp``: aiohttp's low-level server and one pooled ``aiohttp.ClientSession`` per
+  worker (the textbook aiohttp proxy);
+* ``stack``: aiohttp's server and skymesh-lb's own request-path client
+  (:class:`skymesh.balancer.upstream.Upstream`, httptools on a bare connection): the
+  HTTP stack skymesh-lb runs, without skymesh-lb;
+* ``asyncio``: no aiohttp at all: asyncio protocols on uvloop, httptools only to find where
+  each request and reply ends, the bytes passed through verbatim (no pipelined requests:
+  wrk sends one at a time per connection). Where aiohttp's own cost lies.
+
+    python -m skymesh_lab.bench.proxy_floor --kind aiohttp --upstreams URL,URL [--workers N]
+
+It prints ``listening on http://HOST:PORT`` (as skymesh-lb does) once its sockets are bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import ctypes
+import itertools
+import os
+import signal
+import socket
+import sys
+import traceback
+from collections.abc import Iterator, Mapping, Sequence
+
+import aiohttp
+import httptools
+import uvloop
+from aiohttp import web
+from yarl import URL
+
+from skymesh.balancer.upstream import Upstream
+from skymesh.balancer.workers import bind_shared, listen_url, resolve_workers, usable_cores
+
+KINDS = ("aiohttp", "stack", "asyncio")
+
+
+def default_workers() -> int:
+    """skymesh-lb's worker count with no configuration (``listen.workers: auto``)."""
+    return resolve_workers("auto", usable_cores(), mesh_or_controller=False)
+
+
+def _content_type(headers: Mapping[str, str]) -> dict[str, str]:
+    return {"Content-Type": headers.get("Content-Type", "application/json")}
+
+
+def _die_with_parent() -> None:
+    """SIGTERM this worker when the forking process dies, even by SIGKILL (Linux's
+    ``PR_SET_PDEATHSIG``): a benchmark that kills the floor leaves no worker behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+# -- aiohttp's server, with aiohttp's client or skymesh-lb's ----------------------------
+async def _serve_aiohttp(sock: socket.socket, upstreams: Sequence[str], kind: str) -> None:
+    targets = itertools.cycle(upstreams)
+    if kind == "aiohttp":
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar(),
+            auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None))
+
+        async def handle(request: web.BaseRequest) -> web.Response:
+            body = await request.read()
+            async with session.request(request.method, next(targets) + request.path_qs,
+                                       data=body, headers=_content_type(request.headers)
+                                       ) as r:
+                return web.Response(body=await r.read(), status=r.status,
+                                    headers=_content_type(r.headers))
+    else:
+        up = Upstream(connect_timeout_s=5.0, read_timeout_s=60.0)
+
+        async def handle(request: web.BaseRequest) -> web.Response:
+            body = await request.read()
+            r = await up.post(next(targets), request.path_qs, body,
+                              _content_type(request.headers))
+            try:
+                data = await r.read()
+            finally:
+                r.release()
+            return web.Response(body=data, status=r.status, headers=_content_type(r.headers))
+
+    runner = web.ServerRunner(web.Server(handle, access_log=None))
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    await asyncio.Event().wait()  # until SIGTERM ends the process
+
+
+# -- asyncio protocols and httptools -----------------------------------------------------
+class _Client(asyncio.Protocol):
+    """One client connection: each whole request goes to an upstream connection as is."""
+
+    def __init__(self, proxy: _Proxy) -> None:
+        self.proxy = proxy
+        self.parser = httptools.HttpRequestParser(self)
+        self.parts: list[bytes] = []
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.parts.append(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.close()
+
+    def on_message_complete(self) -> None:
+        message = b"".join(self.parts)
+        self.parts.clear()
+        self.proxy.forward(message, self)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection to an upstream: the reply's bytes go to the client as
+    they arrive; the parser only says where the reply ends."""
+
+    def __init__(self, idle: collections.deque[_Conn]) -> None:
+        self.idle = idle
+        self.parser = httptools.HttpResponseParser(self)
+        self.client: _Client | None = None
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def send(self, message: bytes, client: _Client) -> None:
+        assert self.transport is not None
+        self.client = client
+        self.transport.write(message)
+
+    def data_received(self, data: bytes) -> None:
+        client = self.client
+        if client is not None and client.transport is not None:
+            client.transport.write(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self._drop()
+
+    def on_message_complete(self) -> None:
+        self.client = None
+        if self.parser.should_keep_alive() and self.transport is not None:
+            self.idle.append(self)
+        else:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        with contextlib.suppress(ValueError):
+            self.idle.remove(self)
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+class _Proxy:
+    def __init__(self, upstreams: Sequence[str]) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.addrs = [(u.host or "127.0.0.1", u.port or 80) for u in map(URL, upstreams)]
+        self.idle: list[collections.deque[_Conn]] = [collections.deque() for _ in upstreams]
+        self.turn: Iterator[int] = itertools.cycle(range(len(upstreams)))
+
+    def forward(self, message: bytes, client: _Client) -> None:
+        i = next(self.turn)
+        if self.idle[i]:
+            self.idle[i].pop().send(message, client)
+        else:
+            self.loop.create_task(self._connect_and_send(i, message, client))
+
+    async def _connect_and_send(self, i: int, message: bytes, client: _Client) -> None:
+        try:
+            _, conn = await self.loop.create_connection(
+                lambda: _Conn(self.idle[i]), *self.addrs[i])
+        except OSError:
+            client.close()
+            return
+        conn.send(message, client)
+
+
+async def _serve_asyncio(sock: socket.socket, upstreams: Sequence[str]) -> None:
+    proxy = _Proxy(upstreams)
+    server = await proxy.loop.create_server(lambda: _Client(proxy), sock=sock)
+    async with server:
+        await server.serve_forever()
+
+
+# -- processes ---------------------------------------------------------------------------
+def serve(kind: str, sock: socket.socket, upstreams: Sequence[str]) -> None:
+    """One worker: serve ``sock`` until killed."""
+    main = (_serve_asyncio(sock, upstreams) if kind == "asyncio"
+            else _serve_aiohttp(sock, upstreams, kind))
+    uvloop.run(main)
+
+
+def run_workers(kind: str, upstreams: Sequence[str], workers: int, host: str, port: int
+                ) -> int:
+    """Fork one worker per shared socket; forward SIGTERM/SIGINT to them; end when any
+    ends (a floor that lost a worker would measure less than the floor)."""
+    socks = bind_shared(host, port, workers)
+    pids: list[int] = []
+    sys.stdout.flush()
+    for i, sock in enumerate(socks):
+        pid = os.fork()
+        if pid == 0:  # the worker: its own socket, a fresh loop (none exists before fork)
+            _die_with_parent()
+            for other in socks[:i] + socks[i + 1:]:
+                other.close()
+            code = 0
+            try:
+                serve(kind, sock, [*upstreams[i % len(upstreams):],
+                                   *upstreams[:i % len(upstreams)]])
+            except BaseException:  # a worker reports and exits: it never returns to main
+                traceback.print_exc()
+                code = 1
+            os._exit(code)
+        pids.append(pid)
+
+    def stop(signum: int, frame: object) -> None:
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(f"{kind} floor, {workers} workers: listening on {listen_url(socks[0], False)}",
+          flush=True)
+    code = 0
+    while pids:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        if pid in pids:
+            pids.remove(pid)
+            code = code or (0 if os.waitstatus_to_exitcode(status) in (0, -signal.SIGTERM)
+                            else 1)
+            stop(signal.SIGTERM, None)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m skymesh_lab.bench.proxy_floor",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kind", choices=KINDS, required=True)
+    ap.add_argument("--upstreams", required=True, metavar="URL,URL")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="processes (default: skymesh-lb's auto count)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    args = ap.parse_args(argv)
+    workers = args.workers if args.workers is not None else default_workers()
+    return run_workers(args.kind, args.upstreams.split(","), workers, args.host, args.port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
