@@ -100,39 +100,49 @@ async def _serve_aiohttp(sock: socket.socket, upstreams: Sequence[str], kind: st
 
 
 # -- asyncio protocols and httptools -----------------------------------------------------
-class _Client(asyncio.Protocol):
+class _Side(asyncio.Protocol):
+    """A connection's transport, until it is lost."""
+
+    transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def feed(self, parser: httptools.HttpRequestParser | httptools.HttpResponseParser,
+             data: bytes) -> None:
+        """Parse ``data`` (the parser calls back ``on_message_complete``); bad HTTP closes."""
+        try:
+            parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.close()
+
+
+class _Client(_Side):
     """One client connection: each whole request goes to an upstream connection as is."""
 
     def __init__(self, proxy: _Proxy) -> None:
         self.proxy = proxy
         self.parser = httptools.HttpRequestParser(self)
         self.parts: list[bytes] = []
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         self.parts.append(data)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self.close()
+        self.feed(self.parser, data)
 
     def on_message_complete(self) -> None:
         message = b"".join(self.parts)
         self.parts.clear()
         self.proxy.forward(message, self)
 
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-
-
-class _Conn(asyncio.Protocol):
+class _Conn(_Side):
     """One keep-alive connection to an upstream: the reply's bytes go to the client as
     they arrive; the parser only says where the reply ends."""
 
@@ -140,10 +150,6 @@ class _Conn(asyncio.Protocol):
         self.idle = idle
         self.parser = httptools.HttpResponseParser(self)
         self.client: _Client | None = None
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
 
     def send(self, message: bytes, client: _Client) -> None:
         assert self.transport is not None
@@ -154,32 +160,27 @@ class _Conn(asyncio.Protocol):
         client = self.client
         if client is not None and client.transport is not None:
             client.transport.write(data)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self._drop()
+        self.feed(self.parser, data)
 
     def on_message_complete(self) -> None:
         self.client = None
         if self.parser.should_keep_alive() and self.transport is not None:
             self.idle.append(self)
         else:
-            self._drop()
+            self.close()
 
-    def _drop(self) -> None:
+    def close(self) -> None:
+        """Close this connection and the client whose reply it was carrying (cut short)."""
         if self.client is not None:
             self.client.close()
             self.client = None
-        if self.transport is not None:
-            self.transport.close()
+        super().close()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
+        super().connection_lost(exc)
         with contextlib.suppress(ValueError):
             self.idle.remove(self)
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        self.close()
 
 
 class _Proxy:
@@ -269,8 +270,7 @@ def run_workers(kind: str, upstreams: Sequence[str], workers: int, host: str, po
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m skymesh_lab.bench.proxy_floor",
-                                 description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--kind", choices=KINDS, required=True)
     ap.add_argument("--upstreams", required=True, metavar="URL,URL")
     ap.add_argument("--workers", type=int, default=None,
