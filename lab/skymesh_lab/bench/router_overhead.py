@@ -91,9 +91,10 @@ CONFIG_FLAGS: dict[str, dict[str, list[str]]] = {
 }
 STREAM_EVENTS = 64
 PREFIX_GROUPS = 16
-# Prefixes each stub keeps (LRU): the groups over the 2 stubs fit only if each group stays
-# on one stub; round-robin, each stub sees every group and keeps about half of them.
-STUB_PREFIX_CACHE = PREFIX_GROUPS // 2
+# Prefixes each stub keeps (LRU): the groups fit only if each stays on one stub (a split
+# up to 12:4 still fits, so a router is not marked down for an uneven one); round-robin,
+# each stub sees every group and hits about 2/3 of the time (measured: 64-68%).
+STUB_PREFIX_CACHE = PREFIX_GROUPS * 3 // 4
 READY_TIMEOUT_S = 90.0
 SETTLE_S = 0.3  # between segments: the previous one's connections close
 
