@@ -324,9 +324,11 @@ def test_floor_lines_say_the_target_is_out_of_reach_below_sglang() -> None:
                         "HTTP stack alone (lb-stack-floor: 20 ms) is 19%; the other 87 ms "
                         "(81%) is SkyMesh's own logic.")
     assert "lb-stack-floor: 40 ms) is 19%" in lines[2]
-    assert lines[3].startswith("By this measurement the target is out of reach on this "
-                               "stack: a proxy with no logic at all on aiohttp's server and "
-                               "uvloop (lb-stack-floor) serves 15,000 req/s, 77% of")
+    assert lines[3].startswith("By this measurement the target (skymesh-lb's default at "
+                               "or above sglang-router's cache-aware req/s) is out of reach "
+                               "on this stack: a proxy with no logic at all on aiohttp's "
+                               "server and uvloop (lb-stack-floor) serves 15,000 req/s, 77% "
+                               "of")
     assert "Without aiohttp (asyncio-floor) the floor is 60,000 req/s (308%" in lines[3]
     assert lines[4].endswith("lb-stack-floor costs 40 ms per 1,000 requests with the default "
                              "case's bodies, sglang-router's whole cache-aware path 64; to "
@@ -336,8 +338,9 @@ def test_floor_lines_say_the_target_is_out_of_reach_below_sglang() -> None:
 
 def test_floor_lines_say_within_reach_when_the_floor_passes_sglang() -> None:
     lines = page.floor_lines(st.summarize(_floor_segments(25000)))
-    assert lines[-2].startswith("By this measurement the target is within this stack's "
-                                "reach: lb-stack-floor serves 25,000 req/s, 128% of")
+    assert lines[-2].startswith("By this measurement the target (skymesh-lb's default at "
+                                "or above sglang-router's cache-aware req/s) is within this "
+                                "stack's reach: lb-stack-floor serves 25,000 req/s, 128% of")
     assert page.floor_lines(st.summarize(SEGMENTS)) == []  # no floor in the run
     dear = [{**seg, "cpu_ms_per_1k": 90.0} if seg["router"] == "lb-stack-floor" else seg
             for seg in _floor_segments(25000)]

@@ -112,14 +112,15 @@ def floor_lines(summary: Mapping[str, Any]) -> list[str]:
                        f"HTTP stack alone ({stack}: {fl:,.0f} ms) is {fl / lb:.0%}; the "
                        f"other {lb - fl:,.0f} ms ({1 - fl / lb:.0%}) is SkyMesh's own logic.")
     if target:
+        goal = "the target (skymesh-lb's default at or above sglang-router's cache-aware req/s)"
         if best_rps < target:
-            verdict = (f"By this measurement the target is out of reach on this stack: "
+            verdict = (f"By this measurement {goal} is out of reach on this stack: "
                        f"a proxy with no logic at all on aiohttp's server and uvloop "
                        f"({best}) serves {best_rps:,.0f} req/s, {best_rps / target:.0%} of "
                        f"sglang-router's cache-aware {target:,.0f}, before SkyMesh adds "
                        "anything.")
         else:
-            verdict = (f"By this measurement the target is within this stack's reach: "
+            verdict = (f"By this measurement {goal} is within this stack's reach: "
                        f"{best} serves {best_rps:,.0f} req/s, {best_rps / target:.0%} of "
                        f"sglang-router's cache-aware {target:,.0f}; what SkyMesh's own "
                        "logic adds must fit in the difference.")
