@@ -334,17 +334,22 @@ def test_floor_lines_say_the_target_is_out_of_reach_below_sglang() -> None:
                              "case's bodies, sglang-router's whole cache-aware path 64; to "
                              "match it, SkyMesh's own logic may cost 24 ms per 1,000 requests "
                              "(its default path's logic costs 174 today).")
+    # rr CPU: aiohttp-floor 35, lb-stack-floor 20, asyncio-floor 6
+    assert lines[5] == ("Where aiohttp's cost lies, in ms of CPU per 1,000 round-robin "
+                        "requests: aiohttp's server 14 (lb-stack-floor over asyncio-floor); "
+                        "aiohttp's `ClientSession` against skymesh-lb's client 15 "
+                        "(aiohttp-floor over lb-stack-floor).")
 
 
 def test_floor_lines_say_within_reach_when_the_floor_passes_sglang() -> None:
     lines = page.floor_lines(st.summarize(_floor_segments(25000)))
-    assert lines[-2].startswith("By this measurement the target (skymesh-lb's default at "
+    assert lines[3].startswith("By this measurement the target (skymesh-lb's default at "
                                 "or above sglang-router's cache-aware req/s) is within this "
                                 "stack's reach: lb-stack-floor serves 25,000 req/s, 128% of")
     assert page.floor_lines(st.summarize(SEGMENTS)) == []  # no floor in the run
     dear = [{**seg, "cpu_ms_per_1k": 90.0} if seg["router"] == "lb-stack-floor" else seg
             for seg in _floor_segments(25000)]
-    assert page.floor_lines(st.summarize(dear))[-1].endswith(
+    assert page.floor_lines(st.summarize(dear))[4].endswith(
         "the HTTP stack alone costs as much as sglang-router's whole path, so no SkyMesh "
         "logic fits.")
 

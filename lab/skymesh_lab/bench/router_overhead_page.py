@@ -130,7 +130,26 @@ def floor_lines(summary: Mapping[str, Any]) -> list[str]:
                         f"({bare / target:.0%} of sglang-router's).")
         out.append(verdict)
     out += _cpu_budget(summary, stack)
+    out += _aiohttp_cost(summary)
     return out
+
+
+def _aiohttp_cost(summary: Mapping[str, Any]) -> list[str]:
+    """Where aiohttp's cost lies: its server (lb-stack-floor over asyncio-floor, the same
+    httptools client) and its client (aiohttp-floor over lb-stack-floor, the same server)."""
+    cpu = {f: _median(summary, f, "rr-c64", "cpu_ms_per_1k") for f in st.FLOORS}
+    parts = []
+    if cpu["lb-stack-floor"] and cpu["asyncio-floor"]:
+        parts.append(f"aiohttp's server {cpu['lb-stack-floor'] - cpu['asyncio-floor']:,.0f} "
+                     "(lb-stack-floor over asyncio-floor)")
+    if cpu["aiohttp-floor"] and cpu["lb-stack-floor"]:
+        parts.append(f"aiohttp's `ClientSession` against skymesh-lb's client "
+                     f"{cpu['aiohttp-floor'] - cpu['lb-stack-floor']:,.0f} (aiohttp-floor "
+                     "over lb-stack-floor)")
+    if not parts:
+        return []
+    return ["Where aiohttp's cost lies, in ms of CPU per 1,000 round-robin requests: "
+            + "; ".join(parts) + "."]
 
 
 def _cpu_budget(summary: Mapping[str, Any], stack: str) -> list[str]:
