@@ -56,9 +56,13 @@ def _doc(rule_att: float, rule_ok: int, rule_by: float) -> dict[str, Any]:
 
 
 def test_the_verdict_needs_slo_served_requests_and_deadlines_all_kept() -> None:
-    assert "**The goal holds.**" in tenancy_mesh(_doc(0.975, 990, 1.0))
+    assert "**The goal holds at us's peak.**" in tenancy_mesh(_doc(0.975, 990, 1.0))
     for att, ok, by in ((0.95, 990, 1.0), (0.975, 900, 1.0), (0.975, 990, 0.9)):
-        assert "**The goal does not hold.**" in tenancy_mesh(_doc(att, ok, by)), (att, ok, by)
+        assert "**The goal does not hold at us's peak.**" in tenancy_mesh(_doc(att, ok, by)), (
+            att, ok, by)
+    # By how much, when attainment is what fails.
+    assert "3.0 points down: 2.0 more than the 1 point allowed" in tenancy_mesh(
+        _doc(0.95, 990, 1.0))
     page = tenancy_mesh(_doc(0.975, 990, 1.0))
     assert "| us | 4 | 6 |" in page  # where us's batch ran: eu 4, us 6
     assert "recovers part of the loss" in page
@@ -81,3 +85,17 @@ def test_the_page_says_why_interactive_work_lost_and_shows_the_night_scenario() 
     assert "| batch, first come first served | 600 | 300 | 50 | 80 ms | 70 ms | 75% |" in page
     assert "## The same hour with eu and asia at night" in page
     assert "40% of us's batch jobs ran in eu or asia" in page
+    assert "**The goal does not hold at night.**" in page
+
+
+def test_the_page_shows_where_the_loss_is_by_serving_region() -> None:
+    doc = _doc(0.975, 990, 1.0)
+    for r in doc["runs"]:
+        r.update(chat_served_in={"us": 700, "eu": 290}, chat_slo_missed_in={"us": 20},
+                 chat_beside_batch_from={"eu": {"us": 40, "eu": 5}} if r["batch_ran"] else {},
+                 batch_started_in_peak={"us": {"eu": 3}} if r["batch_ran"] else {})
+    page = tenancy_mesh(doc)
+    assert "| eu served | eu past SLO | eu beside batch (its home) |" in page
+    assert "| no batch | 290 | 0 | 0 | 700 | 20 | 0 |" in page
+    assert "| batch across the mesh (the rule) | 290 | 0 | 5 (eu), 40 (us) | 700 | 20 | 0 |" in page
+    assert "Of those, the batch jobs that started during the peak:" in page

@@ -119,7 +119,8 @@ def run_arm(arm: str, seed: int, duration_s: float,
             bal.set_batch(SimBatch(_is_batch, DEADLINE_S, forward=arm == "mesh_rule",
                                    reserve=BATCH_CFG.reserve,
                                    urgent_s=BATCH_CFG.urgent_h * SECONDS_PER_H,
-                                   max_per_replica=BATCH_CFG.max_per_replica))
+                                   max_per_replica=BATCH_CFG.max_per_replica,
+                                   room_per_replica=BATCH_CFG.room_per_replica))
     sim.run()
     chat = [r for r in sim.records if not _is_batch(r)]
     batch = [r for r in sim.records if _is_batch(r)]
@@ -137,7 +138,7 @@ def run_arm(arm: str, seed: int, duration_s: float,
         by_region[region] = sum(1 for t in ts if t <= TTFT_SLO_S) / len(ts) if ts else None
         ok_by_region[region] = len(ts)
     beside, alone = _tpot_beside_batch(chat, batch)
-    return {
+    return {**where_lost(chat, batch, duration_s),
         "arm": arm, "seed": seed,
         "interactive_ok": len(ttft),
         "interactive_slo_attainment": (sum(1 for t in ttft if t <= TTFT_SLO_S) / len(ttft)
@@ -163,6 +164,39 @@ def run_arm(arm: str, seed: int, duration_s: float,
         "batch_e2e_p90_s": _pct([r.t_done - r.t_arrival for r in batch if r.ok], 0.9),
         "batch_ran": ran,
     }
+
+
+def where_lost(chat: list[RequestRecord], batch: list[RequestRecord], duration_s: float
+               ) -> dict[str, Any]:
+    """Where the interactive loss is, from the per-request records: chat requests served
+    and those past the TTFT SLO by the region that served them; chat requests that ran
+    beside a decoding batch job, by that region and the batch job's home; and batch
+    started during the peak, by its home and where it ran."""
+    served: dict[str, int] = {}
+    missed: dict[str, int] = {}
+    for r in chat:
+        if r.ok:
+            served[r.served_region] = served.get(r.served_region, 0) + 1
+            if r.t_first - r.t_arrival > TTFT_SLO_S:
+                missed[r.served_region] = missed.get(r.served_region, 0) + 1
+    decoding: dict[str, list[tuple[float, float, str]]] = {}
+    in_peak: dict[str, dict[str, int]] = {}
+    for b in batch:
+        if b.ok:
+            decoding.setdefault(b.replica, []).append((b.t_first, b.t_done, b.item.region))
+            if b.t_first <= duration_s:
+                row = in_peak.setdefault(b.item.region, {})
+                row[b.served_region] = row.get(b.served_region, 0) + 1
+    beside: dict[str, dict[str, int]] = {}
+    for r in chat:
+        if not r.ok:
+            continue
+        homes = {h for s, e, h in decoding.get(r.replica, ()) if s < r.t_done and e > r.t_arrival}
+        row = beside.setdefault(r.served_region, {})
+        for h in homes:
+            row[h] = row.get(h, 0) + 1
+    return {"chat_served_in": served, "chat_slo_missed_in": missed,
+            "chat_beside_batch_from": beside, "batch_started_in_peak": in_peak}
 
 
 def _due_share(batch: list[RequestRecord], duration_s: float) -> float | None:
@@ -206,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             for arm in ARMS:
                 r = {"scenario": scenario, **run_arm(arm, seed, args.duration, clients)}
                 runs.append(r)
-                print(json.dumps({k: v for k, v in r.items() if k != "batch_ran"}),
+                print(json.dumps({k: v for k, v in r.items() if not isinstance(v, dict)}),
                       flush=True)
     doc: dict[str, Any] = {
         "setup": {"regions": REGIONS, "clients": CLIENTS, "scenarios": SCENARIOS,
@@ -216,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                   "batch_per_s_per_region": BATCH_PER_S, "batch_prompt": BATCH_PROMPT,
                   "batch_output": BATCH_OUTPUT, "deadline_s": DEADLINE_S,
                   "reserve": BATCH_CFG.reserve, "max_per_replica": BATCH_CFG.max_per_replica,
+                  "room_per_replica": BATCH_CFG.room_per_replica,
                   "urgent_s": BATCH_CFG.urgent_h * SECONDS_PER_H,
                   "ttft_slo_s": TTFT_SLO_S, "seeds": seeds},
         "runs": runs,
