@@ -112,11 +112,15 @@ def room(outstanding: int, replicas: int, queue: int, reserve: float,
 def peer_room(name: str, peer: PeerLoad, model: str, reserve: float,
               room_per_replica: int) -> PeerRoom:
     """``peer``'s room and load for ``model`` from its last heartbeat, net of what we sent
-    it since (requests on its replicas: its busy ones, if it did not say)."""
+    it since. A peer that does not report its requests (an older balancer) is judged by
+    its busy replicas: room only on one running nothing, and no load to compare."""
     m = peer.models[model]
     free, total, queue = peer.spare_for(model)
-    on = (m.outstanding if m.outstanding is not None else total - m.available) + (
-        m.available - free)  # ours since its heartbeat
+    sent = m.available - free  # ours since its heartbeat
+    if m.outstanding is None:
+        return PeerRoom(name, peer.rtt_s,
+                        room(total - m.available + sent, total, queue, reserve), math.inf)
+    on = m.outstanding + sent
     return PeerRoom(name, peer.rtt_s, room(on, total, queue, reserve, room_per_replica),
                     (on + queue) / total if total > 0 else math.inf)
 

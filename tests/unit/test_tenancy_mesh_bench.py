@@ -99,3 +99,13 @@ def test_the_page_shows_where_the_loss_is_by_serving_region() -> None:
     assert "| no batch | 290 | 0 | 0 | 700 | 20 | 0 |" in page
     assert "| batch across the mesh (the rule) | 290 | 0 | 5 (eu), 40 (us) | 700 | 20 | 0 |" in page
     assert "Of those, the batch jobs that started during the peak:" in page
+
+
+def test_the_page_judges_the_goal_at_other_room_per_replica_values() -> None:
+    doc = _doc(0.975, 990, 1.0)
+    doc["runs"].append(_run("mesh_rule_room4", 0, 0.96, 990, 1.0))
+    doc["runs"] += [{**r, "scenario": "night"} for r in doc["runs"]]
+    doc["setup"].update(room_per_replica=8, scenarios={"night": {"us": 2, "eu": 0}})
+    page = tenancy_mesh(doc)
+    assert "| 4 | 96.0% (-2.0) | 99.0% | 96.0% (-2.0) | 99.0% | does not hold |" in page
+    assert "| 8 (default) | 97.5% (-0.5) | 99.0% | 97.5% (-0.5) | 99.0% | holds |" in page

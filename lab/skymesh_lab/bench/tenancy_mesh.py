@@ -3,20 +3,24 @@ on the diurnal three-region workload (lab/skymesh_lab/bench/diurnal.py: ShareGPT
 clients skewed toward us, 120 / 40 / 40, at its peak; replicas spread evenly; SkyLB's
 overflow forwarding on) plus a batch tenant: Poisson batch jobs in every region, each with
 a deadline. The batch lane runs with ``tenants.batch_mesh``'s defaults (``reserve``,
-``max_per_replica``, ``urgent_h`` scaled as the deadline is). Four arms on the same seeds:
+``max_per_replica``, ``room_per_replica``, ``urgent_h`` scaled as the deadline is). The
+arms, on the same seeds:
 
 - ``no_batch``: the chat clients alone: the interactive figures to keep;
 - ``fcfs``: batch jobs mixed in, first come first served, as without tenancy;
 - ``local_last``: batch in the dispatcher's batch lane, never forwarded;
-- ``mesh_rule``: the rule: batch runs only on quiet replicas (no interactive work on
-  them), at home or at an idle peer, and waits otherwise until its deadline is near.
+- ``mesh_rule``: the rule: batch runs only where there is room (replicas running fewer
+  than ``room_per_replica`` interactive requests), at home or at a peer, and waits
+  otherwise until its deadline is near, when it goes to a far lighter peer or runs at
+  home;
+- ``mesh_rule_room<N>``: the same with ``room_per_replica`` N (``ROOM_SWEEP``).
 
 Interactive SLO attainment is the share of chat requests whose TTFT is within
 ``TTFT_SLO_S``; batch is judged by the share finished within its deadline, and where it ran.
 The simulated day is compressed: deadlines are simulated seconds standing for the hours
 of ``tenants.batch_mesh.deadline_h``. A second scenario, ``night``, runs the same arms
-with eu and asia at night (8 chat clients each): the idle capacity across regions that
-batch is forwarded to. The chat clients stop sending at the end of the run
+with eu and asia at night (8 chat clients each): the room across regions that batch is
+forwarded to. The chat clients stop sending at the end of the run
 (``duration``) and what they sent drains: that is the simulated day's trough, where batch
 that waited for its deadline runs (the page counts how much did).
 
@@ -49,7 +53,11 @@ CLIENTS = {"us": 120, "eu": 40, "asia": 40}
 # the rule forwards us's batch to.
 SCENARIOS = {"peak": CLIENTS, "night": {"us": 120, "eu": 8, "asia": 8}}
 REPLICAS = 9
-ARMS = ("no_batch", "fcfs", "local_last", "mesh_rule")
+# The rule at other values of ``room_per_replica`` than the default (arms
+# ``mesh_rule_room<N>``): how much the default's verdict depends on it.
+ROOM_SWEEP = (4, 12)
+ARMS = ("no_batch", "fcfs", "local_last", "mesh_rule",
+        *(f"mesh_rule_room{n}" for n in ROOM_SWEEP))
 DURATION_S = 300.0
 BATCH_PER_S = 0.3  # batch jobs per second per region
 BATCH_PROMPT, BATCH_OUTPUT = 1500, 400
@@ -114,13 +122,14 @@ def run_arm(arm: str, seed: int, duration_s: float,
     if arm != "no_batch":
         workload = WithBatch(workload, seed, duration_s)
     sim = Simulation(cfg, workload)
-    if arm in ("local_last", "mesh_rule"):
+    if arm == "local_last" or arm.startswith("mesh_rule"):
+        room = arm.removeprefix("mesh_rule_room") if arm.startswith("mesh_rule_room") else ""
         for bal in sim.balancers.values():
-            bal.set_batch(SimBatch(_is_batch, DEADLINE_S, forward=arm == "mesh_rule",
+            bal.set_batch(SimBatch(_is_batch, DEADLINE_S, forward=arm != "local_last",
                                    reserve=BATCH_CFG.reserve,
                                    urgent_s=BATCH_CFG.urgent_h * SECONDS_PER_H,
                                    max_per_replica=BATCH_CFG.max_per_replica,
-                                   room_per_replica=BATCH_CFG.room_per_replica))
+                                   room_per_replica=int(room or BATCH_CFG.room_per_replica)))
     sim.run()
     chat = [r for r in sim.records if not _is_batch(r)]
     batch = [r for r in sim.records if _is_batch(r)]
