@@ -95,8 +95,23 @@ def verdict(arms: dict[str, list[dict[str, Any]]], where: str = "") -> str:
             f"against {base:.1%} without batch ({slo}), and the chat clients were served "
             f"{served / served0:.1%} of the requests they were without batch "
             f"({'within' if served_ok else 'not within'} {SERVED_TOLERANCE:.0%}"
-            f"{_short(served / served0)}){why}."
+            f"{_short(served / served0)}){why}.{_lost_where(nb, rule)}"
             f"{_against_fcfs(arms, att, served)}")
+
+
+def _lost_where(nb: list[dict[str, Any]], rule: list[dict[str, Any]]) -> str:
+    """What the rule cost against no batch, by the region that served the chat
+    requests: fewer served, more past the TTFT SLO (medians over the seeds)."""
+    regions = sorted({g for r in nb + rule for g in r.get("chat_served_in", {})})
+    if not regions:
+        return ""
+    def delta(key: str, g: str) -> float:
+        return _med_of(rule, key, g) - _med_of(nb, key, g)
+
+    parts = [f"{g} {delta('chat_served_in', g):+.0f} served, "
+             f"{delta('chat_slo_missed_in', g):+.0f} past the SLO" for g in regions]
+    return (" Against no batch, by the region that served the chat requests: "
+            + "; ".join(parts) + ".")
 
 
 def _short(ratio: float) -> str:
