@@ -96,12 +96,13 @@ def test_the_page_shows_where_the_loss_is_by_serving_region() -> None:
                  batch_started_in_peak={"us": {"eu": 3}} if r["batch_ran"] else {})
     doc["runs"][-1]["chat_served_in"] = {"us": 680, "eu": 290}  # the rule's
     page = tenancy_mesh(doc)
-    assert ("by the region that served the chat requests: eu +0 served, +0 past the SLO; "
-            "us -20 served, +0 past the SLO.") in page
-    assert "| eu served | eu past SLO | eu beside batch (its home) |" in page
-    assert "| no batch | 290 | 0 | 0 | 700 | 20 | 0 |" in page
-    assert "| batch across the mesh (the rule) | 290 | 0 | 5 (eu), 40 (us) | 680 | 20 | 0 |" in page
-    assert "Of those, the batch jobs that started during the peak:" in page
+    shown = ("by the region that served the chat requests: eu +0 served, +0 past the SLO; "
+             "us -20 served, +0 past the SLO.",
+             "| eu served | eu past SLO | eu beside batch (its home) |",
+             "| no batch | 290 | 0 | 0 | 700 | 20 | 0 |",
+             "| batch across the mesh (the rule) | 290 | 0 | 5 (eu), 40 (us) | 680 | 20 | 0 |",
+             "Of those, the batch jobs that started during the peak:")
+    assert [line for line in shown if line not in page] == []
 
 
 def test_the_page_judges_the_goal_at_other_room_per_replica_values() -> None:
