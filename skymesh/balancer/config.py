@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from skymesh.balancer.batch_routing import DEFAULT_ROOM_PER_REPLICA
 from skymesh.common.config import (
     ConfigError,
     ConnectionLimitsConfig,
@@ -493,6 +494,9 @@ class BatchMeshConfig(StrictModel):
     urgent_h: float = Field(1.0, ge=0)
     # Batch requests of this balancer's on one quiet replica at once.
     max_per_replica: int = Field(4, ge=1, le=1024)
+    # Better-class requests a replica may run beside which batch still joins it, and, per
+    # replica beyond the reserve, a peer's room for forwarded batch (1: idle replicas only).
+    room_per_replica: int = Field(DEFAULT_ROOM_PER_REPLICA, ge=1, le=1024)
     # The longest a batch request waits to be dispatched, whatever its deadline says
     # (hours): a client's header cannot hold a connection and a queue place for ever.
     max_wait_h: float = Field(24.0, gt=0)

@@ -25,26 +25,30 @@ prefix are worth: SkyLB's overflow rule leaves a region with more clients than r
 running big, slow batches while its peers idle.
 
 With ``batch_lane`` on (``tenants.batch_mesh``), tickets marked ``batch`` wait in a lane of
-their own per model, placed by ``skymesh.balancer.batch_routing``: forwarded to an idle peer
-before the ordinary queues are placed, admitted locally after them onto quiet replicas only
-(no better-class work, fewer than ``batch_max_per_replica`` batch), and moved to the
-ordinary queue (never forwarded again) within ``batch_urgent_s`` of their deadline.
+their own per model, earliest deadline first, placed by ``skymesh.balancer.batch_routing``:
+forwarded to a peer with room before the ordinary queues are placed, admitted locally after
+them onto quiet replicas only (fewer than ``batch_room_per_replica`` better-class requests,
+fewer than ``batch_max_per_replica`` batch), and within ``batch_urgent_s`` of their deadline
+sent to a far lighter peer or moved to the ordinary queue (never forwarded again).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from skymesh.balancer.batch_routing import (
+    DEFAULT_ROOM_PER_REPLICA,
     BatchMove,
-    IdlePeer,
+    PeerRoom,
     batch_move,
-    idle,
+    lane_order,
+    peer_room,
     quiet,
     reserved,
 )
@@ -278,6 +282,7 @@ class Dispatcher:
         self.batch_reserve = 0.0  # share of the replicas kept free for better classes
         self.batch_urgent_s = 0.0  # before its deadline a batch request is served anyway
         self.batch_max_per_replica = 1 << 30  # batch requests on one quiet replica
+        self.batch_room_per_replica = DEFAULT_ROOM_PER_REPLICA  # batch_routing.room
         self.batch_on: dict[str, int] = {}  # batch requests of ours on each replica
         self.better_waiting: Callable[[str], int] | None = None
         self.lanes: dict[str, deque[Ticket]] = {}
@@ -530,12 +535,16 @@ class Dispatcher:
                 f"the balancer's queue is full ({self.max_queue} requests waiting)",
                 retry_after_s=1.0,
             )
-        if ticket.batch and self.batch_lane and not ticket.stay:
+        lane = ticket.batch and self.batch_lane and not ticket.stay
+        if lane:
             q = self.lanes.setdefault(ticket.route.model, deque())
         else:
             q = self.queues.setdefault(ticket.route.model, deque())
         if front:
             q.appendleft(ticket)
+        elif lane:  # earliest deadline first (batch_routing.lane_order)
+            q.insert(bisect_right(q, lane_order(ticket.batch_due),
+                                  key=lambda t: lane_order(t.batch_due)), ticket)
         else:
             q.append(ticket)
         ticket.queued = True
@@ -751,10 +760,13 @@ class Dispatcher:
                 move, peer = batch_move(
                     now=now, deadline_at=ticket.batch_due, forwarded=ticket.route.forwarded,
                     quiet=len(cands), better_waiting=better,
-                    idle_peers=self._idle_peers(ticket) if up else (), local=local,
+                    peers=self._idle_peers(ticket) if up else (), local=local,
                     keep=reserved(len(view.serving), self.batch_reserve),
                     urgent_s=self.batch_urgent_s, local_up=up,
-                    live_peers=() if up else self._live_peers(ticket))
+                    live_peers=() if up else self._live_peers(ticket),
+                    here_load=sum(self.targets[t].load.outstanding for t in view.serving)
+                    / len(view.serving) if up else None,
+                    lighter_by=self.batch_room_per_replica)
                 if move is BatchMove.WAIT:
                     k += 1  # the next differs only by its deadline or its exclusions
                     continue
@@ -785,33 +797,25 @@ class Dispatcher:
         far as we can tell, less our batch there."""
         on, cap, targets = self.batch_on, self.batch_max_per_replica, self.targets
         return [tid for tid in cands
-                if quiet(targets[tid].load.outstanding - (b := on.get(tid, 0)), b, cap)]
+                if quiet(targets[tid].load.outstanding - (b := on.get(tid, 0)), b, cap,
+                         self.batch_room_per_replica)]
 
-    def _idle_peers(self, ticket: Ticket) -> list[IdlePeer]:
-        """Peers whose heartbeats report room for batch (``batch_routing.idle``), net of
-        what was sent to them since."""
+    def _idle_peers(self, ticket: Ticket) -> list[PeerRoom]:
+        """Peers that may take a forward, with their room for batch and their load
+        (``batch_routing.peer_room``), net of what was sent to them since."""
         if not self.batch_forward or ticket.stay:
             return []
-        model, reserve = ticket.route.model, self.batch_reserve
-        out = []
-        for pid in self.peer_candidates(ticket):
-            p = self.peers[pid]
-            m = p.models[model]
-            free, total, queue = p.spare_for(model)
-            sent_since = m.available - free  # ours since its heartbeat
-            # Requests on its replicas (its busy ones, if it did not say).
-            on = m.outstanding if m.outstanding is not None else total - m.available
-            if idle(on + sent_since, total, queue, reserve):
-                out.append(IdlePeer(pid, p.rtt_s))
-        return out
+        return [peer_room(pid, self.peers[pid], ticket.route.model, self.batch_reserve,
+                          self.batch_room_per_replica)
+                for pid in self.peer_candidates(ticket)]
 
-    def _live_peers(self, ticket: Ticket) -> list[IdlePeer]:
+    def _live_peers(self, ticket: Ticket) -> list[PeerRoom]:
         """Live peers serving the ticket's model, busy or not: where batch goes when no
         local replica is up (it would otherwise wait for one until its deadline)."""
         if not self.batch_forward or not self.forwarding or ticket.stay:
             return []
         model = ticket.route.model
-        return [IdlePeer(pid, p.rtt_s) for pid, p in self.peers.items()
+        return [PeerRoom(pid, p.rtt_s) for pid, p in self.peers.items()
                 if p.alive and model in p.models and pid not in ticket.excluded]
 
     def _pick(self, q: deque[Ticket], now: float) -> tuple[int, Ticket, str, bool] | None:

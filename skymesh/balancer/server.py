@@ -193,6 +193,7 @@ class Balancer:
                 d.batch_reserve = cfg.tenants.batch_mesh.reserve
                 d.batch_urgent_s = cfg.tenants.batch_mesh.urgent_h * 3600.0
                 d.batch_max_per_replica = cfg.tenants.batch_mesh.max_per_replica
+                d.batch_room_per_replica = cfg.tenants.batch_mesh.room_per_replica
                 fair = self.handlers.gate.queue  # batch itself skips it: better classes
                 d.better_waiting = lambda model: fair.waiting
         self.status = Status(core, cfg.region, self.health, self.edge, self.handlers,

@@ -56,9 +56,13 @@ def _doc(rule_att: float, rule_ok: int, rule_by: float) -> dict[str, Any]:
 
 
 def test_the_verdict_needs_slo_served_requests_and_deadlines_all_kept() -> None:
-    assert "**The goal holds.**" in tenancy_mesh(_doc(0.975, 990, 1.0))
+    assert "**The goal holds at us's peak.**" in tenancy_mesh(_doc(0.975, 990, 1.0))
     for att, ok, by in ((0.95, 990, 1.0), (0.975, 900, 1.0), (0.975, 990, 0.9)):
-        assert "**The goal does not hold.**" in tenancy_mesh(_doc(att, ok, by)), (att, ok, by)
+        assert "**The goal does not hold at us's peak.**" in tenancy_mesh(_doc(att, ok, by)), (
+            att, ok, by)
+    # By how much, when attainment is what fails.
+    assert "3.0 points down: 2.0 more than the 1 point allowed" in tenancy_mesh(
+        _doc(0.95, 990, 1.0))
     page = tenancy_mesh(_doc(0.975, 990, 1.0))
     assert "| us | 4 | 6 |" in page  # where us's batch ran: eu 4, us 6
     assert "recovers part of the loss" in page
@@ -81,3 +85,31 @@ def test_the_page_says_why_interactive_work_lost_and_shows_the_night_scenario() 
     assert "| batch, first come first served | 600 | 300 | 50 | 80 ms | 70 ms | 75% |" in page
     assert "## The same hour with eu and asia at night" in page
     assert "40% of us's batch jobs ran in eu or asia" in page
+    assert "**The goal does not hold at night.**" in page
+
+
+def test_the_page_shows_where_the_loss_is_by_serving_region() -> None:
+    doc = _doc(0.975, 990, 1.0)
+    for r in doc["runs"]:
+        r.update(chat_served_in={"us": 700, "eu": 290}, chat_slo_missed_in={"us": 20},
+                 chat_beside_batch_from={"eu": {"us": 40, "eu": 5}} if r["batch_ran"] else {},
+                 batch_started_in_peak={"us": {"eu": 3}} if r["batch_ran"] else {})
+    doc["runs"][-1]["chat_served_in"] = {"us": 680, "eu": 290}  # the rule's
+    page = tenancy_mesh(doc)
+    shown = ("by the region that served the chat requests: eu +0 served, +0 past the SLO; "
+             "us -20 served, +0 past the SLO.",
+             "| eu served | eu past SLO | eu beside batch (its home) |",
+             "| no batch | 290 | 0 | 0 | 700 | 20 | 0 |",
+             "| batch across the mesh (the rule) | 290 | 0 | 5 (eu), 40 (us) | 680 | 20 | 0 |",
+             "Of those, the batch jobs that started during the peak:")
+    assert [line for line in shown if line not in page] == []
+
+
+def test_the_page_judges_the_goal_at_other_room_per_replica_values() -> None:
+    doc = _doc(0.975, 990, 1.0)
+    doc["runs"].append(_run("mesh_rule_room4", 0, 0.96, 990, 1.0))
+    doc["runs"] += [{**r, "scenario": "night"} for r in doc["runs"]]
+    doc["setup"].update(room_per_replica=8, scenarios={"night": {"us": 2, "eu": 0}})
+    page = tenancy_mesh(doc)
+    assert "| 4 | 96.0% (-2.0) | 99.0% | 96.0% (-2.0) | 99.0% | does not hold |" in page
+    assert "| 8 (default) | 97.5% (-0.5) | 99.0% | 97.5% (-0.5) | 99.0% | holds |" in page

@@ -429,11 +429,11 @@ SOURCES: tuple[Source, ...] = (
            "The batch lane (`skymesh.balancer.batch_routing`, `SimBalancer.set_batch`) in "
            "the simulator on the diurnal three-region workload plus a batch tenant with "
            "deadlines: interactive SLO attainment and requests served without batch, with "
-           "batch first come first served, and under the rule (batch only on quiet "
-           "replicas, here or at idle peers, until its deadline is near), with and "
-           "without forwarding; the share of batch finished by its deadline, where it "
-           "ran, and where the interactive loss is; and the same hour with eu and asia "
-           "at night. See "
+           "batch first come first served, and under the rule (batch only where there "
+           "is room, here or at peers, until its deadline is near), with and without "
+           "forwarding; the share of batch finished by its deadline, where it ran, and "
+           "where the interactive loss is; the same hour with eu and asia at night; the "
+           "rule at other `room_per_replica` values. See "
            "[batch across the mesh](../tenancy.md#batch-across-the-mesh).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy_mesh", "--json", "{json}"),
            tenancy_mesh_page.tenancy_mesh),

@@ -3,20 +3,24 @@ on the diurnal three-region workload (lab/skymesh_lab/bench/diurnal.py: ShareGPT
 clients skewed toward us, 120 / 40 / 40, at its peak; replicas spread evenly; SkyLB's
 overflow forwarding on) plus a batch tenant: Poisson batch jobs in every region, each with
 a deadline. The batch lane runs with ``tenants.batch_mesh``'s defaults (``reserve``,
-``max_per_replica``, ``urgent_h`` scaled as the deadline is). Four arms on the same seeds:
+``max_per_replica``, ``room_per_replica``, ``urgent_h`` scaled as the deadline is). The
+arms, on the same seeds:
 
 - ``no_batch``: the chat clients alone: the interactive figures to keep;
 - ``fcfs``: batch jobs mixed in, first come first served, as without tenancy;
 - ``local_last``: batch in the dispatcher's batch lane, never forwarded;
-- ``mesh_rule``: the rule: batch runs only on quiet replicas (no interactive work on
-  them), at home or at an idle peer, and waits otherwise until its deadline is near.
+- ``mesh_rule``: the rule: batch runs only where there is room (replicas running fewer
+  than ``room_per_replica`` interactive requests), at home or at a peer, and waits
+  otherwise until its deadline is near, when it goes to a far lighter peer or runs at
+  home;
+- ``mesh_rule_room<N>``: the same with ``room_per_replica`` N (``ROOM_SWEEP``).
 
 Interactive SLO attainment is the share of chat requests whose TTFT is within
 ``TTFT_SLO_S``; batch is judged by the share finished within its deadline, and where it ran.
 The simulated day is compressed: deadlines are simulated seconds standing for the hours
 of ``tenants.batch_mesh.deadline_h``. A second scenario, ``night``, runs the same arms
-with eu and asia at night (8 chat clients each): the idle capacity across regions that
-batch is forwarded to. The chat clients stop sending at the end of the run
+with eu and asia at night (8 chat clients each): the room across regions that batch is
+forwarded to. The chat clients stop sending at the end of the run
 (``duration``) and what they sent drains: that is the simulated day's trough, where batch
 that waited for its deadline runs (the page counts how much did).
 
@@ -49,7 +53,11 @@ CLIENTS = {"us": 120, "eu": 40, "asia": 40}
 # the rule forwards us's batch to.
 SCENARIOS = {"peak": CLIENTS, "night": {"us": 120, "eu": 8, "asia": 8}}
 REPLICAS = 9
-ARMS = ("no_batch", "fcfs", "local_last", "mesh_rule")
+# The rule at other values of ``room_per_replica`` than the default (arms
+# ``mesh_rule_room<N>``): how much the default's verdict depends on it.
+ROOM_SWEEP = (4, 12)
+ARMS = ("no_batch", "fcfs", "local_last", "mesh_rule",
+        *(f"mesh_rule_room{n}" for n in ROOM_SWEEP))
 DURATION_S = 300.0
 BATCH_PER_S = 0.3  # batch jobs per second per region
 BATCH_PROMPT, BATCH_OUTPUT = 1500, 400
@@ -114,12 +122,14 @@ def run_arm(arm: str, seed: int, duration_s: float,
     if arm != "no_batch":
         workload = WithBatch(workload, seed, duration_s)
     sim = Simulation(cfg, workload)
-    if arm in ("local_last", "mesh_rule"):
+    if arm == "local_last" or arm.startswith("mesh_rule"):
+        room = arm.removeprefix("mesh_rule_room") if arm.startswith("mesh_rule_room") else ""
         for bal in sim.balancers.values():
-            bal.set_batch(SimBatch(_is_batch, DEADLINE_S, forward=arm == "mesh_rule",
+            bal.set_batch(SimBatch(_is_batch, DEADLINE_S, forward=arm != "local_last",
                                    reserve=BATCH_CFG.reserve,
                                    urgent_s=BATCH_CFG.urgent_h * SECONDS_PER_H,
-                                   max_per_replica=BATCH_CFG.max_per_replica))
+                                   max_per_replica=BATCH_CFG.max_per_replica,
+                                   room_per_replica=int(room or BATCH_CFG.room_per_replica)))
     sim.run()
     chat = [r for r in sim.records if not _is_batch(r)]
     batch = [r for r in sim.records if _is_batch(r)]
@@ -137,7 +147,7 @@ def run_arm(arm: str, seed: int, duration_s: float,
         by_region[region] = sum(1 for t in ts if t <= TTFT_SLO_S) / len(ts) if ts else None
         ok_by_region[region] = len(ts)
     beside, alone = _tpot_beside_batch(chat, batch)
-    return {
+    return {**where_lost(chat, batch, duration_s),
         "arm": arm, "seed": seed,
         "interactive_ok": len(ttft),
         "interactive_slo_attainment": (sum(1 for t in ttft if t <= TTFT_SLO_S) / len(ttft)
@@ -163,6 +173,39 @@ def run_arm(arm: str, seed: int, duration_s: float,
         "batch_e2e_p90_s": _pct([r.t_done - r.t_arrival for r in batch if r.ok], 0.9),
         "batch_ran": ran,
     }
+
+
+def where_lost(chat: list[RequestRecord], batch: list[RequestRecord], duration_s: float
+               ) -> dict[str, Any]:
+    """Where the interactive loss is, from the per-request records: chat requests served
+    and those past the TTFT SLO by the region that served them; chat requests that ran
+    beside a decoding batch job, by that region and the batch job's home; and batch
+    started during the peak, by its home and where it ran."""
+    served: dict[str, int] = {}
+    missed: dict[str, int] = {}
+    for r in chat:
+        if r.ok:
+            served[r.served_region] = served.get(r.served_region, 0) + 1
+            if r.t_first - r.t_arrival > TTFT_SLO_S:
+                missed[r.served_region] = missed.get(r.served_region, 0) + 1
+    decoding: dict[str, list[tuple[float, float, str]]] = {}
+    in_peak: dict[str, dict[str, int]] = {}
+    for b in batch:
+        if b.ok:
+            decoding.setdefault(b.replica, []).append((b.t_first, b.t_done, b.item.region))
+            if b.t_first <= duration_s:
+                row = in_peak.setdefault(b.item.region, {})
+                row[b.served_region] = row.get(b.served_region, 0) + 1
+    beside: dict[str, dict[str, int]] = {}
+    for r in chat:
+        if not r.ok:
+            continue
+        homes = {h for s, e, h in decoding.get(r.replica, ()) if s < r.t_done and e > r.t_arrival}
+        row = beside.setdefault(r.served_region, {})
+        for h in homes:
+            row[h] = row.get(h, 0) + 1
+    return {"chat_served_in": served, "chat_slo_missed_in": missed,
+            "chat_beside_batch_from": beside, "batch_started_in_peak": in_peak}
 
 
 def _due_share(batch: list[RequestRecord], duration_s: float) -> float | None:
@@ -206,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             for arm in ARMS:
                 r = {"scenario": scenario, **run_arm(arm, seed, args.duration, clients)}
                 runs.append(r)
-                print(json.dumps({k: v for k, v in r.items() if k != "batch_ran"}),
+                print(json.dumps({k: v for k, v in r.items() if not isinstance(v, dict)}),
                       flush=True)
     doc: dict[str, Any] = {
         "setup": {"regions": REGIONS, "clients": CLIENTS, "scenarios": SCENARIOS,
@@ -216,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                   "batch_per_s_per_region": BATCH_PER_S, "batch_prompt": BATCH_PROMPT,
                   "batch_output": BATCH_OUTPUT, "deadline_s": DEADLINE_S,
                   "reserve": BATCH_CFG.reserve, "max_per_replica": BATCH_CFG.max_per_replica,
+                  "room_per_replica": BATCH_CFG.room_per_replica,
                   "urgent_s": BATCH_CFG.urgent_h * SECONDS_PER_H,
                   "ttft_slo_s": TTFT_SLO_S, "seeds": seeds},
         "runs": runs,

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from skymesh.balancer.batch_routing import DEFAULT_ROOM_PER_REPLICA
 from skymesh.balancer.dispatch import DEFAULT_HOLD_S, Dispatcher, Ticket
 from skymesh.balancer.tenancy import FairQueue, Reserve, Waiter, release_into
 from skymesh.policies.base import Policy, RequestTiming, RouteRequest
@@ -89,6 +90,7 @@ class SimBatch:
     reserve: float = 0.0  # tenants.batch_mesh.reserve
     urgent_s: float = 0.0  # tenants.batch_mesh.urgent_h, in seconds
     max_per_replica: int = 1 << 30  # tenants.batch_mesh.max_per_replica
+    room_per_replica: int = DEFAULT_ROOM_PER_REPLICA  # tenants.batch_mesh.room_per_replica
 
 
 class SimReplica:
@@ -244,6 +246,7 @@ class SimBalancer:
         d = self.dispatcher
         d.batch_lane, d.batch_forward, d.batch_reserve = True, batch.forward, batch.reserve
         d.batch_urgent_s, d.batch_max_per_replica = batch.urgent_s, batch.max_per_replica
+        d.batch_room_per_replica = batch.room_per_replica
         d.better_waiting = lambda model: self.tenancy.queue.waiting if self.tenancy else 0
 
     @property
