@@ -277,8 +277,9 @@ class Balancer:
         if self._session is not None:
             await self._session.close()
 
-    def now(self) -> float:
-        return time.monotonic()
+    # The clock itself, not a method around it: the request path reads it about ten
+    # times per request, and each read then skips a Python frame.
+    now = staticmethod(time.monotonic)
 
     async def _reload_loop(self) -> None:
         """A rotated keys file or certificate takes effect without a restart."""
