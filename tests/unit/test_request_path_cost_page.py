@@ -38,5 +38,19 @@ def test_the_page_has_a_row_per_configuration_and_the_rr_headline() -> None:
     assert [r.split(" | ")[0] for r in rows] == [
         "| non-streamed, round-robin + `bp`", "| streamed (64 events), round-robin + `bp`"]
     assert "**99.0 us**" in page and "100.0 us before: 10.0% less" in page
+    assert "within this run's noise: the rounds' ratios span 1 (0.900 to 1.200)" in page
     assert "before (`7ed796e`)" in page and "now (`abc1234`)" in page
     assert "No socket error" in page
+
+
+def test_a_ratio_above_one_reads_as_more_not_as_a_negative_less() -> None:
+    segs = [turn("rr", "current", 0, 106.0), turn("rr", "base", 0, 100.0),
+            turn("rr", "current", 1, 104.0), turn("rr", "base", 1, 100.0)]
+    doc = {"setup": {"base": "276d90f", "current": "abc1234", "rounds": 2,
+                     "duration_s": 4.0, "connections": 64, "cores": 2,
+                     "common_flags": ["--workers", "1", "--no-access-log"],
+                     "loadavg_before": [3.0], "loadavg_after": [4.0], "stream_events": 64},
+           "summary": summarize(segs), "segments": segs}
+    page = request_path_cost(doc)
+    assert "100.0 us before: 5.0% more (the median of the rounds' ratios). " in page
+    assert "-5.0% less" not in page and "noise" not in page
