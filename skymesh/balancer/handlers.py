@@ -131,8 +131,9 @@ class Handlers:
                 admission = await self._wait_turn(gate, request, model, route.prompt_len, t0,
                                                   timeout)
             ticket = Ticket(route, t0)
-            # Set now, so that the ``finally`` reads a key that is there: a missing one
-            # costs aiohttp's Mapping.get a raised KeyError (0.8 us) on every request.
+            # Set now, so that the ``finally`` reads a key that is there: aiohttp's
+            # Request.get is collections.abc's, which raises and catches a KeyError on a
+            # miss (0.25 us, against 0.12 us to set the key and read it).
             request[TICKET_KEY] = ticket  # a migration replaces it (moves)
             self._mark_batch(request, ticket, admission, forwarded, t0)
             if ticket.batch:  # it may wait for the trough, up to its deadline
