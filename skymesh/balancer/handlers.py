@@ -131,6 +131,10 @@ class Handlers:
                 admission = await self._wait_turn(gate, request, model, route.prompt_len, t0,
                                                   timeout)
             ticket = Ticket(route, t0)
+            # Set now, so that the ``finally`` reads a key that is there: aiohttp's
+            # Request.get is collections.abc's, which raises and catches a KeyError on a
+            # miss (0.25 us, against 0.12 us to set the key and read it).
+            request[TICKET_KEY] = ticket  # a migration replaces it (moves)
             self._mark_batch(request, ticket, admission, forwarded, t0)
             if ticket.batch:  # it may wait for the trough, up to its deadline
                 timeout = self._lane_timeout(ticket, t0, deadline_s)
@@ -160,7 +164,7 @@ class Handlers:
                 else:
                     del self.in_flight_by_key[holder]
             if ticket is not None:
-                cur: Ticket = request.get(TICKET_KEY, ticket)  # a migration replaces it
+                cur: Ticket = request[TICKET_KEY]
                 if d.cancel(cur):
                     outcome = "cancelled"
                 if cur.target is not None:  # still attributed: client went away
@@ -169,11 +173,10 @@ class Handlers:
             series = core.metrics.model(model)
             series.outcome(outcome).inc()
             series.e2e.observe(core.now() - t0)
+            out_tokens = request.get(OUTPUT_TOKENS_KEY, 0) if ticket is not None else 0
             if gate is not None and admission is not None:
-                gate.leave(admission,
-                           admission.prompt_tokens + request.get(OUTPUT_TOKENS_KEY, 0))
+                gate.leave(admission, admission.prompt_tokens + out_tokens)
             if ticket is not None:
-                out_tokens = request.get(OUTPUT_TOKENS_KEY, 0)
                 self.tally.add(model, ticket.route.prompt_len, out_tokens)
                 if core.switches.flags.predicts and outcome == "ok":
                     self.predictor.observe(ticket.route.prompt_len, out_tokens)

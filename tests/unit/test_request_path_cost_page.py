@@ -27,16 +27,29 @@ def test_the_ratio_is_paired_within_each_round() -> None:
                                       "current/base 0.900 [0.900, 1.200]")
 
 
-def test_the_page_has_a_row_per_configuration_and_the_rr_headline() -> None:
-    doc = {"setup": {"base": "7ed796e", "current": "abc1234", "rounds": 3,
+def page_of(segments: list[dict[str, object]], rounds: int) -> str:
+    doc = {"setup": {"base": "7ed796e", "current": "abc1234", "rounds": rounds,
                      "duration_s": 4.0, "connections": 64, "cores": 2,
                      "common_flags": ["--workers", "1", "--no-access-log"],
                      "loadavg_before": [3.0], "loadavg_after": [4.0], "stream_events": 64},
-           "summary": summarize(SEGMENTS), "segments": SEGMENTS}
-    page = request_path_cost(doc)
+           "summary": summarize(segments), "segments": segments}
+    return request_path_cost(doc)
+
+
+def test_the_page_has_a_row_per_configuration_and_the_rr_headline() -> None:
+    page = page_of(SEGMENTS, 3)
     rows = [line for line in page.splitlines() if line.startswith("| ")][2:]
     assert [r.split(" | ")[0] for r in rows] == [
         "| non-streamed, round-robin + `bp`", "| streamed (64 events), round-robin + `bp`"]
     assert "**99.0 us**" in page and "100.0 us before: 10.0% less" in page
+    assert "within this run's noise: the rounds' ratios span 1 (0.900 to 1.200)" in page
     assert "before (`7ed796e`)" in page and "now (`abc1234`)" in page
     assert "No socket error" in page
+
+
+def test_a_ratio_above_one_reads_as_more_not_as_a_negative_less() -> None:
+    segs = [turn("rr", "current", 0, 106.0), turn("rr", "base", 0, 100.0),
+            turn("rr", "current", 1, 104.0), turn("rr", "base", 1, 100.0)]
+    page = page_of(segs, 2)
+    assert "100.0 us before: 5.0% more (the median of the rounds' ratios). " in page
+    assert "-5.0% less" not in page and "noise" not in page

@@ -28,6 +28,17 @@ def _ratio(s: dict[str, float]) -> str:
     return f"{s['median']:.3f} [{s['min']:.3f}, {s['max']:.3f}]"
 
 
+def _change(ratio: dict[str, float]) -> str:
+    """The paired ratio in words; a spread across 1 is said to be one."""
+    r = ratio["median"]
+    said = f"{1 - r:.1%} less" if r <= 1 else f"{r - 1:.1%} more"
+    said += " (the median of the rounds' ratios)"
+    if ratio["min"] < 1 < ratio["max"]:
+        said += (f", within this run's noise: the rounds' ratios span 1 "
+                 f"({ratio['min']:.3f} to {ratio['max']:.3f})")
+    return said
+
+
 def request_path_cost(doc: dict[str, Any]) -> str:
     setup, summary = doc["setup"], doc["summary"]
     events = setup.get("stream_events", 64)
@@ -49,8 +60,7 @@ def request_path_cost(doc: dict[str, Any]) -> str:
         headline = (f"On the round-robin path a request now costs "
                     f"**{rr['current_us']['median']:.1f} us** of the balancer's CPU, "
                     f"{rr['base_us']['median']:.1f} us before: "
-                    f"{1 - rr['ratio']['median']:.1%} less (the median of the rounds' "
-                    "ratios). ")
+                    f"{_change(rr['ratio'])}. ")
     flags = " ".join(setup["common_flags"])
     notes = [
         "\n".join(out),
