@@ -54,7 +54,9 @@ _WHY = {"ok": "the replies, and clients that left after theirs was written",
         "UpstreamFailed": "replica_error, after its retry",
         "cancelled": "clients that left while their request was queued",
         "client_disconnected": "clients that left while a replica held their request or "
-                               "mid-stream"}
+                               "mid-stream",
+        "NoHealthyReplica": "no scenario: the health probes found no replica up for a "
+                            "while (a 503)"}
 
 
 def outcomes_note(outcomes: dict[str, int]) -> str:
@@ -107,6 +109,12 @@ BOUNDS: dict[str, str] = {
     "skymesh.prefix.keys:_prompts": "the last 32 prompts' keys",
     "skymesh.balancer.intake.Intake.body":
         "a request's body fields: one `Intake` per request in flight",
+    "skymesh.balancer.server.Balancer.failfast":
+        "queued requests that may fail fast: each leaves when it ends",
+    "skymesh.balancer.forwarding.Forwarder.failfast": "the same map as the balancer's",
+    "prometheus_client.metrics.Counter._metrics":
+        "a counter's label sets: models and replicas the balancer serves (a departed "
+        "replica's are dropped)",
 }
 
 
