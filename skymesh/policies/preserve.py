@@ -48,8 +48,6 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from skymesh.policies.base import LoadView, Policy, RequestTiming, RouteRequest
 
 
@@ -73,6 +71,8 @@ class LookAheadMap:
             raise ValueError(f"extension must be > 0, got {extension}")
         self.horizon = horizon
         self.extension = extension
+        import numpy as np  # here: the config check of skymesh-lb's supervisor needs none
+
         self.usage = np.zeros(horizon)
         self.origin = 0
         self.entries: dict[str, _Entry] = {}
@@ -92,6 +92,8 @@ class LookAheadMap:
         if hi <= lo:
             return
         self._peaks = None
+        import numpy as np
+
         held = e.prompt + np.arange(lo - e.start, hi - e.start, dtype=float)
         self.usage[lo - self.origin: hi - self.origin] += sign * held
 
@@ -148,6 +150,8 @@ class LookAheadMap:
         n = min(w, max(0, predicted_tokens))
         peaks = self._peaks
         if peaks is None or peaks[0] != w:
+            import numpy as np
+
             u = self.usage[:w]
             with_request = np.maximum.accumulate(u + np.arange(w, dtype=float))
             after = np.maximum.accumulate(u[::-1])[::-1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from support import wait_for
 
@@ -50,3 +51,90 @@ def test_the_page_names_the_errors_and_where_each_outcome_comes_from() -> None:
     assert note.index("`ok` 50") < note.index("`client_disconnected` 3")
     assert "mid-stream" in note and "**2 `error`**" in note
     assert "no `error`" in outcomes_note({"ok": 50})
+
+
+def test_flat_is_a_slope_under_2_mb_per_100k_over_the_last_600k() -> None:
+    from skymesh_lab.bench.rss_soak_page import flat_verdict
+
+    def run(per_100k: float) -> list[dict[str, float]]:
+        # a warm-up rise of 50 MB by 400k, then ``per_100k``
+        return [{"requests": n, "rss_mb": 200 + min(n, 400_000) / 8_000
+                 + max(0, n - 400_000) * per_100k / 100_000}
+                for n in range(0, 1_000_001, 10_000)]
+
+    assert "**Memory is flat over the last 600,000" in flat_verdict(run(0.5))
+    assert "not flat" in flat_verdict(run(3.0))
+    assert "not flat" in flat_verdict(run(0.5), span=800_000)  # the warm-up's rise counts
+    assert "shorter than" in flat_verdict(run(0.0)[:30])
+
+
+def _probe(requests: int, containers: dict[str, int]) -> dict[str, object]:
+    return {"requests": requests, "processes": [
+        {"role": "supervisor", "containers": {}, "tracemalloc": {}},
+        {"role": "worker", "tracemalloc": {"filename": [
+            {"where": "/x/skymesh/prefix/trie.py:0", "kib": requests / 1000}]},
+         "containers": {k: {"len": n, "instances": 1, "largest": n}
+                        for k, n in containers.items()}}]}
+
+
+def test_the_page_names_a_growing_structure_with_no_known_bound() -> None:
+    from skymesh_lab.bench.rss_soak_page import structures_section
+
+    trie = "skymesh.prefix.trie._Segment.keys"
+    doc = {"requests": 400_000, "requests_asked": 400_000, "probes": [
+        _probe(20_000, {trie: 9_000, "skymesh.x.Y.grows": 200, "skymesh.x.Y.same": 500}),
+        _probe(400_000, {trie: 99_000, "skymesh.x.Y.grows": 9_000,
+                         "skymesh.x.Y.same": 500})]}
+    page = structures_section(doc)
+    assert f"| `{trie}` | 9,000 | 99,000 | the prefix trie's keys: `max_nodes`" in page
+    assert "| `skymesh.x.Y.grows` | 200 | 9,000 | **no bound known" in page
+    assert "skymesh.x.Y.same" not in page  # did not grow
+    assert "**1 growing structure(s) with no known bound**: `skymesh.x.Y.grows`" in page
+    assert "| `skymesh/prefix/trie.py` | 0.0 | 0.4 |" in page
+
+
+def test_the_probe_finds_what_start_up_froze_and_counts_its_containers() -> None:
+    """tune_gc freezes the policy and its trie: gc.get_objects() no longer lists them."""
+    import gc
+
+    from skymesh.prefix.trie import PrefixTrie
+    from skymesh_lab.bench.rss_soak_probe import containers, reachable
+
+    holder = {"trie": PrefixTrie(1_000)}
+    for i in range(40):
+        holder["trie"].insert([1_000 + i, 2_000 + i], "a")
+    gc.freeze()
+    try:
+        assert not any(o is holder["trie"] for o in gc.get_objects())
+        anchor = [holder]  # noqa: F841 (made after the freeze, as a request's objects are)
+        found = containers(reachable())
+    finally:
+        gc.unfreeze()
+    assert found["skymesh.prefix.trie.PrefixTrie._index"]["len"] >= 40
+    assert found["skymesh.prefix.trie._Segment.keys"]["len"] >= 80
+
+
+def test_the_soak_asks_a_balancer_process_for_a_dump_and_records_it(tmp_path: Path) -> None:
+    """The probe reaches each process through the sitecustomize the soak puts on its
+    PYTHONPATH, and answers SIGUSR1 with a dump of what that process holds."""
+    import asyncio
+
+    from skymesh_lab.bench.rss_soak import Prober
+
+    prober = Prober(tmp_path / "dumps", {5}, 0)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, skymesh.prefix.keys as k\n"
+         "k._prompts.update({(i, ''): ('', ()) for i in range(20)})\n"
+         "print('ready', flush=True)\ntime.sleep(60)\n"],
+        env=prober.env(tmp_path / "site"), stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        asyncio.run(prober.take(child.pid, 5, timeout=60))
+        asyncio.run(prober.take(child.pid, 9, timeout=60))  # a second dump, a new file
+    finally:
+        child.kill()
+        child.wait()
+    assert [p["requests"] for p in prober.probes] == [5, 9]
+    proc = prober.probes[1]["processes"][0]
+    assert proc["pid"] == child.pid and proc["role"] == "worker"
+    assert proc["containers"]["skymesh.prefix.keys:_prompts"]["len"] == 20

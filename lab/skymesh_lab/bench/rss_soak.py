@@ -17,6 +17,12 @@ The JSON: ``{"requests", "scenarios", "samples": [{"requests", "rss_mb", "cpu_s"
 "procs", "t_s", "outcomes"}], "rss_start_mb", "rss_warm_mb", "rss_end_mb", "cpu_ms_per_1000",
 "lb_outcomes", ...}``; ``lb_outcomes`` is the balancer's own count at the end
 (``skymesh_requests_total`` by outcome, all workers).
+
+With ``--probe``, every process of the balancer dumps what it holds
+(:mod:`skymesh_lab.bench.rss_soak_probe`: container lengths, object counts, tracemalloc
+by line with ``--probe-tracemalloc``) after the requests ``--probe-at`` names and at the
+end, into ``"probes"``; such a run's RSS is not the balancer's own (the probe's walk and
+tracemalloc take memory), so the page's RSS comes from a run without it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import json
 import os
 import random
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +43,7 @@ from typing import Any
 import aiohttp
 
 from skymesh.util.procs import start_daemon
+from skymesh_lab.bench import rss_soak_probe as probe
 
 MODEL = "m"
 _METRICS = (b"vllm:num_requests_waiting{model_name=\"m\"} 0\n"
@@ -181,6 +189,53 @@ async def read_outcomes(url: str) -> dict[str, int]:
         return balancer_outcomes(await r.text())
 
 
+class Prober:
+    """Asks every process of the balancer for a probe dump (rss_soak_probe) and keeps
+    the parts the soak's JSON records."""
+
+    def __init__(self, directory: Path, at: set[int], tracemalloc_frames: int) -> None:
+        self.dir, self.at, self.frames = directory, at, tracemalloc_frames
+        self.asked: dict[int, int] = {}  # pid -> dumps asked of it
+        self.probes: list[dict[str, Any]] = []
+
+    def env(self, site: Path) -> dict[str, str]:
+        path = os.pathsep.join(p for p in (str(probe.write_site(site)),
+                                           os.environ.get("PYTHONPATH")) if p)
+        return {**os.environ, "PYTHONPATH": path, probe.ENV_DIR: str(self.dir),
+                probe.ENV_TRACEMALLOC: str(self.frames)}
+
+    def fields(self) -> dict[str, Any]:
+        """What the soak's JSON records of the probes."""
+        return {"probes": self.probes, "probe_at": sorted(self.at),
+                "probe_tracemalloc": self.frames}
+
+    async def take(self, pid: int, requests: int, timeout: float = 300.0) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        want: dict[int, Path] = {}
+        for p in process_tree(pid):
+            try:
+                os.kill(p, signal.SIGUSR1)
+            except ProcessLookupError:
+                continue
+            self.asked[p] = self.asked.get(p, 0) + 1
+            want[p] = self.dir / f"{p}-{self.asked[p]}.json"
+        deadline = time.monotonic() + timeout
+        while not all(f.exists() for f in want.values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no probe dump from {sorted(want)} in {timeout:.0f} s")
+            await asyncio.sleep(0.2)
+        procs = []
+        for p, f in sorted(want.items()):
+            doc = json.loads(f.read_text())
+            procs.append({"pid": p, "role": "supervisor" if p == pid and len(want) > 1
+                          else "worker", "containers": doc["containers"],
+                          "types": doc["types"],
+                          "tracemalloc": {k: v[:20] for k, v in doc["tracemalloc"].items()}})
+        self.probes.append({"requests": requests, "processes": procs})
+        print(f"probe at {requests} requests: {len(procs)} processes", file=sys.stderr,
+              flush=True)
+
+
 SCENARIOS = ("plain", "stream", "stream_usage", "unique_prompt", "leave_mid_stream",
              "leave_at_once", "bad_json", "unknown_model", "replica_error")
 
@@ -231,8 +286,8 @@ async def _one(session: aiohttp.ClientSession, url: str, scenario: str, n: int,
 
 async def drive(url: str, requests: int, concurrency: int, pid: int,
                 sample_every: int, seed: int,
-                on_sample: Callable[[list[dict[str, Any]]], None] | None = None
-                ) -> list[dict[str, Any]]:
+                on_sample: Callable[[list[dict[str, Any]]], None] | None = None,
+                prober: Prober | None = None) -> list[dict[str, Any]]:
     """Drive the balancer; ``on_sample`` gets the samples so far after each one (a long
     run keeps its figures if it is stopped)."""
     rng = random.Random(seed)
@@ -269,6 +324,8 @@ async def drive(url: str, requests: int, concurrency: int, pid: int,
                           file=sys.stderr, flush=True)
                     if on_sample is not None:
                         on_sample(samples)
+                    if prober is not None and done in prober.at:
+                        await prober.take(pid, done)  # the balancer answers no one meanwhile
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return samples
@@ -289,25 +346,41 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         extra += ["--policy", args.policy]
     if args.workers:
         extra += ["--workers", args.workers]
+    prober = None
+    if args.probe:
+        at = {int(x) for x in args.probe_at.split(",") if x}
+        prober = Prober(Path(args.probe), at, args.probe_tracemalloc)
+    env = prober.env(Path(args.probe) / "site") if prober is not None else None
     lb = await asyncio.to_thread(start_daemon, "skymesh-lb", [
-        "--port", "0", "--replicas", urls, *extra], log_path=log)
+        "--port", "0", "--replicas", urls, *extra], log_path=log, env=env,
+        timeout=30.0 if prober is None else 300.0)  # tracemalloc slows the imports
     try:
         await asyncio.sleep(1.0)  # first probes: the replicas are up
         samples = await drive(lb.url, args.requests, args.concurrency, lb.proc.pid,
-                              args.sample_every, args.seed, _checkpoint(args))
+                              args.sample_every, args.seed, _checkpoint(args, prober), prober)
         outcomes = await read_outcomes(lb.url)
+        if prober is not None and samples[-1]["requests"] not in prober.at:
+            await prober.take(lb.proc.pid, samples[-1]["requests"])
     finally:
         lb.stop()
         for server, _ in servers:
             server.close()
-    return _result(args, samples, lb_outcomes=outcomes)
+    out = _result(args, samples, lb_outcomes=outcomes)
+    if prober is not None:
+        out.update(prober.fields())
+    return out
 
 
-def _checkpoint(args: argparse.Namespace) -> Callable[[list[dict[str, Any]]], None]:
-    """Writes the result so far to ``--json`` (``"complete": false``) after each sample."""
+def _checkpoint(args: argparse.Namespace, prober: Prober | None = None
+                ) -> Callable[[list[dict[str, Any]]], None]:
+    """Writes the result so far to ``--json`` (``"complete": false``) after each sample,
+    with the probes taken so far."""
     def write(samples: list[dict[str, Any]]) -> None:
         if args.json:
-            _write(Path(args.json), _result(args, samples, complete=False))
+            out = _result(args, samples, complete=False)
+            if prober is not None:
+                out.update(prober.fields())
+            _write(Path(args.json), out)
 
     return write
 
@@ -353,11 +426,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the result here")
     p.add_argument("--lb-url", help="drive this balancer instead of starting one ...")
     p.add_argument("--lb-pid", type=int, help="... whose process this is")
+    p.add_argument("--probe", metavar="DIR",
+                   help="dump what each balancer process holds into DIR (rss_soak_probe)")
+    p.add_argument("--probe-at", default="20000,400000",
+                   help="requests after which to probe (comma-separated; and at the end)")
+    p.add_argument("--probe-tracemalloc", type=int, default=0, metavar="FRAMES",
+                   help="with --probe: trace allocations, keeping this many frames")
     args = p.parse_args(argv)
     out = asyncio.run(soak(args))
     if args.json:
         _write(Path(args.json), out)
-    print(json.dumps({k: v for k, v in out.items() if k != "samples"}))
+    print(json.dumps({k: v for k, v in out.items() if k not in ("samples", "probes")}))
     return 0
 
 

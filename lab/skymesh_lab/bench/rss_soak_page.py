@@ -7,9 +7,16 @@ page from the JSON alone.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 EVERY = 100_000  # the table's step, in requests
+# "Flat": RSS rises by less than this per EVERY requests over the last FLAT_SPAN requests
+# (the least-squares slope of the samples there; one sample's noise is about 0.5 MB).
+FLAT_MB = 2.0
+FLAT_SPAN = 600_000
+STRUCTURES = "rss-soak-structures"  # the attached probe run (results_pages.Source.attach)
+DATA = "docs/results/data"
 
 
 def _row(s: dict[str, Any], first: dict[str, Any], prev: dict[str, Any] | None) -> str:
@@ -47,7 +54,9 @@ _WHY = {"ok": "the replies, and clients that left after theirs was written",
         "UpstreamFailed": "replica_error, after its retry",
         "cancelled": "clients that left while their request was queued",
         "client_disconnected": "clients that left while a replica held their request or "
-                               "mid-stream"}
+                               "mid-stream",
+        "NoHealthyReplica": "no scenario: the health probes found no replica up for a "
+                            "while (a 503)"}
 
 
 def outcomes_note(outcomes: dict[str, int]) -> str:
@@ -61,6 +70,121 @@ def outcomes_note(outcomes: dict[str, int]) -> str:
     return (f"The balancer's own count at the end (`skymesh_requests_total` by outcome, all "
             f"workers): {'; '.join(parts)}. The clients that leave do so by design; "
             f"{verdict}.")
+
+
+def flat_verdict(samples: list[dict[str, Any]], span: int = FLAT_SPAN) -> str:
+    """Whether RSS is flat over the last ``span`` requests (:data:`FLAT_MB`)."""
+    end = samples[-1]["requests"]
+    window = [s for s in samples if s["requests"] >= end - span]
+    if end < span or len(window) < 3:
+        return (f"The run is shorter than {span:,} requests: no verdict on the last "
+                f"{span:,}.")
+    xs = [s["requests"] / EVERY for s in window]
+    slope = statistics.linear_regression(xs, [s["rss_mb"] for s in window]).slope
+    lo, hi = (min(s["rss_mb"] for s in window), max(s["rss_mb"] for s in window))
+    flat = slope < FLAT_MB
+    return (f"**Memory is {'flat' if flat else 'not flat'} over the last {span:,} "
+            f"requests** ({window[0]['requests']:,} to {end:,}): RSS rose "
+            f"{slope:+.2f} MB per 100,000 requests (least-squares slope of the "
+            f"{len(window)} samples; \"flat\" means under {FLAT_MB:g} MB per 100,000), "
+            f"between {lo:.1f} and {hi:.1f} MB.")
+
+
+# What bounds each structure the probe finds growing, keyed as the probe names them
+# (rss_soak_probe: module.Class.attribute, or module:global). A growing structure missing
+# here shows as "no bound known to this page": a leak to look at.
+BOUNDS: dict[str, str] = {
+    "skymesh.prefix.trie._Segment.keys":
+        "the prefix trie's keys: `max_nodes` (default 100,000, a policy parameter), "
+        "then eviction of the oldest down to `max_nodes - max_nodes // 1024`",
+    "skymesh.prefix.trie.PrefixTrie._index": "one per segment of the trie (at most its keys)",
+    "skymesh.prefix.trie.PrefixTrie._segments": "one per segment of the trie",
+    "skymesh.prefix.trie.PrefixTrie._leaf_at": "one per leaf segment of the trie",
+    "skymesh.prefix.trie.PrefixTrie._heap":
+        "eviction's heap: swept back to the leaves past 2 x leaves + 1,024",
+    "skymesh.prefix.trie.PrefixTrie._matches": "256 recent lookups, then cleared",
+    "skymesh.prefix.trie.PrefixTrie._mask_cache": "4,096, then cleared",
+    "skymesh.prefix.trie.PrefixTrie._name_cache": "4,096, then cleared",
+    "skymesh.prefix.keys:_chained": "4,096 chained sums, then cleared",
+    "skymesh.prefix.keys:_prompts": "the last 32 prompts' keys",
+    "skymesh.balancer.intake.Intake.body":
+        "a request's body fields: one `Intake` per request in flight",
+    "skymesh.balancer.server.Balancer.failfast":
+        "queued requests that may fail fast: each leaves when it ends",
+    "skymesh.balancer.forwarding.Forwarder.failfast": "the same map as the balancer's",
+    "prometheus_client.metrics.Counter._metrics":
+        "a counter's label sets: models and replicas the balancer serves (a departed "
+        "replica's are dropped)",
+}
+
+
+def _worker_sizes(probe: dict[str, Any]) -> dict[str, int]:
+    """Each structure's entries in the largest worker (the workers hold the same)."""
+    out: dict[str, int] = {}
+    for proc in probe["processes"]:
+        if proc["role"] != "worker":
+            continue
+        for k, v in proc["containers"].items():
+            out[k] = max(out.get(k, 0), v["len"])
+    return out
+
+
+def _file_kib(probe: dict[str, Any]) -> dict[str, float]:
+    """tracemalloc's KiB by file of the product, in the largest worker."""
+    out: dict[str, float] = {}
+    for proc in probe["processes"]:
+        if proc["role"] != "worker":
+            continue
+        for row in proc["tracemalloc"].get("filename", []):
+            where = row["where"].rsplit(":", 1)[0]
+            if "/skymesh/" in where:
+                name = "skymesh/" + where.split("/skymesh/", 1)[1]
+                out[name] = max(out.get(name, 0.0), row["kib"])
+    return out
+
+
+def structures_section(doc: dict[str, Any], min_len: int = 100) -> str:
+    """What grows inside a worker and what bounds it (a ``--probe`` run of the soak)."""
+    probes = doc["probes"]
+    sizes = [_worker_sizes(p) for p in probes]
+    first, last = sizes[0], sizes[-1]
+    grew = sorted(k for k, n in last.items() if n >= min_len and n > first.get(k, 0))
+    heads = " | ".join(f"{p['requests']:,}" for p in probes)
+    rows = [f"| structure (entries, the larger over the workers) | {heads} | bounded by |",
+            "| --- |" + " ---: |" * len(probes) + " --- |"]
+    unknown = [k for k in grew if k not in BOUNDS]
+    for k in grew:
+        cells = " | ".join(f"{s.get(k, 0):,}" for s in sizes)
+        rows.append(f"| `{k}` | {cells} | {BOUNDS.get(k, '**no bound known to this page**')} |")
+    kib = [_file_kib(p) for p in probes]
+    files = sorted(kib[-1], key=lambda f: -kib[-1][f])[:6]
+    mem = [f"| file (the larger over the workers) | {heads} |", "| --- |" + " ---: |" * len(probes)]
+    mem += [f"| `{f}` | " + " | ".join(f"{k.get(f, 0) / 1024:.1f}" for k in kib) + " |"
+            for f in files]
+    mem.append("| all of `skymesh/` among the 20 largest files of all | "
+               + " | ".join(f"{sum(k.values()) / 1024:.1f}" for k in kib) + " |")
+    verdict = (f"**{len(unknown)} growing structure(s) with no known bound**: "
+               + ", ".join(f"`{k}`" for k in unknown) if unknown else
+               "Every structure that grew has a bound (the last column).")
+    tracing = ("MiB still allocated by each of the product's files (tracemalloc, one "
+               "frame: the line that allocated; the largest six at the end):"
+               if any(kib) else "")
+    return "\n\n".join([
+        "## What grows inside a worker",
+        f"A separate run of {doc['requests']:,} requests of the same mix with `--probe` "
+        "(skymesh_lab.bench.rss_soak_probe): after the requests in each column every "
+        "balancer process walked what it can reach and counted the entries of each "
+        "container its objects and modules hold. The structures that grew to "
+        f"{min_len:,} entries or more (a structure held by many objects, such as the "
+        "trie's segments' key lists, summed over them):",
+        "\n".join(rows), verdict, *([tracing, "\n".join(mem)] if tracing else []),
+        "The probe's walk and tracemalloc cost memory and time, so that run's RSS is not "
+        "the balancer's: the figures above this section come from a run without them. "
+        "That run: `.venv/bin/python -m skymesh_lab.bench.rss_soak --requests "
+        f"{doc['requests_asked']} --probe DIR --probe-at "
+        f"{','.join(str(n) for n in doc.get('probe_at', []))} --probe-tracemalloc "
+        f"{doc.get('probe_tracemalloc', 0)} --json {DATA}/{STRUCTURES}.json`.",
+    ])
 
 
 def rss_soak(doc: dict[str, Any]) -> str:
@@ -92,6 +216,7 @@ def rss_soak(doc: dict[str, Any]) -> str:
         f"From the warm-up to the end RSS moved by **{growth:+.1f} MB** over {span:,} "
         f"requests ({slope}); the balancer used **{doc['cpu_ms_per_1000']:.0f} ms of CPU "
         f"per 1,000 requests** (all its processes, user + system).{stopped}",
+        flat_verdict(samples),
         _table(samples),
         *([outcomes_note(doc["lb_outcomes"])] if "lb_outcomes" in doc else []),
         f"Setup: `skymesh-lb` with policy `{policy}` and workers `{workers}` (\"default\": "
@@ -106,4 +231,5 @@ def rss_soak(doc: dict[str, Any]) -> str:
         f"{doc.get('loadavg_now', [0.0])[0]:.1f} at the end; {last.get('t_s', 0) / 60:.0f} "
         "minutes): RSS is exact, CPU per request is not (a starved balancer wakes for fewer "
         "requests at a time).",
+        *([structures_section(doc[STRUCTURES])] if STRUCTURES in doc else []),
     ])
