@@ -41,7 +41,7 @@ def _spawn(argv: list[str], ready: bytes, timeout: float = 10.0) -> subprocess.P
     keep draining the log so the server never blocks on it."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0)
     assert proc.stdout is not None
-    out, seen = proc.stdout, []
+    out, seen = proc.stdout, list[bytes]()
     deadline = time.monotonic() + timeout
     while True:
         ready_fds, _, _ = select.select([out], [], [], max(deadline - time.monotonic(), 0))

@@ -116,12 +116,11 @@ def install_hooks(records: list[dict[str, int]]) -> None:
 
     open_stream = streaming.Streams._open_stream
 
-    async def _open_stream(self: Any, *args: Any) -> Any:
-        resp = await open_stream(self, *args)
+    async def _open_stream(self: Any, *args: Any) -> None:
+        await open_stream(self, *args)
         rec = current.get()
         if rec is not None:
             rec["first_written"] = clock()
-        return resp
 
     for cls, name, wrapper in ((web_protocol.RequestHandler, "data_received", data_received),
                                (handlers.Handlers, "handle_generate", handle_generate),

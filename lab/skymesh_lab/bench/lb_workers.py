@@ -223,16 +223,17 @@ def simulated(counts: Sequence[int]) -> dict[str, Any]:
     from skymesh_lab.sim.runner import SimConfig
     from skymesh_lab.sim.runner import run as sim_run
 
-    arms = [(str(n), n, None) for n in counts]
+    arms: list[tuple[str, int, float | None]] = [(str(n), n, None) for n in counts]
     arms += [(f"{n} unshared", n, 1e6) for n in counts if n > 1]
     out: dict[str, Any] = {}
     for wl in SIM_WORKLOADS:
         rows: dict[str, Any] = {}
         for name, n, share in arms:
+            share_opt: dict[str, Any] = {} if share is None else {"worker_share_s": share}
             runs = [sim_run(SimConfig(workload=wl, regions=["us"], replicas={"us": 4},
                                       forwarding=False, policy="prefix-tree", seed=seed,
                                       duration_s=120.0, workers=n,
-                                      **({} if share is None else {"worker_share_s": share})))
+                                      **share_opt))
                     for seed in SIM_SEEDS]
             rows[name] = {"workers": n, "shared": share is None,
                           "hit_rate": [round(r["prefix_hit_rate"], 4) for r in runs],

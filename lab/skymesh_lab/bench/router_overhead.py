@@ -448,9 +448,9 @@ def run(opts: Options) -> dict[str, Any]:
                                           and (r not in FLOORS or c.name in FLOOR_CASES))]
             rng.shuffle(plan)
             for target, case in plan:
-                inst = insts.get((target, case.config))
-                url = inst.daemon.url if inst else stubs[0].url
-                s = segment(target, inst, url, case, rnd, opts.duration_s, ours,
+                chosen = insts.get((target, case.config))
+                url = chosen.daemon.url if chosen else stubs[0].url
+                s = segment(target, chosen, url, case, rnd, opts.duration_s, ours,
                             [d.url for d in stubs])
                 segments.append(s)
                 print(_fmt(s), flush=True)

@@ -225,7 +225,8 @@ def _tpot_beside_batch(chat: list[RequestRecord], batch: list[RequestRecord]
     for b in batch:
         if b.ok:
             decoding.setdefault(b.replica, []).append((b.t_first, b.t_done))
-    beside, alone = [], []
+    beside: list[float] = []
+    alone: list[float] = []
     for r in chat:
         if not r.ok or r.item.output_len < 2:
             continue

@@ -47,7 +47,7 @@ def _per_region(arms: dict[str, list[dict[str, Any]]], key: str, fmt: str
             regions += [g for g in r.get(key, {}) if g not in regions]
     out = []
     for arm, label in ARMS.items():
-        rs = arms.get(arm)
+        rs = arms.get(arm) or []
         if not rs:
             continue
         cells = []
@@ -151,7 +151,7 @@ def _served_in(arms: dict[str, list[dict[str, Any]]]) -> str:
     regions.sort()
     out = []
     for arm, label in ARMS.items():
-        rs = arms.get(arm)
+        rs = arms.get(arm) or []
         if not rs:
             continue
         row = [label]

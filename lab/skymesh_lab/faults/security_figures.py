@@ -109,11 +109,12 @@ def chat_case(rng: random.Random) -> bytes:
 
 def admin_case(rng: random.Random) -> tuple[str, bytes]:
     """A controller body with fields of the wrong type, missing or extra, or not JSON."""
-    path, good = rng.choice([
+    bodies: list[tuple[str, dict[str, Any]]] = [
         ("/v1/replicas", {"url": "http://127.0.0.1:9", "model": "m", "region": "us",
                           "gpu": "L4"}),
         ("/v1/balancers", {"id": "lb-x", "region": "us", "url": "http://127.0.0.1:9"}),
-        ("/v1/balancers/lb-a/telemetry", {"window_s": 1, "models": {}})])
+        ("/v1/balancers/lb-a/telemetry", {"window_s": 1, "models": {}})]
+    path, good = rng.choice(bodies)
     body = dict(good)
     for key in rng.sample(sorted(body), rng.randint(1, len(body))):
         if rng.random() < 0.2:
@@ -186,7 +187,7 @@ async def controller_checks(s: aiohttp.ClientSession, ctl: Daemon
     urls = {"tried": len(BAD_URLS), "refused": len(BAD_URLS) - len(accepted),
             "accepted": accepted}
     evil = "http://127.0.0.66:9"  # loopback, allowed here: only ownership refuses it
-    attempts = [
+    attempts: list[tuple[str, str, dict[str, Any]]] = [
         ("POST", "/balancers", {"id": "lb-a", "region": "us", "url": evil}),
         ("PUT", "/balancers/lb-a", {"region": "us", "url": evil}),
         ("POST", "/replicas", {"id": "r-a", "url": evil, "model": "m", "region": "us",
