@@ -225,6 +225,10 @@ class Dispatcher:
         self._gen = 0
         self._codes: dict[str, int] = {}
         self._pq: dict[str, bool] = {}
+        # Replicas that sp-p finds unavailable but that may take a request holding its
+        # prefix there (``takes_preferred`` for the smallest prompt): with none of them
+        # and no replica available, no queued request can go anywhere (``_pick``).
+        self._takers: set[str] = set()
         self._dirty: set[str] = set()
         self._views: dict[str, _ModelView] = {}
         # model -> (_gen, routable targets, their ids, every breaker closed): _view's part
@@ -364,7 +368,7 @@ class Dispatcher:
     @kv_headroom.setter
     def kv_headroom(self, value: float) -> None:
         self._kv_headroom = value
-        self._changed()
+        self._changed(availability=True)  # the takers (``_refresh``) read it
 
     @property
     def prefer_queue(self) -> int:
@@ -423,7 +427,7 @@ class Dispatcher:
         requests outstanding on those replicas (the balanced rule's load figure)."""
         out: dict[str, ModelLoad] = {}
         for model in self.models():
-            probe = Ticket(RouteRequest("heartbeat", model=model), now)
+            probe = Ticket(RouteRequest("heartbeat", model=model, tie=0), now)
             serving = [t for t in self.targets.values() if model in t.models]
             out[model] = ModelLoad(
                 available=len(self.candidates(probe, now)),
@@ -459,6 +463,7 @@ class Dispatcher:
                 t.load.on_change = None
                 for d in (self._codes, self._pq):
                     d.pop(tid, None)
+                self._takers.discard(tid)
         self.targets = new
         self._dirty = set(new)
         self._changed()
@@ -530,6 +535,10 @@ class Dispatcher:
                 f"the balancer's queue is full ({self.max_queue} requests waiting)",
                 retry_after_s=1.0,
             )
+        if ticket.route.tie is None:
+            # The request's tie-break, drawn once (policies.base): a re-ask at a later
+            # pump breaks a tie as the first did, so its answer may be remembered.
+            ticket.route = replace(ticket.route, tie=self._policy.rng.getrandbits(32))
         if ticket.batch and self.batch_lane and not ticket.stay:
             q = self.lanes.setdefault(ticket.route.model, deque())
         else:
@@ -612,13 +621,20 @@ class Dispatcher:
             return
         codes, pqs, targets = self._codes, self._pq, self.targets
         mode, cap, n = self._mode, self._max_outstanding, self._balancers
+        takers, room = self._takers, self._kv_headroom
         changed = False
         for tid in dirty:
             t = targets.get(tid)
             if t is None:
                 continue
             code = availability(t.load, mode, cap, n)
-            pq = self.prefer_queue_of(t.load) > 0
+            allowance = self.prefer_queue_of(t.load)
+            pq = allowance > 0
+            if pq and mode is PushMode.SP_P and code != AVAILABLE \
+                    and takes_preferred(t.load, allowance, room):
+                takers.add(tid)
+            else:
+                takers.discard(tid)
             old = codes.get(tid, -1)
             old_pq = pqs.get(tid, False)
             if code != old or pq != old_pq:
@@ -836,6 +852,14 @@ class Dispatcher:
                     quiet[4] is None or now - quiet[4] < hold_s):
                 return None
         any_avail = bool(view.ready or view.tokens)
+        if not any_avail and not self.forwarding and (
+                not view.prefer_on or not self._names_preferred
+                or self._takers.isdisjoint(view.serving)):
+            # No replica may take any request (none available, none that would take one
+            # holding its prefix there, no peer): every candidate list is empty, so no
+            # evaluation could dispatch or hold anything. The memos that events dropped
+            # are made again at a pump where something can take a request.
+            return None
         for i in range(depth):
             ticket = q[i]
             m = ticket.memo

@@ -5,6 +5,10 @@ id (a replica URL, or later a peer balancer) from ``candidates`` or returns ``No
 wait; hooks with no-op defaults hear about dispatches, completions and membership changes.
 No sockets, no sleeps, no clock or randomness of its own: time comes from ``view.now`` and
 ties break with the ``random.Random`` handed to the constructor, so a run is reproducible.
+A driver that asks about the same request more than once (the dispatcher re-asks a queued
+one at each pump) draws the request's ``tie`` key from that RNG once, when it first
+queues it: every later tie for the request breaks by that key, so an answer is a pure
+function of the request and the state the policy read, and repeats may be skipped.
 
 Policies register under a stable name by subclassing::
 
@@ -53,6 +57,11 @@ class RouteRequest:
     # Targets whose events say they dropped the prompt's leading block (evicted, cleared,
     # restarted) and have not stored it again: the trie's record of them is stale.
     exact_lost: frozenset[str] = frozenset()
+    # The request's tie-break key, drawn once from the policy's RNG by the driver that
+    # queues it (skymesh.balancer.dispatch.Dispatcher.offer): a tie among equally good
+    # targets goes to the same one at every ask while the tie stands. None: each tie
+    # draws from the RNG anew (drivers that ask once per request).
+    tie: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +140,8 @@ class Policy(ABC):
     # in ``considered``, on no ``on_dispatch``/``on_cached`` that changes the record of a
     # key in ``memo_keys`` (a trie tells which: ``PrefixTrie.on_keys``; () when no key
     # matters), and on nothing that leaves ``memo_epoch`` as
-    # it was; that it draws from the RNG only through ``_argmin`` (counted in ``draws``);
+    # it was; that it draws from the RNG only through ``_argmin`` (counted in ``draws``;
+    # never for a request that carries a ``tie`` key);
     # and that a call changes nothing a decision reads (a prefix trie's recency is
     # allowed: the dispatcher's docstring says why). The dispatcher then skips calls
     # whose inputs did not change, with the same answers and the same RNG stream.
@@ -194,28 +204,41 @@ class Policy(ABC):
         per-prefix updates (see ``memo_preferred``)."""
         return 0
 
-    def _least(self, candidates: Sequence[str], key: Any) -> str | None:
-        """The candidate minimising ``key``, ties broken by the seeded RNG."""
+    def _least(self, candidates: Sequence[str], key: Any,
+               request: RouteRequest | None = None) -> str | None:
+        """The candidate minimising ``key``, ties broken by ``request``'s tie key, else by
+        the seeded RNG."""
         if not candidates:
             return None
         if len(candidates) == 1:
             return candidates[0]
-        return self._argmin(candidates, [key(c) for c in candidates])
+        return self._argmin(candidates, [key(c) for c in candidates], request)
 
-    def _least_loaded(self, candidates: Sequence[str], view: LoadView) -> str | None:
-        """The candidate with the fewest outstanding requests, ties broken by the RNG."""
+    def _least_loaded(self, candidates: Sequence[str], view: LoadView,
+                      request: RouteRequest | None = None) -> str | None:
+        """The candidate with the fewest outstanding requests, ties broken as ``_argmin``
+        breaks them."""
         if len(candidates) < 2:
             return candidates[0] if candidates else None
-        return self._argmin(candidates, outstanding(view, candidates))
+        return self._argmin(candidates, outstanding(view, candidates), request)
 
-    def _argmin(self, candidates: Sequence[str], vals: Sequence[float]) -> str:
-        """The candidate with the smallest value (aligned lists), ties by the RNG."""
+    def _argmin(self, candidates: Sequence[str], vals: Sequence[float],
+                request: RouteRequest | None = None) -> str:
+        """The candidate with the smallest value (aligned lists). Ties: by ``request``'s
+        ``tie`` key when it has one (the same tie, the same answer, however often it is
+        asked), else by a draw from the RNG."""
         # C-level passes beat one Python loop with branches (hot path); a unique minimum,
         # the common case under load, needs no list of the ties.
         low = min(vals)
-        if vals.count(low) == 1:
+        n = vals.count(low)
+        if n == 1:
             return candidates[vals.index(low)]
-        self.draws += 1
         # strict=False: the lists are aligned by contract, and strict's check costs
         # ~12 ns per element, a fifth of this loop.
+        tie = request.tie if request is not None else None
+        if tie is not None:
+            if n == len(vals):  # all tied (an idle fleet): no list to build
+                return candidates[tie % n]
+            return [c for c, v in zip(candidates, vals, strict=False) if v == low][tie % n]
+        self.draws += 1
         return self.rng.choice([c for c, v in zip(candidates, vals, strict=False) if v == low])

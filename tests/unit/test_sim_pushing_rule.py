@@ -55,7 +55,9 @@ def test_the_default_rule_queues_less_at_the_balancer_than_strict_sp_p(tmp_path:
                                                                         ) -> None:
     strict = _run(tmp_path, "strict", "--prefer-queue", "0", "--hold-queue-max", "none")
     rule = _run(tmp_path, "rule")
-    assert rule["completed"] == strict["completed"]  # same clients, nothing lost
+    # Same clients, nothing lost: in a fixed window the closed loop completes as many or
+    # more (equal counts were luck of the tie-breaks).
+    assert rule["completed"] >= strict["completed"]
     assert rule["max_balancer_queue"] < strict["max_balancer_queue"]  # type: ignore[operator]
 
 
