@@ -535,10 +535,11 @@ class Dispatcher:
                 f"the balancer's queue is full ({self.max_queue} requests waiting)",
                 retry_after_s=1.0,
             )
-        if ticket.route.tie is None:
+        route = ticket.route
+        if route.tie is None:
             # The request's tie-break, drawn once (policies.base): a re-ask at a later
             # pump breaks a tie as the first did, so its answer may be remembered.
-            ticket.route = replace(ticket.route, tie=self._policy.rng.getrandbits(32))
+            route.set_tie(self._policy.rng.getrandbits(32))
         if ticket.batch and self.batch_lane and not ticket.stay:
             q = self.lanes.setdefault(ticket.route.model, deque())
         else:
@@ -832,27 +833,11 @@ class Dispatcher:
 
     def _pick(self, q: deque[Ticket], now: float) -> tuple[int, Ticket, str, bool] | None:
         self._refresh()
-        hold = self._hold_s > 0
-        depth = min(len(q), self.window) if hold else 1
-        balanced = self.forwarding_rule is ForwardingRule.BALANCED and self.forwarding
-        holds = self._prefers and (self.hold_queue_max is None
-                                   or len(q) <= self.hold_queue_max)
-        policy = self._policy
-        view = self._view(q[0].route.model)
-        # Evaluations are remembered only where nothing but the inputs a memo watches can
-        # change them: no peers (their state moves with heartbeats and time), no breaker
-        # that the clock may half-open, and a policy whose preferred() is memo-safe.
-        memo_ok = self._memo_ok and view.timeless and not self.forwarding
-        epoch = policy.memo_epoch() if memo_ok else 0
-        gen, hold_s = self._gen, self._hold_s
         model = q[0].route.model
-        if memo_ok:
-            quiet = self._quiet.get(model)
-            if quiet is not None and quiet[:4] == (self._stir, depth, holds, epoch) and (
-                    quiet[4] is None or now - quiet[4] < hold_s):
-                return None
+        view = self._view(model)
         any_avail = bool(view.ready or view.tokens)
-        if not any_avail and not self.forwarding and (
+        forwarding = self.forwarding
+        if not any_avail and not forwarding and (
                 not view.prefer_on or not self._names_preferred
                 or self._takers.isdisjoint(view.serving)):
             # No replica may take any request (none available, none that would take one
@@ -860,6 +845,23 @@ class Dispatcher:
             # evaluation could dispatch or hold anything. The memos that events dropped
             # are made again at a pump where something can take a request.
             return None
+        hold = self._hold_s > 0
+        depth = min(len(q), self.window) if hold else 1
+        balanced = self.forwarding_rule is ForwardingRule.BALANCED and forwarding
+        holds = self._prefers and (self.hold_queue_max is None
+                                   or len(q) <= self.hold_queue_max)
+        policy = self._policy
+        # Evaluations are remembered only where nothing but the inputs a memo watches can
+        # change them: no peers (their state moves with heartbeats and time), no breaker
+        # that the clock may half-open, and a policy whose preferred() is memo-safe.
+        memo_ok = self._memo_ok and view.timeless and not forwarding
+        epoch = policy.memo_epoch() if memo_ok else 0
+        gen, hold_s = self._gen, self._hold_s
+        if memo_ok:
+            quiet = self._quiet.get(model)
+            if quiet is not None and quiet[:4] == (self._stir, depth, holds, epoch) and (
+                    quiet[4] is None or now - quiet[4] < hold_s):
+                return None
         for i in range(depth):
             ticket = q[i]
             m = ticket.memo

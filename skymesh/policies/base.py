@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 
@@ -60,8 +60,16 @@ class RouteRequest:
     # The request's tie-break key, drawn once from the policy's RNG by the driver that
     # queues it (skymesh.balancer.dispatch.Dispatcher.offer): a tie among equally good
     # targets goes to the same one at every ask while the tie stands. None: each tie
-    # draws from the RNG anew (drivers that ask once per request).
-    tie: int | None = None
+    # draws from the RNG anew (drivers that ask once per request). The one field a
+    # driver may set after construction (``set_tie``), so it takes no part in equality.
+    tie: int | None = field(default=None, compare=False)
+
+    def set_tie(self, tie: int) -> None:
+        """Give a request without one its tie-break key, in place: ``replace`` copies
+        every field (several us per request on the daemon's path), and nothing has read
+        the key before the request is first queued."""
+        if self.tie is None:
+            object.__setattr__(self, "tie", tie)
 
 
 @dataclass(frozen=True, slots=True)
