@@ -45,11 +45,23 @@ def dispatch_cost(doc: dict[str, Any]) -> str:
     if base:
         ratio += (f"; {base['default_over_round_robin']:g}x, {extra(base)} more, at "
                   f"`{label}`")
+    differ = [n for n, same in (doc.get("same_decisions") or {}).items() if not same]
     notes = [
         "\n".join(out),
         ratio + " (both measured in the same run). The daemon's own per-request work "
         "(HTTP, JSON, logging, the upstream call) comes on top of these figures and is the "
         "same for every mode, so the ratio of whole-daemon CPU per request is smaller.",
+    ]
+    if differ:
+        notes.append(
+            f"Decisions differ from `{label}` for {', '.join(differ)}, on purpose: a "
+            "request's ties between equally good replicas now break by a key drawn once "
+            "from the policy's RNG when the request is queued (`RouteRequest.tie`), not by "
+            "a fresh draw at each ask, so a re-asked policy answers as before and the "
+            "dispatcher may skip the ask. The draws are fewer and fall elsewhere, so the "
+            "sequence differs; the simulator pages that depend on these policies were "
+            "rerun with it (quality within noise: see each page).")
+    notes += [
         f"Setup: {setup['replicas']} replicas of {setup['max_num_seqs']} slots "
         f"(`max_num_seqs`, sp-p's `prefer_queue` {setup['prefer_queue']}), "
         f"{setup['clients']} closed-loop tree-of-thoughts clients, {setup['requests']:,} "
@@ -96,17 +108,17 @@ def live_section(live: dict[str, Any]) -> str:
         "sp-p gives each replica one request until its first byte (a few more to the "
         "replica holding the prompt's prefix, `prefer_queue`) and a queue stands at the "
         "balancer, which round-robin never has. Beyond rr, the default hashes the "
-        "prompt's keys (once per distinct keyed text), re-asks the policy at each pump "
-        "(an arrival, a first byte, a completion) about the requests in the queue's "
-        "window whose last answer drew a tie or read a load that changed since, and "
-        "inserts into the trie at dispatch and again with the reply (the "
-        "queue is searched for stranded requests only while a queued model has no healthy "
-        "replica here or a breaker is open). Where two replicas hold a prompt's prefix "
-        "with equal loads, each re-ask breaks the tie with the seeded RNG: those asks "
-        "cannot be skipped without changing the decisions (even when no replica could "
-        "take the request whatever the answer, the draw moves the RNG on), and how often "
-        "the trie ends up with both is luck of the segment, the main spread of the "
-        "default's figure. Measured "
+        "prompt's keys (once per distinct keyed text), inserts into the trie at dispatch "
+        "and again with the reply, and at each pump (an arrival, a first byte, a "
+        "completion) where some replica can take a request re-asks the policy about the "
+        "requests in the queue's window whose last answer read a load or a trie record "
+        "that changed since, in queue order until one goes; a pump where no replica is "
+        "available and none may take a request holding its prefix there (most of them: "
+        "the replicas are refilled as soon as they free) asks nothing. A tie between two "
+        "replicas holding a prompt's prefix breaks by the request's own key, drawn once, "
+        "so it no longer forces a re-ask (the queue is searched for stranded requests "
+        "only while a queued model has no healthy replica here or a breaker is open). "
+        "Measured "
         f"{setup['date']} on {setup['cpus']} CPUs shared with other jobs (load average "
         f"{setup['load_average_1m_at_start']:g} at start), commit `{setup['commit']}`; "
         "per-round ratios spread widely on the loaded machine, so the median is the "
