@@ -12,7 +12,9 @@ from typing import Any
 LIVE = "dispatch-cost-live"  # the attached live run (results_pages.Source.attach)
 DEFAULT = "prefix-tree+sp-p"
 BASELINE = "round-robin+bp"
-ORDER = (BASELINE, DEFAULT, "least-load+sp-p")
+STUBS = "@stubs"  # the live benchmark's shape (dispatch_cost.StubBench)
+ORDER = (BASELINE, DEFAULT, "least-load+sp-p", BASELINE + STUBS, DEFAULT + STUBS,
+         "prefix-tree+bp" + STUBS)
 
 
 def _row(name: str, cur: dict[str, Any], base: dict[str, Any] | None,
@@ -36,15 +38,23 @@ def dispatch_cost(doc: dict[str, Any]) -> str:
     for name in sorted(cur["modes"], key=lambda n: ORDER.index(n) if n in ORDER else 9):
         out.append(_row(name, cur, base, (doc.get("speedup") or {}).get(name),
                         (doc.get("same_decisions") or {}).get(name)))
-    def extra(d: dict[str, Any]) -> str:
+    def extra(d: dict[str, Any], suffix: str = "") -> str:
         m = d["modes"]
-        return f"{m[DEFAULT]['us_per_request'] - m[BASELINE]['us_per_request']:.0f} us"
+        more = m[DEFAULT + suffix]["us_per_request"] - m[BASELINE + suffix]["us_per_request"]
+        return f"{more:.0f} us"
 
     ratio = (f"The default ({DEFAULT}) costs **{cur['default_over_round_robin']:g}x** "
              f"{BASELINE} per request now, {extra(cur)} more")
     if base:
         ratio += (f"; {base['default_over_round_robin']:g}x, {extra(base)} more, at "
                   f"`{label}`")
+    stubs = cur.get("stubs_default_over_round_robin")
+    if stubs is not None:
+        ratio += (f". In the live benchmark's shape ({STUBS}) it costs **{stubs:g}x** "
+                  f"now, {extra(cur, STUBS)} more")
+        if base and base.get("stubs_default_over_round_robin") is not None:
+            ratio += (f"; {base['stubs_default_over_round_robin']:g}x, "
+                      f"{extra(base, STUBS)} more, at `{label}`")
     differ = [n for n, same in (doc.get("same_decisions") or {}).items() if not same]
     notes = [
         "\n".join(out),
@@ -69,6 +79,20 @@ def dispatch_cost(doc: dict[str, Any]) -> str:
         f"seed {setup['seed']}. \"Same decisions\": the digest of every (request, replica) "
         "decision in order is equal in both versions.",
     ]
+    st = setup.get("stubs")
+    if st is not None:
+        notes.append(
+            f"{STUBS}: the live section's shape: {st['replicas']} replicas that publish "
+            "neither `max_num_seqs` nor a KV capacity (sp-p gives each one request until "
+            "its first byte, a few more to the one holding the prompt's prefix, "
+            f"`prefer_queue`; metrics lag {st['metrics_lag_s']:g} s), {st['clients']} "
+            f"clients each sending one of {st['prompts']} shared "
+            f"{st['prompt_chars']:,}-character prompts with a short question of its own, "
+            "answered at once; prefix-tree with blind pushing shows what sp-p's standing "
+            "queue adds. Here a replica is refilled as soon as it frees, so most pumps "
+            "find no replica that could take a request and ask nothing; with free slots "
+            "(the rows above) a pump usually has a replica to offer, and the policy is "
+            "asked about the requests whose answers changed, as before.")
     live = doc.get(LIVE)
     if live is not None:
         notes.append(live_section(live))
