@@ -6,33 +6,22 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from unittest import mock
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import View
 
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.policies import RouteRequest, build_policy
-from skymesh.policies.load import PushMode, ReplicaLoad
+from skymesh.policies.load import PushMode
 
 TARGETS = ("a", "b", "c", "d")
 
 
-@dataclass
-class View:
-    loads: dict[str, ReplicaLoad] = field(default_factory=dict)
-    now: float = 0.0
-
-    def load(self, target: str) -> ReplicaLoad:
-        return self.loads.setdefault(target, ReplicaLoad(target))
-
-
 def _view(outstanding: list[int]) -> View:
-    v = View()
-    for t, n in zip(TARGETS, outstanding, strict=False):
-        v.load(t).in_flight = n
-        v.load(t).on_probe(0.0, 0, 0, 0.0)  # recount: outstanding = in_flight
-    return v
+    return View().set(**dict(zip(TARGETS, outstanding, strict=False)))
 
 
 @settings(max_examples=200, deadline=None)
@@ -116,21 +105,13 @@ def test_a_pump_where_nothing_can_take_a_request_asks_the_policy_nothing() -> No
     for i in range(5):
         d.offer(Ticket(RouteRequest(f"r{i}", model="m", prompt_len=10,
                                     prefix_keys=(1, 2, 3 + i)), 0.0), 0.0)
-    calls = 0
-    real = d.policy.preferred
-
-    def counting(*args: object) -> object:
-        nonlocal calls
-        calls += 1
-        return real(*args)  # type: ignore[arg-type]
-
-    d.policy.preferred = counting  # type: ignore[method-assign]
-    assert d.pump(0.1) == []
-    for k in range(5):  # loads change, none frees
-        d.on_probe("a", 0.2 + k / 10, waiting=2 + k, running=4, kv_usage=0.5,
-                   max_num_seqs=4)
-        assert d.pump(0.2 + k / 10) == []
-    assert calls == 0
-    d.on_probe("b", 1.0, waiting=0, running=0, kv_usage=0.0, max_num_seqs=4)
-    assert [t.target for t in d.pump(1.0)][:1] == ["b"]
-    assert calls > 0
+    with mock.patch.object(d.policy, "preferred", wraps=d.policy.preferred) as asked:
+        assert d.pump(0.1) == []
+        for k in range(5):  # loads change, none frees
+            d.on_probe("a", 0.2 + k / 10, waiting=2 + k, running=4, kv_usage=0.5,
+                       max_num_seqs=4)
+            assert d.pump(0.2 + k / 10) == []
+        assert asked.call_count == 0
+        d.on_probe("b", 1.0, waiting=0, running=0, kv_usage=0.0, max_num_seqs=4)
+        assert [t.target for t in d.pump(1.0)][:1] == ["b"]
+        assert asked.call_count > 0
