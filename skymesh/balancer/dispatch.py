@@ -229,6 +229,9 @@ class Dispatcher:
         # prefix there (``takes_preferred`` for the smallest prompt): with none of them
         # and no replica available, no queued request can go anywhere (``_pick``).
         self._takers: set[str] = set()
+        # Replicas that are available or may be if a prompt fits (code not UNAVAILABLE):
+        # with none, and no taker, no queue can dispatch anything (``pump``).
+        self._open: set[str] = set()
         self._dirty: set[str] = set()
         self._views: dict[str, _ModelView] = {}
         # model -> (_gen, routable targets, their ids, every breaker closed): _view's part
@@ -464,6 +467,7 @@ class Dispatcher:
                 for d in (self._codes, self._pq):
                     d.pop(tid, None)
                 self._takers.discard(tid)
+                self._open.discard(tid)
         self.targets = new
         self._dirty = set(new)
         self._changed()
@@ -622,17 +626,22 @@ class Dispatcher:
             return
         codes, pqs, targets = self._codes, self._pq, self.targets
         mode, cap, n = self._mode, self._max_outstanding, self._balancers
-        takers, room = self._takers, self._kv_headroom
+        takers, room, opened = self._takers, self._kv_headroom, self._open
+        sp_p, default_pq = mode is PushMode.SP_P, self._prefer_queue
         changed = False
         for tid in dirty:
             t = targets.get(tid)
             if t is None:
                 continue
-            code = availability(t.load, mode, cap, n)
-            allowance = self.prefer_queue_of(t.load)
+            load = t.load
+            code = availability(load, mode, cap, n)
+            allowance = default_pq if load.prefer_queue is None else load.prefer_queue
             pq = allowance > 0
-            if pq and mode is PushMode.SP_P and code != AVAILABLE \
-                    and takes_preferred(t.load, allowance, room):
+            if code:
+                opened.add(tid)
+            else:
+                opened.discard(tid)
+            if pq and sp_p and code != AVAILABLE and takes_preferred(load, allowance, room):
                 takers.add(tid)
             else:
                 takers.discard(tid)
@@ -731,7 +740,13 @@ class Dispatcher:
         """
         self.now = now
         out: list[Ticket] = []
-        if self.lanes:  # batch first to an idle peer, before the better classes overflow
+        if not self.lanes:
+            self._refresh()
+            if not self._open and not self._takers and not self.forwarding:
+                # No replica may take any request (``_pick``'s first check, for every
+                # queue at once): the pump after most events under a standing queue.
+                return out
+        else:  # batch first to an idle peer, before the better classes overflow
             self._pump_lanes(now, out, local=False)
         for q in self.queues.values():
             while q:
