@@ -73,6 +73,10 @@ class PrefixTree(Policy, name="prefix-tree"):
     def select(
         self, request: RouteRequest, candidates: Sequence[str], view: LoadView
     ) -> str | None:
+        if len(candidates) == 1:
+            # Every branch below picks among a subset of the candidates: no match needed
+            # (under sp-p's standing queue most dispatches have one replica to go to).
+            return candidates[0]
         exact = exact_match(request, candidates)
         if exact is not None:
             frac, holders = exact
