@@ -541,9 +541,9 @@ class Dispatcher:
             )
         route = ticket.route
         if route.tie is None:
-            # The request's tie-break, drawn once (policies.base): a re-ask at a later
+            # The request's tie-break, fixed once (policies.base): a re-ask at a later
             # pump breaks a tie as the first did, so its answer may be remembered.
-            route.set_tie(self._policy.rng.getrandbits(32))
+            route.set_tie(self._policy.tie_for(route.request_id))
         if ticket.batch and self.batch_lane and not ticket.stay:
             q = self.lanes.setdefault(ticket.route.model, deque())
         else:

@@ -6,9 +6,10 @@ wait; hooks with no-op defaults hear about dispatches, completions and membershi
 No sockets, no sleeps, no clock or randomness of its own: time comes from ``view.now`` and
 ties break with the ``random.Random`` handed to the constructor, so a run is reproducible.
 A driver that asks about the same request more than once (the dispatcher re-asks a queued
-one at each pump) draws the request's ``tie`` key from that RNG once, when it first
-queues it: every later tie for the request breaks by that key, so an answer is a pure
-function of the request and the state the policy read, and repeats may be skipped.
+one at each pump) gives the request a ``tie`` key when it first queues it
+(:meth:`Policy.tie_for`: a hash of the request's id keyed by a draw from that RNG): every
+later tie for the request breaks by that key, so an answer is a pure function of the
+request and the state the policy read, and repeats may be skipped.
 
 Policies register under a stable name by subclassing::
 
@@ -21,6 +22,7 @@ parameter fails at once and names the culprit. There is no second table to keep 
 from __future__ import annotations
 
 import random
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,8 +59,8 @@ class RouteRequest:
     # Targets whose events say they dropped the prompt's leading block (evicted, cleared,
     # restarted) and have not stored it again: the trie's record of them is stale.
     exact_lost: frozenset[str] = frozenset()
-    # The request's tie-break key, drawn once from the policy's RNG by the driver that
-    # queues it (skymesh.balancer.dispatch.Dispatcher.offer): a tie among equally good
+    # The request's tie-break key, set once by the driver that queues it
+    # (skymesh.balancer.dispatch.Dispatcher.offer, Policy.tie_for): a tie among equally good
     # targets goes to the same one at every ask while the tie stands. None: each tie
     # draws from the RNG anew (drivers that ask once per request). The one field a
     # driver may set after construction (``set_tie``), so it takes no part in equality.
@@ -121,6 +123,9 @@ def outstanding(view: LoadView, targets: Sequence[str]) -> list[int]:
     return [load(t).outstanding for t in targets]
 
 
+_M64 = (1 << 64) - 1
+
+
 class PolicyConfigError(ValueError):
     """Unknown policy name or bad parameter; the message names the culprit."""
 
@@ -155,6 +160,7 @@ class Policy(ABC):
     # whose inputs did not change, with the same answers and the same RNG stream.
     memo_preferred: ClassVar[bool] = False
     draws: int = 0
+    _tie_salt: int | None = None  # tie_for's hash key, drawn from the RNG at first use
     considered: tuple[str, ...] = ()
     memo_keys: tuple[int, ...] = ()
 
@@ -206,6 +212,24 @@ class Policy(ABC):
         it to (re-sent as prompt + generated tokens), or None to leave it. Only drivers
         that can move requests ask; see ``wants_migration``."""
         return None
+
+    def tie_for(self, request_id: str) -> int:
+        """The tie-break key of the request ``request_id`` (``RouteRequest.tie``): a hash
+        of the id (CRC-32, then splitmix64's mix, which spreads it over the low bits that
+        ``tie % n`` reads) keyed by 64 bits drawn once from this policy's RNG. Not a
+        secret: a client choosing its ids can only choose how ties among equally loaded
+        replicas break for its own requests. A function of the
+        id, not of the order requests arrive in, so two simulated runs of one workload
+        (two pushing modes, say) give a request the same key and differ only where their
+        decisions do; keys drawn in arrival order would shuffle once one decision
+        differed, and blur every comparison."""
+        salt = self._tie_salt
+        if salt is None:
+            salt = self._tie_salt = self.rng.getrandbits(64)
+        x = (zlib.crc32(request_id.encode()) ^ salt) & _M64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+        return x ^ (x >> 31)
 
     def memo_epoch(self) -> int:
         """Bumped by any change of the state ``preferred`` reads beyond the hooks'

@@ -76,6 +76,20 @@ def test_prefix_tree_breaks_a_tie_between_holders_by_the_key() -> None:
     assert prefs == {"a", "b"} and p.draws == 0
 
 
+def test_a_key_follows_the_request_not_its_arrival() -> None:
+    """Two dispatchers with identically seeded policies give a request the same key
+    whatever order requests reach them in (simulated runs of one workload stay paired)."""
+    keys = []
+    for order in (range(20), reversed(range(20))):
+        d = Dispatcher(build_policy("prefix-tree", rng=random.Random(5)), PushMode.SP_P)
+        d.set_targets({"a": ("m",)})
+        tickets = {i: Ticket(RouteRequest(f"r{i}", model="m"), 0.0) for i in order}
+        for t in tickets.values():
+            d.offer(t, 0.0)
+        keys.append([tickets[i].route.tie for i in range(20)])
+    assert keys[0] == keys[1] and len(set(keys[0])) == 20
+
+
 def test_the_dispatcher_draws_a_request_key_once() -> None:
     d = Dispatcher(build_policy("prefix-tree", rng=random.Random(5)), PushMode.SP_P)
     d.set_targets({"a": ("m",)})
