@@ -65,12 +65,13 @@ def dispatch_cost(doc: dict[str, Any]) -> str:
     if differ:
         notes.append(
             f"Decisions differ from `{label}` for {', '.join(differ)}, on purpose: a "
-            "request's ties between equally good replicas now break by a key drawn once "
-            "from the policy's RNG when the request is queued (`RouteRequest.tie`), not by "
-            "a fresh draw at each ask, so a re-asked policy answers as before and the "
-            "dispatcher may skip the ask. The draws are fewer and fall elsewhere, so the "
-            "sequence differs; the simulator pages that depend on these policies were "
-            "rerun with it (quality within noise: see each page).")
+            "request's ties between equally good replicas now break by a key of its own, "
+            "set when it is queued (`RouteRequest.tie`: its id hashed with a salt drawn "
+            "once from the policy's RNG), not by a fresh draw at each ask, so a re-asked "
+            "policy answers as before and the dispatcher may skip the ask. Ties break "
+            "differently, so the sequence of decisions does; the simulator pages that "
+            "depend on these policies were rerun with it (quality within noise: see each "
+            "page).")
     notes += [
         f"Setup: {setup['replicas']} replicas of {setup['max_num_seqs']} slots "
         f"(`max_num_seqs`, sp-p's `prefer_queue` {setup['prefer_queue']}), "
@@ -96,6 +97,17 @@ def dispatch_cost(doc: dict[str, Any]) -> str:
     live = doc.get(LIVE)
     if live is not None:
         notes.append(live_section(live))
+        cur_live = live["versions"].get("current")
+        if cur_live is not None and stubs is not None:
+            c = cur_live["configs"]
+            gap = c["default"]["median"] - c["rr"]["median"]
+            notes.append(
+                f"Of the live gap now ({gap:.0f} us per request between the medians), the "
+                f"decision core accounts for about {extra(cur, STUBS)} (the {STUBS} rows, "
+                "prefix keys and trie included); the rest is the daemon's own work around "
+                "a request that waits in the queue (its dispatch awaited, more event-loop "
+                "passes per request while few are in flight to each replica) and the "
+                "chat prompt's rendering on the request path.")
     return "\n\n".join(notes)
 
 
@@ -139,7 +151,7 @@ def live_section(live: dict[str, Any]) -> str:
         "that changed since, in queue order until one goes; a pump where no replica is "
         "available and none may take a request holding its prefix there (most of them: "
         "the replicas are refilled as soon as they free) asks nothing. A tie between two "
-        "replicas holding a prompt's prefix breaks by the request's own key, drawn once, "
+        "replicas holding a prompt's prefix breaks by the request's own key, set once, "
         "so it no longer forces a re-ask (the queue is searched for stranded requests "
         "only while a queued model has no healthy replica here or a breaker is open). "
         "Measured "

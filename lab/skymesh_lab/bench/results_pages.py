@@ -85,7 +85,7 @@ SOURCES: tuple[Source, ...] = (
            "adds a queue for the prefix's replica: [the pushing rule](pushing-rule.md)), "
            "at SkyLB's 30 clients and at an overloaded 120. One seed: at 120 clients the "
            "figures move by several percent with the seed alone, and so they did when "
-           "ties between replicas began to break by a key drawn once per request "
+           "ties between replicas began to break by a key fixed per request "
            "(`RouteRequest.tie`, [the cost of a decision]"
            "(../policies.md#the-cost-of-a-decision)), which changes the order of the "
            "decisions as a new seed would; SP-P against BP there is a few percent either "
@@ -132,7 +132,7 @@ SOURCES: tuple[Source, ...] = (
            "sglang's cache-aware policy (`single-*`), region-local, the mesh with "
            "consistent hashing, the prefix tree or LMETRIC (`skymesh-*`), and an oracle "
            "that reads every replica's cache. One seed per run: since ties between "
-           "replicas break by a key drawn once per request (`RouteRequest.tie`), the "
+           "replicas break by a key fixed per request (`RouteRequest.tie`), the "
            "decisions differ from earlier runs as with another seed, and the figures "
            "moved within a few percent.",
            (".venv/bin/skymesh", "bench", "skylb-macro", "--mode", "sim", "--quick",
