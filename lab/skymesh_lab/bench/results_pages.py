@@ -286,7 +286,11 @@ SOURCES: tuple[Source, ...] = (
            "no hold while the balancer's queue is long, `hold_queue_max`) in the simulator, "
            "on vLLM's and SGLang's scheduler, in SkyLB's SP microbenchmark (tot-skylb, "
            "tot-gsm8k) and its Figure 8 mesh setup (mixed tree, chat), with where each "
-           "system's requests waited. See [the pushing section](../policies.md).",
+           "system's requests waited. See [the pushing section](../policies.md). Ties "
+           "between equally good replicas break by a key fixed per request "
+           "(`RouteRequest.tie`, the same in every system's run of a seed): against the "
+           "runs that drew ties at each ask, the figures moved within their intervals and "
+           "the verdicts stand.",
            (".venv/bin/python", "-m", "skymesh_lab.bench.rule_grid", "--jobs", "2",
             "--seeds", "23,24,25,26,27,28,29,30", "--prefer-queue", "vllm=3,sglang=8",
             "--hold-queue-max", "48", "--json", "{json}"),
