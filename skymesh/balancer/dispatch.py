@@ -229,6 +229,13 @@ class Dispatcher:
         self._gen = 0
         self._codes: dict[str, int] = {}
         self._pq: dict[str, bool] = {}
+        # Replicas that sp-p finds unavailable but that may take a request holding its
+        # prefix there (``takes_preferred`` for the smallest prompt): with none of them
+        # and no replica available, no queued request can go anywhere (``_pick``).
+        self._takers: set[str] = set()
+        # Replicas that are available or may be if a prompt fits (code not UNAVAILABLE):
+        # with none, and no taker, no queue can dispatch anything (``pump``).
+        self._open: set[str] = set()
         self._dirty: set[str] = set()
         self._views: dict[str, _ModelView] = {}
         # model -> (_gen, routable targets, their ids, every breaker closed): _view's part
@@ -369,7 +376,7 @@ class Dispatcher:
     @kv_headroom.setter
     def kv_headroom(self, value: float) -> None:
         self._kv_headroom = value
-        self._changed()
+        self._changed(availability=True)  # the takers (``_refresh``) read it
 
     @property
     def prefer_queue(self) -> int:
@@ -428,7 +435,7 @@ class Dispatcher:
         requests outstanding on those replicas (the balanced rule's load figure)."""
         out: dict[str, ModelLoad] = {}
         for model in self.models():
-            probe = Ticket(RouteRequest("heartbeat", model=model), now)
+            probe = Ticket(RouteRequest("heartbeat", model=model, tie=0), now)
             serving = [t for t in self.targets.values() if model in t.models]
             out[model] = ModelLoad(
                 available=len(self.candidates(probe, now)),
@@ -464,6 +471,8 @@ class Dispatcher:
                 t.load.on_change = None
                 for d in (self._codes, self._pq):
                     d.pop(tid, None)
+                self._takers.discard(tid)
+                self._open.discard(tid)
         self.targets = new
         self._dirty = set(new)
         self._changed()
@@ -535,6 +544,11 @@ class Dispatcher:
                 f"the balancer's queue is full ({self.max_queue} requests waiting)",
                 retry_after_s=1.0,
             )
+        route = ticket.route
+        if route.tie is None:
+            # The request's tie-break, fixed once (policies.base): a re-ask at a later
+            # pump breaks a tie as the first did, so its answer may be remembered.
+            route.set_tie(self._policy.tie_for(route.request_id))
         lane = ticket.batch and self.batch_lane and not ticket.stay
         if lane:
             q = self.lanes.setdefault(ticket.route.model, deque())
@@ -621,13 +635,25 @@ class Dispatcher:
             return
         codes, pqs, targets = self._codes, self._pq, self.targets
         mode, cap, n = self._mode, self._max_outstanding, self._balancers
+        takers, room, opened = self._takers, self._kv_headroom, self._open
+        sp_p, default_pq = mode is PushMode.SP_P, self._prefer_queue
         changed = False
         for tid in dirty:
             t = targets.get(tid)
             if t is None:
                 continue
-            code = availability(t.load, mode, cap, n)
-            pq = self.prefer_queue_of(t.load) > 0
+            load = t.load
+            code = availability(load, mode, cap, n)
+            allowance = default_pq if load.prefer_queue is None else load.prefer_queue
+            pq = allowance > 0
+            if code:
+                opened.add(tid)
+            else:
+                opened.discard(tid)
+            if pq and sp_p and code != AVAILABLE and takes_preferred(load, allowance, room):
+                takers.add(tid)
+            else:
+                takers.discard(tid)
             old = codes.get(tid, -1)
             old_pq = pqs.get(tid, False)
             if code != old or pq != old_pq:
@@ -723,7 +749,13 @@ class Dispatcher:
         """
         self.now = now
         out: list[Ticket] = []
-        if self.lanes:  # batch first to an idle peer, before the better classes overflow
+        if not self.lanes:
+            self._refresh()
+            if not self._open and not self._takers and not self.forwarding:
+                # No replica may take any request (``_pick``'s first check, for every
+                # queue at once): the pump after most events under a standing queue.
+                return out
+        else:  # batch first to an idle peer, before the better classes overflow
             self._pump_lanes(now, out, local=False)
         for q in self.queues.values():
             while q:
@@ -820,26 +852,35 @@ class Dispatcher:
 
     def _pick(self, q: deque[Ticket], now: float) -> tuple[int, Ticket, str, bool] | None:
         self._refresh()
+        model = q[0].route.model
+        view = self._view(model)
+        any_avail = bool(view.ready or view.tokens)
+        forwarding = self.forwarding
+        if not any_avail and not forwarding and (
+                not view.prefer_on or not self._names_preferred
+                or self._takers.isdisjoint(view.serving)):
+            # No replica may take any request (none available, none that would take one
+            # holding its prefix there, no peer): every candidate list is empty, so no
+            # evaluation could dispatch or hold anything. The memos that events dropped
+            # are made again at a pump where something can take a request.
+            return None
         hold = self._hold_s > 0
         depth = min(len(q), self.window) if hold else 1
-        balanced = self.forwarding_rule is ForwardingRule.BALANCED and self.forwarding
+        balanced = self.forwarding_rule is ForwardingRule.BALANCED and forwarding
         holds = self._prefers and (self.hold_queue_max is None
                                    or len(q) <= self.hold_queue_max)
         policy = self._policy
-        view = self._view(q[0].route.model)
         # Evaluations are remembered only where nothing but the inputs a memo watches can
         # change them: no peers (their state moves with heartbeats and time), no breaker
         # that the clock may half-open, and a policy whose preferred() is memo-safe.
-        memo_ok = self._memo_ok and view.timeless and not self.forwarding
+        memo_ok = self._memo_ok and view.timeless and not forwarding
         epoch = policy.memo_epoch() if memo_ok else 0
         gen, hold_s = self._gen, self._hold_s
-        model = q[0].route.model
         if memo_ok:
             quiet = self._quiet.get(model)
             if quiet is not None and quiet[:4] == (self._stir, depth, holds, epoch) and (
                     quiet[4] is None or now - quiet[4] < hold_s):
                 return None
-        any_avail = bool(view.ready or view.tokens)
         for i in range(depth):
             ticket = q[i]
             m = ticket.memo

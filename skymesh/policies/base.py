@@ -5,6 +5,11 @@ id (a replica URL, or later a peer balancer) from ``candidates`` or returns ``No
 wait; hooks with no-op defaults hear about dispatches, completions and membership changes.
 No sockets, no sleeps, no clock or randomness of its own: time comes from ``view.now`` and
 ties break with the ``random.Random`` handed to the constructor, so a run is reproducible.
+A driver that asks about the same request more than once (the dispatcher re-asks a queued
+one at each pump) gives the request a ``tie`` key when it first queues it
+(:meth:`Policy.tie_for`: a hash of the request's id keyed by a draw from that RNG): every
+later tie for the request breaks by that key, so an answer is a pure function of the
+request and the state the policy read, and repeats may be skipped.
 
 Policies register under a stable name by subclassing::
 
@@ -17,9 +22,10 @@ parameter fails at once and names the culprit. There is no second table to keep 
 from __future__ import annotations
 
 import random
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 
@@ -53,6 +59,19 @@ class RouteRequest:
     # Targets whose events say they dropped the prompt's leading block (evicted, cleared,
     # restarted) and have not stored it again: the trie's record of them is stale.
     exact_lost: frozenset[str] = frozenset()
+    # The request's tie-break key, set once by the driver that queues it
+    # (skymesh.balancer.dispatch.Dispatcher.offer, Policy.tie_for): a tie among equally good
+    # targets goes to the same one at every ask while the tie stands. None: each tie
+    # draws from the RNG anew (drivers that ask once per request). The one field a
+    # driver may set after construction (``set_tie``), so it takes no part in equality.
+    tie: int | None = field(default=None, compare=False)
+
+    def set_tie(self, tie: int) -> None:
+        """Give a request without one its tie-break key, in place: ``replace`` copies
+        every field (several us per request on the daemon's path), and nothing has read
+        the key before the request is first queued."""
+        if self.tie is None:
+            object.__setattr__(self, "tie", tie)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +123,9 @@ def outstanding(view: LoadView, targets: Sequence[str]) -> list[int]:
     return [load(t).outstanding for t in targets]
 
 
+_M64 = (1 << 64) - 1
+
+
 class PolicyConfigError(ValueError):
     """Unknown policy name or bad parameter; the message names the culprit."""
 
@@ -131,12 +153,14 @@ class Policy(ABC):
     # in ``considered``, on no ``on_dispatch``/``on_cached`` that changes the record of a
     # key in ``memo_keys`` (a trie tells which: ``PrefixTrie.on_keys``; () when no key
     # matters), and on nothing that leaves ``memo_epoch`` as
-    # it was; that it draws from the RNG only through ``_argmin`` (counted in ``draws``);
+    # it was; that it draws from the RNG only through ``_argmin`` (counted in ``draws``;
+    # never for a request that carries a ``tie`` key);
     # and that a call changes nothing a decision reads (a prefix trie's recency is
     # allowed: the dispatcher's docstring says why). The dispatcher then skips calls
     # whose inputs did not change, with the same answers and the same RNG stream.
     memo_preferred: ClassVar[bool] = False
     draws: int = 0
+    _tie_salt: int | None = None  # tie_for's hash key, drawn from the RNG at first use
     considered: tuple[str, ...] = ()
     memo_keys: tuple[int, ...] = ()
 
@@ -189,33 +213,64 @@ class Policy(ABC):
         that can move requests ask; see ``wants_migration``."""
         return None
 
+    def tie_for(self, request_id: str) -> int:
+        """The tie-break key of the request ``request_id`` (``RouteRequest.tie``): a hash
+        of the id (CRC-32, then splitmix64's mix, which spreads it over the low bits that
+        ``tie % n`` reads) keyed by 64 bits drawn once from this policy's RNG. Not a
+        secret: a client choosing its ids can only choose how ties among equally loaded
+        replicas break for its own requests. A function of the
+        id, not of the order requests arrive in, so two simulated runs of one workload
+        (two pushing modes, say) give a request the same key and differ only where their
+        decisions do; keys drawn in arrival order would shuffle once one decision
+        differed, and blur every comparison."""
+        salt = self._tie_salt
+        if salt is None:
+            salt = self._tie_salt = self.rng.getrandbits(64)
+        x = (zlib.crc32(request_id.encode()) ^ salt) & _M64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+        return x ^ (x >> 31)
+
     def memo_epoch(self) -> int:
         """Bumped by any change of the state ``preferred`` reads beyond the hooks'
         per-prefix updates (see ``memo_preferred``)."""
         return 0
 
-    def _least(self, candidates: Sequence[str], key: Any) -> str | None:
-        """The candidate minimising ``key``, ties broken by the seeded RNG."""
+    def _least(self, candidates: Sequence[str], key: Any,
+               request: RouteRequest | None = None) -> str | None:
+        """The candidate minimising ``key``, ties broken by ``request``'s tie key, else by
+        the seeded RNG."""
         if not candidates:
             return None
         if len(candidates) == 1:
             return candidates[0]
-        return self._argmin(candidates, [key(c) for c in candidates])
+        return self._argmin(candidates, [key(c) for c in candidates], request)
 
-    def _least_loaded(self, candidates: Sequence[str], view: LoadView) -> str | None:
-        """The candidate with the fewest outstanding requests, ties broken by the RNG."""
+    def _least_loaded(self, candidates: Sequence[str], view: LoadView,
+                      request: RouteRequest | None = None) -> str | None:
+        """The candidate with the fewest outstanding requests, ties broken as ``_argmin``
+        breaks them."""
         if len(candidates) < 2:
             return candidates[0] if candidates else None
-        return self._argmin(candidates, outstanding(view, candidates))
+        return self._argmin(candidates, outstanding(view, candidates), request)
 
-    def _argmin(self, candidates: Sequence[str], vals: Sequence[float]) -> str:
-        """The candidate with the smallest value (aligned lists), ties by the RNG."""
+    def _argmin(self, candidates: Sequence[str], vals: Sequence[float],
+                request: RouteRequest | None = None) -> str:
+        """The candidate with the smallest value (aligned lists). Ties: by ``request``'s
+        ``tie`` key when it has one (the same tie, the same answer, however often it is
+        asked), else by a draw from the RNG."""
         # C-level passes beat one Python loop with branches (hot path); a unique minimum,
         # the common case under load, needs no list of the ties.
         low = min(vals)
-        if vals.count(low) == 1:
+        n = vals.count(low)
+        if n == 1:
             return candidates[vals.index(low)]
-        self.draws += 1
         # strict=False: the lists are aligned by contract, and strict's check costs
         # ~12 ns per element, a fifth of this loop.
+        tie = request.tie if request is not None else None
+        if tie is not None:
+            if n == len(vals):  # all tied (an idle fleet): no list to build
+                return candidates[tie % n]
+            return [c for c, v in zip(candidates, vals, strict=False) if v == low][tie % n]
+        self.draws += 1
         return self.rng.choice([c for c, v in zip(candidates, vals, strict=False) if v == low])

@@ -49,4 +49,4 @@ class LeastLoad(Policy, name="least-load"):
     def select(
         self, request: RouteRequest, candidates: Sequence[str], view: LoadView
     ) -> str | None:
-        return self._least_loaded(candidates, view)
+        return self._least_loaded(candidates, view, request)

@@ -143,9 +143,9 @@ class LMetric(Policy, name="lmetric"):
                 self.filtered += 1
                 pool = [(c, v) for c, v in zip(candidates, vals, strict=True) if c not in hot]
                 if not pool:
-                    return self._least_loaded(candidates, view)
-                return self._argmin([c for c, _ in pool], [v for _, v in pool])
-        return self._argmin(candidates, vals)
+                    return self._least_loaded(candidates, view, request)
+                return self._argmin([c for c, _ in pool], [v for _, v in pool], request)
+        return self._argmin(candidates, vals, request)
 
     def _hotspot(
         self,
@@ -211,7 +211,7 @@ class LMetric(Policy, name="lmetric"):
             return None
         depth, matched = self.trie.match(keys, targets)
         if matched and 2 * depth >= len(keys):
-            return self._least_loaded(matched, view)
+            return self._least_loaded(matched, view, request)
         return None
 
     def on_dispatch(self, request: RouteRequest, target: str, view: LoadView) -> None:

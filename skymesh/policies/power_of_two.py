@@ -26,4 +26,4 @@ class PowerOfTwo(Policy, name="power-of-two"):
         j = self.rng.randrange(n - 1)
         if j >= i:  # skip i, so the two picks are distinct and still uniform
             j += 1
-        return self._least_loaded((candidates[i], candidates[j]), view)
+        return self._least_loaded((candidates[i], candidates[j]), view, request)

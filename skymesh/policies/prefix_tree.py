@@ -73,19 +73,23 @@ class PrefixTree(Policy, name="prefix-tree"):
     def select(
         self, request: RouteRequest, candidates: Sequence[str], view: LoadView
     ) -> str | None:
+        if len(candidates) == 1:
+            # Every branch below picks among a subset of the candidates: no match needed
+            # (under sp-p's standing queue most dispatches have one replica to go to).
+            return candidates[0]
         exact = exact_match(request, candidates)
         if exact is not None:
             frac, holders = exact
             if holders and frac >= self.match_threshold:
-                return self._least_loaded(holders, view)
-            return self._least_loaded(candidates, view)
+                return self._least_loaded(holders, view, request)
+            return self._least_loaded(candidates, view, request)
         keys = request.prefix_keys
         if keys and candidates:
             depth, matched = self.trie.match(keys, trie_targets(request, candidates),
                                              request.block_keys)
             if matched and depth >= self.match_threshold * len(keys):
-                return self._least_loaded(matched, view)
-        return self._least_loaded(candidates, view)
+                return self._least_loaded(matched, view, request)
+        return self._least_loaded(candidates, view, request)
 
     def preferred(self, request: RouteRequest, targets: Sequence[str], view: LoadView
                   ) -> str | None:
@@ -97,7 +101,7 @@ class PrefixTree(Policy, name="prefix-tree"):
             self.considered, self.memo_keys = (), ()
             if holders and frac >= self.match_threshold:
                 self.considered = tuple(holders)
-                return self._least_loaded(holders, view)
+                return self._least_loaded(holders, view, request)
             return None
         keys = request.prefix_keys
         self.considered, self.memo_keys = (), ()
@@ -116,7 +120,7 @@ class PrefixTree(Policy, name="prefix-tree"):
             self.memo_keys = (keys[depth - 1],)
         if matched and depth >= self.match_threshold * len(keys):
             self.considered = matched
-            return self._least_loaded(matched, view)
+            return self._least_loaded(matched, view, request)
         return None
 
     def memo_epoch(self) -> int:

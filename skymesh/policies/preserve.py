@@ -259,7 +259,7 @@ class PreServe(Policy, name="preserve"):
         self, request: RouteRequest, candidates: Sequence[str], view: LoadView
     ) -> str | None:
         scores = {c: self.score(request, c, view) for c in candidates}
-        return self._least(candidates, scores.__getitem__)
+        return self._least(candidates, scores.__getitem__, request)
 
     def on_dispatch(self, request: RouteRequest, target: str, view: LoadView) -> None:
         r = self._replica(target, view.now)

@@ -87,16 +87,16 @@ class SglangCacheAware(Policy, name="sglang-cache-aware"):
         outs = outstanding(view, candidates)
         hi, lo = max(outs), min(outs)
         if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
-            return self._argmin(candidates, outs)
+            return self._argmin(candidates, outs, request)
         keys = request.prefix_keys
         if keys:
             depth, matched = self.trie.match(keys, candidates)
             if matched and depth / len(keys) > self.cache_threshold:
-                return matched[0] if self.first else self._least_loaded(matched, view)
+                return matched[0] if self.first else self._least_loaded(matched, view, request)
         sizes = self.trie.sizes_of(candidates)
         if self.first:
             return candidates[sizes.index(min(sizes))]
-        return self._argmin(candidates, sizes)
+        return self._argmin(candidates, sizes, request)
 
     def on_dispatch(self, request: RouteRequest, target: str, view: LoadView) -> None:
         self.trie.insert(request.prefix_keys, target)

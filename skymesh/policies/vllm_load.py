@@ -41,4 +41,5 @@ class VllmLoad(Policy, name="vllm-load"):
         self, request: RouteRequest, candidates: Sequence[str], view: LoadView
     ) -> str | None:
         qw, rw = self.queued_weight, self.running_weight
-        return self._least(candidates, lambda c: vllm_score(view.load(c), qw, rw))
+        return self._least(candidates, lambda c: vllm_score(view.load(c), qw, rw),
+                           request)

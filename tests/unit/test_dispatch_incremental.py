@@ -204,13 +204,14 @@ def test_incremental_dispatcher_decides_as_a_full_rescan(
 
 def test_a_pump_with_nothing_changed_asks_the_policy_nothing() -> None:
     """The point of the memos: a queue blocked on busy replicas costs no policy calls
-    until something it depends on changes."""
+    until something it depends on changes. Replica "a" could take a request holding its
+    prefix there (one waiting, ``prefer_queue`` 2), so each request needs a look."""
     d = Dispatcher(build_policy("prefix-tree", rng=random.Random(1)), PushMode.SP_P,
-                   prefer_queue=1)
+                   prefer_queue=2)
     d.set_targets({"a": ("m",), "b": ("m",)})
-    for tid in ("a", "b"):
-        d.on_probe(tid, 0.0, waiting=2, running=4, kv_usage=0.5, kv_capacity_tokens=10_000,
-                   max_num_seqs=4)
+    for tid, waiting in (("a", 1), ("b", 2)):
+        d.on_probe(tid, 0.0, waiting=waiting, running=4, kv_usage=0.5,
+                   kv_capacity_tokens=10_000, max_num_seqs=4)
     for i in range(5):
         d.offer(Ticket(RouteRequest(f"r{i}", model="m", prompt_len=10,
                                     prefix_keys=(1, 2, 3 + i)), 0.0), 0.0)
@@ -246,11 +247,11 @@ def test_an_arrival_behind_the_window_leaves_a_quiet_queue_quiet() -> None:
     """A blocked queue longer than the window: the pump at each arrival behind it reads
     the head only (the quiet record stands), while one inside the window is looked at."""
     d = Dispatcher(build_policy("prefix-tree", rng=random.Random(1)), PushMode.SP_P,
-                   prefer_queue=1, window=4)
+                   prefer_queue=2, window=4)
     d.set_targets({"a": ("m",), "b": ("m",)})
-    for tid in ("a", "b"):
-        d.on_probe(tid, 0.0, waiting=2, running=4, kv_usage=0.5, kv_capacity_tokens=10_000,
-                   max_num_seqs=4)
+    for tid, waiting in (("a", 1), ("b", 2)):  # "a" may take a request for its prefix
+        d.on_probe(tid, 0.0, waiting=waiting, running=4, kv_usage=0.5,
+                   kv_capacity_tokens=10_000, max_num_seqs=4)
 
     def ticket(i: int) -> Ticket:
         return Ticket(RouteRequest(f"r{i}", model="m", prompt_len=10,

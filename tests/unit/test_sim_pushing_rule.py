@@ -42,20 +42,24 @@ def test_by_default_the_rule_is_on_with_the_schedulers_queue(scheduler: str) -> 
     assert DEFAULT_PREFER_QUEUE[scheduler] > 0
 
 
-def _run(tmp: Path, name: str, *extra: str) -> dict[str, object]:
+def _run(tmp: Path, name: str, *extra: str, duration_s: int = 20) -> dict[str, object]:
     out = tmp / f"{name}.json"
     rc = cli_main(["sim", "--workload", "tot-skylb", "--regions", "us", "--replicas", "4",
-                   "--policy", "prefix-tree", "--push-mode", "sp-p", "--duration", "20",
-                   "--json", str(out), *extra])
+                   "--policy", "prefix-tree", "--push-mode", "sp-p",
+                   "--duration", str(duration_s), "--json", str(out), *extra])
     assert rc == 0
     return json.loads(out.read_text())
 
 
 def test_the_default_rule_queues_less_at_the_balancer_than_strict_sp_p(tmp_path: Path
                                                                         ) -> None:
-    strict = _run(tmp_path, "strict", "--prefer-queue", "0", "--hold-queue-max", "none")
-    rule = _run(tmp_path, "rule")
-    assert rule["completed"] == strict["completed"]  # same clients, nothing lost
+    # A minute: over the first 20 s both queue alike behind the opening burst.
+    strict = _run(tmp_path, "strict", "--prefer-queue", "0", "--hold-queue-max", "none",
+                  duration_s=60)
+    rule = _run(tmp_path, "rule", duration_s=60)
+    # Same clients, nothing lost: in a fixed window the closed loop completes about as
+    # many (the last few requests in flight at the end are luck of the tie-breaks).
+    assert rule["completed"] >= 0.99 * strict["completed"]  # type: ignore[operator]
     assert rule["max_balancer_queue"] < strict["max_balancer_queue"]  # type: ignore[operator]
 
 

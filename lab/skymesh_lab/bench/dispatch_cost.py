@@ -21,7 +21,14 @@ Workload
 
 Modes
     ``round-robin`` + ``bp`` (the cheapest), ``prefix-tree`` + ``sp-p`` (the default),
-    ``least-load`` + ``sp-p``. Runs are interleaved, ``--repeat`` times (default 3); each
+    ``least-load`` + ``sp-p``. The same three at ``@stubs``: the live benchmark's shape
+    (``dispatch_cost_live``): 2 replicas that publish neither ``max_num_seqs`` nor a KV
+    capacity (so sp-p gives each one request until its first byte, and up to
+    ``prefer_queue`` 3 to the one holding the prompt's prefix), 64 clients each sending one
+    of 16 shared 2,000-character prompts with a short question of its own, answers at once
+    (first byte after 0.3 ms, the end after 0.6 ms), with ``prefix-tree`` + ``bp`` in place
+    of ``least-load`` to show what sp-p's queue adds. Runs are interleaved, ``--repeat``
+    times (default 3); each
     figure is the median, with the spread (min-max). Each run also prints a digest of its
     decisions (request, replica, in order): two versions of the dispatcher that decide the
     same give the same digest.
@@ -66,7 +73,13 @@ prompt_keys = getattr(_keys, "prompt_keys", text_prefix_keys)
 
 MODES: tuple[tuple[str, str], ...] = (
     ("round-robin", "bp"), ("prefix-tree", "sp-p"), ("least-load", "sp-p"))
-MODE_NAMES = tuple(f"{p}+{m}" for p, m in MODES)
+STUB_MODES: tuple[tuple[str, str], ...] = (
+    ("round-robin", "bp"), ("prefix-tree", "sp-p"), ("prefix-tree", "bp"))
+STUBS = "@stubs"
+MODE_NAMES = (tuple(f"{p}+{m}" for p, m in MODES)
+              + tuple(f"{p}+{m}{STUBS}" for p, m in STUB_MODES))
+STUB_REPLICAS, STUB_CLIENTS, STUB_PROMPTS, STUB_PROMPT_CHARS = 2, 64, 16, 2000
+STUB_METRICS_LAG_S = 1.0  # a vllm-kind replica's default (the live balancer's config)
 REPLICAS = 8
 SEQS = 8
 PREFER_QUEUE = 3
@@ -104,15 +117,17 @@ class _Client:
 class Bench:
     """One run: ``requests`` completions of one (policy, mode), timed per call."""
 
-    def __init__(self, policy: str, mode: str, *, clients: int, seed: int) -> None:
+    def __init__(self, policy: str, mode: str, *, clients: int, seed: int,
+                 replicas: int = REPLICAS, systems: int = SYSTEMS,
+                 system_chars: int = SYSTEM_CHARS) -> None:
         self.rng = random.Random(seed)
         self.policy = build_policy(policy, rng=random.Random(seed))
         self.d = Dispatcher(self.policy, PushMode(mode), prefer_queue=PREFER_QUEUE,
                             hold_queue_max=48)
-        self.replicas = {f"r{i}": _Replica(f"r{i}") for i in range(REPLICAS)}
+        self.replicas = {f"r{i}": _Replica(f"r{i}") for i in range(replicas)}
         self.d.set_targets({rid: ("m",) for rid in self.replicas})
         self.keys = self.policy.uses_prefix_keys
-        self.systems = [_text(self.rng, SYSTEM_CHARS) for _ in range(SYSTEMS)]
+        self.systems = [_text(self.rng, system_chars) for _ in range(systems)]
         self.clients = [_Client() for _ in range(clients)]
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = 0
@@ -234,6 +249,36 @@ class Bench:
                 "requests": self.completed, "digest": self.digest.hexdigest()[:16]}
 
 
+class StubBench(Bench):
+    """The live benchmark's shape (module docstring, ``@stubs``)."""
+
+    def __init__(self, policy: str, mode: str, *, seed: int) -> None:
+        super().__init__(policy, mode, clients=STUB_CLIENTS, seed=seed,
+                         replicas=STUB_REPLICAS, systems=STUB_PROMPTS,
+                         system_chars=STUB_PROMPT_CHARS)
+
+    def _probe(self, rep: _Replica) -> list[Ticket]:
+        self.d.on_probe(rep.id, self.now, 0, len(rep.running), 0.0, None,
+                        metrics_lag_s=STUB_METRICS_LAG_S, prefer_queue=PREFER_QUEUE)
+        return self._pump()
+
+    def _sent(self, tickets: list[Ticket]) -> None:
+        for t in tickets:
+            target = t.target or ""
+            self.digest.update(f"{t.route.request_id}>{target};".encode())
+            self.replicas[target].running.add(t.key)
+            self.at(self.now + 0.0003, "first", t)
+            self.at(self.now + 0.0006, "done", t)
+
+    def _issue(self, ci: int) -> None:
+        self.requests += 1
+        prompt = (self.rng.choice(self.systems)
+                  + f"\nuser: question {ci}-{self.requests}")
+        rid = f"c{ci}q{self.requests}"
+        self._sent(self.timed(self._arrive, rid, prompt))
+        self._inflight[rid] = (ci, _Node(prompt, f"stub answer {self.requests}"))
+
+
 def _noop() -> None:
     return None
 
@@ -260,6 +305,8 @@ def run_modes(requests: int, clients: int, seed: int) -> dict[str, dict[str, Any
     out = {}
     for policy, mode in MODES:
         out[f"{policy}+{mode}"] = Bench(policy, mode, clients=clients, seed=seed).run(requests)
+    for policy, mode in STUB_MODES:
+        out[f"{policy}+{mode}{STUBS}"] = StubBench(policy, mode, seed=seed).run(requests)
     return out
 
 
@@ -290,12 +337,15 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
                        "min": round(min(vals), 1), "max": round(max(vals), 1),
                        "digest": runs[0][name]["digest"],
                        "digests_agree": len({r[name]["digest"] for r in runs}) == 1}
-    rr = modes["round-robin+bp"]["us_per_request"]
+    def ratio(suffix: str) -> float:
+        return round(modes[f"prefix-tree+sp-p{suffix}"]["us_per_request"]
+                     / modes[f"round-robin+bp{suffix}"]["us_per_request"], 2)
+
     return {"modes": modes,
             "timer_overhead_ns": round(statistics.median(
                 r["timer_overhead_ns"] for r in runs)),
-            "default_over_round_robin": round(modes["prefix-tree+sp-p"]["us_per_request"]
-                                              / rr, 2)}
+            "default_over_round_robin": ratio(""),
+            "stubs_default_over_round_robin": ratio(STUBS)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,7 +386,10 @@ def _measure(args: argparse.Namespace, base_dir: str | None) -> int:
     doc: dict[str, Any] = {
         "setup": {"requests": args.requests, "clients": args.clients, "seed": args.seed,
                   "repeat": args.repeat, "replicas": REPLICAS, "max_num_seqs": SEQS,
-                  "prefer_queue": PREFER_QUEUE, "cpus": os.cpu_count()},
+                  "prefer_queue": PREFER_QUEUE, "cpus": os.cpu_count(),
+                  "stubs": {"replicas": STUB_REPLICAS, "clients": STUB_CLIENTS,
+                            "prompts": STUB_PROMPTS, "prompt_chars": STUB_PROMPT_CHARS,
+                            "metrics_lag_s": STUB_METRICS_LAG_S}},
         "current": summarise(cur)}
     if base:
         doc["base"] = summarise(base)

@@ -12,7 +12,9 @@ from typing import Any
 LIVE = "dispatch-cost-live"  # the attached live run (results_pages.Source.attach)
 DEFAULT = "prefix-tree+sp-p"
 BASELINE = "round-robin+bp"
-ORDER = (BASELINE, DEFAULT, "least-load+sp-p")
+STUBS = "@stubs"  # the live benchmark's shape (dispatch_cost.StubBench)
+ORDER = (BASELINE, DEFAULT, "least-load+sp-p", BASELINE + STUBS, DEFAULT + STUBS,
+         "prefix-tree+bp" + STUBS)
 
 
 def _row(name: str, cur: dict[str, Any], base: dict[str, Any] | None,
@@ -36,20 +38,41 @@ def dispatch_cost(doc: dict[str, Any]) -> str:
     for name in sorted(cur["modes"], key=lambda n: ORDER.index(n) if n in ORDER else 9):
         out.append(_row(name, cur, base, (doc.get("speedup") or {}).get(name),
                         (doc.get("same_decisions") or {}).get(name)))
-    def extra(d: dict[str, Any]) -> str:
+    def extra(d: dict[str, Any], suffix: str = "") -> str:
         m = d["modes"]
-        return f"{m[DEFAULT]['us_per_request'] - m[BASELINE]['us_per_request']:.0f} us"
+        more = m[DEFAULT + suffix]["us_per_request"] - m[BASELINE + suffix]["us_per_request"]
+        return f"{more:.0f} us"
 
     ratio = (f"The default ({DEFAULT}) costs **{cur['default_over_round_robin']:g}x** "
              f"{BASELINE} per request now, {extra(cur)} more")
     if base:
         ratio += (f"; {base['default_over_round_robin']:g}x, {extra(base)} more, at "
                   f"`{label}`")
+    stubs = cur.get("stubs_default_over_round_robin")
+    if stubs is not None:
+        ratio += (f". In the live benchmark's shape ({STUBS}) it costs **{stubs:g}x** "
+                  f"now, {extra(cur, STUBS)} more")
+        if base and base.get("stubs_default_over_round_robin") is not None:
+            ratio += (f"; {base['stubs_default_over_round_robin']:g}x, "
+                      f"{extra(base, STUBS)} more, at `{label}`")
+    differ = [n for n, same in (doc.get("same_decisions") or {}).items() if not same]
     notes = [
         "\n".join(out),
         ratio + " (both measured in the same run). The daemon's own per-request work "
         "(HTTP, JSON, logging, the upstream call) comes on top of these figures and is the "
         "same for every mode, so the ratio of whole-daemon CPU per request is smaller.",
+    ]
+    if differ:
+        notes.append(
+            f"Decisions differ from `{label}` for {', '.join(differ)}, on purpose: a "
+            "request's ties between equally good replicas now break by a key of its own, "
+            "set when it is queued (`RouteRequest.tie`: its id hashed with a salt drawn "
+            "once from the policy's RNG), not by a fresh draw at each ask, so a re-asked "
+            "policy answers as before and the dispatcher may skip the ask. Ties break "
+            "differently, so the sequence of decisions does; the simulator pages that "
+            "depend on these policies were rerun with it (quality within noise: see each "
+            "page).")
+    notes += [
         f"Setup: {setup['replicas']} replicas of {setup['max_num_seqs']} slots "
         f"(`max_num_seqs`, sp-p's `prefer_queue` {setup['prefer_queue']}), "
         f"{setup['clients']} closed-loop tree-of-thoughts clients, {setup['requests']:,} "
@@ -57,9 +80,34 @@ def dispatch_cost(doc: dict[str, Any]) -> str:
         f"seed {setup['seed']}. \"Same decisions\": the digest of every (request, replica) "
         "decision in order is equal in both versions.",
     ]
+    st = setup.get("stubs")
+    if st is not None:
+        notes.append(
+            f"{STUBS}: the live section's shape: {st['replicas']} replicas that publish "
+            "neither `max_num_seqs` nor a KV capacity (sp-p gives each one request until "
+            "its first byte, a few more to the one holding the prompt's prefix, "
+            f"`prefer_queue`; metrics lag {st['metrics_lag_s']:g} s), {st['clients']} "
+            f"clients each sending one of {st['prompts']} shared "
+            f"{st['prompt_chars']:,}-character prompts with a short question of its own, "
+            "answered at once; prefix-tree with blind pushing shows what sp-p's standing "
+            "queue adds. Here a replica is refilled as soon as it frees, so most pumps "
+            "find no replica that could take a request and ask nothing; with free slots "
+            "(the rows above) a pump usually has a replica to offer, and the policy is "
+            "asked about the requests whose answers changed, as before.")
     live = doc.get(LIVE)
     if live is not None:
         notes.append(live_section(live))
+        cur_live = live["versions"].get("current")
+        if cur_live is not None and stubs is not None:
+            c = cur_live["configs"]
+            gap = c["default"]["median"] - c["rr"]["median"]
+            notes.append(
+                f"Of the live gap now ({gap:.0f} us per request between the medians), the "
+                f"decision core accounts for about {extra(cur, STUBS)} (the {STUBS} rows, "
+                "prefix keys and trie included); the rest is the daemon's own work around "
+                "a request that waits in the queue (its dispatch awaited, more event-loop "
+                "passes per request while few are in flight to each replica) and the "
+                "chat prompt's rendering on the request path.")
     return "\n\n".join(notes)
 
 
@@ -96,17 +144,17 @@ def live_section(live: dict[str, Any]) -> str:
         "sp-p gives each replica one request until its first byte (a few more to the "
         "replica holding the prompt's prefix, `prefer_queue`) and a queue stands at the "
         "balancer, which round-robin never has. Beyond rr, the default hashes the "
-        "prompt's keys (once per distinct keyed text), re-asks the policy at each pump "
-        "(an arrival, a first byte, a completion) about the requests in the queue's "
-        "window whose last answer drew a tie or read a load that changed since, and "
-        "inserts into the trie at dispatch and again with the reply (the "
-        "queue is searched for stranded requests only while a queued model has no healthy "
-        "replica here or a breaker is open). Where two replicas hold a prompt's prefix "
-        "with equal loads, each re-ask breaks the tie with the seeded RNG: those asks "
-        "cannot be skipped without changing the decisions (even when no replica could "
-        "take the request whatever the answer, the draw moves the RNG on), and how often "
-        "the trie ends up with both is luck of the segment, the main spread of the "
-        "default's figure. Measured "
+        "prompt's keys (once per distinct keyed text), inserts into the trie at dispatch "
+        "and again with the reply, and at each pump (an arrival, a first byte, a "
+        "completion) where some replica can take a request re-asks the policy about the "
+        "requests in the queue's window whose last answer read a load or a trie record "
+        "that changed since, in queue order until one goes; a pump where no replica is "
+        "available and none may take a request holding its prefix there (most of them: "
+        "the replicas are refilled as soon as they free) asks nothing. A tie between two "
+        "replicas holding a prompt's prefix breaks by the request's own key, set once, "
+        "so it no longer forces a re-ask (the queue is searched for stranded requests "
+        "only while a queued model has no healthy replica here or a breaker is open). "
+        "Measured "
         f"{setup['date']} on {setup['cpus']} CPUs shared with other jobs (load average "
         f"{setup['load_average_1m_at_start']:g} at start), commit `{setup['commit']}`; "
         "per-round ratios spread widely on the loaded machine, so the median is the "

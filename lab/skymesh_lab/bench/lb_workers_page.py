@@ -92,7 +92,11 @@ def lb_workers(doc: dict[str, Any]) -> str:
         locality_table(doc), "",
         "In the simulator (`skymesh sim --region-local --workers N`): 4 replicas, 120 s per "
         "run, prefix-tree with sp-p; \"trie shared: no\" is the counterfactual where each "
-        "worker learns only its own decisions.", "",
+        "worker learns only its own decisions. Its chat hit rate swings by several points "
+        "from seed to seed (a worker that has not seen a conversation breaks the tie "
+        "between idle replicas at random), and it moved by as much when ties began to "
+        "break by a key fixed per request (`RouteRequest.tie`); the shared arms, which "
+        "the balancer runs, stayed where they were.", "",
         simulator_table(doc), "",
         "## Throughput and CPU", "",
         f"wrk, {s['connections']} connections, {s['duration_s']:g} s per run, non-streamed "

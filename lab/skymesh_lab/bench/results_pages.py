@@ -83,7 +83,13 @@ SOURCES: tuple[Source, ...] = (
            "outstanding-request cap (sp-o) and selective pushing on pending requests (sp-p, "
            "SkyLB's strict rule: `prefer_queue` 0, no `hold_queue_max`; SkyMesh's default "
            "adds a queue for the prefix's replica: [the pushing rule](pushing-rule.md)), "
-           "at SkyLB's 30 clients and at an overloaded 120.",
+           "at SkyLB's 30 clients and at an overloaded 120. One seed: at 120 clients the "
+           "figures move by several percent with the seed alone, and so they did when "
+           "ties between replicas began to break by a key fixed per request "
+           "(`RouteRequest.tie`, [the cost of a decision]"
+           "(../policies.md#the-cost-of-a-decision)), which changes the order of the "
+           "decisions as a new seed would; SP-P against BP there is a few percent either "
+           "way from seed to seed.",
            (".venv/bin/skymesh", "bench", "sp-microbench", "--mode", "sim", "--json", "{json}"),
            tables.sp_microbench),
     Source("diurnal-cost", "Cost: replicas the mesh needs to match region-local serving",
@@ -125,7 +131,10 @@ SOURCES: tuple[Source, ...] = (
            "balancer in the US with round robin, least load, consistent hashing or "
            "sglang's cache-aware policy (`single-*`), region-local, the mesh with "
            "consistent hashing, the prefix tree or LMETRIC (`skymesh-*`), and an oracle "
-           "that reads every replica's cache.",
+           "that reads every replica's cache. One seed per run: since ties between "
+           "replicas break by a key fixed per request (`RouteRequest.tie`), the "
+           "decisions differ from earlier runs as with another seed, and the figures "
+           "moved within a few percent.",
            (".venv/bin/skymesh", "bench", "skylb-macro", "--mode", "sim", "--quick",
             "--json", "{json}"),
            tables.skylb_macro_runs),
@@ -277,7 +286,11 @@ SOURCES: tuple[Source, ...] = (
            "no hold while the balancer's queue is long, `hold_queue_max`) in the simulator, "
            "on vLLM's and SGLang's scheduler, in SkyLB's SP microbenchmark (tot-skylb, "
            "tot-gsm8k) and its Figure 8 mesh setup (mixed tree, chat), with where each "
-           "system's requests waited. See [the pushing section](../policies.md).",
+           "system's requests waited. See [the pushing section](../policies.md). Ties "
+           "between equally good replicas break by a key fixed per request "
+           "(`RouteRequest.tie`, the same in every system's run of a seed): against the "
+           "runs that drew ties at each ask, the figures moved within their intervals and "
+           "the verdicts stand.",
            (".venv/bin/python", "-m", "skymesh_lab.bench.rule_grid", "--jobs", "2",
             "--seeds", "23,24,25,26,27,28,29,30", "--prefer-queue", "vllm=3,sglang=8",
             "--hold-queue-max", "48", "--json", "{json}"),
@@ -361,7 +374,7 @@ SOURCES: tuple[Source, ...] = (
            "the last section is the whole daemon's CPU, live. See [the cost of a "
            "decision](../policies.md#the-cost-of-a-decision).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.dispatch_cost", "--base",
-            "7ed796e", "--json", "{json}"),
+            "276d90f", "--json", "{json}"),
            dispatch_cost_page.dispatch_cost, attach=(dispatch_cost_page.LIVE,)),
     Source("access-log-cost", "What the access log costs a request (issue #35 item 3)",
            "Process CPU per request of skymesh-lb (one worker, round-robin, `bp`) in front "
