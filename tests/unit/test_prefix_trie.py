@@ -343,3 +343,20 @@ def test_text_keys_take_a_lone_surrogate_as_one_character() -> None:
     odd = "a" * 63 + "\ud800" + "b" * 64
     assert len(text_prefix_keys(odd, chunk_chars=64)) == 2
     assert text_prefix_keys(odd, chunk_chars=64)[0] != text_prefix_keys(plain, chunk_chars=64)[0]
+
+
+def test_leaves_share_one_empty_children_set() -> None:
+    # A full trie is mostly leaves: an empty set of their own each was about a quarter
+    # of its memory (docs/notes/memory-1m.md).
+    from skymesh.prefix import trie as trie_mod
+
+    t = trie_mod.PrefixTrie(max_nodes=1_000)
+    for i in range(50):
+        t.insert([1, 2, 100 + i], "a" if i % 2 else "b")
+    leaves = [s for s in t._segments if not s.children]
+    assert len(leaves) >= 50
+    assert all(s.children is trie_mod._NO_CHILDREN for s in leaves)
+    t.insert([1, 2, 100, 7], "a")  # a leaf that gains a child gets a set of its own
+    parents = [s for s in t._segments if s.children]
+    assert parents and all(s.children is not trie_mod._NO_CHILDREN for s in parents)
+    assert not trie_mod._NO_CHILDREN
