@@ -425,6 +425,7 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
     """One arm on a live balancer: TTFTs of the interactive tenant (streamed), first-byte
     and end times of the batch tenant's requests."""
     rng = random.Random(seed)
+    load_at_start = os.getloadavg()[0]  # the machine is shared: how busy it was
     reps = await start_replicas(workdir, 2, time_scale=LIVE_TIME_SCALE, name=f"{arm}-rep",
                                 extra=["--max-num-seqs", str(SEQS)])
     overrides: dict[str, Any] = {"pushing": {"mode": "sp-p"},
@@ -510,7 +511,8 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
         "batch_tokens_per_s": tokens / max(ends) if ends else None,
         "interactive_last_arrival_s": last,
         "batch_tokens_per_s_while_interactive": (
-            600 * sum(e <= last for e in ends) / last if ends and last else None)}
+            600 * sum(e <= last for e in ends) / last if ends and last else None),
+        "load_average_1m": (load_at_start + os.getloadavg()[0]) / 2}
     if arm in HEADROOMS:
         out["reserve_headroom"] = HEADROOMS[arm]
     if ends:

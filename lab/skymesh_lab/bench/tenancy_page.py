@@ -53,7 +53,7 @@ def _idle_share(rs: list[dict[str, Any]], setup: dict[str, Any]) -> float | None
 def _label(arm: str, rs: list[dict[str, Any]]) -> str:
     """An arm's name on the page; the default reserve with another headroom by its value."""
     h = rs[0].get("reserve_headroom") if rs else None
-    return ARMS.get(arm) or (f"the same, `reserve_headroom` {h:g}" if h is not None else arm)
+    return ARMS.get(arm) or (f"the same, `reserve_headroom` {h}" if h is not None else arm)
 
 
 def _arms(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -209,7 +209,7 @@ def _phases(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
     hold and after, the share of the batch run the reserve could hold, and the releases
     it held back."""
     out = []
-    arms = _by(rows, "arm")
+    arms = _arms(rows)
 
     def ph(rs: list[dict[str, Any]], phase: str, key: str) -> float | None:
         xs = [r[phase][key] for r in rs if r.get(phase)]
@@ -218,7 +218,7 @@ def _phases(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
     for arm, rs in arms.items():
         if arm == "no_flood" or not any(r.get("paced_phase") for r in rs):
             continue
-        out.append([ARMS.get(arm, arm), str(len(rs)),
+        out.append([_label(arm, rs), str(len(rs)),
                     num(ph(rs, "paced_phase", "batch_starts_per_s_per_replica"), ".2f"),
                     num(ph(rs, "paced_phase", "running_per_replica"), ".1f"),
                     num(ph(rs, "after_phase", "batch_starts_per_s_per_replica"), ".2f"),
@@ -266,12 +266,12 @@ def _phase_notes(arms: dict[str, list[dict[str, Any]]], ph: Any) -> list[str]:
     after = [ph(rs, "after_phase", "batch_starts_per_s_per_replica")
              for rs in (paced, fcfs, fair)]
     if None not in after:
-        a_s, a_f, a_q = after
+        t_r, t_f, t_q = after
         # Runs differ by some hundredths of a start per second: a tenth is a difference.
-        cost = "does not slow it" if a_s >= 0.9 * min(a_f, a_q) else "slows it"
-        out.append(f"- After pacing's window the default reserve starts {a_s:.2f} batch "
-                   f"requests per second per replica, first come first served {a_f:.2f}, "
-                   f"the fair queue alone {a_q:.2f}: the run's tail, where the reserve "
+        cost = "does not slow it" if t_r >= 0.9 * min(t_f, t_q) else "slows it"
+        out.append(f"- After pacing's window the default reserve starts {t_r:.2f} batch "
+                   f"requests per second per replica, first come first served {t_f:.2f}, "
+                   f"the fair queue alone {t_q:.2f}: the run's tail, where the reserve "
                    f"keeps a slot per replica free until `reserve_idle_s`, {cost}; the "
                    "batch tenant's loss is made while the interactive tenant sends.")
     return [f"- While pacing may hold, the default reserve starts {s_p:.2f} batch requests "
@@ -318,7 +318,7 @@ def _spread(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
     for arm, rs in _arms(rows).items():
         if arm in ("no_flood", "fcfs"):
             continue
-        tps, p50, met = [], [], 0
+        tps, p50, load, met = [], [], [], 0
         for r in sorted(rs, key=lambda r: r.get("seed", 0)):
             fcfs, base = by_seed.get((r.get("seed"), "fcfs")), by_seed.get((r.get("seed"),
                                                                              "no_flood"))
@@ -328,21 +328,24 @@ def _spread(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
                 continue
             tps.append(r["batch_tokens_per_s"] / fcfs["batch_tokens_per_s"])
             p50.append(r["ttft_p50_s"] / base["ttft_p50_s"])
+            load.append(num(r.get("load_average_1m"), ".0f"))
             met += tps[-1] >= share - 0.01 and p50[-1] <= 1.2
         if tps:
             out.append([_label(arm, rs), " / ".join(f"{x:.1%}" for x in tps),
                         f"{100 * (max(tps) - min(tps)):.1f} points",
                         " / ".join(f"{x:.2f}x" for x in p50),
-                        f"{met} of {len(tps)}"])
+                        f"{met} of {len(tps)}", " / ".join(load)])
     if not out:
         return []
     return [
         "Per run (each against the same run's first come first served and no flood): "
         "the batch tenant's throughput, the interactive TTFT p50, and the runs in which "
-        "both goals were met (batch within a point of the idle capacity, p50 within 20%).",
+        "both goals were met (batch within a point of the idle capacity, p50 within 20%); "
+        f"and the machine's load average during the arm (its {setup.get('live_cpus', '?')} "
+        "cores shared with other work; -: not recorded).",
         "", table(["arm", "batch tokens/s vs FCFS, per run", "spread",
-                   "interactive TTFT p50 vs no flood, per run", "both goals met"], out,
-                  [False, True, True, True, True]), ""]
+                   "interactive TTFT p50 vs no flood, per run", "both goals met",
+                   "load average, per run"], out, [False, True, True, True, True, True]), ""]
 
 
 def _runs(rows: list[dict[str, Any]]) -> str:
