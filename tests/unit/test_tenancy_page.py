@@ -169,3 +169,60 @@ def test_tail_engine_and_light_sections_render_from_their_rows() -> None:
     assert "Here the reserve covers 20% of it in the simulator and 50% live; its pacing " \
         "covers 13% of it in the simulator and 28% live." in page
     assert "### A light interactive tenant" in page and "at 0.5/s" in page
+
+
+def test_live_runs_are_judged_each_against_their_own_baselines() -> None:
+    """The spread across live runs: each reserve arm's batch throughput and p50 against
+    the same run's first come first served and no flood, and the runs meeting both goals;
+    an arm with another reserve_headroom is named by it; the idle capacity is said to be
+    computed alike, beside what the fair queue alone gets."""
+    setup = {**DOC["setup"], "interactive_request_tokens": 250, "batch_request_tokens": 600}
+
+    def run(arm: str, seed: int, p50: float, tps: float | None = None,
+            **kw: Any) -> dict[str, Any]:
+        r = _flood(arm, seed, p50, interactive_sent=60, **kw)
+        if arm != "no_flood":
+            r.update(batch_sent=200, batch_tokens_per_s=tps)
+        return r
+
+    live = [run("no_flood", 0, 0.10), run("no_flood", 1, 0.20),
+            run("fcfs", 0, 40.0, 2000.0), run("fcfs", 1, 40.0, 1000.0),
+            run("fair", 0, 1.0, 1900.0), run("fair", 1, 1.0, 950.0),
+            run("fair_reserve", 0, 0.11, 1800.0, load_average_1m=3.2),
+            run("fair_reserve", 1, 0.26, 850.0, load_average_1m=17.6),
+            run("fair_reserve_h1", 0, 0.11, 1700.0, reserve_headroom=1.0),
+            run("fair_reserve_h1", 1, 0.21, 880.0, reserve_headroom=1.0)]
+    page = tenancy({**DOC, "live": live, "setup": setup})
+    live_part = page[page.index("### Live"):]
+    # Idle capacity 200 x 600 / (200 x 600 + 60 x 250) = 88.9%: 90% meets it, 85% not.
+    assert _row(live_part, "flood, fair queue + slot reserve | 90.0% / 85.0%") == [
+        "flood, fair queue + slot reserve", "90.0% / 85.0%", "5.0 points", "1.10x / 1.30x",
+        "1 of 2", "3 / 18"]
+    assert _row(live_part, "the same, `reserve_headroom` 1.0 | 85.0% / 88.0%")[2:] == [
+        "3.0 points", "1.10x / 1.05x", "1 of 2", "- / -"]
+    assert "| the same, `reserve_headroom` 1.0 | 2 |" in live_part  # the arms' table too
+    assert "The idle capacity (88.9%) is computed alike in the simulator and live" \
+        in live_part
+    assert "The fair queue alone, which keeps no slot free, gets 95.0%" in live_part
+
+
+def test_live_phase_notes_say_whether_the_runs_tail_slows_the_batch_tenant() -> None:
+    def phased(arm: str, after: float, running: float = 14.0) -> dict[str, Any]:
+        return {**_flood(arm, 0, 0.15),
+                "paced_phase": {"batch_starts_per_s_per_replica": 1.3,
+                                "running_per_replica": 9.0},
+                "after_phase": {"batch_starts_per_s_per_replica": after,
+                                "running_per_replica": running}}
+
+    def page(after: float) -> str:
+        live = [_flood("no_flood", 0, 0.1), phased("fcfs", 1.7, 15.9), phased("fair", 1.6),
+                phased("fair_reserve", after), phased("fair_reserve_nopace", 1.75)]
+        return tenancy({**DOC, "live": live, "setup": DOC["setup"]})
+
+    assert "and 14.0 against 15.9 after" in page(1.7)
+
+    assert "After pacing's window the default reserve starts 1.70 batch requests per " \
+        "second per replica, first come first served 1.70, the fair queue alone 1.60: " \
+        "the run's tail, where the reserve keeps a slot per replica free until " \
+        "`reserve_idle_s`, does not slow it" in page(1.7)
+    assert "`reserve_idle_s`, slows it" in page(1.2)

@@ -415,8 +415,8 @@ SOURCES: tuple[Source, ...] = (
            "two tenants one sending 10x the other, each first come first "
            "served and through the fair queue; and the per-tenant request-rate buckets of "
            "two balancers on a fake clock. See [tenants](../tenancy.md).",
-           (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy", "--live", "--json",
-            "{json}"),
+           (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy", "--live", "--live-seeds",
+            "0,1,2,3", "--json", "{json}"),
            tenancy_page.tenancy),
     Source("tenancy-shares", "Tenants: a limit held by shares pushed from the controller",
            "The per-tenant buckets of three balancers in two regions on a fake clock, each "

@@ -98,8 +98,12 @@ FIXED = replace(RESERVE, fractions={"batch": DEFAULT_RESERVE}, adaptive=frozense
 # pacing, batch throughput against the interactive tail). None: no pacing.
 PACES: dict[str, int | None] = {"fair_reserve": RESERVE_PACE, "fair_reserve_pace2": 2,
                                 "fair_reserve_nopace": None}
-FLOOD_ARMS = ("no_flood", "fcfs", "fair", "fair_reserve", "fair_reserve_fixed",
-              "fair_reserve_pace2", "fair_reserve_nopace")
+# The default reserve with another reserve_headroom (the frontier of batch throughput
+# against the interactive TTFT).
+HEADROOMS: dict[str, float] = {"fair_reserve_h1": 1.0, "fair_reserve_h125": 1.25}
+FLOOD_ARMS: tuple[str, ...] = ("no_flood", "fcfs", "fair", "fair_reserve",
+                               "fair_reserve_fixed", "fair_reserve_pace2",
+                               "fair_reserve_nopace", *HEADROOMS)
 LIGHT_RATE = 0.5  # the interactive rate of the light arms
 LIGHT_ARMS = ("no_flood", "fcfs", "fair_reserve", "fair_reserve_fixed")
 TAIL_ARMS = ("fair_reserve", "fair_reserve_fixed")
@@ -151,6 +155,8 @@ class _WatchedQueue(FairQueue):
 def _reserve(arm: str) -> Reserve | None:
     if arm == "fair_reserve_fixed":
         return FIXED
+    if arm in HEADROOMS:
+        return replace(RESERVE, headroom=HEADROOMS[arm])
     if arm not in PACES:
         return None
     pace = PACES[arm]
@@ -300,6 +306,8 @@ def flood_run(seed: int, arm: str, rate: float = RATE) -> dict[str, Any]:
         "batch_tokens_per_s_while_interactive": (
             sum(r.item.prompt_len + r.item.output_len for r in done if r.t_done <= last)
             / last if done else None)}
+    if arm in HEADROOMS:
+        out["reserve_headroom"] = HEADROOMS[arm]
     if queue is not None:
         out["batch_longest_wait_s"] = queue.longest.get("batch", 0.0)
         out["batch_longest_unserved_s"] = queue.head.get("batch", 0.0)
@@ -404,6 +412,8 @@ def _tenants(arm: str) -> dict[str, Any]:
         out["reserve_window_s"] = FIXED_IDLE_S  # paced while it holds, as before
     elif arm in PACES:
         out["reserve_pace"] = PACES[arm] or 1 << 20
+    elif arm in HEADROOMS:
+        out["reserve_headroom"] = HEADROOMS[arm]
     return out
 
 
@@ -415,6 +425,7 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
     """One arm on a live balancer: TTFTs of the interactive tenant (streamed), first-byte
     and end times of the batch tenant's requests."""
     rng = random.Random(seed)
+    load_at_start = os.getloadavg()[0]  # the machine is shared: how busy it was
     reps = await start_replicas(workdir, 2, time_scale=LIVE_TIME_SCALE, name=f"{arm}-rep",
                                 extra=["--max-num-seqs", str(SEQS)])
     overrides: dict[str, Any] = {"pushing": {"mode": "sp-p"},
@@ -500,7 +511,10 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
         "batch_tokens_per_s": tokens / max(ends) if ends else None,
         "interactive_last_arrival_s": last,
         "batch_tokens_per_s_while_interactive": (
-            600 * sum(e <= last for e in ends) / last if ends and last else None)}
+            600 * sum(e <= last for e in ends) / last if ends and last else None),
+        "load_average_1m": (load_at_start + os.getloadavg()[0]) / 2}
+    if arm in HEADROOMS:
+        out["reserve_headroom"] = HEADROOMS[arm]
     if ends:
         # The longest the batch class went without a request finishing, after its first
         # (what the client can see of it going unserved; its requests are not streamed).
@@ -560,12 +574,13 @@ def _live_phases(arm: str, samples: list[tuple[float, list[tuple[float, float]]]
             "reserve_held_total": held}
 
 
-async def live_flood(seeds: list[int]) -> list[dict[str, Any]]:
+async def live_flood(seeds: list[int], arms: tuple[str, ...] = FLOOD_ARMS
+                     ) -> list[dict[str, Any]]:
     """Every arm once per seed, the arms of a seed one after another (a repetition)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="tenancy-live-") as d:
-        return [await _live_arm(Path(d), arm, seed) for seed in seeds for arm in FLOOD_ARMS]
+        return [await _live_arm(Path(d), arm, seed) for seed in seeds for arm in arms]
 
 
 def share_run(seed: int, fair: bool) -> dict[str, Any]:
@@ -627,11 +642,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="the live repetitions' seeds (their interactive arrivals)")
     ap.add_argument("--live-only", action="store_true",
                     help="run only the live flood, into the existing --json file")
+    ap.add_argument("--live-arms", default=",".join(FLOOD_ARMS),
+                    help="the live arms to run (a trial; the results page wants them all)")
     args = ap.parse_args(argv)
     live_seeds = [int(x) for x in args.live_seeds.split(",")]
+    live_arms = tuple(args.live_arms.split(","))
+    if unknown := set(live_arms) - set(FLOOD_ARMS):
+        ap.error(f"--live-arms: no arm {', '.join(sorted(unknown))}")
     if args.live_only:
         doc = json.loads(args.json.read_text())
-        doc["live"] = asyncio.run(live_flood(live_seeds))
+        doc["live"] = asyncio.run(live_flood(live_seeds, live_arms))
         doc["setup"].update(_live_setup(live_seeds))
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         print(json.dumps(doc["live"], indent=1))
@@ -662,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
         "limits": [limit_run(s, spread) for s in seeds for spread in ("even", "one")],
     }
     if args.live:
-        doc["live"] = asyncio.run(live_flood(live_seeds))
+        doc["live"] = asyncio.run(live_flood(live_seeds, live_arms))
         doc["setup"].update(_live_setup(live_seeds))
     doc["wall_seconds"] = round(time.monotonic() - t0, 1)
     doc["date"] = datetime.now(UTC).strftime("%Y-%m-%d")

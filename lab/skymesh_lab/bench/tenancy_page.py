@@ -50,14 +50,24 @@ def _idle_share(rs: list[dict[str, Any]], setup: dict[str, Any]) -> float | None
     return float(sent_b * b_tok / (sent_b * b_tok + sent_i * i_tok))
 
 
+def _label(arm: str, rs: list[dict[str, Any]]) -> str:
+    """An arm's name on the page; the default reserve with another headroom by its value."""
+    h = rs[0].get("reserve_headroom") if rs else None
+    return ARMS.get(arm) or (f"the same, `reserve_headroom` {h}" if h is not None else arm)
+
+
+def _arms(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The rows by arm, in the page's order (the named arms first, then the others)."""
+    by = _by(rows, "arm")
+    return {a: by[a] for a in [*(a for a in ARMS if a in by), *(a for a in by if a not in ARMS)]}
+
+
 def _flood(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
-    arms = _by(rows, "arm")
+    arms = _arms(rows)
     fcfs = arms.get("fcfs", [])
     out = []
-    for arm, label in ARMS.items():
-        rs = arms.get(arm)
-        if not rs:
-            continue
+    for arm, rs in arms.items():
+        label = _label(arm, rs)
         out.append([label, str(len(rs)), num(_med(rs, "ttft_p50_s"), ".3f", suffix=" s"),
                     num(_med(rs, "ttft_p99_s"), ".3f", suffix=" s"),
                     f"{_med(rs, 'batch_completed'):.0f} / {_med(rs, 'batch_sent'):.0f}"
@@ -91,6 +101,14 @@ def _flood(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
                          f"{tps:.1%} of first come first served's, where the idle capacity "
                          f"is {share:.1%} of it (the run's tokens less the interactive "
                          f"tenant's; goal: all of it, within a point): {met}.")
+    share, alone = _idle_share(arms.get("fair", []), setup), _ratio(arms.get("fair", []), fcfs,
+                                                                     "batch_tokens_per_s")
+    if share is not None and alone is not None:
+        lines.append(f"- The idle capacity ({share:.1%}) is computed alike in the simulator "
+                     "and live, from the tokens sent (the interactive tenant's requests are "
+                     "a larger share of a shorter flood). The fair queue alone, which "
+                     f"keeps no slot free, gets {alone:.1%}: what a balancer that leaves "
+                     "no slot idle gives the batch tenant here.")
     bound = setup.get("max_wait_s", {}).get("batch")
     unserved = [x for a in GOAL_ARMS
                 if (x := _med(arms.get(a, []), "batch_longest_unserved_s")) is not None]
@@ -191,7 +209,7 @@ def _phases(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
     hold and after, the share of the batch run the reserve could hold, and the releases
     it held back."""
     out = []
-    arms = _by(rows, "arm")
+    arms = _arms(rows)
 
     def ph(rs: list[dict[str, Any]], phase: str, key: str) -> float | None:
         xs = [r[phase][key] for r in rs if r.get(phase)]
@@ -200,7 +218,7 @@ def _phases(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
     for arm, rs in arms.items():
         if arm == "no_flood" or not any(r.get("paced_phase") for r in rs):
             continue
-        out.append([ARMS.get(arm, arm), str(len(rs)),
+        out.append([_label(arm, rs), str(len(rs)),
                     num(ph(rs, "paced_phase", "batch_starts_per_s_per_replica"), ".2f"),
                     num(ph(rs, "paced_phase", "running_per_replica"), ".1f"),
                     num(ph(rs, "after_phase", "batch_starts_per_s_per_replica"), ".2f"),
@@ -229,8 +247,8 @@ def _phases(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
 def _phase_notes(arms: dict[str, list[dict[str, Any]]], ph: Any) -> list[str]:
     """What the phases say: pacing's cost (the default arm against no pacing) and what is
     left of the gap to first come first served (requests running per replica)."""
-    paced, nopace, fcfs = (arms.get(a, []) for a in ("fair_reserve", "fair_reserve_nopace",
-                                                     "fcfs"))
+    paced, nopace, fcfs, fair = (arms.get(a, []) for a in (
+        "fair_reserve", "fair_reserve_nopace", "fcfs", "fair"))
     got = [ph(rs, phase, key) for rs, phase, key in (
         (paced, "paced_phase", "batch_starts_per_s_per_replica"),
         (nopace, "paced_phase", "batch_starts_per_s_per_replica"),
@@ -244,12 +262,24 @@ def _phase_notes(arms: dict[str, list[dict[str, Any]]], ph: Any) -> list[str]:
     # Pacing is judged a cost when it starts a tenth fewer than no pacing (runs differ).
     why = ("not the pacing" if s_p >= 0.9 * s_n else
            "and the pacing, which starts fewer")
+    out = []
+    after = [ph(rs, "after_phase", "batch_starts_per_s_per_replica")
+             for rs in (paced, fcfs, fair)]
+    if None not in after:
+        t_r, t_f, t_q = after
+        # Runs differ by some hundredths of a start per second: a tenth is a difference.
+        cost = "does not slow it" if t_r >= 0.9 * min(t_f, t_q) else "slows it"
+        out.append(f"- After pacing's window the default reserve starts {t_r:.2f} batch "
+                   f"requests per second per replica, first come first served {t_f:.2f}, "
+                   f"the fair queue alone {t_q:.2f}: the run's tail, where the reserve "
+                   f"keeps a slot per replica free until `reserve_idle_s`, {cost}; the "
+                   "batch tenant's loss is made while the interactive tenant sends.")
     return [f"- While pacing may hold, the default reserve starts {s_p:.2f} batch requests "
             f"per second per replica, without pacing {s_n:.2f}; the requests running per "
             f"replica are {r_p:.1f} against first come first served's {r_f:.1f} then, and "
             f"{a_p:.1f} against {a_f:.1f} after: the slots the reserve keeps free (beside "
             "the interactive requests, and at least one per replica for as long as it holds), "
-            f"{why}."]
+            f"{why}.", *out]
 
 
 def _light(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
@@ -277,7 +307,45 @@ def _live(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
         "loopback and the balancer's own time, and varies by some tens of milliseconds "
         "between runs. Longest unserved: the longest gap between two batch completions as "
         "the client sees them (the batch requests are not streamed).", "",
-        *_flood(rows, setup), *_phases(rows, setup)]
+        *_flood(rows, setup), *_spread(rows, setup), *_phases(rows, setup)]
+
+
+def _spread(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
+    """Per reserve arm and live run, against the same run's first come first served and
+    no flood: how far the runs differ, and in how many both goals were met."""
+    by_seed = {(r.get("seed"), r["arm"]): r for r in rows}
+    out = []
+    for arm, rs in _arms(rows).items():
+        if arm in ("no_flood", "fcfs"):
+            continue
+        tps, p50, load, met = [], [], [], 0
+        for r in sorted(rs, key=lambda r: r.get("seed", 0)):
+            fcfs, base = by_seed.get((r.get("seed"), "fcfs")), by_seed.get((r.get("seed"),
+                                                                             "no_flood"))
+            share = _idle_share([r], setup)
+            if not (fcfs and base and fcfs.get("batch_tokens_per_s")
+                    and r.get("batch_tokens_per_s") and share is not None):
+                continue
+            tps.append(r["batch_tokens_per_s"] / fcfs["batch_tokens_per_s"])
+            p50.append(r["ttft_p50_s"] / base["ttft_p50_s"])
+            load.append(num(r.get("load_average_1m"), ".0f"))
+            met += tps[-1] >= share - 0.01 and p50[-1] <= 1.2
+        if tps:
+            out.append([_label(arm, rs), " / ".join(f"{x:.1%}" for x in tps),
+                        f"{100 * (max(tps) - min(tps)):.1f} points",
+                        " / ".join(f"{x:.2f}x" for x in p50),
+                        f"{met} of {len(tps)}", " / ".join(load)])
+    if not out:
+        return []
+    return [
+        "Per run (each against the same run's first come first served and no flood): "
+        "the batch tenant's throughput, the interactive TTFT p50, and the runs in which "
+        "both goals were met (batch within a point of the idle capacity, p50 within 20%); "
+        f"and the machine's load average during the arm (its {setup.get('live_cpus', '?')} "
+        "cores shared with other work; -: not recorded).",
+        "", table(["arm", "batch tokens/s vs FCFS, per run", "spread",
+                   "interactive TTFT p50 vs no flood, per run", "both goals met",
+                   "load average, per run"], out, [False, True, True, True, True, True]), ""]
 
 
 def _runs(rows: list[dict[str, Any]]) -> str:
@@ -359,9 +427,10 @@ def tenancy(doc: dict[str, Any]) -> str:
         "Medians over the seeds; batch tokens/s vs FCFS is the batch tenant's throughput "
         "against first come first served's, its "
         "share of the capacity the interactive tenant leaves, to its last request and "
-        "while the interactive tenant sends (to its last request's arrival). The last two "
+        "while the interactive tenant sends (to its last request's arrival). The last "
         "arms keep the default reserve and loosen its pacing (the trade-off of "
-        "`reserve_pace`).",
+        "`reserve_pace`) or change its `reserve_headroom` (the slots it keeps free while "
+        "the interactive tenant sends).",
         "", "### Simulator", "", *_flood(doc["flood"], s),
         *(_tail(doc["tail"], s) if doc.get("tail") else []),
         *(_live(doc["live"], s) if doc.get("live") else []),
