@@ -70,14 +70,17 @@ $(CHECKOV): requirements/checkov.lock
 # Two pytest-xdist workers, whole files each: ~11 instead of ~20 minutes of tests on the
 # two-core CI machine. TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
+# Type-checked in `make test` and `make lint`: the product's three packages and the lab.
+TYPED := skymesh controller/skymesh_controller replica/skymesh_replica lab/skymesh_lab
 test: install system-deps $(CHECKOV)
 	$(BIN)/ruff check .
+	$(BIN)/mypy $(TYPED)
 	CHECKOV=$(CHECKOV) $(BIN)/pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
 	  --durations=30
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy skymesh controller/skymesh_controller replica/skymesh_replica
+	$(BIN)/mypy $(TYPED)
 
 typecheck: lint
 

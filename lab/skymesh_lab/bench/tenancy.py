@@ -206,7 +206,7 @@ class _Trace:
                 return batch
 
             rep.submit = on_submit  # type: ignore[method-assign]
-            rep.engine.timed = on_timed
+            rep.engine.timed = on_timed  # type: ignore[method-assign]
         if queue is not None:
             pop = queue.pop
 
@@ -242,6 +242,7 @@ def _sim(arrivals: list[Arrival], classify: Any, arm: str, seed: int,
     sim = Simulation(cfg, _Arrivals(arrivals))
     lb = sim.balancers["us"]
     for rid, rep in lb.replicas.items() if seqs else ():
+        assert seqs is not None
         rep.profile = rep.engine.profile = replace(rep.profile, max_num_seqs=seqs)
         lb.dispatcher.targets[rid].load.max_num_seqs = seqs  # as a live engine publishes
     queue = None
@@ -650,11 +651,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(live_arms) - set(FLOOD_ARMS):
         ap.error(f"--live-arms: no arm {', '.join(sorted(unknown))}")
     if args.live_only:
-        doc = json.loads(args.json.read_text())
-        doc["live"] = asyncio.run(live_flood(live_seeds, live_arms))
-        doc["setup"].update(_live_setup(live_seeds))
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-        print(json.dumps(doc["live"], indent=1))
+        prior: dict[str, Any] = json.loads(args.json.read_text())
+        prior["live"] = asyncio.run(live_flood(live_seeds, live_arms))
+        prior["setup"].update(_live_setup(live_seeds))
+        args.json.write_text(json.dumps(prior, indent=2) + "\n")
+        print(json.dumps(prior["live"], indent=1))
         return 0
     seeds = [int(s) for s in args.seeds.split(",")]
     t0 = time.monotonic()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 from skymesh.balancer.batch_routing import DEFAULT_ROOM_PER_REPLICA
 from skymesh.balancer.dispatch import DEFAULT_HOLD_S, Dispatcher, Ticket
@@ -175,7 +176,7 @@ class SimReplica:
         if self.kv_view is not None:
             self.kv_view.publish(batch.duration / max(1, batch.num_steps))
         for ev in events:
-            self._on_event(self, ev.seq.payload, ev)
+            self._on_event(self, cast("RequestRecord", ev.seq.payload), ev)
         self._start_step()
 
 
