@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
 
-from skymesh.net.jsonbody import fast_usage
+from skymesh.net.jsonbody import NOT_DECODED, fast_usage
 from skymesh.obs.logs import (
     ACCESS_LOGGER,
     JsonFormatter,
@@ -95,7 +95,7 @@ class AccessRecord:
 
     __slots__ = ("client", "clock", "code", "disconnected", "end", "first_byte_at", "method",
                  "model", "path", "priority", "request_id", "served_by", "span", "start",
-                 "status", "tail", "tenant", "tracing", "via", "watched")
+                 "status", "tail", "tenant", "tracing", "usage", "via", "watched")
 
     def __init__(self, start: float, clock: Clock, tracing: Tracing | None,
                  request_id: str | None = None) -> None:
@@ -115,6 +115,9 @@ class AccessRecord:
         # A stream's last chunks (the usage event), made when its headers are prepared.
         self.tail: deque[bytes | bytearray | memoryview] | None = None
         self.span: Any = None
+        # The reply's top-level usage as the balancer decoded it (note_usage), so the line
+        # does not decode it again; NOT_DECODED: the line reads it from the body.
+        self.usage: Any = NOT_DECODED
         self.method = self.path = ""
         self.client: str | None = None
         self.end = start
@@ -161,6 +164,16 @@ def note(request: web.Request, *, model: str | None = None, served_by: str | Non
         rec.tenant, rec.priority = tenant, priority
 
 
+def note_usage(request: web.Request, usage: Any) -> None:
+    """Hand the record the ``usage`` member the balancer decoded from the whole reply it
+    answers with (``fast_usage`` of that body): the line takes its counts from it rather
+    than decoding the body a second time. A separate function from :func:`note`, whose
+    every call would otherwise pay for one more keyword."""
+    rec = _record_of(request)
+    if rec is not None:
+        rec.usage = usage
+
+
 def upstream_span(request: web.Request, target: str, *, attempt: int = 1,
                   peer: bool = False) -> contextlib.AbstractContextManager[Any]:
     """A CLIENT span for one attempt at ``target`` (child of the request's span), current
@@ -183,15 +196,17 @@ def _count_or_none(value: Any) -> bool:
     return value is None or (type(value) is int)  # not a bool, not a float: read as below
 
 
-def usage_tokens(body: bytes) -> tuple[int | None, int | None]:
+def usage_tokens(body: bytes, decoded: Any = NOT_DECODED) -> tuple[int | None, int | None]:
     """``(prompt_tokens, completion_tokens)`` of the last non-null OpenAI ``usage`` object
     in ``body`` (a JSON reply, or the tail of an SSE stream), else ``(None, None)``.
 
     Only the usage object is decoded, not the body: this runs once per request. A JSON
     reply's top-level ``usage`` is decoded alone by msgspec (when installed), at less
-    than half the cost of finding it in the bytes."""
+    than half the cost of finding it in the bytes; ``decoded``: that member when the
+    caller has it already (``fast_usage(body)``, :func:`note_usage`)."""
     if body[:1] == b"{":
-        usage = fast_usage(body)  # NOT_DECODED without msgspec or for no JSON: as below
+        # NOT_DECODED without msgspec or for no JSON: read as below
+        usage = fast_usage(body) if decoded is NOT_DECODED else decoded
         if isinstance(usage, dict):
             prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
             if _count_or_none(prompt) and _count_or_none(completion):
@@ -371,7 +386,8 @@ def record_fields(rec: AccessRecord, body: bytes | None) -> dict[str, Any]:
         fields["disconnected"] = True
     if rec.tenant is not None:
         fields["tenant"], fields["priority"] = rec.tenant, rec.priority
-    _fill_usage(fields, body)
+    if body is not None:
+        fields["prompt_tokens"], fields["completion_tokens"] = usage_tokens(body, rec.usage)
     return fields
 
 
@@ -521,7 +537,7 @@ class AccessWriter:
             stamp, head = cast(TextFormatter, fmt).asctime, f" INFO {name}: "
         for what, body, created in items:
             if type(what) is AccessRecord:  # the common case: no dict of fields
-                tokens = _NO_TOKENS if body is None else usage_tokens(body)
+                tokens = _NO_TOKENS if body is None else usage_tokens(body, what.usage)
                 if text:
                     append(f"{stamp(created)}{head}{_record_text(what, tokens)}{end}")
                 else:
@@ -602,15 +618,18 @@ def ms_text(seconds: float) -> str:
 
 def _record_text(rec: AccessRecord, tokens: tuple[int | None, int | None]) -> str:
     """:func:`_text` of :func:`record_fields`, straight from the record."""
-    start, first = rec.start, rec.first_byte_at
+    start, first, end = rec.start, rec.first_byte_at, rec.end
     prompt, completion = tokens
     if (first is not None and prompt is not None and completion is not None
             and rec.model is not None and rec.served_by is not None and rec.via is not None
             and rec.request_id is not None and rec.client is not None
             and not rec.disconnected and rec.tenant is None):  # served, with its usage
+        duration = ms_text(end - start)
+        # A whole body's first byte is its end (_finish): one decimal conversion, not two.
+        ttft = duration if first == end else ms_text(first - start)
         return (f"{rec.method} {rec.path} {rec.code} request_id={rec.request_id} "
                 f"model={rec.model} served_by={rec.served_by} via={rec.via} "
-                f"ttft_ms={ms_text(first - start)} duration_ms={ms_text(rec.end - start)} "
+                f"ttft_ms={ttft} duration_ms={duration} "
                 f"prompt_tokens={prompt} completion_tokens={completion} client={rec.client}")
     out = f"{rec.method} {rec.path} {rec.code}"
     if rec.request_id is not None:

@@ -20,10 +20,12 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from support import eventually, wait_for
 
+from skymesh.net.jsonbody import NOT_DECODED, fast_usage
 from skymesh.net.limits import ConnLimits
 from skymesh.net.serving import start_app
 from skymesh.obs.access import (
@@ -35,6 +37,7 @@ from skymesh.obs.access import (
     install,
     ms_text,
     note,
+    note_usage,
     upstream_span,
     usage_tokens,
 )
@@ -269,6 +272,33 @@ def usage_event(usage: Any) -> bytes:
 ])
 def test_usage_tokens(body: bytes, expected: tuple[int | None, int | None]) -> None:
     assert usage_tokens(body) == expected
+    # The balancer's own decode of the reply's usage, handed over: the same counts.
+    assert usage_tokens(body, fast_usage(body)) == expected
+
+
+def test_a_usage_the_balancer_noted_is_not_decoded_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The line takes a whole reply's counts from what the balancer decoded
+    (note_usage), not from a second decode of the body."""
+    from skymesh.obs import access
+
+    body = json.dumps({"usage": USAGE}).encode()
+    rec = finished(model="m", served_by="http://10.0.0.1:8000", via="replica")
+    request = make_mocked_request("POST", "/v1/chat/completions")
+    access._installed, installed = True, access._installed
+    try:
+        request[RECORD_KEY] = rec
+        note_usage(request, fast_usage(body))
+    finally:
+        access._installed = installed
+    decodes: list[bytes] = []
+    monkeypatch.setattr(access, "fast_usage", lambda raw: decodes.append(raw) or None)
+    fields = access.record_fields(rec, body)
+    assert (fields["prompt_tokens"], fields["completion_tokens"]) == (7, 3)
+    assert decodes == []
+    rec.usage = NOT_DECODED  # nothing noted (a stream, a peer's reply): the body is read
+    assert access.record_fields(rec, body)["prompt_tokens"] == 7
+    assert decodes == [body]
 
 
 @pytest.mark.parametrize("body", [
@@ -454,6 +484,9 @@ def test_lines_made_from_records_are_the_formatters_own(fmt: str) -> None:
         (finished(request_id=None, client=None), b'{"usage": null}'),
         (finished(code=499, first_byte_at=None, disconnected=True), None),
         (finished(served_by="peer-eu", via="peer", code=503), None),
+        # a whole body: its first byte leaves at its end (one decimal for both times)
+        (finished(model="m", served_by="http://10.0.0.1:8000", via="replica",
+                  first_byte_at=100.04025), body),
         (finished(model="m", served_by="http://10.0.0.1:8000", via="replica",
                   tenant="acme", priority="batch"), body),  # with tenants (docs/tenancy.md)
     ]
@@ -483,7 +516,8 @@ def test_lines_made_from_records_are_the_formatters_own(fmt: str) -> None:
             "prompt_tokens=7 completion_tokens=3 client=127.0.0.1")
         assert lines[3].endswith("POST /v1/chat/completions 499 request_id=r1 "
                                  "duration_ms=40.25 client=127.0.0.1 disconnected=True")
-        assert lines[5].endswith("client=127.0.0.1 tenant=acme priority=batch")
+        assert "ttft_ms=40.25 duration_ms=40.25 prompt_tokens=7" in lines[5]
+        assert lines[6].endswith("client=127.0.0.1 tenant=acme priority=batch")
 
 
 def test_the_writer_thread_is_named_for_top() -> None:
