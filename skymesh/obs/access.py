@@ -30,9 +30,12 @@ gathered in ``_LINGER_S``) straight from the records, and the writer's thread wr
 batch with one system call (:meth:`skymesh.obs.logs._Handler.write_lines`), so a slow log
 sink blocks the thread, not the loop. With handlers other than the daemons' own (a
 test's, an operator's), each line goes through ``logging`` in the thread instead. Past
-``MAX_BACKLOG`` waiting lines, or before the app starts and after it stops, lines are
-made on the loop one by one: a slow log sink slows requests down rather than growing
-memory. docs/operations-logs.md#cost says why the lines are made on the loop.
+``MAX_BACKLOG`` waiting lines a request's line is dropped and counted
+(``skymesh_access_log_dropped_total``; the thread logs a warning with the count when it
+writes again): a stuck log sink neither grows memory nor stops the loop, which would
+otherwise wait on the handler's lock the thread holds in its blocked write. Before the
+app starts and after it stops, lines are made on the loop one by one.
+docs/operations-logs.md#cost says why the lines are made on the loop.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from skymesh.net.jsonbody import NOT_DECODED, fast_usage
 from skymesh.obs.logs import (
@@ -78,8 +82,8 @@ _PLAIN_USAGE = re.compile(
     rb'\{"prompt_tokens":(0|[1-9]\d*),(?:"total_tokens":\d+,)?"completion_tokens":'
     rb'(0|[1-9]\d*)(?:,"total_tokens":\d+)?(?:,"prompt_tokens_details":null)?\}')
 _NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
-# Lines waiting for the writer thread before they are made on the loop instead (about
-# 1 KB each with a stream's tail: a few MB at most).
+# Lines waiting for the writer thread before new ones are dropped (about 1 KB each with
+# a stream's tail: a few MB at most).
 MAX_BACKLOG = 4096
 # Lines gather this long (or to BATCH of them) before they are made and written: one
 # write per batch rather than per line, and a thread wake-up per batch, not per request.
@@ -361,14 +365,28 @@ class _Access:
         self._write(rec, body)
 
     def _write(self, what: AccessRecord | dict[str, Any], body: bytes | None) -> None:
-        if self.writer is not None and not self.writer.put(what, body):
-            # A whole body is written after the middleware returns: the line (and the
-            # usage parse) waits for the next loop turn rather than delay the answer.
-            asyncio.get_running_loop().call_soon(self.writer.emit, what, body, time.time())
+        writer = self.writer
+        if writer is None or writer.put(what, body):
+            return
+        if writer.running:  # MAX_BACKLOG behind: a stuck or slow sink
+            writer.dropped += 1  # the thread reports it when it writes again
+            return
+        # A whole body is written after the middleware returns: the line (and the usage
+        # parse) waits for the next loop turn rather than delay the answer.
+        asyncio.get_running_loop().call_soon(writer.emit, what, body, time.time())
 
 
 # install()'s middleware object, for outside_chain().
 _ACCESS_KEY = web.AppKey("skymesh.obs.access", _Access)
+_log = logging.getLogger(__name__)
+
+
+def metrics(app: web.Application) -> AccessWriter | None:
+    """The Prometheus collector of ``app``'s access log (its dropped lines), for the
+    app's registry (:func:`skymesh.net.serving.start_app` registers it); None without
+    an access log."""
+    access = app.get(_ACCESS_KEY)
+    return None if access is None else access.writer
 
 
 def record_fields(rec: AccessRecord, body: bytes | None) -> dict[str, Any]:
@@ -420,6 +438,14 @@ class AccessWriter:
         self.pending: list[_Item] = []
         self._timer: asyncio.TimerHandle | None = None
         self._handler: _Handler | None = None  # where the batch's lines go
+        # Lines dropped while the thread was max_backlog behind (counted on the loop),
+        # and how many of them the thread has reported in a warning.
+        self.dropped = 0
+        self._reported = 0
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
 
     def start(self) -> None:
         if self._thread is None:
@@ -496,9 +522,28 @@ class AccessWriter:
             if stop:
                 entries.pop()
             self._write(entries)  # type: ignore[arg-type]
+            self._report_dropped()
             if stop:
                 return
             time.sleep(self.linger_s)
+
+    def _report_dropped(self) -> None:
+        """One warning for the lines dropped since the last one (in this thread: a
+        stuck sink blocks it here, not the loop)."""
+        dropped = self.dropped
+        if dropped != self._reported:
+            _log.warning("access log: %d line(s) dropped, the log sink was %d lines "
+                         "behind (skymesh_access_log_dropped_total)",
+                         dropped - self._reported, self.max_backlog)
+            self._reported = dropped
+
+    def collect(self) -> Iterator[Metric]:
+        """Prometheus: ``skymesh_access_log_dropped_total`` (see :func:`metrics`)."""
+        dropped = CounterMetricFamily(
+            "skymesh_access_log_dropped",
+            "Access log lines dropped because the log sink was too far behind")
+        dropped.add_metric([], self.dropped)
+        yield dropped
 
     def _write(self, entries: list[tuple[_Handler, str] | _Item]) -> None:
         texts: dict[_Handler, list[str]] = {}

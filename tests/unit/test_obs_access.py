@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import re
+import threading
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -29,10 +30,12 @@ from skymesh.net.jsonbody import NOT_DECODED, fast_usage
 from skymesh.net.limits import ConnLimits
 from skymesh.net.serving import start_app
 from skymesh.obs.access import (
+    _ACCESS_KEY,
     BATCH,
     RECORD_KEY,
     AccessRecord,
     AccessWriter,
+    _Access,
     inject_trace,
     install,
     ms_text,
@@ -596,3 +599,97 @@ def test_notes_on_an_app_without_the_access_log_do_nothing() -> None:
     with upstream_span(request, "http://10.0.0.1:8000"):
         pass
     assert headers == {}
+
+
+class StuckSink(io.StringIO):
+    """A log stream whose writes block until ``release`` is set (a full pipe, a paused
+    log shipper)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.blocked = threading.Event()
+
+    def write(self, text: str) -> int:
+        self.blocked.set()
+        self.release.wait()
+        return super().write(text)
+
+
+def _access_with(max_backlog: int) -> _Access:
+    access = _Access(logging.getLogger(ACCESS_LOGGER), None, lambda r: None, FakeClock())
+    assert access.writer is not None
+    access.writer.max_backlog = max_backlog
+    return access
+
+
+@pytest.mark.usefixtures("restore_logging")
+async def test_a_line_past_the_backlog_is_dropped_and_counted_not_made_on_the_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a line the thread was too far behind for was made on the loop, where
+    a stuck sink (whose lock the thread holds in its blocked write) stopped the loop."""
+    out = io.StringIO()
+    setup_logging("warning", "text", stream=out)
+    access = _access_with(0)
+    writer = access.writer
+    assert writer is not None
+    made_on_loop: list[Any] = []
+    monkeypatch.setattr(writer, "emit", lambda *a: made_on_loop.append(a))
+    writer.start()
+    try:
+        access._write(finished(), None)
+        await asyncio.sleep(0)  # one loop turn: what call_soon scheduled has run
+        assert made_on_loop == []
+        assert writer.dropped == 1
+    finally:
+        writer.stop()
+    assert "access log: 1 line(s) dropped, the log sink was 0 lines behind" in out.getvalue()
+
+
+@pytest.mark.usefixtures("restore_logging")
+async def test_a_stuck_sink_bounds_the_backlog_and_drops_the_rest() -> None:
+    sink = StuckSink()
+    setup_logging("warning", "text", stream=sink)  # type: ignore[arg-type]
+    access = _access_with(2 * BATCH)
+    writer = access.writer
+    assert writer is not None
+    writer.start()
+    try:
+        for _ in range(BATCH):  # a first batch: the thread takes it and blocks writing it
+            access._write(finished(), None)
+        writer.flush()
+        wait_for(sink.blocked.is_set, "the thread blocked in its write", timeout=10)
+        sent = 20 * BATCH
+        for _ in range(sent):  # all in this loop turn: nothing here may wait on the sink
+            access._write(finished(), None)
+        writer.flush()
+        # Bounded: batches of lines (our handler alone) or single lines (pytest's own
+        # handler on the way), never more entries than the backlog allows.
+        assert writer._queue.qsize() <= writer.max_backlog
+        assert writer.dropped > sent - writer.max_backlog - BATCH
+    finally:
+        sink.release.set()
+        await asyncio.to_thread(writer.stop)
+    lines = sink.getvalue().splitlines()
+    logged = [line for line in lines if "skymesh.access:" in line]
+    assert len(logged) + writer.dropped == BATCH + sent  # each line written or counted
+    assert f"access log: {writer.dropped} line(s) dropped" in sink.getvalue()
+
+
+async def test_the_dropped_lines_are_a_prometheus_counter_on_the_apps_registry() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from skymesh.net.serving import METRICS_REGISTRY
+
+    app = web.Application()
+    registry = CollectorRegistry()
+    app[METRICS_REGISTRY] = registry
+    install(app)
+    runner, _ = await start_app(app, "127.0.0.1", 0, "test", ConnLimits())
+    try:
+        writer = app[_ACCESS_KEY].writer
+        assert writer is not None
+        writer.dropped = 3
+        assert b"skymesh_access_log_dropped_total 3.0" in generate_latest(registry)
+    finally:
+        await runner.cleanup()
