@@ -248,6 +248,7 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
         extra: list[str] | None = None) -> dict[str, Any]:
     extra = extra or []
     started = datetime.now(UTC).isoformat(timespec="seconds")
+    current = _head()  # what the daemons start with: a commit made meanwhile is not it
     load_before = os.getloadavg()
     rng = random.Random(seed)
     segments: list[dict[str, Any]] = []
@@ -277,7 +278,7 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
     return {"setup": {"command": cmd, "lb_flags": [*LB_FLAGS, *extra],
                       "connections": CASE.connections,
                       "rounds": rounds, "duration_s": duration_s, "base": base,
-                      "current": _head(), "cores": os.cpu_count(),
+                      "current": current, "cores": os.cpu_count(),
                       "loadavg_before": list(load_before),
                       "loadavg_after": list(os.getloadavg()), "started": started,
                       "finished": datetime.now(UTC).isoformat(timespec="seconds")},
