@@ -47,7 +47,7 @@ from skymesh.balancer.relay import (
 from skymesh.balancer.streaming import Streams
 from skymesh.balancer.upstream import Reply, ReplyTooLarge, Upstream, read_capped, read_head
 from skymesh.net.jsonbody import NOT_DECODED, fast_usage
-from skymesh.obs.access import note, upstream_span
+from skymesh.obs.access import note, note_usage, upstream_span
 from skymesh.policies.base import RequestTiming
 
 if TYPE_CHECKING:
@@ -68,10 +68,11 @@ def usage(reply: Any) -> tuple[int, int, int | None]:
         return 0, 0, None
 
 
-def reply_usage(body: bytes) -> tuple[int, int, int | None]:
+def reply_usage(body: bytes, decoded: Any = NOT_DECODED) -> tuple[int, int, int | None]:
     """:func:`usage` of a non-streamed response body, decoding only its ``usage`` where
-    msgspec can (the rest of the reply is not needed unless a policy records it)."""
-    u = fast_usage(body)
+    msgspec can (the rest of the reply is not needed unless a policy records it);
+    ``decoded``: that member already decoded (``fast_usage(body)``)."""
+    u = fast_usage(body) if decoded is NOT_DECODED else decoded
     return usage(parse_json(body) if u is NOT_DECODED else {"usage": u})
 
 
@@ -228,7 +229,12 @@ class Forwarder:
                 records = ok and self.core.switches.flags.records
                 reply = parse_json(body) if records else None
                 if ok:
-                    prompt, out, hits = usage(reply) if records else reply_usage(body)
+                    if records:
+                        prompt, out, hits = usage(reply)
+                    else:  # decoded once: the access log's line takes its counts too
+                        decoded = fast_usage(body)
+                        note_usage(request, decoded)
+                        prompt, out, hits = reply_usage(body, decoded)
                     request[OUTPUT_TOKENS_KEY] = out
                     if self.core.switches.flags.timed:
                         # No first-token time is observable without streaming: the end

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from skymesh.net.accept import BatchAcceptServer, listen_sockets
 from skymesh.net.limits import ConnectionGuard, ConnLimits, fit_file_limit
+from skymesh.obs.access import metrics as access_metrics
 from skymesh.obs.access import outside_chain
 
 # Where an app keeps its Prometheus registry, if it has one: the connection metrics
@@ -104,6 +106,11 @@ async def start_app(app: web.Application, host: str, port: int, name: str,
     registry = app.get(METRICS_REGISTRY)
     if registry is not None:
         registry.register(guard)
+        dropped = access_metrics(app)
+        if dropped is not None:
+            # An app served a second time is registered already: the same collector.
+            with contextlib.suppress(ValueError):
+                registry.register(dropped)
     # handler_cancellation: a client that disconnects cancels its handler, whose finally
     # block releases what the request held (aiohttp leaves this off by default).
     # keepalive_timeout: aiohttp's idle timer, armed only between requests.

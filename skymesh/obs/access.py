@@ -30,9 +30,12 @@ gathered in ``_LINGER_S``) straight from the records, and the writer's thread wr
 batch with one system call (:meth:`skymesh.obs.logs._Handler.write_lines`), so a slow log
 sink blocks the thread, not the loop. With handlers other than the daemons' own (a
 test's, an operator's), each line goes through ``logging`` in the thread instead. Past
-``MAX_BACKLOG`` waiting lines, or before the app starts and after it stops, lines are
-made on the loop one by one: a slow log sink slows requests down rather than growing
-memory. docs/operations-logs.md#cost says why the lines are made on the loop.
+``MAX_BACKLOG`` waiting lines a request's line is dropped and counted
+(``skymesh_access_log_dropped_total``; the thread logs a warning with the count when it
+writes again): a stuck log sink neither grows memory nor stops the loop, which would
+otherwise wait on the handler's lock the thread holds in its blocked write. Before the
+app starts and after it stops, lines are made on the loop one by one.
+docs/operations-logs.md#cost says why the lines are made on the loop.
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, Metric
 
-from skymesh.net.jsonbody import fast_usage
+from skymesh.net.jsonbody import NOT_DECODED, fast_usage
 from skymesh.obs.logs import (
     ACCESS_LOGGER,
     JsonFormatter,
@@ -78,8 +82,8 @@ _PLAIN_USAGE = re.compile(
     rb'\{"prompt_tokens":(0|[1-9]\d*),(?:"total_tokens":\d+,)?"completion_tokens":'
     rb'(0|[1-9]\d*)(?:,"total_tokens":\d+)?(?:,"prompt_tokens_details":null)?\}')
 _NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
-# Lines waiting for the writer thread before they are made on the loop instead (about
-# 1 KB each with a stream's tail: a few MB at most).
+# Lines waiting for the writer thread before new ones are dropped (about 1 KB each with
+# a stream's tail: a few MB at most).
 MAX_BACKLOG = 4096
 # Lines gather this long (or to BATCH of them) before they are made and written: one
 # write per batch rather than per line, and a thread wake-up per batch, not per request.
@@ -95,7 +99,7 @@ class AccessRecord:
 
     __slots__ = ("client", "clock", "code", "disconnected", "end", "first_byte_at", "method",
                  "model", "path", "priority", "request_id", "served_by", "span", "start",
-                 "status", "tail", "tenant", "tracing", "via", "watched")
+                 "status", "tail", "tenant", "tracing", "usage", "via", "watched")
 
     def __init__(self, start: float, clock: Clock, tracing: Tracing | None,
                  request_id: str | None = None) -> None:
@@ -115,6 +119,9 @@ class AccessRecord:
         # A stream's last chunks (the usage event), made when its headers are prepared.
         self.tail: deque[bytes | bytearray | memoryview] | None = None
         self.span: Any = None
+        # The reply's top-level usage as the balancer decoded it (note_usage), so the line
+        # does not decode it again; NOT_DECODED: the line reads it from the body.
+        self.usage: Any = NOT_DECODED
         self.method = self.path = ""
         self.client: str | None = None
         self.end = start
@@ -161,6 +168,16 @@ def note(request: web.Request, *, model: str | None = None, served_by: str | Non
         rec.tenant, rec.priority = tenant, priority
 
 
+def note_usage(request: web.Request, usage: Any) -> None:
+    """Hand the record the ``usage`` member the balancer decoded from the whole reply it
+    answers with (``fast_usage`` of that body): the line takes its counts from it rather
+    than decoding the body a second time. A separate function from :func:`note`, whose
+    every call would otherwise pay for one more keyword."""
+    rec = _record_of(request)
+    if rec is not None:
+        rec.usage = usage
+
+
 def upstream_span(request: web.Request, target: str, *, attempt: int = 1,
                   peer: bool = False) -> contextlib.AbstractContextManager[Any]:
     """A CLIENT span for one attempt at ``target`` (child of the request's span), current
@@ -183,15 +200,17 @@ def _count_or_none(value: Any) -> bool:
     return value is None or (type(value) is int)  # not a bool, not a float: read as below
 
 
-def usage_tokens(body: bytes) -> tuple[int | None, int | None]:
+def usage_tokens(body: bytes, decoded: Any = NOT_DECODED) -> tuple[int | None, int | None]:
     """``(prompt_tokens, completion_tokens)`` of the last non-null OpenAI ``usage`` object
     in ``body`` (a JSON reply, or the tail of an SSE stream), else ``(None, None)``.
 
     Only the usage object is decoded, not the body: this runs once per request. A JSON
     reply's top-level ``usage`` is decoded alone by msgspec (when installed), at less
-    than half the cost of finding it in the bytes."""
+    than half the cost of finding it in the bytes; ``decoded``: that member when the
+    caller has it already (``fast_usage(body)``, :func:`note_usage`)."""
     if body[:1] == b"{":
-        usage = fast_usage(body)  # NOT_DECODED without msgspec or for no JSON: as below
+        # NOT_DECODED without msgspec or for no JSON: read as below
+        usage = fast_usage(body) if decoded is NOT_DECODED else decoded
         if isinstance(usage, dict):
             prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
             if _count_or_none(prompt) and _count_or_none(completion):
@@ -346,14 +365,28 @@ class _Access:
         self._write(rec, body)
 
     def _write(self, what: AccessRecord | dict[str, Any], body: bytes | None) -> None:
-        if self.writer is not None and not self.writer.put(what, body):
-            # A whole body is written after the middleware returns: the line (and the
-            # usage parse) waits for the next loop turn rather than delay the answer.
-            asyncio.get_running_loop().call_soon(self.writer.emit, what, body, time.time())
+        writer = self.writer
+        if writer is None or writer.put(what, body):
+            return
+        if writer.running:  # MAX_BACKLOG behind: a stuck or slow sink
+            writer.dropped += 1  # the thread reports it when it writes again
+            return
+        # A whole body is written after the middleware returns: the line (and the usage
+        # parse) waits for the next loop turn rather than delay the answer.
+        asyncio.get_running_loop().call_soon(writer.emit, what, body, time.time())
 
 
 # install()'s middleware object, for outside_chain().
 _ACCESS_KEY = web.AppKey("skymesh.obs.access", _Access)
+_log = logging.getLogger(__name__)
+
+
+def metrics(app: web.Application) -> AccessWriter | None:
+    """The Prometheus collector of ``app``'s access log (its dropped lines), for the
+    app's registry (:func:`skymesh.net.serving.start_app` registers it); None without
+    an access log."""
+    access = app.get(_ACCESS_KEY)
+    return None if access is None else access.writer
 
 
 def record_fields(rec: AccessRecord, body: bytes | None) -> dict[str, Any]:
@@ -371,7 +404,8 @@ def record_fields(rec: AccessRecord, body: bytes | None) -> dict[str, Any]:
         fields["disconnected"] = True
     if rec.tenant is not None:
         fields["tenant"], fields["priority"] = rec.tenant, rec.priority
-    _fill_usage(fields, body)
+    if body is not None:
+        fields["prompt_tokens"], fields["completion_tokens"] = usage_tokens(body, rec.usage)
     return fields
 
 
@@ -404,6 +438,14 @@ class AccessWriter:
         self.pending: list[_Item] = []
         self._timer: asyncio.TimerHandle | None = None
         self._handler: _Handler | None = None  # where the batch's lines go
+        # Lines dropped while the thread was max_backlog behind (counted on the loop),
+        # and how many of them the thread has reported in a warning.
+        self.dropped = 0
+        self._reported = 0
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
 
     def start(self) -> None:
         if self._thread is None:
@@ -480,9 +522,28 @@ class AccessWriter:
             if stop:
                 entries.pop()
             self._write(entries)  # type: ignore[arg-type]
+            self._report_dropped()
             if stop:
                 return
             time.sleep(self.linger_s)
+
+    def _report_dropped(self) -> None:
+        """One warning for the lines dropped since the last one (in this thread: a
+        stuck sink blocks it here, not the loop)."""
+        dropped = self.dropped
+        if dropped != self._reported:
+            _log.warning("access log: %d line(s) dropped, the log sink was %d lines "
+                         "behind (skymesh_access_log_dropped_total)",
+                         dropped - self._reported, self.max_backlog)
+            self._reported = dropped
+
+    def collect(self) -> Iterator[Metric]:
+        """Prometheus: ``skymesh_access_log_dropped_total`` (see :func:`metrics`)."""
+        dropped = CounterMetricFamily(
+            "skymesh_access_log_dropped",
+            "Access log lines dropped because the log sink was too far behind")
+        dropped.add_metric([], self.dropped)
+        yield dropped
 
     def _write(self, entries: list[tuple[_Handler, str] | _Item]) -> None:
         texts: dict[_Handler, list[str]] = {}
@@ -521,7 +582,7 @@ class AccessWriter:
             stamp, head = cast(TextFormatter, fmt).asctime, f" INFO {name}: "
         for what, body, created in items:
             if type(what) is AccessRecord:  # the common case: no dict of fields
-                tokens = _NO_TOKENS if body is None else usage_tokens(body)
+                tokens = _NO_TOKENS if body is None else usage_tokens(body, what.usage)
                 if text:
                     append(f"{stamp(created)}{head}{_record_text(what, tokens)}{end}")
                 else:
@@ -602,15 +663,18 @@ def ms_text(seconds: float) -> str:
 
 def _record_text(rec: AccessRecord, tokens: tuple[int | None, int | None]) -> str:
     """:func:`_text` of :func:`record_fields`, straight from the record."""
-    start, first = rec.start, rec.first_byte_at
+    start, first, end = rec.start, rec.first_byte_at, rec.end
     prompt, completion = tokens
     if (first is not None and prompt is not None and completion is not None
             and rec.model is not None and rec.served_by is not None and rec.via is not None
             and rec.request_id is not None and rec.client is not None
             and not rec.disconnected and rec.tenant is None):  # served, with its usage
+        duration = ms_text(end - start)
+        # A whole body's first byte is its end (_finish): one decimal conversion, not two.
+        ttft = duration if first == end else ms_text(first - start)
         return (f"{rec.method} {rec.path} {rec.code} request_id={rec.request_id} "
                 f"model={rec.model} served_by={rec.served_by} via={rec.via} "
-                f"ttft_ms={ms_text(first - start)} duration_ms={ms_text(rec.end - start)} "
+                f"ttft_ms={ttft} duration_ms={duration} "
                 f"prompt_tokens={prompt} completion_tokens={completion} client={rec.client}")
     out = f"{rec.method} {rec.path} {rec.code}"
     if rec.request_id is not None:

@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import re
+import threading
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -20,21 +21,26 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from support import eventually, wait_for
 
+from skymesh.net.jsonbody import NOT_DECODED, fast_usage
 from skymesh.net.limits import ConnLimits
 from skymesh.net.serving import start_app
 from skymesh.obs.access import (
+    _ACCESS_KEY,
     BATCH,
     RECORD_KEY,
     AccessRecord,
     AccessWriter,
+    _Access,
     inject_trace,
     install,
     ms_text,
     note,
+    note_usage,
     upstream_span,
     usage_tokens,
 )
@@ -269,6 +275,33 @@ def usage_event(usage: Any) -> bytes:
 ])
 def test_usage_tokens(body: bytes, expected: tuple[int | None, int | None]) -> None:
     assert usage_tokens(body) == expected
+    # The balancer's own decode of the reply's usage, handed over: the same counts.
+    assert usage_tokens(body, fast_usage(body)) == expected
+
+
+def test_a_usage_the_balancer_noted_is_not_decoded_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The line takes a whole reply's counts from what the balancer decoded
+    (note_usage), not from a second decode of the body."""
+    from skymesh.obs import access
+
+    body = json.dumps({"usage": USAGE}).encode()
+    rec = finished(model="m", served_by="http://10.0.0.1:8000", via="replica")
+    request = make_mocked_request("POST", "/v1/chat/completions")
+    access._installed, installed = True, access._installed
+    try:
+        request[RECORD_KEY] = rec
+        note_usage(request, fast_usage(body))
+    finally:
+        access._installed = installed
+    decodes: list[bytes] = []
+    monkeypatch.setattr(access, "fast_usage", lambda raw: decodes.append(raw) or None)
+    fields = access.record_fields(rec, body)
+    assert (fields["prompt_tokens"], fields["completion_tokens"]) == (7, 3)
+    assert decodes == []
+    rec.usage = NOT_DECODED  # nothing noted (a stream, a peer's reply): the body is read
+    assert access.record_fields(rec, body)["prompt_tokens"] == 7
+    assert decodes == [body]
 
 
 @pytest.mark.parametrize("body", [
@@ -454,6 +487,9 @@ def test_lines_made_from_records_are_the_formatters_own(fmt: str) -> None:
         (finished(request_id=None, client=None), b'{"usage": null}'),
         (finished(code=499, first_byte_at=None, disconnected=True), None),
         (finished(served_by="peer-eu", via="peer", code=503), None),
+        # a whole body: its first byte leaves at its end (one decimal for both times)
+        (finished(model="m", served_by="http://10.0.0.1:8000", via="replica",
+                  first_byte_at=100.04025), body),
         (finished(model="m", served_by="http://10.0.0.1:8000", via="replica",
                   tenant="acme", priority="batch"), body),  # with tenants (docs/tenancy.md)
     ]
@@ -483,7 +519,8 @@ def test_lines_made_from_records_are_the_formatters_own(fmt: str) -> None:
             "prompt_tokens=7 completion_tokens=3 client=127.0.0.1")
         assert lines[3].endswith("POST /v1/chat/completions 499 request_id=r1 "
                                  "duration_ms=40.25 client=127.0.0.1 disconnected=True")
-        assert lines[5].endswith("client=127.0.0.1 tenant=acme priority=batch")
+        assert "ttft_ms=40.25 duration_ms=40.25 prompt_tokens=7" in lines[5]
+        assert lines[6].endswith("client=127.0.0.1 tenant=acme priority=batch")
 
 
 def test_the_writer_thread_is_named_for_top() -> None:
@@ -562,3 +599,97 @@ def test_notes_on_an_app_without_the_access_log_do_nothing() -> None:
     with upstream_span(request, "http://10.0.0.1:8000"):
         pass
     assert headers == {}
+
+
+class StuckSink(io.StringIO):
+    """A log stream whose writes block until ``release`` is set (a full pipe, a paused
+    log shipper)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.blocked = threading.Event()
+
+    def write(self, text: str) -> int:
+        self.blocked.set()
+        self.release.wait()
+        return super().write(text)
+
+
+def _access_with(max_backlog: int) -> _Access:
+    access = _Access(logging.getLogger(ACCESS_LOGGER), None, lambda r: None, FakeClock())
+    assert access.writer is not None
+    access.writer.max_backlog = max_backlog
+    return access
+
+
+@pytest.mark.usefixtures("restore_logging")
+async def test_a_line_past_the_backlog_is_dropped_and_counted_not_made_on_the_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a line the thread was too far behind for was made on the loop, where
+    a stuck sink (whose lock the thread holds in its blocked write) stopped the loop."""
+    out = io.StringIO()
+    setup_logging("warning", "text", stream=out)
+    access = _access_with(0)
+    writer = access.writer
+    assert writer is not None
+    made_on_loop: list[Any] = []
+    monkeypatch.setattr(writer, "emit", lambda *a: made_on_loop.append(a))
+    writer.start()
+    try:
+        access._write(finished(), None)
+        await asyncio.sleep(0)  # one loop turn: what call_soon scheduled has run
+        assert made_on_loop == []
+        assert writer.dropped == 1
+    finally:
+        writer.stop()
+    assert "access log: 1 line(s) dropped, the log sink was 0 lines behind" in out.getvalue()
+
+
+@pytest.mark.usefixtures("restore_logging")
+async def test_a_stuck_sink_bounds_the_backlog_and_drops_the_rest() -> None:
+    sink = StuckSink()
+    setup_logging("warning", "text", stream=sink)  # type: ignore[arg-type]
+    access = _access_with(2 * BATCH)
+    writer = access.writer
+    assert writer is not None
+    writer.start()
+    try:
+        for _ in range(BATCH):  # a first batch: the thread takes it and blocks writing it
+            access._write(finished(), None)
+        writer.flush()
+        wait_for(sink.blocked.is_set, "the thread blocked in its write", timeout=10)
+        sent = 20 * BATCH
+        for _ in range(sent):  # all in this loop turn: nothing here may wait on the sink
+            access._write(finished(), None)
+        writer.flush()
+        # Bounded: batches of lines (our handler alone) or single lines (pytest's own
+        # handler on the way), never more entries than the backlog allows.
+        assert writer._queue.qsize() <= writer.max_backlog
+        assert writer.dropped > sent - writer.max_backlog - BATCH
+    finally:
+        sink.release.set()
+        await asyncio.to_thread(writer.stop)
+    lines = sink.getvalue().splitlines()
+    logged = [line for line in lines if "skymesh.access:" in line]
+    assert len(logged) + writer.dropped == BATCH + sent  # each line written or counted
+    assert f"access log: {writer.dropped} line(s) dropped" in sink.getvalue()
+
+
+async def test_the_dropped_lines_are_a_prometheus_counter_on_the_apps_registry() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from skymesh.net.serving import METRICS_REGISTRY
+
+    app = web.Application()
+    registry = CollectorRegistry()
+    app[METRICS_REGISTRY] = registry
+    install(app)
+    runner, _ = await start_app(app, "127.0.0.1", 0, "test", ConnLimits())
+    try:
+        writer = app[_ACCESS_KEY].writer
+        assert writer is not None
+        writer.dropped = 3
+        assert b"skymesh_access_log_dropped_total 3.0" in generate_latest(registry)
+    finally:
+        await runner.cleanup()

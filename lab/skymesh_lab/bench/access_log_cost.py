@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import random
 import shlex
@@ -57,6 +58,8 @@ CASE = ro.Case("access-c32", "rr", 32, False, "fixed")
 SLICES = 4  # turns of on and off per round
 _TICK = os.sysconf("SC_CLK_TCK")
 LOOP, WRITER, THREADS = "loop", "writer", "threads"
+LOOP_SYS = "loop_sys"  # the loop's kernel time (system calls), part of LOOP
+CONFIDENCE = 0.95
 WRITER_COMM = "skymesh-access"  # skymesh.obs.access.AccessWriter's OS thread name
 REPO = Path(__file__).resolve().parents[3]
 IN_PROCESS_REQUESTS, IN_PROCESS_REPEATS = 20000, 7
@@ -65,9 +68,10 @@ IN_PROCESS_REQUESTS, IN_PROCESS_REPEATS = 20000, 7
 def thread_ticks(root: int) -> dict[str, int]:
     """CPU ticks of ``root``'s process tree: ``loop`` (each process's main thread, where
     its event loop runs), ``writer`` (the access log's thread, which names itself) and
-    ``threads`` (the others: the executor's, the probes' parsing)."""
+    ``threads`` (the others: the executor's, the probes' parsing); ``loop_sys``: the
+    loop's kernel time alone (counted in ``loop`` too)."""
     pids = [p.pid for p in st.tree(ro.proc_snapshot(), root)]
-    out = {LOOP: 0, WRITER: 0, THREADS: 0}
+    out = {LOOP: 0, WRITER: 0, THREADS: 0, LOOP_SYS: 0}
     for pid in pids:
         with contextlib.suppress(OSError):
             for tid in os.listdir(f"/proc/{pid}/task"):
@@ -78,6 +82,8 @@ def thread_ticks(root: int) -> dict[str, int]:
                 fields = text[text.rindex(")") + 2:].split()
                 kind = LOOP if int(tid) == pid else WRITER if comm == WRITER_COMM else THREADS
                 out[kind] += int(fields[11]) + int(fields[12])
+                if kind == LOOP:
+                    out[LOOP_SYS] += int(fields[12])
     return out
 
 
@@ -179,7 +185,8 @@ def _per_request(acc: dict[str, Any]) -> dict[str, Any]:
     n = acc["requests"]
     threads = {k: v / _TICK / n * 1e6 for k, v in acc["ticks"].items()}
     return {"requests": n, "rps": n / acc["wall_s"] if acc["wall_s"] else 0.0,
-            "errors": acc["errors"], "cpu_us": sum(threads.values()),
+            "errors": acc["errors"],
+            "cpu_us": sum(v for k, v in threads.items() if k != LOOP_SYS),
             "threads_us": {k: round(v, 2) for k, v in threads.items()}}
 
 
@@ -188,8 +195,8 @@ def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
     paired cost (on minus off in each round), absolute and as a share of "on"."""
     out: dict[str, Any] = {}
     rounds = sorted({s["round"] for s in segments})
+    by = {(s["setup"], s["round"]): s for s in segments}
     for build in sorted({s["setup"].split("/")[0] for s in segments}):
-        by = {(s["setup"], s["round"]): s for s in segments}
         on = [by[(f"{build}/on", r)]["cpu_us"] for r in rounds]
         off = [by[(f"{build}/off", r)]["cpu_us"] for r in rounds]
         diff = [a - b for a, b in zip(on, off, strict=True)]
@@ -199,23 +206,49 @@ def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
         writer = [by[(f"{build}/on", r)]["threads_us"][WRITER] for r in rounds]
         threads = [by[(f"{build}/on", r)]["threads_us"][THREADS]
                    - by[(f"{build}/off", r)]["threads_us"][THREADS] for r in rounds]
+        loop_sys = [by[(f"{build}/on", r)]["threads_us"].get(LOOP_SYS, 0.0)
+                    - by[(f"{build}/off", r)]["threads_us"].get(LOOP_SYS, 0.0)
+                    for r in rounds]
         out[build] = {"off_us": _spread(off), "on_us": _spread(on), "cost_us": _spread(diff),
                       "share": _spread(share), "loop_cost_us": _spread(loop),
+                      "loop_sys_cost_us": _spread(loop_sys),
                       "writer_us": _spread(writer), "threads_cost_us": _spread(threads)}
+    if "base" in out and "current" in out:  # now's cost minus before's, same rounds
+        costs = {b: [by[(f"{b}/on", r)]["cpu_us"] - by[(f"{b}/off", r)]["cpu_us"]
+                     for r in rounds] for b in ("base", "current")}
+        out["paired_vs_base_us"] = _spread(
+            [c - b for c, b in zip(costs["current"], costs["base"], strict=True)])
     return out
 
 
-
+def median_interval(values: list[float], level: float = CONFIDENCE) -> tuple[float, float]:
+    """A distribution-free ``level`` confidence interval of the median of ``values``
+    (order statistics: the k-th smallest and largest, k from the binomial(n, 1/2) tail),
+    so rounds with an outlier do not widen it as min and max do. Under six values no
+    interval of 95% exists: min and max then."""
+    xs = sorted(values)
+    n = len(xs)
+    k, tail = 0, 0.0  # the largest k with P(Binomial(n, 1/2) < k) <= (1 - level) / 2
+    while k < n // 2:
+        tail += math.comb(n, k) / 2 ** n
+        if tail > (1 - level) / 2:
+            break
+        k += 1
+    if k == 0:
+        return xs[0], xs[-1]
+    return xs[k - 1], xs[n - k]
 
 def _spread(values: list[float]) -> dict[str, float]:
+    low, high = median_interval(values)
     return {"median": round(statistics.median(values), 4), "min": round(min(values), 4),
-            "max": round(max(values), 4)}
+            "max": round(max(values), 4), "ci_low": round(low, 4), "ci_high": round(high, 4)}
 
 
 def run(rounds: int, duration_s: float, base: str | None, seed: int,
         extra: list[str] | None = None) -> dict[str, Any]:
     extra = extra or []
     started = datetime.now(UTC).isoformat(timespec="seconds")
+    current = _head()  # what the daemons start with: a commit made meanwhile is not it
     load_before = os.getloadavg()
     rng = random.Random(seed)
     segments: list[dict[str, Any]] = []
@@ -245,7 +278,7 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
     return {"setup": {"command": cmd, "lb_flags": [*LB_FLAGS, *extra],
                       "connections": CASE.connections,
                       "rounds": rounds, "duration_s": duration_s, "base": base,
-                      "current": _head(), "cores": os.cpu_count(),
+                      "current": current, "cores": os.cpu_count(),
                       "loadavg_before": list(load_before),
                       "loadavg_after": list(os.getloadavg()), "started": started,
                       "finished": datetime.now(UTC).isoformat(timespec="seconds")},
@@ -272,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     executable("skymesh-lb")  # fails early without it
     res = run(args.rounds, args.duration, args.base, args.seed, shlex.split(args.lb_args))
-    for build, row in res["summary"].items():
+    for build in ("base", "current"):
+        row = res["summary"].get(build)
+        if row is None:
+            continue
         print(f"{build}: off {row['off_us']['median']:.1f} us, on {row['on_us']['median']:.1f}"
               f" us, cost {row['cost_us']['median']:.1f} us "
               f"[{row['cost_us']['min']:.1f}, {row['cost_us']['max']:.1f}] = "

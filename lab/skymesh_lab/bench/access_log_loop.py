@@ -40,19 +40,32 @@ async def loop_us(requests: int, on: bool) -> float:
     ``on`` (or nothing installed), from the app's entry point as the server calls it
     (routing, the middleware chain if there is one)."""
     from skymesh.balancer.edge import request_id
+    from skymesh.net.jsonbody import fast_usage
     from skymesh.obs import access
 
     app = web.Application()
 
+    # The balancer decodes a whole reply's usage for itself, log or not; builds with
+    # note_usage hand that to the access log, older ones have the log decode it again.
+    note_usage = getattr(access, "note_usage", None)
+
     async def handler(request: web.Request) -> web.StreamResponse:
         access.note(request, model="stub")
         access.note(request, served_by="http://127.0.0.1:8001")
+        decoded = fast_usage(BODY)
+        if note_usage is not None:
+            note_usage(request, decoded)
         resp = web.Response(body=BODY)
         for hook in hooks:  # what aiohttp runs when it prepares the reply
             await hook(request, resp)
         return resp
 
     app.router.add_post("/v1/chat/completions", handler)
+    # "Off" as in a daemon started with --no-access-log: nothing of this process installed
+    # the log. Builds with the flag remember an earlier "on" run in it, and the "off"
+    # app's notes would look their record up and miss (a KeyError each, about 0.3 us).
+    if hasattr(access, "_installed"):
+        access._installed = False
     access.install(app, access_log=on, request_id=request_id)
     hooks = list(app.on_response_prepare)
     # What skymesh.net.serving.start_app does with the log, in builds that have it.

@@ -383,8 +383,8 @@ SOURCES: tuple[Source, ...] = (
            "share and the writer thread's show apart. The revision before the last "
            "change to the access log runs in the same rounds. See [the access log's cost]"
            "(../operations-logs.md#cost).",
-           (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "12",
-            "--duration", "4", "--base", "7ed796e", "--json", "{json}"),
+           (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "60",
+            "--duration", "4", "--base", "276d90f", "--json", "{json}"),
            access_log_cost_page.access_log_cost),
     Source("request-path-cost", "The request path's CPU per request (issue #35)",
            "Process CPU per request of skymesh-lb (one worker, access log off) in front of "
