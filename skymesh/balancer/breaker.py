@@ -40,6 +40,11 @@ class Breaker:
         ``opened_at + open_s``. Asks without moving the state (``allows`` moves it)."""
         return self.state is BreakerState.OPEN and now - self.opened_at < self.open_s
 
+    def trial_in(self, now: float) -> float:
+        """Seconds from ``now`` until an open breaker lets its trial through (0: due
+        now); what a client turned away while it is open should wait."""
+        return max(0.0, self.opened_at + self.open_s - now)
+
     def on_dispatch(self) -> None:
         if self.state is BreakerState.HALF_OPEN:
             self.trial_in_flight = True

@@ -105,7 +105,8 @@ class Handlers:
             holder = self._hold_key_slot(request, forwarded)
             raw = await self.read_body(request)
             intake = parse_request(kind, raw, request.headers)
-            check_servable(d, intake.model, self.rng.random(), forwarded=forwarded)
+            check_servable(d, intake.model, self.rng.random(), forwarded=forwarded,
+                           now=t0)
             # Only now a metric label: a name a client made up would be a new time
             # series per request (unbounded /metrics and memory).
             model = intake.model

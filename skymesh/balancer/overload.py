@@ -11,7 +11,9 @@ queue:
   waiting out the queue timeout, and :func:`stranded` finds the queued requests that the
   last replica's fall left with nowhere to go. A *retry* also has nowhere to go when every
   replica it has not failed on is behind an open breaker (:func:`can_retry`; queued:
-  :func:`dead_retries`): it ends with a 502 rather than wait for the breaker's trial.
+  :func:`dead_retries`): it ends with a 502 rather than wait for the breaker's trial. A
+  new request whose every replica is behind an open breaker, with no peer to take it,
+  gets a 503 at once, its ``Retry-After`` the first breaker's trial (:func:`breakers_open`).
 * **When should a turned-away client come back?** (:class:`RetryBook`) When the queue
   will have room for it, so that a client that honours ``Retry-After`` is served. Each
   429 (queue full) or queue-timeout 503 books a time to come back (:func:`next_slot`):
@@ -301,10 +303,32 @@ def outage(d: Dispatcher, model: str, u: float) -> NoHealthyReplica:
         "here, none up); retry later", retry_after_s=outage_retry_s(u))
 
 
-def check_servable(d: Dispatcher, model: str, u: float, *, forwarded: bool = False) -> None:
+def breakers_open(d: Dispatcher, model: str, now: float, *, forwarded: bool = False
+                  ) -> NoHealthyReplica | None:
+    """The 503 for a new request when every healthy replica serving ``model`` is behind
+    an open breaker (``Breaker.shut``) and no peer may take it; None otherwise. Queued, it
+    would wait for the first trial or the queue timeout, whichever comes first, and then
+    most likely fail anyway; told when the first trial is due, a client comes back when
+    there is a replica to try. Free unless some breaker is open
+    (``Dispatcher.health_summary``)."""
+    if not d.health_summary()[1] or can_retry(d, model, (), now, forwarded=forwarded):
+        return None
+    shut = [t.breaker for t in d.targets.values() if t.healthy and model in t.models]
+    if not shut:  # nothing up at all: ``outage``'s answer
+        return None
+    wait = min(b.trial_in(now) for b in shut)
+    return NoHealthyReplica(
+        f"every replica serving model {model!r} ({len(shut)} up) has its circuit breaker "
+        f"open after repeated failures; the first may be tried again in {wait:.1f} s",
+        retry_after_s=wait)
+
+
+def check_servable(d: Dispatcher, model: str, u: float, *, forwarded: bool = False,
+                   now: float | None = None) -> None:
     """Before a request queues: 404 for a model nobody here serves; a 503 at once when
     nothing that serves it is up, or when replicas that may serve it (their models not
-    known yet) have not answered since the start."""
+    known yet) have not answered since the start; with ``now``, also when every replica
+    that serves it is behind an open breaker (:func:`breakers_open`)."""
     if not d.reachable(model):
         unlisted = unlisted_replicas(d)
         if unlisted:
@@ -315,4 +339,8 @@ def check_servable(d: Dispatcher, model: str, u: float, *, forwarded: bool = Fal
                             param="model")
     if not can_serve(d, model, forwarded=forwarded):
         raise outage(d, model, u)
+    if now is not None:
+        shut = breakers_open(d, model, now, forwarded=forwarded)
+        if shut is not None:
+            raise shut
 

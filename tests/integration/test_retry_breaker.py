@@ -86,6 +86,13 @@ async def _status(s: aiohttp.ClientSession, lb: Daemon) -> dict[str, Any]:
         return out
 
 
+async def _both_healthy(s: aiohttp.ClientSession, lb: Daemon) -> None:
+    async def ready() -> bool:
+        async with s.get(lb.url + "/ready") as r:
+            return bool((await r.json())["healthy_replicas"] == 2)
+    await until(ready, "both replicas healthy")
+
+
 async def _post(s: aiohttp.ClientSession, lb: Daemon, content: str) -> tuple[int, Any]:
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
     async with s.post(lb.url + "/v1/chat/completions", json=body) as r:
@@ -96,10 +103,7 @@ async def test_a_retry_fails_at_once_when_the_other_breakers_are_open(
         balancer: tuple[Daemon, str, str]) -> None:
     lb, bad_url, good_url = balancer
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        async def ready() -> bool:
-            async with s.get(lb.url + "/ready") as r:
-                return (await r.json())["healthy_replicas"] == 2
-        await until(ready, "both replicas healthy")
+        await _both_healthy(s, lb)
 
         # Good requests until one lands on the failing replica: its breaker opens and
         # the request is retried on the other, which answers.
@@ -119,3 +123,29 @@ async def test_a_retry_fails_at_once_when_the_other_breakers_are_open(
         assert body["error"]["code"] == "upstream_failed"
         assert (await _status(s, lb))["queued"] == 0
         assert (await _status(s, lb))["replicas"][good_url]["breaker"] == "open"
+
+
+async def test_a_new_request_fails_at_once_when_every_breaker_is_open(
+        balancer: tuple[Daemon, str, str]) -> None:
+    """Every replica of the model behind an open breaker (open 300 s, past the 5 s queue
+    timeout): a new request gets a 503 no_healthy_replica at once, told to come back when
+    the first breaker lets a trial through. Before, it queued, sat out the queue timeout
+    and ended in a 503 no_capacity that said nothing of when to come back."""
+    lb, bad_url, good_url = balancer
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        await _both_healthy(s, lb)
+
+        # Fails on one replica, then on the other as a retry: both breakers open
+        # (failure_threshold 1), and the client gets the upstream's failure.
+        status, body = await _post(s, lb, "replica-error")
+        assert status == 502, body
+        replicas = (await _status(s, lb))["replicas"]
+        assert [replicas[u]["breaker"] for u in (bad_url, good_url)] == ["open", "open"]
+
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+        async with s.post(lb.url + "/v1/chat/completions", json=body) as r:
+            status, reply, retry_after = r.status, await r.json(), r.headers["Retry-After"]
+        assert status == 503, reply
+        assert reply["error"]["code"] == "no_healthy_replica"
+        assert QUEUE_TIMEOUT_S < int(retry_after) <= 300  # the breakers' open_s, not 1 s
+        assert (await _status(s, lb))["queued"] == 0

@@ -9,9 +9,9 @@ import math
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from skymesh.balancer.breaker import BreakerState
+from skymesh.balancer.breaker import Breaker, BreakerState
 from skymesh.balancer.dispatch import Dispatcher, Ticket
-from skymesh.balancer.errors import NoCapacity, Overloaded
+from skymesh.balancer.errors import NoCapacity, NoHealthyReplica, Overloaded, retry_headers
 from skymesh.balancer.handlers import RETRY_COUNT_HEADER, _is_retry
 from skymesh.balancer.overload import (
     CLAIM_WINDOW_S,
@@ -22,8 +22,10 @@ from skymesh.balancer.overload import (
     RETRY_MIN_S,
     DrainMeter,
     RetryBook,
+    breakers_open,
     can_retry,
     can_serve,
+    check_servable,
     cold_retry_s,
     dead_retries,
     next_slot,
@@ -31,6 +33,7 @@ from skymesh.balancer.overload import (
     unlisted_replicas,
 )
 from skymesh.policies import RouteRequest, build_policy
+from skymesh.policies.base import Policy
 from skymesh.policies.load import PushMode
 from skymesh.policies.peers import ModelLoad
 
@@ -307,3 +310,70 @@ def test_queued_retries_leave_when_the_breakers_they_wait_for_open() -> None:
     assert list(dead_retries(d, eligible | {late.key}, 1.0)) == [retry]
     assert list(dead_retries(d, {late.key}, 1.0)) == []  # only those it may fail
     assert list(dead_retries(d, eligible, 11.0)) == []  # the trial is due
+
+
+# A new request when every replica of its model is behind an open breaker: a 503 at once,
+# told when the first breaker lets a trial through (``breakers_open``), instead of a wait
+# in the queue up to ``queue.timeout_s``.
+OPEN_S = 30.0
+
+
+def _breakers(peer_policy: Policy | None = None) -> Dispatcher:
+    d = Dispatcher(build_policy("round-robin"), PushMode.SP_O, breaker_threshold=1,
+                   breaker_open_s=OPEN_S, peer_policy=peer_policy)
+    d.set_targets({"a": ["m"], "b": ["m"], "c": ["other"]})
+    return d
+
+
+def test_trial_in_counts_down_to_the_half_open_time() -> None:
+    b = Breaker(failure_threshold=1, open_s=10.0)
+    b.on_failure(100.0)
+    assert b.trial_in(100.0) == 10.0
+    assert b.trial_in(104.0) == 6.0
+    assert b.trial_in(111.0) == 0.0  # due: never negative
+
+
+def test_every_breaker_open_answers_with_the_first_trial() -> None:
+    d = _breakers()
+    _failing(d, "a", 0.0, 1)
+    assert breakers_open(d, "m", 1.0) is None  # b still takes requests
+    _failing(d, "b", 5.0, 1)
+    exc = breakers_open(d, "m", 6.0)
+    assert isinstance(exc, NoHealthyReplica)
+    assert exc.status == 503 and exc.code == "no_healthy_replica"
+    assert exc.retry_after_s == pytest.approx(OPEN_S - 6.0)  # a's, the earlier one
+    assert exc.headers() == retry_headers(OPEN_S - 6.0)
+    assert breakers_open(d, "other", 6.0) is None  # c serves it, its breaker closed
+    with pytest.raises(NoHealthyReplica):
+        check_servable(d, "m", 0.0, now=6.0)
+    check_servable(d, "m", 0.0)  # without a time: the old answer (the request queues)
+
+
+def test_a_due_trial_lets_the_request_queue() -> None:
+    d = _breakers()
+    _failing(d, "a", 0.0, 1)
+    _failing(d, "b", 5.0, 1)
+    assert breakers_open(d, "m", OPEN_S) is None  # a's trial is due: it may take one
+    check_servable(d, "m", 0.0, now=OPEN_S)
+
+
+def test_an_unhealthy_replica_is_not_waited_for() -> None:
+    """A replica that is down is outage's business; the one up decides alone."""
+    d = _breakers()
+    d.set_healthy("b", False)
+    _failing(d, "a", 2.0, 1)
+    exc = breakers_open(d, "m", 3.0)
+    assert exc is not None and exc.retry_after_s == pytest.approx(OPEN_S - 1.0)
+
+
+def test_a_peer_that_serves_the_model_takes_it_unless_forwarded() -> None:
+    d = _breakers(peer_policy=build_policy("round-robin"))
+    d.set_peers(["eu"])
+    d.on_peer_heartbeat("eu", 0.0, 1, 1, {"m": ModelLoad(1, 1, 0, 0)})
+    d.set_peer_alive("eu", True)
+    _failing(d, "a", 0.0, 1)
+    _failing(d, "b", 0.0, 1)
+    assert breakers_open(d, "m", 1.0) is None
+    assert breakers_open(d, "m", 1.0, forwarded=True) is not None
+    d.set_peer_alive("eu", False)
+    assert breakers_open(d, "m", 1.0) is not None

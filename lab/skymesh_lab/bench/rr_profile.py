@@ -65,7 +65,8 @@ STAGES: tuple[tuple[str, Match], ...] = (
     ("metrics (prometheus children, histograms)", _in("prometheus_client", "metrics.py")),
     ("upstream client (upstream.py)", _in("balancer/upstream.py")),
     ("dispatcher, pump, policy (dispatch.py, server.py, policies/)",
-     _in("balancer/dispatch.py", "balancer/server.py", "skymesh/policies/")),
+     _in("balancer/dispatch",  # dispatch.py and its parts, dispatch_*.py
+         "balancer/server.py", "skymesh/policies/")),
     ("body parse and checks (parse_request, jsonbody, prompt)",
      _in("parse_request", "jsonbody", "prefix/prompt")),
     ("route_request, Ticket, RouteRequest", _in("route_request", "request_deadline",
