@@ -59,7 +59,9 @@ def start_lb(tmp: Path, name: str, controller: str, replica: Daemon) -> Daemon:
 async def flood(s: aiohttp.ClientSession, lb: Daemon) -> None:
     """The tenant's clients, all at ``lb``: a steady stream (429s expected)."""
     body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
-    while True:
+    # Until the test's session closes: the task may run once more after that, before the
+    # test's ``finally`` cancels it, and a post on a closed session raises RuntimeError.
+    while not s.closed:
         # A keep-alive connection the server closed as it was reused: the next one goes.
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             async with s.post(lb.url + "/v1/chat/completions", json=body,
