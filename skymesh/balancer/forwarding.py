@@ -195,11 +195,13 @@ class Forwarder:
         self._sweep, self._sweep_at = None, float("inf")
         h = self._deadlines
         due = self.loop.time() + SWEEP_SLACK_S
-        while h and (h[0][0] <= due or h[0][3].done()):
-            _, _, ticket, fut, timeout = heapq.heappop(h)
-            self._time_out(ticket, fut, timeout)
-        if h:
-            self._arm(h[0][0])
+        try:
+            while h and (h[0][0] <= due or h[0][3].done()):
+                _, _, ticket, fut, timeout = heapq.heappop(h)
+                self._time_out(ticket, fut, timeout)
+        finally:  # one timeout that raised must not leave the others without a timer
+            if h and self._sweep is None:
+                self._arm(h[0][0])
 
     @staticmethod
     def dispatched(ticket: Ticket, fut: asyncio.Future[None]) -> str:

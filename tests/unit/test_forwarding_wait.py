@@ -16,6 +16,7 @@ from skymesh.policies.load import PushMode
 
 RETRY_AFTER_S = 7.0
 LONG_S = 3600.0  # a queue timeout that never comes within a test
+HANG_S = 30.0  # far beyond any timeout below: only a wait that never ends reaches it
 
 
 class Core:
@@ -161,3 +162,38 @@ async def test_dead_timeouts_are_pruned_while_a_request_waits() -> None:
     with pytest.raises(asyncio.CancelledError):
         await staying
     assert fwd._deadlines == [] and fwd._sweep is None
+
+
+async def test_a_timeout_that_raises_leaves_the_other_waiters_timed() -> None:
+    # The waiters share one timer: a failure while timing one out (here its Retry-After)
+    # must not leave the next without its queue timeout.
+    core, failfast = Core(), {}
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+
+    def retry_after(model: str) -> float:
+        if model == "bad":
+            raise RuntimeError("no drain rate")
+        return RETRY_AFTER_S
+
+    none = cast(Any, None)
+    fwd = Forwarder(cast(Any, core), none, none, none, None, none, none, failfast,
+                    retry_after)
+    bad = Ticket(RouteRequest("bad", model="bad"), 0.0)
+    core.dispatcher.offer(bad, 0.0)
+    bad_wait = asyncio.create_task(fwd.wait_dispatch(bad, 0.01))
+    await asyncio.sleep(0)
+    good = queued_as(core, "good")
+    try:
+        # A generous bound turns "never timed out" into a failure instead of a hang.
+        async with asyncio.timeout(HANG_S):
+            with pytest.raises(NoCapacity):
+                await fwd.wait_dispatch(good, 0.02)
+    finally:
+        loop.set_exception_handler(None)
+    assert errors and isinstance(errors[0].get("exception"), RuntimeError)
+    assert not bad_wait.done()  # its timeout failed; the handler's finally cleans up
+    bad_wait.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await bad_wait
