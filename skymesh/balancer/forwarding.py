@@ -15,6 +15,8 @@ policy may move it). The upstream request's headers are
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -55,6 +57,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("skymesh.lb")
 
+# How early the sweep may take a queue timeout: the event loop's timers have millisecond
+# resolution, so a sweep can run a hair before the deadline it was armed for (asyncio's
+# own loop takes its timers this far ahead for the same reason).
+SWEEP_SLACK_S = 0.001
+# A waiter's deadline, its sequence number (equal deadlines leave in arrival order), and
+# what its timeout needs: the ticket, its future, the timeout it was given.
+_Deadline = tuple[float, int, Ticket, "asyncio.Future[None]", float]
+
+
 def usage(reply: Any) -> tuple[int, int, int | None]:
     """(prompt tokens, completion tokens, cached prompt tokens or None) from a parsed
     non-streamed response's ``usage``; zeros when it has none."""
@@ -92,12 +103,29 @@ class Forwarder:
         self.drain_retry_s = drain_retry_s  # Retry-After for a model's queue
         # The running loop, asked once (a getpid() system call per ask on Python 3.11).
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The queue timeouts of the waiting requests, earliest first, swept by one timer:
+        # a loop timer per waiter cost 1.8 us to arm and cancel under uvloop (a libuv
+        # handle each), a heap entry 0.2 us. Entries of requests that were dispatched
+        # (or left) stay until their deadline or a compaction; ``_waiting`` counts the
+        # live ones, which bound the heap (``_forget``).
+        self._deadlines: list[_Deadline] = []
+        self._seq = itertools.count()
+        self._waiting = 0
+        self._sweep: asyncio.TimerHandle | None = None
+        self._sweep_at = float("inf")
+        # Offered to the pump in place of a future: done already, so the pump resolves
+        # nothing, and a request a replica takes at once makes no future of its own.
+        self._at_once: asyncio.Future[None] | None = None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         loop = self._loop
         if loop is None or loop.is_closed():
             loop = self._loop = asyncio.get_running_loop()
+            self._deadlines, self._waiting, self._sweep = [], 0, None  # the old loop's
+            self._sweep_at = float("inf")
+            self._at_once = loop.create_future()
+            self._at_once.set_result(None)
         return loop
 
     async def wait_dispatch(self, ticket: Ticket, timeout: float) -> str:
@@ -111,26 +139,70 @@ class Forwarder:
 
     def offer_wait(self, ticket: Ticket) -> asyncio.Future[None]:
         """The ticket's dispatch as a future, after a pump: done already when a replica
-        took it at once."""
-        fut: asyncio.Future[None] = self.loop.create_future()
-        ticket.payload = fut
+        took it at once (then the shared, resolved one)."""
+        loop = self.loop
+        ticket.payload = self._at_once
+        # Nothing fails the ticket in this pump: the pump fails only the waiters in
+        # ``failfast``, which it joins in ``wait_queued``.
         self.core.pump()
+        if ticket.target is not None and not ticket.queued:
+            return self._at_once  # type: ignore[return-value]
+        fut: asyncio.Future[None] = loop.create_future()
+        ticket.payload = fut
         return fut
 
     async def wait_queued(self, ticket: Ticket, fut: asyncio.Future[None],
                           timeout: float) -> None:
-        # One timer per waiting request, awaited bare: wait_for(shield(fut)) cost two
+        # Awaited bare, its timeout in the shared sweep: wait_for(shield(fut)) cost two
         # more futures, a task and its timer each (and the getpid()s of asking for the
         # loop). A client that leaves cancels ``fut`` with it; nothing resolves a
-        # cancelled future (the pump checks done()), and the handler's ``finally``
-        # takes the ticket out of the queue.
+        # cancelled future (the pump and the sweep check done()), and the handler's
+        # ``finally`` takes the ticket out of the queue.
         self.failfast[ticket.key] = ticket
-        timer = self.loop.call_later(timeout, self._time_out, ticket, fut, timeout)
+        loop = self.loop
+        when = loop.time() + timeout
+        heapq.heappush(self._deadlines, (when, next(self._seq), ticket, fut, timeout))
+        self._waiting += 1
+        if when < self._sweep_at:
+            self._arm(when)
         try:
             await fut
         finally:
-            timer.cancel()
             self.failfast.pop(ticket.key, None)
+            self._forget()
+
+    def _arm(self, when: float) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+        self._sweep = self.loop.call_at(when, self._sweep_due)
+        self._sweep_at = when
+
+    def _forget(self) -> None:
+        """A waiter is done: its heap entry is dead. With none left waiting the heap and
+        its timer go; a heap of mostly dead entries is rebuilt (bounded by the waiters)."""
+        self._waiting -= 1
+        h = self._deadlines
+        if not self._waiting:
+            h.clear()
+            if self._sweep is not None:
+                self._sweep.cancel()
+                self._sweep, self._sweep_at = None, float("inf")
+        elif len(h) > 2 * self._waiting + 64:
+            h[:] = [e for e in h if not e[3].done()]
+            heapq.heapify(h)
+
+    def _sweep_due(self) -> None:
+        """The earliest deadlines have come: time those requests out, arm for the next."""
+        self._sweep, self._sweep_at = None, float("inf")
+        h = self._deadlines
+        due = self.loop.time() + SWEEP_SLACK_S
+        try:
+            while h and (h[0][0] <= due or h[0][3].done()):
+                _, _, ticket, fut, timeout = heapq.heappop(h)
+                self._time_out(ticket, fut, timeout)
+        finally:  # one timeout that raised must not leave the others without a timer
+            if h and self._sweep is None:
+                self._arm(h[0][0])
 
     @staticmethod
     def dispatched(ticket: Ticket, fut: asyncio.Future[None]) -> str:

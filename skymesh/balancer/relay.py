@@ -149,6 +149,7 @@ class RequestCore:
         self.now = now
         self.pump = pump
         self.switches = switches
+        self._loop: asyncio.AbstractEventLoop | None = None  # asked once: a getpid() each
 
     def started(self, ticket: Ticket, first_at: float, t0: float) -> None:
         """The replica has answered: the request no longer waits to be admitted there."""
@@ -180,7 +181,10 @@ class RequestCore:
                      output: str) -> None:
         """:meth:`record_cached` once the response in hand has been written: keying the
         text is not the client's wait."""
-        asyncio.get_running_loop().call_soon(self.record_cached, route, target, intake, output)
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
+        loop.call_soon(self.record_cached, route, target, intake, output)
 
 
 

@@ -16,6 +16,7 @@ from skymesh.policies.load import PushMode
 
 RETRY_AFTER_S = 7.0
 LONG_S = 3600.0  # a queue timeout that never comes within a test
+HANG_S = 30.0  # far beyond any timeout below: only a wait that never ends reaches it
 
 
 class Core:
@@ -100,3 +101,99 @@ async def test_a_timeout_that_races_a_dispatch_goes_on_to_the_target() -> None:
     assert core.dispatcher.pump(0.0) == [t]  # dispatched, its future not yet resolved
     fwd._time_out(t, fut, 0.01)
     assert fut.done() and fut.exception() is None  # no 503 for a dispatched request
+
+
+def queued_as(core: Core, rid: str) -> Ticket:
+    t = Ticket(RouteRequest(rid, model="m"), 0.0)
+    core.dispatcher.offer(t, 0.0)
+    return t
+
+
+async def test_a_shorter_timeout_behind_a_longer_one_leaves_first() -> None:
+    # One timer sweeps every waiter's timeout: a later waiter with an earlier deadline
+    # re-arms it, and the first waiter keeps waiting past that sweep.
+    core, failfast = Core(), {}
+    fwd = forwarder(core, failfast)
+    long_t, short_t = queued_as(core, "long"), queued_as(core, "short")
+    long_wait = asyncio.create_task(fwd.wait_dispatch(long_t, LONG_S))
+    await asyncio.sleep(0)
+    with pytest.raises(NoCapacity):
+        await fwd.wait_dispatch(short_t, 0.01)
+    assert not long_wait.done() and long_t.queued and failfast == {long_t.key: long_t}
+    core.dispatcher.set_targets({"a": ["m"]})
+    core.pump()
+    assert await long_wait == "a"
+    assert failfast == {} and fwd._deadlines == [] and fwd._sweep is None
+
+
+async def test_a_request_taken_at_once_makes_no_future_and_no_timeout() -> None:
+    core, failfast = Core(), {}
+    core.dispatcher.set_targets({"a": ["m"]})
+    fwd = forwarder(core, failfast)
+    t = queued(core)
+    assert await fwd.wait_dispatch(t, LONG_S) == "a"
+    first = t.payload
+    t2 = queued_as(core, "r2")
+    assert await fwd.wait_dispatch(t2, LONG_S) == "a"
+    assert t2.payload is first and first.done()  # the shared, resolved one
+    assert fwd._deadlines == [] and fwd._sweep is None
+
+
+async def test_dead_timeouts_are_pruned_while_a_request_waits() -> None:
+    # Dispatched waiters leave their entries in the sweep's heap; it is rebuilt once
+    # they outnumber the live ones, so a standing queue keeps it bounded.
+    core, failfast = Core(), {}
+    fwd = forwarder(core, failfast)
+    stays = Ticket(RouteRequest("stays", model="other"), 0.0)  # no replica serves it
+    core.dispatcher.offer(stays, 0.0)
+    staying = asyncio.create_task(fwd.wait_dispatch(stays, LONG_S))
+    for i in range(300):
+        t = queued_as(core, f"r{i}")
+        wait = asyncio.create_task(fwd.wait_dispatch(t, LONG_S))
+        await asyncio.sleep(0)
+        core.dispatcher.set_targets({"a": ["m"]})
+        core.pump()
+        assert await wait == "a"
+        core.dispatcher.complete(t, 0.0, ok=True)
+        core.dispatcher.set_targets({})
+    assert len(fwd._deadlines) <= 2 + 64
+    assert not staying.done() and failfast == {stays.key: stays}
+    staying.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await staying
+    assert fwd._deadlines == [] and fwd._sweep is None
+
+
+async def test_a_timeout_that_raises_leaves_the_other_waiters_timed() -> None:
+    # The waiters share one timer: a failure while timing one out (here its Retry-After)
+    # must not leave the next without its queue timeout.
+    core, failfast = Core(), {}
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+
+    def retry_after(model: str) -> float:
+        if model == "bad":
+            raise RuntimeError("no drain rate")
+        return RETRY_AFTER_S
+
+    none = cast(Any, None)
+    fwd = Forwarder(cast(Any, core), none, none, none, None, none, none, failfast,
+                    retry_after)
+    bad = Ticket(RouteRequest("bad", model="bad"), 0.0)
+    core.dispatcher.offer(bad, 0.0)
+    bad_wait = asyncio.create_task(fwd.wait_dispatch(bad, 0.01))
+    await asyncio.sleep(0)
+    good = queued_as(core, "good")
+    try:
+        # A generous bound turns "never timed out" into a failure instead of a hang.
+        async with asyncio.timeout(HANG_S):
+            with pytest.raises(NoCapacity):
+                await fwd.wait_dispatch(good, 0.02)
+    finally:
+        loop.set_exception_handler(None)
+    assert errors and isinstance(errors[0].get("exception"), RuntimeError)
+    assert not bad_wait.done()  # its timeout failed; the handler's finally cleans up
+    bad_wait.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await bad_wait
