@@ -101,8 +101,7 @@ class Forwarder:
         self.mover = mover
         self.failfast = failfast  # queued requests that may fail fast (the pump's), by key
         self.drain_retry_s = drain_retry_s  # Retry-After for a model's queue
-        # The running loop, asked once (a getpid() system call per ask on Python 3.11).
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one the state below is on
         # The queue timeouts of the waiting requests, earliest first, swept by one timer:
         # a loop timer per waiter cost 1.8 us to arm and cancel under uvloop (a libuv
         # handle each), a heap entry 0.2 us. Entries of requests that were dispatched
@@ -119,9 +118,9 @@ class Forwarder:
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            loop = self._loop = asyncio.get_running_loop()
+        loop = self.core.loop
+        if loop is not self._loop:  # a new loop: what was kept on the old one goes
+            self._loop = loop
             self._deadlines, self._waiting, self._sweep = [], 0, None  # the old loop's
             self._sweep_at = float("inf")
             self._at_once = loop.create_future()

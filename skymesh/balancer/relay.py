@@ -149,7 +149,16 @@ class RequestCore:
         self.now = now
         self.pump = pump
         self.switches = switches
-        self._loop: asyncio.AbstractEventLoop | None = None  # asked once: a getpid() each
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, asked once per loop: on Python 3.11 each ask is a getpid()
+        system call, and the request path needs it several times per request."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     def started(self, ticket: Ticket, first_at: float, t0: float) -> None:
         """The replica has answered: the request no longer waits to be admitted there."""
@@ -181,10 +190,7 @@ class RequestCore:
                      output: str) -> None:
         """:meth:`record_cached` once the response in hand has been written: keying the
         text is not the client's wait."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            loop = self._loop = asyncio.get_running_loop()
-        loop.call_soon(self.record_cached, route, target, intake, output)
+        self.loop.call_soon(self.record_cached, route, target, intake, output)
 
 
 

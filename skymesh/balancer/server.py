@@ -360,8 +360,6 @@ class Balancer:
                 if name in mine}
 
     # -- the dispatcher's driver ---------------------------------------------------------
-    _loop: asyncio.AbstractEventLoop | None = None  # pump's, asked once
-
     def pump(self) -> None:
         self._pump()
         gate = self.handlers.gate
@@ -378,9 +376,7 @@ class Balancer:
             if self.drain.backlog_since is not None:  # emptied by cancels: the clock stops
                 self.drain.observe(self.now(), 0, 0)
             return
-        loop = self._loop
-        if loop is None or loop.is_closed():  # asked once: a getpid() per ask on 3.11
-            loop = self._loop = asyncio.get_running_loop()
+        loop = self.core.loop
         now = self.now()
         sent = d.pump(now)
         self.drain.observe(now, len(sent), d.queued)

@@ -20,12 +20,16 @@ HANG_S = 30.0  # far beyond any timeout below: only a wait that never ends reach
 
 
 class Core:
-    """The two things ``wait_dispatch`` uses of ``RequestCore``: its dispatcher, and a
+    """What ``wait_dispatch`` uses of ``RequestCore``: its dispatcher, its loop, and a
     pump that resolves dispatched tickets' futures as ``Balancer._pump`` does."""
 
     def __init__(self) -> None:
         self.dispatcher = Dispatcher(build_policy("round-robin"), PushMode.BP)
         self.dispatcher.set_targets({})  # nothing up: every request waits in the queue
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
 
     def pump(self) -> None:
         for t in self.dispatcher.pump(0.0):
