@@ -215,6 +215,36 @@ async def serving(app: web.Application) -> AsyncIterator[int]:
         await runner.cleanup()
 
 
+def idle_vllm_metrics(model: str) -> str:
+    """The ``/metrics`` page of an idle vLLM replica serving ``model``: what a stub replica
+    answers the balancer's probes with."""
+    return (f'vllm:num_requests_waiting{{model_name="{model}"}} 0\n'
+            f'vllm:num_requests_running{{model_name="{model}"}} 0\n')
+
+
+def chat_reply(model: str) -> dict[str, Any]:
+    """A whole chat completion, as a stub replica answers."""
+    return {"id": "x", "object": "chat.completion", "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+
+
+async def lb_status(s: aiohttp.ClientSession, base: str) -> dict[str, Any]:
+    """The balancer's ``/status`` JSON."""
+    async with s.get(base + "/status") as r:
+        out: dict[str, Any] = await r.json()
+        return out
+
+
+async def ready_replicas(s: aiohttp.ClientSession, base: str, n: int) -> None:
+    """Wait until the balancer's ``/ready`` counts ``n`` healthy replicas."""
+    async def ready() -> bool:
+        async with s.get(base + "/ready") as r:
+            return bool((await r.json())["healthy_replicas"] == n)
+    await until(ready, f"{n} healthy replica(s)")
+
+
 @cache
 def length_samples() -> tuple[list[Any], list[Any]]:
     """Slices of the default length-prediction split (seed 0): 2,000 training samples and

@@ -13,7 +13,10 @@ queue:
   replica it has not failed on is behind an open breaker (:func:`can_retry`; queued:
   :func:`dead_retries`): it ends with a 502 rather than wait for the breaker's trial. A
   new request whose every replica is behind an open breaker, with no peer to take it,
-  gets a 503 at once, its ``Retry-After`` the first breaker's trial (:func:`breakers_open`).
+  gets a 503 at once, its ``Retry-After`` the first breaker's trial (:func:`breakers_open`);
+  so do the requests already queued when the last breaker opens (:func:`stranded` with a
+  time, :func:`stranded_error`), and the passthrough routes (``skymesh.balancer.passthrough``,
+  :func:`breakers_wait`).
 * **When should a turned-away client come back?** (:class:`RetryBook`) When the queue
   will have room for it, so that a client that honours ``Retry-After`` is served. Each
   429 (queue full) or queue-timeout 503 books a time to come back (:func:`next_slot`):
@@ -60,6 +63,8 @@ Parameters (module constants; defaults in brackets):
 * ``OUTAGE_RETRY_S`` [2 s]: the base wait when no replica is up: nothing measures when one
   comes back; two seconds is a few probe rounds, and the SDK's two default retries then
   give up within about 7 s instead of three 60 s queue timeouts.
+* ``STRANDED_IDS_SHOWN`` [5]: request ids named in the log line for queued requests failed
+  at once (:func:`stranded_line`): enough to find their access-log lines, a bounded line.
 
 No I/O and no clock of its own: the time and the random draw are the caller's.
 """
@@ -71,6 +76,7 @@ import math
 from collections import deque
 from collections.abc import Collection, Iterator
 
+from skymesh.balancer.breaker import Breaker
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.errors import ModelNotFound, NoHealthyReplica
 
@@ -84,6 +90,7 @@ COLD_RETRY_S = 2.0
 OUTAGE_RETRY_S = 2.0
 CLAIM_WINDOW_S = 10.0
 MAX_BOOKED = 100_000
+STRANDED_IDS_SHOWN = 5
 
 
 def next_slot(now: float, queued: int, capacity: int, ahead: int, drain_per_s: float,
@@ -277,22 +284,52 @@ def unlisted_replicas(d: Dispatcher) -> int:
     return sum(1 for t in d.targets.values() if not t.models)
 
 
-def stranded(d: Dispatcher, eligible: Collection[str]) -> Iterator[Ticket]:
+def stranded(d: Dispatcher, eligible: Collection[str], now: float | None = None
+             ) -> Iterator[Ticket]:
     """Queued tickets, among those keyed in ``eligible``, that nothing can serve now (in
     queue order). One :func:`can_serve` per queued model: cheap enough to call on every
     pump while requests wait. The batch lanes too: batch waits there for hours, and a
     model nothing here serves any more would keep it until its deadline; and a due batch
-    request (``stay``), which no peer may take."""
+    request (``stay``), which no peer may take.
+
+    With ``now``, also those whose model's every healthy replica is behind an open breaker
+    (:func:`breakers_open`), which a new request would not have been queued for: queued,
+    they would wait for the first trial or the queue timeout. Retries aside: their answer
+    is :func:`dead_retries`' 502. The peer rule is the same: a request a live peer may
+    take waits for it."""
     for model, q in itertools.chain(d.queues.items(), d.lanes.items()):
         if not q:
             continue
-        local = can_serve(d, model, forwarded=True)
-        if local:
-            continue
-        via_peer = can_serve(d, model)
+        shut = False
+        if can_serve(d, model, forwarded=True):
+            if now is None or breakers_open(d, model, now, forwarded=True) is None:
+                continue
+            shut = True
+            via_peer = breakers_open(d, model, now) is None
+        else:
+            via_peer = can_serve(d, model)
         for t in list(q):
-            if t.key in eligible and (not via_peer or t.route.forwarded or t.stay):
+            if t.key in eligible and (not via_peer or t.route.forwarded or t.stay) \
+                    and not (shut and t.excluded):
                 yield t
+
+
+def stranded_error(d: Dispatcher, model: str, now: float, u: float) -> NoHealthyReplica:
+    """The 503 for a ticket :func:`stranded` found: :func:`breakers_open`'s when replicas
+    serving ``model`` are up behind open breakers (Retry-After: the first trial), else
+    :func:`outage`'s (``u``: the jitter's draw)."""
+    return breakers_open(d, model, now, forwarded=True) or outage(d, model, u)
+
+
+def stranded_line(model: str, request_ids: list[str], error: NoHealthyReplica) -> str:
+    """The log line for queued requests failed at once: how many, which (the first few
+    ids, to find their access-log lines), and why."""
+    shown = ", ".join(request_ids[:STRANDED_IDS_SHOWN])
+    more = len(request_ids) - STRANDED_IDS_SHOWN
+    if more > 0:
+        shown += f" and {more} more"
+    return (f"{len(request_ids)} queued request(s) for model {model!r} ended at once with "
+            f"503 no_healthy_replica (request ids {shown}): {error.message}")
 
 
 def outage(d: Dispatcher, model: str, u: float) -> NoHealthyReplica:
@@ -316,9 +353,15 @@ def breakers_open(d: Dispatcher, model: str, now: float, *, forwarded: bool = Fa
     shut = [t.breaker for t in d.targets.values() if t.healthy and model in t.models]
     if not shut:  # nothing up at all: ``outage``'s answer
         return None
+    return breakers_wait(f"model {model!r}", shut, now)
+
+
+def breakers_wait(what: str, shut: Collection[Breaker], now: float) -> NoHealthyReplica:
+    """The 503 when the replicas up that serve ``what`` are all behind the open breakers
+    ``shut``: come back when the first lets its trial through."""
     wait = min(b.trial_in(now) for b in shut)
     return NoHealthyReplica(
-        f"every replica serving model {model!r} ({len(shut)} up) has its circuit breaker "
+        f"every replica serving {what} ({len(shut)} up) has its circuit breaker "
         f"open after repeated failures; the first may be tried again in {wait:.1f} s",
         retry_after_s=wait)
 

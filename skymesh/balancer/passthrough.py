@@ -26,9 +26,13 @@ arrives. The body is read whole first, under ``limits.max_body_bytes`` (413).
 
 Where: a JSON body's ``model`` picks among the healthy replicas serving that model (404
 ``model_not_found`` when none serves it, 503 ``no_healthy_replica`` when none of them is
-up); without one, any healthy replica. Among those, the least outstanding (the
-dispatcher's count plus the passthrough requests in flight), ties at random: routing
-policies are for generation. A connect error is retried once on another replica (the
+up); without one, any healthy replica. Replicas behind an open circuit breaker (the
+generation path's, ``skymesh.balancer.breaker``) are passed over while another is up; when
+every one up is behind one, the answer is the generation path's 503 ``no_healthy_replica``
+with ``Retry-After`` until the first breaker's trial (``overload.breakers_wait``), not the
+failing replica's own errors. Among those, the least outstanding (the dispatcher's count
+plus the passthrough requests in flight), ties at random: routing policies are for
+generation. A connect error is retried once on another replica (the
 request never left, whatever its method), and so is a connection lost before the answer
 for idempotent methods.
 """
@@ -38,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 from collections.abc import Callable
 
 import aiohttp
@@ -61,7 +66,7 @@ from skymesh.balancer.errors import (
     SkyMeshError,
     UpstreamFailed,
 )
-from skymesh.balancer.overload import outage_retry_s, unlisted_replicas
+from skymesh.balancer.overload import breakers_wait, outage_retry_s, unlisted_replicas
 
 log = logging.getLogger("skymesh.lb")
 
@@ -131,8 +136,10 @@ class Passthrough:
                  *, max_body_bytes: int, forward_client_auth: bool,
                  refused: Callable[[web.Request], web.Response | None],
                  owned: OwnedRoutes, hidden_headers: frozenset[str] = frozenset(),
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.dispatcher = dispatcher
+        self._clock = clock  # the breakers' (the balancer's ``now``)
         self._session = session
         self.max_body_bytes = max_body_bytes
         self._refused = refused
@@ -185,6 +192,14 @@ class Passthrough:
         serving = [tid for tid, t in d.targets.items()
                    if model is None or model in t.models]
         cands = [tid for tid in serving if d.targets[tid].healthy and tid not in excluded]
+        if cands and d.health_summary()[1]:  # some breaker open: pass over the shut ones
+            now = self._clock()
+            shut = [d.targets[tid].breaker for tid in cands
+                    if d.targets[tid].breaker.shut(now)]
+            if len(shut) == len(cands):
+                raise breakers_wait(self._what(model), shut, now)
+            if shut:
+                cands = [tid for tid in cands if not d.targets[tid].breaker.shut(now)]
         if cands:
             return min(cands, key=lambda tid: (
                 d.targets[tid].load.outstanding + self.in_flight.get(tid, 0),
@@ -192,10 +207,13 @@ class Passthrough:
         if model is not None and not serving and not unlisted_replicas(d):
             raise ModelNotFound(f"model {model!r} is not served here; see /v1/models",
                                 param="model")
-        what = f"model {model!r}" if model is not None else "this route"
-        raise NoHealthyReplica(f"no healthy replica can serve {what} now "
+        raise NoHealthyReplica(f"no healthy replica can serve {self._what(model)} now "
                                f"({len(serving)} replica(s) known for it, none up)",
                                retry_after_s=outage_retry_s(self._rng.random()))
+
+    @staticmethod
+    def _what(model: str | None) -> str:
+        return f"model {model!r}" if model is not None else "this route"
 
     def _headers(self, request: web.Request) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in self._drop}

@@ -46,7 +46,7 @@ from skymesh.balancer.config import BalancerConfig, ReplicaConfig, TenantsConfig
 from skymesh.balancer.controller_link import ControllerLink, Tally, fetch_resolver
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.edge import OwnedRoutes, request_id, stamp_request_id
-from skymesh.balancer.errors import UpstreamFailed
+from skymesh.balancer.errors import NoHealthyReplica, UpstreamFailed
 from skymesh.balancer.forwarding import Forwarder
 from skymesh.balancer.handlers import Handlers
 from skymesh.balancer.health import HealthTracker
@@ -57,11 +57,13 @@ from skymesh.balancer.moves import Mover
 from skymesh.balancer.overload import (
     DrainMeter,
     RetryBook,
+    breakers_open,
     can_serve,
     dead_retries,
     may_strand,
-    outage,
     stranded,
+    stranded_error,
+    stranded_line,
 )
 from skymesh.balancer.passthrough import Passthrough
 from skymesh.balancer.prediction import LivePredictor
@@ -366,9 +368,10 @@ class Balancer:
         if gate is not None and gate.queue.waiting:  # the tenants' fair queue, behind it
             gate.release(self.now())
             if gate.queue.waiting:
-                d = self.dispatcher
-                gate.fail_stranded(lambda m: can_serve(d, m),
-                                   lambda m: outage(d, m, self.rng.random()))
+                d, now = self.dispatcher, self.now()
+                gate.fail_stranded(
+                    lambda m: can_serve(d, m) and breakers_open(d, m, now) is None,
+                    lambda m: stranded_error(d, m, now, self.rng.random()))
 
     def _pump(self) -> None:
         d = self.dispatcher
@@ -392,14 +395,21 @@ class Balancer:
 
     def _fail_stranded(self) -> None:
         """Queued requests that nothing up can serve any more (the last replica of their
-        model went down) get their 503 now, not at the queue timeout; queued retries with
-        no replica left but those behind an open breaker, their 502."""
-        d = self.dispatcher
-        for ticket in list(stranded(d, self.failfast)):
+        model went down, or the breaker of the last one up opened) get their 503 now, not
+        at the queue timeout; queued retries with no replica left but those behind an
+        open breaker, their 502."""
+        d, now = self.dispatcher, self.now()
+        failed: dict[str, tuple[list[str], NoHealthyReplica]] = {}
+        for ticket in list(stranded(d, self.failfast, now)):
             d.cancel(ticket)
             fut: asyncio.Future[None] = ticket.payload
             if not fut.done():
-                fut.set_exception(outage(d, ticket.route.model, self.rng.random()))
+                route = ticket.route
+                error = stranded_error(d, route.model, now, self.rng.random())
+                fut.set_exception(error)
+                failed.setdefault(route.model, ([], error))[0].append(route.request_id)
+        for model, (ids, error) in failed.items():  # the access log has the 503s: why
+            log.warning("%s", stranded_line(model, ids, error))
         # Retries whose other replicas' breakers opened while they waited: they would
         # take each breaker's trial and fail it (overload.can_retry).
         for ticket in list(dead_retries(d, self.failfast, self.now())):

@@ -11,18 +11,14 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from support import start_lb_with, until
+from support import chat_reply, idle_vllm_metrics, start_lb_with, until
 
 from skymesh.util.procs import Daemon
 
 MODEL = "m"
 QUEUE_TIMEOUT_S = 5.0  # what the retry sat out before the fix, then a 503
-_METRICS = ('vllm:num_requests_waiting{model_name="m"} 0\n'
-            'vllm:num_requests_running{model_name="m"} 0\n')
-_REPLY = {"id": "x", "object": "chat.completion", "model": MODEL,
-          "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
-                       "finish_reason": "stop"}],
-          "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+_METRICS = idle_vllm_metrics(MODEL)
+_REPLY = chat_reply(MODEL)
 
 
 def _stub(fails_all: bool) -> web.Application:

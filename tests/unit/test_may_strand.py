@@ -72,6 +72,7 @@ def test_when_may_strand_says_no_nothing_is_stranded_or_dead(ops: list[tuple],
         if not may_strand(d):
             every = {t.key for q in d.queues.values() for t in q}
             assert list(stranded(d, every)) == []
+            assert list(stranded(d, every, now)) == []  # and behind open breakers
             assert list(dead_retries(d, every, now)) == []
 
 
