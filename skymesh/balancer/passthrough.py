@@ -139,7 +139,7 @@ class Passthrough:
                  rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.dispatcher = dispatcher
-        self._clock = clock  # the breakers' (the balancer's ``now``)
+        self._clock = clock  # the breakers' clock: the balancer's ``now``
         self._session = session
         self.max_body_bytes = max_body_bytes
         self._refused = refused

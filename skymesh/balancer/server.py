@@ -461,7 +461,7 @@ def build_app(cfg: BalancerConfig, *, workers: int = 1, worker: int = 0) -> web.
                         max_body_bytes=cfg.limits.max_body_bytes,
                         forward_client_auth="Authorization" in lb.forward_headers,
                         refused=edge.refused, owned=OwnedRoutes(app),
-                        hidden_headers=frozenset({FORWARDED_HEADER}))
+                        hidden_headers=frozenset({FORWARDED_HEADER}), clock=lb.now)
     app.router.add_route("*", "/{tail:.*}", proxy.handle)
     app.on_response_prepare.append(stamp_request_id)
     # One skymesh.access line and one span per request (docs/operations-logs.md).
