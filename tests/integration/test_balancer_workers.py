@@ -84,6 +84,8 @@ async def test_two_workers_share_the_port_restart_and_drain(tmp_path: Path,
         assert [w["index"] for w in workers] == [0, 1] and all(w["up"] for w in workers)
         pids = [w["pid"] for w in workers]
         assert lb.proc.pid not in pids and len(set(pids)) == 2
+        assert all(set(w["share"]) == {"inserts_sent", "datagrams_sent", "inserts_applied"}
+                   for w in workers)
 
         # Both workers take connections: one /metrics counts each one's requests.
         async def both_served() -> bool:
