@@ -156,7 +156,10 @@ def lb_workers(doc: dict[str, Any]) -> str:
         "completions to two stub backends. `default` is prefix-tree with sp-p, `rr-bp` "
         "round-robin with blind pushing. wrk, the stubs and the balancer share the cores: "
         "req/s is what the machine gave all of them, CPU per request the balancer's own "
-        "(supervisor and workers).", "",
+        "(supervisor and workers). The prompt is shorter than a prefix chunk (64 "
+        "characters), so it has no prefix keys: the trie and its share between the "
+        "workers do no work here, and what the default path costs more with 2 workers "
+        "than with 1 is spent elsewhere.", "",
         throughput_table(doc),
         *(["", cost_section(doc[WORKERS_LIVE])] if WORKERS_LIVE in doc else [])])
 
