@@ -79,6 +79,9 @@ def segment(urls: str, flags: list[str], pythonpath: str | None, duration_s: flo
     env = dict(os.environ)
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
+        # Workers start as ``python -m``, which would put the working directory (this
+        # checkout) ahead of PYTHONPATH: the base's workers would run the current code.
+        env["PYTHONSAFEPATH"] = "1"
     wflags, cpu_s = workers_arm(workers)
     d = start_daemon("skymesh-lb", ["--port", "0", "--replicas", urls, *wflags,
                                     *flags], timeout=ro.READY_TIMEOUT_S, env=env)
