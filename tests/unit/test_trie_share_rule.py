@@ -123,9 +123,23 @@ async def test_a_repeat_sends_no_datagram(tmp_path: Path) -> None:
             await s.stop()
 
 
-@pytest.mark.parametrize("data", [b"", b"\x05", b"\x05\x00\x01\x00\x00\x00ab",
-                                  b"\x00\x00\x01\x00\x00\x00" + b"\x00" * 8 + b"\x01" * 7,
-                                  b"\x01\x00\x01\x00\x00\x00\xff" + b"\x00" * 8])
+def _datagram(names: bytes, entries: list[int], keys: bytes, count: int | None = None
+              ) -> bytes:
+    """A share datagram with the given parts (siblings' format), for malformed ones."""
+    n = len(entries) // 2 if count is None else count
+    return (struct.pack("<II", len(names), n) + names
+            + struct.pack(f"<{len(entries)}I", *entries) + keys)
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\x05",  # no header
+    struct.pack("<II", 100, 1) + b"ab",  # names cut short
+    _datagram(b"a", [0, 1], b"\x01" * 7),  # keys not a whole number of uint64
+    _datagram(b"\xff", [0, 1], b"\x00" * 8),  # a name that is not UTF-8
+    _datagram(b"a", [0, 5], b"\x00" * 8),  # more keys counted than sent
+    _datagram(b"a", [3, 1], b"\x00" * 8),  # a target index past the names
+    _datagram(b"a", [0, 1], b"", count=4),  # more inserts counted than sent
+])
 def test_a_malformed_datagram_is_refused(data: bytes) -> None:
     with pytest.raises((ValueError, IndexError, struct.error)):
         decode_inserts(data)

@@ -69,8 +69,18 @@ def cost_section(live: dict[str, Any]) -> str:
         rows.append(f"| {name} | {cell['default']} | {cell['rr']} | "
                     f"{', '.join(f'{x:g}' for x in r['ratio_rounds'])} | "
                     f"**{r['ratio_median']:g}x** |")
+    cur, base = versions.get("current"), versions.get("base")
+    summary = ""
+    if cur is not None and base is not None:
+        d_now = cur["configs"]["default"]["median"]
+        d_base = base["configs"]["default"]["median"]
+        summary = (f"The default path costs {d_now:g} us of CPU per request now against "
+                   f"{d_base:g} at `{setup['base']}` ({abs(d_base - d_now):.0f} us "
+                   f"{'less' if d_now <= d_base else 'more'}), "
+                   f"{cur['ratio_median']:g}x round-robin + bp against "
+                   f"{base['ratio_median']:g}x. ")
     text = [f"## The default path's CPU with {setup['workers']} workers", "",
-            "\n".join(rows), "",
+            "\n".join(rows), "", summary +
             f"skymesh-lb with `--workers {setup['workers']}` in front of the router-overhead "
             f"benchmark's two C stub backends, wrk on {setup['connections']} connections "
             "with its shared-prefix bodies (16 shared 2 KB system prompts, a question of "
@@ -78,9 +88,10 @@ def cost_section(live: dict[str, Any]) -> str:
             "system, from /proc) per completed request, a fresh balancer per segment, "
             f"{setup['rounds']} rounds of {setup['duration_s']:g} s segments shuffled in "
             f"each round (seed {setup['seed']}). default: `{setup['configs']['default']}`; "
-            f"rr: `{setup['configs']['rr']}`. The base revision shares every trie insert "
-            "with the sibling; now only the inserts that changed the sender's trie are "
-            "shared. The same benchmark with 1 worker is on [the dispatch-cost page]"
+            f"rr: `{setup['configs']['rr']}`. The base revision sent the siblings every "
+            "trie insert (with a JSON header) and each applied all of them; now only the "
+            "inserts that changed the sender's trie are sent. The same benchmark with 1 "
+            "worker is on [the dispatch-cost page]"
             "(dispatch-cost.md#the-whole-daemon-live). Measured "
             f"{setup['date']} on {setup['cpus']} CPUs shared with other jobs (load average "
             f"{setup['load_average_1m_at_start']:g} at start), commit `{setup['commit']}`; "
