@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from skymesh_lab.bench import dispatch_cost_page
+
 WORKERS_LIVE = "dispatch-cost-live-workers2"  # attached (results_pages.Source.attach)
 
 
@@ -57,18 +59,6 @@ def cost_section(live: dict[str, Any]) -> str:
     """The default path's CPU per request with N workers against round-robin + bp, now and
     at a base revision (``skymesh_lab.bench.dispatch_cost_live --workers N``)."""
     setup, versions = live["setup"], live["versions"]
-    rows = ["| version | default: CPU us per request, median [min, max] | round-robin + bp "
-            "| default/rr per round | median |",
-            "| --- | ---: | ---: | --- | ---: |"]
-    for v, name in (("current", "now"), ("base", f"`{setup.get('base')}`")):
-        r = versions.get(v)
-        if r is None:
-            continue
-        cell = {c: f"{x['median']:g} [{x['min']:g}, {x['max']:g}]"
-                for c, x in r["configs"].items()}
-        rows.append(f"| {name} | {cell['default']} | {cell['rr']} | "
-                    f"{', '.join(f'{x:g}' for x in r['ratio_rounds'])} | "
-                    f"**{r['ratio_median']:g}x** |")
     cur, base = versions.get("current"), versions.get("base")
     summary = ""
     if cur is not None and base is not None:
@@ -80,7 +70,7 @@ def cost_section(live: dict[str, Any]) -> str:
                    f"{cur['ratio_median']:g}x round-robin + bp against "
                    f"{base['ratio_median']:g}x. ")
     text = [f"## The default path's CPU with {setup['workers']} workers", "",
-            "\n".join(rows), "", summary +
+            dispatch_cost_page.live_table(live), "", summary +
             f"skymesh-lb with `--workers {setup['workers']}` in front of the router-overhead "
             f"benchmark's two C stub backends, wrk on {setup['connections']} connections "
             "with its shared-prefix bodies (16 shared 2 KB system prompts, a question of "
