@@ -189,7 +189,9 @@ class Supervisor:
         sock = self.socks[w.index]
         # The interpreter's own flags too (-X importtime, -W, ...), as multiprocessing does.
         flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
-        cmd = [sys.executable, *flags, "-m", "skymesh.balancer.cli", *self.argv,
+        # -P: ``-m`` would put the working directory first on sys.path, and a ``skymesh``
+        # there (a checkout of another version) would become the workers' code.
+        cmd = [sys.executable, *flags, "-P", "-m", "skymesh.balancer.cli", *self.argv,
                "--worker-index", str(w.index), "--worker-count", str(self.count),
                "--listen-fd", str(sock.fileno()), "--lifeline-fd", str(self._life_r),
                "--ready-fd", str(ready_w), "--worker-dir", self.dir]

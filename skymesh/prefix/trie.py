@@ -118,7 +118,10 @@ class PrefixTrie:
         # can then change for any keys, not only for keys an insert shares a head with.
         self.epoch = 0
         self._walk: tuple[Sequence[int], int, _Segment | None, int] | None = None
-        # Told every insert (the balancer's workers share their routing decisions).
+        # Told every insert that changed the trie's record (a key added, or the target
+        # added to a prefix), after it: the balancer's workers share their routing
+        # decisions, and a repeat of a decision recorded already is not news to a sibling
+        # that was told the first time (skymesh.balancer.siblings).
         self.on_insert: Callable[[Sequence[int], str], None] | None = None
         # Told the keys of every insert, whoever makes it, and the depth of the first
         # prefix whose record changed (``_insert``; the dispatcher's memos of queued
@@ -343,9 +346,9 @@ class PrefixTrie:
     # -- updates ---------------------------------------------------------------------------
     def insert(self, keys: Sequence[int], target: str) -> None:
         """Record that ``target`` served the prefix ``keys`` (and so all its prefixes)."""
-        if self.on_insert is not None:
-            self.on_insert(keys, target)
         start = self._insert(keys, target)
+        if self.on_insert is not None and start < len(keys):
+            self.on_insert(keys, target)
         if self.on_keys is not None:
             self.on_keys(keys, start)
 

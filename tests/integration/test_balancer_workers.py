@@ -84,6 +84,8 @@ async def test_two_workers_share_the_port_restart_and_drain(tmp_path: Path,
         assert [w["index"] for w in workers] == [0, 1] and all(w["up"] for w in workers)
         pids = [w["pid"] for w in workers]
         assert lb.proc.pid not in pids and len(set(pids)) == 2
+        assert all(set(w["share"]) == {"inserts_sent", "datagrams_sent", "inserts_applied"}
+                   for w in workers)
 
         # Both workers take connections: one /metrics counts each one's requests.
         async def both_served() -> bool:
@@ -158,6 +160,23 @@ async def test_workers_drain_when_the_supervisor_is_killed(tmp_path: Path,
         for p in pids:  # a failed test leaves nothing behind
             if alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+async def test_workers_run_the_supervisors_code_whatever_the_directory(
+        tmp_path: Path, replica: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``skymesh`` package in the working directory (another version's checkout) is not
+    what the workers import: they run the code the supervisor runs."""
+    shadow = tmp_path / "elsewhere" / "skymesh"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('the shadow package')\n")
+    monkeypatch.chdir(shadow.parent)
+    lb = start_lb(tmp_path, replica, "--workers", "2")
+    try:
+        assert await fresh_request(lb.url) == 200
+        assert [w["up"] for w in (await status(lb.url))["workers"]] == [True, True]
+        assert "shadow package" not in lb.log_path.read_text()
+    finally:
+        assert lb.stop() == 0
 
 
 async def test_one_worker_is_the_single_process_of_before(tmp_path: Path,

@@ -11,6 +11,11 @@ What is measured
     tie, asked again on every pump), and one long-lived process per configuration
     carries its luck through every round.
 
+``--workers N`` (default 1) serves each segment from N worker processes behind one port
+(``listen.workers``); the CPU is then the supervisor's and every worker's, and the worker
+count is in the JSON (``setup.workers``) and on the page that shows it (1 worker: the
+dispatch-cost page; 2: the lb-workers page, ``dispatch-cost-live-workers2.json``).
+
 ``--base REV`` also runs the ``skymesh`` package of git revision ``REV`` (or a directory
 holding a checkout), put first on the balancer's PYTHONPATH, in the same rounds; segments
 are shuffled in every round. Prints the medians, each round's default/rr ratio, and their
@@ -18,7 +23,7 @@ median; ``--json PATH`` writes them too (the dispatch-cost results page shows th
 ``dispatch_cost_page``). Not in ``make test``; needs gcc and wrk.
 
     python -m skymesh_lab.bench.dispatch_cost_live [--base b6a33fb] [--rounds 4]
-        [--duration 4] [--json docs/results/data/dispatch-cost-live.json]
+        [--duration 4] [--workers 1] [--json docs/results/data/dispatch-cost-live.json]
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ import random
 import statistics
 import subprocess
 import tempfile
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from skymesh.util.procs import start_daemon
+from skymesh_lab.bench import lb_workers
 from skymesh_lab.bench import router_overhead as ro
 from skymesh_lab.bench import router_overhead_stats as st
 
@@ -60,20 +67,30 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def segment(urls: str, flags: list[str], pythonpath: str | None, duration_s: float
-            ) -> float:
+def workers_arm(workers: int) -> tuple[list[str], Callable[[int], float]]:
+    """The balancer's flags for ``workers`` processes, and how to read their CPU: with
+    more than one, the supervisor's pid and its children's (each worker's)."""
+    return ["--workers", str(workers)], (_cpu_s if workers == 1 else lb_workers._cpu_s)
+
+
+def segment(urls: str, flags: list[str], pythonpath: str | None, duration_s: float,
+            workers: int = 1) -> float:
     """CPU microseconds per request of a fresh balancer over one wrk run."""
     env = dict(os.environ)
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
-    d = start_daemon("skymesh-lb", ["--port", "0", "--replicas", urls, "--workers", "1",
+        # Workers start as ``python -m``, which would put the working directory (this
+        # checkout) ahead of PYTHONPATH: the base's workers would run the current code.
+        env["PYTHONSAFEPATH"] = "1"
+    wflags, cpu_s = workers_arm(workers)
+    d = start_daemon("skymesh-lb", ["--port", "0", "--replicas", urls, *wflags,
                                     *flags], timeout=ro.READY_TIMEOUT_S, env=env)
     try:
         ro.wait_ready(d)
         ro.run_wrk(d.url, ro.Case("warmup", "", 64, False, "prefix"), 1.0)
-        c0 = _cpu_s(d.proc.pid)
+        c0 = cpu_s(d.proc.pid)
         out = ro.run_wrk(d.url, ro.Case("x", "", 64, False, "prefix"), duration_s)
-        c1 = _cpu_s(d.proc.pid)
+        c1 = cpu_s(d.proc.pid)
     finally:
         d.stop()
     return (c1 - c0) / st.parse_wrk(out)["requests"] * 1e6
@@ -85,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--duration", type=float, default=4.0, help="seconds per segment")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=1, help="skymesh-lb worker processes")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     load = os.getloadavg()[0]
@@ -103,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 order = list(res)
                 rng.shuffle(order)
                 for v, c in order:
-                    us = segment(urls, CONFIGS[c], trees[v], args.duration)
+                    us = segment(urls, CONFIGS[c], trees[v], args.duration, args.workers)
                     res[(v, c)].append(us)
                     print(f"round {r} {v} {c}: {us:.0f} us/request", flush=True)
         finally:
@@ -141,11 +159,12 @@ def summary(res: dict[tuple[str, str], list[float]], versions: list[str],
                             text=True, check=False).stdout.strip()
     command = "python -m skymesh_lab.bench.dispatch_cost_live" + (
         f" --base {args.base}" if args.base else "") + (
-        f" --rounds {args.rounds} --duration {args.duration:g}")
+        f" --rounds {args.rounds} --duration {args.duration:g}") + (
+        f" --workers {args.workers}" if args.workers != 1 else "")
     if args.json is not None:
         command += f" --json {args.json}"
     return {"setup": {"rounds": args.rounds, "duration_s": args.duration,
-                      "seed": args.seed, "connections": 64, "workers": 1,
+                      "seed": args.seed, "connections": 64, "workers": args.workers,
                       "configs": {c: " ".join(f) or "(no flags)" for c, f in CONFIGS.items()},
                       "base": args.base, "commit": commit or None,
                       "load_average_1m_at_start": round(load_at_start, 2),

@@ -122,9 +122,8 @@ def _cell(c: dict[str, Any]) -> str:
     return f"{c['median']:g} [{c['min']:g}, {c['max']:g}]"
 
 
-def live_section(live: dict[str, Any]) -> str:
-    """The whole daemon's CPU per request, default against round-robin + bp
-    (``skymesh_lab.bench.dispatch_cost_live``)."""
+def live_table(live: dict[str, Any]) -> str:
+    """Per version of a live run: default and rr CPU per request, the per-round ratios."""
     setup, versions = live["setup"], live["versions"]
     rows = ["| version | default: CPU us per request, median [min, max] | round-robin + bp "
             "| default/rr per round | median |",
@@ -137,10 +136,17 @@ def live_section(live: dict[str, Any]) -> str:
         rows.append(f"| {name} | {_cell(r['configs']['default'])} | "
                     f"{_cell(r['configs']['rr'])} | {per_round} | "
                     f"**{r['ratio_median']:g}x** |")
+    return "\n".join(rows)
+
+
+def live_section(live: dict[str, Any]) -> str:
+    """The whole daemon's CPU per request, default against round-robin + bp
+    (``skymesh_lab.bench.dispatch_cost_live``)."""
+    setup = live["setup"]
     flags = setup["configs"]
     return "\n\n".join([
         "## The whole daemon, live",
-        "\n".join(rows),
+        live_table(live),
         f"skymesh-lb (`--workers {setup['workers']}`) in front of the router-overhead "
         f"benchmark's two C stub backends, wrk on {setup['connections']} connections with "
         "its shared-prefix bodies; the balancer's process CPU (user + system, from /proc) "

@@ -3,7 +3,8 @@
 Lab code, not product. Two experiments, the arms interleaved within each repeat (the order
 rotated by one per repeat) so a slow spell of the shared machine falls on all of them:
 
-- ``locality``: the prefix cache hit rate the replicas report with 1 and N workers.
+- ``locality``: the prefix cache hit rate the replicas report with 1 and N workers, and
+  how many trie inserts the workers told each other (``/status``'s ``share``).
   ``--replicas`` emulated replicas (``skymesh-replica``, time scale 0.05) behind skymesh-lb's
   default (prefix-tree, sp-p); ``--clients`` closed-loop clients send ``--requests``
   completions, each on a new connection (a new source port, so the kernel spreads them
@@ -132,9 +133,22 @@ async def locality_arm(workdir: Path, reps: Sequence[Daemon], workers: int, salt
                 await asyncio.gather(*(client(k) for k in range(clients)))
                 wall = time.monotonic() - t0
             h1, q1 = await _counts(s, reps)
+            sent, applied = await _share_counts(s, lb.url)
     return {"workers": workers, "requests": requests, "failed": failed,
             "hit_rate": round((h1 - h0) / (q1 - q0), 4) if q1 > q0 else None,
-            "wall_s": round(wall, 2)}
+            "wall_s": round(wall, 2), "share_sent": sent, "share_applied": applied}
+
+
+async def _share_counts(s: aiohttp.ClientSession, url: str) -> tuple[int | None, int | None]:
+    """Trie inserts the workers sent each other and applied (``/status``; None: one
+    worker, nothing shared)."""
+    async with s.get(url + "/status") as r:
+        workers = (await r.json()).get("workers")
+    if not workers:
+        return None, None
+    shares = [w.get("share", {}) for w in workers]
+    return (sum(x.get("inserts_sent", 0) for x in shares),
+            sum(x.get("inserts_applied", 0) for x in shares))
 
 
 def _cpu_s(pid: int) -> float:

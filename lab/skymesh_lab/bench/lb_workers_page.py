@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from skymesh_lab.bench import dispatch_cost_page
+
+WORKERS_LIVE = "dispatch-cost-live-workers2"  # attached (results_pages.Source.attach)
+
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
@@ -34,6 +38,56 @@ def locality_table(doc: dict[str, Any]) -> str:
                    f"| {_spread([100 * r['hit_rate'] for r in rows if r['hit_rate']], '.1f')} "
                    f"| {diff} | {sum(r['failed'] for r in rows)} |")
     return "\n".join(out)
+
+
+def share_sentence(doc: dict[str, Any]) -> str:
+    """How much the workers told each other in the locality runs (``/status``'s share)."""
+    rows = [r for r in doc["locality"]["runs"] if r.get("share_sent") is not None]
+    if not rows:
+        return ""
+    sent = sum(r["share_sent"] for r in rows)
+    applied = sum(r["share_applied"] for r in rows)
+    reqs = sum(r["requests"] for r in rows)
+    return (f" Over the {len(rows)} runs with more than one worker the workers told each "
+            f"other {sent:,} trie inserts for {reqs:,} requests ({100 * sent / reqs:.0f} "
+            f"per 100; each request inserts twice, at dispatch and with its reply) and "
+            f"applied {applied:,}: only inserts that changed the sender's trie are "
+            "sent, a repeat of a recorded decision is not.")
+
+
+def cost_section(live: dict[str, Any]) -> str:
+    """The default path's CPU per request with N workers against round-robin + bp, now and
+    at a base revision (``skymesh_lab.bench.dispatch_cost_live --workers N``)."""
+    setup, versions = live["setup"], live["versions"]
+    cur, base = versions.get("current"), versions.get("base")
+    summary = ""
+    if cur is not None and base is not None:
+        d_now = cur["configs"]["default"]["median"]
+        d_base = base["configs"]["default"]["median"]
+        summary = (f"The default path costs {d_now:g} us of CPU per request now against "
+                   f"{d_base:g} at `{setup['base']}` ({abs(d_base - d_now):.0f} us "
+                   f"{'less' if d_now <= d_base else 'more'}), "
+                   f"{cur['ratio_median']:g}x round-robin + bp against "
+                   f"{base['ratio_median']:g}x. ")
+    text = [f"## The default path's CPU with {setup['workers']} workers", "",
+            dispatch_cost_page.live_table(live), "", summary +
+            f"skymesh-lb with `--workers {setup['workers']}` in front of the router-overhead "
+            f"benchmark's two C stub backends, wrk on {setup['connections']} connections "
+            "with its shared-prefix bodies (16 shared 2 KB system prompts, a question of "
+            "each request's own); the CPU of the supervisor and every worker (user + "
+            "system, from /proc) per completed request, a fresh balancer per segment, "
+            f"{setup['rounds']} rounds of {setup['duration_s']:g} s segments shuffled in "
+            f"each round (seed {setup['seed']}). default: `{setup['configs']['default']}`; "
+            f"rr: `{setup['configs']['rr']}`. The base revision sent the siblings every "
+            "trie insert (with a JSON header) and each applied all of them; now only the "
+            "inserts that changed the sender's trie are sent. The same benchmark with 1 "
+            "worker is on [the dispatch-cost page]"
+            "(dispatch-cost.md#the-whole-daemon-live). Measured "
+            f"{setup['date']} on {setup['cpus']} CPUs shared with other jobs (load average "
+            f"{setup['load_average_1m_at_start']:g} at start), commit `{setup['commit']}`; "
+            "per-round figures spread on the loaded machine, so the median is the figure.",
+            "", f"```sh\n{live['command']}\n```"]
+    return "\n".join(text)
 
 
 def simulator_table(doc: dict[str, Any]) -> str:
@@ -88,7 +142,7 @@ def lb_workers(doc: dict[str, Any]) -> str:
         f"{s['replicas']} emulated replicas, {s['clients']} closed-loop clients, "
         f"{s['requests']} requests per run over {s['groups']} shared prefixes, each on a "
         "new connection. The hit rate is the replicas' own (cached prompt tokens over "
-        "prompt tokens).", "",
+        "prompt tokens)." + share_sentence(doc), "",
         locality_table(doc), "",
         "In the simulator (`skymesh sim --region-local --workers N`): 4 replicas, 120 s per "
         "run, prefix-tree with sp-p; \"trie shared: no\" is the counterfactual where each "
@@ -103,8 +157,13 @@ def lb_workers(doc: dict[str, Any]) -> str:
         "completions to two stub backends. `default` is prefix-tree with sp-p, `rr-bp` "
         "round-robin with blind pushing. wrk, the stubs and the balancer share the cores: "
         "req/s is what the machine gave all of them, CPU per request the balancer's own "
-        "(supervisor and workers).", "",
-        throughput_table(doc)])
+        "(supervisor and workers). The prompt is shorter than a prefix chunk (64 "
+        "characters), so it has no prefix keys: the trie and its share between the "
+        "workers do no work here, and what the default path costs more with 2 workers "
+        "than with 1 is spent elsewhere.", "",
+        throughput_table(doc),
+        *(["", cost_section(doc[WORKERS_LIVE])] if WORKERS_LIVE in doc else [])])
 
 
-__all__ = ["lb_workers", "locality_table", "simulator_table", "throughput_table"]
+__all__ = ["WORKERS_LIVE", "cost_section", "lb_workers", "locality_table", "share_sentence",
+           "simulator_table", "throughput_table"]

@@ -362,7 +362,7 @@ SOURCES: tuple[Source, ...] = (
            "shared-prefix workload (each worker's trie learns its siblings' routing "
            "decisions), and wrk's req/s with the balancer's CPU per request.",
            (".venv/bin/python", "-m", "skymesh_lab.bench.lb_workers", "--json", "{json}"),
-           lb_workers_page.lb_workers),
+           lb_workers_page.lb_workers, attach=(lb_workers_page.WORKERS_LIVE,)),
     Source("dispatch-cost", "The decision core's CPU per request (issue #35 item 2)",
            "The balancer's pure decision core (`skymesh.balancer.dispatch.Dispatcher` and "
            "its policy, with the prompt's prefix keys) driven as the daemon drives it on a "
