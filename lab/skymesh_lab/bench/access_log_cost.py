@@ -113,8 +113,8 @@ def in_process(pythonpath: Path | None, cwd: Path) -> dict[str, Any]:
 def start_lb(stubs: list[str], access_log: bool, pythonpath: Path | None,
              extra: list[str] | None = None) -> Daemon:
     env = dict(os.environ)
-    if pythonpath is not None:
-        env["PYTHONPATH"] = str(pythonpath)
+    if pythonpath is not None:  # PYTHONSAFEPATH: see overhead_ab (the workers' python -m)
+        env.update(PYTHONPATH=str(pythonpath), PYTHONSAFEPATH="1")
     args = ["--port", "0", "--replicas", ",".join(stubs), *LB_FLAGS, *(extra or [])]
     if not access_log:
         args.append("--no-access-log")

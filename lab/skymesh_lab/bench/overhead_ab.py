@@ -49,7 +49,9 @@ async def run(trees: dict[str, Path], rate: float, seconds: float, seed: int
             urls = [d.url for d in replicas]
             paths: dict[str, list[str]] = {"direct": urls}
             for name, tree in trees.items():
-                env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
+                # PYTHONSAFEPATH: a worker started as ``python -m`` (trees before the
+                # workers' -P) would put the current directory ahead of the tree.
+                env = dict(os.environ, PYTHONPATH=str(tree.resolve()), PYTHONSAFEPATH="1")
                 d = start_daemon("skymesh-lb", ["--port", "0", "--replicas", ",".join(urls),
                                                 "--policy", "round-robin", "--push-mode", "bp"],
                                  env=env)
