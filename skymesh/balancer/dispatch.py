@@ -440,8 +440,6 @@ class Dispatcher(BatchLanes):
                     continue
                 break
             draws = policy.draws
-            watch: list[str] = []
-            keys: list[int] = []
             if balanced:
                 peer = self._balanced_peer(ticket)
                 if peer is not None:
@@ -450,10 +448,11 @@ class Dispatcher(BatchLanes):
                 policy.considered, policy.memo_keys = (), ()
             self._seen_pref = _UNSEEN
             cands = self._candidates(ticket, now, view)
-            if memo_ok:
-                watch.extend(policy.considered)
-                keys.extend(policy.memo_keys)
+            # What the evaluation read, as lists only where it is remembered: most
+            # evaluations dispatch, and need neither.
+            seen_watch, seen_keys = policy.considered, policy.memo_keys
             if not cands:
+                watch, keys = [*seen_watch], [*seen_keys]
                 # SkyLB Algorithm 1: no local replica can take it now -> an available peer.
                 peers = self.peer_candidates(ticket)
                 if peers and self.outlook is not None:  # forecast-aware overflow
@@ -495,6 +494,7 @@ class Dispatcher(BatchLanes):
                     if ticket.held_since is None:
                         ticket.held_since = now
                     if memo_ok:
+                        watch, keys = [*seen_watch], [*seen_keys]
                         watch.extend(policy.considered)
                         keys.extend(policy.memo_keys)
                         watch.append(pref)
