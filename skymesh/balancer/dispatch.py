@@ -422,8 +422,9 @@ class Dispatcher(BatchLanes):
         gen, hold_s = self._gen, self._hold_s
         if memo_ok:
             quiet = self._quiet.get(model)
-            if quiet is not None and quiet[:4] == (self._stir, depth, holds, epoch) and (
-                    quiet[4] is None or now - quiet[4] < hold_s):
+            if quiet is not None and quiet[0] == self._stir and quiet[1] == depth \
+                    and quiet[2] == holds and quiet[3] == epoch and (
+                        quiet[4] is None or now - quiet[4] < hold_s):
                 return None
         for i in range(depth):
             ticket = q[i]
@@ -468,7 +469,7 @@ class Dispatcher(BatchLanes):
                     seen = self._seen_pref
                     pref = seen if isinstance(seen, str) else None
                     if not ticket.excluded and (seen is not _UNSEEN or not watch) \
-                            and all(t == pref for t in watch):
+                            and watch.count(pref) == len(watch):  # all of them pref
                         # The policy read no load but its own answer's: a change of the
                         # replicas that might take the request needs a recheck of them
                         # (``_still_blocked``), not the policy.
