@@ -25,7 +25,8 @@ Modes
     (``dispatch_cost_live``): 2 replicas that publish neither ``max_num_seqs`` nor a KV
     capacity (so sp-p gives each one request until its first byte, and up to
     ``prefer_queue`` 3 to the one holding the prompt's prefix), 64 clients each sending one
-    of 16 shared 2,000-character prompts with a short question of its own, answers at once
+    of 16 shared system prompts of about 2,000 characters (the wrk script's) with a short
+    question of its own, rendered as the daemon renders a chat, answers at once
     (first byte after 0.3 ms, the end after 0.6 ms), with ``prefix-tree`` + ``bp`` in place
     of ``least-load`` to show what sp-p's queue adds. ``prefix-tree`` + ``sp-p`` at
     ``@told``: the same shape where sp-p's limit does not bind (``dispatch_cost_live``'s
@@ -69,6 +70,7 @@ from skymesh.policies import RouteRequest, build_policy
 from skymesh.policies.load import PushMode
 from skymesh.prefix import keys as _keys
 from skymesh.prefix.keys import text_prefix_keys
+from skymesh.prefix.prompt import render_chat
 
 # The daemon's keys of prompt + reply (skymesh.balancer.relay); older commits rehash all.
 cached_keys = getattr(_keys, "cached_keys", None)
@@ -103,6 +105,16 @@ CHARS_PER_TOKEN = 4
 
 def _text(rng: random.Random, n: int) -> str:
     return rng.randbytes((n + 1) // 2).hex()[:n]
+
+
+def _words(seed: int, count: int) -> str:
+    """post.lua's ``words``: ``count`` words from a small LCG, the same in every run."""
+    out = []
+    x = seed
+    for _ in range(count):
+        x = (x * 1103515245 + 12345) % 2147483648
+        out.append(f"w{x % 5000}")
+    return " ".join(out)
 
 
 # -- the stub cluster ------------------------------------------------------------------
@@ -273,6 +285,10 @@ class StubBench(Bench):
         super().__init__(policy, mode, clients=STUB_CLIENTS, seed=seed,
                          replicas=STUB_REPLICAS, systems=STUB_PROMPTS,
                          system_chars=STUB_PROMPT_CHARS)
+        # The wrk script's shared system prompts (router_overhead's post.lua), about
+        # 2,000 characters each.
+        self.systems = [f"You are assistant {g}. Context: " + _words(g * 7919, 320)
+                        for g in range(1, STUB_PROMPTS + 1)]
         self.seqs, self.prefer = (TOLD_CAP, TOLD_CAP) if told else (None, PREFER_QUEUE)
         if told:
             # At the start every client waits for a replica until the trie has learnt
@@ -295,8 +311,12 @@ class StubBench(Bench):
 
     def _issue(self, ci: int) -> None:
         self.requests += 1
-        prompt = (self.rng.choice(self.systems)
-                  + f"\nuser: question {ci}-{self.requests}")
+        # As the live benchmark's wrk script builds them (two threads), rendered as the
+        # daemon renders a chat: where the question reaches into a full chunk, the
+        # prompt's keyed text is new and its keys are hashed.
+        prompt = render_chat([
+            {"role": "system", "content": self.rng.choice(self.systems)},
+            {"role": "user", "content": f"question {ci % 2}-{self.requests}"}])
         rid = f"c{ci}q{self.requests}"
         self._sent(self.timed(self._arrive, rid, prompt))
         self._inflight[rid] = (ci, _Node(prompt, f"stub answer {self.requests}"))
