@@ -51,20 +51,25 @@ def dispatch_cost(doc: dict[str, Any]) -> str:
     if base:
         ratio += (f"; {base['default_over_round_robin']:g}x, {extra(base)} more, at "
                   f"`{label}`")
+
+    def clause(key: str, lead: str, suffix: str, vs: str = "") -> str:
+        """``lead`` it costs (``key``'s ratio) now and at the base, ``suffix``'s row
+        against ``vs``'s (the same suffix's baseline when empty)."""
+        r = cur.get(key)
+        if r is None:
+            return ""
+        than = f"{BASELINE}{vs} " if vs else ""
+        text = f". {lead} it costs **{r:g}x** {than}now, {extra(cur, suffix, vs)} more"
+        if base and base.get(key) is not None:
+            text += f"; {base[key]:g}x, {extra(base, suffix, vs)} more, at `{label}`"
+        return text
+
     stubs = cur.get("stubs_default_over_round_robin")
-    if stubs is not None:
-        ratio += (f". In the live benchmark's shape ({STUBS}) it costs **{stubs:g}x** "
-                  f"now, {extra(cur, STUBS)} more")
-        if base and base.get("stubs_default_over_round_robin") is not None:
-            ratio += (f"; {base['stubs_default_over_round_robin']:g}x, "
-                      f"{extra(base, STUBS)} more, at `{label}`")
     told = cur.get("told_default_over_round_robin")
-    if told is not None:
-        ratio += (f". Where sp-p's limit does not bind ({TOLD}) it costs **{told:g}x** "
-                  f"{BASELINE}{STUBS}, {extra(cur, TOLD, STUBS)} more")
-        if base and base.get("told_default_over_round_robin") is not None:
-            ratio += (f"; {base['told_default_over_round_robin']:g}x, "
-                      f"{extra(base, TOLD, STUBS)} more, at `{label}`")
+    ratio += clause("stubs_default_over_round_robin",
+                    f"In the live benchmark's shape ({STUBS})", STUBS)
+    ratio += clause("told_default_over_round_robin",
+                    f"Where sp-p's limit does not bind ({TOLD})", TOLD, STUBS)
     differ = [n for n, same in (doc.get("same_decisions") or {}).items() if not same]
     notes = [
         "\n".join(out),
