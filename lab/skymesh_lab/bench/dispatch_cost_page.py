@@ -171,10 +171,11 @@ def _remaining(configs: dict[str, Any], stubs_core: str, told_core: str | None) 
         "replicas holding the prefix (`preferred`), two trie inserts (the prompt's keys "
         "at dispatch, the prompt and reply's at completion), each replica's sp-p "
         "availability and takers recomputed after each of its load changes (a dispatch, "
-        "a first byte, a completion), the request's tie key, and outside the core the "
-        "prompt's keys (hashed once per new keyed text, and then only the chunks after "
-        "those a recent prompt shares), the reply's text for its cached keys and the "
-        "chat prompt's rendering. None of them is a rescan of the queue or of the "
+        "a first byte, a completion), the request's tie key, the prompt's keys (hashed "
+        "once per new keyed text, and then only the chunks after those a recent prompt "
+        "shares) and the reply's; outside the core, the reply's text read out of its "
+        "JSON for those keys (the rest of the live gap is within this loaded machine's "
+        "spread between rounds). None of them is a rescan of the queue or of the "
         "replicas; each is a few microseconds of Python.")
 
 
