@@ -422,8 +422,9 @@ class Dispatcher(BatchLanes):
         gen, hold_s = self._gen, self._hold_s
         if memo_ok:
             quiet = self._quiet.get(model)
-            if quiet is not None and quiet[:4] == (self._stir, depth, holds, epoch) and (
-                    quiet[4] is None or now - quiet[4] < hold_s):
+            if quiet is not None and quiet[0] == self._stir and quiet[1] == depth \
+                    and quiet[2] == holds and quiet[3] == epoch and (
+                        quiet[4] is None or now - quiet[4] < hold_s):
                 return None
         for i in range(depth):
             ticket = q[i]
@@ -440,8 +441,6 @@ class Dispatcher(BatchLanes):
                     continue
                 break
             draws = policy.draws
-            watch: list[str] = []
-            keys: list[int] = []
             if balanced:
                 peer = self._balanced_peer(ticket)
                 if peer is not None:
@@ -450,10 +449,11 @@ class Dispatcher(BatchLanes):
                 policy.considered, policy.memo_keys = (), ()
             self._seen_pref = _UNSEEN
             cands = self._candidates(ticket, now, view)
-            if memo_ok:
-                watch.extend(policy.considered)
-                keys.extend(policy.memo_keys)
+            # What the evaluation read, as lists only where it is remembered: most
+            # evaluations dispatch, and need neither.
+            seen_watch, seen_keys = policy.considered, policy.memo_keys
             if not cands:
+                watch, keys = [*seen_watch], [*seen_keys]
                 # SkyLB Algorithm 1: no local replica can take it now -> an available peer.
                 peers = self.peer_candidates(ticket)
                 if peers and self.outlook is not None:  # forecast-aware overflow
@@ -469,7 +469,7 @@ class Dispatcher(BatchLanes):
                     seen = self._seen_pref
                     pref = seen if isinstance(seen, str) else None
                     if not ticket.excluded and (seen is not _UNSEEN or not watch) \
-                            and all(t == pref for t in watch):
+                            and watch.count(pref) == len(watch):  # all of them pref
                         # The policy read no load but its own answer's: a change of the
                         # replicas that might take the request needs a recheck of them
                         # (``_still_blocked``), not the policy.
@@ -495,6 +495,7 @@ class Dispatcher(BatchLanes):
                     if ticket.held_since is None:
                         ticket.held_since = now
                     if memo_ok:
+                        watch, keys = [*seen_watch], [*seen_keys]
                         watch.extend(policy.considered)
                         keys.extend(policy.memo_keys)
                         watch.append(pref)

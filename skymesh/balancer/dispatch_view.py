@@ -251,12 +251,23 @@ class DispatchView:
             pref = policy.preferred(route, usable, self)
             if usable is view.serving and policy.draws == draws:
                 self._seen_pref = pref  # what the hold would ask again (``_pick``)
-            if pref is not None and pref not in out:
-                load = self.targets[pref].load
-                if takes_preferred(load, self.prefer_queue_of(load), self._kv_headroom,
-                                   route.prompt_len):
-                    out = [*out, pref]
+            if pref is not None and pref not in out and self._takes(pref, route.prompt_len):
+                out = [*out, pref]
         return out
+
+    def _takes(self, pref: str, tokens: int) -> bool:
+        """``takes_preferred`` for the replica ``pref``, a request of ``tokens`` prompt
+        tokens, sp-p. ``_refresh`` asked it already for a prompt of none of the replicas
+        it finds unavailable (``_takers``): a request's tokens only count against a
+        published KV capacity, so without one its answer is this one's, and with one
+        a replica that takes no prompt takes none larger."""
+        load = self.targets[pref].load
+        if self._codes.get(pref) != AVAILABLE:
+            if pref not in self._takers:
+                return False
+            if load.kv_capacity_tokens is None:
+                return True
+        return takes_preferred(load, self.prefer_queue_of(load), self._kv_headroom, tokens)
 
     def prefer_queue_of(self, load: ReplicaLoad) -> int:
         """The replica's queue for requests holding their prefix there: its own, else this

@@ -382,7 +382,11 @@ class Balancer:
         loop = self.core.loop
         now = self.now()
         sent = d.pump(now)
-        self.drain.observe(now, len(sent), d.queued)
+        if sent or not d.queued or self.drain.backlog_since is None:
+            # A pass that sends nothing out of a standing backlog changes no reading of
+            # the meter (its weights compose: aging to now and later equals aging to
+            # later), so most pumps under a standing queue skip it.
+            self.drain.observe(now, len(sent), d.queued)
         for ticket in sent:
             fut: asyncio.Future[None] = ticket.payload
             if not fut.done():

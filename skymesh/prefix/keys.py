@@ -21,8 +21,6 @@ Parameters: ``chunk_chars`` = 64 (about 16 tokens, the engine's block size),
 from __future__ import annotations
 
 import functools
-import operator
-import struct
 from collections.abc import Sequence
 
 import numpy as np
@@ -96,6 +94,11 @@ def text_prefix_keys(text: str, chunk_chars: int = CHUNK_CHARS, max_keys: int = 
 # entries, the oldest dropped first: at most this many times KEYED_CHARS characters.
 _PROMPTS_MAX = 32
 _prompts: dict[tuple[int, str], tuple[str, tuple[int, ...]]] = {}
+# A prompt whose keyed text is new most often shares all but its last chunks with a
+# recent one (a shared system prompt, a question of its own that reaches into a chunk):
+# the last prompt to start with each first chunk, with its keys' chained sums, so that
+# only the chunks after the shared ones are hashed. Bounded as ``_prompts``.
+_heads: dict[str, tuple[str, tuple[int, ...], list[int]]] = {}
 
 
 def prompt_keys(text: str) -> tuple[int, ...]:
@@ -110,11 +113,40 @@ def prompt_keys(text: str) -> tuple[int, ...]:
     if known is not None and text.startswith(known[0]):  # the same length: equal
         return known[1]
     keyed = text if len(text) == end else text[:end]
-    keys = tuple(extend_prefix_keys(keyed, ()))
+    head = keyed[:CHUNK_CHARS]
+    near = _heads.get(head)
+    shared = _shared_chunks(keyed, near[0], n) if near is not None else 0
+    if near is not None and shared:
+        new, sums = _chain(keyed, shared, n, near[2][shared - 1], CHUNK_CHARS, MAX_KEYS,
+                           True)
+        keys = (*near[1][:shared], *new)
+        sums = [*near[2][:shared], *sums]
+    else:
+        new, sums = _chain(keyed, 0, n, 0, CHUNK_CHARS, MAX_KEYS, True)
+        keys = tuple(new)
+    _remember_chain(keys[-1], sums[-1])
     if known is None and len(_prompts) >= _PROMPTS_MAX:
         del _prompts[next(iter(_prompts))]
     _prompts[slot] = (keyed, keys)
+    if near is None and len(_heads) >= _PROMPTS_MAX:
+        del _heads[next(iter(_heads))]
+    _heads[head] = (keyed, keys, sums)
     return keys
+
+
+def _shared_chunks(a: str, b: str, n: int) -> int:
+    """How many leading ``CHUNK_CHARS`` chunks ``a`` (``n`` full ones) and ``b`` share:
+    a binary search of C-level prefix comparisons."""
+    lo, hi = 0, min(n, len(b) // CHUNK_CHARS)
+    if a.startswith(b[:hi * CHUNK_CHARS]):
+        return hi
+    while hi - lo > 1:  # a shares lo chunks, not hi
+        mid = (lo + hi) // 2
+        if a.startswith(b[:mid * CHUNK_CHARS]):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 # The chained sum behind the last key of each recent result: extending a prompt's keys
@@ -162,55 +194,58 @@ def extend_prefix_keys(text: str, keys: Sequence[int], chunk_chars: int = CHUNK_
     n = min(len(text) // chunk_chars, max_keys)
     if n <= m:
         return list(keys[:n])
+    new, sums = _chain(text, m, n, _unfinalise(int(keys[-1])) if m else 0, chunk_chars,
+                       max_keys, False)
+    _remember_chain(new[-1], sums[-1])
+    return [*keys, *new] if m else new
+
+
+def _chain(text: str, m: int, n: int, last: int, chunk_chars: int, max_keys: int,
+           every: bool) -> tuple[list[int], list[int]]:
+    """The keys of chunks ``m`` to ``n - 1`` of ``text``, chained on ``last`` (the chained
+    sum behind key ``m - 1``; 0 for none; ``n`` <= ``max_keys``), and the chained sums
+    behind them: every one with ``every``, else the last only."""
+    k = n - m  # new chunks
+    if k <= 0:
+        return [], []
     # UTF-32 gives one fixed-width code point per character, so chunks are array rows;
     # with an even chunk size two code points share a 64-bit word (half the products).
     # surrogatepass: JSON may carry a lone surrogate ("\ud800"), which strict UTF-32 refuses;
     # it is still one code point, so the rows stay fixed-width.
-    k = n - m  # new chunks
     data = text[m * chunk_chars: n * chunk_chars].encode("utf-32-le", "surrogatepass")
-    if k <= _SMALL:
-        return _extend_small(data, keys, k, chunk_chars)
     if chunk_chars % 2 == 0:
         words = np.frombuffer(data, dtype="<u8").reshape(k, chunk_chars // 2)
     else:
         words = np.frombuffer(data, dtype="<u4").reshape(k, chunk_chars).astype(_U64)
     chunks = words @ _weights(words.shape[1])
+    if k <= _SMALL:  # the chain in plain integers
+        out: list[int] = []
+        sums: list[int] = []
+        chained = last
+        for chunk in chunks.tolist():
+            chained = (chained * _P + _splitmix_out(chunk)) & _M64
+            out.append(_splitmix_out(chained))
+            sums.append(chained)
+        return out, sums
     fwd, inv = _powers(max_keys + 1)
     # h_i = sum_{j<=i} c_j P^(i-j) = P^i * cumsum(c_j P^-j): the chain without a loop;
     # continuing a chain adds the last known sum times P^(i - m + 1).
     # (np.add.accumulate is np.cumsum without its dispatch layer: a fifth of the cost.)
-    chained = _finalise(chunks)
-    chained *= inv[:k]
-    chained = np.add.accumulate(chained)
-    chained *= fwd[:k]
-    if m:
-        chained += _const(_unfinalise(int(keys[-1]))) * fwd[1: k + 1]
-    last = int(chained[-1])
-    new: list[int] = _finalise(chained).tolist()
-    _remember_chain(new[-1], last)
-    return [*keys, *new] if m else new
+    chained_all = _finalise(chunks)
+    chained_all *= inv[:k]
+    chained_all = np.add.accumulate(chained_all)
+    chained_all *= fwd[:k]
+    if last:
+        chained_all += _const(last) * fwd[1: k + 1]
+    new: list[int] = _finalise(chained_all).tolist()  # a new array: the sums stay
+    return new, chained_all.tolist() if every else [int(chained_all[-1])]
 
 
-# Up to this many new chunks, plain integers (about 7 us a chunk) beat numpy's fixed cost
-# per call (about 15 us since its constants are 0-d arrays; a chat turn or a short reply
-# is a few chunks). The same keys either way.
-_SMALL = 2
-
-
-def _extend_small(data: bytes, keys: Sequence[int], k: int, chunk_chars: int) -> list[int]:
-    even = chunk_chars % 2 == 0
-    width = chunk_chars // 2 if even else chunk_chars
-    unpack = struct.Struct(f"<{width}{'Q' if even else 'I'}").unpack_from
-    weights = _weights_int(width)
-    step = 4 * chunk_chars
-    out = list(keys)
-    chained = _unfinalise(int(keys[-1])) if keys else 0
-    for i in range(k):
-        chunk = sum(map(operator.mul, unpack(data, i * step), weights)) & _M64
-        chained = (chained * _P + _splitmix_out(chunk)) & _M64
-        out.append(_splitmix_out(chained))
-    _remember_chain(out[-1], chained)
-    return out
+# Up to this many new chunks, chaining in plain integers (about 1.5 us a chunk, after
+# one numpy product for the chunks' words) beats the vectorised chain's fixed cost
+# (about 15 us since its constants are 0-d arrays; a chat turn, a short reply, a new
+# question after a shared system prompt are a few chunks). The same keys either way.
+_SMALL = 8
 
 
 def _splitmix_out(x: int) -> int:
@@ -220,11 +255,6 @@ def _splitmix_out(x: int) -> int:
     x ^= x >> 27
     x = (x * 0x94D049BB133111EB) & _M64
     return x ^ (x >> 31)
-
-
-@functools.lru_cache(maxsize=8)
-def _weights_int(words: int) -> tuple[int, ...]:
-    return tuple(int(w) for w in _weights(words))
 
 
 def cached_keys(text: str, prompt: str, prompt_keys: Sequence[int]) -> list[int]:

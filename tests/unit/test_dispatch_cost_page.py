@@ -47,3 +47,48 @@ def test_the_page_says_which_decisions_differ_and_why() -> None:
 def test_same_decisions_and_no_stubs_leave_those_out() -> None:
     page = dispatch_cost(_doc(stubs=False, same=True))
     assert "Decisions differ" not in page and "@stubs" not in page
+
+
+def _live(told: bool) -> dict[str, Any]:
+    def cfg(v: float) -> dict[str, Any]:
+        return {"rounds": [v], "median": v, "min": v, "max": v}
+
+    configs = {"default": cfg(180.0), "rr": cfg(110.0)}
+    setup_configs = {"default": "(no flags)", "rr": "--policy round-robin --push-mode bp"}
+    ratios: dict[str, Any] = {"default": {"rounds": [1.64], "median": 1.64}}
+    if told:
+        configs["default-told"] = cfg(130.0)
+        setup_configs["default-told"] = "--config {tmp}/told.yaml"
+        ratios["default-told"] = {"rounds": [1.18], "median": 1.18}
+    setup = {"rounds": 1, "duration_s": 4, "seed": 0, "connections": 64, "workers": 1,
+             "configs": setup_configs, "base": None, "commit": "abc", "cpus": 2,
+             "load_average_1m_at_start": 1.0, "date": "2026-11-29",
+             "told_yaml": "pushing:\n  max_num_seqs: 256\n  prefer_queue: 256\n"}
+    return {"setup": setup, "command": "python -m x",
+            "versions": {"current": {"configs": configs, "ratio_rounds": [1.64],
+                                     "ratio_median": 1.64, "ratios": ratios}}}
+
+
+def test_the_page_shows_the_default_where_sp_p_does_not_bind() -> None:
+    doc = _doc(stubs=True, same=True)
+    doc["current"]["modes"]["prefix-tree+sp-p@told"] = {
+        "us_per_request": 22.0, "min": 21.0, "max": 23.0, "digest": "y"}
+    doc["current"]["told_default_over_round_robin"] = 2.2
+    doc["setup"]["told"] = {"max_num_seqs": 256, "prefer_queue": 256, "warmup": 1000}
+    doc["dispatch-cost-live"] = _live(told=True)
+    page = dispatch_cost(doc)
+    # 70 us between default and rr, 50 of it the queue, 20 over rr without it.
+    for part in ("| prefix-tree+sp-p@told | 22 [21, 23] |",
+                 "(@told) it costs **2.2x** round-robin+bp@stubs now, 12 us more",
+                 "`pushing: {max_num_seqs: 256, prefer_queue: 256}`",
+                 "| 130 [130, 130] | 1.18 | **1.18x** |", "(70 us per request",
+                 "50 us of it is the standing queue", "default-told, 20 us over rr"):
+        assert part in page, part
+
+
+def test_a_live_run_without_the_told_arm_keeps_its_table() -> None:
+    doc = _doc(stubs=True, same=True)
+    doc["dispatch-cost-live"] = _live(told=False)
+    page = dispatch_cost(doc)
+    assert "not binding" not in page and "standing queue itself" not in page
+    assert "| now | 180 [180, 180] | 110 [110, 110] | 1.64 | **1.64x** |" in page

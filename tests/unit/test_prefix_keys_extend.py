@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -126,3 +129,50 @@ def test_prompt_keys_remember_a_bounded_number_of_prompts() -> None:
         assert len(k._prompts) <= k._PROMPTS_MAX
     again = f"{0:064d}" + "another tail"  # the same keyed text: the same tuple
     assert k.prompt_keys(again) is k.prompt_keys(f"{0:064d}")
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from(["", "x", "é" * 70, "shared system prompt " * 20,
+                                 "\ud800" * 65, "q" * 63, "y" * 64]), min_size=1, max_size=4),
+       st.lists(text, min_size=1, max_size=4))
+def test_a_new_prompt_continues_the_keys_of_a_recent_one_it_shares_chunks_with(
+        heads: list[str], tails: list[str]) -> None:
+    """A prompt whose keyed text is new but whose leading chunks a recent prompt had
+    (``_heads``: the same system prompt, a question of its own) hashes only the rest:
+    its keys are still those of the plain definition, whatever came before."""
+    from skymesh.prefix import keys as k
+
+    for tail in tails:
+        prompt = "".join(heads) + tail
+        assert k.prompt_keys(prompt) == tuple(_plain_keys(prompt, CHUNK_CHARS))
+    assert len(k._heads) <= k._PROMPTS_MAX
+
+
+def test_a_question_after_a_shared_system_prompt_hashes_only_its_own_chunks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from skymesh.prefix import keys as k
+
+    system = "You are a helpful assistant. Context: " + "w1234 " * 320  # ~30 chunks
+    k.prompt_keys(system + "question 0-1 " * 10)
+    hashed: list[int] = []
+    chain = k._chain
+
+    def counting(text: str, m: int, n: int, *rest: Any) -> tuple[list[int], list[int]]:
+        hashed.append(n - m)
+        return chain(text, m, n, *rest)
+
+    monkeypatch.setattr(k, "_chain", counting)
+    prompt = system + "question 1-2 " * 10
+    keys = k.prompt_keys(prompt)
+    assert keys == tuple(_plain_keys(prompt, CHUNK_CHARS))
+    shared = len(system) // CHUNK_CHARS
+    assert hashed == [len(prompt) // CHUNK_CHARS - shared]
+
+
+def test_the_prompts_remembered_by_first_chunk_stay_bounded() -> None:
+    from skymesh.prefix import keys as k
+
+    for i in range(3 * k._PROMPTS_MAX):
+        prompt = f"{i:064d}" * 2 + "tail"
+        assert k.prompt_keys(prompt) == tuple(text_prefix_keys(prompt))
+        assert len(k._heads) <= k._PROMPTS_MAX

@@ -25,9 +25,14 @@ Modes
     (``dispatch_cost_live``): 2 replicas that publish neither ``max_num_seqs`` nor a KV
     capacity (so sp-p gives each one request until its first byte, and up to
     ``prefer_queue`` 3 to the one holding the prompt's prefix), 64 clients each sending one
-    of 16 shared 2,000-character prompts with a short question of its own, answers at once
+    of 16 shared system prompts of about 2,000 characters (the wrk script's) with a short
+    question of its own, rendered as the daemon renders a chat, answers at once
     (first byte after 0.3 ms, the end after 0.6 ms), with ``prefix-tree`` + ``bp`` in place
-    of ``least-load`` to show what sp-p's queue adds. Runs are interleaved, ``--repeat``
+    of ``least-load`` to show what sp-p's queue adds. ``prefix-tree`` + ``sp-p`` at
+    ``@told``: the same shape where sp-p's limit does not bind (``dispatch_cost_live``'s
+    ``default-told``): each replica told a cap of 256 and a queue of 256 for the prompt's
+    prefix, timed after the first 1,000 completions (until the trie has learnt the
+    shared prompts, every client waits in a queue). Runs are interleaved, ``--repeat``
     times (default 3); each
     figure is the median, with the spread (min-max). Each run also prints a digest of its
     decisions (request, replica, in order): two versions of the dispatcher that decide the
@@ -65,6 +70,7 @@ from skymesh.policies import RouteRequest, build_policy
 from skymesh.policies.load import PushMode
 from skymesh.prefix import keys as _keys
 from skymesh.prefix.keys import text_prefix_keys
+from skymesh.prefix.prompt import render_chat
 
 # The daemon's keys of prompt + reply (skymesh.balancer.relay); older commits rehash all.
 cached_keys = getattr(_keys, "cached_keys", None)
@@ -76,8 +82,15 @@ MODES: tuple[tuple[str, str], ...] = (
 STUB_MODES: tuple[tuple[str, str], ...] = (
     ("round-robin", "bp"), ("prefix-tree", "sp-p"), ("prefix-tree", "bp"))
 STUBS = "@stubs"
+# The default where sp-p's limit does not bind (``TOLD``): the stubs' shape with each
+# replica told a cap of 256 and a queue of 256 for the prompt's prefix.
+TOLD = "@told"
+TOLD_MODES: tuple[tuple[str, str], ...] = (("prefix-tree", "sp-p"),)
+TOLD_CAP = 256
+TOLD_WARMUP = 1000  # completions before the @told rows are timed
 MODE_NAMES = (tuple(f"{p}+{m}" for p, m in MODES)
-              + tuple(f"{p}+{m}{STUBS}" for p, m in STUB_MODES))
+              + tuple(f"{p}+{m}{STUBS}" for p, m in STUB_MODES)
+              + tuple(f"{p}+{m}{TOLD}" for p, m in TOLD_MODES))
 STUB_REPLICAS, STUB_CLIENTS, STUB_PROMPTS, STUB_PROMPT_CHARS = 2, 64, 16, 2000
 STUB_METRICS_LAG_S = 1.0  # a vllm-kind replica's default (the live balancer's config)
 REPLICAS = 8
@@ -92,6 +105,16 @@ CHARS_PER_TOKEN = 4
 
 def _text(rng: random.Random, n: int) -> str:
     return rng.randbytes((n + 1) // 2).hex()[:n]
+
+
+def _words(seed: int, count: int) -> str:
+    """post.lua's ``words``: ``count`` words from a small LCG, the same in every run."""
+    out = []
+    x = seed
+    for _ in range(count):
+        x = (x * 1103515245 + 12345) % 2147483648
+        out.append(f"w{x % 5000}")
+    return " ".join(out)
 
 
 # -- the stub cluster ------------------------------------------------------------------
@@ -137,6 +160,8 @@ class Bench:
         self.completed = 0
         self.digest = hashlib.sha256()
         self.requests = 0
+        # Completions before the timing starts (the cost and the digest count after them).
+        self.warmup = 0
 
     # -- timing ------------------------------------------------------------------------
     def timed(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
@@ -221,6 +246,7 @@ class Bench:
         self._inflight[rid] = (ci, node)
 
     def run(self, requests: int) -> dict[str, Any]:
+        requests += self.warmup
         self._inflight: dict[str, tuple[int, _Node]] = {}
         for rep in self.replicas.values():
             self.at(self.rng.uniform(0, PROBE_S), "probe", rep)
@@ -242,24 +268,37 @@ class Bench:
                 if rep.waiting and len(rep.running) < SEQS:
                     self._admit(rep, rep.waiting.pop(0))
                 self.completed += 1
+                if self.completed == self.warmup:  # steady state from here on
+                    self.cpu_ns = self.sections = 0
                 self._issue(ci)
         # The clock's own cost (a system call, about 1 us here) is taken off each section.
         net = self.cpu_ns - self.sections * timer_overhead_ns()
-        return {"us_per_request": net / 1e3 / self.completed,
-                "requests": self.completed, "digest": self.digest.hexdigest()[:16]}
+        timed = self.completed - self.warmup
+        return {"us_per_request": net / 1e3 / timed,
+                "requests": timed, "digest": self.digest.hexdigest()[:16]}
 
 
 class StubBench(Bench):
     """The live benchmark's shape (module docstring, ``@stubs``)."""
 
-    def __init__(self, policy: str, mode: str, *, seed: int) -> None:
+    def __init__(self, policy: str, mode: str, *, seed: int, told: bool = False) -> None:
         super().__init__(policy, mode, clients=STUB_CLIENTS, seed=seed,
                          replicas=STUB_REPLICAS, systems=STUB_PROMPTS,
                          system_chars=STUB_PROMPT_CHARS)
+        # The wrk script's shared system prompts (router_overhead's post.lua), about
+        # 2,000 characters each.
+        self.systems = [f"You are assistant {g}. Context: " + _words(g * 7919, 320)
+                        for g in range(1, STUB_PROMPTS + 1)]
+        self.seqs, self.prefer = (TOLD_CAP, TOLD_CAP) if told else (None, PREFER_QUEUE)
+        if told:
+            # At the start every client waits for a replica until the trie has learnt
+            # the shared prompts (a queue, sp-p's limit binding): not what this row shows.
+            self.warmup = TOLD_WARMUP
 
     def _probe(self, rep: _Replica) -> list[Ticket]:
         self.d.on_probe(rep.id, self.now, 0, len(rep.running), 0.0, None,
-                        metrics_lag_s=STUB_METRICS_LAG_S, prefer_queue=PREFER_QUEUE)
+                        max_num_seqs=self.seqs, metrics_lag_s=STUB_METRICS_LAG_S,
+                        prefer_queue=self.prefer)
         return self._pump()
 
     def _sent(self, tickets: list[Ticket]) -> None:
@@ -272,8 +311,12 @@ class StubBench(Bench):
 
     def _issue(self, ci: int) -> None:
         self.requests += 1
-        prompt = (self.rng.choice(self.systems)
-                  + f"\nuser: question {ci}-{self.requests}")
+        # As the live benchmark's wrk script builds them (two threads), rendered as the
+        # daemon renders a chat: where the question reaches into a full chunk, the
+        # prompt's keyed text is new and its keys are hashed.
+        prompt = render_chat([
+            {"role": "system", "content": self.rng.choice(self.systems)},
+            {"role": "user", "content": f"question {ci % 2}-{self.requests}"}])
         rid = f"c{ci}q{self.requests}"
         self._sent(self.timed(self._arrive, rid, prompt))
         self._inflight[rid] = (ci, _Node(prompt, f"stub answer {self.requests}"))
@@ -307,6 +350,9 @@ def run_modes(requests: int, clients: int, seed: int) -> dict[str, dict[str, Any
         out[f"{policy}+{mode}"] = Bench(policy, mode, clients=clients, seed=seed).run(requests)
     for policy, mode in STUB_MODES:
         out[f"{policy}+{mode}{STUBS}"] = StubBench(policy, mode, seed=seed).run(requests)
+    for policy, mode in TOLD_MODES:
+        out[f"{policy}+{mode}{TOLD}"] = StubBench(policy, mode, seed=seed,
+                                                  told=True).run(requests)
     return out
 
 
@@ -337,11 +383,12 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
                        "min": round(min(vals), 1), "max": round(max(vals), 1),
                        "digest": runs[0][name]["digest"],
                        "digests_agree": len({r[name]["digest"] for r in runs}) == 1}
-    def ratio(suffix: str) -> float:
+    def ratio(suffix: str, base: str = "") -> float:
         return round(modes[f"prefix-tree+sp-p{suffix}"]["us_per_request"]
-                     / modes[f"round-robin+bp{suffix}"]["us_per_request"], 2)
+                     / modes[f"round-robin+bp{base or suffix}"]["us_per_request"], 2)
 
     return {"modes": modes,
+            "told_default_over_round_robin": ratio(TOLD, STUBS),
             "timer_overhead_ns": round(statistics.median(
                 r["timer_overhead_ns"] for r in runs)),
             "default_over_round_robin": ratio(""),
@@ -389,7 +436,9 @@ def _measure(args: argparse.Namespace, base_dir: str | None) -> int:
                   "prefer_queue": PREFER_QUEUE, "cpus": os.cpu_count(),
                   "stubs": {"replicas": STUB_REPLICAS, "clients": STUB_CLIENTS,
                             "prompts": STUB_PROMPTS, "prompt_chars": STUB_PROMPT_CHARS,
-                            "metrics_lag_s": STUB_METRICS_LAG_S}},
+                            "metrics_lag_s": STUB_METRICS_LAG_S},
+                  "told": {"max_num_seqs": TOLD_CAP, "prefer_queue": TOLD_CAP,
+                           "warmup": TOLD_WARMUP}},
         "current": summarise(cur)}
     if base:
         doc["base"] = summarise(base)

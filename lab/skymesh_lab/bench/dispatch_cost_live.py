@@ -11,6 +11,14 @@ What is measured
     tie, asked again on every pump), and one long-lived process per configuration
     carries its luck through every round.
 
+    ``default-told``: the default where sp-p's limit does not bind, so the cost is the
+    default path's own and not a standing queue's. The stubs publish neither
+    ``max_num_seqs`` nor a KV capacity, and without a KV capacity sp-p gives a replica
+    one request until its first byte whatever its cap: a told ``max_num_seqs`` of 256
+    alone leaves the queue standing. So each replica is told a cap of 256 and a queue of
+    256 for the prompt's prefix (``pushing.prefer_queue``: the replica holding a
+    request's prefix takes it while fewer are pending there), in a ``--config`` file.
+
 ``--workers N`` (default 1) serves each segment from N worker processes behind one port
 (``listen.workers``); the CPU is then the supervisor's and every worker's, and the worker
 count is in the JSON (``setup.workers``) and on the page that shows it (1 worker: the
@@ -45,10 +53,15 @@ from skymesh_lab.bench import lb_workers
 from skymesh_lab.bench import router_overhead as ro
 from skymesh_lab.bench import router_overhead_stats as st
 
+TOLD_YAML = "pushing:\n  max_num_seqs: 256\n  prefer_queue: 256\n"
+TOLD_FILE = "{tmp}/told.yaml"
 CONFIGS: dict[str, list[str]] = {
     "default": [],
     "rr": ["--policy", "round-robin", "--push-mode", "bp"],
+    "default-told": ["--config", TOLD_FILE],
 }
+# The configurations measured against rr, each with its per-round ratio.
+RATIOS = ("default", "default-told")
 
 
 def _checkout(base: str, tmp: str) -> str:
@@ -107,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="dispatch-cost-live-") as tmp:
+        Path(TOLD_FILE.format(tmp=tmp)).write_text(TOLD_YAML)
         trees: dict[str, str | None] = {"current": None}
         if args.base:
             trees["base"] = _checkout(args.base, tmp)
@@ -121,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 order = list(res)
                 rng.shuffle(order)
                 for v, c in order:
-                    us = segment(urls, CONFIGS[c], trees[v], args.duration, args.workers)
+                    flags = [f.format(tmp=tmp) for f in CONFIGS[c]]
+                    us = segment(urls, flags, trees[v], args.duration, args.workers)
                     res[(v, c)].append(us)
                     print(f"round {r} {v} {c}: {us:.0f} us/request", flush=True)
         finally:
@@ -131,9 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{v} {c}: median {statistics.median(xs):.0f} us/request "
               f"[{min(xs):.0f}, {max(xs):.0f}]")
     for v in trees:
-        ratios = [a / b for a, b in zip(res[(v, "default")], res[(v, "rr")], strict=True)]
-        print(f"{v} default/rr per round {[round(x, 2) for x in ratios]}, "
-              f"median {statistics.median(ratios):.2f}")
+        for c in RATIOS:
+            ratios = [a / b for a, b in zip(res[(v, c)], res[(v, "rr")], strict=True)]
+            print(f"{v} {c}/rr per round {[round(x, 2) for x in ratios]}, "
+                  f"median {statistics.median(ratios):.2f}")
     if args.json is not None:
         doc = summary(res, list(trees), args, load)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
@@ -143,17 +159,22 @@ def main(argv: list[str] | None = None) -> int:
 def summary(res: dict[tuple[str, str], list[float]], versions: list[str],
             args: argparse.Namespace, load_at_start: float) -> dict[str, Any]:
     """What ``--json`` writes: per version, each configuration's CPU us per request in
-    every round, its median and spread, and the default/rr ratio of every round."""
+    every round, its median and spread, and the ratio to rr of every round
+    (``ratio_rounds``, ``ratio_median``: the default's; ``ratios``: each of ``RATIOS``)."""
     out: dict[str, Any] = {}
     for v in versions:
-        ratios = [a / b for a, b in zip(res[(v, "default")], res[(v, "rr")], strict=True)]
+        ratios = {c: [a / b for a, b in zip(res[(v, c)], res[(v, "rr")], strict=True)]
+                  for c in RATIOS}
         out[v] = {
             "configs": {c: {"rounds": [round(x, 1) for x in res[(v, c)]],
                             "median": round(statistics.median(res[(v, c)]), 1),
                             "min": round(min(res[(v, c)]), 1),
                             "max": round(max(res[(v, c)]), 1)} for c in CONFIGS},
-            "ratio_rounds": [round(x, 2) for x in ratios],
-            "ratio_median": round(statistics.median(ratios), 2),
+            "ratio_rounds": [round(x, 2) for x in ratios["default"]],
+            "ratio_median": round(statistics.median(ratios["default"]), 2),
+            "ratios": {c: {"rounds": [round(x, 2) for x in r],
+                           "median": round(statistics.median(r), 2)}
+                       for c, r in ratios.items()},
         }
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                             text=True, check=False).stdout.strip()
@@ -166,6 +187,7 @@ def summary(res: dict[tuple[str, str], list[float]], versions: list[str],
     return {"setup": {"rounds": args.rounds, "duration_s": args.duration,
                       "seed": args.seed, "connections": 64, "workers": args.workers,
                       "configs": {c: " ".join(f) or "(no flags)" for c, f in CONFIGS.items()},
+                      "told_yaml": TOLD_YAML,
                       "base": args.base, "commit": commit or None,
                       "load_average_1m_at_start": round(load_at_start, 2),
                       "cpus": os.cpu_count(),

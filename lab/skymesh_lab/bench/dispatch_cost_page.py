@@ -13,17 +13,19 @@ LIVE = "dispatch-cost-live"  # the attached live run (results_pages.Source.attac
 DEFAULT = "prefix-tree+sp-p"
 BASELINE = "round-robin+bp"
 STUBS = "@stubs"  # the live benchmark's shape (dispatch_cost.StubBench)
+TOLD = "@told"  # that shape where sp-p's limit does not bind
 ORDER = (BASELINE, DEFAULT, "least-load+sp-p", BASELINE + STUBS, DEFAULT + STUBS,
-         "prefix-tree+bp" + STUBS)
+         "prefix-tree+bp" + STUBS, DEFAULT + TOLD)
+TOLD_LIVE = "default-told"  # the live arm of the same (dispatch_cost_live)
 
 
 def _row(name: str, cur: dict[str, Any], base: dict[str, Any] | None,
          speedup: float | None, same: bool | None) -> str:
     c = cur["modes"][name]
     now = f"{c['us_per_request']:g} [{c['min']:g}, {c['max']:g}]"
-    if base is None:
+    b = base["modes"].get(name) if base is not None else None
+    if b is None:  # no base, or a mode the base's run did not have
         return f"| {name} | {now} | - | - | - |"
-    b = base["modes"][name]
     before = f"{b['us_per_request']:g} [{b['min']:g}, {b['max']:g}]"
     return (f"| {name} | {now} | {before} | {speedup:g}x | "
             f"{'yes' if same else 'NO'} |")
@@ -38,9 +40,10 @@ def dispatch_cost(doc: dict[str, Any]) -> str:
     for name in sorted(cur["modes"], key=lambda n: ORDER.index(n) if n in ORDER else 9):
         out.append(_row(name, cur, base, (doc.get("speedup") or {}).get(name),
                         (doc.get("same_decisions") or {}).get(name)))
-    def extra(d: dict[str, Any], suffix: str = "") -> str:
+    def extra(d: dict[str, Any], suffix: str = "", vs: str = "") -> str:
         m = d["modes"]
-        more = m[DEFAULT + suffix]["us_per_request"] - m[BASELINE + suffix]["us_per_request"]
+        more = (m[DEFAULT + suffix]["us_per_request"]
+                - m[BASELINE + (vs or suffix)]["us_per_request"])
         return f"{more:.0f} us"
 
     ratio = (f"The default ({DEFAULT}) costs **{cur['default_over_round_robin']:g}x** "
@@ -48,13 +51,25 @@ def dispatch_cost(doc: dict[str, Any]) -> str:
     if base:
         ratio += (f"; {base['default_over_round_robin']:g}x, {extra(base)} more, at "
                   f"`{label}`")
+
+    def clause(key: str, lead: str, suffix: str, vs: str = "") -> str:
+        """``lead`` it costs (``key``'s ratio) now and at the base, ``suffix``'s row
+        against ``vs``'s (the same suffix's baseline when empty)."""
+        r = cur.get(key)
+        if r is None:
+            return ""
+        than = f"{BASELINE}{vs} " if vs else ""
+        text = f". {lead} it costs **{r:g}x** {than}now, {extra(cur, suffix, vs)} more"
+        if base and base.get(key) is not None:
+            text += f"; {base[key]:g}x, {extra(base, suffix, vs)} more, at `{label}`"
+        return text
+
     stubs = cur.get("stubs_default_over_round_robin")
-    if stubs is not None:
-        ratio += (f". In the live benchmark's shape ({STUBS}) it costs **{stubs:g}x** "
-                  f"now, {extra(cur, STUBS)} more")
-        if base and base.get("stubs_default_over_round_robin") is not None:
-            ratio += (f"; {base['stubs_default_over_round_robin']:g}x, "
-                      f"{extra(base, STUBS)} more, at `{label}`")
+    told = cur.get("told_default_over_round_robin")
+    ratio += clause("stubs_default_over_round_robin",
+                    f"In the live benchmark's shape ({STUBS})", STUBS)
+    ratio += clause("told_default_over_round_robin",
+                    f"Where sp-p's limit does not bind ({TOLD})", TOLD, STUBS)
     differ = [n for n, same in (doc.get("same_decisions") or {}).items() if not same]
     notes = [
         "\n".join(out),
@@ -87,35 +102,81 @@ def dispatch_cost(doc: dict[str, Any]) -> str:
             "neither `max_num_seqs` nor a KV capacity (sp-p gives each one request until "
             "its first byte, a few more to the one holding the prompt's prefix, "
             f"`prefer_queue`; metrics lag {st['metrics_lag_s']:g} s), {st['clients']} "
-            f"clients each sending one of {st['prompts']} shared "
-            f"{st['prompt_chars']:,}-character prompts with a short question of its own, "
+            f"clients each sending one of {st['prompts']} shared system prompts of about "
+            f"{st['prompt_chars']:,} characters (the live benchmark's wrk bodies) with a "
+            "short question of its own, rendered as the daemon renders a chat (where the "
+            "question reaches into a full chunk the keyed text is new and hashed), "
             "answered at once; prefix-tree with blind pushing shows what sp-p's standing "
             "queue adds. Here a replica is refilled as soon as it frees, so most pumps "
             "find no replica that could take a request and ask nothing; with free slots "
             "(the rows above) a pump usually has a replica to offer, and the policy is "
             "asked about the requests whose answers changed, as before.")
+    td = setup.get("told")
+    if td is not None:
+        notes.append(
+            f"{TOLD}: that shape where sp-p's limit does not bind, the live section's "
+            f"`{TOLD_LIVE}`: each replica told a cap of {td['max_num_seqs']} and a queue "
+            f"of {td['prefer_queue']} for the prompt's prefix (`prefer_queue`: without a "
+            "published KV capacity sp-p holds a replica at one request until its first "
+            "byte whatever its cap, and only the replica holding the prompt's prefix may "
+            "take more), timed after the first "
+            f"{td['warmup']:,} completions (until the trie holds the shared prompts, every "
+            "client waits in a queue). Each request then goes at its arrival to the "
+            "replica holding its prefix, with no queue at the balancer: what is left is "
+            "the default's own cost per request.")
     live = doc.get(LIVE)
     if live is not None:
         notes.append(live_section(live))
         cur_live = live["versions"].get("current")
         if cur_live is not None and stubs is not None:
-            c = cur_live["configs"]
-            gap = c["default"]["median"] - c["rr"]["median"]
-            notes.append(
-                f"Of the live gap now ({gap:.0f} us per request between the medians), the "
-                f"decision core accounts for about {extra(cur, STUBS)} (the {STUBS} rows, "
-                "prefix keys and trie included); the rest is the daemon's own work around "
-                "a request that waits in the queue (its dispatch awaited, more event-loop "
-                "passes per request while few are in flight to each replica) and the "
-                "chat prompt's rendering on the request path. Profiled live (py-spy, the "
-                "default against `--push-mode bp` with the same policy), that rest is "
-                "mostly user time spread over the request path, the pumps' share (the "
-                "balancer's pump around the dispatcher's) the largest single part; the "
-                "queued request's own wait (its future, its queue timeout, now one swept "
-                "heap for all waiters instead of a loop timer each) is a few "
-                "microseconds, and the system time (socket writes that wake a replica "
-                "idling between requests) adds less than the user time.")
+            notes.append(_remaining(cur_live["configs"], extra(cur, STUBS),
+                                    extra(cur, TOLD, STUBS) if told is not None else None))
     return "\n\n".join(notes)
+
+
+def _yaml_line(text: str) -> str:
+    """A YAML file of sections of scalars on one line: ``pushing: {max_num_seqs: 256}``."""
+    sections: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        key, _, value = line.strip().partition(":")
+        if line.startswith(" ") and sections:
+            sections[-1][1].append(f"{key}: {value.strip()}")
+        else:
+            sections.append((key, []))
+    return ", ".join(f"{k}: {{{', '.join(v)}}}" for k, v in sections)
+
+
+def _remaining(configs: dict[str, Any], stubs_core: str, told_core: str | None) -> str:
+    """Where the live gap lies: the decision core's share (the in-process rows) and the
+    rest, with the default where sp-p's limit does not bind when the run has it."""
+    gap = configs["default"]["median"] - configs["rr"]["median"]
+    text = (f"Where the remaining cost lies. Of the live gap now ({gap:.0f} us per request "
+            f"between the medians of the default and rr), the decision core accounts for "
+            f"about {stubs_core} (the {STUBS} rows, prefix keys and trie included)")
+    if told_core is None or TOLD_LIVE not in configs:
+        return text + "."
+    not_binding = configs[TOLD_LIVE]["median"] - configs["rr"]["median"]
+    queue = configs["default"]["median"] - configs[TOLD_LIVE]["median"]
+    return text + (
+        f"; {queue:.0f} us of it is the standing queue itself, gone where sp-p's limit "
+        f"does not bind ({TOLD_LIVE}, {not_binding:.0f} us over rr, of which the decision "
+        f"core's {TOLD} row accounts for about {told_core}). The queue is sp-p holding "
+        "each stub replica at one request until its first byte: a request that waits "
+        "costs its dispatch awaited, a pump at each first byte and completion that "
+        "re-checks the window, more event-loop passes while few requests are in flight "
+        "to each replica (learning what the engines take is the cure there, not a "
+        "cheaper pump). Without the queue, what the default does beyond rr per request "
+        "is a flat list of small parts, profiled in process and live (py-spy): one "
+        "prefix-trie match over the serving replicas and a least-loaded choice among the "
+        "replicas holding the prefix (`preferred`), two trie inserts (the prompt's keys "
+        "at dispatch, the prompt and reply's at completion), each replica's sp-p "
+        "availability and takers recomputed after each of its load changes (a dispatch, "
+        "a first byte, a completion), the request's tie key, the prompt's keys (hashed "
+        "once per new keyed text, and then only the chunks after those a recent prompt "
+        "shares) and the reply's; outside the core, the reply's text read out of its "
+        "JSON for those keys (the rest of the live gap is within this loaded machine's "
+        "spread between rounds). None of them is a rescan of the queue or of the "
+        "replicas; each is a few microseconds of Python.")
 
 
 def _cell(c: dict[str, Any]) -> str:
@@ -123,25 +184,36 @@ def _cell(c: dict[str, Any]) -> str:
 
 
 def live_table(live: dict[str, Any]) -> str:
-    """Per version of a live run: default and rr CPU per request, the per-round ratios."""
+    """Per version of a live run: default and rr CPU per request, the per-round ratios, and
+    the default where sp-p's limit does not bind (``default-told``) when the run has it."""
     setup, versions = live["setup"], live["versions"]
-    rows = ["| version | default: CPU us per request, median [min, max] | round-robin + bp "
-            "| default/rr per round | median |",
-            "| --- | ---: | ---: | --- | ---: |"]
+    told = TOLD_LIVE in setup["configs"]
+    head = ("| version | default: CPU us per request, median [min, max] | round-robin + bp "
+            "| default/rr per round | median |")
+    if told:
+        head += " default, sp-p not binding | its /rr per round | median |"
+    rows = [head, "| --- | ---: | ---: | --- | ---: |" + (" ---: | --- | ---: |" if told
+                                                          else "")]
     for v, name in (("current", "now"), ("base", f"`{setup.get('base')}`")):
         r = versions.get(v)
         if r is None:
             continue
         per_round = ", ".join(f"{x:g}" for x in r["ratio_rounds"])
-        rows.append(f"| {name} | {_cell(r['configs']['default'])} | "
-                    f"{_cell(r['configs']['rr'])} | {per_round} | "
-                    f"**{r['ratio_median']:g}x** |")
+        row = (f"| {name} | {_cell(r['configs']['default'])} | "
+               f"{_cell(r['configs']['rr'])} | {per_round} | "
+               f"**{r['ratio_median']:g}x** |")
+        if told:
+            t = r["ratios"][TOLD_LIVE]
+            row += (f" {_cell(r['configs'][TOLD_LIVE])} | "
+                    f"{', '.join(f'{x:g}' for x in t['rounds'])} | **{t['median']:g}x** |")
+        rows.append(row)
     return "\n".join(rows)
 
 
 def live_section(live: dict[str, Any]) -> str:
     """The whole daemon's CPU per request, default against round-robin + bp
-    (``skymesh_lab.bench.dispatch_cost_live``)."""
+    (``skymesh_lab.bench.dispatch_cost_live``), and the default where sp-p's limit does
+    not bind (``default-told``) when the run has it."""
     setup = live["setup"]
     flags = setup["configs"]
     return "\n\n".join([
@@ -157,7 +229,8 @@ def live_section(live: dict[str, Any]) -> str:
         "sp-p gives each replica one request until its first byte (a few more to the "
         "replica holding the prompt's prefix, `prefer_queue`) and a queue stands at the "
         "balancer, which round-robin never has. Beyond rr, the default hashes the "
-        "prompt's keys (once per distinct keyed text), inserts into the trie at dispatch "
+        "prompt's keys (once per distinct keyed text, and then only the chunks after those "
+        "a recent prompt shares), inserts into the trie at dispatch "
         "and again with the reply, and at each pump (an arrival, a first byte, a "
         "completion) where some replica can take a request re-asks the policy about the "
         "requests in the queue's window whose last answer read a load or a trie record "
@@ -167,7 +240,12 @@ def live_section(live: dict[str, Any]) -> str:
         "replicas holding a prompt's prefix breaks by the request's own key, set once, "
         "so it no longer forces a re-ask (the queue is searched for stranded requests "
         "only while a queued model has no healthy replica here or a breaker is open). "
-        "Measured "
+        + (f"{TOLD_LIVE}: the default with `--config` holding "
+           f"`{_yaml_line(setup.get('told_yaml', ''))}`: a told cap alone leaves the queue "
+           "standing (sp-p still holds a replica without a published KV capacity at one "
+           "request until its first byte), so the replica holding the prompt's prefix may "
+           "also take any number, and each request goes at its arrival. " if told else "")
+        + "Measured "
         f"{setup['date']} on {setup['cpus']} CPUs shared with other jobs (load average "
         f"{setup['load_average_1m_at_start']:g} at start), commit `{setup['commit']}`; "
         "per-round ratios spread widely on the loaded machine, so the median is the "

@@ -374,7 +374,7 @@ SOURCES: tuple[Source, ...] = (
            "the last section is the whole daemon's CPU, live. See [the cost of a "
            "decision](../policies.md#the-cost-of-a-decision).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.dispatch_cost", "--base",
-            "276d90f", "--json", "{json}"),
+            "d9741a6", "--json", "{json}"),
            dispatch_cost_page.dispatch_cost, attach=(dispatch_cost_page.LIVE,)),
     Source("access-log-cost", "What the access log costs a request (issue #35 item 3)",
            "Process CPU per request of skymesh-lb (one worker, round-robin, `bp`) in front "
