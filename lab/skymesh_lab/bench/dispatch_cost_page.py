@@ -216,6 +216,7 @@ def live_section(live: dict[str, Any]) -> str:
     not bind (``default-told``) when the run has it."""
     setup = live["setup"]
     flags = setup["configs"]
+    told = TOLD_LIVE in flags
     return "\n\n".join([
         "## The whole daemon, live",
         live_table(live),
