@@ -468,8 +468,8 @@ class Dispatcher(BatchLanes):
                 if memo_ok:
                     seen = self._seen_pref
                     pref = seen if isinstance(seen, str) else None
-                    if not ticket.excluded and (seen is not _UNSEEN or not watch) \
-                            and watch.count(pref) == len(watch):  # all of them pref
+                    all_pref = not watch if pref is None else watch.count(pref) == len(watch)
+                    if not ticket.excluded and (seen is not _UNSEEN or not watch) and all_pref:
                         # The policy read no load but its own answer's: a change of the
                         # replicas that might take the request needs a recheck of them
                         # (``_still_blocked``), not the policy.

@@ -289,7 +289,8 @@ class StubBench(Bench):
         # 2,000 characters each.
         self.systems = [f"You are assistant {g}. Context: " + _words(g * 7919, 320)
                         for g in range(1, STUB_PROMPTS + 1)]
-        self.seqs, self.prefer = (TOLD_CAP, TOLD_CAP) if told else (None, PREFER_QUEUE)
+        self.seqs: int | None = TOLD_CAP if told else None
+        self.prefer = TOLD_CAP if told else PREFER_QUEUE
         if told:
             # At the start every client waits for a replica until the trie has learnt
             # the shared prompts (a queue, sp-p's limit binding): not what this row shows.
