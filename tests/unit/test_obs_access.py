@@ -676,6 +676,36 @@ async def test_a_stuck_sink_bounds_the_backlog_and_drops_the_rest() -> None:
     assert f"access log: {writer.dropped} line(s) dropped" in sink.getvalue()
 
 
+@pytest.mark.usefixtures("restore_logging")
+async def test_the_balancer_s_configured_backlog_is_where_lines_are_dropped() -> None:
+    """``logging.access_log_backlog`` reaches the balancer's writer: a stuck sink keeps
+    that many lines waiting, the rest dropped. Before, 4,096 whatever the config."""
+    from skymesh.balancer.config import parse_config
+    from skymesh.balancer.server import build_app
+
+    sink = StuckSink()
+    setup_logging("warning", "text", stream=sink)  # type: ignore[arg-type]
+    app = build_app(parse_config({"logging": {"access_log_backlog": BATCH}}))
+    access: _Access = app[_ACCESS_KEY]
+    writer = access.writer
+    assert writer is not None and writer.max_backlog == BATCH
+    writer.start()
+    try:
+        for _ in range(BATCH):  # a first batch: the thread takes it and blocks writing it
+            access._write(finished(), None)
+        writer.flush()
+        wait_for(sink.blocked.is_set, "the thread blocked in its write", timeout=10)
+        sent = 4 * BATCH
+        for _ in range(sent):
+            access._write(finished(), None)
+        writer.flush()
+        assert writer._queue.qsize() <= BATCH
+        assert writer.dropped >= sent - 2 * BATCH
+    finally:
+        sink.release.set()
+        await asyncio.to_thread(writer.stop)
+
+
 async def test_the_dropped_lines_are_a_prometheus_counter_on_the_apps_registry() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
