@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from urllib.parse import SplitResult, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from yarl import URL
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -284,6 +283,10 @@ def check_hostport(address: str, policy: UrlPolicy) -> Target:
 def join(base: str, path: str) -> str:
     """``base`` with the fixed ``path`` appended as path segments (never string pasting:
     a ``?`` or ``#`` in either part cannot change which resource is fetched)."""
+    # Here, not at the top: the balancer's config (and the workers' supervisor) checks URLs
+    # but joins none; yarl brings multidict, idna and propcache with it.
+    from yarl import URL
+
     u = URL(base)
     if "?" in base or "#" in base:
         raise UrlRejected("a base URL may not have a query (?) or fragment (#)")

@@ -49,6 +49,7 @@ def test_the_supervisor_does_not_load_aiohttp() -> None:
     modules = _supervisor_modules()
     assert "skymesh.net.urlpolicy" in modules  # the config's URL checks ran
     assert not {m for m in modules if m == "aiohttp" or m.startswith("aiohttp.")}
+    assert "yarl" not in modules  # the policy's URL joining imports it where it joins
 
 
 def test_the_prefix_package_still_gives_the_text_keys() -> None:
