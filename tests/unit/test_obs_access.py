@@ -14,7 +14,7 @@ import logging
 import re
 import threading
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -646,13 +646,27 @@ async def test_a_line_past_the_backlog_is_dropped_and_counted_not_made_on_the_lo
     assert "access log: 1 line(s) dropped, the log sink was 0 lines behind" in out.getvalue()
 
 
+def _balancer_access(backlog: int) -> _Access:
+    """The balancer's access log, its backlog set by ``logging.access_log_backlog``."""
+    from skymesh.balancer.config import parse_config
+    from skymesh.balancer.server import build_app
+
+    app = build_app(parse_config({"logging": {"access_log_backlog": backlog}}))
+    access: _Access = app[_ACCESS_KEY]
+    return access
+
+
 @pytest.mark.usefixtures("restore_logging")
-async def test_a_stuck_sink_bounds_the_backlog_and_drops_the_rest() -> None:
+@pytest.mark.parametrize("make", [_access_with, _balancer_access], ids=["set", "config"])
+async def test_a_stuck_sink_bounds_the_backlog_and_drops_the_rest(
+        make: Callable[[int], _Access]) -> None:
+    """With ``config``: the balancer's key reaches its writer (before, the backlog was
+    4,096 whatever the config said)."""
     sink = StuckSink()
     setup_logging("warning", "text", stream=sink)  # type: ignore[arg-type]
-    access = _access_with(2 * BATCH)
+    access = make(2 * BATCH)
     writer = access.writer
-    assert writer is not None
+    assert writer is not None and writer.max_backlog == 2 * BATCH
     writer.start()
     try:
         for _ in range(BATCH):  # a first batch: the thread takes it and blocks writing it
@@ -674,36 +688,6 @@ async def test_a_stuck_sink_bounds_the_backlog_and_drops_the_rest() -> None:
     logged = [line for line in lines if "skymesh.access:" in line]
     assert len(logged) + writer.dropped == BATCH + sent  # each line written or counted
     assert f"access log: {writer.dropped} line(s) dropped" in sink.getvalue()
-
-
-@pytest.mark.usefixtures("restore_logging")
-async def test_the_balancer_s_configured_backlog_is_where_lines_are_dropped() -> None:
-    """``logging.access_log_backlog`` reaches the balancer's writer: a stuck sink keeps
-    that many lines waiting, the rest dropped. Before, 4,096 whatever the config."""
-    from skymesh.balancer.config import parse_config
-    from skymesh.balancer.server import build_app
-
-    sink = StuckSink()
-    setup_logging("warning", "text", stream=sink)  # type: ignore[arg-type]
-    app = build_app(parse_config({"logging": {"access_log_backlog": BATCH}}))
-    access: _Access = app[_ACCESS_KEY]
-    writer = access.writer
-    assert writer is not None and writer.max_backlog == BATCH
-    writer.start()
-    try:
-        for _ in range(BATCH):  # a first batch: the thread takes it and blocks writing it
-            access._write(finished(), None)
-        writer.flush()
-        wait_for(sink.blocked.is_set, "the thread blocked in its write", timeout=10)
-        sent = 4 * BATCH
-        for _ in range(sent):
-            access._write(finished(), None)
-        writer.flush()
-        assert writer._queue.qsize() <= BATCH
-        assert writer.dropped >= sent - 2 * BATCH
-    finally:
-        sink.release.set()
-        await asyncio.to_thread(writer.stop)
 
 
 async def test_the_dropped_lines_are_a_prometheus_counter_on_the_apps_registry() -> None:
