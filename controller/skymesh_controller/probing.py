@@ -20,7 +20,8 @@ import aiohttp
 
 from skymesh.common.health import HealthRule, Streak
 from skymesh.net import urlpolicy
-from skymesh.net.urlpolicy import PolicyResolver, Resolver, UrlPolicy, UrlRejected
+from skymesh.net.resolver import PolicyResolver
+from skymesh.net.urlpolicy import Resolver, UrlPolicy, UrlRejected
 from skymesh_controller.changes import Changes
 from skymesh_controller.config import ProbeConfig
 from skymesh_controller.membership import Membership

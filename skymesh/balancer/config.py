@@ -56,7 +56,7 @@ from skymesh.mesh.outlook import DEFAULT_CURRENT_WEIGHT as DEFAULT_OUTLOOK_CURRE
 from skymesh.mesh.outlook import DEFAULT_HORIZON as DEFAULT_OUTLOOK_HORIZON
 from skymesh.mesh.outlook import DEFAULT_SLACK as DEFAULT_OUTLOOK_SLACK
 from skymesh.net.urlpolicy import UrlPolicy, UrlPolicyConfig, UrlRejected, check_static
-from skymesh.obs.config import LoggingConfig, TracingConfig
+from skymesh.obs.config import LbLoggingConfig, TracingConfig
 from skymesh.policies import PolicyConfigError, build_policy
 from skymesh.policies.load import DEFAULT_HOLD_QUEUE_MAX, DEFAULT_PREFER_QUEUE, PushMode
 from skymesh.policies.peers import (
@@ -587,7 +587,7 @@ class BalancerConfig(StrictModel):
     replicas: list[ReplicaConfig] = Field(default_factory=list)
     mesh: MeshConfig | None = None
     controller: ControllerLinkConfig | None = None
-    logging: LoggingConfig = LoggingConfig()  # skymesh.obs: log format, access log
+    logging: LbLoggingConfig = LbLoggingConfig()  # skymesh.obs: log format, access log
     tracing: TracingConfig = TracingConfig()  # skymesh.obs.tracing: off unless an endpoint
     tenants: TenantsConfig | None = None  # docs/tenancy.md; None: one tenant, one class
 

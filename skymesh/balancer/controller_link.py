@@ -45,6 +45,7 @@ from skymesh.balancer.dispatch import Dispatcher
 from skymesh.balancer.health import HealthTracker
 from skymesh.mesh.outlook import OutlookParams, PeerOutlook, RegionOutlook
 from skymesh.net import urlpolicy
+from skymesh.net.resolver import PolicyResolver
 from skymesh.net.urlpolicy import UrlRejected
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ class ControllerRejected(RuntimeError):
 
 def fetch_resolver(cfg: BalancerConfig,
                    resolver: urlpolicy.Resolver = urlpolicy.system_resolver
-                   ) -> urlpolicy.PolicyResolver | None:
+                   ) -> PolicyResolver | None:
     """The resolver for every aiohttp session of a balancer that follows a controller, or
     None without one (the operator wrote every URL it fetches: nothing to re-check).
 
@@ -73,8 +74,7 @@ def fetch_resolver(cfg: BalancerConfig,
     urls = [cfg.controller.url, *(r.url for r in cfg.replicas)]
     own = frozenset(h.removesuffix(".") for h in (urlsplit(u).hostname for u in urls) if h)
     policy = cfg.controller.url_policy.policy()
-    return urlpolicy.PolicyResolver(replace(policy, allow_hosts=policy.allow_hosts | own),
-                                    resolver)
+    return PolicyResolver(replace(policy, allow_hosts=policy.allow_hosts | own), resolver)
 
 
 def region_balancers(membership: dict[str, Any], region: str) -> int:

@@ -13,7 +13,8 @@ queue:
   replica it has not failed on is behind an open breaker (:func:`can_retry`; queued:
   :func:`dead_retries`): it ends with a 502 rather than wait for the breaker's trial. A
   new request whose every replica is behind an open breaker, with no peer to take it,
-  gets a 503 at once, its ``Retry-After`` the first breaker's trial (:func:`breakers_open`);
+  gets a 503 at once, its ``Retry-After`` the first breaker's trial, spread upward
+  (:func:`breakers_open`, :func:`breaker_retry_s`);
   so do the requests already queued when the last breaker opens (:func:`stranded` with a
   time, :func:`stranded_error`), and the passthrough routes (``skymesh.balancer.passthrough``,
   :func:`breakers_wait`).
@@ -56,6 +57,14 @@ Parameters (module constants; defaults in brackets):
   are ``base * (1 + JITTER * u)``, ``u`` uniform in [0, 1), so the clients they turn away
   do not all come back in the same instant.
 * ``COLD_RETRY_S`` [2 s]: the shortest wait while nothing has drained yet.
+* ``BREAKER_SPREAD_S`` [2 s]: clients turned away while every breaker is open are told
+  the first trial's time plus up to this (:func:`breaker_retry_s`), never less: earlier,
+  they would be refused again. A queue's worth is turned away at once when the last
+  breaker opens; told the same instant, one would take the trial and the rest queue
+  behind it or be refused again. The trial's answer (a replica's first response, or its
+  failure) comes in about a second or two; spread over that, most come back once the
+  breaker is closed again, or open with its next trial known. More would leave a
+  recovered replica idle longer.
 * ``CLAIM_WINDOW_S`` [10 s]: a booked place not claimed this long after it fell due is
   dropped (its client gave up).
 * ``MAX_BOOKED`` [100,000]: booked places remembered at once (a float each); past it the
@@ -87,6 +96,7 @@ RETRY_MAX_S = 60.0
 PLAN_FRACTION = 0.9
 JITTER = 0.5
 COLD_RETRY_S = 2.0
+BREAKER_SPREAD_S = 2.0
 OUTAGE_RETRY_S = 2.0
 CLAIM_WINDOW_S = 10.0
 MAX_BOOKED = 100_000
@@ -121,6 +131,12 @@ def outage_retry_s(u: float) -> float:
     """The wait to suggest when nothing serves the model: nothing measures when a replica
     returns (see OUTAGE_RETRY_S)."""
     return OUTAGE_RETRY_S * (1 + JITTER * u)
+
+
+def breaker_retry_s(trial_in_s: float, u: float) -> float:
+    """The wait to suggest when the first open breaker lets its trial through in
+    ``trial_in_s``: that, spread upward by up to BREAKER_SPREAD_S (``u`` in [0, 1))."""
+    return trial_in_s + BREAKER_SPREAD_S * u
 
 
 class DrainMeter:
@@ -316,9 +332,9 @@ def stranded(d: Dispatcher, eligible: Collection[str], now: float | None = None
 
 def stranded_error(d: Dispatcher, model: str, now: float, u: float) -> NoHealthyReplica:
     """The 503 for a ticket :func:`stranded` found: :func:`breakers_open`'s when replicas
-    serving ``model`` are up behind open breakers (Retry-After: the first trial), else
-    :func:`outage`'s (``u``: the jitter's draw)."""
-    return breakers_open(d, model, now, forwarded=True) or outage(d, model, u)
+    serving ``model`` are up behind open breakers (Retry-After: the first trial, spread),
+    else :func:`outage`'s (``u``: the jitter's draw, one per ticket)."""
+    return breakers_open(d, model, now, u, forwarded=True) or outage(d, model, u)
 
 
 def stranded_line(model: str, request_ids: list[str], error: NoHealthyReplica) -> str:
@@ -340,30 +356,33 @@ def outage(d: Dispatcher, model: str, u: float) -> NoHealthyReplica:
         "here, none up); retry later", retry_after_s=outage_retry_s(u))
 
 
-def breakers_open(d: Dispatcher, model: str, now: float, *, forwarded: bool = False
-                  ) -> NoHealthyReplica | None:
+def breakers_open(d: Dispatcher, model: str, now: float, u: float = 0.0, *,
+                  forwarded: bool = False) -> NoHealthyReplica | None:
     """The 503 for a new request when every healthy replica serving ``model`` is behind
     an open breaker (``Breaker.shut``) and no peer may take it; None otherwise. Queued, it
     would wait for the first trial or the queue timeout, whichever comes first, and then
-    most likely fail anyway; told when the first trial is due, a client comes back when
-    there is a replica to try. Free unless some breaker is open
-    (``Dispatcher.health_summary``)."""
+    most likely fail anyway; told when the first trial is due (spread by the draw ``u``:
+    :func:`breaker_retry_s`), a client comes back when there is a replica to try. Free
+    unless some breaker is open (``Dispatcher.health_summary``)."""
     if not d.health_summary()[1] or can_retry(d, model, (), now, forwarded=forwarded):
         return None
     shut = [t.breaker for t in d.targets.values() if t.healthy and model in t.models]
     if not shut:  # nothing up at all: ``outage``'s answer
         return None
-    return breakers_wait(f"model {model!r}", shut, now)
+    return breakers_wait(f"model {model!r}", shut, now, u)
 
 
-def breakers_wait(what: str, shut: Collection[Breaker], now: float) -> NoHealthyReplica:
+def breakers_wait(what: str, shut: Collection[Breaker], now: float, u: float
+                  ) -> NoHealthyReplica:
     """The 503 when the replicas up that serve ``what`` are all behind the open breakers
-    ``shut``: come back when the first lets its trial through."""
-    wait = min(b.trial_in(now) for b in shut)
+    ``shut``: come back when the first lets its trial through, spread by the draw ``u``
+    (:func:`breaker_retry_s`) so that those turned away together do not all come back in
+    the same instant."""
+    trial = min(b.trial_in(now) for b in shut)
     return NoHealthyReplica(
         f"every replica serving {what} ({len(shut)} up) has its circuit breaker "
-        f"open after repeated failures; the first may be tried again in {wait:.1f} s",
-        retry_after_s=wait)
+        f"open after repeated failures; the first may be tried again in {trial:.1f} s",
+        retry_after_s=breaker_retry_s(trial, u))
 
 
 def check_servable(d: Dispatcher, model: str, u: float, *, forwarded: bool = False,
@@ -383,7 +402,7 @@ def check_servable(d: Dispatcher, model: str, u: float, *, forwarded: bool = Fal
     if not can_serve(d, model, forwarded=forwarded):
         raise outage(d, model, u)
     if now is not None:
-        shut = breakers_open(d, model, now, forwarded=forwarded)
+        shut = breakers_open(d, model, now, u, forwarded=forwarded)
         if shut is not None:
             raise shut
 

@@ -29,8 +29,8 @@ Where: a JSON body's ``model`` picks among the healthy replicas serving that mod
 up); without one, any healthy replica. Replicas behind an open circuit breaker (the
 generation path's, ``skymesh.balancer.breaker``) are passed over while another is up; when
 every one up is behind one, the answer is the generation path's 503 ``no_healthy_replica``
-with ``Retry-After`` until the first breaker's trial (``overload.breakers_wait``), not the
-failing replica's own errors. Among those, the least outstanding (the dispatcher's count
+with ``Retry-After`` the first breaker's trial, spread upward (``overload.breakers_wait``),
+not the failing replica's own errors. Among those, the least outstanding (the dispatcher's count
 plus the passthrough requests in flight), ties at random: routing policies are for
 generation. A connect error is retried once on another replica (the
 request never left, whatever its method), and so is a connection lost before the answer
@@ -197,7 +197,7 @@ class Passthrough:
             shut = [d.targets[tid].breaker for tid in cands
                     if d.targets[tid].breaker.shut(now)]
             if len(shut) == len(cands):
-                raise breakers_wait(self._what(model), shut, now)
+                raise breakers_wait(self._what(model), shut, now, self._rng.random())
             if shut:
                 cands = [tid for tid in cands if not d.targets[tid].breaker.shut(now)]
         if cands:

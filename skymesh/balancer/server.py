@@ -470,7 +470,8 @@ def build_app(cfg: BalancerConfig, *, workers: int = 1, worker: int = 0) -> web.
     app.on_response_prepare.append(stamp_request_id)
     # One skymesh.access line and one span per request (docs/operations-logs.md).
     install_obs(app, access_log=cfg.logging.access_log, request_id=request_id,
-                tracing=tracing_from_config(cfg.tracing, "skymesh-lb"))
+                tracing=tracing_from_config(cfg.tracing, "skymesh-lb"),
+                max_backlog=cfg.logging.access_log_backlog)
 
     async def on_startup(app: web.Application) -> None:
         await lb.start()

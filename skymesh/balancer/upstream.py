@@ -423,7 +423,7 @@ class Upstream:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.max_header_bytes = max_header_bytes
-        # With a URL policy (skymesh.net.urlpolicy.PolicyResolver), a replica's host name is
+        # With a URL policy (skymesh.net.resolver.PolicyResolver), a replica's host name is
         # resolved and checked at every new connection: DNS can change after the name was
         # accepted. IP literals were checked when the URL was accepted.
         self.resolver = resolver

@@ -23,8 +23,10 @@ allowed (replicas live on VPC addresses), loopback denied. ``allow_hosts`` names
 addresses skip the private/loopback/special test (never the never-allowed list).
 
 DNS can change between registration and fetch, so callers check again when they fetch;
-:class:`PolicyResolver` plugs the check into aiohttp's connector, so the addresses the
-connection actually uses are the ones that were checked (no rebinding window).
+:class:`skymesh.net.resolver.PolicyResolver` plugs the check (:func:`resolve_checked`)
+into aiohttp's connector, so the addresses the connection actually uses are the ones that
+were checked (no rebinding window). It lives apart so that what only checks URLs (the
+balancer's config, and with it the workers' supervisor) does not load aiohttp.
 """
 
 from __future__ import annotations
@@ -38,9 +40,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import SplitResult, urlsplit
 
-from aiohttp.abc import AbstractResolver, ResolveResult
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from yarl import URL
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -283,38 +283,29 @@ def check_hostport(address: str, policy: UrlPolicy) -> Target:
 def join(base: str, path: str) -> str:
     """``base`` with the fixed ``path`` appended as path segments (never string pasting:
     a ``?`` or ``#`` in either part cannot change which resource is fetched)."""
+    # Here, not at the top: the balancer's config (and the workers' supervisor) checks URLs
+    # but joins none; yarl brings multidict, idna and propcache with it.
+    from yarl import URL
+
     u = URL(base)
     if "?" in base or "#" in base:
         raise UrlRejected("a base URL may not have a query (?) or fragment (#)")
     return str(u.joinpath(*[p for p in path.split("/") if p]))
 
 
-class PolicyResolver(AbstractResolver):
-    """An aiohttp resolver that refuses hosts resolving to addresses the policy denies.
-
-    Pass it as ``aiohttp.TCPConnector(resolver=PolicyResolver(policy))``: aiohttp calls it
-    for every DNS name it connects to (IP literals bypass resolvers: check those with
-    :func:`check_static` before the request)."""
-
-    def __init__(self, policy: UrlPolicy, resolver: Resolver = system_resolver) -> None:
-        self.policy, self.resolver = policy, resolver
-
-    async def resolve(self, host: str, port: int = 0, family: int = socket.AF_INET
-                      ) -> list[ResolveResult]:
-        t = Target(host, "http", _name(host), port, None)
-        if t.host in METADATA_HOSTS:
-            raise OSError(errno.EACCES, f"refused by the URL policy: {host} is a cloud "
-                                        "metadata service")
-        try:
-            ips = check_addresses(t, await self.resolver(host, port), self.policy)
-        except UrlRejected as exc:
-            raise OSError(errno.EACCES, f"refused by the URL policy: {exc}") from None
-        return [ResolveResult(hostname=host, host=str(ip), port=port,
-                              family=socket.AF_INET6 if ip.version == 6 else socket.AF_INET,
-                              proto=0, flags=socket.AI_NUMERICHOST) for ip in ips]
-
-    async def close(self) -> None:
-        return None
+async def resolve_checked(host: str, port: int, policy: UrlPolicy,
+                          resolver: Resolver = system_resolver) -> list[IPAddress]:
+    """The addresses ``host`` resolves to now, each allowed by ``policy``; else an
+    ``OSError`` (``EACCES``), which a connector reports as a connect error. What
+    :class:`skymesh.net.resolver.PolicyResolver` asks for every name aiohttp connects to."""
+    t = Target(host, "http", _name(host), port, None)
+    if t.host in METADATA_HOSTS:
+        raise OSError(errno.EACCES, f"refused by the URL policy: {host} is a cloud "
+                                    "metadata service")
+    try:
+        return check_addresses(t, await resolver(host, port), policy)
+    except UrlRejected as exc:
+        raise OSError(errno.EACCES, f"refused by the URL policy: {exc}") from None
 
 
 class UrlPolicyConfig(BaseModel):

@@ -30,7 +30,8 @@ gathered in ``_LINGER_S``) straight from the records, and the writer's thread wr
 batch with one system call (:meth:`skymesh.obs.logs._Handler.write_lines`), so a slow log
 sink blocks the thread, not the loop. With handlers other than the daemons' own (a
 test's, an operator's), each line goes through ``logging`` in the thread instead. Past
-``MAX_BACKLOG`` waiting lines a request's line is dropped and counted
+``max_backlog`` waiting lines (``logging.access_log_backlog``, default ``MAX_BACKLOG``)
+a request's line is dropped and counted
 (``skymesh_access_log_dropped_total``; the thread logs a warning with the count when it
 writes again): a stuck log sink neither grows memory nor stops the loop, which would
 otherwise wait on the handler's lock the thread holds in its blocked write. Before the
@@ -57,6 +58,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from skymesh.net.jsonbody import NOT_DECODED, fast_usage
+from skymesh.obs.config import ACCESS_LOG_BACKLOG
 from skymesh.obs.logs import (
     ACCESS_LOGGER,
     JsonFormatter,
@@ -82,9 +84,7 @@ _PLAIN_USAGE = re.compile(
     rb'\{"prompt_tokens":(0|[1-9]\d*),(?:"total_tokens":\d+,)?"completion_tokens":'
     rb'(0|[1-9]\d*)(?:,"total_tokens":\d+)?(?:,"prompt_tokens_details":null)?\}')
 _NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
-# Lines waiting for the writer thread before new ones are dropped (about 1 KB each with
-# a stream's tail: a few MB at most).
-MAX_BACKLOG = 4096
+MAX_BACKLOG = ACCESS_LOG_BACKLOG  # the default; why: skymesh.obs.config
 # Lines gather this long (or to BATCH of them) before they are made and written: one
 # write per batch rather than per line, and a thread wake-up per batch, not per request.
 _LINGER_S = 0.02
@@ -254,12 +254,14 @@ def _route_name(request: web.Request) -> str:
 
 class _Access:
     def __init__(self, log: logging.Logger | None, tracing: Tracing | None,
-                 request_id: Callable[[web.Request], str | None], clock: Clock) -> None:
+                 request_id: Callable[[web.Request], str | None], clock: Clock,
+                 max_backlog: int = MAX_BACKLOG) -> None:
         self.log = log
         self.tracing = tracing
         self.request_id = request_id
         self.clock = clock
-        self.writer = AccessWriter(log) if log is not None else None
+        self.writer = (AccessWriter(log, max_backlog=max_backlog) if log is not None
+                       else None)
 
     @web.middleware
     async def log_only(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -368,7 +370,7 @@ class _Access:
         writer = self.writer
         if writer is None or writer.put(what, body):
             return
-        if writer.running:  # MAX_BACKLOG behind: a stuck or slow sink
+        if writer.running:  # max_backlog behind: a stuck or slow sink
             writer.dropped += 1  # the thread reports it when it writes again
             return
         # A whole body is written after the middleware returns: the line (and the usage
@@ -753,16 +755,18 @@ async def _watch_body(request: web.Request, response: web.StreamResponse) -> Non
 
 def install(app: web.Application, *, access_log: bool = True, tracing: Tracing | None = None,
             request_id: Callable[[web.Request], str | None] | None = None,
-            clock: Clock = time.perf_counter) -> None:
+            clock: Clock = time.perf_counter, max_backlog: int = MAX_BACKLOG) -> None:
     """Log every request of ``app`` and/or trace it; nothing is added when both are off.
     ``request_id``: the function that gives a request's id (the balancer's
-    ``skymesh.balancer.edge.request_id``); by default the client's ``X-Request-Id``."""
+    ``skymesh.balancer.edge.request_id``); by default the client's ``X-Request-Id``.
+    ``max_backlog``: lines waiting for the writer thread past which lines are dropped
+    (``logging.access_log_backlog``)."""
     if not access_log and tracing is None:
         return
     global _installed
     _installed = True
     access = _Access(logging.getLogger(ACCESS_LOGGER) if access_log else None, tracing,
-                     request_id or _default_request_id, clock)
+                     request_id or _default_request_id, clock, max_backlog)
     app.middlewares.append(access.middleware if tracing is not None else access.log_only)
     app[_ACCESS_KEY] = access
     app.on_response_prepare.append(_watch_body)

@@ -1,6 +1,6 @@
 """The ``logging:`` and ``tracing:`` sections, the same in both daemons' configs::
 
-    logging: {format: json, access_log: true}
+    logging: {format: json, access_log: true}   # skymesh-lb also: access_log_backlog: 4096
     tracing: {otlp_endpoint: "http://otel-collector:4318/v1/traces",
               service_name: skymesh-lb-us, sample_ratio: 0.1}
 
@@ -20,9 +20,21 @@ from skymesh.common.config import StrictModel
 LogFormat = Literal["text", "json"]
 
 
+# Access lines waiting for skymesh-lb's writer thread before new ones are dropped
+# (skymesh.obs.access.AccessWriter; about 1 KB each with a stream's tail: a few MB).
+ACCESS_LOG_BACKLOG = 4096
+
+
 class LoggingConfig(StrictModel):
     format: LogFormat = "text"
     access_log: bool = True
+
+
+class LbLoggingConfig(LoggingConfig):
+    """skymesh-lb's: its access lines are written by a thread whose backlog is bounded.
+    The controller's access log has no such writer, so it does not take the key."""
+
+    access_log_backlog: int = Field(ACCESS_LOG_BACKLOG, ge=1)
 
 
 class TracingConfig(StrictModel):

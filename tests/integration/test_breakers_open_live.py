@@ -1,7 +1,7 @@
 """Every breaker of a model open, on the live balancer in front of a stub replica: the
 requests already queued when the last breaker opens, and the passthrough routes, get the
 503 ``no_healthy_replica`` a new generation request gets (told to come back when the
-first breaker lets a trial through), not a wait up to ``queue.timeout_s`` or a replica
+first breaker lets a trial through, spread), not a wait up to ``queue.timeout_s`` or a replica
 that is failing."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from support import (
     until,
 )
 
+from skymesh.balancer.overload import BREAKER_SPREAD_S
 from skymesh.util.procs import Daemon
 
 MODEL = "m"
@@ -145,11 +146,15 @@ async def test_queued_requests_fail_at_once_when_the_last_breaker_opens(
 
         status, body, _ = await holder
         assert status == 502, body  # its retry has nowhere to go (issue #35)
+        waits = []
         for status, body, headers in await asyncio.gather(*waiting):
             assert status == 503, body
             assert body["error"]["code"] == "no_healthy_replica"
             assert "circuit breaker" in body["error"]["message"]
-            assert QUEUE_TIMEOUT_S < _retry_after(headers) <= OPEN_S  # the trial's time
+            waits.append(_retry_after(headers))
+            # the trial's time, spread upward
+            assert QUEUE_TIMEOUT_S < waits[-1] <= OPEN_S + BREAKER_SPREAD_S
+        assert len(set(waits)) > 1  # not all told to come back in the same instant
 
         assert (await lb_status(s, lb.url))["queued"] == 0
         m = await get_metrics(s, lb.url)
@@ -186,4 +191,4 @@ async def test_passthrough_answers_503_while_every_breaker_is_open(
             async with s.post(lb.url + "/tokenize", json=payload) as r:
                 assert r.status == 503, await r.text()
                 assert (await r.json())["error"]["code"] == "no_healthy_replica"
-                assert QUEUE_TIMEOUT_S < _retry_after(r.headers) <= OPEN_S
+                assert QUEUE_TIMEOUT_S < _retry_after(r.headers) <= OPEN_S + BREAKER_SPREAD_S

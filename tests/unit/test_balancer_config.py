@@ -30,10 +30,22 @@ def test_the_example_config_is_valid_and_complete() -> None:
     ({"policy": {"name": "best-one"}}, "best-one"),
     ({"policy": {"name": "prefix-tree", "params": {"threshold": 1}}}, "threshold"),
     ({"typo_section": {}}, "typo_section"),
+    ({"logging": {"access_log_backlog": 0}}, "logging.access_log_backlog"),
 ])
 def test_bad_config_fails_and_names_the_key(data: dict[str, object], culprit: str) -> None:
     with pytest.raises(ConfigError, match=culprit.replace(".", r"\.")):
         parse_config(data)
+
+
+def test_the_access_log_backlog_is_the_balancer_s_key_alone() -> None:
+    """The controller's access log has no writer thread to bound: it refuses the key
+    rather than take one it ignores."""
+    from skymesh_controller.config import parse_config as parse_controller_config
+
+    assert parse_config({}).logging.access_log_backlog == 4096
+    assert parse_config({"logging": {"access_log_backlog": 8}}).logging.access_log_backlog == 8
+    with pytest.raises(ConfigError, match=r"logging\.access_log_backlog"):
+        parse_controller_config({"logging": {"access_log_backlog": 8}})
 
 
 def test_unreadable_or_invalid_yaml(tmp_path: Path) -> None:

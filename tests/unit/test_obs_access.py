@@ -14,7 +14,7 @@ import logging
 import re
 import threading
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -646,13 +646,27 @@ async def test_a_line_past_the_backlog_is_dropped_and_counted_not_made_on_the_lo
     assert "access log: 1 line(s) dropped, the log sink was 0 lines behind" in out.getvalue()
 
 
+def _balancer_access(backlog: int) -> _Access:
+    """The balancer's access log, its backlog set by ``logging.access_log_backlog``."""
+    from skymesh.balancer.config import parse_config
+    from skymesh.balancer.server import build_app
+
+    app = build_app(parse_config({"logging": {"access_log_backlog": backlog}}))
+    access: _Access = app[_ACCESS_KEY]
+    return access
+
+
 @pytest.mark.usefixtures("restore_logging")
-async def test_a_stuck_sink_bounds_the_backlog_and_drops_the_rest() -> None:
+@pytest.mark.parametrize("make", [_access_with, _balancer_access], ids=["set", "config"])
+async def test_a_stuck_sink_bounds_the_backlog_and_drops_the_rest(
+        make: Callable[[int], _Access]) -> None:
+    """With ``config``: the balancer's key reaches its writer (before, the backlog was
+    4,096 whatever the config said)."""
     sink = StuckSink()
     setup_logging("warning", "text", stream=sink)  # type: ignore[arg-type]
-    access = _access_with(2 * BATCH)
+    access = make(2 * BATCH)
     writer = access.writer
-    assert writer is not None
+    assert writer is not None and writer.max_backlog == 2 * BATCH
     writer.start()
     try:
         for _ in range(BATCH):  # a first batch: the thread takes it and blocks writing it

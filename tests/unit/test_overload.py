@@ -14,6 +14,7 @@ from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.errors import NoCapacity, NoHealthyReplica, Overloaded, retry_headers
 from skymesh.balancer.handlers import RETRY_COUNT_HEADER, _is_retry
 from skymesh.balancer.overload import (
+    BREAKER_SPREAD_S,
     CLAIM_WINDOW_S,
     COLD_RETRY_S,
     JITTER,
@@ -347,6 +348,28 @@ def test_every_breaker_open_answers_with_the_first_trial() -> None:
     with pytest.raises(NoHealthyReplica):
         check_servable(d, "m", 0.0, now=6.0)
     check_servable(d, "m", 0.0)  # without a time: the old answer (the request queues)
+
+
+def test_clients_turned_away_by_open_breakers_come_back_spread_after_the_trial() -> None:
+    """Before the fix every client told to wait for the first trial was told the same
+    instant: a queue's worth came back at once, one took the trial, the rest were queued
+    behind it or refused again."""
+    d = _breakers()
+    _failing(d, "a", 0.0, 1)
+    _failing(d, "b", 5.0, 1)
+    trial = OPEN_S - 6.0  # a's
+    answers = [breakers_open(d, "m", 6.0, u) for u in (0.0, 0.25, 0.5, 0.999)]
+    waits = [exc.retry_after_s for exc in answers if exc is not None]
+    assert waits == sorted(set(waits)) and len(waits) == 4  # one wait per draw, rising
+    assert waits[0] == pytest.approx(trial)  # never before the trial: refused again
+    assert waits[-1] == pytest.approx(trial + 0.999 * BREAKER_SPREAD_S)
+    assert len({exc.message for exc in answers if exc is not None}) == 1  # the trial's time
+    with pytest.raises(NoHealthyReplica) as exc:
+        check_servable(d, "m", 0.5, now=6.0)  # the request's own draw
+    assert exc.value.retry_after_s == pytest.approx(trial + 0.5 * BREAKER_SPREAD_S)
+    # A trial due in a moment still spreads them over whole seconds of Retry-After.
+    soon = [breakers_open(d, "m", OPEN_S - 0.1, u) for u in (0.0, 0.9)]
+    assert [exc.headers()["Retry-After"] for exc in soon if exc is not None] == ["1", "2"]
 
 
 def test_a_due_trial_lets_the_request_queue() -> None:

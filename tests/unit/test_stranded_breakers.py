@@ -1,6 +1,6 @@
 """Every breaker of a model open: the requests already queued (``overload.stranded`` with a
 time, ``stranded_error``, ``stranded_line``) and the passthrough routes
-(``Passthrough.pick``) get the 503 a new request gets, Retry-After until the first trial.
+(``Passthrough.pick``) get the 503 a new request gets, Retry-After the first trial, spread.
 A fake clock throughout: the time is passed in, or injected."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.edge import OwnedRoutes
 from skymesh.balancer.errors import NoHealthyReplica
 from skymesh.balancer.overload import (
+    BREAKER_SPREAD_S,
     STRANDED_IDS_SHOWN,
     breakers_open,
     may_strand,
@@ -91,6 +92,10 @@ def test_the_stranded_error_is_the_new_request_s_answer() -> None:
     new = breakers_open(d, "m", 6.0)
     assert new is not None and (exc.message, exc.retry_after_s) == (new.message,
                                                                     new.retry_after_s)
+    # Each queued ticket its own draw: they do not all come back at the same instant.
+    spread = stranded_error(d, "m", 6.0, 0.5)
+    assert spread.message == exc.message
+    assert spread.retry_after_s == pytest.approx(OPEN_S - 1.0 + 0.5 * BREAKER_SPREAD_S)
     # Nothing up at all: the outage's answer, jittered.
     d.set_healthy("a", False)
     d.set_healthy("b", False)
@@ -171,7 +176,10 @@ def test_the_passthrough_answers_503_with_the_first_trial_when_all_are_open() ->
             d._changed()
         with pytest.raises(NoHealthyReplica) as exc:
             proxy.pick(model, set())
-        # a and b opened at 5, c at 4: the first trial is c's (for any model)
-        assert exc.value.retry_after_s == pytest.approx(OPEN_S - (1.0 if model else 2.0))
+        # a and b opened at 5, c at 4: the first trial is c's (for any model), spread
+        # by the passthrough's draw (its rng's)
+        trial = OPEN_S - (1.0 if model else 2.0)
+        assert trial < exc.value.retry_after_s < trial + BREAKER_SPREAD_S
+        assert f"tried again in {trial:.1f} s" in exc.value.message
     clock.t = 4.0 + OPEN_S  # c's trial is due
     assert proxy.pick("other", set()) == "c"

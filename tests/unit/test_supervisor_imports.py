@@ -42,6 +42,16 @@ def test_the_supervisor_does_not_load_numpy_for_the_default_policy() -> None:
     assert "numpy" not in modules
 
 
+def test_the_supervisor_does_not_load_aiohttp() -> None:
+    """aiohttp is about 9 MB of the supervisor's RSS, and it connects nowhere: the config
+    check takes the URL policy (skymesh.net.urlpolicy), not its aiohttp resolver
+    (skymesh.net.resolver), which imported aiohttp with it."""
+    modules = _supervisor_modules()
+    assert "skymesh.net.urlpolicy" in modules  # the config's URL checks ran
+    assert not {m for m in modules if m == "aiohttp" or m.startswith("aiohttp.")}
+    assert "yarl" not in modules  # the policy's URL joining imports it where it joins
+
+
 def test_the_prefix_package_still_gives_the_text_keys() -> None:
     from skymesh.prefix import keys, text_prefix_keys
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from skymesh.net.resolver import PolicyResolver
 from skymesh.net.urlpolicy import (
-    PolicyResolver,
     UrlPolicy,
     UrlPolicyConfig,
     UrlRejected,
