@@ -50,7 +50,7 @@ Parameters (module constants; defaults in brackets):
   (``retry-after-ms`` carries the fraction); the OpenAI Python SDK sleeps what the server
   says up to a limit (60 s in 1.x, 120 s in later releases) and above it falls back to its
   own back-off or gives up, so a wait over 60 s is no promise: it is not booked.
-* ``PLAN_FRACTION`` [0.75]: bookings are spaced at this share of the measured rate. A
+* ``PLAN_FRACTION`` [0.9]: bookings are spaced at this share of the measured rate. A
   client that comes back early finds the queue full and has spent a retry; one that comes
   back late only leaves a replica slot idle for a moment.
 * ``JITTER`` [0.5]: waits that are not a place in line (cold, at the ceiling, outages)
