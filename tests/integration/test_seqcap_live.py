@@ -152,7 +152,7 @@ async def test_gauges_at_zero_and_replies_at_once_let_the_limit_rise(
                     return ((st["max_num_seqs"] or 0) >= 16
                             and st["max_num_seqs_source"] == "unknown")
 
-                await until(risen, "the limit risen with what the engine took")
+                await until(risen, "the limit risen with what the engine took", timeout=30)
             finally:
                 for c in clients:
                     c.cancel()

@@ -47,3 +47,30 @@ def test_the_page_says_which_decisions_differ_and_why() -> None:
 def test_same_decisions_and_no_stubs_leave_those_out() -> None:
     page = dispatch_cost(_doc(stubs=False, same=True))
     assert "Decisions differ" not in page and "@stubs" not in page
+
+
+def _live(limits: dict[str, list[list[int | None]]]) -> dict[str, Any]:
+    def configs(v: str) -> dict[str, Any]:
+        return {"default": {"rounds": [150.0], "median": 150.0, "min": 150.0, "max": 150.0,
+                            "limits": limits.get(v, [])},
+                "rr": {"rounds": [100.0], "median": 100.0, "min": 100.0, "max": 100.0}}
+
+    return {"setup": {"rounds": 1, "duration_s": 4.0, "warmup_s": 1.0, "seed": 0,
+                      "connections": 64, "workers": 1, "base": "abc1234",
+                      "configs": {"default": "(no flags)", "rr": "--policy round-robin"},
+                      "commit": "x", "load_average_1m_at_start": 1.0, "cpus": 2,
+                      "date": "2026-11-29"},
+            "command": "python -m skymesh_lab.bench.dispatch_cost_live",
+            "versions": {v: {"configs": configs(v), "ratio_rounds": [1.5],
+                             "ratio_median": 1.5} for v in ("current", "base")}}
+
+
+def test_the_live_section_gives_the_limits_sp_p_learned_for_the_stubs() -> None:
+    doc = _doc(stubs=True, same=True) | {
+        "dispatch-cost-live": _live({"current": [[46, 62]], "base": [[2, 2]]})}
+    page = dispatch_cost(doc)
+    assert "after 1 s of the same load, not counted" in page
+    assert "the default's segments): now 46-62, at the base 2, for 64 connections" in page
+    # An older JSON without them: no such clause.
+    older = dispatch_cost(_doc(stubs=True, same=True) | {"dispatch-cost-live": _live({})})
+    assert "segment's end" not in older

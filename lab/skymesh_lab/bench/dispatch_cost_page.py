@@ -84,7 +84,8 @@ def dispatch_cost(doc: dict[str, Any]) -> str:
     if st is not None:
         notes.append(
             f"{STUBS}: the live section's shape: {st['replicas']} replicas that publish "
-            "neither `max_num_seqs` nor a KV capacity (sp-p gives each one request until "
+            "neither `max_num_seqs` nor a KV capacity (the decision core alone, with no "
+            "limit learned: sp-p gives each one request until "
             "its first byte, a few more to the one holding the prompt's prefix, "
             f"`prefer_queue`; metrics lag {st['metrics_lag_s']:g} s), {st['clients']} "
             f"clients each sending one of {st['prompts']} shared "
@@ -122,6 +123,22 @@ def _cell(c: dict[str, Any]) -> str:
     return f"{c['median']:g} [{c['min']:g}, {c['max']:g}]"
 
 
+def _limits_note(versions: dict[str, Any], connections: int) -> str:
+    """What limits sp-p applied to the stubs at the segments' ends, per version."""
+    out = []
+    for v, name in (("current", "now"), ("base", "at the base")):
+        seen = [x for seg in versions.get(v, {}).get("configs", {}).get("default", {})
+                .get("limits", []) for x in seg if x is not None]
+        if seen:
+            out.append(f"{name} {min(seen)}-{max(seen)}" if min(seen) != max(seen)
+                       else f"{name} {seen[0]}")
+    if not out:
+        return ""
+    return ("; the limit per stub at a segment's end (`/status` `max_num_seqs`, the "
+            f"default's segments): {', '.join(out)}, for {connections} connections on "
+            "two stubs")
+
+
 def live_section(live: dict[str, Any]) -> str:
     """The whole daemon's CPU per request, default against round-robin + bp
     (``skymesh_lab.bench.dispatch_cost_live``)."""
@@ -146,11 +163,14 @@ def live_section(live: dict[str, Any]) -> str:
         "its shared-prefix bodies; the balancer's process CPU (user + system, from /proc) "
         "per completed request, a fresh balancer per segment, "
         f"{setup['rounds']} rounds of {setup['duration_s']:g} s segments shuffled in each "
-        f"round (seed {setup['seed']}). default: `{flags['default']}`; rr: "
-        f"`{flags['rr']}`. The stubs publish neither `max_num_seqs` nor a KV capacity, so "
-        "sp-p gives each replica one request until its first byte (a few more to the "
-        "replica holding the prompt's prefix, `prefer_queue`) and a queue stands at the "
-        "balancer, which round-robin never has. Beyond rr, the default hashes the "
+        f"round (seed {setup['seed']}), each after {setup.get('warmup_s', 1.0):g} s of "
+        "the same load, not counted. default: "
+        f"`{flags['default']}`; rr: `{flags['rr']}`. The stubs publish neither "
+        "`max_num_seqs` nor a KV capacity, and their gauges read 0 while they answer at "
+        "once, not streamed. sp-p learns each one's limit from what it takes "
+        "(`skymesh.balancer.seqcap`: a probe showing no queue while the limit bound, "
+        "with nothing of ours left unstarted, doubles it)"
+        + _limits_note(versions, setup["connections"]) + ". Beyond rr, the default hashes the "
         "prompt's keys (once per distinct keyed text), inserts into the trie at dispatch "
         "and again with the reply, and at each pump (an arrival, a first byte, a "
         "completion) where some replica can take a request re-asks the policy about the "
