@@ -28,23 +28,22 @@ chosen, not inside the engine. vLLM does not publish that limit, but its probes 
   path cost 1.7x round-robin's CPU per request on the stubs). So a probe counts what the
   engine took: when it shows nothing running (neither its gauge nor a stream of ours
   that has started: an engine that shows what it runs is measured by that, for what it
-  took may include requests it queued briefly) and no waiting, sp-p's limit bound since
-  the last probe (the most of ours in flight there at once,
-  ``ReplicaLoad.peak_in_flight``, reached it plus the engine queue, or requests wait at
-  the balancer while sp-p holds this replica back) and no request of ours pushed there
-  before the probe is still unstarted (one could sit in the engine's queue, whatever its
-  lagging gauges say), the engine took all of them: "seen running" rises to ``RAMP`` (2)
-  times that peak (times the balancers pushing there, each kept to its share). The limit
-  thus doubles per probe while the engine takes everything: the stubs' 32 connections a
-  replica were reached in about 5 probes, where one step per probe took 3 s
-  (docs/results/dispatch-cost.md). Once a probe finds a request unstarted or a queue
-  after such a rise (``doubted``), it rises one step per probe, so an engine with a cap
-  and no gauges is filled past it by one doubling at most. A waiting count its gauges
-  show confirms the cap as before (vLLM-CPU, whose gauges lag:
-  docs/results/vllm_burst_learned.md). While that evidence holds (``takes_all``), sp-p
-  also lets requests it cannot see start yet (non-streamed replies) fill a replica that
-  publishes no KV capacity up to the limit (``skymesh.policies.load``), where it would
-  otherwise push one at a time.
+  took may include requests it queued briefly) and no waiting, sp-p's limit binds
+  (requests wait at the balancer while sp-p holds this replica back) and no request of
+  ours pushed there before the probe is still unstarted (one could sit in the engine's
+  queue, whatever its lagging gauges say), the engine took all sp-p let it have: "seen
+  running" rises to ``RAMP`` (2) times the most of ours in flight there at once since
+  the last probe (``ReplicaLoad.peak_in_flight``; times the balancers pushing there,
+  each kept to its share). The limit thus doubles per probe while the engine takes
+  everything: the stubs' 32 connections a replica were reached in about 5 probes, where
+  one step per probe took 3 s (docs/results/dispatch-cost.md). Once a probe finds a
+  request unstarted or a queue after such a rise (``doubted``), it rises one step per
+  probe, so an engine with a cap and no gauges is filled past it by one doubling at
+  most. A waiting count its gauges show confirms the cap as before (vLLM-CPU, whose
+  gauges lag: docs/results/vllm_burst_learned.md). While that evidence holds
+  (``takes_all``), sp-p also lets requests it cannot see start yet (non-streamed
+  replies) fill a replica that publishes no KV capacity up to the limit
+  (``skymesh.policies.load``), where it would otherwise push one at a time.
 
 A cap the configuration gives (``max_num_seqs``), or one the engine publishes (the
 emulated replica's ``skymesh_engine_max_num_seqs``, SGLang's ``max_running_requests``),
@@ -140,16 +139,16 @@ def admission_limit(told: int | None, learner: CapLearner, running: int, waiting
     this probe. sp-p fills a replica to this limit plus ``engine_queue``; while learning
     that must pass what the engine has been seen to run (see the header).
     ``in_flight``: the most of ours in flight there at once since the last probe;
-    ``held``: requests wait at the balancer while sp-p holds this replica back;
+    ``held``: requests wait at the balancer while sp-p holds this replica back (its
+    limit binds: a probe at the tail of a burst, with no queue left, is no evidence);
     ``unstarted``: one of ours pushed there before this probe has not started.
     Together they say whether the engine took all sp-p let it have (the header).
     ``balancers``: how many push to the replica (sp-p's n x margin keeps each to its
     share); the engine is taken to have taken as much from each of them."""
     if told:
         return told, "told"
-    took = in_flight * balancers
-    reached = held or took >= learner.limit(engine_queue) + engine_queue
-    learner.observe(running, waiting, took if reached and not unstarted else 0, unstarted)
+    took = in_flight * balancers if held and not unstarted else 0
+    learner.observe(running, waiting, took, unstarted)
     return learner.limit(engine_queue), learner.source
 
 

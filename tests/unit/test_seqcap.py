@@ -231,22 +231,35 @@ def test_a_limit_that_does_not_bind_does_not_rise() -> None:
     assert most_in_flight == 2 and set(limits[1:]) == {2}
 
 
-def test_the_rise_needs_no_queue_and_nothing_left_unstarted() -> None:
+def test_the_rise_needs_a_binding_limit_no_queue_and_nothing_left_unstarted() -> None:
     learner = CapLearner()
-    assert admission_limit(None, learner, 0, 0, 1, in_flight=2) == (4, "unknown")
+    assert admission_limit(None, learner, 0, 0, 1, in_flight=2, held=True) == (4, "unknown")
     assert learner.takes_all
     # One of ours pushed before the probe has not started: maybe queued inside the
     # engine, whatever its gauges show. No rise, and from now on one step per probe.
-    assert admission_limit(None, learner, 0, 0, 1, in_flight=5, unstarted=True) == (
-        4, "unknown")
+    assert admission_limit(None, learner, 0, 0, 1, in_flight=5, held=True,
+                           unstarted=True) == (4, "unknown")
     assert not learner.takes_all
-    assert admission_limit(None, learner, 0, 1, 1, in_flight=5) == (4, "unknown")  # a queue
-    assert admission_limit(None, learner, 0, 0, 1, in_flight=5) == (5, "unknown")
+    assert admission_limit(None, learner, 0, 1, 1, in_flight=5, held=True) == (
+        4, "unknown")  # a queue inside
+    assert admission_limit(None, learner, 0, 0, 1, in_flight=5, held=True) == (
+        5, "unknown")
     assert learner.takes_all
-    # Not reached, nobody held at the balancer: no rise.
-    assert admission_limit(None, learner, 0, 0, 1, in_flight=3) == (5, "unknown")
-    assert admission_limit(None, learner, 0, 0, 1, in_flight=3, held=True) == (5, "unknown")
-    assert admission_limit(None, learner, 0, 0, 1, in_flight=6) == (6, "unknown")
+    # Nobody held at the balancer (a burst's tail): whatever was in flight, no rise.
+    assert admission_limit(None, learner, 0, 0, 1, in_flight=6) == (5, "unknown")
+    # Something shows running (a started stream, a gauge): measured by that instead.
+    assert admission_limit(None, learner, 3, 0, 1, in_flight=6, held=True) == (
+        5, "unknown")
+    assert admission_limit(None, learner, 0, 0, 1, in_flight=6, held=True) == (
+        6, "unknown")
+
+
+def test_sibling_balancers_count_for_what_the_engine_took() -> None:
+    # sp-p's n x margin keeps each of n balancers to its share: the engine took as much
+    # from each as from this one.
+    learner = CapLearner()
+    assert admission_limit(None, learner, 0, 0, 1, in_flight=1, held=True,
+                           balancers=2) == (4, "unknown")
 
 
 def test_a_cap_it_is_told_takes_nothing_from_in_flight() -> None:
@@ -257,14 +270,15 @@ def test_a_cap_it_is_told_takes_nothing_from_in_flight() -> None:
 
 def test_then_waiting_at_a_stable_running_still_learns_the_cap() -> None:
     learner = CapLearner()
-    admission_limit(None, learner, 0, 0, 1, in_flight=2)
-    admission_limit(None, learner, 0, 0, 1, in_flight=5)
+    admission_limit(None, learner, 0, 0, 1, in_flight=2, held=True)
+    admission_limit(None, learner, 0, 0, 1, in_flight=5, held=True)
     assert learner.cap == 10
     # The engine's gauges now show it queues at 4: learned after 3 probes, as ever; a
     # probe that shows no queue does not raise a learned cap, nor lets sp-p fill it blind.
-    assert [admission_limit(None, learner, 4, 3, 1, in_flight=11)
+    assert [admission_limit(None, learner, 4, 3, 1, in_flight=11, held=True)
             for _ in range(3)][-1] == (4, "learned")
-    assert admission_limit(None, learner, 4, 0, 1, in_flight=5) == (4, "learned")
+    assert admission_limit(None, learner, 0, 0, 1, in_flight=5, held=True) == (
+        4, "learned")
     assert not learner.takes_all
 
 
