@@ -87,6 +87,10 @@ class Prober:
     async def probe(self, h: ReplicaHealth) -> None:
         health, url = self.health, h.url
         sent = health.clock()  # the probe shows state as of about now: pushes after it count
+        # Ours running there (started, not ended) as the probe leaves count as running, as
+        # do those when it answers, up to a second later on a loaded engine.
+        target = self.core.dispatcher.targets.get(url)
+        started_at_sent = target.load.started if target is not None else 0
         try:
             if h.cfg.kind == "sglang":
                 res: ProbeResult = parse_sglang_load(json.loads(await self.fetch(url,
@@ -121,7 +125,7 @@ class Prober:
         n = self.core.dispatcher.balancers_per_region
         if target is not None:
             load = target.load
-            running, peak = load.started, load.peak_in_flight
+            running, peak = max(load.started, started_at_sent), load.peak_in_flight
             held = (self.core.dispatcher.queued > 0
                     and availability(load, PushMode.SP_P, balancers=n) == UNAVAILABLE)
             unstarted = (oldest := load.oldest_unstarted) is not None and oldest < sent
