@@ -27,23 +27,26 @@ chosen, not inside the engine. vLLM does not publish that limit, but its probes 
   balancer for good, although the engine never queued anything (issue #35: the default
   path cost 1.7x round-robin's CPU per request on the stubs). So a probe counts what the
   engine took: when it shows nothing running (neither its gauge nor a stream of ours
-  that has started: an engine that shows what it runs is measured by that, for what it
-  took may include requests it queued briefly) and no waiting, sp-p's limit binds
-  (requests wait at the balancer while sp-p holds this replica back) and no request of
-  ours pushed there before the probe is still unstarted (one could sit in the engine's
-  queue, whatever its lagging gauges say), the engine took all sp-p let it have: "seen
-  running" rises to ``RAMP`` (2) times the most of ours in flight there at once since
-  the last probe (``ReplicaLoad.peak_in_flight``; times the balancers pushing there,
-  each kept to its share). The limit thus doubles per probe while the engine takes
-  everything: the stubs' 32 connections a replica were reached in about 5 probes, where
-  one step per probe took 3 s (docs/results/dispatch-cost.md). Once a probe finds a
-  request unstarted or a queue after such a rise (``doubted``), it rises one step per
-  probe, so an engine with a cap and no gauges is filled past it by one doubling at
-  most. A waiting count its gauges show confirms the cap as before (vLLM-CPU, whose
-  gauges lag: docs/results/vllm_burst_learned.md). While that evidence holds
-  (``takes_all``), sp-p also lets requests it cannot see start yet (non-streamed
-  replies) fill a replica that publishes no KV capacity up to the limit
-  (``skymesh.policies.load``), where it would otherwise push one at a time.
+  that had started as the probe left or has when it answers: an engine that shows what
+  it runs is measured by that, for what it took may include requests it queued briefly)
+  and no waiting, sp-p's limit binds (requests wait at the balancer while sp-p holds
+  this replica back), no request of ours pushed there before the probe is still
+  unstarted (one could sit in the engine's queue, whatever its lagging gauges say) and
+  the probe answered within a probe interval (a later one is too old to tell what
+  happened meanwhile), the engine took all sp-p let it have: "seen running" rises to
+  ``RAMP`` (2) times the most of ours in flight there at once since the last probe
+  (``ReplicaLoad.peak_in_flight``; times the balancers pushing there, each kept to its
+  share). The limit thus doubles per probe while the engine takes everything: live on
+  the stubs (32 connections each) it passed 30 within the bench's 1 s warm-up, where one
+  step per probe had reached 18-20 after 5 s and cost 1.18x the CPU per request
+  (dispatch_cost_live, same run). Once a probe finds a request unstarted or a queue
+  after such a rise (``doubted``), it rises one step per probe, so an engine with a cap
+  and no gauges is filled past it by one doubling at most. A waiting count its gauges
+  show confirms the cap as before (vLLM-CPU, whose gauges lag:
+  docs/results/vllm_burst_learned.md). While that evidence holds (``takes_all``), sp-p
+  also lets requests it cannot see start yet (non-streamed replies) fill a replica that
+  publishes no KV capacity up to the limit (``skymesh.policies.load``), where it would
+  otherwise push one at a time.
 
 A cap the configuration gives (``max_num_seqs``), or one the engine publishes (the
 emulated replica's ``skymesh_engine_max_num_seqs``, SGLang's ``max_running_requests``),

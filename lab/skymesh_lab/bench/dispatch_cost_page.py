@@ -106,16 +106,19 @@ def dispatch_cost(doc: dict[str, Any]) -> str:
                 f"Of the live gap now ({gap:.0f} us per request between the medians), the "
                 f"decision core accounts for about {extra(cur, STUBS)} (the {STUBS} rows, "
                 "prefix keys and trie included); the rest is the daemon's own work around "
-                "a request that waits in the queue (its dispatch awaited, more event-loop "
-                "passes per request while few are in flight to each replica) and the "
-                "chat prompt's rendering on the request path. Profiled live (py-spy, the "
-                "default against `--push-mode bp` with the same policy), that rest is "
+                "a request, and the chat prompt's rendering on the request path. While "
+                "sp-p held each stub at a request or two (before the balancer learned "
+                "that they take all they are sent, issue #35), a queue stood at the "
+                "balancer: each request's dispatch was awaited, with more event-loop "
+                "passes per request while few were in flight to each replica. Profiled "
+                "live then (py-spy, the "
+                "default against `--push-mode bp` with the same policy), that rest was "
                 "mostly user time spread over the request path, the pumps' share (the "
                 "balancer's pump around the dispatcher's) the largest single part; the "
                 "queued request's own wait (its future, its queue timeout, now one swept "
-                "heap for all waiters instead of a loop timer each) is a few "
+                "heap for all waiters instead of a loop timer each) was a few "
                 "microseconds, and the system time (socket writes that wake a replica "
-                "idling between requests) adds less than the user time.")
+                "idling between requests) added less than the user time.")
     return "\n\n".join(notes)
 
 
@@ -168,7 +171,8 @@ def live_section(live: dict[str, Any]) -> str:
         f"`{flags['default']}`; rr: `{flags['rr']}`. The stubs publish neither "
         "`max_num_seqs` nor a KV capacity, and their gauges read 0 while they answer at "
         "once, not streamed. sp-p learns each one's limit from what it takes "
-        "(`skymesh.balancer.seqcap`: a probe showing no queue while the limit bound, "
+        "(`skymesh.balancer.seqcap`: a probe showing nothing running and no queue while "
+        "the limit bound, "
         "with nothing of ours left unstarted, doubles it)"
         + _limits_note(versions, setup["connections"]) + ". Beyond rr, the default hashes the "
         "prompt's keys (once per distinct keyed text), inserts into the trie at dispatch "
