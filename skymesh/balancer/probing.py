@@ -129,12 +129,9 @@ class Prober:
             held = (self.core.dispatcher.queued > 0
                     and availability(load, PushMode.SP_P, balancers=n) == UNAVAILABLE)
             unstarted = (oldest := load.oldest_unstarted) is not None and oldest < sent
-            # A probe answered later than a probe interval (a loaded engine) is too old
-            # to say that the engine took what was pushed while it was on its way.
-            held = held and health.clock() - sent <= self.cfg.probe.interval_s
-        seqs, h.seqs_source = admission_limit(told, h.cap, max(res.running, running),
-                                              res.waiting, engine_queue, peak, held,
-                                              unstarted, balancers=n)
+        seqs, h.seqs_source = admission_limit(
+            told, h.cap, max(res.running, running), res.waiting, engine_queue, peak, held,
+            unstarted, balancers=n, late=health.clock() - sent > self.cfg.probe.interval_s)
         if target is not None:  # read by sp-p when this probe reaches the dispatcher
             target.load.takes_all = h.cap.takes_all and h.seqs_source != "told"
         self.core.dispatcher.on_probe(url, sent, res.waiting, res.running, res.kv_usage,

@@ -136,7 +136,8 @@ class CapLearner:
 
 def admission_limit(told: int | None, learner: CapLearner, running: int, waiting: int,
                     engine_queue: int, in_flight: int = 0, held: bool = False,
-                    unstarted: bool = False, balancers: int = 1) -> tuple[int, Source]:
+                    unstarted: bool = False, balancers: int = 1, late: bool = False
+                    ) -> tuple[int, Source]:
     """The limit sp-p applies to a replica after a probe, and where it came from: the one
     it was told (configured, or published by the engine), else the learner's, fed with
     this probe. sp-p fills a replica to this limit plus ``engine_queue``; while learning
@@ -147,10 +148,12 @@ def admission_limit(told: int | None, learner: CapLearner, running: int, waiting
     ``unstarted``: one of ours pushed there before this probe has not started.
     Together they say whether the engine took all sp-p let it have (the header).
     ``balancers``: how many push to the replica (sp-p's n x margin keeps each to its
-    share); the engine is taken to have taken as much from each of them."""
+    share); the engine is taken to have taken as much from each of them. ``late``: the
+    probe answered over a probe interval after it left, too late to tell what the engine
+    did with what was pushed meanwhile."""
     if told:
         return told, "told"
-    took = in_flight * balancers if held and not unstarted else 0
+    took = in_flight * balancers if held and not unstarted and not late else 0
     learner.observe(running, waiting, took, unstarted)
     return learner.limit(engine_queue), learner.source
 

@@ -254,6 +254,15 @@ def test_the_rise_needs_a_binding_limit_no_queue_and_nothing_left_unstarted() ->
         6, "unknown")
 
 
+def test_a_probe_answered_late_is_no_evidence() -> None:
+    # On a loaded engine a probe may answer a second after it left: what was pushed
+    # meanwhile is fresh, unstarted but not flagged, and the gauges lag; nothing to learn.
+    learner = CapLearner()
+    assert admission_limit(None, learner, 0, 0, 1, in_flight=4, held=True, late=True) == (
+        1, "unknown")
+    assert not learner.takes_all
+
+
 def test_sibling_balancers_count_for_what_the_engine_took() -> None:
     # sp-p's n x margin keeps each of n balancers to its share: the engine took as much
     # from each as from this one.
