@@ -40,6 +40,7 @@ from skymesh.common.probe import (
     parse_sglang_load,
 )
 from skymesh.obs.ratelog import RateLimitedLog
+from skymesh.policies.load import UNAVAILABLE, PushMode, availability
 
 log = logging.getLogger("skymesh.lb")
 
@@ -86,6 +87,10 @@ class Prober:
     async def probe(self, h: ReplicaHealth) -> None:
         health, url = self.health, h.url
         sent = health.clock()  # the probe shows state as of about now: pushes after it count
+        # Ours running there (started, not ended) as the probe leaves count as running, as
+        # do those when it answers, up to a second later on a loaded engine.
+        target = self.core.dispatcher.targets.get(url)
+        started_at_sent = target.load.started if target is not None else 0
         try:
             if h.cfg.kind == "sglang":
                 res: ProbeResult = parse_sglang_load(json.loads(await self.fetch(url,
@@ -112,11 +117,23 @@ class Prober:
         told, lag = h.cfg.pushing_limits(self.pushing(), res.max_num_seqs)
         engine_queue = h.cfg.engine_queue(self.pushing())
         # Not told (vLLM does not publish it): learned from the probes, conservatively.
-        # Ours that have started run there now, whatever its (lagging) gauges show.
+        # Ours that have started run there now, whatever its (lagging) gauges show; and
+        # ours it took at once with none left unstarted, whatever its gauges show either.
         target = self.core.dispatcher.targets.get(url)
-        running = max(res.running, target.load.started if target is not None else 0)
-        seqs, h.seqs_source = admission_limit(told, h.cap, running, res.waiting,
-                                              engine_queue)
+        running = peak = 0
+        held = unstarted = False
+        n = self.core.dispatcher.balancers_per_region
+        if target is not None:
+            load = target.load
+            running, peak = max(load.started, started_at_sent), load.peak_in_flight
+            held = (self.core.dispatcher.queued > 0
+                    and availability(load, PushMode.SP_P, balancers=n) == UNAVAILABLE)
+            unstarted = (oldest := load.oldest_unstarted) is not None and oldest < sent
+        seqs, h.seqs_source = admission_limit(
+            told, h.cap, max(res.running, running), res.waiting, engine_queue, peak, held,
+            unstarted, balancers=n, late=health.clock() - sent > self.cfg.probe.interval_s)
+        if target is not None:  # read by sp-p when this probe reaches the dispatcher
+            target.load.takes_all = h.cap.takes_all and h.seqs_source != "told"
         self.core.dispatcher.on_probe(url, sent, res.waiting, res.running, res.kv_usage,
                                       res.kv_capacity_tokens, max_num_seqs=seqs,
                                       metrics_lag_s=lag, engine_queue=engine_queue,

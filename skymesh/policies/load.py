@@ -18,7 +18,10 @@ Pushing modes decide which replicas are *available* (may take a request now):
   plus them stays under ``kv_headroom`` (0.9) of capacity. A burst of short requests
   sharing a prefix can then all land on the replica that holds it, as SkyLB's prefix
   tree wants, while long prompts still go one at a time. Without a published capacity it
-  is strict: nothing pushed since the probe may be unadmitted;
+  is strict: nothing pushed since the probe may be unadmitted, unless the engine has
+  shown that it takes all sp-p lets it have (``takes_all``, set by the balancer's
+  admission-limit learner, skymesh.balancer.seqcap: no queue while the limit was
+  reached and nothing of ours left unstarted): then ``max_num_seqs`` alone bounds it;
 - ``sp-o`` (selective pushing on outstanding): available iff fewer than
   ``max_outstanding`` of our requests are in flight on it (default 16: SkyLB notes 20-50
   fit on an L4 depending on lengths, which is exactly why a fixed cap is fragile);
@@ -140,6 +143,13 @@ class ReplicaLoad:
     # Ours dispatched at or after the last probe's horizon and still on the target, started
     # or not: what a sibling balancer cannot see yet (the n x margin, see the header).
     recent: int = field(default=0, init=False)
+    # The most of ours in flight at once since the last probe: whether sp-p's limit was
+    # reached in between, which an engine showing no queue then took (skymesh.balancer.seqcap).
+    peak_in_flight: int = field(default=0, init=False)
+    # The engine has shown it takes all sp-p lets it have with no queue, and no probe since
+    # says otherwise (``CapLearner.takes_all``): without a published KV capacity, sp-p
+    # lets ours it cannot see start yet (non-streamed replies) fill it to ``max_num_seqs``.
+    takes_all: bool = False
     # Requests pushed but not yet started (no first byte): dispatch time, prompt tokens.
     _unstarted: dict[str, tuple[float, int]] = field(default_factory=dict)
     # Every request of ours on the target: dispatch time.
@@ -211,10 +221,13 @@ class ReplicaLoad:
         # Completions before the horizon are out of this probe's gauges already.
         horizon = self._shown_before
         self._freed_at = [c for c in self._freed_at if c >= horizon]
+        self.peak_in_flight = self.in_flight
         self._recount()
 
     def on_dispatch(self, request_id: str, now: float, tokens: int = 0) -> None:
         self.in_flight += 1
+        if self.in_flight > self.peak_in_flight:
+            self.peak_in_flight = self.in_flight
         self._unstarted[request_id] = (now, tokens)
         self._dispatched[request_id] = now
         if now >= self._shown_before:
@@ -253,6 +266,13 @@ class ReplicaLoad:
         """Ours on the target that have started (a first byte) and not completed: the
         engine runs at least this many at once, whatever its gauges say."""
         return self.in_flight - len(self._unstarted)
+
+    @property
+    def oldest_unstarted(self) -> float | None:
+        """When the longest-pushed of ours that has not started (no first byte, not
+        ended) was dispatched; None when all have."""
+        # Dispatch order is insertion order, and times never go back: the first is oldest.
+        return next(iter(self._unstarted.values()))[0] if self._unstarted else None
 
     @property
     def freed_since_probe(self) -> int:
@@ -307,7 +327,9 @@ def availability(load: ReplicaLoad, mode: PushMode,
             return UNAVAILABLE
         if not load.unadmitted:
             return AVAILABLE
-        return UNAVAILABLE if load.kv_capacity_tokens is None else IF_TOKENS_FIT
+        if load.kv_capacity_tokens is None:
+            return AVAILABLE if load.takes_all and seqs is not None else UNAVAILABLE
+        return IF_TOKENS_FIT
     if mode is PushMode.SP_O:
         return AVAILABLE if load.in_flight < max_outstanding else UNAVAILABLE
     return AVAILABLE

@@ -5,6 +5,8 @@ when the config gives it). Waits are on the balancer's own ``/status``."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,18 @@ class FakeVllm:
         app = web.Application()
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.chat)
         return app
+
+    async def chat(self, request: web.Request) -> web.Response:
+        """Answered at once and not streamed, whatever the gauges say (the
+        router-overhead stubs')."""
+        await request.read()
+        return web.json_response({
+            "id": "c", "object": "chat.completion", "created": 0, "model": MODEL,
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "ok"}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
     async def metrics(self, request: web.Request) -> web.Response:
         labels = f'{{engine="0",model_name="{MODEL}"}}'
@@ -101,5 +114,56 @@ async def test_a_configured_limit_is_told_not_learned(
                 return st["max_num_seqs"] == 8 and st["max_num_seqs_source"] == "told"
 
             await until(told, "the configured limit, told")
+    finally:
+        lb.stop()
+
+
+async def test_gauges_at_zero_and_replies_at_once_let_the_limit_rise(
+        tmp_path: Path, fake: tuple[FakeVllm, str]) -> None:
+    """Issue #35: an engine whose gauges read 0 while it answers non-streamed requests at
+    once is never seen running more than one; sp-p used to hold it at a request or two
+    and keep a queue at the balancer for good. It takes all it is sent with no queue:
+    the limit rises to the clients' concurrency."""
+    _, url = fake  # running 0, waiting 0 throughout
+    lb = start_lb(tmp_path, url)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def client() -> None:
+                while True:
+                    async with s.post(lb.url + "/v1/chat/completions", json=body) as r:
+                        text = await r.text()
+                    # A worker that has not probed the replica yet says so (503): back off.
+                    if r.status == 503 and "no_healthy_replica" in text:
+                        await asyncio.sleep(0.05)
+                        continue
+                    assert r.status == 200, text
+
+            async def probed() -> bool:
+                return (await replica_status(s, lb, url))["max_num_seqs"] == 1
+
+            async def routable() -> bool:  # the model listed: requests are not refused
+                async with s.post(lb.url + "/v1/chat/completions", json=body) as r:
+                    return r.status == 200
+
+            await until(probed, "a first probe: the limit at 1")
+            await until(routable, "the replica taking requests")
+            clients = [asyncio.create_task(client()) for _ in range(24)]
+            try:
+                async def risen() -> bool:
+                    for c in clients:
+                        if c.done():
+                            c.result()  # a client that stopped: its failed request
+                    st = await replica_status(s, lb, url)
+                    return ((st["max_num_seqs"] or 0) >= 16
+                            and st["max_num_seqs_source"] == "unknown")
+
+                await until(risen, "the limit risen with what the engine took", timeout=30)
+            finally:
+                for c in clients:
+                    c.cancel()
+                for c in clients:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await c
     finally:
         lb.stop()

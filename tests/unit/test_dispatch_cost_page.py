@@ -82,7 +82,7 @@ def test_the_page_shows_the_default_where_sp_p_does_not_bind() -> None:
                  "(@told) it costs **2.2x** round-robin+bp@stubs now, 12 us more",
                  "`pushing: {max_num_seqs: 256, prefer_queue: 256}`",
                  "| 130 [130, 130] | 1.18 | **1.18x** |", "(70 us per request",
-                 "50 us of it is the standing queue", "default-told, 20 us over rr"):
+                 "(default-told) costs 20 us over rr", "the default costs 50 us more than that"):
         assert part in page, part
 
 
@@ -92,3 +92,30 @@ def test_a_live_run_without_the_told_arm_keeps_its_table() -> None:
     page = dispatch_cost(doc)
     assert "not binding" not in page and "standing queue itself" not in page
     assert "| now | 180 [180, 180] | 110 [110, 110] | 1.64 | **1.64x** |" in page
+
+
+def _live_limits(limits: dict[str, list[list[int | None]]]) -> dict[str, Any]:
+    def configs(v: str) -> dict[str, Any]:
+        return {"default": {"rounds": [150.0], "median": 150.0, "min": 150.0, "max": 150.0,
+                            "limits": limits.get(v, [])},
+                "rr": {"rounds": [100.0], "median": 100.0, "min": 100.0, "max": 100.0}}
+
+    return {"setup": {"rounds": 1, "duration_s": 4.0, "warmup_s": 1.0, "seed": 0,
+                      "connections": 64, "workers": 1, "base": "abc1234",
+                      "configs": {"default": "(no flags)", "rr": "--policy round-robin"},
+                      "commit": "x", "load_average_1m_at_start": 1.0, "cpus": 2,
+                      "date": "2026-11-29"},
+            "command": "python -m skymesh_lab.bench.dispatch_cost_live",
+            "versions": {v: {"configs": configs(v), "ratio_rounds": [1.5],
+                             "ratio_median": 1.5} for v in ("current", "base")}}
+
+
+def test_the_live_section_gives_the_limits_sp_p_learned_for_the_stubs() -> None:
+    doc = _doc(stubs=True, same=True) | {
+        "dispatch-cost-live": _live_limits({"current": [[46, 62]], "base": [[2, 2]]})}
+    page = dispatch_cost(doc)
+    assert "after 1 s of the same load, not counted" in page
+    assert "the default's segments): now 46-62, at the base 2, for 64 connections" in page
+    # An older JSON without them: no such clause.
+    older = dispatch_cost(_doc(stubs=True, same=True) | {"dispatch-cost-live": _live_limits({})})
+    assert "segment's end" not in older

@@ -19,6 +19,12 @@ What is measured
     256 for the prompt's prefix (``pushing.prefer_queue``: the replica holding a
     request's prefix takes it while fewer are pending there), in a ``--config`` file.
 
+Each segment starts with ``--warmup`` seconds of the same load (1 by default), not
+counted: the time the balancer takes to learn each stub's admission limit (the stubs
+publish none; ``skymesh.balancer.seqcap``) before the measured run. After the measured
+run the balancer's ``/status`` gives the limit sp-p then applied per stub
+(``max_num_seqs``), kept per segment.
+
 ``--workers N`` (default 1) serves each segment from N worker processes behind one port
 (``listen.workers``); the CPU is then the supervisor's and every worker's, and the worker
 count is in the JSON (``setup.workers``) and on the page that shows it (1 worker: the
@@ -31,7 +37,7 @@ median; ``--json PATH`` writes them too (the dispatch-cost results page shows th
 ``dispatch_cost_page``). Not in ``make test``; needs gcc and wrk.
 
     python -m skymesh_lab.bench.dispatch_cost_live [--base b6a33fb] [--rounds 4]
-        [--duration 4] [--workers 1] [--json docs/results/data/dispatch-cost-live.json]
+        [--duration 4] [--warmup 1] [--workers 1] [--json docs/results/data/dispatch-cost-live.json]
 """
 
 from __future__ import annotations
@@ -86,9 +92,18 @@ def workers_arm(workers: int) -> tuple[list[str], Callable[[int], float]]:
     return ["--workers", str(workers)], (_cpu_s if workers == 1 else lb_workers._cpu_s)
 
 
+def _limits(d: Any) -> list[int | None]:
+    """The admission limit sp-p applies to each replica (``/status``'s ``max_num_seqs``)."""
+    status, text = ro.http_request(d.url, "GET", "/status", b"")
+    if status != 200:
+        return []
+    return [r.get("max_num_seqs") for r in json.loads(text)["replicas"].values()]
+
+
 def segment(urls: str, flags: list[str], pythonpath: str | None, duration_s: float,
-            workers: int = 1) -> float:
-    """CPU microseconds per request of a fresh balancer over one wrk run."""
+            workers: int = 1, warmup_s: float = 1.0) -> tuple[float, list[int | None]]:
+    """CPU microseconds per request of a fresh balancer over one wrk run after a warm-up
+    of ``warmup_s``, and the limits sp-p applied to the replicas at its end."""
     env = dict(os.environ)
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
@@ -100,13 +115,14 @@ def segment(urls: str, flags: list[str], pythonpath: str | None, duration_s: flo
                                     *flags], timeout=ro.READY_TIMEOUT_S, env=env)
     try:
         ro.wait_ready(d)
-        ro.run_wrk(d.url, ro.Case("warmup", "", 64, False, "prefix"), 1.0)
+        ro.run_wrk(d.url, ro.Case("warmup", "", 64, False, "prefix"), warmup_s)
         c0 = cpu_s(d.proc.pid)
         out = ro.run_wrk(d.url, ro.Case("x", "", 64, False, "prefix"), duration_s)
         c1 = cpu_s(d.proc.pid)
+        limits = _limits(d)
     finally:
         d.stop()
-    return (c1 - c0) / st.parse_wrk(out)["requests"] * 1e6
+    return (c1 - c0) / st.parse_wrk(out)["requests"] * 1e6, limits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", default=None, help="git revision or checkout to compare")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--duration", type=float, default=4.0, help="seconds per segment")
+    ap.add_argument("--warmup", type=float, default=1.0,
+                    help="seconds of load before each segment's measured run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=1, help="skymesh-lb worker processes")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -130,15 +148,19 @@ def main(argv: list[str] | None = None) -> int:
             urls = ",".join(s.url for s in stubs)
             res: dict[tuple[str, str], list[float]] = {
                 (v, c): [] for v in trees for c in CONFIGS}
+            limits: dict[tuple[str, str], list[list[int | None]]] = {k: [] for k in res}
             rng = random.Random(args.seed)
             for r in range(args.rounds):
                 order = list(res)
                 rng.shuffle(order)
                 for v, c in order:
                     flags = [f.format(tmp=tmp) for f in CONFIGS[c]]
-                    us = segment(urls, flags, trees[v], args.duration, args.workers)
+                    us, lim = segment(urls, flags, trees[v], args.duration, args.workers,
+                                      args.warmup)
                     res[(v, c)].append(us)
-                    print(f"round {r} {v} {c}: {us:.0f} us/request", flush=True)
+                    limits[(v, c)].append(lim)
+                    print(f"round {r} {v} {c}: {us:.0f} us/request, limits {lim}",
+                          flush=True)
         finally:
             for s in stubs:
                 s.stop()
@@ -151,16 +173,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{v} {c}/rr per round {[round(x, 2) for x in ratios]}, "
                   f"median {statistics.median(ratios):.2f}")
     if args.json is not None:
-        doc = summary(res, list(trees), args, load)
+        doc = summary(res, list(trees), args, load, limits)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 
 
 def summary(res: dict[tuple[str, str], list[float]], versions: list[str],
-            args: argparse.Namespace, load_at_start: float) -> dict[str, Any]:
+            args: argparse.Namespace, load_at_start: float,
+            limits: dict[tuple[str, str], list[list[int | None]]] | None = None
+            ) -> dict[str, Any]:
     """What ``--json`` writes: per version, each configuration's CPU us per request in
-    every round, its median and spread, and the ratio to rr of every round
-    (``ratio_rounds``, ``ratio_median``: the default's; ``ratios``: each of ``RATIOS``)."""
+    every round, its median and spread, the limits sp-p applied to the replicas at each
+    segment's end, and the ratio to rr of every round (``ratio_rounds``,
+    ``ratio_median``: the default's; ``ratios``: each of ``RATIOS``)."""
     out: dict[str, Any] = {}
     for v in versions:
         ratios = {c: [a / b for a, b in zip(res[(v, c)], res[(v, "rr")], strict=True)]
@@ -169,7 +194,8 @@ def summary(res: dict[tuple[str, str], list[float]], versions: list[str],
             "configs": {c: {"rounds": [round(x, 1) for x in res[(v, c)]],
                             "median": round(statistics.median(res[(v, c)]), 1),
                             "min": round(min(res[(v, c)]), 1),
-                            "max": round(max(res[(v, c)]), 1)} for c in CONFIGS},
+                            "max": round(max(res[(v, c)]), 1),
+                            "limits": (limits or {}).get((v, c), [])} for c in CONFIGS},
             "ratio_rounds": [round(x, 2) for x in ratios["default"]],
             "ratio_median": round(statistics.median(ratios["default"]), 2),
             "ratios": {c: {"rounds": [round(x, 2) for x in r],
@@ -181,10 +207,12 @@ def summary(res: dict[tuple[str, str], list[float]], versions: list[str],
     command = "python -m skymesh_lab.bench.dispatch_cost_live" + (
         f" --base {args.base}" if args.base else "") + (
         f" --rounds {args.rounds} --duration {args.duration:g}") + (
+        f" --warmup {args.warmup:g}" if args.warmup != 1.0 else "") + (
         f" --workers {args.workers}" if args.workers != 1 else "")
     if args.json is not None:
         command += f" --json {args.json}"
     return {"setup": {"rounds": args.rounds, "duration_s": args.duration,
+                      "warmup_s": args.warmup,
                       "seed": args.seed, "connections": 64, "workers": args.workers,
                       "configs": {c: " ".join(f) or "(no flags)" for c, f in CONFIGS.items()},
                       "told_yaml": TOLD_YAML,

@@ -99,7 +99,8 @@ def dispatch_cost(doc: dict[str, Any]) -> str:
     if st is not None:
         notes.append(
             f"{STUBS}: the live section's shape: {st['replicas']} replicas that publish "
-            "neither `max_num_seqs` nor a KV capacity (sp-p gives each one request until "
+            "neither `max_num_seqs` nor a KV capacity (the decision core alone, with no "
+            "limit learned: sp-p gives each one request until "
             "its first byte, a few more to the one holding the prompt's prefix, "
             f"`prefer_queue`; metrics lag {st['metrics_lag_s']:g} s), {st['clients']} "
             f"clients each sending one of {st['prompts']} shared system prompts of about "
@@ -158,14 +159,15 @@ def _remaining(configs: dict[str, Any], stubs_core: str, told_core: str | None) 
     not_binding = configs[TOLD_LIVE]["median"] - configs["rr"]["median"]
     queue = configs["default"]["median"] - configs[TOLD_LIVE]["median"]
     return text + (
-        f"; {queue:.0f} us of it is the standing queue itself, gone where sp-p's limit "
-        f"does not bind ({TOLD_LIVE}, {not_binding:.0f} us over rr, of which the decision "
-        f"core's {TOLD} row accounts for about {told_core}). The queue is sp-p holding "
-        "each stub replica at one request until its first byte: a request that waits "
-        "costs its dispatch awaited, a pump at each first byte and completion that "
-        "re-checks the window, more event-loop passes while few requests are in flight "
-        "to each replica (learning what the engines take is the cure there, not a "
-        "cheaper pump). Without the queue, what the default does beyond rr per request "
+        f"; the default where sp-p's limit never binds ({TOLD_LIVE}) costs "
+        f"{not_binding:.0f} us over rr (the decision core's {TOLD} row: about "
+        f"{told_core}); the default costs {abs(queue):.0f} us "
+        f"{'more' if queue >= 0 else 'less'} than that: what sp-p's limit still costs once "
+        "learnt (a request that waits at the balancer costs its dispatch "
+        "awaited, a pump at each first byte and completion that re-checks the window, more "
+        "event-loop passes while few requests are in flight to each replica; within the "
+        "spread between rounds when small). Without a queue, what the default does "
+        "beyond rr per request "
         "is a flat list of small parts, profiled in process and live (py-spy): one "
         "prefix-trie match over the serving replicas and a least-loaded choice among the "
         "replicas holding the prefix (`preferred`), two trie inserts (the prompt's keys "
@@ -177,6 +179,22 @@ def _remaining(configs: dict[str, Any], stubs_core: str, told_core: str | None) 
         "JSON for those keys (the rest of the live gap is within this loaded machine's "
         "spread between rounds). None of them is a rescan of the queue or of the "
         "replicas; each is a few microseconds of Python.")
+
+
+def _limits_note(versions: dict[str, Any], connections: int) -> str:
+    """What limits sp-p applied to the stubs at the segments' ends, per version."""
+    out = []
+    for v, name in (("current", "now"), ("base", "at the base")):
+        seen = [x for seg in versions.get(v, {}).get("configs", {}).get("default", {})
+                .get("limits", []) for x in seg if x is not None]
+        if seen:
+            out.append(f"{name} {min(seen)}-{max(seen)}" if min(seen) != max(seen)
+                       else f"{name} {seen[0]}")
+    if not out:
+        return ""
+    return ("; the limit per stub at a segment's end (`/status` `max_num_seqs`, the "
+            f"default's segments): {', '.join(out)}, for {connections} connections on "
+            "two stubs")
 
 
 def _cell(c: dict[str, Any]) -> str:
@@ -225,22 +243,26 @@ def live_section(live: dict[str, Any]) -> str:
         "its shared-prefix bodies; the balancer's process CPU (user + system, from /proc) "
         "per completed request, a fresh balancer per segment, "
         f"{setup['rounds']} rounds of {setup['duration_s']:g} s segments shuffled in each "
-        f"round (seed {setup['seed']}). default: `{flags['default']}`; rr: "
-        f"`{flags['rr']}`. The stubs publish neither `max_num_seqs` nor a KV capacity, so "
-        "sp-p gives each replica one request until its first byte (a few more to the "
-        "replica holding the prompt's prefix, `prefer_queue`) and a queue stands at the "
-        "balancer, which round-robin never has. Beyond rr, the default hashes the "
-        "prompt's keys (once per distinct keyed text, and then only the chunks after those "
-        "a recent prompt shares), inserts into the trie at dispatch "
-        "and again with the reply, and at each pump (an arrival, a first byte, a "
+        f"round (seed {setup['seed']}), each after {setup.get('warmup_s', 1.0):g} s of "
+        "the same load, not counted. default: "
+        f"`{flags['default']}`; rr: `{flags['rr']}`. The stubs publish neither "
+        "`max_num_seqs` nor a KV capacity, and their gauges read 0 while they answer at "
+        "once, not streamed. sp-p learns each one's limit from what it takes "
+        "(`skymesh.balancer.seqcap`: a probe showing nothing running and no queue while "
+        "the limit bound, with nothing of ours left unstarted, doubles it; before, sp-p "
+        "held each stub at a request or two and a queue stood at the balancer)"
+        + _limits_note(live["versions"], setup["connections"])
+        + ". Beyond rr, the default hashes the prompt's keys (once per distinct keyed text, "
+        "and then only the chunks after those a recent prompt shares), inserts into the trie "
+        "at dispatch and again with the reply, and at each pump (an arrival, a first byte, a "
         "completion) where some replica can take a request re-asks the policy about the "
-        "requests in the queue's window whose last answer read a load or a trie record "
-        "that changed since, in queue order until one goes; a pump where no replica is "
-        "available and none may take a request holding its prefix there (most of them: "
-        "the replicas are refilled as soon as they free) asks nothing. A tie between two "
-        "replicas holding a prompt's prefix breaks by the request's own key, set once, "
-        "so it no longer forces a re-ask (the queue is searched for stranded requests "
-        "only while a queued model has no healthy replica here or a breaker is open). "
+        "requests in the queue's window whose last answer read a load or a trie record that "
+        "changed since, in queue order until one goes; a pump where no replica is available "
+        "and none may take a request holding its prefix there (most of them: the replicas "
+        "are refilled as soon as they free) asks nothing. A tie between two replicas holding "
+        "a prompt's prefix breaks by the request's own key, set once, so it no longer forces "
+        "a re-ask (the queue is searched for stranded requests only while a queued model has "
+        "no healthy replica here or a breaker is open). "
         + (f"{TOLD_LIVE}: the default with `--config` holding "
            f"`{_yaml_line(setup.get('told_yaml', ''))}`: a told cap alone leaves the queue "
            "standing (sp-p still holds a replica without a published KV capacity at one "
