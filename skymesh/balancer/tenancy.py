@@ -25,7 +25,11 @@ Pure: no sockets, no sleeps; every clock is passed in, so tests drive a fake one
   sp-o's ``max_outstanding``). The reserve is ``auto`` (the default): ``reserve_headroom``
   x the better classes' recent mean in service per replica (:class:`Occupancy`; Little's
   law: their arrival rate x their time in service), at least one slot, so the idle
-  capacity goes to the lower class; or a fixed fraction ``f``: ``ceil(f x slots)``. So a
+  capacity goes to the lower class; or, with ``reserve_miss``, by arrivals: the fewest
+  slots that leave at most that share of the better requests finding none, from their
+  arrival rate against the rate slots free up by themselves (:class:`Flow`,
+  :func:`buffer_slots`): slots for the better requests that arrive before a slot frees,
+  not for their time in service; or a fixed fraction ``f``: ``ceil(f x slots)``. So a
   better class arriving finds a slot free instead of waiting for a long batch request to
   finish (the fair queue orders, but a slot once taken is held for the whole request).
   The reserve lapses
@@ -240,13 +244,13 @@ class Flow:
     arrivals of each class, and the ends of the requests the queue released (all classes:
     the rate at which slots free up by themselves). Each is an exponentially decayed count
     over ``tau_s``, corrected for how long the model has been seen (its first arrival):
-    else a rate reads low for ``tau_s`` after the start. Bounded: one entry per model and
-    class."""
+    else a rate reads low for ``tau_s`` after the start. Bounded: a rate that has decayed
+    to nothing is forgotten, and a model with none left (models come and go)."""
 
     def __init__(self, tau_s: float = 10.0) -> None:
         self.tau_s = tau_s
-        # (model, class; None: the ends) -> [decayed count, as of]
-        self._r: dict[tuple[str, str | None], list[float]] = {}
+        # model -> class (None: the ends) -> [decayed count, as of]
+        self._r: dict[str, dict[str | None, list[float]]] = {}
         self._seen: dict[str, float] = {}  # model -> its first arrival
 
     def _decayed(self, st: list[float], now: float) -> float:
@@ -255,34 +259,41 @@ class Flow:
             st[1] = now
         return st[0]
 
-    def _add(self, key: tuple[str, str | None], now: float) -> None:
-        self._seen.setdefault(key[0], now)
-        st = self._r.get(key)
+    def _add(self, model: str, cls: str | None, now: float) -> None:
+        self._seen.setdefault(model, now)
+        by = self._r.setdefault(model, {})
+        st = by.get(cls)
         if st is None:
-            self._r[key] = [1.0, now]
+            by[cls] = [1.0, now]
         else:
             st[0] = self._decayed(st, now) + 1.0
 
     def arrived(self, model: str, cls: str, now: float) -> None:
-        self._add((model, cls), now)
+        self._add(model, cls, now)
 
     def ended(self, model: str, now: float) -> None:
-        self._add((model, None), now)
+        self._add(model, None, now)
 
     def rate(self, model: str, cls: str | None, now: float) -> float | None:
         """Arrivals per second of ``cls`` for ``model`` (None: its ends); None before the
-        first."""
-        st = self._r.get((model, cls))
-        if st is None:
+        first, or long after the last."""
+        by = self._r.get(model)
+        st = by.get(cls) if by is not None else None
+        if by is None or st is None:
             return None
         n = self._decayed(st, now)
+        if n < 1e-3:  # about seven tau_s since the last: forgotten
+            del by[cls]
+            if not by:
+                del self._r[model], self._seen[model]
+            return None
         # The share of the window the count could have filled since the model was seen.
         filled = -math.expm1(-max(now - self._seen[model], 1e-3) / self.tau_s)
         return n / (self.tau_s * filled)
 
     def ratio(self, model: str, better: Iterable[str], now: float) -> float | None:
         """The better classes' arrival rate over the rate slots free up, ``rho`` (the same
-        per replica as for all of them); None while no request has ended yet."""
+        per replica as for all of them); None while no request has ended lately."""
         ends = self.rate(model, None, now)
         if not ends:
             return None

@@ -89,6 +89,10 @@ def test_flow_reads_a_steady_rate_from_the_start_and_forgets_a_stop() -> None:
     assert f.rate("other", "interactive", 60.0) is None  # models apart
     # They stop: the rate falls over tau_s.
     assert f.rate("m", "interactive", 100.0) == pytest.approx(at_60 * math.exp(-4), rel=0.05)
+    # Long quiet, both rates are forgotten, and the model with them: memory stays bounded.
+    assert f.rate("m", "interactive", 200.0) is None
+    assert f.ratio("m", ["interactive"], 200.0) is None
+    assert not f._r and not f._seen
 
 
 def test_slots_pool_the_replicas_and_fall_back_to_the_load_rule() -> None:
