@@ -540,6 +540,10 @@ class TenantsConfig(StrictModel):
     # ({}: none).
     reserve: dict[str, float | Literal["auto"]] | None = None
     reserve_headroom: float = Field(DEFAULT_RESERVE_HEADROOM, gt=0)
+    # The reserve by arrivals: an "auto" reserve keeps the fewest slots free that leave at
+    # most this share of better requests finding none, from their arrival rate against
+    # the rate slots free up (docs/tenancy.md); null: reserve_headroom's rule.
+    reserve_miss: float | None = Field(None, gt=0, lt=1)
     # The time over which an adaptive reserve forgets the better classes' load; pacing
     # (reserve_pace) holds only while a better request arrived within it.
     reserve_window_s: float = Field(10.0, gt=0)

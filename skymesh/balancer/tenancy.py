@@ -25,7 +25,11 @@ Pure: no sockets, no sleeps; every clock is passed in, so tests drive a fake one
   sp-o's ``max_outstanding``). The reserve is ``auto`` (the default): ``reserve_headroom``
   x the better classes' recent mean in service per replica (:class:`Occupancy`; Little's
   law: their arrival rate x their time in service), at least one slot, so the idle
-  capacity goes to the lower class; or a fixed fraction ``f``: ``ceil(f x slots)``. So a
+  capacity goes to the lower class; or, with ``reserve_miss``, by arrivals: the fewest
+  slots that leave at most that share of the better requests finding none, from their
+  arrival rate against the rate slots free up by themselves (:class:`Flow`,
+  :func:`buffer_slots`): slots for the better requests that arrive before a slot frees,
+  not for their time in service; or a fixed fraction ``f``: ``ceil(f x slots)``. So a
   better class arriving finds a slot free instead of waiting for a long batch request to
   finish (the fair queue orders, but a slot once taken is held for the whole request).
   The reserve lapses
@@ -235,6 +239,88 @@ class Starts:
         return n
 
 
+class Flow:
+    """Per model, two recent rates (events per second, all replicas together): the
+    arrivals of each class, and the ends of the requests the queue released (all classes:
+    the rate at which slots free up by themselves). Each is an exponentially decayed count
+    over ``tau_s``, corrected for how long the model has been seen (its first arrival):
+    else a rate reads low for ``tau_s`` after the start. Bounded: a rate that has decayed
+    to nothing is forgotten, and a model with none left (models come and go)."""
+
+    def __init__(self, tau_s: float = 10.0) -> None:
+        self.tau_s = tau_s
+        # model -> class (None: the ends) -> [decayed count, as of]
+        self._r: dict[str, dict[str | None, list[float]]] = {}
+        self._seen: dict[str, float] = {}  # model -> its first arrival
+
+    def _decayed(self, st: list[float], now: float) -> float:
+        if now > st[1]:
+            st[0] *= math.exp(-(now - st[1]) / self.tau_s)
+            st[1] = now
+        return st[0]
+
+    def _add(self, model: str, cls: str | None, now: float) -> None:
+        self._seen.setdefault(model, now)
+        by = self._r.setdefault(model, {})
+        st = by.get(cls)
+        if st is None:
+            by[cls] = [1.0, now]
+        else:
+            st[0] = self._decayed(st, now) + 1.0
+
+    def arrived(self, model: str, cls: str, now: float) -> None:
+        self._add(model, cls, now)
+
+    def ended(self, model: str, now: float) -> None:
+        self._add(model, None, now)
+
+    def rate(self, model: str, cls: str | None, now: float) -> float | None:
+        """Arrivals per second of ``cls`` for ``model`` (None: its ends); None before the
+        first, or long after the last."""
+        by = self._r.get(model)
+        st = by.get(cls) if by is not None else None
+        if by is None or st is None:
+            return None
+        n = self._decayed(st, now)
+        if n < 1e-3:  # about seven tau_s since the last: forgotten
+            del by[cls]
+            if not by:
+                del self._r[model], self._seen[model]
+            return None
+        # The share of the window the count could have filled since the model was seen.
+        filled = -math.expm1(-max(now - self._seen[model], 1e-3) / self.tau_s)
+        return n / (self.tau_s * filled)
+
+    def ratio(self, model: str, better: Iterable[str], now: float) -> float | None:
+        """The better classes' arrival rate over the rate slots free up, ``rho`` (the same
+        per replica as for all of them); None while no request has ended lately."""
+        ends = self.rate(model, None, now)
+        if not ends:
+            return None
+        return sum(self.rate(model, c, now) or 0.0 for c in better) / ends
+
+
+def buffer_slots(rho: float, miss: float, capacity: int) -> int:
+    """The fewest free slots ``k`` (at least one) a replica keeps so that at most ``miss``
+    of the better requests find none: the free slots as a buffer that better arrivals
+    (rate ``lambda``) empty one at a time and that the replica's own ends (rate ``mu``,
+    ``rho = lambda / mu``) refill, each end going back to the buffer while it is short (the
+    lower class is held until then). A birth-death chain on the slots missing from the
+    buffer; by PASTA an arrival finds it empty with probability
+    ``rho^k (1 - rho) / (1 - rho^(k+1))`` (``1 / (k + 1)`` at ``rho = 1``). At most
+    ``capacity``."""
+    for k in range(1, capacity + 1):
+        if abs(rho - 1.0) < 1e-9:
+            p = 1.0 / (k + 1)
+        elif rho > 1.0:  # the same, divided through by rho^k (no overflow)
+            p = (rho - 1.0) / (rho - rho ** -k)
+        else:
+            p = rho ** k * (1.0 - rho) / (1.0 - rho ** (k + 1))
+        if p <= miss:
+            return k
+    return capacity
+
+
 @dataclass(eq=False)
 class Waiter:
     """One request waiting in the :class:`FairQueue`; ``payload`` is the caller's (a
@@ -280,6 +366,7 @@ class FairQueue:
         # The released and not finished, per model and class (the adaptive reserve).
         self.occupancy = Occupancy()
         self.starts = Starts()  # the released not yet started (the reserve's pacing)
+        self.flow = Flow()  # arrivals and ends per second (the reserve by arrivals)
 
     def __len__(self) -> int:
         return self.waiting
@@ -308,6 +395,7 @@ class FairQueue:
         by_tenant = by_cls.setdefault(w.cls, {})
         if w.since > self.arrived.get(w.cls, -math.inf):
             self.arrived[w.cls] = w.since
+        self.flow.arrived(w.model, w.cls, w.since)
         fifo = by_tenant.get(w.tenant)
         if fifo is None:
             # Newly backlogged here: lifted to the least counter of the backlogged ones,
@@ -410,6 +498,7 @@ class FairQueue:
             self.starts.finished(w.model, w.released_at, output_tokens, now)
             w.released_at = None
             self.occupancy.end(w.model, w.cls, now)
+            self.flow.ended(w.model, now)
 
 
 def tenants_of(cfg: TenantsConfig) -> list[Tenant]:
@@ -440,7 +529,7 @@ def queue_of(cfg: TenantsConfig, capacity: int, now: float = -math.inf) -> FairQ
     q = FairQueue(cfg.classes, max_wait_s=cfg.max_wait_s,
                   weights={t.name: t.weight for t in cfg.members}, capacity=capacity,
                   started=now)
-    q.occupancy.fall_s = cfg.reserve_window_s
+    q.occupancy.fall_s = q.flow.tau_s = cfg.reserve_window_s
     return q
 
 
@@ -464,16 +553,29 @@ class Reserve:
     # Pacing holds while a better class arrived within this long (at most idle_s): it
     # costs the lower class throughput, and guards only better requests that arrive soon.
     pace_s: float = math.inf
+    # The reserve by arrivals (tenants.reserve_miss): an adaptive class keeps the fewest
+    # slots free that leave at most this share of better requests finding none
+    # (:func:`buffer_slots`, from :meth:`Flow.ratio`); by occupancy (``headroom``) until
+    # a request has ended. None: by occupancy.
+    miss: float | None = None
 
     def better(self, cls: str) -> tuple[str, ...]:
         return self.classes[:self.classes.index(cls)]
 
-    def slots(self, cls: str, capacity: int, better: float = 0.0, replicas: int = 1) -> int:
+    def slots(self, cls: str, capacity: int, better: float = 0.0, replicas: int = 1,
+              rho: float | None = None) -> int:
         """Slots of a replica with ``capacity`` that ``cls`` leaves free (``better``: the
-        better classes' mean in service on the ``replicas`` together), rounded up, but
-        never the last one, so the reserve cannot starve the class."""
+        better classes' mean in service on the ``replicas`` together; ``rho``: their
+        arrival rate over the rate slots free up), rounded up, but never the last one,
+        so the reserve cannot starve the class."""
         if cls in self.adaptive:
-            want = max(1, math.ceil(self.headroom * better / max(1, replicas) - 1e-9))
+            if self.miss is not None and rho is not None:
+                # A better request finds no slot only when every replica's buffer is
+                # empty (it goes to one with a free slot): one buffer of them all.
+                n = max(1, replicas)
+                want = -(-buffer_slots(rho, self.miss, n * capacity) // n)
+            else:
+                want = max(1, math.ceil(self.headroom * better / max(1, replicas) - 1e-9))
         else:
             f = self.fractions.get(cls, 0.0)
             if f <= 0:
@@ -494,7 +596,8 @@ class Reserve:
         return any(arrived.get(c, -math.inf) >= since for c in self.better(cls))
 
     def room(self, cls: str, free: Sequence[tuple[int, int, int]], better: float = 0.0,
-             paced: bool = True, unstarted: int | None = None) -> int:
+             paced: bool = True, unstarted: int | None = None,
+             rho: float | None = None) -> int:
         """Requests of ``cls`` the replicas (``(free, capacity, not started)`` each) may
         take now: their free slots beyond what it leaves free, and on each, ``paced``, at
         most ``pace`` not started at a time. ``unstarted``: how many of the not started
@@ -503,9 +606,9 @@ class Reserve:
         n = len(free)
         if not paced or unstarted is None or unstarted >= sum(p for _, _, p in free):
             pace = self.pace if paced else 1 << 30
-            return sum(min(max(0, f - self.slots(cls, cap, better, n)),
+            return sum(min(max(0, f - self.slots(cls, cap, better, n, rho)),
                            max(0, pace - pending)) for f, cap, pending in free)
-        beyond = sum(max(0, f - self.slots(cls, cap, better, n)) for f, cap, _ in free)
+        beyond = sum(max(0, f - self.slots(cls, cap, better, n, rho)) for f, cap, _ in free)
         return min(beyond, max(0, self.pace * n - unstarted))
 
     def worse(self, cls: str) -> tuple[str, ...]:
@@ -524,7 +627,8 @@ def reserve_of(cfg: TenantsConfig) -> Reserve:
                    {c: float(f) for c, f in given.items() if f != AUTO_RESERVE},
                    cfg.reserve_idle_s, cfg.reserve_pace,
                    adaptive=frozenset(c for c, f in given.items() if f == AUTO_RESERVE),
-                   headroom=cfg.reserve_headroom, pace_s=cfg.reserve_window_s)
+                   headroom=cfg.reserve_headroom, pace_s=cfg.reserve_window_s,
+                   miss=cfg.reserve_miss)
 
 
 def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mapping[str, int],
@@ -547,7 +651,9 @@ def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mappi
         # class -> free slots beyond its reserve, for the classes the reserve binds now
         beyond = {c: reserve.room(c, free, queue.occupancy.mean(model, reserve.better(c), now),
                                   reserve.paces(c, queue.arrived, now),
-                                  queue.starts.unstarted(model, queue.classes, now))
+                                  queue.starts.unstarted(model, queue.classes, now),
+                                  queue.flow.ratio(model, reserve.better(c), now)
+                                  if reserve.miss is not None else None)
                   for c in queue.classes
                   if reserve is not None and reserve.applies(c, queue.arrived, now)} \
             if free else {}
@@ -564,6 +670,6 @@ def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mappi
     return out
 
 
-__all__ = ["DEFAULT_TENANT", "FairQueue", "Occupancy", "Reserve", "Slots", "Starts", "Tenant",
-           "TenantBook", "Waiter", "book_of", "queue_of", "release_into", "reserve_of",
-           "tenants_of"]
+__all__ = ["DEFAULT_TENANT", "FairQueue", "Flow", "Occupancy", "Reserve", "Slots", "Starts",
+           "Tenant", "TenantBook", "Waiter", "book_of", "buffer_slots", "queue_of",
+           "release_into", "reserve_of", "tenants_of"]

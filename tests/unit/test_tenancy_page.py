@@ -226,3 +226,28 @@ def test_live_phase_notes_say_whether_the_runs_tail_slows_the_batch_tenant() -> 
         "the run's tail, where the reserve keeps a slot per replica free until " \
         "`reserve_idle_s`, does not slow it" in page(1.7)
     assert "`reserve_idle_s`, slows it" in page(1.2)
+
+
+def test_reserve_by_arrivals_is_judged_against_the_default_in_both_runs() -> None:
+    """The arms sized by arrivals get goal lines and a verdict against the default
+    reserve: a new default only if the simulator is no worse and live better."""
+    def arms(miss_tps: float, miss_p50: float) -> list[dict[str, Any]]:
+        return [_flood("no_flood", 0, 0.2), _flood("fcfs", 0, 5.0),
+                _flood("fair_reserve", 0, 0.22, batch_tokens_per_s=900.0),
+                _flood("fair_reserve_miss01", 0, miss_p50, batch_tokens_per_s=miss_tps,
+                       reserve_miss=0.01)]
+
+    page = tenancy({**DOC, "flood": arms(950.0, 0.22), "live": arms(980.0, 0.23)})
+    label = "the same, by arrivals, `reserve_miss` 0.01"
+    assert _row(page, label)[5:7] == ["950", "95.0%"]
+    assert f"- {label}: the interactive TTFT p50 under the flood is 1.10x" in page
+    assert (f"- {label}, simulator: batch 95.0% of first come first served's (the default "
+            "reserve 90.0%), interactive p50 1.10x (1.10x), p99 1.10x (1.10x): no worse; "
+            "live: batch 98.0% (90.0%), interactive p50 1.15x (1.10x): better. It meets "
+            "the rule") in page
+    # A worse simulator p50, or no more batch live: not a new default.
+    worse = tenancy({**DOC, "flood": arms(950.0, 0.24), "live": arms(980.0, 0.23)})
+    assert "p50 1.20x (1.10x), p99 1.20x (1.10x): worse in p50, p99" in worse
+    assert "It does not meet the rule" in worse
+    flat = tenancy({**DOC, "flood": arms(950.0, 0.22), "live": arms(900.0, 0.22)})
+    assert "live: batch 90.0% (90.0%), interactive p50 1.10x (1.10x): not better" in flat

@@ -101,9 +101,12 @@ PACES: dict[str, int | None] = {"fair_reserve": RESERVE_PACE, "fair_reserve_pace
 # The default reserve with another reserve_headroom (the frontier of batch throughput
 # against the interactive TTFT).
 HEADROOMS: dict[str, float] = {"fair_reserve_h1": 1.0, "fair_reserve_h125": 1.25}
+# The reserve by arrivals (tenants.reserve_miss): the share of interactive requests that
+# may find no slot free, sized from their arrival rate against the rate slots free up.
+MISSES: dict[str, float] = {"fair_reserve_miss005": 0.005, "fair_reserve_miss01": 0.01}
 FLOOD_ARMS: tuple[str, ...] = ("no_flood", "fcfs", "fair", "fair_reserve",
                                "fair_reserve_fixed", "fair_reserve_pace2",
-                               "fair_reserve_nopace", *HEADROOMS)
+                               "fair_reserve_nopace", *HEADROOMS, *MISSES)
 LIGHT_RATE = 0.5  # the interactive rate of the light arms
 LIGHT_ARMS = ("no_flood", "fcfs", "fair_reserve", "fair_reserve_fixed")
 TAIL_ARMS = ("fair_reserve", "fair_reserve_fixed")
@@ -157,6 +160,8 @@ def _reserve(arm: str) -> Reserve | None:
         return FIXED
     if arm in HEADROOMS:
         return replace(RESERVE, headroom=HEADROOMS[arm])
+    if arm in MISSES:
+        return replace(RESERVE, miss=MISSES[arm])
     if arm not in PACES:
         return None
     pace = PACES[arm]
@@ -249,7 +254,7 @@ def _sim(arrivals: list[Arrival], classify: Any, arm: str, seed: int,
     if arm not in ("fcfs", "no_flood") or reserve is not None:
         queue = _WatchedQueue(CLASSES, max_wait_s=MAX_WAIT_S, capacity=100_000,
                               started=0.0)
-        queue.occupancy.fall_s = RESERVE_WINDOW_S  # as queue_of sets it
+        queue.occupancy.fall_s = queue.flow.tau_s = RESERVE_WINDOW_S  # as queue_of sets
         lb.tenancy = SimTenancy(queue, classify,
                                 reserve=reserve or _reserve(arm))
     if trace is not None:
@@ -309,6 +314,8 @@ def flood_run(seed: int, arm: str, rate: float = RATE) -> dict[str, Any]:
             / last if done else None)}
     if arm in HEADROOMS:
         out["reserve_headroom"] = HEADROOMS[arm]
+    if arm in MISSES:
+        out["reserve_miss"] = MISSES[arm]
     if queue is not None:
         out["batch_longest_wait_s"] = queue.longest.get("batch", 0.0)
         out["batch_longest_unserved_s"] = queue.head.get("batch", 0.0)
@@ -415,6 +422,8 @@ def _tenants(arm: str) -> dict[str, Any]:
         out["reserve_pace"] = PACES[arm] or 1 << 20
     elif arm in HEADROOMS:
         out["reserve_headroom"] = HEADROOMS[arm]
+    elif arm in MISSES:
+        out["reserve_miss"] = MISSES[arm]
     return out
 
 
@@ -516,6 +525,8 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
         "load_average_1m": (load_at_start + os.getloadavg()[0]) / 2}
     if arm in HEADROOMS:
         out["reserve_headroom"] = HEADROOMS[arm]
+    if arm in MISSES:
+        out["reserve_miss"] = MISSES[arm]
     if ends:
         # The longest the batch class went without a request finishing, after its first
         # (what the client can see of it going unserved; its requests are not streamed).

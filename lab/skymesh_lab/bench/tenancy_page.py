@@ -51,9 +51,22 @@ def _idle_share(rs: list[dict[str, Any]], setup: dict[str, Any]) -> float | None
 
 
 def _label(arm: str, rs: list[dict[str, Any]]) -> str:
-    """An arm's name on the page; the default reserve with another headroom by its value."""
+    """An arm's name on the page; the default reserve with another headroom, or sized by
+    arrivals, by its value."""
     h = rs[0].get("reserve_headroom") if rs else None
-    return ARMS.get(arm) or (f"the same, `reserve_headroom` {h}" if h is not None else arm)
+    m = rs[0].get("reserve_miss") if rs else None
+    if arm in ARMS:
+        return ARMS[arm]
+    if m is not None:
+        return f"the same, by arrivals, `reserve_miss` {m}"
+    return f"the same, `reserve_headroom` {h}" if h is not None else arm
+
+
+def _goal_arms(arms: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The arms the goal lines judge: the fair queue alone, the reserves, and the reserve
+    by arrivals."""
+    return [*GOAL_ARMS, *(a for a, rs in arms.items()
+                          if a not in GOAL_ARMS and rs[0].get("reserve_miss") is not None)]
 
 
 def _arms(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -83,21 +96,22 @@ def _flood(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
                     "batch longest wait", "batch longest unserved"], out,
                    [False, True, True, True, True, True, True, True, True, True]), ""]
     base = arms.get("no_flood", [])
-    for arm in GOAL_ARMS:
+    for arm in _goal_arms(arms):
         rs = arms.get(arm, [])
         if not rs:
             continue
+        label = _label(arm, rs)
         for key, name in (("ttft_p50_s", "p50"), ("ttft_p99_s", "p99")):
             b, got = _med(base, key), _med(rs, key)
             if b and got:
                 met = "goal met" if got <= 1.2 * b else "goal not met"
-                lines.append(f"- {ARMS[arm]}: the interactive TTFT {name} under the flood "
+                lines.append(f"- {label}: the interactive TTFT {name} under the flood "
                              f"is {got / b:.2f}x the no-flood one (goal: within 20%): "
                              f"{met}.")
         share, tps = _idle_share(rs, setup), _ratio(rs, fcfs, "batch_tokens_per_s")
         if share is not None and tps is not None:
             met = "goal met" if tps >= share - 0.01 else "goal not met"
-            lines.append(f"- {ARMS[arm]}: the batch tenant's throughput to its last is "
+            lines.append(f"- {label}: the batch tenant's throughput to its last is "
                          f"{tps:.1%} of first come first served's, where the idle capacity "
                          f"is {share:.1%} of it (the run's tokens less the interactive "
                          f"tenant's; goal: all of it, within a point): {met}.")
@@ -110,7 +124,7 @@ def _flood(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
                      f"keeps no slot free, gets {alone:.1%}: what a balancer that leaves "
                      "no slot idle gives the batch tenant here.")
     bound = setup.get("max_wait_s", {}).get("batch")
-    unserved = [x for a in GOAL_ARMS
+    unserved = [x for a in _goal_arms(arms)
                 if (x := _med(arms.get(a, []), "batch_longest_unserved_s")) is not None]
     if bound is not None and unserved:
         verdict = "within" if max(unserved) <= bound else "beyond"
@@ -282,6 +296,55 @@ def _phase_notes(arms: dict[str, list[dict[str, Any]]], ph: Any) -> list[str]:
             f"{why}.", *out]
 
 
+def _figures(rows: list[dict[str, Any]], arm: str) -> dict[str, float] | None:
+    """An arm's batch throughput vs FCFS and its interactive p50 and p99 vs no flood
+    (medians), or None when the run lacks them."""
+    arms = _by(rows, "arm")
+    rs, fcfs, base = arms.get(arm, []), arms.get("fcfs", []), arms.get("no_flood", [])
+    got = {"batch": _ratio(rs, fcfs, "batch_tokens_per_s"),
+           "p50": _ratio(rs, base, "ttft_p50_s"), "p99": _ratio(rs, base, "ttft_p99_s")}
+    return {k: v for k, v in got.items() if v is not None} if None not in got.values() \
+        else None
+
+
+def _by_arrivals(flood: list[dict[str, Any]], live: list[dict[str, Any]]) -> list[str]:
+    """Each reserve sized by arrivals against the default reserve, in the simulator and
+    live, and whether it meets the rule for a new default: the simulator no worse
+    (batch throughput, interactive p50 and p99) and live better (more batch throughput,
+    the interactive p50 within its goal or no worse than the default's)."""
+    out = []
+    for arm in dict.fromkeys(r["arm"] for r in flood if r.get("reserve_miss") is not None):
+        label = _label(arm, [r for r in flood if r["arm"] == arm])
+        sim, sim0 = _figures(flood, arm), _figures(flood, "fair_reserve")
+        if sim is None or sim0 is None:
+            continue
+        worse = [k for k in ("batch", "p50", "p99")
+                 if (sim[k] < sim0[k] if k == "batch" else sim[k] > sim0[k])]
+        said = (f"- {label}, simulator: batch {sim['batch']:.1%} of first come first "
+                f"served's (the default reserve {sim0['batch']:.1%}), interactive p50 "
+                f"{sim['p50']:.2f}x ({sim0['p50']:.2f}x), p99 {sim['p99']:.2f}x "
+                f"({sim0['p99']:.2f}x): " + ("no worse" if not worse else
+                                             "worse in " + ", ".join(worse)))
+        lv, lv0 = _figures(live, arm), _figures(live, "fair_reserve")
+        better = None
+        if lv is not None and lv0 is not None:
+            better = lv["batch"] > lv0["batch"] and (lv["p50"] <= 1.2 or lv["p50"] <= lv0["p50"])
+            said += (f"; live: batch {lv['batch']:.1%} ({lv0['batch']:.1%}), interactive "
+                     f"p50 {lv['p50']:.2f}x ({lv0['p50']:.2f}x): "
+                     + ("better" if better else "not better"))
+        verdict = "meets" if not worse and better else "does not meet"
+        out.append(f"{said}. It {verdict} the rule for a new default (the simulator no "
+                   "worse, live better).")
+    if not out:
+        return []
+    return ["### The reserve by arrivals against the reserve by load", "",
+            "The default reserve keeps `reserve_headroom` x the interactive requests in "
+            "service free; by arrivals (`reserve_miss`), it keeps the fewest slots that "
+            "leave at most that share of the interactive requests finding none, from their "
+            "arrival rate against the rate slots free up (docs: the slot reserve). Medians "
+            "of the tables above; in brackets the default reserve's.", "", *out, ""]
+
+
 def _light(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
     return [
         "### A light interactive tenant, simulator", "",
@@ -429,11 +492,14 @@ def tenancy(doc: dict[str, Any]) -> str:
         "share of the capacity the interactive tenant leaves, to its last request and "
         "while the interactive tenant sends (to its last request's arrival). The last "
         "arms keep the default reserve and loosen its pacing (the trade-off of "
-        "`reserve_pace`) or change its `reserve_headroom` (the slots it keeps free while "
-        "the interactive tenant sends).",
+        "`reserve_pace`), change its `reserve_headroom` (the slots it keeps free while "
+        "the interactive tenant sends), or size it by arrivals (`reserve_miss`: the "
+        "fewest slots that leave at most that share of the interactive requests finding "
+        "none, from their arrival rate against the rate slots free up).",
         "", "### Simulator", "", *_flood(doc["flood"], s),
         *(_tail(doc["tail"], s) if doc.get("tail") else []),
         *(_live(doc["live"], s) if doc.get("live") else []),
+        *_by_arrivals(doc["flood"], doc.get("live") or []),
         *(_engine(doc["engine"], doc["flood"], doc.get("live") or [], s)
           if doc.get("engine") else []),
         *(_light(doc["light"], s) if doc.get("light") else []),
