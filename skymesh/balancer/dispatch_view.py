@@ -10,7 +10,8 @@ evaluations of queued requests with the indexes that drop them (``_remember``,
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 from skymesh.balancer.breaker import BreakerState
 from skymesh.balancer.dispatch_state import (
@@ -33,6 +34,8 @@ from skymesh.policies.load import (
     takes_preferred,
 )
 from skymesh.policies.peers import PeerLoad
+
+_K = TypeVar("_K")
 
 
 class DispatchView:
@@ -339,7 +342,6 @@ class DispatchView:
         else:
             m = ticket.memo = _Memo(self._gen, epoch, holds, held_since)
         entry = (ticket, m)
-        by_target, by_key = self._by_target, self._by_key
         if recheck is not None:  # no candidate; the policy read no other load
             m.pref, m.recheck = pref, recheck
             for tid in recheck:
@@ -347,18 +349,8 @@ class DispatchView:
         elif held_since is not None and pref is not None and all(t == pref for t in watch):
             m.pref, watch = pref, []
             self._by_pref.setdefault(pref, []).append(entry)
-        for tid in watch:
-            lst = by_target.get(tid)
-            if lst is None:
-                by_target[tid] = [entry]
-            else:
-                lst.append(entry)
-        for key in keys:
-            lst2 = by_key.get(key)
-            if lst2 is None:
-                by_key[key] = [entry]
-            else:
-                lst2.append(entry)
+        _file_under(self._by_target, watch, entry)
+        _file_under(self._by_key, keys, entry)
         self._entries += len(watch) + len(keys) + 1
 
     # -- dispatch ----------------------------------------------------------------------
@@ -393,3 +385,14 @@ class DispatchView:
             for key in by_key.keys() & (keys[start:] if start else keys):
                 self._stir += 1
                 _drop(by_key.pop(key))
+
+
+def _file_under(index: dict[_K, list[_Entry]], keys: Iterable[_K], entry: _Entry) -> None:
+    """Append ``entry`` to each of ``keys``' lists in ``index`` (one call per index, not per
+    key: this runs for every request the dispatcher remembers)."""
+    for key in keys:
+        lst = index.get(key)
+        if lst is None:
+            index[key] = [entry]
+        else:
+            lst.append(entry)
