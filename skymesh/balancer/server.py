@@ -440,6 +440,9 @@ class Balancer:
         c.inc()
 
 
+BALANCER = web.AppKey("balancer", Balancer)
+
+
 def build_app(cfg: BalancerConfig, *, workers: int = 1, worker: int = 0) -> web.Application:
     """The aiohttp app: its routes, the request-id stamp (``on_response_prepare``), the
     access log and tracing middleware (``skymesh.obs.access``) and the lifecycle hooks.
@@ -449,7 +452,7 @@ def build_app(cfg: BalancerConfig, *, workers: int = 1, worker: int = 0) -> web.
     app = web.Application(client_max_size=cfg.limits.max_body_bytes + 1,
                           handler_args={"max_field_size": 16384})
     lb = Balancer(cfg, workers=workers, worker=worker)
-    app["balancer"] = lb
+    app[BALANCER] = lb
     edge, status = lb.handlers, lb.status
     catalog = ModelCatalog(lb.dispatcher, lambda: lb.session, cfg.probe.timeout_s, edge.refused)
     app.router.add_post("/v1/chat/completions", edge.handle_generate)
@@ -489,8 +492,7 @@ def build_app(cfg: BalancerConfig, *, workers: int = 1, worker: int = 0) -> web.
 
 
 def balancer_of(app: web.Application) -> Balancer:
-    lb: Balancer = app["balancer"]
-    return lb
+    return app[BALANCER]
 
 
 __all__ = ["Balancer", "PolicyFlags", "balancer_of", "build_app"]
