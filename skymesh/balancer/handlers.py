@@ -189,7 +189,7 @@ class Handlers:
         digest = self.edge.keys.digest_of(request.headers.get("Authorization"))
         tenant, cls = gate.classify(digest, request.headers, request.remote)
         note(request, tenant=tenant, priority=cls)  # the access log's, refused or not
-        adm = gate.admit(tenant, cls, model, prompt_tokens)
+        adm = gate.admit(tenant, cls, model, prompt_tokens, request_id(request))
         batch = self.cfg.tenants.batch_mesh if self.cfg.tenants else None
         if batch is not None and cls == batch.batch_class:
             return adm  # it waits in the dispatcher's batch lane instead (_mark_batch)

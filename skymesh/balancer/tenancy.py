@@ -334,6 +334,7 @@ class Waiter:
     payload: Any = None
     seq: int = field(default=0)
     released_at: float | None = None  # when the queue let it go (FairQueue.pop)
+    request_id: str = ""  # named in the log line when it is failed at once
 
 
 class FairQueue:

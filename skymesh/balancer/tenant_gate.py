@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from skymesh.balancer.config import TenantsConfig
+from skymesh.balancer.errors import NoHealthyReplica
 from skymesh.balancer.metrics import TenantMetrics
+from skymesh.balancer.overload import stranded_line
 from skymesh.balancer.tenancy import (
     Slots,
     Waiter,
@@ -49,6 +51,7 @@ class Admission:
     cls: str
     model: str
     prompt_tokens: int
+    request_id: str = ""
     waiter: Waiter | None = None
     given_back: bool = False  # its place among the woken (TenantGate.reserved)
     left: bool = False
@@ -98,7 +101,8 @@ class TenantGate:
         tenant = self.book.tenant_of(digest, headers, peer_ip)
         return tenant.name, self.book.class_of(tenant, headers)
 
-    def admit(self, tenant: str, cls: str, model: str, prompt_tokens: int) -> Admission:
+    def admit(self, tenant: str, cls: str, model: str, prompt_tokens: int,
+              request_id: str = "") -> Admission:
         """Past the tenant's limits (:class:`TenantLimited`, a 429, otherwise)."""
         try:
             self.limiter.admit(tenant, prompt_tokens, self.clock(), self.wall())
@@ -106,13 +110,14 @@ class TenantGate:
             self.metrics.limited.labels(tenant, cls, exc.reason).inc()
             raise
         self.metrics.admitted.labels(tenant, cls).inc()
-        return Admission(tenant, cls, model, prompt_tokens)
+        return Admission(tenant, cls, model, prompt_tokens, request_id)
 
     async def wait_turn(self, adm: Admission, timeout: float) -> bool:
         """Wait in the fair queue until released (True) or ``timeout`` (False)."""
         now = self.clock()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        w = adm.waiter = Waiter(adm.model, adm.tenant, adm.cls, adm.prompt_tokens, now, fut)
+        w = adm.waiter = Waiter(adm.model, adm.tenant, adm.cls, adm.prompt_tokens, now, fut,
+                                request_id=adm.request_id)
         self.queue.push(w)  # Overloaded when full
         self.release(now)
         if not fut.done():
@@ -150,16 +155,22 @@ class TenantGate:
         self.metrics.waiting.set(self.queue.waiting)
 
     def fail_stranded(self, servable: Callable[[str], bool],
-                      error: Callable[[str], Exception]) -> None:
+                      error: Callable[[str], NoHealthyReplica]) -> None:
         """Waiters for a model nothing up serves get ``error(model)`` (a 503) now, not
-        at the queue timeout, as the dispatcher's queue does."""
+        at the queue timeout, as the dispatcher's queue does, and the same log line."""
         for model in self.queue.models():
             if servable(model):
                 continue
+            ids: list[str] = []
+            first: NoHealthyReplica | None = None
             for w in self.queue.drain(model):
                 fut: asyncio.Future[None] = w.payload
                 if not fut.done():
-                    fut.set_exception(error(model))
+                    fut.set_exception(exc := error(model))
+                    first = first or exc
+                    ids.append(w.request_id)
+            if first is not None:  # the access log has the 503s: why
+                log.warning("%s", stranded_line(model, ids, first))
         self.metrics.waiting.set(self.queue.waiting)
 
     def _release_reservation(self, adm: Admission) -> None:

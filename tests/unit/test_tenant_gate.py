@@ -111,3 +111,26 @@ async def test_waiters_for_a_model_nothing_serves_fail_at_once() -> None:
         await task
     g.leave(adm, 0)
     assert empty(g)
+
+
+async def test_waiters_failed_at_once_are_named_in_the_log_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """As the dispatcher's queue does (overload.stranded_line): how many, which, why."""
+    g = gate({"m": 5})
+    adms = [g.admit("t", "standard", "m", 1, "req-a"), g.admit("t", "standard", "m", 1, "req-b")]
+    tasks = [asyncio.create_task(g.wait_turn(a, 60.0)) for a in adms]
+    while len(g.queue) < 2:
+        await asyncio.sleep(0)
+    with caplog.at_level("WARNING", logger="skymesh.balancer.tenant_gate"):
+        g.fail_stranded(lambda m: True, lambda m: NoHealthyReplica(f"{m} is down"))
+        assert caplog.records == []  # still served somewhere: nobody failed, no line
+        g.fail_stranded(lambda m: False, lambda m: NoHealthyReplica(f"{m} is down"))
+    for task in tasks:
+        with pytest.raises(NoHealthyReplica):
+            await task
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["2 queued request(s) for model 'm' ended at once with 503 "
+                     "no_healthy_replica (request ids req-a, req-b): m is down"]
+    for a in adms:
+        g.leave(a, 0)
+    assert empty(g)
