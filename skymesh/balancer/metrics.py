@@ -328,3 +328,24 @@ class _MeshCollector:
             hb.add_metric([v["id"], "sent"], v["heartbeat_bytes_sent"])
             hb.add_metric([v["id"], "received"], v["heartbeat_bytes_received"])
         yield hb
+
+
+class AdmissionLimits:
+    """``skymesh_replica_admission_limit{replica, source}``: the admission limit sp-p
+    applies per replica (its ``max_num_seqs``; ``source``: ``told``, ``learned``, or
+    ``unknown`` while learning), read at scrape time from ``read`` (the prober's, set on
+    each probe): a replica that leaves drops out, a changed source replaces the series."""
+
+    def __init__(self, read: Callable[[], Iterable[tuple[str, int, str]]]) -> None:
+        self.read = read
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily("skymesh_replica_admission_limit",
+                              "The admission limit (max_num_seqs) sp-p applies to the "
+                              "replica, and where it came from", labels=["replica", "source"])
+        for url, limit, source in self.read():
+            g.add_metric([url, source], limit)
+        yield g

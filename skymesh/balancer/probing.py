@@ -29,8 +29,9 @@ import aiohttp
 
 from skymesh.balancer.config import BalancerConfig, PushingConfig
 from skymesh.balancer.health import HealthTracker, ReplicaHealth
+from skymesh.balancer.metrics import AdmissionLimits
 from skymesh.balancer.relay import RequestCore
-from skymesh.balancer.seqcap import admission_limit
+from skymesh.balancer.seqcap import Source, admission_limit, cap_news
 from skymesh.balancer.upstream import ReplyTooLarge, Upstream, read_capped
 from skymesh.common.probe import (
     ProbeParseError,
@@ -61,6 +62,10 @@ class Prober:
         self.gates: dict[str, ParseGate] = {}  # /metrics parsing, per replica URL
         # Every probe of a replica over a limit fails the same way: a line per LOG_EVERY_S.
         self._log = RateLimitedLog(log, LOG_EVERY_S, health.clock)
+        # The limit sp-p applies per replica, as the last good probe set it: a gauge.
+        self.limits: dict[str, tuple[int, Source]] = {}
+        core.metrics.registry.register(AdmissionLimits(
+            lambda: [(url, n, src) for url, (n, src) in list(self.limits.items())]))
 
     async def loop(self) -> None:
         interval = self.cfg.probe.interval_s
@@ -77,6 +82,8 @@ class Prober:
         replicas = self.health.replicas
         for url in [u for u in self.gates if u not in replicas]:
             del self.gates[url]
+        for url in [u for u in self.limits if u not in replicas]:
+            del self.limits[url]
         self._log.forget(lambda url: url in replicas)
         # Streams on a replica now marked down that have stalled end (or resume) here,
         # not after upstream.read_timeout_s.
@@ -129,9 +136,13 @@ class Prober:
             held = (self.core.dispatcher.queued > 0
                     and availability(load, PushMode.SP_P, balancers=n) == UNAVAILABLE)
             unstarted = (oldest := load.oldest_unstarted) is not None and oldest < sent
+        learned = h.cap.learned
         seqs, h.seqs_source = admission_limit(
             told, h.cap, max(res.running, running), res.waiting, engine_queue, peak, held,
             unstarted, balancers=n, late=health.clock() - sent > self.cfg.probe.interval_s)
+        self.limits[url] = seqs, h.seqs_source
+        if (news := cap_news(learned, h.cap)) is not None:
+            log.info("replica %s: %s", url, news)
         if target is not None:  # read by sp-p when this probe reaches the dispatcher
             target.load.takes_all = h.cap.takes_all and h.seqs_source != "told"
         self.core.dispatcher.on_probe(url, sent, res.waiting, res.running, res.kv_usage,

@@ -52,7 +52,9 @@ A cap the configuration gives (``max_num_seqs``), or one the engine publishes (t
 emulated replica's ``skymesh_engine_max_num_seqs``, SGLang's ``max_running_requests``),
 always wins: the balancer learns only what it is not told. Pure: the probe loop feeds it
 (``skymesh.balancer.probing``); ``/status`` shows the cap and where it came from
-(``max_num_seqs_source``: ``told``, ``learned`` or ``unknown`` while learning).
+(``max_num_seqs_source``: ``told``, ``learned`` or ``unknown`` while learning), the
+gauge ``skymesh_replica_admission_limit`` the limit sp-p applies, and an INFO line
+(:func:`cap_news`) each learned cap confirmed or dropped.
 """
 
 from __future__ import annotations
@@ -158,4 +160,17 @@ def admission_limit(told: int | None, learner: CapLearner, running: int, waiting
     return learner.limit(engine_queue), learner.source
 
 
-__all__ = ["RAMP", "CapLearner", "Source", "admission_limit"]
+def cap_news(before: int | None, learner: CapLearner) -> str | None:
+    """The log line for what one probe did to the learned cap (``before``: the learned
+    cap before it), None when nothing changed: a line per change, not per probe."""
+    after = learner.learned
+    if after == before:
+        return None
+    if after is None:
+        return (f"learned admission limit {before} dropped: the engine ran more; "
+                "learning it again")
+    return (f"admission limit learned: {after} (the engine ran {after} with requests "
+            f"waiting on {learner.confirmations} probes in a row)")
+
+
+__all__ = ["RAMP", "CapLearner", "Source", "admission_limit", "cap_news"]

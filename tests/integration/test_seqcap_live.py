@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -66,12 +67,12 @@ async def fake() -> AsyncIterator[tuple[FakeVllm, str]]:
         yield replica, f"http://127.0.0.1:{port}"
 
 
-def start_lb(tmp: Path, url: str, **pushing: Any) -> Daemon:
+def start_lb(tmp: Path, url: str, *extra: str, **pushing: Any) -> Daemon:
     cfg = {"region": "us", "listen": {"host": "127.0.0.1", "port": 0},
            "probe": {"interval_s": 0.05}, "pushing": {"mode": "sp-p", **pushing},
            "replicas": [{"url": url, "kind": "vllm"}]}
     (tmp / "lb.yaml").write_text(yaml.safe_dump(cfg))
-    return start_daemon("skymesh-lb", ["--config", str(tmp / "lb.yaml")],
+    return start_daemon("skymesh-lb", ["--config", str(tmp / "lb.yaml"), *extra],
                         log_path=tmp / "lb.log")
 
 
@@ -80,10 +81,21 @@ async def replica_status(s: aiohttp.ClientSession, lb: Daemon, url: str) -> dict
         return (await r.json())["replicas"][url]
 
 
+async def admission_gauge(s: aiohttp.ClientSession, lb: Daemon, url: str) -> list[str]:
+    """The ``skymesh_replica_admission_limit`` series of ``url``, one per worker, each
+    as ``source value``."""
+    async with s.get(lb.url + "/metrics") as r:
+        text = await r.text()
+    return [" ".join(re.findall(r'source="(\w+)".* (\S+)$', line)[0])
+            for line in text.splitlines()
+            if line.startswith(f'skymesh_replica_admission_limit{{replica="{url}"')]
+
+
 async def test_the_limit_is_learned_from_the_probes(
         tmp_path: Path, fake: tuple[FakeVllm, str]) -> None:
+    """``/status``, the gauge and the INFO lines follow it."""
     replica, url = fake
-    lb = start_lb(tmp_path, url)
+    lb = start_lb(tmp_path, url, "--log-level", "info")
     try:
         async with aiohttp.ClientSession() as s:
             replica.running, replica.waiting = 3, 0
@@ -96,10 +108,22 @@ async def test_the_limit_is_learned_from_the_probes(
             await until(lambda: shows(3, "unknown"), "the running count as the limit")
             replica.running, replica.waiting = 4, 5  # running stops at 4; more wait
             await until(lambda: shows(4, "learned"), "the limit learned at 4")
+
+            async def gauge(*want: str) -> bool:  # every worker's series shows ``want``
+                series = await admission_gauge(s, lb, url)
+                return bool(series) and set(series) <= set(want)
+
+            await until(lambda: gauge("learned 4.0"), "the gauge: learned, 4")
+            workers = len(await admission_gauge(s, lb, url))
             replica.running, replica.waiting = 6, 0  # restarted with a larger limit
             await until(lambda: shows(6, "unknown"), "learning again from 6")
+            # engine_queue 1: while learning, the limit is what it has seen running
+            await until(lambda: gauge("unknown 6.0"), "the gauge: unknown, 6")
     finally:
         lb.stop()
+    log = (tmp_path / "lb.log").read_text()  # a line per worker and change, not per probe
+    assert log.count(f"replica {url}: admission limit learned: 4 ") == workers, log
+    assert log.count(f"replica {url}: learned admission limit 4 dropped") == workers, log
 
 
 async def test_a_configured_limit_is_told_not_learned(

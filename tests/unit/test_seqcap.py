@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from skymesh.balancer.seqcap import CapLearner, admission_limit
+from skymesh.balancer.seqcap import CapLearner, admission_limit, cap_news
 from skymesh.common.probe import ProbeResult, parse_metrics
 from skymesh.policies.load import (
     UNAVAILABLE,
@@ -340,3 +340,21 @@ def test_sp_p_pushes_unstarted_requests_only_when_the_engine_takes_all() -> None
         load.on_dispatch(f"b{i}", 0.7)
     assert not is_available(load, PushMode.SP_P)  # 8 in flight: the limit
     assert load.peak_in_flight == 8 and load.oldest_unstarted == 0.5
+
+
+def test_a_line_per_change_of_the_learned_cap_not_per_probe() -> None:
+    learner, news = CapLearner(), []
+    for running, waiting in [(3, 0), (4, 5), (4, 5), (4, 5), (4, 5), (2, 0), (4, 1),
+                             (6, 0), (6, 2), (6, 2), (6, 2), (6, 2)]:
+        before = learner.learned
+        admission_limit(None, learner, running, waiting, engine_queue=1)
+        news.append(cap_news(before, learner))
+    assert news == [
+        None, None, None,
+        "admission limit learned: 4 (the engine ran 4 with requests waiting on 3 probes "
+        "in a row)", None, None, None,  # confirmed again, idle, waiting again: no news
+        "learned admission limit 4 dropped: the engine ran more; learning it again",
+        None, None,
+        "admission limit learned: 6 (the engine ran 6 with requests waiting on 3 probes "
+        "in a row)", None]
+
