@@ -119,3 +119,17 @@ def test_the_live_section_gives_the_limits_sp_p_learned_for_the_stubs() -> None:
     # An older JSON without them: no such clause.
     older = dispatch_cost(_doc(stubs=True, same=True) | {"dispatch-cost-live": _live_limits({})})
     assert "segment's end" not in older
+
+
+def test_the_live_section_says_the_machine_as_its_load_average_was() -> None:
+    """Not a fixed "spread widely on the loaded machine" (said of a run at load 0.22)."""
+    live = _live_limits({})
+    live["versions"]["current"]["ratio_rounds"] = [1.2, 1.1, 1.43]
+    for load, state in ((0.22, "the machine quiet"), (1.0, "a loaded machine")):
+        live["setup"]["load_average_1m_at_start"] = load
+        page = dispatch_cost(_doc(stubs=True, same=True) | {"dispatch-cost-live": live})
+        assert (f"2 CPUs shared with other jobs ({state} at start: load average {load:g}), "
+                "commit `x`; the per-round ratios range from 1.1 to 1.43 now, so the median "
+                "is the figure.") in page
+        assert "loaded machine's" not in page and "spread widely" not in page
+

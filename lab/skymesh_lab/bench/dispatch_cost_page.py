@@ -17,6 +17,7 @@ TOLD = "@told"  # that shape where sp-p's limit does not bind
 ORDER = (BASELINE, DEFAULT, "least-load+sp-p", BASELINE + STUBS, DEFAULT + STUBS,
          "prefix-tree+bp" + STUBS, DEFAULT + TOLD)
 TOLD_LIVE = "default-told"  # the live arm of the same (dispatch_cost_live)
+LOADED = 0.5  # a 1-minute load average per CPU from which the page calls the machine loaded
 
 
 def _row(name: str, cur: dict[str, Any], base: dict[str, Any] | None,
@@ -176,8 +177,8 @@ def _remaining(configs: dict[str, Any], stubs_core: str, told_core: str | None) 
         "a first byte, a completion), the request's tie key, the prompt's keys (hashed "
         "once per new keyed text, and then only the chunks after those a recent prompt "
         "shares) and the reply's; outside the core, the reply's text read out of its "
-        "JSON for those keys (the rest of the live gap is within this loaded machine's "
-        "spread between rounds). None of them is a rescan of the queue or of the "
+        "JSON for those keys (the rest of the live gap is within the spread between "
+        "rounds). None of them is a rescan of the queue or of the "
         "replicas; each is a few microseconds of Python.")
 
 
@@ -195,6 +196,20 @@ def _limits_note(versions: dict[str, Any], connections: int) -> str:
     return ("; the limit per stub at a segment's end (`/status` `max_num_seqs`, the "
             f"default's segments): {', '.join(out)}, for {connections} connections on "
             "two stubs")
+
+
+def _measured(live: dict[str, Any]) -> str:
+    """When and where, and how the per-round ratios spread: said of the machine as its
+    recorded load average was, not as a fixed adjective."""
+    setup = live["setup"]
+    load, cpus = setup["load_average_1m_at_start"], setup["cpus"]
+    state = "a loaded machine" if load >= LOADED * cpus else "the machine quiet"
+    rounds = live["versions"]["current"]["ratio_rounds"]
+    spread = (f"the per-round ratios range from {min(rounds):g} to {max(rounds):g} now"
+              if min(rounds) != max(rounds) else f"the per-round ratio is {rounds[0]:g}")
+    return (f"Measured {setup['date']} on {cpus} CPUs shared with other jobs ({state} at "
+            f"start: load average {load:g}), commit `{setup['commit']}`; {spread}, so the "
+            "median is the figure.")
 
 
 def _cell(c: dict[str, Any]) -> str:
@@ -268,10 +283,6 @@ def live_section(live: dict[str, Any]) -> str:
            "standing (sp-p still holds a replica without a published KV capacity at one "
            "request until its first byte), so the replica holding the prompt's prefix may "
            "also take any number, and each request goes at its arrival. " if told else "")
-        + "Measured "
-        f"{setup['date']} on {setup['cpus']} CPUs shared with other jobs (load average "
-        f"{setup['load_average_1m_at_start']:g} at start), commit `{setup['commit']}`; "
-        "per-round ratios spread widely on the loaded machine, so the median is the "
-        "figure.",
+        + _measured(live),
         f"```sh\n{live['command']}\n```",
     ])
