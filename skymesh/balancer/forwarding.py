@@ -302,6 +302,9 @@ class Forwarder:
                 if ok:
                     if records:
                         prompt, out, hits = usage(reply)
+                        # The access log's counts too, or it decodes the body again.
+                        note_usage(request, reply.get("usage") if isinstance(reply, dict)
+                                   else NOT_DECODED)
                     else:  # decoded once: the access log's line takes its counts too
                         decoded = fast_usage(body)
                         note_usage(request, decoded)

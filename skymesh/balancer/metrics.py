@@ -16,6 +16,9 @@ lock for the sum and one for the bucket (1.3 us on this machine, against 0.2 us 
 a collector at scrape time, and exported exactly as prometheus_client would (buckets,
 ``_count``, ``_sum``, ``_created``). A scrape from another thread may see a request's sum
 without its bucket, as it could see one bucket and not the next with the locks.
+The two counters every request adds to (``skymesh_requests_total`` and
+``skymesh_routing_decisions_total``) are loop-only the same way (:class:`LoopCounters`:
+0.03 us an ``inc`` against prometheus_client's locked 0.25).
 """
 
 from __future__ import annotations
@@ -97,6 +100,56 @@ class LoopHistograms:
             if created:
                 fam.samples.append(Sample(f"{self.name}_created", {self.label: value},
                                           h.created))
+        yield fam
+
+
+class LoopCounter:
+    """One counter child incremented by the event loop alone (see the module docstring)."""
+
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class LoopCounters:
+    """A counter family of :class:`LoopCounter` children, labelled by ``labelnames``;
+    registered as a collector that exports them as prometheus_client's ``Counter``. The
+    ``labels`` and ``remove`` of a ``Counter`` with label values given in order."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...],
+                 registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, labelnames
+        self._children: dict[tuple[str, ...], LoopCounter] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> LoopCounter:
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected")
+        key = tuple(map(str, values))
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = LoopCounter()
+        return c
+
+    def remove(self, *values: str) -> None:
+        del self._children[tuple(map(str, values))]
+
+    def label_sets(self) -> list[tuple[str, ...]]:
+        return list(self._children)
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        created = _get_use_created()
+        for values, c in list(self._children.items()):
+            fam.add_metric(values, c.value, c.created if created else None)
         yield fam
 
 
@@ -188,11 +241,11 @@ class BalancerMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("skymesh_requests_total", "Requests by final outcome",
-                                ["model", "outcome"], registry=r)
-        self.decisions = Counter("skymesh_routing_decisions_total",
-                                 "Requests placed, by policy and target",
-                                 ["policy", "target"], registry=r)
+        self.requests = LoopCounters("skymesh_requests_total", "Requests by final outcome",
+                                     ("model", "outcome"), r)
+        self.decisions = LoopCounters("skymesh_routing_decisions_total",
+                                      "Requests placed, by policy and target",
+                                      ("policy", "target"), r)
         self.retries = Counter("skymesh_retries_total",
                                "Attempts retried on another replica before the first byte",
                                ["target"], registry=r)
@@ -291,6 +344,8 @@ class BalancerMetrics:
 def _label_sets(metric: Any) -> list[tuple[str, ...]]:
     """The label values of ``metric``'s children (prometheus_client keeps them in
     ``_metrics``; read under its lock, as ``labels()`` writes it)."""
+    if isinstance(metric, LoopCounters):
+        return metric.label_sets()
     with metric._lock:
         return list(metric._metrics)
 

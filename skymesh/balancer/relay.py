@@ -27,11 +27,11 @@ from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.edge import request_id
 from skymesh.balancer.intake import Intake
 from skymesh.balancer.metrics import BalancerMetrics
-from skymesh.balancer.output_text import cached_text
+from skymesh.balancer.output_text import single_choice
 from skymesh.balancer.upstream import Reply, ReplyTooLarge
 from skymesh.obs.access import inject_trace
 from skymesh.policies.base import Policy, RouteRequest
-from skymesh.prefix.keys import cached_keys
+from skymesh.prefix.keys import reply_keys
 
 log = logging.getLogger("skymesh.lb")
 
@@ -180,11 +180,12 @@ class RequestCore:
 
     def record_cached(self, route: RouteRequest, target: str, intake: Intake,
                       output: str) -> None:
-        """``target`` now caches the request's prompt and ``output``: tell the policy."""
-        text = cached_text(intake.prompt_text, intake.body, output)
-        if text is not None:  # prompt + output: the prompt's keys are the route's
-            self.dispatcher.cached(route, target, cached_keys(text, intake.prompt_text,
-                                                              route.prefix_keys))
+        """``target`` now caches the request's prompt and ``output`` (the text the next
+        turn resends, ``output_text.cached_text``, keyed without being built): tell the
+        policy. The prompt's keys are the route's."""
+        if output and single_choice(intake.body):
+            self.dispatcher.cached(route, target, reply_keys(intake.prompt_text,
+                                                             route.prefix_keys, output))
 
     def record_later(self, route: RouteRequest, target: str, intake: Intake,
                      output: str) -> None:

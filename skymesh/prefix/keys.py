@@ -257,11 +257,28 @@ def _splitmix_out(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def cached_keys(text: str, prompt: str, prompt_keys: Sequence[int]) -> list[int]:
+def cached_keys(text: str, prompt: str, prompt_keys: Sequence[int]) -> Sequence[int]:
     """The keys of ``text``, a prompt followed by its reply, given ``prompt_keys``: the
     prompt's own, which are reused when they are all of them (a policy that reads no
     keys leaves a request none), so that only the reply is hashed."""
-    if text.startswith(prompt) and len(prompt_keys) == min(len(prompt) // CHUNK_CHARS,
-                                                          MAX_KEYS):
-        return extend_prefix_keys(text, prompt_keys)
+    if text.startswith(prompt):
+        return reply_keys(prompt, prompt_keys, text[len(prompt):])
     return text_prefix_keys(text)
+
+
+def reply_keys(prompt: str, prompt_keys: Sequence[int], output: str) -> Sequence[int]:
+    """:func:`cached_keys` of ``prompt + output`` without building that text: only the
+    prompt's unkeyed tail and the reply are joined and hashed. A reply that completes no
+    chunk (a short answer after a long prompt) gives back ``prompt_keys`` themselves, not
+    a copy; they must not be changed (:func:`prompt_keys`' tuples are shared)."""
+    m = len(prompt_keys)
+    if m != min(len(prompt) // CHUNK_CHARS, MAX_KEYS):  # not all of the prompt's keys
+        return text_prefix_keys(prompt + output)
+    n = min((len(prompt) + len(output)) // CHUNK_CHARS, MAX_KEYS)
+    if n <= m:
+        return prompt_keys
+    new, sums = _chain(prompt[m * CHUNK_CHARS:] + output, 0, n - m,
+                       _unfinalise(int(prompt_keys[-1])) if m else 0, CHUNK_CHARS,
+                       MAX_KEYS, False)
+    _remember_chain(new[-1], sums[-1])
+    return [*prompt_keys, *new] if m else new

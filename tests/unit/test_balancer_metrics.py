@@ -68,3 +68,32 @@ def test_the_loop_histograms_export_what_prometheus_clients_would() -> None:
 
     assert exported(ours_reg) == exported(ref_reg)
     assert [m.name for m in ours_reg.collect()] == [m.name for m in ref_reg.collect()]
+
+
+def test_the_loop_counters_export_what_prometheus_clients_would() -> None:
+    """The per-request counters (lock-free, loop-only) read, at a scrape, as
+    prometheus_client's Counter with the same increments, and lose a child as it does."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from skymesh.balancer.metrics import LoopCounters
+
+    ours_reg, ref_reg = CollectorRegistry(), CollectorRegistry()
+    ours = LoopCounters("x_total", "doc", ("model", "outcome"), ours_reg)
+    ref = Counter("x_total", "doc", ["model", "outcome"], registry=ref_reg)
+    for labels, n in ((("a", "ok"), 3), (("a", "error"), 1), (("b", "ok"), 2)):
+        for _ in range(n):
+            ours.labels(*labels).inc()
+            ref.labels(*labels).inc()
+    ours.labels("c", "ok").inc(2.5)
+    ref.labels("c", "ok").inc(2.5)
+    ours.remove("a", "error")
+    ref.remove("a", "error")
+
+    def exported(r: CollectorRegistry) -> list[tuple[str, dict[str, str], float]]:
+        return [(s.name, s.labels, 0.0 if s.name.endswith("_created") else s.value)
+                for fam in r.collect() for s in fam.samples]
+
+    assert exported(ours_reg) == exported(ref_reg)
+    assert [(m.name, m.type) for m in ours_reg.collect()] == \
+        [(m.name, m.type) for m in ref_reg.collect()]
+    assert ours.label_sets() == [("a", "ok"), ("b", "ok"), ("c", "ok")]

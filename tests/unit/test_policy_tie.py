@@ -129,3 +129,15 @@ def test_a_pump_where_nothing_can_take_a_request_asks_the_policy_nothing() -> No
         d.on_probe("b", 1.0, waiting=0, running=0, kv_usage=0.0, max_num_seqs=4)
         assert [t.target for t in d.pump(1.0)][:1] == ["b"]
         assert asked.call_count > 0
+
+
+def test_a_route_compares_and_hashes_without_its_tie_key_which_is_set_once() -> None:
+    """RouteRequest is a plain slots dataclass (a frozen one's __init__ cost 0.86 us more
+    per request): equality and hash are still over its fields but the tie key, which
+    ``set_tie`` gives once."""
+    a, b = RouteRequest("r", prefix_keys=(1, 2)), RouteRequest("r", prefix_keys=(1, 2))
+    a.set_tie(7)
+    a.set_tie(9)  # a request keeps its first key
+    assert a.tie == 7 and b.tie is None
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert replace(a, forwarded=True) != a and replace(a, forwarded=True).tie == 7

@@ -176,3 +176,29 @@ def test_the_prompts_remembered_by_first_chunk_stay_bounded() -> None:
         prompt = f"{i:064d}" * 2 + "tail"
         assert k.prompt_keys(prompt) == tuple(text_prefix_keys(prompt))
         assert len(k._heads) <= k._PROMPTS_MAX
+
+
+@settings(max_examples=150, deadline=None)
+@given(text, text, st.sampled_from([0, 1, 5, 64, 100]))
+def test_reply_keys_are_the_keys_of_the_joined_text(prompt: str, reply: str,
+                                                    repeat: int) -> None:
+    """The relay keys prompt + reply without joining them: the same keys as hashing the
+    joined text, with the prompt's keys as the daemon has them (``prompt_keys``' tuple),
+    none (a policy that reads none), or too few."""
+    from skymesh.prefix.keys import prompt_keys, reply_keys
+
+    prompt = prompt * repeat  # up to past MAX_KEYS chunks
+    whole = text_prefix_keys(prompt + reply)
+    assert list(reply_keys(prompt, prompt_keys(prompt), reply)) == whole
+    assert list(reply_keys(prompt, (), reply)) == whole
+    assert list(reply_keys(prompt, prompt_keys(prompt)[:-1], reply)) == whole
+
+
+def test_a_reply_that_completes_no_chunk_gives_back_the_prompts_keys() -> None:
+    from skymesh.prefix.keys import prompt_keys, reply_keys
+
+    prompt = "x" * (3 * CHUNK_CHARS + 10)
+    keys = prompt_keys(prompt)
+    assert reply_keys(prompt, keys, "ok") is keys  # no copy on the common short reply
+    longer = reply_keys(prompt, keys, "y" * CHUNK_CHARS)
+    assert list(longer[:3]) == list(keys) and len(longer) == 4

@@ -60,7 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,7 +72,9 @@ from skymesh.prefix import keys as _keys
 from skymesh.prefix.keys import text_prefix_keys
 from skymesh.prefix.prompt import render_chat
 
-# The daemon's keys of prompt + reply (skymesh.balancer.relay); older commits rehash all.
+# The daemon's keys of prompt + reply (skymesh.balancer.relay): from the two apart, or
+# (older commits) from the text joined, or (older still) the whole text rehashed.
+reply_keys = getattr(_keys, "reply_keys", None)
 cached_keys = getattr(_keys, "cached_keys", None)
 # The daemon's keys of a prompt (remembered by keyed text); older commits hash each.
 prompt_keys = getattr(_keys, "prompt_keys", text_prefix_keys)
@@ -191,12 +193,17 @@ class Bench:
         self.d.first_byte(ticket)
         return self._pump()
 
-    def _done(self, ticket: Ticket, prompt: str, text: str) -> list[Ticket]:
+    def _done(self, ticket: Ticket, prompt: str, answer: str) -> list[Ticket]:
         target = ticket.target or ""
         self.d.complete(ticket, self.now, ok=True)
         if self.keys:
-            keys = (cached_keys(text, prompt, ticket.route.prefix_keys) if cached_keys
-                    else text_prefix_keys(text))
+            keys: Sequence[int]
+            if reply_keys is not None:
+                keys = reply_keys(prompt, ticket.route.prefix_keys, answer)
+            else:
+                text = prompt + answer  # as the daemon joined them (output_text.cached_text)
+                keys = (cached_keys(text, prompt, ticket.route.prefix_keys) if cached_keys
+                        else text_prefix_keys(text))
             self.d.cached(ticket.route, target, keys)
         return self._pump()
 
@@ -264,7 +271,7 @@ class Bench:
                 ci, node = self._inflight.pop(t.route.request_id)
                 rep = self.replicas[t.target or ""]
                 rep.running.discard(t.key)
-                self._sent(self.timed(self._done, t, node.prompt, node.prompt + node.answer))
+                self._sent(self.timed(self._done, t, node.prompt, node.answer))
                 if rep.waiting and len(rep.running) < SEQS:
                     self._admit(rep, rep.waiting.pop(0))
                 self.completed += 1

@@ -179,7 +179,8 @@ def _remaining(configs: dict[str, Any], stubs_core: str, told_core: str | None) 
         "shares) and the reply's; outside the core, the reply's text read out of its "
         "JSON for those keys (the rest of the live gap is within the spread between "
         "rounds). None of them is a rescan of the queue or of the "
-        "replicas; each is a few microseconds of Python.")
+        "replicas; each is a few microseconds of Python. Step by step, with what a second "
+        "worker adds: [the default path's cost](../notes/default-path-cost.md).")
 
 
 def _limits_note(versions: dict[str, Any], connections: int) -> str:
