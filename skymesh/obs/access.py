@@ -266,9 +266,17 @@ class _Access:
                        else None)
 
     @web.middleware
-    async def log_only(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """:meth:`middleware` without a span (tracing off): no context manager, and no
-        ``finally`` (an answered request, the common case, finishes on its own path)."""
+    def log_only(self, request: web.Request, handler: Handler
+                 ) -> Awaitable[web.StreamResponse]:
+        """:meth:`middleware` without a span (tracing off): a plain function handing back
+        :meth:`logged`'s coroutine, no frame of its own."""
+        return self.logged(handler, request)
+
+    async def logged(self, handler: Handler, request: web.Request) -> web.StreamResponse:
+        """The request through ``handler``, logged: no context manager, and no
+        ``finally`` (an answered request, the common case, finishes on its own path).
+        ``handler`` first, so the server's wrapper binds it positionally
+        (:func:`outside_chain`): a call with a keyword builds a dict each time."""
         rec = AccessRecord(self.clock(), self.clock, None)
         request[RECORD_KEY] = rec
         try:
@@ -842,7 +850,7 @@ def outside_chain(app: web.Application) -> Callable[[Any], Any] | None:
         app.middlewares.remove(access.log_only)
 
     def wrap(handler: Any) -> Any:  # the server's: it takes aiohttp's BaseRequest
-        # A partial, not a closure: no frame of its own between the server and log_only.
-        return functools.partial(access.log_only, handler=handler)
+        # A partial, not a closure: no frame of its own between the server and the log.
+        return functools.partial(access.logged, handler)
 
     return wrap

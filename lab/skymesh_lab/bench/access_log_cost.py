@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -69,6 +70,8 @@ CONFIDENCE = 0.95
 WRITER_COMM = "skymesh-access"  # skymesh.obs.access.AccessWriter's OS thread name
 REPO = Path(__file__).resolve().parents[3]
 IN_PROCESS_REQUESTS, IN_PROCESS_REPEATS = 20000, 7
+# The ablation's builds from the least of the log to the most (--ablate).
+ABLATION_ORDER = ("record", "lines", "current", "thread")
 
 
 def thread_ticks(root: int) -> dict[str, int]:
@@ -118,6 +121,10 @@ def thread_cpu(root: int) -> dict[str, float]:
         return out
     out.update({k: v / 1e9 for k, v in ns.items()})
     return out
+
+
+def _has_schedstat() -> bool:
+    return Path(f"/proc/{os.getpid()}/schedstat").exists()
 
 
 def extract(rev: str, into: Path) -> Path:
@@ -248,11 +255,18 @@ def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
                       "share": _spread(share), "loop_cost_us": _spread(loop),
                       "loop_sys_cost_us": _spread(loop_sys),
                       "writer_us": _spread(writer), "threads_cost_us": _spread(threads)}
+    costs = {b: [by[(f"{b}/on", r)]["cpu_us"] - by[(f"{b}/off", r)]["cpu_us"]
+                 for r in rounds] for b in out}
     if "base" in out and "current" in out:  # now's cost minus before's, same rounds
-        costs = {b: [by[(f"{b}/on", r)]["cpu_us"] - by[(f"{b}/off", r)]["cpu_us"]
-                     for r in rounds] for b in ("base", "current")}
         out["paired_vs_base_us"] = _spread(
             [c - b for c, b in zip(costs["current"], costs["base"], strict=True)])
+    # With --ablate: what each part adds, each variant's cost minus the one before it
+    # in ABLATION_ORDER, paired by round.
+    present = [b for b in ABLATION_ORDER if b in out]
+    if any(b in out for b in ablation.VARIANTS):
+        out["ablation_steps_us"] = {
+            f"{b}-{a}": _spread([y - x for x, y in zip(costs[a], costs[b], strict=True)])
+            for a, b in itertools.pairwise(present)}
     return out
 
 
@@ -316,6 +330,7 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
                       "connections": CASE.connections,
                       "rounds": rounds, "duration_s": duration_s, "base": base,
                       "ablate": list(ablate),
+                      "cpu_source": "schedstat" if _has_schedstat() else "stat",
                       "current": current, "cores": os.cpu_count(),
                       "loadavg_before": list(load_before),
                       "loadavg_after": list(os.getloadavg()), "started": started,
