@@ -96,6 +96,13 @@ def thread_ticks(root: int) -> dict[str, int]:
     return out
 
 
+def process_ticks(root: int) -> int:
+    """All CPU ticks of ``root``'s process tree (``loop_sys`` is part of ``loop``: not
+    counted twice)."""
+    ticks = thread_ticks(root)
+    return ticks[LOOP] + ticks[WRITER] + ticks[THREADS]
+
+
 def thread_cpu(root: int) -> dict[str, float]:
     """:func:`thread_ticks` in seconds, ``loop``, ``writer`` and ``threads`` from each
     thread's ``schedstat`` (its run time in nanoseconds): a tick is 10 ms, which over a
