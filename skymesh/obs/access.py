@@ -451,7 +451,7 @@ class AccessWriter:
         self._timer: asyncio.TimerHandle | None = None
         self._handler: _Handler | None = None  # where the batch's lines go
         # The loop writes the batches of the handler it was started with itself, when
-        # that handler's stream allows a descriptor that never blocks (a pipe, a file);
+        # that handler's stream allows a descriptor that never blocks (a pipe, a tty);
         # the thread then idles (a handler set up later, or a stream without one).
         self._sink: LineSink | None = None
         self._sink_handler: _Handler | None = None

@@ -17,8 +17,10 @@ Variants:
     That, and batches as in the daemon with their lines made on the loop, then
     discarded: nothing written.
 ``thread``
-    The full log, its batches handed to the writer thread to write (the design before
-    the loop wrote them itself: ``skymesh.obs.logsink``).
+    The full log, its batches handed to the writer thread to write even where the loop
+    would write them itself (a pipe's since ``skymesh.obs.logsink``; a regular file's,
+    the benchmark's stderr, only in ``ba4e56e``, the checkout its committed run
+    measured: later ones hand a file's batches to the thread anyway).
 
 The full log is the build itself (no patch).
 """

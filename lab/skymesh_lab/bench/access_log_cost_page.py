@@ -18,8 +18,8 @@ _PARTS = {
     "record": "the request's record, the wrapper around the app, the balancer's notes, "
               "the prepare hook; no line made",
     "lines": "and the lines made on the loop in batches, then discarded",
-    "current": "and written by the loop: the full log, as it is now",
-    "thread": "the full log, its batches handed to the writer thread to write (as before)",
+    "current": "and written: the full log, its batches written by the loop itself",
+    "thread": "the full log, its batches handed to the writer thread to write",
 }
 _STEPS = {"lines-record": "making the lines", "current-lines": "writing them",
           "thread-current": "handing them to the thread instead"}
