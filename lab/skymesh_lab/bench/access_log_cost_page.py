@@ -70,10 +70,10 @@ def _remainder(doc: dict[str, Any]) -> str:
     if own is None:
         return text + "."
     return (text + f". In process the log's own work on the loop is {own:.1f} us, so "
-            f"{loop - own:+.1f} us of the live loop's difference is not in the log's "
-            "functions but in the rest of the request's work, which costs that much more "
-            "with the log on ([the access log's cost](../operations-logs.md#cost) says "
-            "what was ruled out).")
+            f"{loop - own:+.1f} us of the live loop's difference is more than the same "
+            "code costs in a tight loop ([the access log's cost](../operations-logs.md"
+            "#cost) says what was ruled out; the last section, where the log's parts "
+            "are switched off live, where it goes).")
 
 
 def _paired(doc: dict[str, Any]) -> str:
