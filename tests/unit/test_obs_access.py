@@ -707,3 +707,54 @@ async def test_the_dropped_lines_are_a_prometheus_counter_on_the_apps_registry()
         assert b"skymesh_access_log_dropped_total 3.0" in generate_latest(registry)
     finally:
         await runner.cleanup()
+
+
+def _kept(request_id: str | None = None) -> tuple[AccessRecord, web.Request]:
+    """A finished record as the middleware leaves it: the request kept, not yet read."""
+    from aiohttp.test_utils import make_mocked_request
+
+    request = make_mocked_request("POST", "/v1/chat/completions",
+                                  headers={"X-Request-Id": "from-header"})
+    rec = AccessRecord(100.0, FakeClock(), None, request_id)
+    rec.code, rec.end, rec.first_byte_at = 200, 100.04, 100.01
+    rec.request = request
+    request[RECORD_KEY] = rec  # as log_only leaves it: the two refer to each other
+    return rec, request
+
+
+@pytest.mark.usefixtures("restore_logging")
+async def test_a_kept_request_is_read_when_its_batch_is_made_and_let_go() -> None:
+    """The request's method, path, client and id are read with the batch (not once per
+    request on its path), and the record then lets the request go."""
+    out = CountingStream()
+    setup_logging("warning", "text", stream=out)
+    writer = AccessWriter(logging.getLogger(ACCESS_LOGGER), linger_s=0.0)
+    writer.start()
+    rec, _ = _kept()
+    try:
+        assert writer.put(rec, None)
+        writer.flush()
+        await eventually(lambda: "request_id=from-header" in out.getvalue(), "the line")
+    finally:
+        writer.stop()
+    assert rec.request is None
+    assert "POST /v1/chat/completions 200 request_id=from-header" in out.getvalue()
+
+
+@pytest.mark.usefixtures("restore_logging")
+async def test_a_dropped_line_leaves_no_cycle_between_request_and_record() -> None:
+    """A line dropped past the backlog: its record lets the request go at once (a cycle
+    left to the tuned daemon's rare collections would keep requests alive)."""
+    setup_logging("warning", "text", stream=io.StringIO())
+    access = _access_with(0)
+    writer = access.writer
+    assert writer is not None
+    writer.start()
+    rec, request = _kept()
+    try:
+        access._write(rec, None)
+        assert writer.dropped == 1
+        assert rec.request is None
+    finally:
+        writer.stop()
+    del request
