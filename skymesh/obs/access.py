@@ -95,14 +95,13 @@ SETTLE_S = 2.0  # at a stop, how long lines held back by a full pipe may wait to
 
 class AccessRecord:
     """What is known about one request so far; the middleware owns it. At the request's
-    end the loop adds its status and end time and keeps the request itself, whose
-    method, path, client and id are read when the record's batch is made
-    (:func:`settle`): that work runs for a batch at once, not once per
-    request among the balancer's own (docs/operations-logs.md#cost)."""
+    end the loop adds what the line needs (``method`` ... ``end``) and hands the record to
+    the writer thread, which makes the fields (:func:`record_fields`): the loop makes no
+    dict and formats nothing."""
 
     __slots__ = ("client", "clock", "code", "disconnected", "end", "first_byte_at", "method",
-                 "model", "path", "priority", "request", "request_id", "served_by", "span",
-                 "start", "status", "tail", "tenant", "tracing", "usage", "via", "watched")
+                 "model", "path", "priority", "request_id", "served_by", "span", "start",
+                 "status", "tail", "tenant", "tracing", "usage", "via", "watched")
 
     def __init__(self, start: float, clock: Clock, tracing: Tracing | None,
                  request_id: str | None = None) -> None:
@@ -127,7 +126,6 @@ class AccessRecord:
         self.usage: Any = NOT_DECODED
         self.method = self.path = ""
         self.client: str | None = None
-        self.request: web.Request | None = None  # until settled (settle())
         self.end = start
         self.code = 0  # the status sent (or 499), once the request ended
 
@@ -264,8 +262,8 @@ class _Access:
         self.tracing = tracing
         self.request_id = request_id
         self.clock = clock
-        self.writer = (AccessWriter(log, max_backlog=max_backlog, request_id=request_id)
-                       if log is not None else None)
+        self.writer = (AccessWriter(log, max_backlog=max_backlog) if log is not None
+                       else None)
 
     @web.middleware
     def log_only(self, request: web.Request, handler: Handler
@@ -344,7 +342,11 @@ class _Access:
         # runs after this, leaves it alone).
         rec.code = status
         rec.end = end
-        rec.request = request  # its method, path, client and id: read with the batch
+        rec.method = request.method
+        rec.path = request.path
+        rec.client = request.remote
+        if rec.request_id is None:
+            rec.request_id = self.request_id(request)
         body: bytes | None = None  # where the usage is, if anywhere
         if resp is not None and status < 400:
             if type(resp) is web.Response or isinstance(resp, web.Response):
@@ -359,7 +361,6 @@ class _Access:
         if rec.span is not None:  # the span ends with the middleware: fill it in now
             from skymesh.obs.tracing import trace_id
 
-            settle(rec, self.request_id)
             fields = record_fields(rec, body)
             fields["trace_id"] = trace_id(rec.span)
             _end_span(rec.span, fields)
@@ -381,9 +382,6 @@ class _Access:
             return
         if writer.running:  # max_backlog behind: a stuck or slow sink
             writer.dropped += 1  # the thread reports it when it writes again
-            if isinstance(what, AccessRecord):
-                # The request holds the record (RECORD_KEY): not left as a cycle.
-                what.request = None
             return
         # A whole body is written after the middleware returns: the line (and the usage
         # parse) waits for the next loop turn rather than delay the answer.
@@ -439,10 +437,8 @@ class AccessWriter:
     _THREAD = "skymesh-access"  # also the OS thread's name: top -H shows its CPU apart
 
     def __init__(self, log: logging.Logger, linger_s: float = _LINGER_S,
-                 max_backlog: int = MAX_BACKLOG,
-                 request_id: Callable[[web.Request], str | None] | None = None) -> None:
+                 max_backlog: int = MAX_BACKLOG) -> None:
         self.log = log
-        self.request_id = request_id or _default_request_id  # for settle()
         self.linger_s = linger_s
         self.max_backlog = max_backlog
         # Entries: a batch's text with its handler, or one line for logging; None stops.
@@ -521,8 +517,6 @@ class AccessWriter:
             if handler is None:
                 if self._queue.qsize() >= self.max_backlog:
                     return False
-                if type(what) is AccessRecord:  # the request stays on this side
-                    settle(what, self.request_id)
                 self._queue.put(item)
                 return True
             if self._queue.qsize() * BATCH >= self.max_backlog or (
@@ -556,8 +550,6 @@ class AccessWriter:
         log = self.log
         if not log.isEnabledFor(logging.INFO):
             return
-        if isinstance(what, AccessRecord):
-            settle(what, self.request_id)
         fields = _fields(what, body)
         record = log.makeRecord(log.name, logging.INFO, __file__, 0, "%s", (_text(fields),),
                                 None, extra=fields)
@@ -635,11 +627,8 @@ class AccessWriter:
         text = isinstance(fmt, TextFormatter)
         if text:  # what fmt.line gives, its parts bound once
             stamp, head = cast(TextFormatter, fmt).asctime, f" INFO {name}: "
-        request_id = self.request_id
         for what, body, created in items:
             if type(what) is AccessRecord:  # the common case: no dict of fields
-                if what.request is not None:
-                    settle(what, request_id)
                 tokens = _NO_TOKENS if body is None else usage_tokens(body, what.usage)
                 if text:
                     append(f"{stamp(created)}{head}{_record_text(what, tokens)}{end}")
@@ -651,20 +640,6 @@ class AccessWriter:
             fields = _fields(what, body)
             append(fmt.line(created, name, _text(fields), fields) + end)
         return lines
-
-
-def settle(rec: AccessRecord, request_id: Callable[[web.Request], str | None]) -> None:
-    """Read what the line needs from the finished request the record keeps (its method,
-    path, client and id), and let the request go."""
-    request = rec.request
-    if request is None:
-        return
-    rec.request = None
-    rec.method = request.method
-    rec.path = request.path
-    rec.client = request.remote
-    if rec.request_id is None:
-        rec.request_id = request_id(request)
 
 
 def _name_os_thread(name: str) -> None:

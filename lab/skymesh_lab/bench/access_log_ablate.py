@@ -41,8 +41,6 @@ def apply(variant: str) -> None:
     writer_cls: Any = access.AccessWriter
     if variant == "record":
         def put(self: Any, what: Any, body: Any) -> bool:
-            if hasattr(what, "request"):  # the request holds the record: no cycle left
-                what.request = None
             return self._thread is not None  # taken, and forgotten
 
         writer_cls.put = put
