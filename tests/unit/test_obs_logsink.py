@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from support import eventually
+from test_obs_access import restore_logging  # noqa: F401 - the fixture, shared
 
 from skymesh.obs.access import BATCH, AccessRecord, AccessWriter
 from skymesh.obs.logs import ACCESS_LOGGER, setup_logging
@@ -163,16 +164,6 @@ def test_a_gone_reader_refuses_the_batch(pipe: tuple[int, int]) -> None:
     os.close(r)
     assert not sink.write(LINE, 1)  # EPIPE: dropped, never raised
     sink.close()
-
-
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    root, access = logging.getLogger(), logging.getLogger(ACCESS_LOGGER)
-    handlers, level, access_level = list(root.handlers), root.level, access.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    access.setLevel(access_level)
 
 
 @pytest.mark.usefixtures("restore_logging")
