@@ -67,6 +67,7 @@ from skymesh.obs.logs import (
     batched_writes,
     direct_handler,
 )
+from skymesh.obs.logsink import LineSink, open_sink
 
 if TYPE_CHECKING:
     from skymesh.obs.tracing import Tracing
@@ -89,6 +90,7 @@ MAX_BACKLOG = ACCESS_LOG_BACKLOG  # the default; why: skymesh.obs.config
 # write per batch rather than per line, and a thread wake-up per batch, not per request.
 _LINGER_S = 0.02
 BATCH = 64
+SETTLE_S = 2.0  # at a stop, how long lines held back by a full pipe may wait to be written
 
 
 class AccessRecord:
@@ -264,9 +266,17 @@ class _Access:
                        else None)
 
     @web.middleware
-    async def log_only(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """:meth:`middleware` without a span (tracing off): no context manager, and no
-        ``finally`` (an answered request, the common case, finishes on its own path)."""
+    def log_only(self, request: web.Request, handler: Handler
+                 ) -> Awaitable[web.StreamResponse]:
+        """:meth:`middleware` without a span (tracing off): a plain function handing back
+        :meth:`logged`'s coroutine, no frame of its own."""
+        return self.logged(handler, request)
+
+    async def logged(self, handler: Handler, request: web.Request) -> web.StreamResponse:
+        """The request through ``handler``, logged: no context manager, and no
+        ``finally`` (an answered request, the common case, finishes on its own path).
+        ``handler`` first, so the server's wrapper binds it positionally
+        (:func:`outside_chain`): a call with a keyword builds a dict each time."""
         rec = AccessRecord(self.clock(), self.clock, None)
         request[RECORD_KEY] = rec
         try:
@@ -440,6 +450,12 @@ class AccessWriter:
         self.pending: list[_Item] = []
         self._timer: asyncio.TimerHandle | None = None
         self._handler: _Handler | None = None  # where the batch's lines go
+        # The loop writes the batches of the handler it was started with itself, when
+        # that handler's stream allows a descriptor that never blocks (a pipe, a tty);
+        # the thread then idles (a handler set up later, or a stream without one).
+        self._sink: LineSink | None = None
+        self._sink_handler: _Handler | None = None
+        self._encoding = ("utf-8", "strict")
         # Lines dropped while the thread was max_backlog behind (counted on the loop),
         # and how many of them the thread has reported in a warning.
         self.dropped = 0
@@ -453,11 +469,32 @@ class AccessWriter:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._THREAD, daemon=True)
             self._thread.start()
+        handler = direct_handler(self.log)
+        if self._sink is None and handler is not None:
+            stream = handler.stream
+            self._sink = open_sink(stream, self.max_backlog, handler.terminator.encode(),
+                                   on_drained=self._report_dropped)
+            self._sink_handler = handler
+            self._encoding = (getattr(stream, "encoding", None) or "utf-8",
+                              getattr(stream, "errors", None) or "strict")
+
+    async def settle(self, timeout_s: float = SETTLE_S) -> None:
+        """On the loop, before :meth:`stop`: wait up to ``timeout_s`` for the lines the
+        loop's sink holds back (a full pipe) and close it; what is still waiting then is
+        counted dropped. Later lines go through the thread."""
+        self.flush()
+        sink, self._sink = self._sink, None
+        if sink is not None:
+            await sink.drain(timeout_s)
+            self.dropped += sink.close()
 
     def stop(self) -> None:
         """Write what is queued and end the thread (blocking: at most one batch)."""
         thread, self._thread = self._thread, None  # from now on put() refuses
         self.flush()
+        sink, self._sink = self._sink, None  # not settled (a writer run without an app)
+        if sink is not None:
+            self.dropped += sink.close()
         if thread is not None:
             self._queue.put(None)
             thread.join()
@@ -482,7 +519,8 @@ class AccessWriter:
                     return False
                 self._queue.put(item)
                 return True
-            if self._queue.qsize() * BATCH >= self.max_backlog:
+            if self._queue.qsize() * BATCH >= self.max_backlog or (
+                    self._sink is not None and self._sink.lines_waiting >= self.max_backlog):
                 return False
             self._handler = handler
             self._timer = loop.call_later(self.linger_s, self.flush)  # type: ignore[union-attr]
@@ -497,8 +535,15 @@ class AccessWriter:
             self._timer.cancel()
             self._timer = None
         items, self.pending = self.pending, []
-        if items and self._handler is not None:
-            self._queue.put((self._handler, "".join(self._lines(self._handler, items))))
+        handler = self._handler
+        if not items or handler is None:
+            return
+        text = "".join(self._lines(handler, items))
+        sink = self._sink
+        if sink is None or handler is not self._sink_handler:
+            self._queue.put((handler, text))
+        elif not sink.write(text.encode(*self._encoding), len(items)):
+            self.dropped += len(items)  # max_backlog lines wait already: a stuck sink
 
     def emit(self, what: AccessRecord | dict[str, Any], body: bytes | None,
              created: float) -> None:
@@ -776,7 +821,7 @@ def install(app: web.Application, *, access_log: bool = True, tracing: Tracing |
             writer.start()
 
         async def stop_writer(app: web.Application) -> None:
-            writer.flush()  # the loop's batch
+            await writer.settle()  # the loop's batch, and what its sink holds back
             await asyncio.to_thread(writer.stop)
 
         app.on_startup.append(start_writer)
@@ -805,7 +850,7 @@ def outside_chain(app: web.Application) -> Callable[[Any], Any] | None:
         app.middlewares.remove(access.log_only)
 
     def wrap(handler: Any) -> Any:  # the server's: it takes aiohttp's BaseRequest
-        # A partial, not a closure: no frame of its own between the server and log_only.
-        return functools.partial(access.log_only, handler=handler)
+        # A partial, not a closure: no frame of its own between the server and the log.
+        return functools.partial(access.logged, handler)
 
     return wrap

@@ -6,7 +6,8 @@ What is measured
     driven by wrk (``-c32``, non-streaming, ``stub/post.lua``), with the access log on
     (the default: its lines go to the daemon's stderr, a file here) and off
     (``--no-access-log``). CPU is read from /proc/PID/task/*/stat around each segment,
-    per thread, so the loop's share and the writer thread's share show apart; the
+    per thread (``schedstat``'s nanoseconds; ``stat`` for the loop's kernel share), so
+    the loop's share and the writer thread's share show apart; the
     stubs and wrk are not counted.
 
 How
@@ -17,6 +18,10 @@ How
     requests at a time when it gets less CPU). The cost of the access log is the paired
     difference (on minus off, same round) over the CPU per request with it on; the
     figure is the median over ``--rounds`` rounds, with its spread.
+
+``--ablate record,lines,loop``: also run this checkout with parts of the access log
+switched off (``skymesh_lab.bench.access_log_ablate``), each on and off in the same
+rounds: where the live cost goes.
 
 ``--base REV``: also run skymesh-lb of git revision ``REV`` (extracted with ``git
 archive``), on and off, in the same rounds: the before and after of a change.
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -50,6 +56,7 @@ from typing import Any
 
 from skymesh.util.jsonio import write_json
 from skymesh.util.procs import Daemon, executable, start_daemon
+from skymesh_lab.bench import access_log_ablate as ablation
 from skymesh_lab.bench import router_overhead as ro
 from skymesh_lab.bench import router_overhead_stats as st
 
@@ -63,6 +70,8 @@ CONFIDENCE = 0.95
 WRITER_COMM = "skymesh-access"  # skymesh.obs.access.AccessWriter's OS thread name
 REPO = Path(__file__).resolve().parents[3]
 IN_PROCESS_REQUESTS, IN_PROCESS_REPEATS = 20000, 7
+# The ablation's builds from the least of the log to the most (--ablate).
+ABLATION_ORDER = ("record", "lines", "current", "thread")
 
 
 def thread_ticks(root: int) -> dict[str, int]:
@@ -85,6 +94,44 @@ def thread_ticks(root: int) -> dict[str, int]:
                 if kind == LOOP:
                     out[LOOP_SYS] += int(fields[12])
     return out
+
+
+def process_ticks(root: int) -> int:
+    """All CPU ticks of ``root``'s process tree (``loop_sys`` is part of ``loop``: not
+    counted twice)."""
+    ticks = thread_ticks(root)
+    return ticks[LOOP] + ticks[WRITER] + ticks[THREADS]
+
+
+def thread_cpu(root: int) -> dict[str, float]:
+    """:func:`thread_ticks` in seconds, ``loop``, ``writer`` and ``threads`` from each
+    thread's ``schedstat`` (its run time in nanoseconds): a tick is 10 ms, which over a
+    turn of a few thousand requests is a microsecond per request of rounding, more than
+    the differences looked for. ``loop_sys`` stays in ticks' precision (only /proc's
+    ``stat`` splits user and kernel time)."""
+    ticks = thread_ticks(root)
+    out = {k: v / _TICK for k, v in ticks.items()}
+    ns = {LOOP: 0, WRITER: 0, THREADS: 0}
+    pids = [p.pid for p in st.tree(ro.proc_snapshot(), root)]
+    try:
+        for pid in pids:
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                        comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+                        run = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text()
+                                  .split()[0])
+                        kind = (LOOP if int(tid) == pid else WRITER if comm == WRITER_COMM
+                                else THREADS)
+                        ns[kind] += run
+    except (OSError, ValueError, IndexError):  # no schedstat here: ticks it is
+        return out
+    out.update({k: v / 1e9 for k, v in ns.items()})
+    return out
+
+
+def _has_schedstat() -> bool:
+    return Path(f"/proc/{os.getpid()}/schedstat").exists()
 
 
 def extract(rev: str, into: Path) -> Path:
@@ -122,7 +169,7 @@ def start_lb(stubs: list[str], access_log: bool, pythonpath: Path | None,
 
 
 @contextlib.contextmanager
-def _stack(base: str | None, workdir: Path, extra: list[str]
+def _stack(base: str | None, workdir: Path, extra: list[str], ablate: tuple[str, ...] = ()
            ) -> Iterator[dict[str, Daemon]]:
     with contextlib.ExitStack() as exits:
         binary = ro.build_stub(workdir)
@@ -135,6 +182,8 @@ def _stack(base: str | None, workdir: Path, extra: list[str]
         if base is not None:
             (workdir / "base").mkdir()
             builds["base"] = extract(base, workdir / "base")
+        for variant in ablate:  # this checkout, parts of the log switched off
+            builds[variant] = ablation.sitecustomize(workdir / f"ablate-{variant}", variant)
         lbs: dict[str, Daemon] = {}
         for build, path in builds.items():
             for on in (False, True):
@@ -148,9 +197,9 @@ def _stack(base: str | None, workdir: Path, extra: list[str]
 
 def segment(d: Daemon, duration_s: float) -> dict[str, Any]:
     """One wrk run at ``d`` with its CPU ticks around it, per thread kind."""
-    before = thread_ticks(d.proc.pid)
+    before = thread_cpu(d.proc.pid)
     out = ro.run_wrk(d.url, CASE, duration_s)
-    after = thread_ticks(d.proc.pid)
+    after = thread_cpu(d.proc.pid)
     wrk = st.parse_wrk(out)
     return {"requests": wrk["requests"], "wall_s": wrk["requests"] / max(wrk["rps"], 1e-9),
             "errors": wrk["errors"] + wrk["non_2xx"],
@@ -183,7 +232,7 @@ def _empty() -> dict[str, Any]:
 
 def _per_request(acc: dict[str, Any]) -> dict[str, Any]:
     n = acc["requests"]
-    threads = {k: v / _TICK / n * 1e6 for k, v in acc["ticks"].items()}
+    threads = {k: v / n * 1e6 for k, v in acc["ticks"].items()}  # seconds, by now
     return {"requests": n, "rps": n / acc["wall_s"] if acc["wall_s"] else 0.0,
             "errors": acc["errors"],
             "cpu_us": sum(v for k, v in threads.items() if k != LOOP_SYS),
@@ -213,11 +262,18 @@ def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
                       "share": _spread(share), "loop_cost_us": _spread(loop),
                       "loop_sys_cost_us": _spread(loop_sys),
                       "writer_us": _spread(writer), "threads_cost_us": _spread(threads)}
+    costs = {b: [by[(f"{b}/on", r)]["cpu_us"] - by[(f"{b}/off", r)]["cpu_us"]
+                 for r in rounds] for b in out}
     if "base" in out and "current" in out:  # now's cost minus before's, same rounds
-        costs = {b: [by[(f"{b}/on", r)]["cpu_us"] - by[(f"{b}/off", r)]["cpu_us"]
-                     for r in rounds] for b in ("base", "current")}
         out["paired_vs_base_us"] = _spread(
             [c - b for c, b in zip(costs["current"], costs["base"], strict=True)])
+    # With --ablate: what each part adds, each variant's cost minus the one before it
+    # in ABLATION_ORDER, paired by round.
+    present = [b for b in ABLATION_ORDER if b in out]
+    if any(b in out for b in ablation.VARIANTS):
+        out["ablation_steps_us"] = {
+            f"{b}-{a}": _spread([y - x for x, y in zip(costs[a], costs[b], strict=True)])
+            for a, b in itertools.pairwise(present)}
     return out
 
 
@@ -245,7 +301,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 def run(rounds: int, duration_s: float, base: str | None, seed: int,
-        extra: list[str] | None = None) -> dict[str, Any]:
+        extra: list[str] | None = None, ablate: tuple[str, ...] = ()) -> dict[str, Any]:
     extra = extra or []
     started = datetime.now(UTC).isoformat(timespec="seconds")
     current = _head()  # what the daemons start with: a commit made meanwhile is not it
@@ -253,7 +309,7 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
     rng = random.Random(seed)
     segments: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="access-log-cost-") as tmp, \
-            _stack(base, Path(tmp), extra) as lbs:
+            _stack(base, Path(tmp), extra, ablate) as lbs:
         for d in lbs.values():  # warm-up: connections, caches, lazy imports
             ro.run_wrk(d.url, CASE, 1.0)
         builds = sorted({name.split("/")[0] for name in lbs})
@@ -269,15 +325,19 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
                 time.sleep(ro.SETTLE_S)
         loop_only = {}  # the daemons idle meanwhile
         for build in builds:
-            loop_only[build] = in_process(Path(tmp) / "base" if build == "base" else None,
-                                          Path(tmp))
+            path = (Path(tmp) / "base" if build == "base"
+                    else Path(tmp) / f"ablate-{build}" if build in ablate else None)
+            loop_only[build] = in_process(path, Path(tmp))
             print(f"in process {build}: {loop_only[build]['cost_us']}", flush=True)
     cmd = (f"python -m skymesh_lab.bench.access_log_cost --rounds {rounds} "
            f"--duration {duration_s:g}" + (f" --base {base}" if base else "")
+           + (f" --ablate {','.join(ablate)}" if ablate else "")
            + (f" --lb-args {shlex.quote(shlex.join(extra))}" if extra else ""))
     return {"setup": {"command": cmd, "lb_flags": [*LB_FLAGS, *extra],
                       "connections": CASE.connections,
                       "rounds": rounds, "duration_s": duration_s, "base": base,
+                      "ablate": list(ablate),
+                      "cpu_source": "schedstat" if _has_schedstat() else "stat",
                       "current": current, "cores": os.cpu_count(),
                       "loadavg_before": list(load_before),
                       "loadavg_after": list(os.getloadavg()), "started": started,
@@ -302,10 +362,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="PATH")
     ap.add_argument("--lb-args", default="", metavar="FLAGS",
                     help="more skymesh-lb flags for every set-up, e.g. '--log-format json'")
+    ap.add_argument("--ablate", default="", metavar="VARIANTS",
+                    help="also run this checkout with parts of the access log switched off, "
+                         f"comma-separated: {', '.join(ablation.VARIANTS)} "
+                         "(skymesh_lab.bench.access_log_ablate)")
     args = ap.parse_args(argv)
+    ablate = tuple(v for v in args.ablate.split(",") if v)
+    for v in ablate:
+        if v not in ablation.VARIANTS:
+            ap.error(f"--ablate: unknown variant {v!r} (one of {', '.join(ablation.VARIANTS)})")
     executable("skymesh-lb")  # fails early without it
-    res = run(args.rounds, args.duration, args.base, args.seed, shlex.split(args.lb_args))
-    for build in ("base", "current"):
+    res = run(args.rounds, args.duration, args.base, args.seed, shlex.split(args.lb_args),
+              ablate)
+    for build in ("base", "current", *ablate):
         row = res["summary"].get(build)
         if row is None:
             continue

@@ -11,6 +11,18 @@ import statistics
 from typing import Any
 
 TARGET = 0.05  # issue #35 item 3: at most 5% of a request's CPU
+ABLATION = "access-log-ablation"  # the attached --ablate run (results_pages.Source.attach)
+# The ablation's builds, least of the log first (access_log_cost.ABLATION_ORDER), and
+# what each runs with the log on (skymesh_lab.bench.access_log_ablate).
+_PARTS = {
+    "record": "the request's record, the wrapper around the app, the balancer's notes, "
+              "the prepare hook; no line made",
+    "lines": "and the lines made on the loop in batches, then discarded",
+    "current": "and written: the full log, its batches written by the loop itself",
+    "thread": "the full log, its batches handed to the writer thread to write",
+}
+_STEPS = {"lines-record": "making the lines", "current-lines": "writing them",
+          "thread-current": "handing them to the thread instead"}
 
 
 def _bounds(s: dict[str, float]) -> tuple[float, float]:
@@ -58,10 +70,10 @@ def _remainder(doc: dict[str, Any]) -> str:
     if own is None:
         return text + "."
     return (text + f". In process the log's own work on the loop is {own:.1f} us, so "
-            f"{loop - own:+.1f} us of the live loop's difference is not in the log's "
-            "functions but in the rest of the request's work, which costs that much more "
-            "with the log on ([the access log's cost](../operations-logs.md#cost) says "
-            "what was ruled out).")
+            f"{loop - own:+.1f} us of the live loop's difference is more than the same "
+            "code costs in a tight loop ([the access log's cost](../operations-logs.md"
+            "#cost) says what was ruled out; the last section, where the log's parts "
+            "are switched off live, where it goes).")
 
 
 def _paired(doc: dict[str, Any]) -> str:
@@ -96,6 +108,67 @@ def _in_process(doc: dict[str, Any], label: dict[str, str]) -> str:
             f"{some['requests']:,} requests [min, max]): " + ", ".join(parts) + ".")
 
 
+def _ablation(doc: dict[str, Any]) -> str:
+    """Where the cost goes: the same checkout with parts of the log switched off, each
+    against ``--no-access-log`` in the same rounds (``--ablate``)."""
+    abl = doc.get(ABLATION)
+    if not abl:
+        return ""
+    setup, summary = abl["setup"], abl["summary"]
+    runs = abl.get("in_process") or {}
+    out = ["### Where it goes: parts of the log switched off", "",
+           "| what runs with the access log on | its cost (on - off): CPU us per request "
+           "| its share of a request | of which the loop | the writer thread "
+           "| in process: the loop [min, max] |",
+           "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for build, what in _PARTS.items():
+        row = summary.get(build)
+        if row is None:
+            continue
+        own = runs.get(build, {}).get("cost_us")
+        inproc = (f"{own['median']:.1f} [{own['min']:.1f}, {own['max']:.1f}]"
+                  if own else "-")
+        out.append(f"| `{build}`: {what} | {_us(row['cost_us'])} | {_share(row['share'])} "
+                   f"| {_us(row['loop_cost_us'])} | {_us(row['writer_us'])} | {inproc} |")
+    steps = summary.get("ablation_steps_us") or {}
+    said = [f"{_STEPS.get(name, name)} {_us(s)} us" for name, s in steps.items()]
+    text = (f"The checkout `{setup.get('current') or 'current'}` run with parts of the "
+            "access log switched off (`--ablate`: a `sitecustomize` patch of the daemon, no "
+            "product switch), each build on and off in rounds of their own (a run apart "
+            "from the table above), "
+            f"{setup['rounds']} rounds of {setup['duration_s']:g} s (load average "
+            f"{setup['loadavg_before'][0]:.1f} at the start, "
+            f"{setup['loadavg_after'][0]:.1f} at the end). What each part adds, paired by "
+            "round: " + ("; ".join(said) if said else "-") + ". Reproduce: `"
+            + setup["command"] + f" --json docs/results/data/{ABLATION}.json`.")
+    return "\n".join(out) + "\n\n" + text + _live_vs_in_process(summary, runs)
+
+
+def _live_vs_in_process(summary: dict[str, Any], runs: dict[str, Any]) -> str:
+    """How much more each part costs live than in process: the request's own part (its
+    record, the wrapper, the notes) runs once per request among everything else; the
+    lines are made for a batch at once."""
+    steps = summary.get("ablation_steps_us") or {}
+    rec, lines = runs.get("record"), runs.get("lines")
+    if "record" not in summary or rec is None or lines is None or "lines-record" not in steps:
+        return ""
+    own = rec["cost_us"]["median"]
+    made = lines["cost_us"]["median"] - own
+    if own <= 0 or made <= 0:
+        return ""
+    return (f" Live, the request's own part (`record`) costs "
+            f"{summary['record']['cost_us']['median'] / own:.1f}x what it costs in process, "
+            f"making the lines {steps['lines-record']['median'] / made:.1f}x.")
+
+
+def _cpu_source(setup: dict[str, Any]) -> str:
+    if setup.get("cpu_source") == "schedstat":
+        return ("CPU from /proc/PID/task/*/schedstat (each thread's run time in "
+                "nanoseconds; /proc's `stat`, in 10 ms ticks, only for the loop's kernel "
+                "share).")
+    return "CPU from /proc/PID/task/*/stat (utime + stime)."
+
+
 def access_log_cost(doc: dict[str, Any]) -> str:
     setup, summary = doc["setup"], doc["summary"]
     base = setup.get("base")
@@ -128,10 +201,13 @@ def access_log_cost(doc: dict[str, Any]) -> str:
         f"Setup: `skymesh-lb {' '.join(setup['lb_flags'])}` in front of two C stub "
         f"replicas, wrk with {setup['connections']} connections, non-streaming chat "
         "completions whose replies carry `usage`; the access log goes to the daemon's "
-        "stderr, a file. CPU from /proc/PID/task/*/stat (utime + stime). The machine has "
+        "stderr, a file. " + _cpu_source(setup) + " The machine has "
         f"{setup['cores']} cores shared with other sessions (load average "
         f"{setup['loadavg_before'][0]:.1f} at the start, {setup['loadavg_after'][0]:.1f} "
         "at the end): single turns move by tens of microseconds, so read the medians and "
         "the spreads, not one round.",
     ]
+    ablation = _ablation(doc)
+    if ablation:
+        notes.append(ablation)
     return "\n\n".join(notes)

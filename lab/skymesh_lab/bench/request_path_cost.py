@@ -98,9 +98,9 @@ def case(config: str) -> ro.Case:
 
 def segment(d: Daemon, config: str, duration_s: float) -> dict[str, Any]:
     """One wrk run at ``d`` with the balancer's CPU ticks (all threads) around it."""
-    before = sum(alc.thread_ticks(d.proc.pid).values())
+    before = alc.process_ticks(d.proc.pid)
     out = ro.run_wrk(d.url, case(config), duration_s)
-    after = sum(alc.thread_ticks(d.proc.pid).values())
+    after = alc.process_ticks(d.proc.pid)
     wrk = st.parse_wrk(out)
     return {"requests": wrk["requests"], "wall_s": wrk["requests"] / max(wrk["rps"], 1e-9),
             "errors": wrk["errors"] + wrk["non_2xx"], "ticks": after - before}
