@@ -544,6 +544,11 @@ class TenantsConfig(StrictModel):
     # most this share of better requests finding none, from their arrival rate against
     # the rate slots free up (docs/tenancy.md); null: reserve_headroom's rule.
     reserve_miss: float | None = Field(None, gt=0, lt=1)
+    # An "auto" reserve by load counts the slots the better classes hold: reserve_headroom
+    # x their recent mean in service is their part of a replica, in service and free
+    # together, and the free slots kept are that less those in service now (at least
+    # one). false: that many slots free beside the ones they hold (docs/tenancy.md).
+    reserve_held: bool = False
     # The time over which an adaptive reserve forgets the better classes' load; pacing
     # (reserve_pace) holds only while a better request arrived within it.
     reserve_window_s: float = Field(10.0, gt=0)

@@ -25,7 +25,9 @@ Pure: no sockets, no sleeps; every clock is passed in, so tests drive a fake one
   sp-o's ``max_outstanding``). The reserve is ``auto`` (the default): ``reserve_headroom``
   x the better classes' recent mean in service per replica (:class:`Occupancy`; Little's
   law: their arrival rate x their time in service), at least one slot, so the idle
-  capacity goes to the lower class; or, with ``reserve_miss``, by arrivals: the fewest
+  capacity goes to the lower class (with ``reserve_held``, that less the better requests
+  in service now: their part, in service and free together); or, with ``reserve_miss``,
+  by arrivals: the fewest
   slots that leave at most that share of the better requests finding none, from their
   arrival rate against the rate slots free up by themselves (:class:`Flow`,
   :func:`buffer_slots`): slots for the better requests that arrive before a slot frees,
@@ -172,6 +174,10 @@ class Occupancy:
     def end(self, model: str, cls: str, now: float) -> None:
         st = self._at((model, cls), now)
         st[0] = max(0, st[0] - 1)
+
+    def now_in(self, model: str, classes: Iterable[str]) -> int:
+        """How many of ``classes`` are in service for ``model`` now."""
+        return sum(int(st[0]) for c in classes if (st := self._s.get((model, c))))
 
     def mean(self, model: str, classes: Iterable[str], now: float) -> float:
         """The recent mean in service of ``classes`` together, for ``model``."""
@@ -543,7 +549,8 @@ class Reserve:
     class absent leaves none), while one of them arrived within ``idle_s``; and while it
     does, at most ``pace`` requests not yet started per replica. A class in ``adaptive``
     leaves ``headroom`` x the better classes' recent mean in service per replica
-    (:class:`Occupancy`), at least one slot; the others their fixed fraction."""
+    (:class:`Occupancy`; with ``held``, less those in service now), at least one slot;
+    the others their fixed fraction."""
 
     classes: tuple[str, ...]  # best first
     fractions: Mapping[str, float]
@@ -559,16 +566,22 @@ class Reserve:
     # (:func:`buffer_slots`, from :meth:`Flow.ratio`); by occupancy (``headroom``) until
     # a request has ended. None: by occupancy.
     miss: float | None = None
+    # The reserve by load counts the slots the better classes hold (tenants.reserve_held):
+    # ``headroom`` x their mean in service is their share of each replica, in service and
+    # free together, so the free slots kept are that less those in service now, at least
+    # one. False: that many slots free beside the ones they hold.
+    held: bool = False
 
     def better(self, cls: str) -> tuple[str, ...]:
         return self.classes[:self.classes.index(cls)]
 
     def slots(self, cls: str, capacity: int, better: float = 0.0, replicas: int = 1,
-              rho: float | None = None) -> int:
+              rho: float | None = None, busy: int = 0) -> int:
         """Slots of a replica with ``capacity`` that ``cls`` leaves free (``better``: the
-        better classes' mean in service on the ``replicas`` together; ``rho``: their
-        arrival rate over the rate slots free up), rounded up, but never the last one,
-        so the reserve cannot starve the class."""
+        better classes' mean in service on the ``replicas`` together; ``busy``: how many
+        of them are in service now; ``rho``: their arrival rate over the rate slots free
+        up), rounded up, but never the last one, so the reserve cannot starve the
+        class."""
         if cls in self.adaptive:
             if self.miss is not None and rho is not None:
                 # A better request finds no slot only when every replica's buffer is
@@ -576,7 +589,8 @@ class Reserve:
                 n = max(1, replicas)
                 want = -(-buffer_slots(rho, self.miss, n * capacity) // n)
             else:
-                want = max(1, math.ceil(self.headroom * better / max(1, replicas) - 1e-9))
+                share = self.headroom * better - (busy if self.held else 0)
+                want = max(1, math.ceil(share / max(1, replicas) - 1e-9))
         else:
             f = self.fractions.get(cls, 0.0)
             if f <= 0:
@@ -598,7 +612,7 @@ class Reserve:
 
     def room(self, cls: str, free: Sequence[tuple[int, int, int]], better: float = 0.0,
              paced: bool = True, unstarted: int | None = None,
-             rho: float | None = None) -> int:
+             rho: float | None = None, busy: int = 0) -> int:
         """Requests of ``cls`` the replicas (``(free, capacity, not started)`` each) may
         take now: their free slots beyond what it leaves free, and on each, ``paced``, at
         most ``pace`` not started at a time. ``unstarted``: how many of the not started
@@ -607,9 +621,10 @@ class Reserve:
         n = len(free)
         if not paced or unstarted is None or unstarted >= sum(p for _, _, p in free):
             pace = self.pace if paced else 1 << 30
-            return sum(min(max(0, f - self.slots(cls, cap, better, n, rho)),
+            return sum(min(max(0, f - self.slots(cls, cap, better, n, rho, busy)),
                            max(0, pace - pending)) for f, cap, pending in free)
-        beyond = sum(max(0, f - self.slots(cls, cap, better, n, rho)) for f, cap, _ in free)
+        beyond = sum(max(0, f - self.slots(cls, cap, better, n, rho, busy))
+                     for f, cap, _ in free)
         return min(beyond, max(0, self.pace * n - unstarted))
 
     def worse(self, cls: str) -> tuple[str, ...]:
@@ -629,7 +644,7 @@ def reserve_of(cfg: TenantsConfig) -> Reserve:
                    cfg.reserve_idle_s, cfg.reserve_pace,
                    adaptive=frozenset(c for c, f in given.items() if f == AUTO_RESERVE),
                    headroom=cfg.reserve_headroom, pace_s=cfg.reserve_window_s,
-                   miss=cfg.reserve_miss)
+                   miss=cfg.reserve_miss, held=cfg.reserve_held)
 
 
 def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mapping[str, int],
@@ -654,7 +669,8 @@ def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mappi
                                   reserve.paces(c, queue.arrived, now),
                                   queue.starts.unstarted(model, queue.classes, now),
                                   queue.flow.ratio(model, reserve.better(c), now)
-                                  if reserve.miss is not None else None)
+                                  if reserve.miss is not None else None,
+                                  queue.occupancy.now_in(model, reserve.better(c)))
                   for c in queue.classes
                   if reserve is not None and reserve.applies(c, queue.arrived, now)} \
             if free else {}

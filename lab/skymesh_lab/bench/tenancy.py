@@ -104,9 +104,13 @@ HEADROOMS: dict[str, float] = {"fair_reserve_h1": 1.0, "fair_reserve_h125": 1.25
 # The reserve by arrivals (tenants.reserve_miss): the share of interactive requests that
 # may find no slot free, sized from their arrival rate against the rate slots free up.
 MISSES: dict[str, float] = {"fair_reserve_miss005": 0.005, "fair_reserve_miss01": 0.01}
+# The reserve by load counting the slots the interactive requests hold
+# (tenants.reserve_held): their part, in service and free together, is reserve_headroom x
+# their mean in service, so the slots kept free shrink as they take them.
+HELD = "fair_reserve_held"
 FLOOD_ARMS: tuple[str, ...] = ("no_flood", "fcfs", "fair", "fair_reserve",
                                "fair_reserve_fixed", "fair_reserve_pace2",
-                               "fair_reserve_nopace", *HEADROOMS, *MISSES)
+                               "fair_reserve_nopace", *HEADROOMS, *MISSES, HELD)
 LIGHT_RATE = 0.5  # the interactive rate of the light arms
 LIGHT_ARMS = ("no_flood", "fcfs", "fair_reserve", "fair_reserve_fixed")
 TAIL_ARMS = ("fair_reserve", "fair_reserve_fixed")
@@ -162,6 +166,8 @@ def _reserve(arm: str) -> Reserve | None:
         return replace(RESERVE, headroom=HEADROOMS[arm])
     if arm in MISSES:
         return replace(RESERVE, miss=MISSES[arm])
+    if arm == HELD:
+        return replace(RESERVE, held=True)
     if arm not in PACES:
         return None
     pace = PACES[arm]
@@ -424,6 +430,8 @@ def _tenants(arm: str) -> dict[str, Any]:
         out["reserve_headroom"] = HEADROOMS[arm]
     elif arm in MISSES:
         out["reserve_miss"] = MISSES[arm]
+    elif arm == HELD:
+        out["reserve_held"] = True
     return out
 
 
