@@ -199,7 +199,7 @@ def _limits_note(versions: dict[str, Any], connections: int) -> str:
             "two stubs")
 
 
-def _measured(live: dict[str, Any]) -> str:
+def measured(live: dict[str, Any]) -> str:
     """When and where, and how the per-round ratios spread: said of the machine as its
     recorded load average was, not as a fixed adjective."""
     setup = live["setup"]
@@ -284,6 +284,6 @@ def live_section(live: dict[str, Any]) -> str:
            "standing (sp-p still holds a replica without a published KV capacity at one "
            "request until its first byte), so the replica holding the prompt's prefix may "
            "also take any number, and each request goes at its arrival. " if told else "")
-        + _measured(live),
+        + measured(live),
         f"```sh\n{live['command']}\n```",
     ])

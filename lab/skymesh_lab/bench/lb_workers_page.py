@@ -78,14 +78,9 @@ def cost_section(live: dict[str, Any]) -> str:
             "system, from /proc) per completed request, a fresh balancer per segment, "
             f"{setup['rounds']} rounds of {setup['duration_s']:g} s segments shuffled in "
             f"each round (seed {setup['seed']}). default: `{setup['configs']['default']}`; "
-            f"rr: `{setup['configs']['rr']}`. The base revision sent the siblings every "
-            "trie insert (with a JSON header) and each applied all of them; now only the "
-            "inserts that changed the sender's trie are sent. The same benchmark with 1 "
-            "worker is on [the dispatch-cost page]"
-            "(dispatch-cost.md#the-whole-daemon-live). Measured "
-            f"{setup['date']} on {setup['cpus']} CPUs shared with other jobs (load average "
-            f"{setup['load_average_1m_at_start']:g} at start), commit `{setup['commit']}`; "
-            "per-round figures spread on the loaded machine, so the median is the figure.",
+            f"rr: `{setup['configs']['rr']}`. The same benchmark with 1 worker is on "
+            "[the dispatch-cost page](dispatch-cost.md#the-whole-daemon-live). "
+            + dispatch_cost_page.measured(live),
             "", f"```sh\n{live['command']}\n```"]
     return "\n".join(text)
 
