@@ -627,10 +627,6 @@ class Reserve:
                      for f, cap, _ in free)
         return min(beyond, max(0, self.pace * n - unstarted))
 
-    def worse(self, cls: str) -> tuple[str, ...]:
-        """``cls`` and the classes below it (the prefills pacing spreads)."""
-        return self.classes[self.classes.index(cls):]
-
 
 # Replicas' (free slots, slots, not started) for a model: the dispatcher's view
 # (Dispatcher.slots).
