@@ -1,10 +1,12 @@
 """Log lines written by the event loop itself to a descriptor that never blocks it.
 
-The access log's batches used to go to a thread of their own, so a stuck log sink (a
-full pipe, a paused log shipper) blocked that thread and not the loop. Measured live,
-that thread cost more than the writes it made: each batch made the loop and the thread
-take turns at the interpreter lock (docs/operations-logs.md#cost). A :class:`LineSink`
-writes on the loop instead, to an open file description of its own that does not block:
+The access log's batches go to a thread of their own, so a stuck log sink (a full
+pipe, a paused log shipper) blocks that thread and not the loop. For a pipe, a
+:class:`LineSink` writes on the loop instead, to an open file description of its own
+that does not block: no hand-off between threads per batch (measured live, about as
+costly either way: docs/operations-logs.md#cost), and writes of whole lines that a pipe
+takes whole, so the lines of a balancer's workers, which share its stderr, never cut
+into each other:
 
 - a pipe (or a terminal): ``/proc/self/fd/N`` opened anew, which on Linux gives a new
   open file description, so its ``O_NONBLOCK`` does not leak to the process's stderr;
