@@ -389,7 +389,11 @@ def _against_default(flood: list[dict[str, Any]], live: list[dict[str, Any]],
             "their mean in service is their part, in service and free together, so the "
             "slots kept free are that less those in service now (docs: the slot reserve). "
             "Medians of the tables above, and live each quiet run's figures against its "
-            "own first come first served and no flood; in brackets the default reserve's.",
+            "own first come first served and no flood; in brackets the default reserve's. "
+            "The simulator's p99 here is over the page's 5 seeds, whose draw moves it by "
+            "more than these arms differ: a reserve that meets this rule becomes the "
+            "default only once 20 seeds agree ([the 20-seed check]"
+            "(../notes/tenancy-sim-p99.md#what-it-means-for-the-comparison-with-the-default)).",
             "", *out, ""]
 
 
