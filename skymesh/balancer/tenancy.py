@@ -666,7 +666,8 @@ def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mappi
                                   queue.starts.unstarted(model, queue.classes, now),
                                   queue.flow.ratio(model, reserve.better(c), now)
                                   if reserve.miss is not None else None,
-                                  queue.occupancy.now_in(model, reserve.better(c)))
+                                  queue.occupancy.now_in(model, reserve.better(c))
+                                  if reserve.held else 0)
                   for c in queue.classes
                   if reserve is not None and reserve.applies(c, queue.arrived, now)} \
             if free else {}
