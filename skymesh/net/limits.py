@@ -27,9 +27,10 @@ level, in front of the server's own protocol, which it wraps:
   timeout, runs only between requests;
 - ``skymesh_open_connections``, the connections open now.
 
-The application tells the guard where a request starts and ends through a small
-middleware (aiohttp) or ASGI wrapper (uvicorn), which finds its connection through a
-context variable set while the server's protocol creates the request's task.
+The application tells the guard where a request starts and ends through the server's
+request handler (aiohttp: :func:`mark_started`, called by skymesh.net.front) or an ASGI
+wrapper (uvicorn), which finds its connection through a context variable set while the
+server's protocol creates the request's task.
 
 Defaults (``ConnLimits``): 10,000 connections per process, 1,000 per client address,
 the last 20% of the process cap held in reserve (an address may take a tenth of what is
@@ -46,7 +47,7 @@ import logging
 import resource
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -103,6 +104,17 @@ def admission(limits: ConnLimits, open_: int, held: int) -> str | None:
 # The connection whose protocol is creating tasks right now (see the module docstring).
 _CURRENT: contextvars.ContextVar[_GuardedConnection | None] = contextvars.ContextVar(
     "skymesh_connection", default=None)
+
+
+def mark_started(request: Any) -> _GuardedConnection | None:
+    """Tell the guarded connection an aiohttp ``request`` arrived on that its headers are
+    in (and whether its body is); the caller calls ``request_finished()`` on what this
+    returns when the request ends. None off a guarded connection (nothing to tell)."""
+    conn = _CURRENT.get()
+    if conn is not None:
+        content = request.content
+        conn.request_started(None if content.is_eof() else content.is_eof)
+    return conn
 
 
 class _Phase:
@@ -178,27 +190,6 @@ class ConnectionGuard(Collector):
             return _GuardedConnection(self, lambda: inner(**kwargs), tasks_on_data)
 
         return factory
-
-    def aiohttp_handler(self, handler: Callable[[Any], Awaitable[Any]]
-                        ) -> Callable[[Any], Awaitable[Any]]:
-        """aiohttp's request handler (the server's, ``app._handle``) wrapped to mark each
-        request's start and end on its connection, so it sees every request the server
-        gets. A wrapper of the server's handler rather than a middleware: an application
-        with no middleware of its own then skips aiohttp's middleware chain (a cached
-        chain lookup, its ``current_app`` frame) on every request."""
-
-        async def guarded(request: Any) -> Any:
-            conn = _CURRENT.get()
-            if conn is None:
-                return await handler(request)
-            content = request.content
-            conn.request_started(None if content.is_eof() else content.is_eof)
-            try:
-                return await handler(request)
-            finally:
-                conn.request_finished()
-
-        return guarded
 
     def asgi(self, app: Any) -> Any:
         """``app`` wrapped to mark each HTTP request's start and end on its connection."""

@@ -17,6 +17,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from skymesh.net.accept import BatchAcceptServer, listen_sockets
+from skymesh.net.front import direct_routes, request_handler
 from skymesh.net.limits import ConnectionGuard, ConnLimits, fit_file_limit
 from skymesh.obs.access import metrics as access_metrics
 from skymesh.obs.access import outside_chain
@@ -122,10 +123,10 @@ async def start_app(app: web.Application, host: str, port: int, name: str,
         # Before any connection: each takes the server's handler when it is made.
         server = runner.server
         assert server is not None
-        handler = server.request_handler
-        if logged is not None:  # the access log: around the app, not in its chain
-            handler = logged(handler)
-        server.request_handler = guard.aiohttp_handler(handler)
+        # The guard's marks, the access log (around the app, not in its chain) and the
+        # app's plain routes, in one frame per request (skymesh.net.front).
+        server.request_handler = request_handler(app, server.request_handler,
+                                                 await direct_routes(app), logged)
         await GuardedSite(runner, host, port, guard, ssl_context=ssl_context,
                           sock=sock).start()
     except BaseException:

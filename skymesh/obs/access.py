@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import queue
@@ -266,32 +265,37 @@ class _Access:
                        else None)
 
     @web.middleware
-    def log_only(self, request: web.Request, handler: Handler
-                 ) -> Awaitable[web.StreamResponse]:
-        """:meth:`middleware` without a span (tracing off): a plain function handing back
-        :meth:`logged`'s coroutine, no frame of its own."""
-        return self.logged(handler, request)
-
-    async def logged(self, handler: Handler, request: web.Request) -> web.StreamResponse:
-        """The request through ``handler``, logged: no context manager, and no
-        ``finally`` (an answered request, the common case, finishes on its own path).
-        ``handler`` first, so the server's wrapper binds it positionally
-        (:func:`outside_chain`): a call with a keyword builds a dict each time."""
-        rec = AccessRecord(self.clock(), self.clock, None)
-        request[RECORD_KEY] = rec
+    async def log_only(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """:meth:`middleware` without a span (tracing off), for an app the server could
+        not take it out of (:func:`outside_chain`): no context manager, and no
+        ``finally`` (an answered request, the common case, finishes on its own path)."""
+        rec = self.begin(request)
         try:
             resp = await handler(request)
-        except web.HTTPException as exc:
-            self._finish(request, rec, None, exc.status)
+        except BaseException as exc:
+            self.failed(request, rec, exc)
             raise
-        except asyncio.CancelledError:  # the client went away (handler_cancellation)
-            self._finish(request, rec, None, None)
-            raise
-        except Exception:
-            self._finish(request, rec, None, 500)  # aiohttp answers it with a 500
-            raise
-        self._finish(request, rec, resp, resp.status)
+        self.finish(request, rec, resp, resp.status)
         return resp
+
+    def begin(self, request: web.Request) -> AccessRecord:
+        """A request's record, started now (without tracing: the server's handler calls
+        this, :mod:`skymesh.net.front`)."""
+        rec = AccessRecord(self.clock(), self.clock, None)
+        request[RECORD_KEY] = rec
+        return rec
+
+    def failed(self, request: web.Request, rec: AccessRecord, exc: BaseException
+               ) -> None:
+        """End ``rec`` for a handler that raised ``exc``: an HTTP error's status, 499 or
+        disconnected for a cancelled one (the client went away: handler_cancellation),
+        500 for any other exception (aiohttp answers it with a 500)."""
+        if isinstance(exc, web.HTTPException):
+            self.finish(request, rec, None, exc.status)
+        elif isinstance(exc, asyncio.CancelledError):
+            self.finish(request, rec, None, None)
+        elif isinstance(exc, Exception):
+            self.finish(request, rec, None, 500)
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -315,7 +319,7 @@ class _Access:
                     rec.span.record_exception(exc)
                 raise
             finally:
-                self._finish(request, rec, resp, status)
+                self.finish(request, rec, resp, status)
 
     def _span(self, request: web.Request, rec: AccessRecord
               ) -> contextlib.AbstractContextManager[Any]:
@@ -323,8 +327,9 @@ class _Access:
             return _NO_SPAN
         return _server_span(self.tracing, request, rec)
 
-    def _finish(self, request: web.Request, rec: AccessRecord,
+    def finish(self, request: web.Request, rec: AccessRecord,
                 resp: web.StreamResponse | None, status: int | None) -> None:
+        """End ``rec`` with the response and the status sent (None: none was)."""
         end = self.clock()
         if rec.watched is not None:
             # The wrapped write refers to its response: a reference cycle, left to the
@@ -390,6 +395,7 @@ class _Access:
 
 # install()'s middleware object, for outside_chain().
 _ACCESS_KEY = web.AppKey("skymesh.obs.access", _Access)
+OutsideLog = _Access  # what outside_chain() hands the server's request handler
 _log = logging.getLogger(__name__)
 
 
@@ -833,14 +839,15 @@ def install(app: web.Application, *, access_log: bool = True, tracing: Tracing |
         app.on_cleanup.append(flush)
 
 
-def outside_chain(app: web.Application) -> Callable[[Any], Any] | None:
+def outside_chain(app: web.Application) -> OutsideLog | None:
     """Take the access log (without tracing) out of ``app``'s middleware chain, before
-    the app is frozen (``runner.setup()``); the caller must then wrap the server's request
-    handler with what this returns (:func:`skymesh.net.serving.start_app` does). The
-    same lines, from one call per request around the whole app: an app with no other
-    middleware then skips aiohttp's middleware chain (its cached chain lookup and
-    frame) on every request. None, and the app left as it is, without an access log or
-    with tracing (its span is named after the matched route, known only inside)."""
+    the app is frozen (``runner.setup()``); the caller must then call what this returns
+    around every request of the app (its ``begin``, then ``finish`` or ``failed``:
+    :mod:`skymesh.net.front`, which :func:`skymesh.net.serving.start_app` wires). The
+    same lines, from around the whole app: an app with no other middleware then skips
+    aiohttp's middleware chain (its cached chain lookup and frame) on every request.
+    None, and the app left as it is, without an access log or with tracing (its span is
+    named after the matched route, known only inside)."""
     access = app.get(_ACCESS_KEY)
     if access is None or access.tracing is not None:
         return None
@@ -848,9 +855,4 @@ def outside_chain(app: web.Application) -> Callable[[Any], Any] | None:
         if app.frozen:  # set up by someone else already: it stays a middleware
             return None
         app.middlewares.remove(access.log_only)
-
-    def wrap(handler: Any) -> Any:  # the server's: it takes aiohttp's BaseRequest
-        # A partial, not a closure: no frame of its own between the server and the log.
-        return functools.partial(access.logged, handler)
-
-    return wrap
+    return access

@@ -1,0 +1,110 @@
+"""The server's request handler for an aiohttp app: one coroutine frame per request.
+
+aiohttp's server calls ``Application._handle`` for each request, and the daemons wrapped
+it twice (the connection guard's start and end marks, the access log): three coroutine
+frames before the route's handler. ``_handle`` itself calls ``asyncio.get_event_loop()``,
+a ``getpid()`` system call per request on Python 3.11, then resolves the route through
+the router's index. :func:`request_handler` does the guard's marks, the access log's
+record and, for the app's plain routes (a fixed path and method: the balancer's two
+generation routes among them), the route itself in one coroutine, and hands anything else
+to ``_handle`` unchanged: dynamic paths, unknown paths and methods (their 404 and 405),
+requests carrying ``Expect``, and every request of an app with middlewares in its chain
+(tracing keeps the access log there). docs/notes/direct-route.md has the figures.
+
+A direct hit does what ``_handle`` does for it: a new match info per request for the
+route, with the app added and frozen, so ``request.match_info``, ``request.app``,
+``request.config_dict`` and the ``on_response_prepare`` signals work as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, cast
+
+from aiohttp import hdrs, web
+from aiohttp.web_urldispatcher import (
+    AbstractRoute,
+    MatchedSubAppResource,
+    PlainResource,
+    UrlMappingMatchInfo,
+)
+from yarl import URL
+
+from skymesh.net.limits import mark_started
+
+if TYPE_CHECKING:
+    from skymesh.obs.access import OutsideLog
+
+Handler = Callable[[Any], Awaitable[web.StreamResponse]]  # the server's: a web.Request
+DirectRoutes = dict[tuple[str, str], AbstractRoute]
+
+
+async def direct_routes(app: web.Application) -> DirectRoutes:
+    """``(method, raw path) -> route`` for the plain routes of ``app`` (set up, frozen)
+    that its router resolves to them; empty when a request must go through ``_handle``
+    anyway (middlewares in the chain, domain-matched sub-apps resolved first). Each
+    entry is checked by the router itself, so a hit goes where ``_handle`` would send
+    it (registration order, resources sharing a path)."""
+    router = app.router
+    if app.middlewares or getattr(app, "_run_middlewares", True) is not False:
+        return {}  # the chain (the app's or a sub-app's) runs inside _handle
+    resources = list(router.resources())
+    if any(isinstance(r, MatchedSubAppResource) for r in resources):
+        return {}  # matched on the host before any path: not a path's lookup
+    table: DirectRoutes = {}
+    for resource in resources:
+        if type(resource) is not PlainResource:
+            continue
+        path = resource.canonical
+        if URL(path).path_safe != path:  # a raw target never equals it: no key
+            continue
+        for route in resource:
+            if route.method == hdrs.METH_ANY or (route.method, path) in table:
+                continue
+            # What the router's resolve reads of a request: its method and path.
+            probe = SimpleNamespace(method=route.method, rel_url=URL(path))
+            resolved = await router.resolve(cast(web.Request, probe))
+            if resolved.route is route and not resolved.apps:
+                table[(route.method, path)] = route
+    return table
+
+
+def request_handler(app: web.Application, handle: Handler, routes: DirectRoutes,
+                    log: OutsideLog | None) -> Handler:
+    """The server's request handler: the connection guard's marks (requests on a
+    guarded connection), ``log``'s record (the access log taken out of the app's chain,
+    :func:`skymesh.obs.access.outside_chain`) and the request through ``routes`` (from
+    :func:`direct_routes`) or else ``handle`` (the app's ``_handle``), in one frame."""
+    lookup = routes.get
+    begin = log.begin if log is not None else None
+    finish = log.finish if log is not None else None
+    failed = log.failed if log is not None else None
+    expect = hdrs.EXPECT
+
+    async def front(request: Any) -> web.StreamResponse:
+        conn = mark_started(request)
+        rec = begin(request) if begin is not None else None
+        try:
+            route = lookup((request.method, request.raw_path))
+            if route is None or expect in request.headers:
+                resp = await handle(request)
+            else:  # what _handle does for the route, without the loop lookup
+                match_info = UrlMappingMatchInfo({}, route)
+                match_info.add_app(app)
+                match_info.freeze()
+                request._match_info = match_info
+                resp = await route.handler(request)
+        except BaseException as exc:
+            if rec is not None and failed is not None:
+                failed(request, rec, exc)
+            raise
+        else:
+            if rec is not None and finish is not None:
+                finish(request, rec, resp, resp.status)
+        finally:
+            if conn is not None:
+                conn.request_finished()
+        return resp
+
+    return front
