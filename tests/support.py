@@ -230,6 +230,25 @@ def chat_reply(model: str) -> dict[str, Any]:
             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
 
 
+def chat_replica(model: str) -> web.Application:
+    """A stand-in replica answering the balancer's probes, its model list and whole chats
+    (:func:`chat_reply`)."""
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=idle_vllm_metrics(model))
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": model}]})
+
+    async def chat(request: web.Request) -> web.Response:
+        return web.json_response(chat_reply(model))
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
 async def lb_status(s: aiohttp.ClientSession, base: str) -> dict[str, Any]:
     """The balancer's ``/status`` JSON."""
     async with s.get(base + "/status") as r:

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from support import chat_reply, eventually, idle_vllm_metrics, serving, until
+from support import chat_replica, eventually, serving, until
 
 from skymesh.balancer.config import parse_config
 from skymesh.balancer.server import build_app
@@ -21,21 +21,7 @@ MODEL = "m"
 
 
 def replica() -> web.Application:
-    """A replica answering the balancer's probes, its model list and whole chats."""
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=idle_vllm_metrics(MODEL))
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL}]})
-
-    async def chat(request: web.Request) -> web.Response:
-        return web.json_response(chat_reply(MODEL))
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/chat/completions", chat)
-    return app
+    return chat_replica(MODEL)
 
 
 @pytest.mark.parametrize("policy", ["prefix-tree", "round-robin"])
