@@ -92,3 +92,24 @@ def test_balancer_pids_single_process_and_supervisor() -> None:
         for p in (alone, parent):
             p.kill()
             p.wait()
+
+
+def _seg(us: float) -> dict[str, float]:
+    return {"balancer_us": us}
+
+
+def test_paired_ratios_round_by_round_against_the_one_worker_arm() -> None:
+    rows = {"now default w1": [_seg(100), _seg(200)], "now default w2": [_seg(110), _seg(180)],
+            "now default pair": [_seg(150)], "floor w1": [_seg(40)], "floor w2": [_seg(44)],
+            "now rr w2": [_seg(1)]}  # no rr w1 arm: nothing to pair with
+    got = sp.paired_ratios(rows)
+    assert got == {"now default w2 / w1": [1.1, 0.9], "now default pair / w1": [1.5],
+                   "floor w2 / w1": [pytest.approx(1.1)]}
+
+
+def test_median_calls_over_segments() -> None:
+    traced = [{"w0": {"read": 2.0, "getpid": 1.0}}, {"w0": {"read": 4.0}},
+              {"w0": {"read": 3.0, "getpid": 3.0}}]
+    got = sp.median_calls(traced, "w0")
+    assert got == {"read": 3.0, "getpid": 1.0}  # a kind a segment lacks counts as 0 there
+    assert list(got) == ["read", "getpid"]

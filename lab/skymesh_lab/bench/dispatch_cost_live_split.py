@@ -25,8 +25,9 @@ connections: two balancer processes on the machine without the workers' machiner
 ``--floor`` adds the stack floor (``proxy_floor --kind stack``: aiohttp proxying to the
 stubs, no balancer) with the same worker counts. ``--base REV`` (or a directory) runs that
 revision's ``skymesh`` too, in the same rounds. Prints a summary per arm (medians over
-rounds); ``--json PATH`` writes every segment. Not in ``make test``; needs gcc, wrk, and
-for ``--trace`` perf. Findings: docs/notes/second-worker-cost.md.
+rounds, and each arm's per-round ratio to its 1-worker arm); ``--json PATH`` writes
+every segment, ``--report PATH`` prints such a file's summary again. Not in ``make
+test``; needs gcc, wrk, and for ``--trace`` perf. Findings: docs/notes/second-worker-cost.md.
 
     python -m skymesh_lab.bench.dispatch_cost_live_split [--workers 1 2] [--config default]
         [--rounds 3] [--duration 4] [--trace 2] [--pair] [--floor] [--base 6b2f2cd]
@@ -308,9 +309,31 @@ def report(rows: dict[str, list[dict[str, Any]]]) -> None:
               f"{med(s['wrk_us'] for s in segs):.1f}, machine busy "
               f"{med(s['machine_busy'] for s in segs):.0%}")
         traced = [s["syscalls"] for s in segs if "syscalls" in s]
-        if traced:
-            for name in traced[0]:
-                print(f"  syscalls/request {name}: {_syscall_line(traced[0][name])}")
+        for name in traced[0] if traced else []:
+            print(f"  syscalls/request {name}: {_syscall_line(median_calls(traced, name))}")
+    for arm, ratios in paired_ratios(rows).items():
+        print(f"{arm}: per round {[round(r, 2) for r in ratios]}, "
+              f"median {med(ratios):.2f}")
+
+
+def median_calls(traced: list[dict[str, dict[str, float]]], name: str) -> dict[str, float]:
+    """Process ``name``'s system calls per request by kind, the median over segments."""
+    kinds = {k for t in traced for k in t.get(name, {})}
+    got = {k: statistics.median(t.get(name, {}).get(k, 0.0) for t in traced) for k in kinds}
+    return dict(sorted(got.items(), key=lambda kv: -kv[1]))
+
+
+def paired_ratios(rows: dict[str, list[dict[str, Any]]]) -> dict[str, list[float]]:
+    """Each arm's balancer CPU per request over its 1-worker arm's (``... w1``), round by
+    round (the same round: the same machine, as near as a shared one allows)."""
+    out: dict[str, list[float]] = {}
+    for arm, segs in rows.items():
+        base = arm.rsplit(" ", 1)[0] + " w1"
+        if arm == base or base not in rows:
+            continue
+        out[f"{arm} / w1"] = [s["balancer_us"] / b["balancer_us"]
+                              for s, b in zip(segs, rows[base], strict=False)]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,7 +352,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds of perf trace per segment (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--report", type=Path, default=None,
+                    help="print the summary of a --json file written before; run nothing")
     args = ap.parse_args(argv)
+    if args.report is not None:
+        report(json.loads(args.report.read_text())["arms"])
+        return 0
     rows: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="dcl-split-") as tmpdir:
         tmp = Path(tmpdir)
