@@ -113,3 +113,24 @@ def test_median_calls_over_segments() -> None:
     got = sp.median_calls(traced, "w0")
     assert got == {"read": 3.0, "getpid": 1.0}  # a kind a segment lacks counts as 0 there
     assert list(got) == ["read", "getpid"]
+
+
+def test_watch_placement_ends_with_the_load_and_leaves_it_unreaped() -> None:
+    spin = "while True: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+    load = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        workers = {"w0": busy[0].pid, "w1": busy[1].pid}
+        shared, both = sp.watch_placement(workers, [load], every_s=0.01)
+        assert both > 0 and 0 <= shared <= both  # two spinning processes: runnable
+        # Not reaped: its exit status and CPU are still wait4's to read.
+        assert load.returncode is None
+        _, status, _ = os.wait4(load.pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        load.returncode = 0
+        assert sp.watch_placement({"w0": busy[0].pid}, [load]) == (0, 0)  # one worker
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()

@@ -17,7 +17,9 @@ What is measured
       every balancer process's system calls counted by kind (``perf stat`` on the
       syscall tracepoints: counted in the kernel, not traced through ptrace as ``strace
       -c`` does, which slows the process it counts), per request; ``epoll_pwait`` per
-      request is the inverse of the requests each loop iteration serves.
+      request is the inverse of the requests each loop iteration serves;
+    - with two workers, where they run: sampled every 5 ms, of the samples where both were
+      runnable, the share where both were on one core (``one_core_share``).
 
 ``--pair`` adds arms of two independent 1-worker balancers (no supervisor, no share, each
 sp-p's share of a replica its own), each driven by a wrk of its own on half the
@@ -199,6 +201,36 @@ def _trace(pids: dict[str, int], url: str, seconds: float) -> dict[str, dict[str
     return perf_stat_stop(perf, pids, int(st.parse_wrk(out)["requests"]))
 
 
+def workers_of(pids: dict[str, int]) -> dict[str, int]:
+    return {k: p for k, p in pids.items() if not k.endswith("supervisor")}
+
+
+def _placement(pid: int) -> tuple[str, int] | None:
+    """A process's (main thread's) state and the core it last ran on."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[36])
+
+
+def watch_placement(workers: dict[str, int], wrks: list[subprocess.Popen[str]],
+                    every_s: float = 0.005) -> tuple[int, int]:
+    """Until the wrk runs end, sample where two workers run: (samples with both runnable
+    on one core, samples with both runnable). Nothing to watch for one worker."""
+    if len(workers) != 2:
+        return 0, 0
+    shared = both = 0
+    # Not ``poll()``: it would reap wrk, whose CPU ``wait4`` reads afterwards.
+    while any((g := _placement(w.pid)) is not None and g[0] != "Z" for w in wrks):
+        got = [_placement(p) for p in workers.values()]
+        if all(g is not None and g[0] == "R" for g in got):
+            both += 1
+            shared += got[0] == got[1]
+        time.sleep(every_s)
+    return shared, both
+
+
 def _machine_busy(a: list[int], b: list[int]) -> float:
     """The share of the cores busy between two ``/proc/stat`` readings."""
     total = sum(b) - sum(a)
@@ -225,12 +257,14 @@ def segment(start: Callable[[], list[Daemon]], stubs: list[Daemon], duration_s: 
         allp = {**pids, **stub_pids}
         m0 = ro.machine_cpu()
         c0 = {k: read_counters(p) for k, p in allp.items()}
-        outs = [_wait_wrk(w) for w in [_wrk(d.url, duration_s, conns) for d in ds]]
+        wrks = [_wrk(d.url, duration_s, conns) for d in ds]
+        shared, both = watch_placement(workers_of(pids), wrks)
+        outs = [_wait_wrk(w) for w in wrks]
         c1 = {k: read_counters(p) for k, p in allp.items()}
         m1 = ro.machine_cpu()
         n = sum(int(st.parse_wrk(out)["requests"]) for out, _ in outs)
         procs = per_request(c0, c1, n)
-        workers = [k for k in pids if not k.endswith("supervisor")]
+        workers = list(workers_of(pids))
         res: dict[str, Any] = {
             "requests": n, "req_s": n / duration_s,
             "procs": procs,
@@ -242,6 +276,8 @@ def segment(start: Callable[[], list[Daemon]], stubs: list[Daemon], duration_s: 
                             for k, v in procs.items() if k in stub_pids),
             "wrk_us": sum(cpu for _, cpu in outs) / n * 1e6,
             "machine_busy": _machine_busy(m0, m1),
+            # Of the moments both workers were runnable, the share on one core.
+            "one_core_share": shared / both if both else None,
         }
         if trace_s > 0 and shutil.which("perf") and len(ds) == 1:
             res["syscalls"] = _trace(pids, ds[0].url, trace_s)
@@ -305,6 +341,9 @@ def report(rows: dict[str, list[dict[str, Any]]]) -> None:
         if any(sup):
             print(f"  supervisor: {med(x.get('user_us', 0) + x.get('sys_us', 0) for x in sup):.2f}"
                   f" us/request, vcsw {med(x.get('vcsw', 0) for x in sup):.4f}")
+        placed = [s["one_core_share"] for s in segs if s.get("one_core_share") is not None]
+        if placed:
+            print(f"  both workers runnable on one core: {[f'{x:.0%}' for x in placed]}")
         print(f"  stubs {med(s['stubs_us'] for s in segs):.1f} us/request, wrk "
               f"{med(s['wrk_us'] for s in segs):.1f}, machine busy "
               f"{med(s['machine_busy'] for s in segs):.0%}")
@@ -359,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         report(json.loads(args.report.read_text())["arms"])
         return 0
     rows: dict[str, list[dict[str, Any]]] = {}
+    load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="dcl-split-") as tmpdir:
         tmp = Path(tmpdir)
         Path(dcl.TOLD_FILE.format(tmp=tmp)).write_text(dcl.TOLD_YAML)
@@ -397,9 +437,13 @@ def main(argv: list[str] | None = None) -> int:
                 s.stop()
     report(rows)
     if args.json is not None:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"],
+                                capture_output=True, text=True, check=False).stdout.strip()
         args.json.write_text(json.dumps({
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "argv": sys.argv[1:], "arms": rows}, indent=1) + "\n")
+            "argv": sys.argv[1:], "commit": commit or None,
+            "load_average_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)],
+            "arms": rows}, indent=1) + "\n")
     return 0
 
 
