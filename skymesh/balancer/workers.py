@@ -25,7 +25,7 @@ Each worker on a core of its own (``listen.pin_workers``, :func:`worker_cpus`): 
 itself, the kernel often runs both workers of a 2-core machine on one core for a while
 (wrk and the stubs, or any other process, make the load look balanced), and two Python
 workers taking turns on one core each lose their caches to the other: per request they
-cost more CPU, and together serve about half as much (docs/notes/second-worker-cost.md).
+cost more CPU, and together serve about a third less (docs/notes/second-worker-cost.md).
 ``auto`` pins them when the process may use exactly one core per worker (a container's
 cpuset, the default worker count on a machine of its own); on a host shared with other
 work the kernel's freedom to move a worker off a busy core is worth more. The supervisor
