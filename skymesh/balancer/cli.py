@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("skymesh-lb.workers").setLevel(logging.INFO)
             return supervise(sys.argv[1:] if argv is None else argv, workers,
                              cfg.listen.host, cfg.listen.port, cfg.listen.tls is not None,
-                             startup_detail(cfg, args.config))
+                             startup_detail(cfg, args.config), pin=cfg.listen.pin_workers)
     return serve(args, cfg)
 
 

@@ -92,12 +92,15 @@ class ListenTlsConfig(StrictModel):
 class ListenConfig(StrictModel):
     """``workers``: processes serving the port (skymesh.balancer.workers); ``auto``: the
     cores this process may use, at most ``MAX_AUTO_WORKERS``, and 1 with a mesh or a
-    controller section (one mesh identity: sibling workers do not peer yet)."""
+    controller section (one mesh identity: sibling workers do not peer yet).
+    ``pin_workers``: each worker on a core of its own (``auto``: when the process may use
+    exactly one core per worker; skymesh.balancer.workers.worker_cpus)."""
 
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     tls: ListenTlsConfig | None = None
     workers: int | Literal["auto"] = "auto"
+    pin_workers: bool | Literal["auto"] = "auto"
 
     @field_validator("workers", mode="before")
     @classmethod

@@ -21,6 +21,16 @@ dying. It keeps its copies of the listening sockets while running: connections t
 queued on a dead worker's socket wait for its replacement instead of being refused. A worker
 whose supervisor dies (even by SIGKILL) sees its lifeline pipe close and drains.
 
+Each worker on a core of its own (``listen.pin_workers``, :func:`worker_cpus`): left to
+itself, the kernel often runs both workers of a 2-core machine on one core for a while
+(wrk and the stubs, or any other process, make the load look balanced), and two Python
+workers taking turns on one core each lose their caches to the other: per request they
+cost more CPU, and together serve about a third less (docs/notes/second-worker-cost.md).
+``auto`` pins them when the process may use exactly one core per worker (a container's
+cpuset, the default worker count on a machine of its own); on a host shared with other
+work the kernel's freedom to move a worker off a busy core is worth more. The supervisor
+pins each worker as it starts it, before the worker has threads (they inherit it).
+
 ``listen.workers: 1`` (and ``auto`` with a mesh or a controller section, for now) is the
 single process of before: no supervisor, nothing shared.
 
@@ -78,6 +88,26 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def usable_core_ids() -> list[int]:
+    """The cores this process may run on, in order (empty where the OS does not say)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return []
+
+
+def worker_cpus(setting: bool | str, cores: Sequence[int], count: int) -> list[int] | None:
+    """The core each worker is pinned to, by worker index, or ``None``: the kernel places
+    them. ``auto`` pins only when ``cores`` holds exactly one core per worker; ``True``
+    pins worker ``i`` to the ``i``-th core, round again when there are more workers."""
+    if setting is False or count < 2 or not cores:
+        return None
+    if setting == "auto" and len(cores) != count:
+        return None
+    ordered = sorted(cores)
+    return [ordered[i % len(ordered)] for i in range(count)]
 
 
 def pushing_share(balancers_per_region: int, workers: int) -> int:
@@ -151,9 +181,10 @@ class Supervisor:
     """Starts, watches and stops the workers (module docstring)."""
 
     def __init__(self, argv: Sequence[str], count: int, socks: list[socket.socket],
-                 announce: str) -> None:
+                 announce: str, cpus: Sequence[int] | None = None) -> None:
         self.argv = list(argv)
         self.count = count
+        self.cpus = list(cpus) if cpus is not None else None  # by worker index
         self.socks = socks
         self.announce = announce  # the "listening on" line, printed once all are up
         self.dir = tempfile.mkdtemp(prefix="skymesh-lb-")
@@ -199,6 +230,14 @@ class Supervisor:
             w.proc = subprocess.Popen(cmd, pass_fds=(sock.fileno(), self._life_r, ready_w))
         finally:
             os.close(ready_w)
+        if self.cpus is not None:
+            # Popen returns once the interpreter is exec'd: it starts no thread before its
+            # imports, so every thread the worker makes inherits the core.
+            try:
+                os.sched_setaffinity(w.proc.pid, {self.cpus[w.index]})
+            except OSError as exc:  # gone already (its death is seen below), or refused
+                log.warning("worker %d not pinned to core %d: %s", w.index,
+                            self.cpus[w.index], exc)
         w.started, w.restart_at = time.monotonic(), None
         if w.ready_fd is not None:
             os.close(w.ready_fd)
@@ -302,16 +341,20 @@ class Supervisor:
 
 
 def supervise(argv: Sequence[str], count: int, host: str, port: int, tls: bool,
-              detail: str) -> int:
-    """Bind the port, run the workers until a stop signal; the process's exit code."""
+              detail: str, pin: bool | str = False) -> int:
+    """Bind the port, run the workers until a stop signal; the process's exit code.
+    ``pin``: ``listen.pin_workers`` (:func:`worker_cpus`)."""
     try:
         socks = bind_shared(host, port, count)
     except OSError as exc:
         print(f"skymesh-lb: {exc}", file=sys.stderr)
         return 1
     announce = f"skymesh-lb listening on {listen_url(socks[0], tls)} ({detail}, {count} workers)"
-    return Supervisor(argv, count, socks, announce).run()
+    cpus = worker_cpus(pin, usable_core_ids(), count)
+    if cpus is not None:
+        log.info("workers pinned to cores %s", ", ".join(map(str, cpus)))
+    return Supervisor(argv, count, socks, announce, cpus).run()
 
 
 __all__ = ["RestartBudget", "Supervisor", "bind_shared", "pushing_share", "resolve_workers",
-           "supervise", "usable_cores"]
+           "supervise", "usable_core_ids", "usable_cores", "worker_cpus"]
