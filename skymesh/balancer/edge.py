@@ -21,7 +21,7 @@ from aiohttp import web
 from skymesh.balancer.errors import MethodNotAllowed, NotFound, SkyMeshError
 
 REQUEST_ID_HEADER = "X-Request-Id"
-_ID_KEY = "skymesh.request_id"
+_ID_KEY = web.RequestKey("skymesh.request_id", str)
 # A client's id is echoed and logged: bounded, and printable ASCII only (aiohttp already
 # refuses line breaks in a header).
 MAX_ID_LEN = 128

@@ -38,8 +38,10 @@ log = logging.getLogger("skymesh.lb")
 FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
                 "content-encoding", "date", "server"}
-OUTPUT_TOKENS_KEY = "skymesh.output_tokens"  # per-request output count, for telemetry
-TICKET_KEY = "skymesh.ticket"  # the request's current ticket, once a migration replaced it
+# Typed keys (web.RequestKey): a plain string key makes aiohttp warn once per key.
+OUTPUT_TOKENS_KEY = web.RequestKey("skymesh.output_tokens", int)  # output count, for telemetry
+# the request's current ticket, once a migration replaced it
+TICKET_KEY = web.RequestKey("skymesh.ticket", Ticket)
 
 
 class ReplicaFault(Exception):

@@ -163,3 +163,25 @@ async def test_an_app_with_a_middleware_of_its_own_keeps_it(handled: Handled) ->
     finally:
         await runner.cleanup()
     assert handled == [CHAT]
+
+
+async def test_request_storage_uses_typed_keys_only(
+        lb: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # aiohttp warns (NotAppKeyWarning, once per key and process) for each plain-string
+    # key stored on a request: the daemon's stderr stays free of it with typed keys.
+    stored: list[object] = []
+    real = web.BaseRequest.__setitem__
+
+    def recorded(self: web.BaseRequest, key: Any, value: Any) -> None:
+        stored.append(key)
+        real(self, key, value)
+
+    monkeypatch.setattr(web.BaseRequest, "__setitem__", recorded)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(lb + CHAT, json=body(), headers={"X-Request-Id": "keys-1"}) as r:
+            assert r.status == 200
+        async with s.post(lb + CHAT, json=body(stream=True)) as r:
+            assert r.status == 200
+            await r.read()
+    assert stored  # the ticket, the access record, the output tokens
+    assert [k for k in stored if not isinstance(k, web.RequestKey)] == []
