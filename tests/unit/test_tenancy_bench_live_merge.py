@@ -24,9 +24,10 @@ def test_a_partial_live_run_is_a_run_of_its_own() -> None:
 
 
 def _row(arm: str, seed: int, p50: float, tps: float | None) -> dict[str, Any]:
+    sent = 0 if tps is None else 10
     return {"seed": seed, "arm": arm, "ttft_p50_s": p50, "ttft_p99_s": 2 * p50,
-            "interactive_sent": 10, "batch_sent": 0 if tps is None else 10, "batch_completed": 0 if tps is None
-            else 10, "batch_tokens_per_s": tps, "load_average_1m": 1.0}
+            "interactive_sent": 10, "batch_sent": sent, "batch_completed": sent,
+            "batch_tokens_per_s": tps, "load_average_1m": 1.0}
 
 
 def test_the_page_pairs_each_arm_with_the_baselines_of_its_own_run() -> None:
