@@ -323,3 +323,14 @@ def test_a_reserve_measured_only_on_a_busy_machine_awaits_quiet_runs() -> None:
     quiet = tenancy({**DOC, "flood": arms(1.0), "live": arms(1.0)})
     assert "in the quiet runs batch 95.0% (80.0%), p50 1.10x (1.10x): better. It meets" \
         in quiet
+
+
+def test_the_light_load_compares_a_reserve_with_another_fall_with_the_default() -> None:
+    light = [_flood("no_flood", 0, 0.1), _flood("fcfs", 0, 5.0),
+             _flood("fair_reserve", 0, 0.14, batch_tokens_per_s=900.0),
+             _flood("fair_reserve_fall15", 0, 0.15, batch_tokens_per_s=950.0,
+                    reserve_fall_s=1.5)]
+    page = tenancy({**DOC, "light": light})
+    assert ("- the same, `reserve_fall_s` 1.5 at this light load: interactive p50 1.50x "
+            "(the default reserve 1.40x), p99 1.50x (1.40x), batch 95.0% (90.0%): worse in "
+            "p50, p99.") in page

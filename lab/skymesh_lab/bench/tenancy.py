@@ -117,7 +117,7 @@ FLOOD_ARMS: tuple[str, ...] = ("no_flood", "fcfs", "fair", "fair_reserve",
                                "fair_reserve_fixed", "fair_reserve_pace2",
                                "fair_reserve_nopace", *HEADROOMS, *MISSES, HELD, *FALLS)
 LIGHT_RATE = 0.5  # the interactive rate of the light arms
-LIGHT_ARMS = ("no_flood", "fcfs", "fair_reserve", "fair_reserve_fixed")
+LIGHT_ARMS = ("no_flood", "fcfs", "fair_reserve", "fair_reserve_fixed", *FALLS)
 TAIL_ARMS = ("fair_reserve", "fair_reserve_fixed")
 TAIL_SHARE = 0.05  # the slowest 5% of the interactive requests
 ENGINE_SEQS = (9, 12, 16)

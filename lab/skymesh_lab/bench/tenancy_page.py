@@ -449,8 +449,29 @@ def _light(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
         f"The same flood with the interactive tenant at {setup.get('light_rate_per_s', '?')}/s: "
         "a fixed reserve keeps its slots free whatever the interactive load; the adaptive one "
         f"keeps `reserve_headroom` ({setup.get('reserve_headroom', '?')}) x the interactive "
-        "requests in service, at least one slot per replica.", "",
-        *_flood(rows, setup)]
+        "requests in service, at least one slot per replica; with `reserve_fall_s` its "
+        "mean falls within that long after each interactive request ends.", "",
+        *_flood(rows, setup)[:-1], *_light_falls(rows), ""]
+
+
+def _light_falls(rows: list[dict[str, Any]]) -> list[str]:
+    """Each reserve with another fall against the default at the light load: its tail
+    is what a reserve that forgets the load sooner risks when requests come one by one."""
+    out = []
+    for arm, rs in _arms(rows).items():
+        if rs[0].get("reserve_fall_s") is None:
+            continue
+        got, ref = _figures(rows, arm), _figures(rows, "fair_reserve")
+        if got is None or ref is None:
+            continue
+        worse = [k for k in ("p50", "p99") if got[k] > ref[k]] + \
+            (["batch"] if got["batch"] < ref["batch"] else [])
+        out.append(f"- {_label(arm, rs)} at this light load: interactive p50 "
+                   f"{got['p50']:.2f}x (the default reserve {ref['p50']:.2f}x), p99 "
+                   f"{got['p99']:.2f}x ({ref['p99']:.2f}x), batch {got['batch']:.1%} "
+                   f"({ref['batch']:.1%}): "
+                   + ("worse in " + ", ".join(worse) if worse else "no worse") + ".")
+    return out
 
 
 def _live(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
