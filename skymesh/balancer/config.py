@@ -555,6 +555,10 @@ class TenantsConfig(StrictModel):
     # The time over which an adaptive reserve forgets the better classes' load; pacing
     # (reserve_pace) holds only while a better request arrived within it.
     reserve_window_s: float = Field(10.0, gt=0)
+    # How fast an adaptive reserve gives back the slots of a falling better-class load:
+    # their mean in service follows a fall within this long (a rise within 1 s); null:
+    # reserve_window_s (docs/tenancy.md, measured on docs/results/tenancy.md).
+    reserve_fall_s: float | None = Field(None, gt=0)
     # 120 s since the adaptive reserve (30 s before): it shrinks by itself in a lull,
     # down to one slot a replica, so holding that slot longer is cheap and keeps the
     # first requests after a lull fast (docs/results/tenancy.md, the lull).

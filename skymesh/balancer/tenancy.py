@@ -536,7 +536,9 @@ def queue_of(cfg: TenantsConfig, capacity: int, now: float = -math.inf) -> FairQ
     q = FairQueue(cfg.classes, max_wait_s=cfg.max_wait_s,
                   weights={t.name: t.weight for t in cfg.members}, capacity=capacity,
                   started=now)
-    q.occupancy.fall_s = q.flow.tau_s = cfg.reserve_window_s
+    q.flow.tau_s = cfg.reserve_window_s
+    q.occupancy.fall_s = cfg.reserve_window_s if cfg.reserve_fall_s is None \
+        else cfg.reserve_fall_s
     return q
 
 

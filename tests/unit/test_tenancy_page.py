@@ -286,3 +286,51 @@ def test_other_reserves_are_judged_on_each_quiet_live_run() -> None:
     short = tenancy({**DOC, "flood": flood, "live": live(840.0)})
     assert "in the quiet runs batch 84.0% (85.0%), p50 1.10x (1.10x): not better. " \
         "It does not meet the rule" in short
+
+
+def test_reserve_with_another_fall_is_labelled_and_judged_against_the_default() -> None:
+    """An arm with ``reserve_fall_s`` gets its own label, goal lines and a verdict."""
+    def arms(tps: float) -> list[dict[str, Any]]:
+        return [_flood("no_flood", 0, 0.2), _flood("fcfs", 0, 5.0),
+                _flood("fair_reserve", 0, 0.22, batch_tokens_per_s=900.0),
+                _flood("fair_reserve_fall15", 0, 0.22, batch_tokens_per_s=tps,
+                       reserve_fall_s=1.5)]
+
+    page = tenancy({**DOC, "flood": arms(950.0), "live": arms(960.0)})
+    label = "the same, `reserve_fall_s` 1.5"
+    assert _row(page, label)[5:7] == ["950", "95.0%"]
+    assert f"- {label}: the interactive TTFT p50 under the flood is 1.10x" in page
+    assert (f"- {label}, simulator: batch 95.0% of first come first served's (the default "
+            "reserve 90.0%)") in page
+    assert "live: batch 96.0% (90.0%), interactive p50 1.10x (1.10x): better. It meets" \
+        in page
+
+
+def test_a_reserve_measured_only_on_a_busy_machine_awaits_quiet_runs() -> None:
+    """Loads recorded and none quiet: live is not judged on busy medians alone."""
+    def arms(load: float) -> list[dict[str, Any]]:
+        return [_flood("no_flood", 0, 0.2, load_average_1m=load),
+                _flood("fcfs", 0, 5.0, load_average_1m=load),
+                _flood("fair_reserve", 0, 0.22, batch_tokens_per_s=800.0,
+                       load_average_1m=load),
+                _flood("fair_reserve_fall15", 0, 0.22, batch_tokens_per_s=950.0,
+                       reserve_fall_s=1.5, load_average_1m=load)]
+
+    busy = tenancy({**DOC, "flood": arms(1.0), "live": arms(7.0)})
+    assert ("live: batch 95.0% (80.0%), interactive p50 1.10x (1.10x): better on the "
+            "medians, but no run was quiet for both (load average at most 4). The "
+            "simulator meets the rule for a new default; live it awaits quiet runs") in busy
+    quiet = tenancy({**DOC, "flood": arms(1.0), "live": arms(1.0)})
+    assert "in the quiet runs batch 95.0% (80.0%), p50 1.10x (1.10x): better. It meets" \
+        in quiet
+
+
+def test_the_light_load_compares_a_reserve_with_another_fall_with_the_default() -> None:
+    light = [_flood("no_flood", 0, 0.1), _flood("fcfs", 0, 5.0),
+             _flood("fair_reserve", 0, 0.14, batch_tokens_per_s=900.0),
+             _flood("fair_reserve_fall15", 0, 0.15, batch_tokens_per_s=950.0,
+                    reserve_fall_s=1.5)]
+    page = tenancy({**DOC, "light": light})
+    assert ("- the same, `reserve_fall_s` 1.5 at this light load: interactive p50 1.50x "
+            "(the default reserve 1.40x), p99 1.50x (1.40x), batch 95.0% (90.0%): worse in "
+            "p50, p99.") in page

@@ -108,11 +108,16 @@ MISSES: dict[str, float] = {"fair_reserve_miss005": 0.005, "fair_reserve_miss01"
 # (tenants.reserve_held): their part, in service and free together, is reserve_headroom x
 # their mean in service, so the slots kept free shrink as they take them.
 HELD = "fair_reserve_held"
+# The default reserve whose mean of the interactive requests in service falls within
+# this long (tenants.reserve_fall_s) instead of reserve_window_s: it gives the slots of a
+# falling interactive load back sooner (the mean sat near the load's recent peak, and for
+# about twice reserve_window_s after the interactive tenant's last request).
+FALLS: dict[str, float] = {"fair_reserve_fall15": 1.5}
 FLOOD_ARMS: tuple[str, ...] = ("no_flood", "fcfs", "fair", "fair_reserve",
                                "fair_reserve_fixed", "fair_reserve_pace2",
-                               "fair_reserve_nopace", *HEADROOMS, *MISSES, HELD)
+                               "fair_reserve_nopace", *HEADROOMS, *MISSES, HELD, *FALLS)
 LIGHT_RATE = 0.5  # the interactive rate of the light arms
-LIGHT_ARMS = ("no_flood", "fcfs", "fair_reserve", "fair_reserve_fixed")
+LIGHT_ARMS = ("no_flood", "fcfs", "fair_reserve", "fair_reserve_fixed", *FALLS)
 TAIL_ARMS = ("fair_reserve", "fair_reserve_fixed")
 TAIL_SHARE = 0.05  # the slowest 5% of the interactive requests
 ENGINE_SEQS = (9, 12, 16)
@@ -168,6 +173,8 @@ def _reserve(arm: str) -> Reserve | None:
         return replace(RESERVE, miss=MISSES[arm])
     if arm == HELD:
         return replace(RESERVE, held=True)
+    if arm in FALLS:
+        return RESERVE
     if arm not in PACES:
         return None
     pace = PACES[arm]
@@ -260,7 +267,8 @@ def _sim(arrivals: list[Arrival], classify: Any, arm: str, seed: int,
     if arm not in ("fcfs", "no_flood") or reserve is not None:
         queue = _WatchedQueue(CLASSES, max_wait_s=MAX_WAIT_S, capacity=100_000,
                               started=0.0)
-        queue.occupancy.fall_s = queue.flow.tau_s = RESERVE_WINDOW_S  # as queue_of sets
+        queue.flow.tau_s = RESERVE_WINDOW_S  # as queue_of sets
+        queue.occupancy.fall_s = FALLS.get(arm, RESERVE_WINDOW_S)
         lb.tenancy = SimTenancy(queue, classify,
                                 reserve=reserve or _reserve(arm))
     if trace is not None:
@@ -322,6 +330,8 @@ def flood_run(seed: int, arm: str, rate: float = RATE) -> dict[str, Any]:
         out["reserve_headroom"] = HEADROOMS[arm]
     if arm in MISSES:
         out["reserve_miss"] = MISSES[arm]
+    if arm in FALLS:
+        out["reserve_fall_s"] = FALLS[arm]
     if queue is not None:
         out["batch_longest_wait_s"] = queue.longest.get("batch", 0.0)
         out["batch_longest_unserved_s"] = queue.head.get("batch", 0.0)
@@ -432,6 +442,8 @@ def _tenants(arm: str) -> dict[str, Any]:
         out["reserve_miss"] = MISSES[arm]
     elif arm == HELD:
         out["reserve_held"] = True
+    elif arm in FALLS:
+        out["reserve_fall_s"] = FALLS[arm]
     return out
 
 
@@ -535,6 +547,8 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
         out["reserve_headroom"] = HEADROOMS[arm]
     if arm in MISSES:
         out["reserve_miss"] = MISSES[arm]
+    if arm in FALLS:
+        out["reserve_fall_s"] = FALLS[arm]
     if ends:
         # The longest the batch class went without a request finishing, after its first
         # (what the client can see of it going unserved; its requests are not streamed).
@@ -647,6 +661,19 @@ def limit_run(seed: int, spread: str) -> dict[str, Any]:
             "admitted_per_s": admitted / LIMIT_RUN_S, "limit_per_s": LIMIT_RPS}
 
 
+def merge_live(prior: list[dict[str, Any]], new: list[dict[str, Any]]
+               ) -> list[dict[str, Any]]:
+    """The live rows after a partial live run (``new``: the arms that changed, with first
+    come first served and no flood, on some seeds): ``new`` tagged with its own ``run``
+    (the page pairs each arm with the baselines of its own run, never of another run on
+    a busier or quieter machine), and the prior rows of the same seed and arm kept
+    ``superseded`` (the baselines of the arms not rerun; the page shows them no more)."""
+    run = 1 + max((r.get("run", 0) for r in prior), default=0)
+    ran = {(r["seed"], r["arm"]) for r in new}
+    return [{**r, "superseded": True} if (r.get("seed"), r["arm"]) in ran else r
+            for r in prior] + [{**r, "run": run} for r in new]
+
+
 def _live_setup(seeds: list[int]) -> dict[str, Any]:
     return {"live_time_scale": LIVE_TIME_SCALE, "live_flood": LIVE_FLOOD, "live_seeds": seeds,
             "live_rate_per_s": RATE / LIVE_TIME_SCALE, "live_cpus": os.cpu_count()}
@@ -657,7 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--seeds", default="0,1,2,3,4")
     ap.add_argument("--live", action="store_true",
-                    help="also run the flood on a live balancer (once per --live-seeds)")
+                    help="also run the flood on a live balancer (once per --live-seeds); "
+                         "without it the --json file's live rows are kept")
     ap.add_argument("--live-seeds", default="0,1",
                     help="the live repetitions' seeds (their interactive arrivals)")
     ap.add_argument("--live-only", action="store_true",
@@ -671,8 +699,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--live-arms: no arm {', '.join(sorted(unknown))}")
     if args.live_only:
         prior: dict[str, Any] = json.loads(args.json.read_text())
-        prior["live"] = asyncio.run(live_flood(live_seeds, live_arms))
-        prior["setup"].update(_live_setup(live_seeds))
+        prior["live"] = merge_live(prior.get("live", []),
+                                   asyncio.run(live_flood(live_seeds, live_arms)))
+        prior["setup"].update(_live_setup(sorted({r["seed"] for r in prior["live"]})))
         args.json.write_text(json.dumps(prior, indent=2) + "\n")
         print(json.dumps(prior["live"], indent=1))
         return 0
@@ -704,6 +733,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.live:
         doc["live"] = asyncio.run(live_flood(live_seeds, live_arms))
         doc["setup"].update(_live_setup(live_seeds))
+    elif args.json.exists():
+        # The simulator alone: the file's live rows stay (with their setup), as a live
+        # run takes far longer than the simulator's.
+        prior = json.loads(args.json.read_text())
+        if prior.get("live"):
+            doc["live"] = prior["live"]
+            doc["setup"].update({k: v for k, v in prior.get("setup", {}).items()
+                                 if k.startswith("live_")})
     doc["wall_seconds"] = round(time.monotonic() - t0, 1)
     doc["date"] = datetime.now(UTC).strftime("%Y-%m-%d")
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,26 @@ TAIL_PARTS = (("ttft_s", "TTFT"), ("fair_queue_s", "fair queue"),
               ("prefill_s", "engine: prefill step(s) and reply"))
 
 
+def _current(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The live rows the page shows: not those a partial rerun replaced (kept only as
+    the baselines of the arms measured in the same run)."""
+    return [r for r in rows if not r.get("superseded")]
+
+
+def _in_run(rows: list[dict[str, Any]], r: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The rows of ``r``'s live run (its seed, in the same repetition), by arm."""
+    return {x["arm"]: x for x in rows
+            if x.get("seed") == r.get("seed") and x.get("run") == r.get("run")}
+
+
+def _of_runs(rs: list[dict[str, Any]], rows: list[dict[str, Any]], arm: str
+             ) -> list[dict[str, Any]]:
+    """The rows of ``arm`` in the runs (seed and repetition) of ``rs``: an arm's
+    baselines, each from its own run."""
+    runs = {(r.get("seed"), r.get("run")) for r in rs}
+    return [x for x in rows if x["arm"] == arm and (x.get("seed"), x.get("run")) in runs]
+
+
 def _med(rows: list[dict[str, Any]], key: str) -> float | None:
     xs = [r[key] for r in rows if isinstance(r.get(key), int | float)]
     return statistics.median(xs) if xs else None
@@ -57,21 +77,24 @@ def _idle_share(rs: list[dict[str, Any]], setup: dict[str, Any]) -> float | None
 
 def _label(arm: str, rs: list[dict[str, Any]]) -> str:
     """An arm's name on the page; the default reserve with another headroom, or sized by
-    arrivals, by its value."""
+    arrivals, or with another fall of its mean, by its value."""
     h = rs[0].get("reserve_headroom") if rs else None
     m = rs[0].get("reserve_miss") if rs else None
+    f = rs[0].get("reserve_fall_s") if rs else None
     if arm in ARMS:
         return ARMS[arm]
     if m is not None:
         return f"the same, by arrivals, `reserve_miss` {m}"
+    if f is not None:
+        return f"the same, `reserve_fall_s` {f}"
     return f"the same, `reserve_headroom` {h}" if h is not None else arm
 
 
 def _goal_arms(arms: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """The arms the goal lines judge: the fair queue alone, the reserves, and the reserve
-    by arrivals."""
-    return [*GOAL_ARMS, *(a for a, rs in arms.items()
-                          if a not in GOAL_ARMS and rs[0].get("reserve_miss") is not None)]
+    """The arms the goal lines judge: the fair queue alone, the reserves, the reserve by
+    arrivals and with another fall."""
+    return [*GOAL_ARMS, *(a for a, rs in arms.items() if a not in GOAL_ARMS and (
+        rs[0].get("reserve_miss") is not None or rs[0].get("reserve_fall_s") is not None))]
 
 
 def _arms(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -80,12 +103,17 @@ def _arms(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return {a: by[a] for a in [*(a for a in ARMS if a in by), *(a for a in by if a not in ARMS)]}
 
 
-def _flood(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
+def _flood(rows: list[dict[str, Any]], setup: dict[str, Any],
+           every: list[dict[str, Any]] | None = None) -> list[str]:
+    """The arms' table and goal lines; each arm against the first come first served and
+    no flood of its own runs, from ``every`` (``rows`` and the rows a partial live rerun
+    replaced)."""
     arms = _arms(rows)
-    fcfs = arms.get("fcfs", [])
+    every = rows if every is None else every
     out = []
     for arm, rs in arms.items():
         label = _label(arm, rs)
+        fcfs = _of_runs(rs, every, "fcfs")
         out.append([label, str(len(rs)), num(_med(rs, "ttft_p50_s"), ".3f", suffix=" s"),
                     num(_med(rs, "ttft_p99_s"), ".3f", suffix=" s"),
                     f"{_med(rs, 'batch_completed'):.0f} / {_med(rs, 'batch_sent'):.0f}"
@@ -100,12 +128,12 @@ def _flood(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
                     "batch tokens/s vs FCFS", "the same while interactive sends",
                     "batch longest wait", "batch longest unserved"], out,
                    [False, True, True, True, True, True, True, True, True, True]), ""]
-    base = arms.get("no_flood", [])
     for arm in _goal_arms(arms):
         rs = arms.get(arm, [])
         if not rs:
             continue
         label = _label(arm, rs)
+        base, fcfs = _of_runs(rs, every, "no_flood"), _of_runs(rs, every, "fcfs")
         for key, name in (("ttft_p50_s", "p50"), ("ttft_p99_s", "p99")):
             b, got = _med(base, key), _med(rs, key)
             if b and got:
@@ -120,8 +148,9 @@ def _flood(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
                          f"{tps:.1%} of first come first served's, where the idle capacity "
                          f"is {share:.1%} of it (the run's tokens less the interactive "
                          f"tenant's; goal: all of it, within a point): {met}.")
-    share, alone = _idle_share(arms.get("fair", []), setup), _ratio(arms.get("fair", []), fcfs,
-                                                                     "batch_tokens_per_s")
+    fair = arms.get("fair", [])
+    share = _idle_share(fair, setup)
+    alone = _ratio(fair, _of_runs(fair, every, "fcfs"), "batch_tokens_per_s")
     if share is not None and alone is not None:
         lines.append(f"- The idle capacity ({share:.1%}) is computed alike in the simulator "
                      "and live, from the tokens sent (the interactive tenant's requests are "
@@ -301,11 +330,14 @@ def _phase_notes(arms: dict[str, list[dict[str, Any]]], ph: Any) -> list[str]:
             f"{why}.", *out]
 
 
-def _figures(rows: list[dict[str, Any]], arm: str) -> dict[str, float] | None:
+def _figures(rows: list[dict[str, Any]], arm: str,
+             every: list[dict[str, Any]] | None = None) -> dict[str, float] | None:
     """An arm's batch throughput vs FCFS and its interactive p50 and p99 vs no flood
-    (medians), or None when the run lacks them."""
-    arms = _by(rows, "arm")
-    rs, fcfs, base = arms.get(arm, []), arms.get("fcfs", []), arms.get("no_flood", [])
+    (medians; the baselines of its own runs, from ``every``), or None when the run lacks
+    them."""
+    every = rows if every is None else every
+    rs = _by(rows, "arm").get(arm, [])
+    fcfs, base = _of_runs(rs, every, "fcfs"), _of_runs(rs, every, "no_flood")
     got = {"batch": _ratio(rs, fcfs, "batch_tokens_per_s"),
            "p50": _ratio(rs, base, "ttft_p50_s"), "p99": _ratio(rs, base, "ttft_p99_s")}
     return {k: v for k, v in got.items() if v is not None} if None not in got.values() \
@@ -314,24 +346,24 @@ def _figures(rows: list[dict[str, Any]], arm: str) -> dict[str, float] | None:
 
 def _alternatives(flood: list[dict[str, Any]]) -> list[str]:
     """The arms that change the default reserve's rule or size: by arrivals, another
-    headroom, counting the slots held."""
+    headroom, counting the slots held, another fall of its mean."""
     return list(dict.fromkeys(
         r["arm"] for r in flood if r.get("reserve_miss") is not None
-        or r.get("reserve_headroom") is not None or r["arm"] == "fair_reserve_held"))
+        or r.get("reserve_headroom") is not None or r["arm"] == "fair_reserve_held"
+        or r.get("reserve_fall_s") is not None))
 
 
 def _quiet_pairs(live: list[dict[str, Any]], arm: str, setup: dict[str, Any]
                  ) -> list[tuple[dict[str, float], dict[str, float]]]:
     """Per live run quiet for both ``arm`` and the default reserve: each one's batch
     throughput vs the run's first come first served and p50 vs its no flood."""
-    by_seed = {(r.get("seed"), r["arm"]): r for r in live}
     out = []
-    for (seed, a), r in sorted(by_seed.items(), key=lambda kv: str(kv[0][0])):
-        d = by_seed.get((seed, "fair_reserve"))
-        if a != arm or d is None or not (_quiet(r, setup) and _quiet(d, setup)):
+    for r in sorted(_current(live), key=lambda r: str(r.get("seed"))):
+        run = _in_run(live, r)
+        d = run.get("fair_reserve")
+        if r["arm"] != arm or d is None or not (_quiet(r, setup) and _quiet(d, setup)):
             continue
-        run = [x for x in live if x.get("seed") == seed]
-        got = (_figures(run, arm), _figures(run, "fair_reserve"))
+        got = (_figures(list(run.values()), arm), _figures(list(run.values()), "fair_reserve"))
         if got[0] is not None and got[1] is not None:
             out.append((got[0], got[1]))
     return out
@@ -361,10 +393,16 @@ def _against_default(flood: list[dict[str, Any]], live: list[dict[str, Any]],
         def beats(x: dict[str, float], x0: dict[str, float]) -> bool:
             return x["batch"] > x0["batch"] and (x["p50"] <= 1.2 or x["p50"] <= x0["p50"])
 
-        lv, lv0 = _figures(live, arm), _figures(live, "fair_reserve")
+        mine = [r for r in _current(live) if r["arm"] == arm]
+        # The default of the same runs (a partial rerun's default is another run's).
+        lv, lv0 = (_figures(mine, arm, live),
+                   _figures(_of_runs(mine, live, "fair_reserve"), "fair_reserve", live))
         better = None
+        busy = False  # loads recorded, and no run quiet for both: not judged live
         if lv is not None and lv0 is not None:
             quiet = _quiet_pairs(live, arm, setup)
+            busy = not quiet and any(isinstance(r.get("load_average_1m"), int | float)
+                                     for r in mine)
             better = all(beats(x, x0) for x, x0 in quiet) if quiet else beats(lv, lv0)
             said += (f"; live: batch {lv['batch']:.1%} ({lv0['batch']:.1%}), interactive "
                      f"p50 {lv['p50']:.2f}x ({lv0['p50']:.2f}x)")
@@ -375,6 +413,14 @@ def _against_default(flood: list[dict[str, Any]], live: list[dict[str, Any]],
                          + ", p50 " + " / ".join(f"{x['p50']:.2f}x ({x0['p50']:.2f}x)"
                                                  for x, x0 in quiet))
             said += ": " + ("better" if better else "not better")
+            if busy:
+                said += (" on the medians, but no run was quiet for both (load average "
+                         f"at most {_quiet_load(setup):.0f})")
+        if busy and not worse:
+            out.append(f"{said}. The simulator meets the rule for a new default; live it "
+                       "awaits quiet runs (the simulator no worse, each quiet live run "
+                       "better).")
+            continue
         verdict = "meets" if not worse and better else "does not meet"
         out.append(f"{said}. It {verdict} the rule for a new default (the simulator no "
                    "worse, live better).")
@@ -403,8 +449,29 @@ def _light(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
         f"The same flood with the interactive tenant at {setup.get('light_rate_per_s', '?')}/s: "
         "a fixed reserve keeps its slots free whatever the interactive load; the adaptive one "
         f"keeps `reserve_headroom` ({setup.get('reserve_headroom', '?')}) x the interactive "
-        "requests in service, at least one slot per replica.", "",
-        *_flood(rows, setup)]
+        "requests in service, at least one slot per replica; with `reserve_fall_s` its "
+        "mean falls within that long after each interactive request ends.", "",
+        *_flood(rows, setup)[:-1], *_light_falls(rows), ""]
+
+
+def _light_falls(rows: list[dict[str, Any]]) -> list[str]:
+    """Each reserve with another fall against the default at the light load: its tail
+    is what a reserve that forgets the load sooner risks when requests come one by one."""
+    out = []
+    for arm, rs in _arms(rows).items():
+        if rs[0].get("reserve_fall_s") is None:
+            continue
+        got, ref = _figures(rows, arm), _figures(rows, "fair_reserve")
+        if got is None or ref is None:
+            continue
+        worse = [k for k in ("p50", "p99") if got[k] > ref[k]] + \
+            (["batch"] if got["batch"] < ref["batch"] else [])
+        out.append(f"- {_label(arm, rs)} at this light load: interactive p50 "
+                   f"{got['p50']:.2f}x (the default reserve {ref['p50']:.2f}x), p99 "
+                   f"{got['p99']:.2f}x ({ref['p99']:.2f}x), batch {got['batch']:.1%} "
+                   f"({ref['batch']:.1%}): "
+                   + ("worse in " + ", ".join(worse) if worse else "no worse") + ".")
+    return out
 
 
 def _live(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
@@ -422,22 +489,22 @@ def _live(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
         "loopback and the balancer's own time, and varies by some tens of milliseconds "
         "between runs. Longest unserved: the longest gap between two batch completions as "
         "the client sees them (the batch requests are not streamed).", "",
-        *_flood(rows, setup), *_spread(rows, setup), *_phases(rows, setup)]
+        *_flood(_current(rows), setup, rows), *_spread(rows, setup),
+        *_phases(_current(rows), setup)]
 
 
 def _spread(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
     """Per reserve arm and live run, against the same run's first come first served and
     no flood: how far the runs differ, and in how many both goals were met."""
-    by_seed = {(r.get("seed"), r["arm"]): r for r in rows}
     out: list[list[str]] = []
     verdicts: list[str] = []
-    for arm, rs in _arms(rows).items():
+    for arm, rs in _arms(_current(rows)).items():
         if arm in ("no_flood", "fcfs"):
             continue
         tps, p50, load, met, quiet, quiet_met = [], [], [], 0, 0, 0
         for r in sorted(rs, key=lambda r: r.get("seed", 0)):
-            fcfs, base = by_seed.get((r.get("seed"), "fcfs")), by_seed.get((r.get("seed"),
-                                                                             "no_flood"))
+            run = _in_run(rows, r)
+            fcfs, base = run.get("fcfs"), run.get("no_flood")
             share = _idle_share([r], setup)
             if not (fcfs and base and fcfs.get("batch_tokens_per_s")
                     and r.get("batch_tokens_per_s") and share is not None):
@@ -575,7 +642,10 @@ def tenancy(doc: dict[str, Any]) -> str:
         "the interactive tenant sends), or size it by arrivals (`reserve_miss`: the "
         "fewest slots that leave at most that share of the interactive requests finding "
         "none, from their arrival rate against the rate slots free up), or count the "
-        "slots the interactive requests hold against their reserve (`reserve_held`).",
+        "slots the interactive requests hold against their reserve (`reserve_held`), or "
+        "let its mean of the interactive requests in service fall within "
+        "`reserve_fall_s` instead of `reserve_window_s` (the slots of a falling "
+        "interactive load given back sooner).",
         "", "### Simulator", "", *_flood(doc["flood"], s),
         *(_tail(doc["tail"], s) if doc.get("tail") else []),
         *(_live(doc["live"], s) if doc.get("live") else []),
