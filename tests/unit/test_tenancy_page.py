@@ -334,3 +334,33 @@ def test_the_light_load_compares_a_reserve_with_another_fall_with_the_default() 
     assert ("- the same, `reserve_fall_s` 1.5 at this light load: interactive p50 1.50x "
             "(the default reserve 1.40x), p99 1.50x (1.40x), batch 95.0% (90.0%): worse in "
             "p50, p99.") in page
+
+
+def test_a_fall_in_a_lull_or_over_gaps_is_labelled_apart_and_judged() -> None:
+    """``reserve_lull_gaps`` (with its ``reserve_fall_s``) and ``reserve_fall_gaps`` arms
+    get labels of their own (not the plain fall's), goal lines, a verdict and a light-load
+    line."""
+    def arms(tps: float) -> list[dict[str, Any]]:
+        return [_flood("no_flood", 0, 0.2), _flood("fcfs", 0, 5.0),
+                _flood("fair_reserve", 0, 0.22, batch_tokens_per_s=900.0),
+                _flood("fair_reserve_fall15", 0, 0.22, batch_tokens_per_s=tps,
+                       reserve_fall_s=1.5),
+                _flood("fair_reserve_lull3", 0, 0.22, batch_tokens_per_s=tps,
+                       reserve_fall_s=1.5, reserve_lull_gaps=3.0),
+                _flood("fair_reserve_gaps4", 0, 0.22, batch_tokens_per_s=tps,
+                       reserve_fall_gaps=4.0)]
+
+    page = tenancy({**DOC, "flood": arms(950.0), "live": arms(960.0), "light": arms(950.0)})
+    for label in ("the same, `reserve_fall_s` 1.5 in a lull, `reserve_lull_gaps` 3.0",
+                  "the same, `reserve_fall_gaps` 4.0"):
+        assert _row(page, label)[5:7] == ["950", "95.0%"]
+        assert f"- {label}: the interactive TTFT p50 under the flood is 1.10x" in page
+        assert (f"- {label}, simulator: batch 95.0% of first come first served's (the "
+                "default reserve 90.0%)") in page
+        assert f"- {label} at this light load: interactive p50 1.10x" in page
+    # The plain fall keeps its own rows: as many as each of the others (not merged).
+    def rows(label: str) -> int:
+        return sum(ln.startswith(f"| {label} |") for ln in page.splitlines())
+
+    assert rows("the same, `reserve_fall_s` 1.5") == rows("the same, `reserve_fall_gaps` 4.0") \
+        == rows("the same, `reserve_fall_s` 1.5 in a lull, `reserve_lull_gaps` 3.0") > 0

@@ -81,10 +81,16 @@ def _label(arm: str, rs: list[dict[str, Any]]) -> str:
     h = rs[0].get("reserve_headroom") if rs else None
     m = rs[0].get("reserve_miss") if rs else None
     f = rs[0].get("reserve_fall_s") if rs else None
+    lull = rs[0].get("reserve_lull_gaps") if rs else None
+    gaps = rs[0].get("reserve_fall_gaps") if rs else None
     if arm in ARMS:
         return ARMS[arm]
     if m is not None:
         return f"the same, by arrivals, `reserve_miss` {m}"
+    if gaps is not None:
+        return f"the same, `reserve_fall_gaps` {gaps}"
+    if f is not None and lull is not None:
+        return f"the same, `reserve_fall_s` {f} in a lull, `reserve_lull_gaps` {lull}"
     if f is not None:
         return f"the same, `reserve_fall_s` {f}"
     return f"the same, `reserve_headroom` {h}" if h is not None else arm
@@ -94,7 +100,12 @@ def _goal_arms(arms: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The arms the goal lines judge: the fair queue alone, the reserves, the reserve by
     arrivals and with another fall."""
     return [*GOAL_ARMS, *(a for a, rs in arms.items() if a not in GOAL_ARMS and (
-        rs[0].get("reserve_miss") is not None or rs[0].get("reserve_fall_s") is not None))]
+        rs[0].get("reserve_miss") is not None or _falls(rs[0])))]
+
+
+def _falls(r: dict[str, Any]) -> bool:
+    """Whether a row's reserve has another fall of its mean (in time or in gaps)."""
+    return r.get("reserve_fall_s") is not None or r.get("reserve_fall_gaps") is not None
 
 
 def _arms(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -350,7 +361,7 @@ def _alternatives(flood: list[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(
         r["arm"] for r in flood if r.get("reserve_miss") is not None
         or r.get("reserve_headroom") is not None or r["arm"] == "fair_reserve_held"
-        or r.get("reserve_fall_s") is not None))
+        or _falls(r)))
 
 
 def _quiet_pairs(live: list[dict[str, Any]], arm: str, setup: dict[str, Any]
@@ -433,7 +444,10 @@ def _against_default(flood: list[dict[str, Any]], live: list[dict[str, Any]],
             "the interactive requests finding none, from their arrival rate against the "
             "rate slots free up; counting the slots held (`reserve_held`), headroom x "
             "their mean in service is their part, in service and free together, so the "
-            "slots kept free are that less those in service now (docs: the slot reserve). "
+            "slots kept free are that less those in service now; another fall of its "
+            "mean in service (`reserve_fall_s`, in a lull or always; `reserve_fall_gaps`, "
+            "over that many of the interactive mean inter-arrival gaps) (docs: the slot "
+            "reserve). "
             "Medians of the tables above, and live each quiet run's figures against its "
             "own first come first served and no flood; in brackets the default reserve's. "
             "The simulator's p99 here is over the page's 5 seeds, whose draw moves it by "
@@ -450,7 +464,10 @@ def _light(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
         "a fixed reserve keeps its slots free whatever the interactive load; the adaptive one "
         f"keeps `reserve_headroom` ({setup.get('reserve_headroom', '?')}) x the interactive "
         "requests in service, at least one slot per replica; with `reserve_fall_s` its "
-        "mean falls within that long after each interactive request ends.", "",
+        "mean falls within that long after each interactive request ends (with "
+        "`reserve_lull_gaps`, only once that many of its mean inter-arrival gaps pass "
+        "with no interactive request); with `reserve_fall_gaps` over that many gaps (at "
+        "this rate, about the default's fall).", "",
         *_flood(rows, setup)[:-1], *_light_falls(rows), ""]
 
 
@@ -459,7 +476,7 @@ def _light_falls(rows: list[dict[str, Any]]) -> list[str]:
     is what a reserve that forgets the load sooner risks when requests come one by one."""
     out = []
     for arm, rs in _arms(rows).items():
-        if rs[0].get("reserve_fall_s") is None:
+        if not _falls(rs[0]):
             continue
         got, ref = _figures(rows, arm), _figures(rows, "fair_reserve")
         if got is None or ref is None:
@@ -645,7 +662,10 @@ def tenancy(doc: dict[str, Any]) -> str:
         "slots the interactive requests hold against their reserve (`reserve_held`), or "
         "let its mean of the interactive requests in service fall within "
         "`reserve_fall_s` instead of `reserve_window_s` (the slots of a falling "
-        "interactive load given back sooner).",
+        "interactive load given back sooner), only in a lull (`reserve_lull_gaps`: once "
+        "that many of the interactive tenant's mean inter-arrival gaps pass with no "
+        "request), or over that many gaps whatever they are (`reserve_fall_gaps`, at most "
+        "`reserve_window_s`).",
         "", "### Simulator", "", *_flood(doc["flood"], s),
         *(_tail(doc["tail"], s) if doc.get("tail") else []),
         *(_live(doc["live"], s) if doc.get("live") else []),
