@@ -446,10 +446,13 @@ class FairQueue:
         if w.since > self.arrived.get(w.cls, -math.inf):
             self.arrived[w.cls] = w.since
         self.flow.arrived(w.model, w.cls, w.since)
-        # Its lull is judged by the rate over the whole window: a class that just began
-        # counts as a slow one (its slots kept longer), not as one of thousands a second.
-        self.occupancy.arrived(w.model, w.cls, w.since,
-                               self.flow.rate(w.model, w.cls, w.since, corrected=False))
+        occupancy = self.occupancy
+        if occupancy.lull_gaps is not None or occupancy.fall_gaps is not None:
+            # Its lull is judged by the rate over the whole window: a class that just
+            # began counts as a slow one (its slots kept longer), not as one of thousands
+            # a second. Not taken with both settings off: no work per request for them.
+            occupancy.arrived(w.model, w.cls, w.since,
+                              self.flow.rate(w.model, w.cls, w.since, corrected=False))
         fifo = by_tenant.get(w.tenant)
         if fifo is None:
             # Newly backlogged here: lifted to the least counter of the backlogged ones,
