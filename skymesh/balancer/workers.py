@@ -82,20 +82,18 @@ def resolve_workers(setting: int | str, cores: int, *, mesh_or_controller: bool)
     return max(1, min(cores, MAX_AUTO_WORKERS))
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask, as a container's cpuset)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def usable_core_ids() -> list[int]:
     """The cores this process may run on, in order (empty where the OS does not say)."""
     try:
         return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return []
+
+
+def usable_cores() -> int:
+    """How many cores this process may run on (its affinity mask, as a container's
+    cpuset; all of them where the OS does not say)."""
+    return len(usable_core_ids()) or os.cpu_count() or 1
 
 
 def worker_cpus(setting: bool | str, cores: Sequence[int], count: int) -> list[int] | None:
