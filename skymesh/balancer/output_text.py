@@ -66,7 +66,7 @@ def parse_json(body: bytes) -> Any:
         return value
     try:
         return json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # deeper than json's scanner recurses: not ours
         return None
 
 

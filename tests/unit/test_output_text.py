@@ -106,3 +106,14 @@ def test_echo_and_empty_replies_record_nothing() -> None:
     assert cached_text("p", {"echo": True}, "p and more") is None
     assert cached_text("p", {}, "") is None
     assert cached_text("p", {}, "q") == "pq"
+
+
+def test_a_reply_nested_too_deeply_is_not_json_not_an_error() -> None:
+    """json's C scanner recurses once per level: a replica's reply nested past the
+    recursion limit (2 KB of brackets) raised RecursionError out of the request path."""
+    from skymesh.balancer.forwarding import reply_usage
+
+    deep = b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b',"choices":[]}'
+    assert parse_json(deep) is None
+    assert reply_text(parse_json(deep), "chat") == ""
+    assert reply_usage(deep) == (0, 0, None)  # usage alone: msgspec refuses, then json
