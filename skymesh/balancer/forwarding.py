@@ -33,7 +33,7 @@ from skymesh.balancer.moves import Mover
 from skymesh.balancer.output_text import (
     OutputCapture,
     parse_json,
-    reply_text,
+    reply_record,
     sse_output_text,
 )
 from skymesh.balancer.overload import can_retry
@@ -298,13 +298,13 @@ class Forwarder:
                 self.core.metrics.model(model).ttft.observe(self.core.now() - t0)
                 ok = up.status < 400
                 records = ok and self.core.switches.flags.records
-                reply = parse_json(body) if records else None
+                got_usage, text = reply_record(body, intake.kind) if records else (None, "")
                 if ok:
                     if records:
-                        prompt, out, hits = usage(reply)
+                        prompt, out, hits = usage(
+                            {} if got_usage is NOT_DECODED else {"usage": got_usage})
                         # The access log's counts too, or it decodes the body again.
-                        note_usage(request, reply.get("usage") if isinstance(reply, dict)
-                                   else NOT_DECODED)
+                        note_usage(request, got_usage)
                     else:  # decoded once: the access log's line takes its counts too
                         decoded = fast_usage(body)
                         note_usage(request, decoded)
@@ -318,8 +318,7 @@ class Forwarder:
                             prompt or ticket.route.prompt_len, hits))
                 d.complete(ticket, self.core.now(), ok=ok)
                 if records:
-                    self.core.record_later(ticket.route, target, intake,
-                                      reply_text(reply, intake.kind))
+                    self.core.record_later(ticket.route, target, intake, text)
                 resp = web.Response(status=up.status, body=body, headers=copy_headers(up))
                 return resp, "ok" if ok else f"upstream_{up.status}"
             if self.core.switches.flags.migrates and migratable(intake.body):
@@ -381,7 +380,7 @@ class Forwarder:
                 self.core.dispatcher.complete(ticket, self.core.now(), ok=ok)
                 if ok and self.core.switches.flags.records_peer:
                     self.core.record_later(route, peer, intake,
-                                      reply_text(parse_json(bytes(body)), intake.kind))
+                                      reply_record(bytes(body), intake.kind)[1])
                 return (web.Response(status=status, body=bytes(body), headers=headers),
                         "ok" if ok else f"upstream_{status}")
             resp = CoalescedStream(status=status, headers=headers)

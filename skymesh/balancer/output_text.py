@@ -10,6 +10,18 @@ the client has its last byte turns them into the reply's text.
 Only a *prefix* of the reply is ever needed, and only up to the characters the prefix
 keys cover (:data:`skymesh.prefix.keys.KEYED_CHARS`): a reply cut short by the budget, or
 an event that does not parse, ends the text there, which is still a true prefix.
+
+A non-streamed reply is read by :func:`reply_record`: with msgspec, a typed decode builds
+only ``usage`` and each choice's ``index``, ``message.content`` and ``text`` and skips
+the rest unbuilt, about a fifth less CPU per reply than the whole decode and the reading
+of it (measured in process on the stub's reply and vLLM-like ones, ASCII or not; the
+decode alone about a third less). Whatever the typed decode refuses (a field of another
+type, not an object, not JSON for msgspec) is decoded whole as before, so the result is
+:func:`parse_json` then :func:`reply_text`'s, but for one thing: a field the balancer
+does not read is skipped unchecked, as :func:`skymesh.net.jsonbody.fast_usage` already
+skips it, so invalid UTF-8 or a number too long for ``int`` (over 4,300 digits) there no
+longer voids the reply's usage and text. Checking the UTF-8 first would cost more than
+the typed decode saves on a non-ASCII reply.
 """
 
 from __future__ import annotations
@@ -20,6 +32,30 @@ from typing import Any
 
 from skymesh.net.jsonbody import NOT_DECODED, fast_decode
 from skymesh.prefix.keys import KEYED_CHARS
+
+_REPLY: Any = None
+_REFUSED: tuple[type[BaseException], ...] = ()
+try:
+    import msgspec
+
+    class _Message(msgspec.Struct):
+        content: Any = None
+
+    class _Choice(msgspec.Struct):
+        index: Any = 0  # Any, as reply_text compares whatever is there with 0
+        message: _Message | None = None
+        text: Any = None
+
+    class _Reply(msgspec.Struct):
+        """What the records path reads of a reply; every other field is skipped unbuilt."""
+
+        choices: list[_Choice] | None = None
+        usage: Any = None
+
+    _REPLY = msgspec.json.Decoder(_Reply)
+    _REFUSED = (msgspec.MsgspecError, ValueError, RecursionError)
+except ImportError:  # the lean core (no ``fast`` extra): the whole decode
+    pass
 
 # Raw bytes kept per response at most. An SSE event carries a few characters of text in
 # 150-300 bytes of JSON, so this covers replies of several thousand tokens; past it the
@@ -66,7 +102,7 @@ def parse_json(body: bytes) -> Any:
         return value
     try:
         return json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # deeper than json's scanner recurses: not ours
         return None
 
 
@@ -87,6 +123,31 @@ def reply_text(obj: Any, kind: str) -> str:
             text = ch.get("text")
         return text if isinstance(text, str) else ""
     return ""
+
+
+def reply_record(body: bytes, kind: str) -> tuple[Any, str]:
+    """A non-streamed reply's ``usage`` member (None without one, :data:`NOT_DECODED`
+    when the body is not a JSON object) and choice 0's text (``kind``: "chat" or
+    "completion"; "" when none), as :func:`parse_json` then :func:`reply_text` give them,
+    without building the fields neither reads (module docstring)."""
+    if _REPLY is not None:
+        try:
+            reply = _REPLY.decode(body)
+        except _REFUSED:
+            pass
+        else:
+            for ch in reply.choices or ():
+                if ch.index != 0:
+                    continue
+                if kind == "chat":
+                    text = ch.message.content if ch.message is not None else None
+                else:
+                    text = ch.text
+                return reply.usage, text if isinstance(text, str) else ""
+            return reply.usage, ""
+    whole = parse_json(body)
+    return (whole.get("usage") if isinstance(whole, dict) else NOT_DECODED,
+            reply_text(whole, kind))
 
 
 # The text field of a stream event, as a JSON string literal. Inside a JSON string every

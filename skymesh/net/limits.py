@@ -49,12 +49,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, replace
-from typing import Any, cast
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from typing import TYPE_CHECKING, Any, cast
 
 from skymesh.obs.ratelog import RateLimitedLog
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 log = logging.getLogger("skymesh.net.limits")
 
@@ -121,7 +121,7 @@ class _Phase:
     HEADERS, ACTIVE, IDLE = range(3)
 
 
-class ConnectionGuard(Collector):
+class ConnectionGuard:  # a prometheus_client Collector (a Protocol)
     """Admission and timeouts for one server process (shared by its listeners); also
     the Prometheus collector of its metrics (``registry.register(guard)``).
 
@@ -220,6 +220,11 @@ class ConnectionGuard(Collector):
 
     # -- metrics ---------------------------------------------------------------------
     def collect(self) -> Iterator[Metric]:
+        # Imported here, not with the module: the configs import ConnLimits from it, and
+        # skymesh-lb's supervisor, which checks its config and exports no metrics, carried
+        # prometheus_client for nothing.
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         open_ = GaugeMetricFamily("skymesh_open_connections",
                                   "Client connections open on this server")
         open_.add_metric([], self.open)

@@ -6,13 +6,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
+from skymesh.balancer import output_text
 from skymesh.balancer.output_text import (
     OutputCapture,
     cached_text,
     parse_json,
+    reply_record,
     reply_text,
     sse_output_text,
 )
+from skymesh.net.jsonbody import NOT_DECODED, fast_usage
 from skymesh.prefix.keys import KEYED_CHARS, text_prefix_keys
 from skymesh.prefix.prompt import render_chat
 
@@ -106,3 +111,114 @@ def test_echo_and_empty_replies_record_nothing() -> None:
     assert cached_text("p", {"echo": True}, "p and more") is None
     assert cached_text("p", {}, "") is None
     assert cached_text("p", {}, "q") == "pq"
+
+
+# reply_record against the whole decode it replaces (parse_json then reply_text): bodies
+# the typed decode takes and bodies it hands back to the whole decode.
+CHAT = (b'{"id":"chatcmpl-stub","object":"chat.completion","created":1700000000,'
+        b'"model":"stub","choices":[{"index":0,"message":{"role":"assistant",'
+        b'"content":"ok"},"finish_reason":"stop"}],'
+        b'"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}')
+USAGE = {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9}
+RECORD_CASES: list[tuple[str, bytes, str, Any, str]] = [
+    ("chat", CHAT, "chat", USAGE, "ok"),
+    ("completion", b'{"choices":[{"index":0,"text":"4 2","logprobs":null}],"usage":{"a":1}}',
+     "completion", {"a": 1}, "4 2"),
+    ("chat read as completion", CHAT, "completion", USAGE, ""),
+    ("n>1: choice 0 wherever it is",
+     b'{"choices":[{"index":1,"message":{"content":"b"}},{"index":0,"message":'
+     b'{"content":"a"}}]}', "chat", None, "a"),
+    ("n>1 without choice 0", b'{"choices":[{"index":2,"text":"x"}]}', "completion", None, ""),
+    ("index missing is 0", b'{"choices":[{"text":"x"}]}', "completion", None, "x"),
+    ("index null", b'{"choices":[{"index":null,"text":"x"}]}', "completion", None, ""),
+    ("index 0.0 equals 0", b'{"choices":[{"index":0.0,"text":"x"}]}', "completion",
+     None, "x"),
+    ("index false equals 0", b'{"choices":[{"index":false,"text":"y"}]}', "completion", None, "y"),
+    ("index as a string", b'{"choices":[{"index":"0","text":"x"}]}', "completion", None, ""),
+    ("no choices", b'{"usage":{"a":1}}', "chat", {"a": 1}, ""),
+    ("choices null", b'{"choices":null}', "chat", None, ""),
+    ("empty choices", b'{"choices":[]}', "chat", None, ""),
+    ("no message", b'{"choices":[{"index":0}]}', "chat", None, ""),
+    ("message null", b'{"choices":[{"index":0,"message":null}]}', "chat", None, ""),
+    ("content null", b'{"choices":[{"index":0,"message":{"content":null}}]}', "chat", None, ""),
+    ("content not a string", b'{"choices":[{"message":{"content":[1]}}]}', "chat", None, ""),
+    ("text not a string", b'{"choices":[{"text":7}]}', "completion", None, ""),
+    ("usage null", b'{"usage":null,"choices":[]}', "chat", None, ""),
+    ("usage not an object", b'{"usage":[1,2]}', "chat", [1, 2], ""),
+    ("choices an object", b'{"choices":{"index":0,"text":"x"},"usage":3}', "completion", 3, ""),
+    ("a choice not an object", b'{"choices":["x",{"index":0,"text":"y"}]}', "completion",
+     None, "y"),
+    ("message a string", b'{"choices":[{"message":"hi"}]}', "chat", None, ""),
+    ("a later choice of another shape",
+     b'{"choices":[{"index":0,"text":"x"},{"index":1,"message":7}]}', "completion", None, "x"),
+    ("duplicate keys: the last", b'{"usage":1,"usage":2,"choices":[{"text":"a"}],'
+     b'"choices":[{"text":"b"}]}', "completion", 2, "b"),
+    ("escapes and non-ASCII", '{"choices":[{"message":{"content":"w\\u00f6rld \\"q\\" '
+     'é"}}]}'.encode(), "chat", None, 'wörld "q" é'),
+    ("a lone surrogate (json takes it)", b'{"id":"\\ud800","choices":[{"text":"x"}]}',
+     "completion", None, "x"),
+    ("NaN (json takes it)", b'{"x":NaN,"choices":[{"text":"x"}]}', "completion", None, "x"),
+    ("a big integer stays exact", b'{"usage":{"n":123456789012345678901234567890}}', "chat",
+     {"n": 123456789012345678901234567890}, ""),
+    ("a JSON list", b'[{"choices":[{"text":"x"}]}]', "completion", NOT_DECODED, ""),
+    ("a JSON string", b'"hello"', "chat", NOT_DECODED, ""),
+    ("a JSON number", b"42", "chat", NOT_DECODED, ""),
+    ("JSON null", b"null", "chat", NOT_DECODED, ""),
+    ("not JSON", b"not json", "chat", NOT_DECODED, ""),
+    ("empty", b"", "chat", NOT_DECODED, ""),
+    ("cut short", CHAT[:-20], "chat", NOT_DECODED, ""),
+    ("trailing bytes", CHAT + b" x", "chat", NOT_DECODED, ""),
+    ("invalid bytes", b"\xff\xfe\x00garbage", "chat", NOT_DECODED, ""),
+    ("invalid UTF-8 in the text", b'{"choices":[{"text":"o\xffk"}]}', "completion",
+     NOT_DECODED, ""),
+    ("nested too deeply", b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b',"choices":[]}',
+     "chat", NOT_DECODED, ""),
+]
+
+
+@pytest.mark.parametrize(("body", "kind", "usage", "text"),
+                         [c[1:] for c in RECORD_CASES], ids=[c[0] for c in RECORD_CASES])
+def test_reply_record_reads_what_the_whole_decode_read(body: bytes, kind: str, usage: Any,
+                                                       text: str) -> None:
+    whole = parse_json(body)
+    before = (whole.get("usage") if isinstance(whole, dict) else NOT_DECODED,
+              reply_text(whole, kind))
+    assert before == (usage, text)  # the table states the whole decode's reading
+    got = reply_record(body, kind)
+    assert got == before
+    assert got[0] is NOT_DECODED or before[0] is not NOT_DECODED
+
+
+def test_reply_record_skips_the_whole_decode_for_a_usual_reply(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("msgspec")
+
+    def whole(body: bytes) -> Any:
+        raise AssertionError("decoded whole")
+
+    monkeypatch.setattr(output_text, "parse_json", whole)
+    assert reply_record(CHAT, "chat") == (USAGE, "ok")
+    assert reply_record('{"choices":[{"text":"é"}]}'.encode(), "completion") == (None, "é")
+
+
+@pytest.mark.parametrize("unread", [b"9" * 5000, b'"\xff"'],
+                         ids=["an integer too long for int", "invalid UTF-8"])
+def test_reply_record_does_not_check_a_field_it_does_not_read(unread: bytes) -> None:
+    """The reading that differs from the whole decode (module docstring): as fast_usage
+    does, the typed decode skips the field unbuilt, so the rest of the reply is read."""
+    pytest.importorskip("msgspec")
+    body = b'{"x":' + unread + b',"choices":[{"text":"x"}],"usage":{"a":1}}'
+    assert parse_json(body) is None
+    assert reply_record(body, "completion") == ({"a": 1}, "x")
+    assert fast_usage(body) == {"a": 1}
+
+
+def test_a_reply_nested_too_deeply_is_not_json_not_an_error() -> None:
+    """json's C scanner recurses once per level: a replica's reply nested past the
+    recursion limit (2 KB of brackets) raised RecursionError out of the request path."""
+    from skymesh.balancer.forwarding import reply_usage
+
+    deep = b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b',"choices":[]}'
+    assert parse_json(deep) is None
+    assert reply_text(parse_json(deep), "chat") == ""
+    assert reply_usage(deep) == (0, 0, None)  # usage alone: msgspec refuses, then json

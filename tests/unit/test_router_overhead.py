@@ -373,6 +373,21 @@ def test_page_shows_the_floor_table_and_every_prefix_hit_rate() -> None:
             "asyncio-floor 50.0% [50.0%, 50.0%].") in text
 
 
+def test_floor_text_says_where_the_floors_workers_ran() -> None:
+    def floor(**extra: object) -> str:
+        setup = {**FIXTURE["setup"], "floor_workers": 2, **extra}
+        text = page.router_overhead({**FIXTURE, "setup": setup,
+                                     "segments": _floor_segments(15000)})
+        return text.split("## The floor")[1].split("## Memory")[0]
+
+    assert ("`SO_REUSEPORT` as skymesh-lb's default, each pinned to a core of its own "
+            "(cores 0, 1) by skymesh-lb's own rule for `listen.pin_workers: auto`, in the "
+            "same rounds") in floor(floor_cpus=[0, 1])
+    assert "unpinned: skymesh-lb's rule for `listen.pin_workers: auto` leaves them" in floor(
+        floor_cpus=None)
+    assert "unpinned (this run is from before the floors followed" in floor()
+
+
 def test_floors_run_only_the_non_streaming_c64_cases() -> None:
     assert set(ro.FLOORS) <= set(ro.ROUTERS)
     assert {c.name for c in ro.CASES if c.name in ro.FLOOR_CASES} == {"rr-c64", "default-c64"}

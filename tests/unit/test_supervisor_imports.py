@@ -52,6 +52,15 @@ def test_the_supervisor_does_not_load_aiohttp() -> None:
     assert "yarl" not in modules  # the policy's URL joining imports it where it joins
 
 
+def test_the_supervisor_does_not_load_prometheus_client() -> None:
+    """It exports no metrics (the workers do): the config's connection limits
+    (skymesh.net.limits) imported prometheus_client for their collector."""
+    modules = _supervisor_modules()
+    assert "skymesh.net.limits" in modules  # the config's connection limits are there
+    assert not {m for m in modules
+                if m == "prometheus_client" or m.startswith("prometheus_client.")}
+
+
 def test_the_prefix_package_still_gives_the_text_keys() -> None:
     from skymesh.prefix import keys, text_prefix_keys
 

@@ -5,8 +5,10 @@ Lab code, never product. Each kind is a reverse proxy with nothing but the proxy
 round-robin over the upstreams, the request body passed through, the reply returned; no
 parsing of JSON, no metrics, no log. Served as skymesh-lb serves (``--workers`` processes,
 default skymesh-lb's own ``auto`` count, each listening on the same port with
-``SO_REUSEPORT``: :func:`skymesh.balancer.workers.bind_shared`), on uvloop, so the figure
-bounds what skymesh-lb could reach with its logic taken away:
+``SO_REUSEPORT``: :func:`skymesh.balancer.workers.bind_shared`; each on a core of its own
+where skymesh-lb's default ``listen.pin_workers: auto`` would pin its workers, by its rule,
+:func:`skymesh.balancer.workers.worker_cpus`), on uvloop, so the figure bounds what
+skymesh-lb could reach with its logic taken away:
 
 * ``aiohttp``: aiohttp's low-level server and one pooled ``aiohttp.ClientSession`` per
   worker (the textbook aiohttp proxy);
@@ -18,6 +20,7 @@ bounds what skymesh-lb could reach with its logic taken away:
   wrk sends one at a time per connection). Where aiohttp's own cost lies.
 
     python -m skymesh_lab.bench.proxy_floor --kind aiohttp --upstreams URL,URL [--workers N]
+        [--pin-workers auto|true|false]
 
 It prints ``listening on http://HOST:PORT`` (as skymesh-lb does) once its sockets are bound.
 """
@@ -44,14 +47,29 @@ from aiohttp import web
 from yarl import URL
 
 from skymesh.balancer.upstream import Upstream
-from skymesh.balancer.workers import bind_shared, listen_url, resolve_workers, usable_cores
+from skymesh.balancer.workers import (
+    bind_shared,
+    listen_url,
+    resolve_workers,
+    usable_core_ids,
+    usable_cores,
+    worker_cpus,
+)
 
 KINDS = ("aiohttp", "stack", "asyncio")
+# --pin-workers, as listen.pin_workers takes it
+PIN_SETTINGS: dict[str, bool | str] = {"auto": "auto", "true": True, "false": False}
 
 
 def default_workers() -> int:
     """skymesh-lb's worker count with no configuration (``listen.workers: auto``)."""
     return resolve_workers("auto", usable_cores(), mesh_or_controller=False)
+
+
+def floor_cpus(workers: int, pin: bool | str = "auto") -> list[int] | None:
+    """The core of each worker by index, or ``None`` (the kernel places them): skymesh-lb's
+    ``listen.pin_workers`` rule over the cores this process may use."""
+    return worker_cpus(pin, usable_core_ids(), workers)
 
 
 def _content_type(headers: Mapping[str, str]) -> dict[str, str]:
@@ -222,17 +240,26 @@ def serve(kind: str, sock: socket.socket, upstreams: Sequence[str]) -> None:
     uvloop.run(main)
 
 
-def run_workers(kind: str, upstreams: Sequence[str], workers: int, host: str, port: int
-                ) -> int:
-    """Fork one worker per shared socket; forward SIGTERM/SIGINT to them; end when any
-    ends (a floor that lost a worker would measure less than the floor)."""
+def run_workers(kind: str, upstreams: Sequence[str], workers: int, host: str, port: int,
+                pin: bool | str = "auto") -> int:
+    """Fork one worker per shared socket (on its core of :func:`floor_cpus`); forward
+    SIGTERM/SIGINT to them; end when any ends (a floor that lost a worker would measure
+    less than the floor)."""
     socks = bind_shared(host, port, workers)
+    cpus = floor_cpus(workers, pin)
     pids: list[int] = []
     sys.stdout.flush()
     for i, sock in enumerate(socks):
         pid = os.fork()
         if pid == 0:  # the worker: its own socket, a fresh loop (none exists before fork)
             _die_with_parent()
+            if cpus is not None:
+                # Before the loop exists: every thread it starts inherits the core, as a
+                # skymesh-lb worker's do (pinned before its imports).
+                try:
+                    os.sched_setaffinity(0, {cpus[i]})
+                except OSError as exc:  # refused: served unpinned, as skymesh-lb would
+                    print(f"worker {i} not pinned to core {cpus[i]}: {exc}", file=sys.stderr)
             for other in socks[:i] + socks[i + 1:]:
                 other.close()
             code = 0
@@ -252,8 +279,10 @@ def run_workers(kind: str, upstreams: Sequence[str], workers: int, host: str, po
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    print(f"{kind} floor, {workers} workers: listening on {listen_url(socks[0], False)}",
-          flush=True)
+    placed = (f" pinned to cores {', '.join(map(str, cpus))}" if cpus is not None
+              else " unpinned")
+    print(f"{kind} floor, {workers} workers{placed}: listening on "
+          f"{listen_url(socks[0], False)}", flush=True)
     code = 0
     while pids:
         try:
@@ -275,11 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--upstreams", required=True, metavar="URL,URL")
     ap.add_argument("--workers", type=int, default=None,
                     help="processes (default: skymesh-lb's auto count)")
+    ap.add_argument("--pin-workers", choices=PIN_SETTINGS, default="auto",
+                    help="each worker on a core of its own, by skymesh-lb's "
+                         "listen.pin_workers rule (default: auto, as skymesh-lb)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     args = ap.parse_args(argv)
     workers = args.workers if args.workers is not None else default_workers()
-    return run_workers(args.kind, args.upstreams.split(","), workers, args.host, args.port)
+    return run_workers(args.kind, args.upstreams.split(","), workers, args.host, args.port,
+                       PIN_SETTINGS[args.pin_workers])
 
 
 if __name__ == "__main__":

@@ -474,6 +474,7 @@ def run(opts: Options) -> dict[str, Any]:
                   "stream_events": STREAM_EVENTS, "prefix_groups": PREFIX_GROUPS,
                   "stub_prefix_cache": STUB_PREFIX_CACHE, "floor_cases": list(FLOOR_CASES),
                   "floor_workers": floor_workers(opts),
+                  "floor_cpus": proxy_floor.floor_cpus(floor_workers(opts)),
                   "routers": {r: {c: i.flags for (rr, c), i in insts.items() if rr == r}
                               for r in routers},
                   "versions": {r: PEERS[r]["version"] for r in routers if r in PEERS},

@@ -85,6 +85,20 @@ def floor_table(summary: Mapping[str, Any]) -> str:
     return "\n".join(out)
 
 
+def floor_placement(setup: Mapping[str, Any]) -> str:
+    """Where the floors' workers ran: ``floor_cpus`` is skymesh-lb's ``listen.pin_workers:
+    auto`` rule applied to them (a list of cores, or null: left to the kernel); runs from
+    before the floors followed it have no such key."""
+    if "floor_cpus" not in setup:
+        return "unpinned (this run is from before the floors followed skymesh-lb's pinning)"
+    cpus = setup["floor_cpus"]
+    if cpus:
+        return (f"each pinned to a core of its own (cores {', '.join(map(str, cpus))}) by "
+                "skymesh-lb's own rule for `listen.pin_workers: auto`")
+    return ("unpinned: skymesh-lb's rule for `listen.pin_workers: auto` leaves them to the "
+            "kernel here (more usable cores than workers)")
+
+
 def floor_lines(summary: Mapping[str, Any]) -> list[str]:
     """What the floors say about the target (skymesh-lb's default at or above
     sglang-router's cache-aware req/s, non-streaming c=64): sentences from the medians."""
@@ -289,8 +303,9 @@ def router_overhead(data: dict[str, Any]) -> str:
                 "body passed through; no parsing, metrics or log: "
                 "`lab/skymesh_lab/bench/proxy_floor.py`), on uvloop, "
                 f"{setup.get('floor_workers', '?')} worker processes on one port with "
-                "`SO_REUSEPORT` as skymesh-lb's default, in the same rounds as the "
-                "routers.", "", floor_table(summary), "", " ".join(floor_lines(summary)), ""]
+                f"`SO_REUSEPORT` as skymesh-lb's default, {floor_placement(setup)}, in the "
+                "same rounds as the routers.", "", floor_table(summary), "",
+                " ".join(floor_lines(summary)), ""]
     out += ["## Memory", "", rss_table(data.get("rss", {})), ""]
     if data.get("long_run"):
         out += ["Long run (non-streaming, prefix and streaming segments in turn):", "",
