@@ -55,6 +55,14 @@ _VERSIONS = {"1.1": HttpVersion11, "1.0": HttpVersion10}
 _IDLE, _HEAD, _BODY = range(3)
 
 
+def _header_end(buf: bytes, start: int) -> int:
+    """Where in ``buf`` the body of the request starting at ``start`` begins: after the
+    first CRLFCRLF past the empty lines the parser skips before a request line."""
+    while start < len(buf) and buf[start] in b"\r\n":
+        start += 1
+    return buf.find(b"\r\n\r\n", start) + 4
+
+
 class _HandOff(Exception):
     """Raised in a parser callback: stop parsing here, aiohttp takes the rest."""
 
@@ -287,9 +295,9 @@ class LeanProtocol(BaseProtocol):
             raise _HandOff
         if self._prefix:
             joined = self._prefix + self._head
-            self._mark = joined.find(b"\r\n\r\n") + 4 - len(self._prefix)
+            self._mark = _header_end(joined, 0) - len(self._prefix)
         else:
-            self._mark = self._head.find(b"\r\n\r\n", self._start) + 4
+            self._mark = _header_end(self._head, self._start)
         self._state = _BODY
         self._seen = 0
         self._prefix = b""

@@ -7,6 +7,7 @@ disconnect, graceful shutdown, TLS, the access log)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import ssl
@@ -22,12 +23,14 @@ from support import chat_replica, eventually, serving, until
 
 from skymesh.balancer.config import parse_config
 from skymesh.balancer.server import build_app
-from skymesh.net.limits import ConnLimits
+from skymesh.net.lean_request import LeanRequest
+from skymesh.net.limits import ConnectionGuard, ConnLimits
 from skymesh.net.serving import start_app
 from skymesh.obs.access import ACCESS_LOGGER, install
 
 MODEL = "m"
 CHAT = "/v1/chat/completions"
+BIG = 32 * 1024 * 1024  # a response the socket buffers cannot hold
 
 
 class Probe:
@@ -64,6 +67,9 @@ def probe_app(probe: Probe) -> web.Application:
         probe.slow_ended.append("done")
         return web.Response(text="slow done")
 
+    async def big(request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * BIG)
+
     async def dynamic(request: web.Request) -> web.Response:
         probe.kinds.append(type(request).__name__)
         return web.Response(text=request.match_info["name"])
@@ -73,22 +79,32 @@ def probe_app(probe: Probe) -> web.Application:
     app.router.add_get("/hello", hello)
     app.router.add_get("/boom", boom)
     app.router.add_get("/slow", slow)
+    app.router.add_get("/big", big)
     app.router.add_get("/items/{name}", dynamic)
     install(app, access_log=True)
     return app
 
 
-@pytest.fixture
-async def lean(caplog: pytest.LogCaptureFixture) -> AsyncIterator[tuple[int, Probe]]:
-    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+@contextlib.asynccontextmanager
+async def lean_server(limits: ConnLimits | None = None,
+                      ssl_ctx: ssl.SSLContext | None = None
+                      ) -> AsyncIterator[tuple[int, Probe, ConnectionGuard]]:
+    """The probe app served lean on a free port: the port, the probe, the guard."""
     probe = Probe()
-    runner, _ = await start_app(probe_app(probe), "127.0.0.1", 0, "t", ConnLimits(),
-                                http_server="lean")
+    runner, guard = await start_app(probe_app(probe), "127.0.0.1", 0, "t",
+                                    limits or ConnLimits(), ssl_ctx, http_server="lean")
     try:
-        yield runner.addresses[0][1], probe
+        yield runner.addresses[0][1], probe, guard
     finally:
         probe.slow_release.set()
         await runner.cleanup()
+
+
+@pytest.fixture
+async def lean(caplog: pytest.LogCaptureFixture) -> AsyncIterator[tuple[int, Probe]]:
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    async with lean_server() as (port, probe, _):
+        yield port, probe
 
 
 Answer = tuple[int, dict[str, str], bytes]
@@ -177,6 +193,18 @@ async def test_pipelined_requests_are_answered_in_order_across_a_hand_off(
     assert got[2][2] == b"c"
     assert json.loads(got[3][2]) == {"kind": "Request", "len": 4, "x": "d"}  # aiohttp's now
     assert probe.kinds[:2] == ["LeanRequest", "LeanRequest"]
+
+
+async def test_empty_lines_before_a_request_do_not_move_the_hand_off_point(
+        lean: tuple[int, Probe]) -> None:
+    port, _ = lean
+    # The parser skips empty lines before a request line: the next request's first byte
+    # is found past them, so aiohttp gets the right bytes (not the echo's body).
+    body = b"GET /items/smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
+    raw = b"\r\n\r\n" + echo_req(body) + b"GET /items/real HTTP/1.1\r\nHost: x\r\n\r\n"
+    got = await exchange(port, raw, responses=2)
+    assert [s for s, _, _ in got] == [200, 200]
+    assert json.loads(got[0][2])["len"] == len(body) and got[1][2] == b"real"
 
 
 async def test_a_request_split_across_reads_and_a_body_in_pieces(
@@ -278,24 +306,13 @@ async def test_tls(tmp_path: Path) -> None:
     server_ctx.load_cert_chain(cert, key)
     client_ctx = ssl.create_default_context(cafile=str(cert))
     client_ctx.check_hostname = False
-    probe = Probe()
-    runner, _ = await start_app(probe_app(probe), "127.0.0.1", 0, "t", ConnLimits(),
-                                ssl_context=server_ctx, http_server="lean")
-    try:
-        port = runner.addresses[0][1]
+    async with lean_server(ssl_ctx=server_ctx) as (port, _, _):
         got = await exchange(port, echo_req(b"abc") * 2, responses=2, ssl_ctx=client_ctx)
         assert [json.loads(b)["kind"] for _, _, b in got] == ["LeanRequest"] * 2
-    finally:
-        await runner.cleanup()
 
 
 async def test_the_header_timeout_still_cuts_a_slow_client() -> None:
-    probe = Probe()
-    limits = ConnLimits(header_timeout_s=0.2)
-    runner, guard = await start_app(probe_app(probe), "127.0.0.1", 0, "t", limits,
-                                    http_server="lean")
-    try:
-        port = runner.addresses[0][1]
+    async with lean_server(ConnLimits(header_timeout_s=0.2)) as (port, _, guard):
         # A served request first (the guard's marks from the lean path), then half a head.
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(echo_req(b"1"))
@@ -307,13 +324,39 @@ async def test_the_header_timeout_still_cuts_a_slow_client() -> None:
         await asyncio.wait_for(reader.read(), 10)  # to EOF: the guard cut it
         assert guard.closed["header_timeout"] == 1
         writer.close()
-    finally:
-        await runner.cleanup()
 
 
-async def test_the_balancer_through_skymesh_lb_config(caplog: pytest.LogCaptureFixture
+async def test_the_body_timeout_cuts_a_body_that_stops() -> None:
+    async with lean_server(ConnLimits(body_timeout_s=0.2)) as (port, _, guard):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(echo_req(b"0123456789")[:-8])  # the head and 2 of the 10 body bytes
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # cut, no answer
+        assert guard.closed["body_timeout"] == 1
+        writer.close()
+
+
+async def test_the_write_stall_timeout_cuts_a_client_that_stops_reading() -> None:
+    async with lean_server(ConnLimits(idle_timeout_s=0.3)) as (port, _, guard):
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")  # and never read
+        await writer.drain()
+        await eventually(lambda: guard.closed["write_stall"] == 1, "the stall cut", 10)
+        writer.close()
+
+
+async def test_the_balancer_through_skymesh_lb_config(caplog: pytest.LogCaptureFixture,
+                                                       monkeypatch: pytest.MonkeyPatch
                                                        ) -> None:
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    stored: list[object] = []  # the request's storage keys: typed, as on web.Request
+    real = LeanRequest.__setitem__
+
+    def recorded(self: LeanRequest, key: Any, value: Any) -> None:
+        stored.append(key)
+        real(self, key, value)
+
+    monkeypatch.setattr(LeanRequest, "__setitem__", recorded)
     async with serving(chat_replica(MODEL)) as rport:
         cfg = parse_config({"listen": {"host": "127.0.0.1", "port": 0, "http_server": "lean"},
                             "policy": {"name": "round-robin"},
@@ -341,6 +384,7 @@ async def test_the_balancer_through_skymesh_lb_config(caplog: pytest.LogCaptureF
                     assert "error" in await r.json()  # the OpenAI shape
             await eventually(lambda: any(getattr(r, "request_id", "") == "lean-1"
                                          for r in caplog.records), "its access line")
+            assert stored and all(isinstance(k, web.RequestKey) for k in stored)
         finally:
             await runner.cleanup()
 
