@@ -360,21 +360,34 @@ class LeanProtocol(BaseProtocol):
     async def _respond(self, request: LeanRequest) -> bool:
         """Serve ``request`` as aiohttp's RequestHandler would; whether to keep the
         connection for another."""
+        resp: web.StreamResponse | None
         try:
             resp = await self._handler(request)
         except web.HTTPException as exc:
             resp = exc
         except Exception:
             server_log.exception("Error handling request from %s", request.remote)
-            if request._payload_writer.output_size > 0:
-                return False  # a response is half sent: only closing tells the client
-            resp = web.Response(status=500, content_type="text/plain",
-                                text="500 Internal Server Error\n\n"
-                                     "Server got itself in trouble")
-            resp.force_close()
+            resp = None
         try:
-            await resp.prepare(cast(web.Request, request))
-            await resp.write_eof()
+            if resp is not None:
+                try:
+                    await resp.prepare(cast(web.Request, request))
+                    await resp.write_eof()
+                except ConnectionError:
+                    raise
+                except Exception:  # not a response, or one that cannot be sent
+                    server_log.exception("Error sending the response to %s",
+                                         request.remote)
+                    resp = None
+            if resp is None:
+                if request._payload_writer.output_size > 0:
+                    return False  # half sent: only closing tells the client
+                resp = web.Response(status=500, content_type="text/plain",
+                                    text="500 Internal Server Error\n\n"
+                                         "Server got itself in trouble")
+                resp.force_close()
+                await resp.prepare(cast(web.Request, request))
+                await resp.write_eof()
         except ConnectionError:
             return False
         # A body the handler left unread: closing is simpler than reading it away.

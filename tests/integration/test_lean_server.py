@@ -57,6 +57,11 @@ def probe_app(probe: Probe) -> web.Application:
     async def boom(request: web.Request) -> web.Response:
         raise RuntimeError("handler bug")
 
+    async def chunked(request: web.Request) -> web.Response:
+        resp = web.Response(text="x")
+        resp.enable_chunked_encoding()  # which prepare() refuses for HTTP/1.0
+        return resp
+
     async def slow(request: web.Request) -> web.Response:
         probe.slow_started.set()
         try:
@@ -78,6 +83,7 @@ def probe_app(probe: Probe) -> web.Application:
     app.router.add_post("/echo", echo)
     app.router.add_get("/hello", hello)
     app.router.add_get("/boom", boom)
+    app.router.add_get("/chunked", chunked)
     app.router.add_get("/slow", slow)
     app.router.add_get("/big", big)
     app.router.add_get("/items/{name}", dynamic)
@@ -262,6 +268,15 @@ async def test_a_handler_exception_is_a_500_logged_and_closed(
     assert any("handler bug" in str(r.exc_info) for r in caplog.records if r.exc_info)
     await eventually(lambda: any(r.name == ACCESS_LOGGER and getattr(r, "status", 0) == 500
                                  for r in caplog.records), "the 500's access line")
+
+
+async def test_a_response_that_cannot_be_sent_is_a_500_and_the_server_lives(
+        lean: tuple[int, Probe]) -> None:
+    port, _ = lean
+    answer = await closed_by_server(port, b"GET /chunked HTTP/1.0\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.0 500")
+    (status, _, _), = await exchange(port, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status == 200
 
 
 async def test_a_client_that_disconnects_cancels_its_handler(
