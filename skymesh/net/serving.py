@@ -138,8 +138,10 @@ async def start_app(app: web.Application, host: str, port: int, name: str,
         routes = await direct_routes(app)
         server.request_handler = request_handler(app, server.request_handler, routes,
                                                  logged)
+        # Lean serves only the direct routes: with none (a middleware chain, tracing),
+        # every connection would be handed to aiohttp at its first request.
         protocol = (lean_factory(server, app, routes, limits.idle_timeout_s)
-                    if http_server == "lean" else None)
+                    if http_server == "lean" and routes else None)
         await GuardedSite(runner, host, port, guard, ssl_context=ssl_context,
                           sock=sock, protocol=protocol).start()
     except BaseException:

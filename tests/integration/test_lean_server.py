@@ -404,6 +404,26 @@ async def test_the_balancer_through_skymesh_lb_config(caplog: pytest.LogCaptureF
             await runner.cleanup()
 
 
+async def test_an_app_with_a_middleware_is_served_by_aiohttp_alone() -> None:
+    probe = Probe()
+    app = probe_app(probe)
+
+    @web.middleware
+    async def passthrough(request: web.Request, handler: Any) -> web.StreamResponse:
+        return await handler(request)
+
+    app.middlewares.append(passthrough)
+    runner, _ = await start_app(app, "127.0.0.1", 0, "t", ConnLimits(), http_server="lean")
+    try:
+        (status, _, body), = await exchange(runner.addresses[0][1], echo_req(b"ab"))
+        assert (status, json.loads(body)["kind"]) == (200, "Request")
+        server = runner.server
+        assert server is not None
+        assert all(type(c).__name__ == "RequestHandler" for c in server.connections)
+    finally:
+        await runner.cleanup()
+
+
 def test_the_config_key_is_checked() -> None:
     assert parse_config({}).listen.http_server == "aiohttp"
     with pytest.raises(Exception, match="http_server"):
