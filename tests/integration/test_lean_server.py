@@ -201,6 +201,23 @@ async def test_pipelined_requests_are_answered_in_order_across_a_hand_off(
     assert probe.kinds[:2] == ["LeanRequest", "LeanRequest"]
 
 
+async def test_a_long_pipeline_is_answered_in_order(lean: tuple[int, Probe]) -> None:
+    port, probe = lean
+    n = 50  # past MAX_QUEUED: reading pauses while the queue drains, and resumes
+    raw = b"".join(echo_req(b"x" * i, f"X-Test: {i}\r\n") for i in range(n))
+    got = await exchange(port, raw, responses=n)
+    assert [json.loads(b)["x"] for _, _, b in got] == [str(i) for i in range(n)]
+    assert probe.kinds == ["LeanRequest"] * n
+
+
+async def test_an_upgrade_goes_to_aiohttp(lean: tuple[int, Probe]) -> None:
+    port, probe = lean
+    raw = (b"GET /hello HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+           b"Upgrade: websocket\r\n\r\n")
+    (status, _, body), = await exchange(port, raw)
+    assert (status, body, probe.kinds) == (200, b"hello", ["Request"])
+
+
 async def test_empty_lines_before_a_request_do_not_move_the_hand_off_point(
         lean: tuple[int, Probe]) -> None:
     port, _ = lean
