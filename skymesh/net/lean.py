@@ -86,12 +86,12 @@ class LeanProtocol(BaseProtocol):
     __slots__ = (
         "_aio",
         "_app",
+        "_chunk",
         "_context",
         "_cursor",
         "_eof",
         "_hand",
         "_handler",
-        "_head",
         "_headers",
         "_http",
         "_idle_at",
@@ -144,7 +144,7 @@ class LeanProtocol(BaseProtocol):
         # Offsets (see the module docstring): the parser's state, the chunk being fed.
         self._state = _IDLE
         self._prefix = b""  # the current request's bytes from earlier chunks (_HEAD)
-        self._head = b""  # the chunk being fed
+        self._chunk = b""  # the chunk being fed
         self._cursor = 0  # where in it the next request starts
         self._start = 0  # where in it the current request starts (_HEAD)
         self._mark = 0  # where in it the current request's body starts (_BODY)
@@ -232,7 +232,7 @@ class LeanProtocol(BaseProtocol):
 
     # -- parsing ---------------------------------------------------------------------------
     def _feed(self, data: bytes) -> None:
-        self._head, self._cursor, self._seen, self._mark = data, 0, 0, 0
+        self._chunk, self._cursor, self._seen, self._mark = data, 0, 0, 0
         if self._state == _HEAD:
             self._start = 0
         try:
@@ -253,15 +253,15 @@ class LeanProtocol(BaseProtocol):
                 if len(self._prefix) > MAX_HEAD:
                     self._hand = self._prefix
                     self._hold_reading(True)
-        self._head = b""
+        self._chunk = b""
         if self._hand is not None and not self._serving and not self._queue:
             self._hand_off()
 
     def _from_start(self) -> bytes:
         """This chunk from the current request's first byte (with its earlier bytes)."""
         if self._state == _HEAD:
-            return self._prefix + self._head[self._start:]
-        return self._head[self._cursor:]
+            return self._prefix + self._chunk[self._start:]
+        return self._chunk[self._cursor:]
 
     def on_message_begin(self) -> None:
         self._state = _HEAD
@@ -294,10 +294,10 @@ class LeanProtocol(BaseProtocol):
             self._hold_reading(True)
             raise _HandOff
         if self._prefix:
-            joined = self._prefix + self._head
+            joined = self._prefix + self._chunk
             self._mark = _header_end(joined, 0) - len(self._prefix)
         else:
-            self._mark = _header_end(self._head, self._start)
+            self._mark = _header_end(self._chunk, self._start)
         self._state = _BODY
         self._seen = 0
         self._prefix = b""
