@@ -203,7 +203,7 @@ def serve(args: argparse.Namespace, cfg: Any) -> int:
         run(serve_app(app, cfg.listen.host, cfg.listen.port, "skymesh-lb",
                       startup_detail(cfg, args.config), on_bound=on_bound, tuned_gc=True,
                       ssl_context=lb.edge.ssl_context, limits=cfg.limits.connections(),
-                      sock=sock, announce=not worker))
+                      sock=sock, announce=not worker, http_server=cfg.listen.http_server))
     except OSError as exc:
         print(f"skymesh-lb: {exc}", file=sys.stderr)
         return 1

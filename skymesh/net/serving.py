@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from skymesh.net.accept import BatchAcceptServer, listen_sockets
 from skymesh.net.front import direct_routes, request_handler
+from skymesh.net.lean import lean_factory
 from skymesh.net.limits import ConnectionGuard, ConnLimits, fit_file_limit
 from skymesh.obs.access import metrics as access_metrics
 from skymesh.obs.access import outside_chain
@@ -25,6 +26,8 @@ from skymesh.obs.access import outside_chain
 # Where an app keeps its Prometheus registry, if it has one: the connection metrics
 # (skymesh_open_connections, ..._refused_total, ..._closed_total) are added to it.
 METRICS_REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)
+# The HTTP/1.1 server protocols start_app can serve with (listen.http_server).
+HTTP_SERVERS = ("aiohttp", "lean")
 
 
 def run(main: Coroutine[Any, Any, None]) -> None:
@@ -65,15 +68,17 @@ class GuardedSite(web.TCPSite):
     skymesh.balancer.workers) instead of binding ``host:port``.
     """
 
-    __slots__ = ("_guard", "_sock")
+    __slots__ = ("_guard", "_protocol", "_sock")
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard,
                  *, ssl_context: ssl.SSLContext | None = None,
-                 sock: socket.socket | None = None) -> None:
+                 sock: socket.socket | None = None,
+                 protocol: Callable[..., asyncio.Protocol] | None = None) -> None:
         # A deep backlog: a burst of new clients waits in the kernel rather than failing.
         super().__init__(runner, host, port, ssl_context=ssl_context, backlog=2048)
         self._guard = guard
         self._sock = sock
+        self._protocol = protocol  # the server's protocol factory: the runner's by default
 
     async def start(self) -> None:
         # BaseSite.start registers the site; TCPSite.start would bind the bare server.
@@ -88,7 +93,8 @@ class GuardedSite(web.TCPSite):
             socks = listen_sockets(self._host, self._port, self._backlog)
         # Not loop.create_server: uvloop's accepts one connection per loop iteration, and
         # a burst of new clients waited seconds unaccepted (skymesh.net.accept).
-        acceptor = BatchAcceptServer(socks, self._guard.protocol_factory(server),
+        inner = self._protocol or server
+        acceptor = BatchAcceptServer(socks, self._guard.protocol_factory(inner),
                                      ssl_context=self._ssl_context,
                                      ssl_handshake_timeout=handshake)
         await acceptor.start_serving()
@@ -98,10 +104,14 @@ class GuardedSite(web.TCPSite):
 
 async def start_app(app: web.Application, host: str, port: int, name: str,
                     limits: ConnLimits, ssl_context: ssl.SSLContext | None = None,
-                    sock: socket.socket | None = None
+                    sock: socket.socket | None = None, http_server: str = "aiohttp"
                     ) -> tuple[web.AppRunner, ConnectionGuard]:
     """Set ``app`` up and listen on ``host:port`` (or the listening ``sock``) behind the
-    connection limits; the caller ends it with ``runner.cleanup()``."""
+    connection limits; the caller ends it with ``runner.cleanup()``. ``http_server``:
+    ``aiohttp``, or ``lean`` (the app's plain routes on :mod:`skymesh.net.lean`, the
+    rest on aiohttp's server)."""
+    if http_server not in HTTP_SERVERS:
+        raise ValueError(f"http_server must be one of {HTTP_SERVERS}, not {http_server!r}")
     guard = ConnectionGuard(limits, name)
     logged = outside_chain(app)  # before setup() freezes the app's middlewares
     registry = app.get(METRICS_REGISTRY)
@@ -125,10 +135,15 @@ async def start_app(app: web.Application, host: str, port: int, name: str,
         assert server is not None
         # The guard's marks, the access log (around the app, not in its chain) and the
         # app's plain routes, in one frame per request (skymesh.net.front).
-        server.request_handler = request_handler(app, server.request_handler,
-                                                 await direct_routes(app), logged)
+        routes = await direct_routes(app)
+        server.request_handler = request_handler(app, server.request_handler, routes,
+                                                 logged)
+        # Lean serves only the direct routes: with none (a middleware chain, tracing),
+        # every connection would be handed to aiohttp at its first request.
+        protocol = (lean_factory(server, app, routes, limits.idle_timeout_s)
+                    if http_server == "lean" and routes else None)
         await GuardedSite(runner, host, port, guard, ssl_context=ssl_context,
-                          sock=sock).start()
+                          sock=sock, protocol=protocol).start()
     except BaseException:
         await runner.cleanup()
         raise
@@ -139,7 +154,7 @@ async def serve_app(app: web.Application, host: str, port: int, name: str, detai
                     on_bound: Callable[[str], Awaitable[None]] | None = None,
                     tuned_gc: bool = False, ssl_context: ssl.SSLContext | None = None,
                     limits: ConnLimits | None = None, sock: socket.socket | None = None,
-                    announce: bool = True) -> None:
+                    announce: bool = True, http_server: str = "aiohttp") -> None:
     """Serve ``app`` on ``host:port`` (0: any free port) until a stop signal.
 
     Prints ``NAME listening on http(s)://HOST:PORT`` to stderr once bound: scripts and
@@ -147,10 +162,11 @@ async def serve_app(app: web.Application, host: str, port: int, name: str, detai
     ``ssl_context``: serve HTTPS. ``limits``: connection limits (default
     :class:`ConnLimits`), fitted to the open-file limit first. ``sock``: serve this
     listening socket instead of binding; ``announce=False``: no line (a worker, whose
-    supervisor prints it once for all).
+    supervisor prints it once for all). ``http_server``: see :func:`start_app`.
     """
     limits = fit_file_limit(limits or ConnLimits(), name)
-    runner, _ = await start_app(app, host, port, name, limits, ssl_context, sock)
+    runner, _ = await start_app(app, host, port, name, limits, ssl_context, sock,
+                                http_server)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -101,15 +101,18 @@ def _reset(client: socket.socket) -> None:
     client.close()
 
 
-@pytest.fixture
-async def lb_and_replica() -> AsyncIterator[tuple[Daemon, HeldReplica]]:
+@pytest.fixture(params=["aiohttp", "lean"])  # listen.http_server
+async def lb_and_replica(request: pytest.FixtureRequest, tmp_path: Path
+                         ) -> AsyncIterator[tuple[Daemon, HeldReplica]]:
     replica = HeldReplica()
     server = await asyncio.start_server(replica.handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
+    config = tmp_path / "lb.yaml"
+    config.write_text(f"listen:\n  http_server: {request.param}\n")
     lb = await asyncio.to_thread(start_daemon, "skymesh-lb", [
         "--port", "0", "--replicas", f"http://127.0.0.1:{port}", "--policy", "round-robin",
         # One process: the test stops the process that serves the stream (SIGSTOP).
-        "--workers", "1"])
+        "--workers", "1", "--config", str(config)])
     try:
         yield lb, replica
     finally:

@@ -30,6 +30,10 @@ run the balancer's ``/status`` gives the limit sp-p then applied per stub
 count is in the JSON (``setup.workers``) and on the page that shows it (1 worker: the
 dispatch-cost page; 2: the lb-workers page, ``dispatch-cost-live-workers2.json``).
 
+``--lean`` adds two arms with the lean HTTP server (``listen.http_server: lean``,
+skymesh.net.lean) in a ``--config`` file: ``default-lean`` and ``rr-lean``, each paired
+in every round with its aiohttp arm (``lean_ratios``: lean over aiohttp per round).
+
 ``--base REV`` also runs the ``skymesh`` package of git revision ``REV`` (or a directory
 holding a checkout), put first on the balancer's PYTHONPATH, in the same rounds; segments
 are shuffled in every round. Prints the medians, each round's default/rr ratio, and their
@@ -37,7 +41,8 @@ median; ``--json PATH`` writes them too (the dispatch-cost results page shows th
 ``dispatch_cost_page``). Not in ``make test``; needs gcc and wrk.
 
     python -m skymesh_lab.bench.dispatch_cost_live [--base b6a33fb] [--rounds 4]
-        [--duration 4] [--warmup 1] [--workers 1] [--json docs/results/data/dispatch-cost-live.json]
+        [--duration 4] [--warmup 1] [--workers 1] [--lean]
+        [--json docs/results/data/dispatch-cost-live.json]
 """
 
 from __future__ import annotations
@@ -68,6 +73,18 @@ CONFIGS: dict[str, list[str]] = {
 }
 # The configurations measured against rr, each with its per-round ratio.
 RATIOS = ("default", "default-told")
+LEAN_YAML = "listen:\n  http_server: lean\n"
+LEAN_FILE = "{tmp}/lean.yaml"
+# --lean: each lean arm and the aiohttp arm it is paired with.
+LEAN_CONFIGS: dict[str, tuple[str, list[str]]] = {
+    "default-lean": ("default", ["--config", LEAN_FILE]),
+    "rr-lean": ("rr", ["--config", LEAN_FILE, "--policy", "round-robin", "--push-mode", "bp"]),
+}
+
+
+def configs_of(lean: bool) -> dict[str, list[str]]:
+    """The configurations a run measures: ``CONFIGS``, and the lean arms with ``lean``."""
+    return {**CONFIGS, **({c: f for c, (_, f) in LEAN_CONFIGS.items()} if lean else {})}
 
 
 def _checkout(base: str, tmp: str) -> str:
@@ -134,11 +151,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds of load before each segment's measured run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=1, help="skymesh-lb worker processes")
+    ap.add_argument("--lean", action="store_true",
+                    help="also the lean HTTP server's arms (listen.http_server: lean)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
+    configs = configs_of(args.lean)
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="dispatch-cost-live-") as tmp:
         Path(TOLD_FILE.format(tmp=tmp)).write_text(TOLD_YAML)
+        Path(LEAN_FILE.format(tmp=tmp)).write_text(LEAN_YAML)
         trees: dict[str, str | None] = {"current": None}
         if args.base:
             trees["base"] = _checkout(args.base, tmp)
@@ -147,14 +168,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             urls = ",".join(s.url for s in stubs)
             res: dict[tuple[str, str], list[float]] = {
-                (v, c): [] for v in trees for c in CONFIGS}
+                (v, c): [] for v in trees for c in configs}
             limits: dict[tuple[str, str], list[list[int | None]]] = {k: [] for k in res}
             rng = random.Random(args.seed)
             for r in range(args.rounds):
                 order = list(res)
                 rng.shuffle(order)
                 for v, c in order:
-                    flags = [f.format(tmp=tmp) for f in CONFIGS[c]]
+                    flags = [f.format(tmp=tmp) for f in configs[c]]
                     us, lim = segment(urls, flags, trees[v], args.duration, args.workers,
                                       args.warmup)
                     res[(v, c)].append(us)
@@ -172,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
             ratios = [a / b for a, b in zip(res[(v, c)], res[(v, "rr")], strict=True)]
             print(f"{v} {c}/rr per round {[round(x, 2) for x in ratios]}, "
                   f"median {statistics.median(ratios):.2f}")
+        for c, (paired, _) in LEAN_CONFIGS.items() if args.lean else ():
+            ratios = [a / b for a, b in zip(res[(v, c)], res[(v, paired)], strict=True)]
+            print(f"{v} {c}/{paired} per round {[round(x, 2) for x in ratios]}, "
+                  f"median {statistics.median(ratios):.2f}")
     if args.json is not None:
         doc = summary(res, list(trees), args, load, limits)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
@@ -187,6 +212,8 @@ def summary(res: dict[tuple[str, str], list[float]], versions: list[str],
     segment's end, and the ratio to rr of every round (``ratio_rounds``,
     ``ratio_median``: the default's; ``ratios``: each of ``RATIOS``)."""
     out: dict[str, Any] = {}
+    lean = bool(getattr(args, "lean", False))
+    configs = configs_of(lean)
     for v in versions:
         ratios = {c: [a / b for a, b in zip(res[(v, c)], res[(v, "rr")], strict=True)]
                   for c in RATIOS}
@@ -195,27 +222,35 @@ def summary(res: dict[tuple[str, str], list[float]], versions: list[str],
                             "median": round(statistics.median(res[(v, c)]), 1),
                             "min": round(min(res[(v, c)]), 1),
                             "max": round(max(res[(v, c)]), 1),
-                            "limits": (limits or {}).get((v, c), [])} for c in CONFIGS},
+                            "limits": (limits or {}).get((v, c), [])} for c in configs},
             "ratio_rounds": [round(x, 2) for x in ratios["default"]],
             "ratio_median": round(statistics.median(ratios["default"]), 2),
             "ratios": {c: {"rounds": [round(x, 2) for x in r],
                            "median": round(statistics.median(r), 2)}
                        for c, r in ratios.items()},
         }
+        if lean:
+            out[v]["lean_ratios"] = {}
+            for c, (paired, _) in LEAN_CONFIGS.items():
+                r = [a / b for a, b in zip(res[(v, c)], res[(v, paired)], strict=True)]
+                out[v]["lean_ratios"][c] = {"over": paired, "rounds": [round(x, 2) for x in r],
+                                            "median": round(statistics.median(r), 2)}
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                             text=True, check=False).stdout.strip()
     command = "python -m skymesh_lab.bench.dispatch_cost_live" + (
         f" --base {args.base}" if args.base else "") + (
         f" --rounds {args.rounds} --duration {args.duration:g}") + (
         f" --warmup {args.warmup:g}" if args.warmup != 1.0 else "") + (
-        f" --workers {args.workers}" if args.workers != 1 else "")
+        f" --workers {args.workers}" if args.workers != 1 else "") + (
+        " --lean" if lean else "")
     if args.json is not None:
         command += f" --json {args.json}"
     return {"setup": {"rounds": args.rounds, "duration_s": args.duration,
                       "warmup_s": args.warmup,
                       "seed": args.seed, "connections": 64, "workers": args.workers,
-                      "configs": {c: " ".join(f) or "(no flags)" for c, f in CONFIGS.items()},
+                      "configs": {c: " ".join(f) or "(no flags)" for c, f in configs.items()},
                       "told_yaml": TOLD_YAML,
+                      **({"lean_yaml": LEAN_YAML} if lean else {}),
                       "base": args.base, "commit": commit or None,
                       "load_average_1m_at_start": round(load_at_start, 2),
                       "cpus": os.cpu_count(),
