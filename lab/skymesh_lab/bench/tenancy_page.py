@@ -114,11 +114,28 @@ def _arms(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return {a: by[a] for a in [*(a for a in ARMS if a in by), *(a for a in by if a not in ARMS)]}
 
 
+def _paired(rs: list[dict[str, Any]], every: list[dict[str, Any]], pair: str,
+            setup: dict[str, Any], quiet: bool) -> tuple[list[dict[str, Any]],
+                                                         list[dict[str, Any]]]:
+    """``rs`` and the ``pair`` arm's rows of their runs; with ``quiet``, only the runs
+    quiet for both (a busy run's baseline moves a ratio more than the arms differ)."""
+    if not quiet:
+        return rs, _of_runs(rs, every, pair)
+    mine, theirs = [], []
+    for r in rs:
+        p = _in_run(every, r).get(pair)
+        if p is not None and _quiet(r, setup) and _quiet(p, setup):
+            mine.append(r)
+            theirs.append(p)
+    return mine, theirs
+
+
 def _flood(rows: list[dict[str, Any]], setup: dict[str, Any],
-           every: list[dict[str, Any]] | None = None) -> list[str]:
+           every: list[dict[str, Any]] | None = None, quiet: bool = False) -> list[str]:
     """The arms' table and goal lines; each arm against the first come first served and
     no flood of its own runs, from ``every`` (``rows`` and the rows a partial live rerun
-    replaced)."""
+    replaced); with ``quiet`` (live), the goal lines judge only the runs quiet for both
+    the arm and its baseline."""
     arms = _arms(rows)
     every = rows if every is None else every
     out = []
@@ -144,19 +161,27 @@ def _flood(rows: list[dict[str, Any]], setup: dict[str, Any],
         if not rs:
             continue
         label = _label(arm, rs)
-        base, fcfs = _of_runs(rs, every, "no_flood"), _of_runs(rs, every, "fcfs")
+        flooded, base = _paired(rs, every, "no_flood", setup, quiet)
         for key, name in (("ttft_p50_s", "p50"), ("ttft_p99_s", "p99")):
-            b, got = _med(base, key), _med(rs, key)
+            b, got = _med(base, key), _med(flooded, key)
             if b and got:
                 met = "goal met" if got <= 1.2 * b else "goal not met"
                 lines.append(f"- {label}: the interactive TTFT {name} under the flood "
-                             f"is {got / b:.2f}x the no-flood one (goal: within 20%): "
-                             f"{met}.")
-        share, tps = _idle_share(rs, setup), _ratio(rs, fcfs, "batch_tokens_per_s")
+                             f"is {got / b:.2f}x the no-flood one{_in_quiet(quiet, len(flooded))} "
+                             f"(goal: within 20%): {met}.")
+        if quiet and not flooded:
+            lines.append(f"- {label}: the interactive TTFT under the flood: no quiet run "
+                         "(of the arm and its no flood) to judge.")
+        batch, fcfs = _paired(rs, every, "fcfs", setup, quiet)
+        share, tps = _idle_share(batch, setup), _ratio(batch, fcfs, "batch_tokens_per_s")
+        if quiet and not batch:
+            lines.append(f"- {label}: the batch tenant's throughput: no quiet run (of the "
+                         "arm and its first come first served) to judge.")
         if share is not None and tps is not None:
             met = "goal met" if tps >= share - 0.01 else "goal not met"
             lines.append(f"- {label}: the batch tenant's throughput to its last is "
-                         f"{tps:.1%} of first come first served's, where the idle capacity "
+                         f"{tps:.1%} of first come first served's{_in_quiet(quiet, len(batch))}, "
+                         "where the idle capacity "
                          f"is {share:.1%} of it (the run's tokens less the interactive "
                          f"tenant's; goal: all of it, within a point): {met}.")
     fair = arms.get("fair", [])
@@ -176,6 +201,11 @@ def _flood(rows: list[dict[str, Any]], setup: dict[str, Any],
         lines.append(f"- The batch class went unserved for at most {max(unserved):.1f} s, "
                      f"{verdict} its aging bound (`max_wait_s.batch`, {bound:.0f} s).")
     return [*lines, ""]
+
+
+def _in_quiet(quiet: bool, n: int) -> str:
+    return "" if not quiet else " (the quiet run)" if n == 1 else \
+        f" (medians of the {n} quiet runs)"
 
 
 def _tail(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
@@ -506,7 +536,7 @@ def _live(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
         "loopback and the balancer's own time, and varies by some tens of milliseconds "
         "between runs. Longest unserved: the longest gap between two batch completions as "
         "the client sees them (the batch requests are not streamed).", "",
-        *_flood(_current(rows), setup, rows), *_spread(rows, setup),
+        *_flood(_current(rows), setup, rows, quiet=True), *_spread(rows, setup),
         *_phases(_current(rows), setup)]
 
 
