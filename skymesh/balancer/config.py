@@ -559,11 +559,6 @@ class TenantsConfig(StrictModel):
     # their mean in service follows a fall within this long (a rise within 1 s); null:
     # reserve_window_s (docs/tenancy.md, measured on docs/results/tenancy.md).
     reserve_fall_s: float | None = Field(None, gt=0)
-    # With it, that fast fall comes only in a lull: once the better classes have sent
-    # nothing for this many of their mean inter-arrival gaps (their rate over
-    # reserve_window_s); while they keep sending, the fall is over reserve_window_s, so
-    # a light steady class keeps its slot (docs/tenancy.md); null: the fall always.
-    reserve_lull_gaps: float | None = Field(None, gt=0)
     # An "auto" reserve's mean falls over this many of the better classes' mean
     # inter-arrival gaps, at most over reserve_fall_s (or reserve_window_s): a busy class's
     # slots come back within seconds, a light one keeps its slot (docs/tenancy.md); null:

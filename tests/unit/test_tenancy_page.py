@@ -337,23 +337,19 @@ def test_the_light_load_compares_a_reserve_with_another_fall_with_the_default() 
             "p50, p99.") in page
 
 
-def test_a_fall_in_a_lull_or_over_gaps_is_labelled_apart_and_judged() -> None:
-    """``reserve_lull_gaps`` (with its ``reserve_fall_s``) and ``reserve_fall_gaps`` arms
-    get labels of their own (not the plain fall's), goal lines, a verdict and a light-load
-    line."""
+def test_a_fall_over_gaps_is_labelled_apart_and_judged() -> None:
+    """A ``reserve_fall_gaps`` arm gets a label of its own (not the plain fall's), goal
+    lines, a verdict and a light-load line."""
     def arms(tps: float) -> list[dict[str, Any]]:
         return [_flood("no_flood", 0, 0.2), _flood("fcfs", 0, 5.0),
                 _flood("fair_reserve", 0, 0.22, batch_tokens_per_s=900.0),
                 _flood("fair_reserve_fall15", 0, 0.22, batch_tokens_per_s=tps,
                        reserve_fall_s=1.5),
-                _flood("fair_reserve_lull3", 0, 0.22, batch_tokens_per_s=tps,
-                       reserve_fall_s=1.5, reserve_lull_gaps=3.0),
                 _flood("fair_reserve_gaps4", 0, 0.22, batch_tokens_per_s=tps,
                        reserve_fall_gaps=4.0)]
 
     page = tenancy({**DOC, "flood": arms(950.0), "live": arms(960.0), "light": arms(950.0)})
-    for label in ("the same, `reserve_fall_s` 1.5 in a lull, `reserve_lull_gaps` 3.0",
-                  "the same, `reserve_fall_gaps` 4.0"):
+    for label in ("the same, `reserve_fall_gaps` 4.0",):
         assert _row(page, label)[5:7] == ["950", "95.0%"]
         assert f"- {label}: the interactive TTFT p50 under the flood is 1.10x" in page
         assert (f"- {label}, simulator: batch 95.0% of first come first served's (the "
@@ -364,7 +360,7 @@ def test_a_fall_in_a_lull_or_over_gaps_is_labelled_apart_and_judged() -> None:
         return sum(ln.startswith(f"| {label} |") for ln in page.splitlines())
 
     assert rows("the same, `reserve_fall_s` 1.5") == rows("the same, `reserve_fall_gaps` 4.0") \
-        == rows("the same, `reserve_fall_s` 1.5 in a lull, `reserve_lull_gaps` 3.0") > 0
+        > 0
 
 
 def test_live_goal_lines_judge_only_runs_quiet_for_the_arm_and_its_baseline() -> None:

@@ -113,10 +113,6 @@ HELD = "fair_reserve_held"
 # falling interactive load back sooner (the mean sat near the load's recent peak, and for
 # about twice reserve_window_s after the interactive tenant's last request).
 FALLS: dict[str, float] = {"fair_reserve_fall15": 1.5}
-# The same fast fall only in a lull (tenants.reserve_lull_gaps): once the interactive
-# tenant has sent nothing for that many of its mean inter-arrival gaps; over
-# reserve_window_s while it keeps sending. Arm -> (reserve_fall_s, reserve_lull_gaps).
-LULLS: dict[str, tuple[float, float]] = {"fair_reserve_lull3": (1.5, 3.0)}
 # The default reserve whose mean falls over that many of the interactive tenant's mean
 # inter-arrival gaps (tenants.reserve_fall_gaps), at most over reserve_window_s: fast at
 # the flood's rate, as slow as the default at the light one.
@@ -124,10 +120,9 @@ FALL_GAPS: dict[str, float] = {"fair_reserve_gaps4": 4.0}
 FLOOD_ARMS: tuple[str, ...] = ("no_flood", "fcfs", "fair", "fair_reserve",
                                "fair_reserve_fixed", "fair_reserve_pace2",
                                "fair_reserve_nopace", *HEADROOMS, *MISSES, HELD, *FALLS,
-                               *LULLS, *FALL_GAPS)
+                               *FALL_GAPS)
 LIGHT_RATE = 0.5  # the interactive rate of the light arms
-LIGHT_ARMS = ("no_flood", "fcfs", "fair_reserve", "fair_reserve_fixed", *FALLS, *LULLS,
-              *FALL_GAPS)
+LIGHT_ARMS = ("no_flood", "fcfs", "fair_reserve", "fair_reserve_fixed", *FALLS, *FALL_GAPS)
 TAIL_ARMS = ("fair_reserve", "fair_reserve_fixed")
 TAIL_SHARE = 0.05  # the slowest 5% of the interactive requests
 ENGINE_SEQS = (9, 12, 16)
@@ -183,7 +178,7 @@ def _reserve(arm: str) -> Reserve | None:
         return replace(RESERVE, miss=MISSES[arm])
     if arm == HELD:
         return replace(RESERVE, held=True)
-    if arm in FALLS or arm in LULLS or arm in FALL_GAPS:
+    if arm in FALLS or arm in FALL_GAPS:
         return RESERVE
     if arm not in PACES:
         return None
@@ -279,8 +274,6 @@ def _sim(arrivals: list[Arrival], classify: Any, arm: str, seed: int,
                               started=0.0)
         queue.flow.tau_s = RESERVE_WINDOW_S  # as queue_of sets
         queue.occupancy.fall_s = FALLS.get(arm, RESERVE_WINDOW_S)
-        if arm in LULLS:
-            queue.occupancy.lull_fall_s, queue.occupancy.lull_gaps = LULLS[arm]
         queue.occupancy.fall_gaps = FALL_GAPS.get(arm)
         lb.tenancy = SimTenancy(queue, classify,
                                 reserve=reserve or _reserve(arm))
@@ -291,13 +284,9 @@ def _sim(arrivals: list[Arrival], classify: Any, arm: str, seed: int,
 
 
 def _fall_keys(arm: str) -> dict[str, float]:
-    """The arm's tenants.reserve_fall_s, reserve_lull_gaps and reserve_fall_gaps, when it
-    sets them."""
+    """The arm's tenants.reserve_fall_s and reserve_fall_gaps, when it sets them."""
     if arm in FALLS:
         return {"reserve_fall_s": FALLS[arm]}
-    if arm in LULLS:
-        fall, gaps = LULLS[arm]
-        return {"reserve_fall_s": fall, "reserve_lull_gaps": gaps}
     if arm in FALL_GAPS:
         return {"reserve_fall_gaps": FALL_GAPS[arm]}
     return {}

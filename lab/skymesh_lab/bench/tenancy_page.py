@@ -81,7 +81,6 @@ def _label(arm: str, rs: list[dict[str, Any]]) -> str:
     h = rs[0].get("reserve_headroom") if rs else None
     m = rs[0].get("reserve_miss") if rs else None
     f = rs[0].get("reserve_fall_s") if rs else None
-    lull = rs[0].get("reserve_lull_gaps") if rs else None
     gaps = rs[0].get("reserve_fall_gaps") if rs else None
     if arm in ARMS:
         return ARMS[arm]
@@ -89,8 +88,6 @@ def _label(arm: str, rs: list[dict[str, Any]]) -> str:
         return f"the same, by arrivals, `reserve_miss` {m}"
     if gaps is not None:
         return f"the same, `reserve_fall_gaps` {gaps}"
-    if f is not None and lull is not None:
-        return f"the same, `reserve_fall_s` {f} in a lull, `reserve_lull_gaps` {lull}"
     if f is not None:
         return f"the same, `reserve_fall_s` {f}"
     return f"the same, `reserve_headroom` {h}" if h is not None else arm
@@ -475,7 +472,7 @@ def _against_default(flood: list[dict[str, Any]], live: list[dict[str, Any]],
             "rate slots free up; counting the slots held (`reserve_held`), headroom x "
             "their mean in service is their part, in service and free together, so the "
             "slots kept free are that less those in service now; another fall of its "
-            "mean in service (`reserve_fall_s`, in a lull or always; `reserve_fall_gaps`, "
+            "mean in service (`reserve_fall_s`; `reserve_fall_gaps`, "
             "over that many of the interactive mean inter-arrival gaps) (docs: the slot "
             "reserve). "
             "Medians of the tables above, and live each quiet run's figures against its "
@@ -494,9 +491,8 @@ def _light(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
         "a fixed reserve keeps its slots free whatever the interactive load; the adaptive one "
         f"keeps `reserve_headroom` ({setup.get('reserve_headroom', '?')}) x the interactive "
         "requests in service, at least one slot per replica; with `reserve_fall_s` its "
-        "mean falls within that long after each interactive request ends (with "
-        "`reserve_lull_gaps`, only once that many of its mean inter-arrival gaps pass "
-        "with no interactive request); with `reserve_fall_gaps` over that many gaps (at "
+        "mean falls within that long after each interactive request ends; with "
+        "`reserve_fall_gaps` over that many of its mean inter-arrival gaps (at "
         "this rate, about the default's fall).", "",
         *_flood(rows, setup)[:-1], *_light_falls(rows), ""]
 
@@ -692,9 +688,8 @@ def tenancy(doc: dict[str, Any]) -> str:
         "slots the interactive requests hold against their reserve (`reserve_held`), or "
         "let its mean of the interactive requests in service fall within "
         "`reserve_fall_s` instead of `reserve_window_s` (the slots of a falling "
-        "interactive load given back sooner), only in a lull (`reserve_lull_gaps`: once "
-        "that many of the interactive tenant's mean inter-arrival gaps pass with no "
-        "request), or over that many gaps whatever they are (`reserve_fall_gaps`, at most "
+        "interactive load given back sooner), or over that many of the interactive "
+        "tenant's mean inter-arrival gaps (`reserve_fall_gaps`, at most "
         "`reserve_window_s`).",
         "", "### Simulator", "", *_flood(doc["flood"], s),
         *(_tail(doc["tail"], s) if doc.get("tail") else []),
