@@ -363,6 +363,27 @@ def test_a_fall_over_gaps_is_labelled_apart_and_judged() -> None:
         > 0
 
 
+def test_the_default_before_is_labelled_and_judged_against_the_new_default() -> None:
+    """Since reserve_fall_gaps 4 is the default, its arm with the key null (a fall over
+    reserve_window_s) is the default before: labelled so, judged against the default."""
+    def arms(tps: float) -> list[dict[str, Any]]:
+        return [_flood("no_flood", 0, 0.2), _flood("fcfs", 0, 5.0),
+                _flood("fair_reserve", 0, 0.22, batch_tokens_per_s=950.0),
+                _flood("fair_reserve_fallwindow", 0, 0.22, batch_tokens_per_s=tps,
+                       reserve_fall_gaps=None)]  # type: ignore[arg-type]
+
+    setup = {**DOC["setup"], "reserve_fall_gaps": 4.0, "reserve_window_s": 10.0, "reserve_pace": 1,
+             "light_rate_per_s": 0.5}
+    page = tenancy({**DOC, "flood": arms(900.0), "light": arms(900.0), "setup": setup})
+    label = "the same, its mean falling over `reserve_window_s` (the default before)"
+    assert _row(page, label)[5:7] == ["900", "90.0%"]
+    assert (f"- {label}, simulator: batch 90.0% of first come first served's (the "
+            "default reserve 95.0%)") in page
+    assert f"- {label} at this light load: interactive p50 1.10x" in page
+    assert "`reserve_pace` 1, its mean falling over `reserve_fall_gaps` 4.0 of the " \
+        "interactive mean inter-arrival gaps, at most `reserve_window_s` 10.0 s)" in page
+
+
 def test_live_goal_lines_judge_only_runs_quiet_for_the_arm_and_its_baseline() -> None:
     """A busy run's inflated no-flood p99 must not make the reserve look better than no
     flood: the live goal lines take medians over the runs quiet for both the arm and its

@@ -62,7 +62,12 @@ from typing import Any
 
 import aiohttp
 
-from skymesh.balancer.config import AUTO_RESERVE, DEFAULT_RESERVE, DEFAULT_RESERVE_HEADROOM
+from skymesh.balancer.config import (
+    AUTO_RESERVE,
+    DEFAULT_RESERVE,
+    DEFAULT_RESERVE_FALL_GAPS,
+    DEFAULT_RESERVE_HEADROOM,
+)
 from skymesh.balancer.tenancy import FairQueue, Reserve, Tenant, Waiter
 from skymesh.balancer.tenant_limits import Limiter, TenantLimited
 from skymesh_lab.faults.cluster import (
@@ -113,10 +118,11 @@ HELD = "fair_reserve_held"
 # falling interactive load back sooner (the mean sat near the load's recent peak, and for
 # about twice reserve_window_s after the interactive tenant's last request).
 FALLS: dict[str, float] = {"fair_reserve_fall15": 1.5}
-# The default reserve whose mean falls over that many of the interactive tenant's mean
-# inter-arrival gaps (tenants.reserve_fall_gaps), at most over reserve_window_s: fast at
-# the flood's rate, as slow as the default at the light one.
-FALL_GAPS: dict[str, float] = {"fair_reserve_gaps4": 4.0}
+# The default reserve's mean falls over DEFAULT_RESERVE_FALL_GAPS of the interactive
+# tenant's mean inter-arrival gaps (tenants.reserve_fall_gaps), at most over
+# reserve_window_s; the arm here sets it otherwise: None, over reserve_window_s whatever
+# the rate (the default before).
+FALL_GAPS: dict[str, float | None] = {"fair_reserve_fallwindow": None}
 FLOOD_ARMS: tuple[str, ...] = ("no_flood", "fcfs", "fair", "fair_reserve",
                                "fair_reserve_fixed", "fair_reserve_pace2",
                                "fair_reserve_nopace", *HEADROOMS, *MISSES, HELD, *FALLS,
@@ -274,7 +280,7 @@ def _sim(arrivals: list[Arrival], classify: Any, arm: str, seed: int,
                               started=0.0)
         queue.flow.tau_s = RESERVE_WINDOW_S  # as queue_of sets
         queue.occupancy.fall_s = FALLS.get(arm, RESERVE_WINDOW_S)
-        queue.occupancy.fall_gaps = FALL_GAPS.get(arm)
+        queue.occupancy.fall_gaps = FALL_GAPS.get(arm, DEFAULT_RESERVE_FALL_GAPS)
         lb.tenancy = SimTenancy(queue, classify,
                                 reserve=reserve or _reserve(arm))
     if trace is not None:
@@ -283,7 +289,7 @@ def _sim(arrivals: list[Arrival], classify: Any, arm: str, seed: int,
     return sim, queue
 
 
-def _fall_keys(arm: str) -> dict[str, float]:
+def _fall_keys(arm: str) -> dict[str, float | None]:
     """The arm's tenants.reserve_fall_s and reserve_fall_gaps, when it sets them."""
     if arm in FALLS:
         return {"reserve_fall_s": FALLS[arm]}
@@ -724,6 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {"replicas": 2, "policy": "least-load", "push_mode": "sp-p",
                   "max_num_seqs": SEQS, "reserve": {"batch": AUTO_RESERVE},
                   "reserve_headroom": RESERVE.headroom,
+                  "reserve_fall_gaps": DEFAULT_RESERVE_FALL_GAPS,
                   "reserve_fixed": FIXED.fractions, "light_rate_per_s": LIGHT_RATE,
                   "tail_share": TAIL_SHARE, "reserve_idle_s": RESERVE_IDLE_S,
                   "reserve_window_s": RESERVE_WINDOW_S, "reserve_fixed_idle_s": FIXED_IDLE_S,

@@ -88,6 +88,8 @@ def _label(arm: str, rs: list[dict[str, Any]]) -> str:
         return f"the same, by arrivals, `reserve_miss` {m}"
     if gaps is not None:
         return f"the same, `reserve_fall_gaps` {gaps}"
+    if rs and "reserve_fall_gaps" in rs[0]:  # null: the fall over reserve_window_s
+        return "the same, its mean falling over `reserve_window_s` (the default before)"
     if f is not None:
         return f"the same, `reserve_fall_s` {f}"
     return f"the same, `reserve_headroom` {h}" if h is not None else arm
@@ -101,8 +103,9 @@ def _goal_arms(arms: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 
 def _falls(r: dict[str, Any]) -> bool:
-    """Whether a row's reserve has another fall of its mean (in time or in gaps)."""
-    return r.get("reserve_fall_s") is not None or r.get("reserve_fall_gaps") is not None
+    """Whether a row's reserve has another fall of its mean (in time, or another number
+    of gaps, or none: over reserve_window_s)."""
+    return r.get("reserve_fall_s") is not None or "reserve_fall_gaps" in r
 
 
 def _arms(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -473,8 +476,8 @@ def _against_default(flood: list[dict[str, Any]], live: list[dict[str, Any]],
             "their mean in service is their part, in service and free together, so the "
             "slots kept free are that less those in service now; another fall of its "
             "mean in service (`reserve_fall_s`; `reserve_fall_gaps`, "
-            "over that many of the interactive mean inter-arrival gaps) (docs: the slot "
-            "reserve). "
+            "over another number of the interactive mean inter-arrival gaps, or null: over "
+            "`reserve_window_s`, the default before) (docs: the slot reserve). "
             "Medians of the tables above, and live each quiet run's figures against its "
             "own first come first served and no flood; in brackets the default reserve's. "
             "The simulator's p99 here is over the page's 5 seeds, whose draw moves it by "
@@ -491,10 +494,22 @@ def _light(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
         "a fixed reserve keeps its slots free whatever the interactive load; the adaptive one "
         f"keeps `reserve_headroom` ({setup.get('reserve_headroom', '?')}) x the interactive "
         "requests in service, at least one slot per replica; with `reserve_fall_s` its "
-        "mean falls within that long after each interactive request ends; with "
-        "`reserve_fall_gaps` over that many of its mean inter-arrival gaps (at "
-        "this rate, about the default's fall).", "",
+        "mean falls within that long after each interactive request ends. "
+        f"{_gaps_said(setup)}", "",
         *_flood(rows, setup)[:-1], *_light_falls(rows), ""]
+
+
+def _gaps_said(setup: dict[str, Any]) -> str:
+    """How the default's mean falls at the light rate, when the run records it."""
+    gaps, window = setup.get("reserve_fall_gaps"), setup.get("reserve_window_s", "?")
+    if not gaps:
+        return ("With `reserve_fall_gaps` its mean falls over that many of the interactive "
+                "mean inter-arrival gaps (at this rate, about a fall over "
+                "`reserve_window_s`).")
+    return (f"The default's mean falls over `reserve_fall_gaps` ({gaps}) of the "
+            "interactive mean inter-arrival gaps, at most `reserve_window_s` "
+            f"({window} s): at this rate, about the default before's fall over "
+            "`reserve_window_s`, so a light tenant keeps the slot its lone requests need.")
 
 
 def _light_falls(rows: list[dict[str, Any]]) -> list[str]:
@@ -671,7 +686,11 @@ def tenancy(doc: dict[str, Any]) -> str:
         "to the balancer as a live engine publishes it). The slot reserve is the default "
         f"(`tenants.reserve` {s.get('reserve', {})}: adaptive, `reserve_headroom` "
         f"{s.get('reserve_headroom', '?')}, `reserve_idle_s` "
-        f"{s.get('reserve_idle_s', '?')} s, `reserve_pace` {s.get('reserve_pace', '?')}); "
+        f"{s.get('reserve_idle_s', '?')} s, `reserve_pace` {s.get('reserve_pace', '?')}"
+        + (f", its mean falling over `reserve_fall_gaps` {s['reserve_fall_gaps']} of the "
+           "interactive mean inter-arrival gaps, at most `reserve_window_s` "
+           f"{s.get('reserve_window_s', '?')} s" if s.get("reserve_fall_gaps") else "")
+        + "); "
         f"the fixed reserve is {s.get('reserve_fixed', '?')}, the default before. "
         "Medians over the seeds (a seed's p99 is the slowest of its interactive requests, "
         "so the simulator's p99 moves with the seeds: [why it moved between two runs]"
@@ -688,9 +707,9 @@ def tenancy(doc: dict[str, Any]) -> str:
         "slots the interactive requests hold against their reserve (`reserve_held`), or "
         "let its mean of the interactive requests in service fall within "
         "`reserve_fall_s` instead of `reserve_window_s` (the slots of a falling "
-        "interactive load given back sooner), or over that many of the interactive "
+        "interactive load given back sooner), or over another number of the interactive "
         "tenant's mean inter-arrival gaps (`reserve_fall_gaps`, at most "
-        "`reserve_window_s`).",
+        "`reserve_window_s`; null: over `reserve_window_s` whatever its rate).",
         "", "### Simulator", "", *_flood(doc["flood"], s),
         *(_tail(doc["tail"], s) if doc.get("tail") else []),
         *(_live(doc["live"], s) if doc.get("live") else []),
