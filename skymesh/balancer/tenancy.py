@@ -155,39 +155,25 @@ class Occupancy:
     :meth:`arrived`): with ``fall_gaps`` (tenants.reserve_fall_gaps) the mean falls over
     that many gaps, at most ``fall_s``: over a few arrivals, not a fixed time, so a busy
     class's slots come back within seconds of its load falling while a light one keeps
-    the slot its lone requests need between them. With ``lull_gaps``
-    (tenants.reserve_lull_gaps) it falls within ``lull_fall_s`` once the class has sent
-    nothing for that many gaps (a lull), and over the slow fall until then."""
+    the slot its lone requests need between them."""
 
     def __init__(self, rise_s: float = 1.0, fall_s: float = 10.0,
-                 lull_fall_s: float | None = None, lull_gaps: float | None = None,
                  fall_gaps: float | None = None) -> None:
         self.rise_s = rise_s
         self.fall_s = fall_s
-        self.lull_fall_s = lull_fall_s
-        self.lull_gaps = lull_gaps
         self.fall_gaps = fall_gaps
-        # (model, class) -> [in service, mean, as of, its lull begins, its mean gap]
+        # (model, class) -> [in service, mean, as of, its mean gap]
         self._s: dict[tuple[str, str], list[float]] = {}
 
     def _at(self, key: tuple[str, str], now: float) -> list[float]:
         st = self._s.get(key)
         if st is None:
-            st = self._s[key] = [0, 0.0, now, -math.inf, math.inf]
-        n, mean, then, lull, gap = st
+            st = self._s[key] = [0, 0.0, now, math.inf]
+        n, mean, then, gap = st
         if now > then:
             fall = self.fall_s if self.fall_gaps is None else \
                 min(self.fall_s, self.fall_gaps * gap)
-            if n > mean:
-                st[1] = self._toward(n, mean, now - then, self.rise_s)
-            elif self.lull_fall_s is None or self.lull_gaps is None:
-                st[1] = self._toward(n, mean, now - then, fall)
-            else:
-                # The mean never crosses the count on its way, so the fall holds for the
-                # whole span: slow up to the lull, fast in it.
-                slow = min(now, max(then, lull)) - then
-                st[1] = self._toward(n, self._toward(n, mean, slow, fall),
-                                     now - then - slow, self.lull_fall_s)
+            st[1] = self._toward(n, mean, now - then, self.rise_s if n > mean else fall)
             st[2] = now
         return st
 
@@ -200,12 +186,9 @@ class Occupancy:
     def arrived(self, model: str, cls: str, now: float, rate: float | None) -> None:
         """A request of ``cls`` arrived; ``rate``: the class's recent arrivals per second
         (:meth:`Flow.rate`, this one counted), whose gap sets the fall until the next."""
-        if self.lull_gaps is None and self.fall_gaps is None:
+        if self.fall_gaps is None:
             return
-        st = self._at((model, cls), now)
-        st[4] = 1.0 / rate if rate else math.inf
-        if self.lull_gaps is not None:
-            st[3] = now + self.lull_gaps * st[4]
+        self._at((model, cls), now)[3] = 1.0 / rate if rate else math.inf
 
     def start(self, model: str, cls: str, now: float) -> None:
         self._at((model, cls), now)[0] += 1
@@ -226,7 +209,7 @@ class Occupancy:
             if key not in self._s:
                 continue
             st = self._at(key, now)
-            if st[0] == 0 and st[1] < 0.01 and st[3] <= now:
+            if st[0] == 0 and st[1] < 0.01:
                 del self._s[key]  # idle: forgotten (models come and go)
                 continue
             total += st[1]
@@ -447,10 +430,10 @@ class FairQueue:
             self.arrived[w.cls] = w.since
         self.flow.arrived(w.model, w.cls, w.since)
         occupancy = self.occupancy
-        if occupancy.lull_gaps is not None or occupancy.fall_gaps is not None:
-            # Its lull is judged by the rate over the whole window: a class that just
+        if occupancy.fall_gaps is not None:
+            # Its gap is judged by the rate over the whole window: a class that just
             # began counts as a slow one (its slots kept longer), not as one of thousands
-            # a second. Not taken with both settings off: no work per request for them.
+            # a second. Not taken with the setting off: no work per request for it.
             occupancy.arrived(w.model, w.cls, w.since,
                               self.flow.rate(w.model, w.cls, w.since, corrected=False))
         fifo = by_tenant.get(w.tenant)
@@ -587,12 +570,8 @@ def queue_of(cfg: TenantsConfig, capacity: int, now: float = -math.inf) -> FairQ
                   weights={t.name: t.weight for t in cfg.members}, capacity=capacity,
                   started=now)
     q.flow.tau_s = cfg.reserve_window_s
-    fall = cfg.reserve_window_s if cfg.reserve_fall_s is None else cfg.reserve_fall_s
-    if cfg.reserve_lull_gaps is None:
-        q.occupancy.fall_s = fall
-    else:  # the fast fall only in a lull; over reserve_window_s while the class sends
-        q.occupancy.fall_s = cfg.reserve_window_s
-        q.occupancy.lull_fall_s, q.occupancy.lull_gaps = fall, cfg.reserve_lull_gaps
+    q.occupancy.fall_s = cfg.reserve_window_s if cfg.reserve_fall_s is None \
+        else cfg.reserve_fall_s
     q.occupancy.fall_gaps = cfg.reserve_fall_gaps
     return q
 

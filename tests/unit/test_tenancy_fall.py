@@ -53,7 +53,8 @@ def test_a_short_fall_gives_the_slots_back_soon_after_the_load_ends() -> None:
     """Mean 12 in service at 20 s (x 1.5 over 2 replicas: 9 free kept on each). 5 s after
     they end, with the window's 10 s fall the mean is still 12 x e^-0.5 = 7.3 (6 free on
     each: 20 batch); with a 1.5 s fall it is 0.43 (1 free on each, the floor: 30 batch)."""
-    paced_off = {"reserve_pace": 1 << 20}
+    # reserve_fall_gaps null: the 12 arrive at once, so their gaps would set the fall.
+    paced_off = {"reserve_pace": 1 << 20, "reserve_fall_gaps": None}
     assert _after_a_burst(TenantsConfig(**paced_off), 0.0) == 2 * (16 - 9)
     assert _after_a_burst(TenantsConfig(**paced_off), 5.0) == 2 * (16 - 6)
     assert _after_a_burst(TenantsConfig(reserve_fall_s=1.5, **paced_off), 5.0) == 2 * 15

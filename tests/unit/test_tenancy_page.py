@@ -60,16 +60,17 @@ def test_flood_rows_are_medians_and_the_20_percent_verdict_follows() -> None:
 
 
 def test_live_section_renders_the_same_arms_when_present() -> None:
-    live = [_flood("no_flood", 0, 0.1), _flood("fcfs", 0, 3.0),
-            _flood("fair_reserve", 0, 0.15, batch_tokens_per_s=900.0)]
+    live = [_flood("no_flood", 0, 0.1, load_average_1m=1.0),
+            _flood("fcfs", 0, 3.0, load_average_1m=1.0),
+            _flood("fair_reserve", 0, 0.15, batch_tokens_per_s=900.0, load_average_1m=1.0)]
     page = tenancy({**DOC, "live": live, "setup": {**DOC["setup"], "live_time_scale": 0.5,
                                                    "live_flood": 200, "max_num_seqs": 16}})
     live_part = page[page.index("### Live"):]
     assert "`--max-num-seqs 16 --time-scale 0.5`" in live_part
     assert _row(live_part, "flood, fair queue + slot reserve")[2:7] == [
         "0.150 s", "0.300 s", "10 / 10", "900", "90.0%"]
-    assert "p50 under the flood is 1.50x the no-flood one (goal: within 20%): goal not met" \
-        in live_part
+    assert "p50 under the flood is 1.50x the no-flood one (the quiet run) " \
+        "(goal: within 20%): goal not met" in live_part
     assert "one run" in live_part and "releases held back" not in live_part
 
 
@@ -336,23 +337,19 @@ def test_the_light_load_compares_a_reserve_with_another_fall_with_the_default() 
             "p50, p99.") in page
 
 
-def test_a_fall_in_a_lull_or_over_gaps_is_labelled_apart_and_judged() -> None:
-    """``reserve_lull_gaps`` (with its ``reserve_fall_s``) and ``reserve_fall_gaps`` arms
-    get labels of their own (not the plain fall's), goal lines, a verdict and a light-load
-    line."""
+def test_a_fall_over_gaps_is_labelled_apart_and_judged() -> None:
+    """A ``reserve_fall_gaps`` arm gets a label of its own (not the plain fall's), goal
+    lines, a verdict and a light-load line."""
     def arms(tps: float) -> list[dict[str, Any]]:
         return [_flood("no_flood", 0, 0.2), _flood("fcfs", 0, 5.0),
                 _flood("fair_reserve", 0, 0.22, batch_tokens_per_s=900.0),
                 _flood("fair_reserve_fall15", 0, 0.22, batch_tokens_per_s=tps,
                        reserve_fall_s=1.5),
-                _flood("fair_reserve_lull3", 0, 0.22, batch_tokens_per_s=tps,
-                       reserve_fall_s=1.5, reserve_lull_gaps=3.0),
                 _flood("fair_reserve_gaps4", 0, 0.22, batch_tokens_per_s=tps,
                        reserve_fall_gaps=4.0)]
 
     page = tenancy({**DOC, "flood": arms(950.0), "live": arms(960.0), "light": arms(950.0)})
-    for label in ("the same, `reserve_fall_s` 1.5 in a lull, `reserve_lull_gaps` 3.0",
-                  "the same, `reserve_fall_gaps` 4.0"):
+    for label in ("the same, `reserve_fall_gaps` 4.0",):
         assert _row(page, label)[5:7] == ["950", "95.0%"]
         assert f"- {label}: the interactive TTFT p50 under the flood is 1.10x" in page
         assert (f"- {label}, simulator: batch 95.0% of first come first served's (the "
@@ -363,4 +360,65 @@ def test_a_fall_in_a_lull_or_over_gaps_is_labelled_apart_and_judged() -> None:
         return sum(ln.startswith(f"| {label} |") for ln in page.splitlines())
 
     assert rows("the same, `reserve_fall_s` 1.5") == rows("the same, `reserve_fall_gaps` 4.0") \
-        == rows("the same, `reserve_fall_s` 1.5 in a lull, `reserve_lull_gaps` 3.0") > 0
+        > 0
+
+
+def test_the_default_before_is_labelled_and_judged_against_the_new_default() -> None:
+    """Since reserve_fall_gaps 4 is the default, its arm with the key null (a fall over
+    reserve_window_s) is the default before: labelled so, judged against the default."""
+    def arms(tps: float) -> list[dict[str, Any]]:
+        return [_flood("no_flood", 0, 0.2), _flood("fcfs", 0, 5.0),
+                _flood("fair_reserve", 0, 0.22, batch_tokens_per_s=950.0),
+                _flood("fair_reserve_fallwindow", 0, 0.22, batch_tokens_per_s=tps,
+                       reserve_fall_gaps=None)]  # type: ignore[arg-type]
+
+    setup = {**DOC["setup"], "reserve_fall_gaps": 4.0, "reserve_window_s": 10.0, "reserve_pace": 1,
+             "light_rate_per_s": 0.5}
+    page = tenancy({**DOC, "flood": arms(900.0), "light": arms(900.0), "setup": setup})
+    label = "the same, its mean falling over `reserve_window_s` (the default before)"
+    assert _row(page, label)[5:7] == ["900", "90.0%"]
+    assert (f"- {label}, simulator: batch 90.0% of first come first served's (the "
+            "default reserve 95.0%)") in page
+    assert f"- {label} at this light load: interactive p50 1.10x" in page
+    assert "`reserve_pace` 1, its mean falling over `reserve_fall_gaps` 4.0 of the " \
+        "interactive mean inter-arrival gaps, at most `reserve_window_s` 10.0 s)" in page
+
+
+def test_live_goal_lines_judge_only_runs_quiet_for_the_arm_and_its_baseline() -> None:
+    """A busy run's inflated no-flood p99 must not make the reserve look better than no
+    flood: the live goal lines take medians over the runs quiet for both the arm and its
+    pair (no flood for the TTFT, first come first served for the batch throughput)."""
+    setup = {**DOC["setup"], "interactive_request_tokens": 250, "batch_request_tokens": 600,
+             "live_cpus": 2}
+
+    def run(arm: str, seed: int, p50: float, load: float, tps: float = 1000.0,
+            **kw: Any) -> dict[str, Any]:
+        r = _flood(arm, seed, p50, interactive_sent=60, load_average_1m=load, **kw)
+        if arm != "no_flood":
+            r.update(batch_sent=200, batch_tokens_per_s=tps)
+        return r
+
+    live = [run("no_flood", 0, 0.10, 1.0), run("fcfs", 0, 40.0, 1.0, 2000.0),
+            run("fair_reserve", 0, 0.11, 1.0, 1800.0),
+            # Run 1: busy no flood (p99 2.0 s), quiet arm and fcfs.
+            run("no_flood", 1, 1.00, 9.0), run("fcfs", 1, 40.0, 1.0, 2000.0),
+            run("fair_reserve", 1, 0.11, 1.0, 1000.0),
+            run("fair_reserve_fixed", 1, 0.11, 9.0, 1000.0)]
+    page = tenancy({**DOC, "live": live, "setup": setup})
+    live_part = page[page.index("### Live"):page.index("Per run (each against")]
+    # Run 0 only: p50 0.11 / 0.10, p99 0.22 / 0.20; over both runs it would be 0.20x.
+    assert "- flood, fair queue + slot reserve: the interactive TTFT p50 under the flood " \
+        "is 1.10x the no-flood one (the quiet run) (goal: within 20%): " \
+        "goal met." in live_part
+    assert "p99 under the flood is 1.10x the no-flood one (the quiet run)" \
+        in live_part
+    # Batch: both runs are quiet with their fcfs: (1800 + 1000) / 2 / 2000 = 70%.
+    assert "- flood, fair queue + slot reserve: the batch tenant's throughput to its " \
+        "last is 70.0% of first come first served's (medians of the 2 quiet runs)" \
+        in live_part
+    # An arm with no quiet run: said, not judged.
+    assert "- the same, a fixed reserve of a quarter: the interactive TTFT under the " \
+        "flood: no quiet run (of the arm and its no flood) to judge." in live_part
+    assert "- the same, a fixed reserve of a quarter: the batch tenant's throughput: no " \
+        "quiet run (of the arm and its first come first served) to judge." in live_part
+    assert "fixed reserve of a quarter: the interactive TTFT p50" not in live_part

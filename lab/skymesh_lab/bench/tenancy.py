@@ -62,7 +62,12 @@ from typing import Any
 
 import aiohttp
 
-from skymesh.balancer.config import AUTO_RESERVE, DEFAULT_RESERVE, DEFAULT_RESERVE_HEADROOM
+from skymesh.balancer.config import (
+    AUTO_RESERVE,
+    DEFAULT_RESERVE,
+    DEFAULT_RESERVE_FALL_GAPS,
+    DEFAULT_RESERVE_HEADROOM,
+)
 from skymesh.balancer.tenancy import FairQueue, Reserve, Tenant, Waiter
 from skymesh.balancer.tenant_limits import Limiter, TenantLimited
 from skymesh_lab.faults.cluster import (
@@ -113,21 +118,17 @@ HELD = "fair_reserve_held"
 # falling interactive load back sooner (the mean sat near the load's recent peak, and for
 # about twice reserve_window_s after the interactive tenant's last request).
 FALLS: dict[str, float] = {"fair_reserve_fall15": 1.5}
-# The same fast fall only in a lull (tenants.reserve_lull_gaps): once the interactive
-# tenant has sent nothing for that many of its mean inter-arrival gaps; over
-# reserve_window_s while it keeps sending. Arm -> (reserve_fall_s, reserve_lull_gaps).
-LULLS: dict[str, tuple[float, float]] = {"fair_reserve_lull3": (1.5, 3.0)}
-# The default reserve whose mean falls over that many of the interactive tenant's mean
-# inter-arrival gaps (tenants.reserve_fall_gaps), at most over reserve_window_s: fast at
-# the flood's rate, as slow as the default at the light one.
-FALL_GAPS: dict[str, float] = {"fair_reserve_gaps4": 4.0}
+# The default reserve's mean falls over DEFAULT_RESERVE_FALL_GAPS of the interactive
+# tenant's mean inter-arrival gaps (tenants.reserve_fall_gaps), at most over
+# reserve_window_s; the arm here sets it otherwise: None, over reserve_window_s whatever
+# the rate (the default before).
+FALL_GAPS: dict[str, float | None] = {"fair_reserve_fallwindow": None}
 FLOOD_ARMS: tuple[str, ...] = ("no_flood", "fcfs", "fair", "fair_reserve",
                                "fair_reserve_fixed", "fair_reserve_pace2",
                                "fair_reserve_nopace", *HEADROOMS, *MISSES, HELD, *FALLS,
-                               *LULLS, *FALL_GAPS)
+                               *FALL_GAPS)
 LIGHT_RATE = 0.5  # the interactive rate of the light arms
-LIGHT_ARMS = ("no_flood", "fcfs", "fair_reserve", "fair_reserve_fixed", *FALLS, *LULLS,
-              *FALL_GAPS)
+LIGHT_ARMS = ("no_flood", "fcfs", "fair_reserve", "fair_reserve_fixed", *FALLS, *FALL_GAPS)
 TAIL_ARMS = ("fair_reserve", "fair_reserve_fixed")
 TAIL_SHARE = 0.05  # the slowest 5% of the interactive requests
 ENGINE_SEQS = (9, 12, 16)
@@ -183,7 +184,7 @@ def _reserve(arm: str) -> Reserve | None:
         return replace(RESERVE, miss=MISSES[arm])
     if arm == HELD:
         return replace(RESERVE, held=True)
-    if arm in FALLS or arm in LULLS or arm in FALL_GAPS:
+    if arm in FALLS or arm in FALL_GAPS:
         return RESERVE
     if arm not in PACES:
         return None
@@ -279,9 +280,7 @@ def _sim(arrivals: list[Arrival], classify: Any, arm: str, seed: int,
                               started=0.0)
         queue.flow.tau_s = RESERVE_WINDOW_S  # as queue_of sets
         queue.occupancy.fall_s = FALLS.get(arm, RESERVE_WINDOW_S)
-        if arm in LULLS:
-            queue.occupancy.lull_fall_s, queue.occupancy.lull_gaps = LULLS[arm]
-        queue.occupancy.fall_gaps = FALL_GAPS.get(arm)
+        queue.occupancy.fall_gaps = FALL_GAPS.get(arm, DEFAULT_RESERVE_FALL_GAPS)
         lb.tenancy = SimTenancy(queue, classify,
                                 reserve=reserve or _reserve(arm))
     if trace is not None:
@@ -290,14 +289,10 @@ def _sim(arrivals: list[Arrival], classify: Any, arm: str, seed: int,
     return sim, queue
 
 
-def _fall_keys(arm: str) -> dict[str, float]:
-    """The arm's tenants.reserve_fall_s, reserve_lull_gaps and reserve_fall_gaps, when it
-    sets them."""
+def _fall_keys(arm: str) -> dict[str, float | None]:
+    """The arm's tenants.reserve_fall_s and reserve_fall_gaps, when it sets them."""
     if arm in FALLS:
         return {"reserve_fall_s": FALLS[arm]}
-    if arm in LULLS:
-        fall, gaps = LULLS[arm]
-        return {"reserve_fall_s": fall, "reserve_lull_gaps": gaps}
     if arm in FALL_GAPS:
         return {"reserve_fall_gaps": FALL_GAPS[arm]}
     return {}
@@ -735,6 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {"replicas": 2, "policy": "least-load", "push_mode": "sp-p",
                   "max_num_seqs": SEQS, "reserve": {"batch": AUTO_RESERVE},
                   "reserve_headroom": RESERVE.headroom,
+                  "reserve_fall_gaps": DEFAULT_RESERVE_FALL_GAPS,
                   "reserve_fixed": FIXED.fractions, "light_rate_per_s": LIGHT_RATE,
                   "tail_share": TAIL_SHARE, "reserve_idle_s": RESERVE_IDLE_S,
                   "reserve_window_s": RESERVE_WINDOW_S, "reserve_fixed_idle_s": FIXED_IDLE_S,

@@ -81,7 +81,6 @@ def _label(arm: str, rs: list[dict[str, Any]]) -> str:
     h = rs[0].get("reserve_headroom") if rs else None
     m = rs[0].get("reserve_miss") if rs else None
     f = rs[0].get("reserve_fall_s") if rs else None
-    lull = rs[0].get("reserve_lull_gaps") if rs else None
     gaps = rs[0].get("reserve_fall_gaps") if rs else None
     if arm in ARMS:
         return ARMS[arm]
@@ -89,8 +88,8 @@ def _label(arm: str, rs: list[dict[str, Any]]) -> str:
         return f"the same, by arrivals, `reserve_miss` {m}"
     if gaps is not None:
         return f"the same, `reserve_fall_gaps` {gaps}"
-    if f is not None and lull is not None:
-        return f"the same, `reserve_fall_s` {f} in a lull, `reserve_lull_gaps` {lull}"
+    if rs and "reserve_fall_gaps" in rs[0]:  # null: the fall over reserve_window_s
+        return "the same, its mean falling over `reserve_window_s` (the default before)"
     if f is not None:
         return f"the same, `reserve_fall_s` {f}"
     return f"the same, `reserve_headroom` {h}" if h is not None else arm
@@ -104,8 +103,9 @@ def _goal_arms(arms: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 
 def _falls(r: dict[str, Any]) -> bool:
-    """Whether a row's reserve has another fall of its mean (in time or in gaps)."""
-    return r.get("reserve_fall_s") is not None or r.get("reserve_fall_gaps") is not None
+    """Whether a row's reserve has another fall of its mean (in time, or another number
+    of gaps, or none: over reserve_window_s)."""
+    return r.get("reserve_fall_s") is not None or "reserve_fall_gaps" in r
 
 
 def _arms(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -114,11 +114,28 @@ def _arms(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return {a: by[a] for a in [*(a for a in ARMS if a in by), *(a for a in by if a not in ARMS)]}
 
 
+def _paired(rs: list[dict[str, Any]], every: list[dict[str, Any]], pair: str,
+            setup: dict[str, Any], quiet: bool) -> tuple[list[dict[str, Any]],
+                                                         list[dict[str, Any]]]:
+    """``rs`` and the ``pair`` arm's rows of their runs; with ``quiet``, only the runs
+    quiet for both (a busy run's baseline moves a ratio more than the arms differ)."""
+    if not quiet:
+        return rs, _of_runs(rs, every, pair)
+    mine, theirs = [], []
+    for r in rs:
+        p = _in_run(every, r).get(pair)
+        if p is not None and _quiet(r, setup) and _quiet(p, setup):
+            mine.append(r)
+            theirs.append(p)
+    return mine, theirs
+
+
 def _flood(rows: list[dict[str, Any]], setup: dict[str, Any],
-           every: list[dict[str, Any]] | None = None) -> list[str]:
+           every: list[dict[str, Any]] | None = None, quiet: bool = False) -> list[str]:
     """The arms' table and goal lines; each arm against the first come first served and
     no flood of its own runs, from ``every`` (``rows`` and the rows a partial live rerun
-    replaced)."""
+    replaced); with ``quiet`` (live), the goal lines judge only the runs quiet for both
+    the arm and its baseline."""
     arms = _arms(rows)
     every = rows if every is None else every
     out = []
@@ -144,19 +161,27 @@ def _flood(rows: list[dict[str, Any]], setup: dict[str, Any],
         if not rs:
             continue
         label = _label(arm, rs)
-        base, fcfs = _of_runs(rs, every, "no_flood"), _of_runs(rs, every, "fcfs")
+        flooded, base = _paired(rs, every, "no_flood", setup, quiet)
         for key, name in (("ttft_p50_s", "p50"), ("ttft_p99_s", "p99")):
-            b, got = _med(base, key), _med(rs, key)
+            b, got = _med(base, key), _med(flooded, key)
             if b and got:
                 met = "goal met" if got <= 1.2 * b else "goal not met"
                 lines.append(f"- {label}: the interactive TTFT {name} under the flood "
-                             f"is {got / b:.2f}x the no-flood one (goal: within 20%): "
-                             f"{met}.")
-        share, tps = _idle_share(rs, setup), _ratio(rs, fcfs, "batch_tokens_per_s")
+                             f"is {got / b:.2f}x the no-flood one{_in_quiet(quiet, len(flooded))} "
+                             f"(goal: within 20%): {met}.")
+        if quiet and not flooded:
+            lines.append(f"- {label}: the interactive TTFT under the flood: no quiet run "
+                         "(of the arm and its no flood) to judge.")
+        batch, fcfs = _paired(rs, every, "fcfs", setup, quiet)
+        share, tps = _idle_share(batch, setup), _ratio(batch, fcfs, "batch_tokens_per_s")
+        if quiet and not batch:
+            lines.append(f"- {label}: the batch tenant's throughput: no quiet run (of the "
+                         "arm and its first come first served) to judge.")
         if share is not None and tps is not None:
             met = "goal met" if tps >= share - 0.01 else "goal not met"
             lines.append(f"- {label}: the batch tenant's throughput to its last is "
-                         f"{tps:.1%} of first come first served's, where the idle capacity "
+                         f"{tps:.1%} of first come first served's{_in_quiet(quiet, len(batch))}, "
+                         "where the idle capacity "
                          f"is {share:.1%} of it (the run's tokens less the interactive "
                          f"tenant's; goal: all of it, within a point): {met}.")
     fair = arms.get("fair", [])
@@ -176,6 +201,11 @@ def _flood(rows: list[dict[str, Any]], setup: dict[str, Any],
         lines.append(f"- The batch class went unserved for at most {max(unserved):.1f} s, "
                      f"{verdict} its aging bound (`max_wait_s.batch`, {bound:.0f} s).")
     return [*lines, ""]
+
+
+def _in_quiet(quiet: bool, n: int) -> str:
+    return "" if not quiet else " (the quiet run)" if n == 1 else \
+        f" (medians of the {n} quiet runs)"
 
 
 def _tail(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
@@ -445,9 +475,9 @@ def _against_default(flood: list[dict[str, Any]], live: list[dict[str, Any]],
             "rate slots free up; counting the slots held (`reserve_held`), headroom x "
             "their mean in service is their part, in service and free together, so the "
             "slots kept free are that less those in service now; another fall of its "
-            "mean in service (`reserve_fall_s`, in a lull or always; `reserve_fall_gaps`, "
-            "over that many of the interactive mean inter-arrival gaps) (docs: the slot "
-            "reserve). "
+            "mean in service (`reserve_fall_s`; `reserve_fall_gaps`, "
+            "over another number of the interactive mean inter-arrival gaps, or null: over "
+            "`reserve_window_s`, the default before) (docs: the slot reserve). "
             "Medians of the tables above, and live each quiet run's figures against its "
             "own first come first served and no flood; in brackets the default reserve's. "
             "The simulator's p99 here is over the page's 5 seeds, whose draw moves it by "
@@ -464,11 +494,22 @@ def _light(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
         "a fixed reserve keeps its slots free whatever the interactive load; the adaptive one "
         f"keeps `reserve_headroom` ({setup.get('reserve_headroom', '?')}) x the interactive "
         "requests in service, at least one slot per replica; with `reserve_fall_s` its "
-        "mean falls within that long after each interactive request ends (with "
-        "`reserve_lull_gaps`, only once that many of its mean inter-arrival gaps pass "
-        "with no interactive request); with `reserve_fall_gaps` over that many gaps (at "
-        "this rate, about the default's fall).", "",
+        "mean falls within that long after each interactive request ends. "
+        f"{_gaps_said(setup)}", "",
         *_flood(rows, setup)[:-1], *_light_falls(rows), ""]
+
+
+def _gaps_said(setup: dict[str, Any]) -> str:
+    """How the default's mean falls at the light rate, when the run records it."""
+    gaps, window = setup.get("reserve_fall_gaps"), setup.get("reserve_window_s", "?")
+    if not gaps:
+        return ("With `reserve_fall_gaps` its mean falls over that many of the interactive "
+                "mean inter-arrival gaps (at this rate, about a fall over "
+                "`reserve_window_s`).")
+    return (f"The default's mean falls over `reserve_fall_gaps` ({gaps}) of the "
+            "interactive mean inter-arrival gaps, at most `reserve_window_s` "
+            f"({window} s): at this rate, about the default before's fall over "
+            "`reserve_window_s`, so a light tenant keeps the slot its lone requests need.")
 
 
 def _light_falls(rows: list[dict[str, Any]]) -> list[str]:
@@ -506,7 +547,7 @@ def _live(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
         "loopback and the balancer's own time, and varies by some tens of milliseconds "
         "between runs. Longest unserved: the longest gap between two batch completions as "
         "the client sees them (the batch requests are not streamed).", "",
-        *_flood(_current(rows), setup, rows), *_spread(rows, setup),
+        *_flood(_current(rows), setup, rows, quiet=True), *_spread(rows, setup),
         *_phases(_current(rows), setup)]
 
 
@@ -645,7 +686,11 @@ def tenancy(doc: dict[str, Any]) -> str:
         "to the balancer as a live engine publishes it). The slot reserve is the default "
         f"(`tenants.reserve` {s.get('reserve', {})}: adaptive, `reserve_headroom` "
         f"{s.get('reserve_headroom', '?')}, `reserve_idle_s` "
-        f"{s.get('reserve_idle_s', '?')} s, `reserve_pace` {s.get('reserve_pace', '?')}); "
+        f"{s.get('reserve_idle_s', '?')} s, `reserve_pace` {s.get('reserve_pace', '?')}"
+        + (f", its mean falling over `reserve_fall_gaps` {s['reserve_fall_gaps']} of the "
+           "interactive mean inter-arrival gaps, at most `reserve_window_s` "
+           f"{s.get('reserve_window_s', '?')} s" if s.get("reserve_fall_gaps") else "")
+        + "); "
         f"the fixed reserve is {s.get('reserve_fixed', '?')}, the default before. "
         "Medians over the seeds (a seed's p99 is the slowest of its interactive requests, "
         "so the simulator's p99 moves with the seeds: [why it moved between two runs]"
@@ -662,10 +707,9 @@ def tenancy(doc: dict[str, Any]) -> str:
         "slots the interactive requests hold against their reserve (`reserve_held`), or "
         "let its mean of the interactive requests in service fall within "
         "`reserve_fall_s` instead of `reserve_window_s` (the slots of a falling "
-        "interactive load given back sooner), only in a lull (`reserve_lull_gaps`: once "
-        "that many of the interactive tenant's mean inter-arrival gaps pass with no "
-        "request), or over that many gaps whatever they are (`reserve_fall_gaps`, at most "
-        "`reserve_window_s`).",
+        "interactive load given back sooner), or over another number of the interactive "
+        "tenant's mean inter-arrival gaps (`reserve_fall_gaps`, at most "
+        "`reserve_window_s`; null: over `reserve_window_s` whatever its rate).",
         "", "### Simulator", "", *_flood(doc["flood"], s),
         *(_tail(doc["tail"], s) if doc.get("tail") else []),
         *(_live(doc["live"], s) if doc.get("live") else []),
