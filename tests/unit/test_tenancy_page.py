@@ -186,8 +186,11 @@ def test_live_runs_are_judged_each_against_their_own_baselines() -> None:
             r.update(batch_sent=200, batch_tokens_per_s=tps)
         return r
 
-    live = [run("no_flood", 0, 0.10), run("no_flood", 1, 0.20),
-            run("fcfs", 0, 40.0, 2000.0), run("fcfs", 1, 40.0, 1000.0),
+    # The baselines ran quiet (a run counts as quiet only with them: the last test).
+    live = [run("no_flood", 0, 0.10, load_average_1m=1.0),
+            run("no_flood", 1, 0.20, load_average_1m=1.0),
+            run("fcfs", 0, 40.0, 2000.0, load_average_1m=1.0),
+            run("fcfs", 1, 40.0, 1000.0, load_average_1m=1.0),
             run("fair", 0, 1.0, 1900.0), run("fair", 1, 1.0, 950.0),
             run("fair_reserve", 0, 0.11, 1800.0, load_average_1m=3.2),
             run("fair_reserve", 1, 0.26, 850.0, load_average_1m=17.6),
@@ -319,7 +322,8 @@ def test_a_reserve_measured_only_on_a_busy_machine_awaits_quiet_runs() -> None:
 
     busy = tenancy({**DOC, "flood": arms(1.0), "live": arms(7.0)})
     assert ("live: batch 95.0% (80.0%), interactive p50 1.10x (1.10x): better on the "
-            "medians, but no run was quiet for both (load average at most 4). The "
+            "medians, but no run was quiet for both and their baselines (load average "
+            "at most 4). The "
             "simulator meets the rule for a new default; live it awaits quiet runs") in busy
     quiet = tenancy({**DOC, "flood": arms(1.0), "live": arms(1.0)})
     assert "in the quiet runs batch 95.0% (80.0%), p50 1.10x (1.10x): better. It meets" \
@@ -422,3 +426,45 @@ def test_live_goal_lines_judge_only_runs_quiet_for_the_arm_and_its_baseline() ->
     assert "- the same, a fixed reserve of a quarter: the batch tenant's throughput: no " \
         "quiet run (of the arm and its first come first served) to judge." in live_part
     assert "fixed reserve of a quarter: the interactive TTFT p50" not in live_part
+
+
+def test_a_run_with_a_busy_baseline_is_not_a_quiet_run() -> None:
+    """The per-run table's quiet count and the comparison with the default take a run as
+    quiet only when the arm and the run's first come first served and no flood all were:
+    a busy no flood's p50 moves the ratio as much as a busy arm (session 24's run 0)."""
+    setup = {**DOC["setup"], "live_cpus": 2, "interactive_request_tokens": 250,
+             "batch_request_tokens": 600}
+
+    def run(arm: str, seed: int, p50: float, load: float, tps: float = 1000.0
+            ) -> dict[str, Any]:
+        r = _flood(arm, seed, p50, interactive_sent=60, load_average_1m=load)
+        if arm != "no_flood":
+            r.update(batch_sent=200, batch_tokens_per_s=tps)
+        return r
+
+    def live(base_load: float) -> list[dict[str, Any]]:
+        return [run("no_flood", 0, 0.10, base_load), run("fcfs", 0, 5.0, 1.0),
+                run("fair_reserve", 0, 0.11, 1.0, 950.0),
+                run("fair_reserve_h1", 0, 0.11, 1.0, 990.0),
+                run("no_flood", 1, 0.10, 1.0), run("fcfs", 1, 5.0, 1.0),
+                run("fair_reserve", 1, 0.11, 1.0, 950.0),
+                run("fair_reserve_h1", 1, 0.11, 1.0, 990.0)]
+
+    def headroom(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**r, "reserve_headroom": 1.0} if r["arm"] == "fair_reserve_h1" else r
+                for r in rows]
+
+    flood = headroom([_flood("no_flood", 0, 0.2), _flood("fcfs", 0, 5.0),
+                      _flood("fair_reserve", 0, 0.22, batch_tokens_per_s=900.0),
+                      _flood("fair_reserve_h1", 0, 0.22, batch_tokens_per_s=950.0)])
+    quiet = tenancy({**DOC, "flood": flood, "live": headroom(live(1.0)), "setup": setup})
+    busy = tenancy({**DOC, "flood": flood, "live": headroom(live(9.0)), "setup": setup})
+
+    def per_run(page: str) -> list[str]:  # the default's row in the per-run table
+        return _row(page[page.index("Per run (each against"):],
+                    "flood, fair queue + slot reserve")
+
+    assert per_run(quiet)[4:6] == ["2 of 2", "2 of 2"]
+    assert per_run(busy)[4:6] == ["2 of 2", "1 of 1"]
+    assert "in the quiet runs batch 99.0% (95.0%) / 99.0% (95.0%)," in quiet
+    assert "in the quiet runs batch 99.0% (95.0%), p50" in busy

@@ -396,13 +396,15 @@ def _alternatives(flood: list[dict[str, Any]]) -> list[str]:
 
 def _quiet_pairs(live: list[dict[str, Any]], arm: str, setup: dict[str, Any]
                  ) -> list[tuple[dict[str, float], dict[str, float]]]:
-    """Per live run quiet for both ``arm`` and the default reserve: each one's batch
+    """Per live run quiet for ``arm``, the default reserve and the run's two baselines
+    (first come first served, no flood): each one's batch
     throughput vs the run's first come first served and p50 vs its no flood."""
     out = []
     for r in sorted(_current(live), key=lambda r: str(r.get("seed"))):
         run = _in_run(live, r)
         d = run.get("fair_reserve")
-        if r["arm"] != arm or d is None or not (_quiet(r, setup) and _quiet(d, setup)):
+        if r["arm"] != arm or d is None or not _all_quiet(
+                (r, d, run.get("fcfs"), run.get("no_flood")), setup):
             continue
         got = (_figures(list(run.values()), arm), _figures(list(run.values()), "fair_reserve"))
         if got[0] is not None and got[1] is not None:
@@ -455,7 +457,8 @@ def _against_default(flood: list[dict[str, Any]], live: list[dict[str, Any]],
                                                  for x, x0 in quiet))
             said += ": " + ("better" if better else "not better")
             if busy:
-                said += (" on the medians, but no run was quiet for both (load average "
+                said += (" on the medians, but no run was quiet for both and their "
+                         "baselines (load average "
                          f"at most {_quiet_load(setup):.0f})")
         if busy and not worse:
             out.append(f"{said}. The simulator meets the rule for a new default; live it "
@@ -572,7 +575,7 @@ def _spread(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
             load.append(num(r.get("load_average_1m"), ".0f"))
             both = tps[-1] >= share - 0.01 and p50[-1] <= 1.2
             met += both
-            if _quiet(r, setup):
+            if _all_quiet((r, fcfs, base), setup):  # the arm and both its baselines
                 quiet += 1
                 quiet_met += both
         if tps:
@@ -593,7 +596,8 @@ def _spread(rows: list[dict[str, Any]], setup: dict[str, Any]) -> list[str]:
         "the batch tenant's throughput, the interactive TTFT p50, and the runs in which "
         "both goals were met (batch within a point of the idle capacity, p50 within 20%); "
         f"and the machine's load average during the arm (its {setup.get('live_cpus', '?')} "
-        "cores shared with other work; -: not recorded); quiet runs: those with a load "
+        "cores shared with other work; -: not recorded); quiet runs: those in which the "
+        "arm, the run's first come first served and its no flood each had a load "
         f"average of at most {_quiet_load(setup):.0f} ({QUIET_LOAD_PER_CPU:.0f} per core).",
         "", table(["arm", "batch tokens/s vs FCFS, per run", "spread",
                    "interactive TTFT p50 vs no flood, per run", "both goals met",
@@ -610,6 +614,12 @@ def _quiet(r: dict[str, Any], setup: dict[str, Any]) -> bool:
     """Whether a live arm's run was quiet (its load average recorded and low)."""
     load = r.get("load_average_1m")
     return isinstance(load, int | float) and load <= _quiet_load(setup)
+
+
+def _all_quiet(rs: tuple[dict[str, Any] | None, ...], setup: dict[str, Any]) -> bool:
+    """Whether every one of a run's arms ``rs`` (a ratio's numerator and baselines) ran
+    quiet: a busy baseline moves a ratio as much as a busy arm."""
+    return all(r is not None and _quiet(r, setup) for r in rs)
 
 
 def _runs(rows: list[dict[str, Any]]) -> str:
