@@ -70,7 +70,15 @@ def usage(reply: Any) -> tuple[int, int, int | None]:
     """(prompt tokens, completion tokens, cached prompt tokens or None) from a parsed
     non-streamed response's ``usage``; zeros when it has none."""
     try:
-        u = reply.get("usage") or {}
+        return usage_of(reply.get("usage"))
+    except AttributeError:  # not a JSON object
+        return 0, 0, None
+
+
+def usage_of(u: Any) -> tuple[int, int, int | None]:
+    """:func:`usage` of the ``usage`` member itself (None or anything else: zeros)."""
+    try:
+        u = u or {}
         details = u.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
         return (int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0),
@@ -84,7 +92,7 @@ def reply_usage(body: bytes, decoded: Any = NOT_DECODED) -> tuple[int, int, int 
     msgspec can (the rest of the reply is not needed unless a policy records it);
     ``decoded``: that member already decoded (``fast_usage(body)``)."""
     u = fast_usage(body) if decoded is NOT_DECODED else decoded
-    return usage(parse_json(body) if u is NOT_DECODED else {"usage": u})
+    return usage(parse_json(body)) if u is NOT_DECODED else usage_of(u)
 
 
 class Forwarder:
@@ -301,8 +309,8 @@ class Forwarder:
                 got_usage, text = reply_record(body, intake.kind) if records else (None, "")
                 if ok:
                     if records:
-                        prompt, out, hits = usage(
-                            {} if got_usage is NOT_DECODED else {"usage": got_usage})
+                        prompt, out, hits = usage_of(
+                            None if got_usage is NOT_DECODED else got_usage)
                         # The access log's counts too, or it decodes the body again.
                         note_usage(request, got_usage)
                     else:  # decoded once: the access log's line takes its counts too
