@@ -577,7 +577,10 @@ class TenantsConfig(StrictModel):
     reserve_idle_s: float = Field(120.0, ge=0)
     # A class with a reserve goes to a replica only while fewer than this many requests
     # wait to start there, so a burst of its prefills cannot stall a better request.
-    reserve_pace: int = Field(1, ge=1)
+    # 0: none goes while a better request arrived within reserve_window_s (only what the
+    # aging guard, max_wait_s, lets through), so the lower class runs only in the better
+    # classes' lulls (docs/results/tenancy-frontier.md).
+    reserve_pace: int = Field(1, ge=0)
     members: list[TenantConfig] = Field(default_factory=list)
     batch_mesh: BatchMeshConfig | None = None  # None: batch waits in the fair queue
 

@@ -42,7 +42,9 @@ Pure: no sockets, no sleeps; every clock is passed in, so tests drive a fake one
   admitted): a burst of its prefills, queued first come first served inside the engine,
   would otherwise stall the better request that arrives next; pacing holds only while a
   better request arrived within ``reserve_window_s`` (it is what costs the lower class
-  most). A request the probe cannot show yet counts as not started only while it could
+  most). ``reserve_pace`` 0 releases none of the class then, but paces it as at 1 once
+  it has gone unserved for its aging bound: it runs in the better classes' lulls. A
+  request the probe cannot show yet counts as not started only while it could
   be (:class:`Starts`): for eight of the engine's steps after its release, the step as this
   balancer sees it (a finished request's time from release to end over its output
   tokens). A request that is not streamed shows no first byte, and the probe shows it
@@ -496,17 +498,29 @@ class FairQueue:
         # otherwise the best class.
         overdue: tuple[float, str] | None = None
         for c in present[1:]:
-            bound = self.max_wait_s.get(c)
-            if bound is None:
-                continue
-            oldest = min(next(iter(f.values())).since for f in by_cls[c].values())
-            # Unserved since its oldest arrived or it was last served, whichever is later:
-            # the bound is on the class going unserved, not on the wait behind its own
-            # backlog (else a long flood is overdue for ever and outranks every class).
-            late = now - max(oldest, self._served_at.get((model, c), oldest)) - bound
-            if late >= 0 and (overdue is None or late > overdue[0]):
+            late = self._late(model, c, by_cls[c], now)
+            if late is not None and late >= 0 and (overdue is None or late > overdue[0]):
                 overdue = (late, c)
         return overdue[1] if overdue is not None else present[0]
+
+    def _late(self, model: str, cls: str, by_tenant: dict[str, OrderedDict[int, Waiter]],
+              now: float) -> float | None:
+        """How far past its aging bound ``cls`` has gone unserved (negative: not yet;
+        None: no bound)."""
+        bound = self.max_wait_s.get(cls)
+        if bound is None:
+            return None
+        oldest = min(next(iter(f.values())).since for f in by_tenant.values())
+        # Unserved since its oldest arrived or it was last served, whichever is later:
+        # the bound is on the class going unserved, not on the wait behind its own
+        # backlog (else a long flood is overdue for ever and outranks every class).
+        return now - max(oldest, self._served_at.get((model, cls), oldest)) - bound
+
+    def overdue(self, model: str, cls: str, now: float) -> bool:
+        """Whether ``cls`` waits for ``model`` and has gone unserved past its aging bound."""
+        by_tenant = self._q.get(model, {}).get(cls)
+        late = self._late(model, cls, by_tenant, now) if by_tenant else None
+        return late is not None and late >= 0
 
     def pop(self, model: str, now: float, held: Container[str] = ()) -> Waiter | None:
         """The next waiter for ``model`` of a class not ``held`` (None: none), removed
@@ -648,20 +662,24 @@ class Reserve:
 
     def room(self, cls: str, free: Sequence[tuple[int, int, int]], better: float = 0.0,
              paced: bool = True, unstarted: int | None = None,
-             rho: float | None = None, busy: int = 0) -> int:
+             rho: float | None = None, busy: int = 0, overdue: bool = False) -> int:
         """Requests of ``cls`` the replicas (``(free, capacity, not started)`` each) may
         take now: their free slots beyond what it leaves free, and on each, ``paced``, at
         most ``pace`` not started at a time. ``unstarted``: how many of the not started
         still can be (:meth:`Starts.unstarted`; None: unknown); fewer than the replicas
-        show, pacing counts that many, over the replicas together (``pace`` each)."""
+        show, pacing counts that many, over the replicas together (``pace`` each).
+        ``pace`` 0 releases none while pacing holds, but for a class ``overdue`` (unserved
+        past its aging bound, :meth:`FairQueue.overdue`), paced as at 1: the aging guard
+        still bounds its wait."""
         n = len(free)
+        pace = max(1, self.pace) if overdue else self.pace
         if not paced or unstarted is None or unstarted >= sum(p for _, _, p in free):
-            pace = self.pace if paced else 1 << 30
-            return sum(min(max(0, f - self.slots(cls, cap, better, n, rho, busy)),
-                           max(0, pace - pending)) for f, cap, pending in free)
+            cap = pace if paced else 1 << 30
+            return sum(min(max(0, f - self.slots(cls, c, better, n, rho, busy)),
+                           max(0, cap - pending)) for f, c, pending in free)
         beyond = sum(max(0, f - self.slots(cls, cap, better, n, rho, busy))
                      for f, cap, _ in free)
-        return min(beyond, max(0, self.pace * n - unstarted))
+        return min(beyond, max(0, pace * n - unstarted))
 
 
 # Replicas' (free slots, slots, not started) for a model: the dispatcher's view
@@ -703,7 +721,8 @@ def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mappi
                                   queue.flow.ratio(model, reserve.better(c), now)
                                   if reserve.miss is not None else None,
                                   queue.occupancy.now_in(model, reserve.better(c))
-                                  if reserve.held else 0)
+                                  if reserve.held else 0,
+                                  reserve.pace == 0 and queue.overdue(model, c, now))
                   for c in queue.classes
                   if reserve is not None and reserve.applies(c, queue.arrived, now)} \
             if free else {}

@@ -40,6 +40,7 @@ from skymesh_lab.bench import (
     router_overhead_page,
     rss_soak_page,
     security_page,
+    tenancy_frontier_page,
     tenancy_limits_live_page,
     tenancy_mesh_page,
     tenancy_page,
@@ -418,6 +419,19 @@ SOURCES: tuple[Source, ...] = (
            (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy", "--live", "--live-seeds",
             "0,1,2,3", "--json", "{json}"),
            tenancy_page.tenancy),
+    Source("tenancy-frontier", "Tenants: the interactive tail against batch throughput, "
+           "a frontier (issue #37)",
+           "The [tenancy page](tenancy.md)'s flood in the simulator (the live balancer's "
+           "`FairQueue` and release rule, `SimBalancer.tenancy`), each knob of the slot "
+           "reserve swept from first come first served to no batch request while an "
+           "interactive one may arrive: the interactive TTFT p50 and p99 against no flood "
+           "and the batch tenant's throughput against first come first served, which "
+           "settings are on the frontier and which meet the goals; the bound the engine "
+           "model sets for a balancer that does not preempt; and the settings that met the "
+           "goals in the simulator, live. See [the slot reserve](../tenancy.md).",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.tenancy_frontier", "--seeds",
+            "0-19", "--json", "{json}"),
+           tenancy_frontier_page.frontier),
     Source("tenancy-shares", "Tenants: a limit held by shares pushed from the controller",
            "The per-tenant buckets of three balancers in two regions on a fake clock, each "
            "holding the part of a global limit the controller gives it (`tenants.pushed`, "

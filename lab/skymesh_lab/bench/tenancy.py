@@ -263,9 +263,12 @@ class _Trace:
 
 def _sim(arrivals: list[Arrival], classify: Any, arm: str, seed: int,
          seqs: int | None = None, reserve: Reserve | None = None,
-         trace: _Trace | None = None) -> tuple[Simulation, _WatchedQueue | None]:
+         trace: _Trace | None = None, window_s: float = RESERVE_WINDOW_S
+         ) -> tuple[Simulation, _WatchedQueue | None]:
     """``reserve``: this one instead of the arm's (the fair queue with it); ``trace``:
-    follows the interactive requests through the balancer and the engines."""
+    follows the interactive requests through the balancer and the engines; ``window_s``:
+    tenants.reserve_window_s (the queue's rates and its mean's slowest fall, as
+    ``queue_of`` sets them; the reserve's pacing window is the reserve's own)."""
     cfg = SimConfig(regions=["us"], replicas={"us": 2}, policy="least-load",
                     push_mode="sp-p", forwarding=False, seed=seed)
     sim = Simulation(cfg, _Arrivals(arrivals))
@@ -278,8 +281,8 @@ def _sim(arrivals: list[Arrival], classify: Any, arm: str, seed: int,
     if arm not in ("fcfs", "no_flood") or reserve is not None:
         queue = _WatchedQueue(CLASSES, max_wait_s=MAX_WAIT_S, capacity=100_000,
                               started=0.0)
-        queue.flow.tau_s = RESERVE_WINDOW_S  # as queue_of sets
-        queue.occupancy.fall_s = FALLS.get(arm, RESERVE_WINDOW_S)
+        queue.flow.tau_s = window_s  # as queue_of sets
+        queue.occupancy.fall_s = FALLS.get(arm, window_s)
         queue.occupancy.fall_gaps = FALL_GAPS.get(arm, DEFAULT_RESERVE_FALL_GAPS)
         lb.tenancy = SimTenancy(queue, classify,
                                 reserve=reserve or _reserve(arm))
@@ -307,13 +310,17 @@ def _tenant_of_id(rec: RequestRecord) -> str:
     return rec.item.request_id.split("-")[0]
 
 
-def _flood_sim(seed: int, arm: str, rate: float = RATE, trace: _Trace | None = None
-               ) -> tuple[Simulation, _WatchedQueue | None, float]:
-    """The flood run, and the interactive tenant's last arrival."""
+def _flood_sim(seed: int, arm: str, rate: float = RATE, trace: _Trace | None = None,
+               reserve: Reserve | None = None, window_s: float = RESERVE_WINDOW_S,
+               alone: bool = False) -> tuple[Simulation, _WatchedQueue | None, float]:
+    """The flood run, and the interactive tenant's last arrival (``reserve``,
+    ``window_s``: as :func:`_sim` takes them; ``alone``: the flood's interactive
+    arrivals, the same draw, without its batch requests)."""
     rng = random.Random(seed)
     arrivals: list[Arrival] = []
     if arm != "no_flood":
-        arrivals += [(0.001 * i, _item(rng, f"bulk-{i}", 400, 200)) for i in range(FLOOD)]
+        bulk = [(0.001 * i, _item(rng, f"bulk-{i}", 400, 200)) for i in range(FLOOD)]
+        arrivals += [] if alone else bulk
     t = last = 0.5
     for i in range(STEADY):
         arrivals.append((t, _item(rng, f"web-{i}", 200, 50)))
@@ -323,12 +330,18 @@ def _flood_sim(seed: int, arm: str, rate: float = RATE, trace: _Trace | None = N
     def classify(rec: RequestRecord) -> tuple[str, str]:
         return ("web", "interactive") if _tenant_of_id(rec) == "web" else ("bulk", "batch")
 
-    sim, queue = _sim(arrivals, classify, arm, seed, SEQS, trace=trace)
+    sim, queue = _sim(arrivals, classify, arm, seed, SEQS, reserve, trace, window_s)
     return sim, queue, last
 
 
 def flood_run(seed: int, arm: str, rate: float = RATE) -> dict[str, Any]:
     sim, queue, last = _flood_sim(seed, arm, rate)
+    return flood_figures(sim, queue, last, seed, arm, rate)
+
+
+def flood_figures(sim: Simulation, queue: _WatchedQueue | None, last: float, seed: int,
+                  arm: str, rate: float = RATE) -> dict[str, Any]:
+    """A flood run's figures (:func:`flood_run`'s row)."""
     web = [r for r in sim.records if _tenant_of_id(r) == "web"]
     bulk = [r for r in sim.records if _tenant_of_id(r) == "bulk"]
     ttft = [r.t_first - r.t_arrival for r in web if r.ok]
@@ -471,9 +484,11 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
+async def _live_arm(workdir: Path, arm: str, seed: int,
+                    tenants: dict[str, Any] | None = None) -> dict[str, Any]:
     """One arm on a live balancer: TTFTs of the interactive tenant (streamed), first-byte
-    and end times of the batch tenant's requests."""
+    and end times of the batch tenant's requests. ``tenants``: this ``tenants:`` section
+    instead of the arm's (:func:`_tenants`)."""
     rng = random.Random(seed)
     load_at_start = os.getloadavg()[0]  # the machine is shared: how busy it was
     reps = await start_replicas(workdir, 2, time_scale=LIVE_TIME_SCALE, name=f"{arm}-rep",
@@ -481,7 +496,7 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
     overrides: dict[str, Any] = {"pushing": {"mode": "sp-p"},
                                  "queue": {"timeout_s": 600, "max_length": 4096}}
     if arm not in ("fcfs", "no_flood"):
-        overrides["tenants"] = _tenants(arm)
+        overrides["tenants"] = tenants or _tenants(arm)
     lb = await start_lb(workdir, reps, name=f"{arm}-lb", overrides=overrides,
                         env={"SKYMESH_API_KEYS": f"{WEB_KEY},{BULK_KEY}"})
     ttft: list[float] = []
@@ -574,7 +589,8 @@ async def _live_arm(workdir: Path, arm: str, seed: int) -> dict[str, Any]:
         done = sorted(ends)
         out["batch_longest_unserved_s"] = max(
             (b - a for a, b in itertools.pairwise(done)), default=0.0)
-        out.update(_live_phases(arm, samples, started_at, last, max(ends), held))
+        out.update(_live_phases(arm, samples, started_at, last, max(ends), held,
+                                tenants))
     return out
 
 
@@ -595,14 +611,18 @@ async def _sample(s: aiohttp.ClientSession, reps: list[Any], t0: float,
 
 def _live_phases(arm: str, samples: list[tuple[float, list[tuple[float, float]]]],
                  started_at: list[float], last: float, end: float,
-                 held: float) -> dict[str, Any]:
+                 held: float, tenants: dict[str, Any] | None = None) -> dict[str, Any]:
     """Per phase of a live arm: while pacing may hold (to ``reserve_window_s`` after the
     interactive tenant's last request) and after: batch requests started per second per
     replica (prompt tokens less the interactive ones started then, over the batch prompt),
     and requests running per replica; how long the reserve could hold (to
     ``reserve_idle_s`` after that last request) as a share of the batch run; and the
-    releases the reserve held back (``skymesh_tenant_reserve_held_total``)."""
-    tenants = _tenants(arm) if arm not in ("fcfs", "no_flood") else {}
+    releases the reserve held back (``skymesh_tenant_reserve_held_total``). ``tenants``:
+    the arm's ``tenants:`` section when it is not :func:`_tenants`'s."""
+    if arm in ("fcfs", "no_flood"):
+        tenants = {}
+    elif tenants is None:
+        tenants = _tenants(arm)
     window = tenants.get("reserve_window_s", RESERVE_WINDOW_S)
     idle = tenants.get("reserve_idle_s", RESERVE_IDLE_S)
     reps = len(samples[0][1]) if samples else 1

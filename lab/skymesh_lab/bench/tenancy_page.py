@@ -719,7 +719,11 @@ def tenancy(doc: dict[str, Any]) -> str:
         "`reserve_fall_s` instead of `reserve_window_s` (the slots of a falling "
         "interactive load given back sooner), or over another number of the interactive "
         "tenant's mean inter-arrival gaps (`reserve_fall_gaps`, at most "
-        "`reserve_window_s`; null: over `reserve_window_s` whatever its rate).",
+        "`reserve_window_s`; null: over `reserve_window_s` whatever its rate).", "",
+        "Every knob of the reserve swept from first come first served to no batch "
+        "request while an interactive one may arrive, over 20 seeds, with the bound the "
+        "engine model sets on the interactive p99 for a balancer that does not preempt: "
+        "[the frontier](tenancy-frontier.md).",
         "", "### Simulator", "", *_flood(doc["flood"], s),
         *(_tail(doc["tail"], s) if doc.get("tail") else []),
         *(_live(doc["live"], s) if doc.get("live") else []),
