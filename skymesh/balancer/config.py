@@ -581,6 +581,12 @@ class TenantsConfig(StrictModel):
     # aging guard, max_wait_s, lets through), so the lower class runs only in the better
     # classes' lulls (docs/results/tenancy-frontier.md).
     reserve_pace: int = Field(1, ge=0)
+    # While pacing holds (a better request arrived within reserve_window_s), the lower
+    # classes are released one at a time over the replicas: none while one of theirs is
+    # pending its start on any replica, and a better request goes to a replica with none
+    # pending, so with two replicas or more it does not wait out a lower prefill step
+    # (docs/tenancy.md, measured on docs/results/tenancy-frontier.md). Off by default.
+    reserve_stagger: bool = False
     members: list[TenantConfig] = Field(default_factory=list)
     batch_mesh: BatchMeshConfig | None = None  # None: batch waits in the fair queue
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from skymesh.balancer.batch_routing import DEFAULT_ROOM_PER_REPLICA
 from skymesh.balancer.breaker import Breaker
@@ -67,9 +68,22 @@ from skymesh.policies.peers import (
 )
 from skymesh.prefix.trie import PrefixTrie
 
+
+class Staggering(Protocol):
+    """Where the tenants' lower-class requests are pending their start
+    (``skymesh.balancer.tenancy.Stagger``, tenants.reserve_stagger)."""
+
+    def narrow(self, model: str, cls: str | None, candidates: Sequence[str],
+               now: float) -> Sequence[str]: ...
+
+    def placed(self, key: str, model: str, cls: str | None, replica: str,
+               now: float) -> None: ...
+
+    def started(self, key: str) -> None: ...
+
 # What other modules import from here (the parts live in dispatch_state, dispatch_view,
 # dispatch_peers and dispatch_lanes).
-__all__ = ["DEFAULT_HOLD_S", "Dispatcher", "PushMode", "Target", "Ticket"]
+__all__ = ["DEFAULT_HOLD_S", "Dispatcher", "PushMode", "Staggering", "Target", "Ticket"]
 
 
 class Dispatcher(BatchLanes):
@@ -170,6 +184,10 @@ class Dispatcher(BatchLanes):
         self.batch_on: dict[str, int] = {}  # batch requests of ours on each replica
         self.better_waiting: Callable[[str], int] | None = None
         self.lanes: dict[str, deque[Ticket]] = {}
+        # tenants.reserve_stagger: narrows a classed request's candidates before the
+        # policy chooses (to replicas with no other class's request pending its start)
+        # and is told where each went and when it started. None: off.
+        self.stagger: Staggering | None = None
 
     # -- settings (each change drops what was derived from the old value) --------------
     @property
@@ -389,6 +407,9 @@ class Dispatcher(BatchLanes):
                     self._assign_peer(ticket, target, now)
                 else:
                     self._assign(ticket, target, now)
+                    if self.stagger is not None:
+                        self.stagger.placed(ticket.key, ticket.route.model,
+                                            ticket.tenant_class, target, now)
                 out.append(ticket)
         if self.lanes:  # and last onto what the better classes left here
             self._pump_lanes(now, out, local=True)
@@ -506,6 +527,11 @@ class Dispatcher(BatchLanes):
                         self._remember(ticket, draws, epoch, holds, ticket.held_since,
                                        watch, keys, view, pref)
                     continue
+            if self.stagger is not None:
+                # A filter before the policy's choice, never to none: it only moves the
+                # request among replicas that may take it now, so nothing remembered
+                # (a request with no candidate, or held) depends on it.
+                cands = self.stagger.narrow(route.model, ticket.tenant_class, cands, now)
             target = policy.select(route, cands, self)
             if target is not None:
                 return i, ticket, target, False
@@ -527,6 +553,8 @@ class Dispatcher(BatchLanes):
         t = self.targets.get(ticket.target or "")
         if t is not None:
             t.load.on_first_byte(ticket.key)
+        if self.stagger is not None:
+            self.stagger.started(ticket.key)
 
     def complete(self, ticket: Ticket, now: float, *, ok: bool, replica_fault: bool = False
                  ) -> None:
@@ -543,6 +571,8 @@ class Dispatcher(BatchLanes):
             if self.peer_policy is not None:
                 self.peer_policy.on_complete(ticket.route, tid, ok)
             return
+        if self.stagger is not None:
+            self.stagger.started(ticket.key)  # ended: no longer pending its start
         if ticket.batch and (n := self.batch_on.pop(tid, 0)) > 1:
             self.batch_on[tid] = n - 1
         t = self.targets.get(tid)

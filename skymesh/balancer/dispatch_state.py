@@ -57,6 +57,9 @@ class Ticket:
     batch: bool = False
     batch_due: float | None = None
     stay: bool = False
+    # Its tenancy class, when the tenants' fair queue released it (None: none), for the
+    # dispatcher's ``stagger`` (tenants.reserve_stagger).
+    tenant_class: str | None = None
     # The dispatcher's record of this ticket's last evaluation that dispatched nothing,
     # while its inputs stay unchanged (``Dispatcher._pick``); None: none.
     memo: _Memo | None = field(default=None, repr=False)

@@ -136,6 +136,8 @@ class Handlers:
             # Request.get is collections.abc's, which raises and catches a KeyError on a
             # miss (0.25 us, against 0.12 us to set the key and read it).
             request[TICKET_KEY] = ticket  # a migration replaces it (moves)
+            if admission is not None:  # the stagger's (tenants.reserve_stagger)
+                ticket.tenant_class = admission.cls
             self._mark_batch(request, ticket, admission, forwarded, t0)
             if ticket.batch:  # it may wait for the trough, up to its deadline
                 timeout = self._lane_timeout(ticket, t0, deadline_s)

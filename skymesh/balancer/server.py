@@ -189,6 +189,8 @@ class Balancer:
             self.mesh.feeds = self.kv_feeds  # the heartbeat's exact prefix summary
         if cfg.tenants is not None:
             self.handlers.gate = self._tenant_gate(cfg.tenants)
+            if self.handlers.gate.reserve.stagger:  # the dispatcher's filter and its view
+                self.dispatcher.stagger = self.handlers.gate.queue.stagger
             if cfg.tenants.batch_mesh is not None:  # batch across the mesh
                 d = self.dispatcher
                 d.batch_lane = True

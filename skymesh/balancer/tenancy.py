@@ -269,6 +269,102 @@ class Starts:
         return n
 
 
+class Stagger:
+    """Which replica has a request of which class placed and not yet started, per model
+    (``tenants.reserve_stagger``): the batch prefills in flight, so that the lower
+    classes are released one at a time over the replicas (:func:`release_into`) and a
+    better request goes to a replica with none of theirs pending (:meth:`narrow`, the
+    dispatcher's filter before the policy's choice). A step runs to its end, so a better
+    request that lands on a replica while a batch prompt is being prefilled waits out
+    that step (the frontier's engine bound); with two replicas or more the balancer can
+    keep one of them out of such steps, as it knows where it sent each lower request and
+    when it started (its first byte).
+
+    A request counts as pending from its release (:meth:`released`, no replica yet) or
+    its placement (:meth:`placed`) until its first byte or its end, and for at most
+    ``steps`` of the engine's step times (:class:`Starts`) after its release or placement
+    (a request that is not streamed shows no first byte before its end); before a step
+    time is known, for at most ``unknown_s`` (a released request whose client left before
+    it was offered would otherwise hold the lower classes for good). At most ``keep`` are
+    kept."""
+
+    def __init__(self, classes: Sequence[str], step_s: Mapping[str, float] | None = None,
+                 steps: float = 8.0, keep: int = 1024, unknown_s: float = 1.0) -> None:
+        self.rank = {c: i for i, c in enumerate(classes)}  # 0 is the best
+        self.step_s = step_s if step_s is not None else {}  # model -> its step (Starts)
+        self.steps = steps
+        self.keep = keep
+        self.unknown_s = unknown_s
+        # model -> release times of lower-class requests not yet placed, oldest first
+        self._released: dict[str, deque[float]] = {}
+        # ticket key -> (model, replica, class rank, placed at): placed, not yet started
+        self._placed: dict[str, tuple[str, str, int, float]] = {}
+        # (model, replica) -> when a lower-class request was last placed there (rotation)
+        self._last: dict[tuple[str, str], float] = {}
+
+    def released(self, model: str, cls: str, now: float) -> None:
+        """The fair queue let a request of ``cls`` go (only the lower classes count)."""
+        if self.rank.get(cls, 0) > 0:
+            at = self._released.setdefault(model, deque(maxlen=self.keep))
+            at.append(now)
+
+    def placed(self, key: str, model: str, cls: str | None, replica: str, now: float) -> None:
+        """The dispatcher sent request ``key`` of ``cls`` (None: no tenant class) to
+        ``replica``."""
+        rank = self.rank.get(cls) if cls is not None else None
+        if rank is None:
+            return
+        if rank > 0:
+            at = self._released.get(model)
+            if at:
+                at.popleft()
+            self._last[(model, replica)] = now
+        if len(self._placed) >= self.keep:  # ends never told (bounded): the oldest goes
+            del self._placed[next(iter(self._placed))]
+        self._placed[key] = (model, replica, rank, now)
+
+    def started(self, key: str) -> None:
+        """Request ``key`` showed its first byte, or ended (or failed) on its replica."""
+        self._placed.pop(key, None)
+
+    def _expire(self, model: str, now: float) -> None:
+        step_s = self.step_s.get(model)
+        since = now - (self.steps * step_s if step_s is not None else self.unknown_s)
+        at = self._released.get(model)
+        while at and at[0] < since:
+            at.popleft()
+        old = [k for k, (m, _, _, t) in self._placed.items() if m == model and t < since]
+        for k in old:
+            del self._placed[k]
+
+    def lower_pending(self, model: str, now: float) -> int:
+        """Lower-class requests of ``model`` released or placed and not yet started."""
+        self._expire(model, now)
+        return len(self._released.get(model, ())) + sum(
+            1 for m, _, rank, _ in self._placed.values() if m == model and rank > 0)
+
+    def narrow(self, model: str, cls: str | None, candidates: Sequence[str],
+               now: float) -> Sequence[str]:
+        """The replicas among ``candidates`` a request of ``cls`` should choose from: those
+        with no request of another class pending its start (a better request keeps clear
+        of lower prefills; a lower one of the better requests about to prefill); among
+        them, for a lower class, those given a lower-class request least recently (the
+        stagger rotates). All of them when none is clear, or with one candidate or no
+        class."""
+        rank = self.rank.get(cls) if cls is not None else None
+        if rank is None or len(candidates) < 2:
+            return candidates
+        self._expire(model, now)
+        busy = {r for m, r, other, _ in self._placed.values() if m == model and other != rank}
+        clear = [r for r in candidates if r not in busy] if busy else list(candidates)
+        if not clear:
+            return candidates
+        if rank > 0 and len(clear) > 1:
+            first = min(self._last.get((model, r), -math.inf) for r in clear)
+            clear = [r for r in clear if self._last.get((model, r), -math.inf) == first]
+        return clear
+
+
 class Flow:
     """Per model, two recent rates (events per second, all replicas together): the
     arrivals of each class, and the ends of the requests the queue released (all classes:
@@ -402,6 +498,8 @@ class FairQueue:
         self.occupancy = Occupancy()
         self.starts = Starts()  # the released not yet started (the reserve's pacing)
         self.flow = Flow()  # arrivals and ends per second (the reserve by arrivals)
+        # Pending starts per replica (reserve_stagger), judged by the same step time.
+        self.stagger = Stagger(self.classes, self.starts.step_s)
 
     def __len__(self) -> int:
         return self.waiting
@@ -621,6 +719,11 @@ class Reserve:
     # free together, so the free slots kept are that less those in service now, at least
     # one. False: that many slots free beside the ones they hold.
     held: bool = False
+    # tenants.reserve_stagger: while pacing holds, a class with a better one is released
+    # only while no request of a lower class is pending its start on any replica of the
+    # model, one at a time over them (:class:`Stagger`); the dispatcher sends a better
+    # request to a replica with none pending.
+    stagger: bool = False
 
     def better(self, cls: str) -> tuple[str, ...]:
         return self.classes[:self.classes.index(cls)]
@@ -694,7 +797,7 @@ def reserve_of(cfg: TenantsConfig) -> Reserve:
                    cfg.reserve_idle_s, cfg.reserve_pace,
                    adaptive=frozenset(c for c, f in given.items() if f == AUTO_RESERVE),
                    headroom=cfg.reserve_headroom, pace_s=cfg.reserve_window_s,
-                   miss=cfg.reserve_miss, held=cfg.reserve_held)
+                   miss=cfg.reserve_miss, held=cfg.reserve_held, stagger=cfg.reserve_stagger)
 
 
 def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mapping[str, int],
@@ -726,19 +829,31 @@ def release_into(queue: FairQueue, queued: Callable[[str], int], reserved: Mappi
                   for c in queue.classes
                   if reserve is not None and reserve.applies(c, queue.arrived, now)} \
             if free else {}
+        # The stagger: the lower classes pacing holds for, all held while one of theirs
+        # is pending its start anywhere; one released at a time.
+        staggered: set[str] = set()
+        stagger_held: set[str] = set()
+        if reserve is not None and reserve.stagger:
+            staggered = {c for c in queue.classes[1:] if reserve.paces(c, queue.arrived, now)}
+            if staggered and queue.stagger.lower_pending(model, now):
+                stagger_held = staggered
         while room > 0:
             held = {c for c, n in beyond.items() if n <= pending}
+            held |= stagger_held
             w = queue.pop(model, now, held)
             if w is None:
                 if held_out is not None:
                     held_out.update(c for c in held if queue.has(model, c))
                 break
+            if w.cls in staggered:
+                queue.stagger.released(model, w.cls, now)
+                stagger_held = staggered
             out.append(w)
             room -= 1
             pending += 1
     return out
 
 
-__all__ = ["DEFAULT_TENANT", "FairQueue", "Flow", "Occupancy", "Reserve", "Slots", "Starts",
-           "Tenant", "TenantBook", "Waiter", "book_of", "buffer_slots", "queue_of",
+__all__ = ["DEFAULT_TENANT", "FairQueue", "Flow", "Occupancy", "Reserve", "Slots", "Stagger",
+           "Starts", "Tenant", "TenantBook", "Waiter", "book_of", "buffer_slots", "queue_of",
            "release_into", "reserve_of", "tenants_of"]

@@ -351,9 +351,12 @@ class SimBalancer:
         ten = self.tenancy
         if ten is not None and ten.queue.waiting:
             now, d = self.loop.now, self.dispatcher
+            if ten.reserve is not None and ten.reserve.stagger and d.stagger is None:
+                d.stagger = ten.queue.stagger  # as the live balancer wires it
             for w in release_into(ten.queue, d.queue_length, {}, ten.bound, now,
                                   reserve=ten.reserve, slots=d.slots):
                 ten.released[w.payload.key] = w
+                w.payload.tenant_class = w.cls
                 d.offer(w.payload, now)
 
     def _pump(self) -> None:
