@@ -12,6 +12,7 @@ import pytest
 from skymesh.balancer.config import TenantsConfig
 from skymesh.balancer.tenancy import reserve_of
 from skymesh_lab.bench import tenancy_frontier as tf
+from skymesh_lab.bench.tenancy import merge_live
 from skymesh_lab.bench.tenancy_frontier_page import frontier, on_frontier, summarise
 
 
@@ -157,3 +158,47 @@ def test_the_live_check_is_read_per_run_against_its_own_baselines() -> None:
     assert "sends for 25% of first come first served's batch run live" in live
     assert f"- {B}: all three goals in 0 of 1 runs (0 of 0 quiet); batch 73.9% of first " \
         "come first served's." in live
+
+
+def test_the_stagger_settings_are_lb_yaml_settings_with_the_stagger_on() -> None:
+    by = {p.name: p for p in tf.points()}
+    alone = reserve_of(TenantsConfig.model_validate(tf.tenants_of(by["stagger"])))
+    assert alone.stagger and not alone.adaptive and not alone.fractions  # reserve: {}
+    h3 = reserve_of(TenantsConfig.model_validate(tf.tenants_of(by["stagger_headroom_3"])))
+    assert (h3.stagger, h3.headroom, h3.adaptive) == (True, 3.0, frozenset({"batch"}))
+    assert not reserve_of(TenantsConfig.model_validate(tf.tenants_of(by["pace_1"]))).stagger
+
+
+def test_the_stagger_cuts_the_default_reserves_interactive_tail_in_the_simulator() -> None:
+    """Seed 0 of the frontier's flood: on the default reserve, the stagger keeps the
+    interactive requests out of the batch prefill steps (the default's p99 is several
+    times the stagger's), and the batch tenant still gets a share while they send."""
+    by = {p.name: p for p in tf.points()}
+    _, staggered = tf._run(0, by["stagger_headroom_1.5"])
+    _, default = tf._run(0, by["pace_1"])
+    assert staggered["ttft_p99_s"] < 0.5 * default["ttft_p99_s"]
+    assert staggered["batch_tokens_per_s_while_interactive"] > 0.0
+    assert staggered["batch_completed"] == staggered["batch_sent"]
+
+
+def test_a_partial_live_rerun_keeps_the_other_settings_with_their_own_baselines() -> None:
+    doc = _doc(good=True)
+    doc["setup"].update(live_flood=200, live_time_scale=0.5, live_cpus=2,
+                        live_rate_per_s=4.0, max_num_seqs=16)
+    first = [{**_row("no_flood", 0, 0.08, 0.15, None), "load_average_1m": 0.5},
+             {**_row("fcfs", 0, 40.0, 44.0, 2300.0), "load_average_1m": 0.6},
+             {**_row("b", 0, 0.08, 0.16, 1700.0, 0.0), "load_average_1m": 0.7}]
+    second = [{**_row("no_flood", 0, 0.1, 0.2, None), "load_average_1m": 0.5},
+              {**_row("fcfs", 0, 40.0, 44.0, 2000.0), "load_average_1m": 0.6},
+              {**_row("a", 0, 0.11, 0.22, 1900.0), "load_average_1m": 0.7}]
+    doc["live"] = merge_live(first, second)
+    doc["live_wall_seconds_by_run"] = {"0": 448.0, "1": 300.0}
+    live = frontier(doc)[frontier(doc).index("### Live"):]
+    rows = [ln for ln in live.splitlines() if ln.startswith("| 0 |")]
+    # b against run 0's baselines (0.16 / 0.15, 1700 / 2300), a against run 1's.
+    assert [c.strip() for c in rows[0].strip("|").split("|")][1:5] == [
+        B, "1.00x", "1.07x", "73.9%"]
+    assert [c.strip() for c in rows[1].strip("|").split("|")][2:5] == [
+        "1.10x", "1.10x", "95.0%"]
+    assert "--live-points b --live-seeds 0` (448 s of wall time); then " in live
+    assert "--live-points a --live-seeds 0` (300 s of wall time)." in live

@@ -18,7 +18,12 @@ The knobs, each on top of the default reserve (``auto``, ``reserve_headroom`` 1.
   batch request at all then (the far end: batch admitted only while no interactive
   request arrived within the window);
 - with ``reserve_pace`` 0, ``reserve_window_s``: how long after an interactive arrival
-  no batch request is released.
+  no batch request is released;
+- ``reserve_stagger`` (the path the engine bound leaves open): batch requests released
+  one at a time over the replicas while an interactive one arrived within
+  ``reserve_window_s``, and interactive requests sent to a replica with no batch request
+  pending its start; alone (``reserve: {}``), with the default reserve and with a larger
+  ``reserve_headroom``.
 
 The bounds: no batch at all (the no-flood run); and what the engine model alone implies
 for a balancer that does not preempt and chooses the replica without knowing the
@@ -62,6 +67,7 @@ from skymesh_lab.bench.tenancy import (
     _tenant_of_id,
     _tenants,
     flood_figures,
+    merge_live,
 )
 from skymesh_lab.sim.runner import Simulation
 from skymesh_replica.engine.profiles import DEFAULT_PROFILE, get_profile
@@ -75,6 +81,8 @@ BATCH_GOAL_SLACK = 0.01
 # The share of first come first served's batch prefills while the interactive tenant
 # sends, at which the engine bound is given.
 BOUND_SHARES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# reserve_stagger on the default reserve with these reserve_headroom (1.5: the default).
+STAGGER_HEADROOMS = (1.5, 2.0, 3.0)
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,12 @@ def points() -> list[Point]:
     out += [Point(f"pace_0_window_{w:g}", "reserve_pace 0, reserve_window_s", w,
                   replace(RESERVE, pace=0, pace_s=w), window_s=w)
             for w in (0.5, 1.0, 2.0, 3.0, 5.0, 20.0)]
+    # The stagger: alone (no slot reserve, so pacing has nothing to pace), and on the
+    # default reserve with its reserve_headroom (the value; None: alone).
+    out.append(Point("stagger", "reserve_stagger", None,
+                     replace(RESERVE, adaptive=frozenset(), stagger=True)))
+    out += [Point(f"stagger_headroom_{h:g}", "reserve_stagger", h,
+                  replace(RESERVE, headroom=h, stagger=True)) for h in STAGGER_HEADROOMS]
     return out
 
 
@@ -121,7 +135,10 @@ def tenants_of(p: Point) -> dict[str, Any]:
     if r is None:
         raise ValueError(f"{p.name}: no reserve to configure")
     if not r.adaptive:
-        out["reserve"] = {"batch": r.fractions["batch"]}
+        fixed = r.fractions.get("batch")
+        out["reserve"] = {"batch": fixed} if fixed else {}
+    if r.stagger:
+        out["reserve_stagger"] = True
     if r.headroom != RESERVE.headroom:
         out["reserve_headroom"] = r.headroom
     if r.pace != RESERVE.pace:
@@ -308,9 +325,16 @@ def main(argv: list[str] | None = None) -> int:
         prior: dict[str, Any] = json.loads(args.json.read_text())
         seeds = _seeds(args.live_seeds)
         t0 = time.monotonic()
-        prior["live"] = asyncio.run(live(seeds, names))
+        new = asyncio.run(live(seeds, names))
+        # The other settings' rows stay, each paired on the page with its own run's
+        # baselines (merge_live tags the runs).
+        prior["live"] = merge_live(prior.get("live", []), new)
         prior["setup"].update(_live_setup(seeds))
-        prior["live_wall_seconds"] = round(time.monotonic() - t0, 1)
+        walls = prior.get("live_wall_seconds_by_run") or (
+            {"0": prior["live_wall_seconds"]} if prior.get("live_wall_seconds") else {})
+        walls[str(max(r.get("run", 0) for r in prior["live"]))] = \
+            round(time.monotonic() - t0, 1)
+        prior["live_wall_seconds_by_run"] = walls
         args.json.write_text(json.dumps(prior, indent=2) + "\n")
         return 0
     doc = run(_seeds(args.seeds), progress=lambda m: print(m, flush=True))
@@ -321,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         if prior.get("live"):
             doc["live"] = prior["live"]
             doc["live_wall_seconds"] = prior.get("live_wall_seconds")
+            if prior.get("live_wall_seconds_by_run"):
+                doc["live_wall_seconds_by_run"] = prior["live_wall_seconds_by_run"]
             doc["setup"].update({k: v for k, v in prior.get("setup", {}).items()
                                  if k.startswith("live_") and k != "live_batch_goal"})
     args.json.parent.mkdir(parents=True, exist_ok=True)

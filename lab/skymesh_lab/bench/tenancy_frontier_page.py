@@ -28,6 +28,12 @@ def _label(p: dict[str, Any], setup: dict[str, Any]) -> str:
         return f"a fixed reserve of {v:g} of {setup.get('max_num_seqs', '?')} slots per replica"
     if knob == "reserve_pace" and v is None:
         return "no pacing"
+    if knob == "reserve_stagger":
+        if v is None:
+            return "`reserve_stagger` on, no slot reserve (`reserve: {}`)"
+        if v == setup.get("reserve_headroom"):
+            return "`reserve_stagger` on, the default reserve"
+        return f"`reserve_stagger` on, `reserve_headroom` {v:g}"
     default = {"reserve_headroom": setup.get("reserve_headroom"),
                "reserve_pace": setup.get("reserve_pace")}.get(knob)
     said = f"`{knob}` {v:g}" if knob in ("reserve_headroom", "reserve_pace") else \
@@ -176,21 +182,37 @@ def _quiet(r: dict[str, Any], cpus: float) -> bool:
 
 
 def _live(rows: list[dict[str, Any]], setup: dict[str, Any], labels: dict[str, str],
-          sim_window: float | None, live_s: float | None = None) -> list[str]:
+          sim_window: float | None, live_s: float | None = None,
+          walls: dict[str, float] | None = None) -> list[str]:
     if not rows:
         return []
     cpus = float(setup.get("live_cpus") or 2)
     goal_x = setup.get("goal_x", 1.2)
     goal = setup.get("live_batch_goal")
-    by_seed: dict[Any, dict[str, dict[str, Any]]] = {}
+    # Each live run (``run``: a partial rerun, tenancy.merge_live) has its own baselines;
+    # a setting rerun on a seed shows its latest run only.
+    by_seed: dict[tuple[int, Any], dict[str, dict[str, Any]]] = {}
     for r in rows:
-        by_seed.setdefault(r.get("seed"), {})[r["arm"]] = r
-    runs_of = list(dict.fromkeys(r["arm"] for r in rows if r["arm"] not in (NO_FLOOD, FCFS)))
+        if r.get("superseded") and r["arm"] not in (NO_FLOOD, FCFS):
+            continue
+        by_seed.setdefault((r.get("run", 0), r.get("seed")), {})[r["arm"]] = r
+    by_seed = {k: v for k, v in by_seed.items() if set(v) - {NO_FLOOD, FCFS}}
+    commands = []
+    for run in sorted({k[0] for k in by_seed}):
+        names = list(dict.fromkeys(a for (n, _), got in by_seed.items() if n == run
+                                   for a in got if a not in (NO_FLOOD, FCFS)))
+        seeds = sorted({s for n, s in by_seed if n == run}, key=str)
+        took = (walls or {}).get(str(run)) if walls else (live_s if run == 0 else None)
+        commands.append(
+            "`.venv/bin/python -m skymesh_lab.bench.tenancy_frontier --json "
+            f"docs/results/data/tenancy-frontier.json --live-only --live-points "
+            f"{','.join(names)} --live-seeds {','.join(str(x) for x in seeds)}`"
+            + (f" ({num(took, ',.0f', suffix=' s')} of wall time)" if took else ""))
     out = []
     # setting -> per run: (all three goals met, quiet, batch vs FCFS)
     runs: dict[str, list[tuple[bool, bool, float | None]]] = {}
     window: list[float | None] = []  # the interactive tenant's sending over FCFS's run
-    for seed, arms in sorted(by_seed.items(), key=lambda kv: str(kv[0])):
+    for (_, seed), arms in sorted(by_seed.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         nf, fc = arms.get(NO_FLOOD, {}), arms.get(FCFS, {})
         window.append(_ratio(fc.get("interactive_last_arrival_s"),
                              fc.get("batch_last_done_s")))
@@ -222,11 +244,7 @@ def _live(rows: list[dict[str, Any]], setup: dict[str, Any], labels: dict[str, s
         "first served and no flood; the live batch goal is the live run's idle capacity "
         f"within a point ({num(goal, '.1%')}). Load average: the setting's, first come "
         "first served's and no flood's; quiet: each at most "
-        f"{QUIET_LOAD_PER_CPU:g} per core. Run with `.venv/bin/python -m "
-        "skymesh_lab.bench.tenancy_frontier --json docs/results/data/tenancy-frontier.json "
-        f"--live-only --live-points {','.join(runs_of)} --live-seeds "
-        f"{','.join(str(x) for x in sorted(by_seed, key=str))}`"
-        + (f" ({num(live_s, ',.0f', suffix=' s')} of wall time)." if live_s else "."), "",
+        f"{QUIET_LOAD_PER_CPU:g} per core. Run with " + "; then ".join(commands) + ".", "",
         table(["seed", "setting", "interactive p50 vs no flood", "p99", "batch vs FCFS",
                "the same while interactive sends", "load average", "quiet",
                "all three goals"], out,
@@ -278,7 +296,12 @@ def frontier(doc: dict[str, Any]) -> str:
         "per replica while an interactive request arrived within `reserve_window_s` "
         "(the balancer's cap on batch prefill work waiting at a replica, in whole "
         "prompts; 0: none, so no batch request is released then); and with "
-        "`reserve_pace` 0, that window. Medians over the seeds of each seed's figure "
+        "`reserve_pace` 0, that window. And `reserve_stagger`, the path the engine "
+        "bound below leaves open: while an interactive request arrived within "
+        "`reserve_window_s`, a batch request is released only while no batch request is "
+        "pending its start on any replica (one at a time over the replicas, in turn), and "
+        "an interactive request goes to a replica with none pending (its first byte, or "
+        "a few engine steps, ends the wait). Medians over the seeds of each seed's figure "
         "against its own no flood and first come first served (a seed's p99 is the "
         "slowest of its interactive requests). On the frontier: no other setting has "
         "both a lower p99 and more batch throughput. The goals: p50 and p99 within "
@@ -295,7 +318,7 @@ def frontier(doc: dict[str, Any]) -> str:
                     "the live batch goal instead")] if live_goal is not None else []),
         "", *_bound(doc.get("bound", []), s),
         *_live(doc.get("live", []), s, labels, _sim_window(doc.get("flood", [])),
-               doc.get("live_wall_seconds"))])
+               doc.get("live_wall_seconds"), doc.get("live_wall_seconds_by_run"))])
 
 
 def _sim_window(rows: list[dict[str, Any]]) -> float | None:
