@@ -202,3 +202,25 @@ def test_a_partial_live_rerun_keeps_the_other_settings_with_their_own_baselines(
         "1.10x", "1.10x", "95.0%"]
     assert "--live-points b --live-seeds 0` (448 s of wall time); then " in live
     assert "--live-points a --live-seeds 0` (300 s of wall time)." in live
+
+
+def test_the_page_says_whether_the_stagger_meets_the_goals() -> None:
+    doc = _doc(good=False)
+    doc["points"] += [{"name": "pace_1", "knob": "reserve_pace", "value": 1},
+                      {"name": "s", "knob": "reserve_stagger", "value": 2.0}]
+    for seed in (0, 1, 2):
+        doc["flood"] += [_row("pace_1", seed, 0.11, 0.8, 970.0),
+                         _row("s", seed, 0.1, 0.244, 952.0, 500.0)]
+    page = frontier(doc)
+    assert "- The stagger (`reserve_stagger`), the path the engine bound below leaves " \
+        "open. `reserve_stagger` on, `reserve_headroom` 2: p99 1.22x, batch 95.2% (50.0% " \
+        "while the interactive tenant sends). The default reserve without it: 4.00x " \
+        "(batch 97.0%)." in page
+    assert "- It meets all three goals in no setting: at the simulator's batch goal " \
+        "(95.0%) its lowest p99 is 1.22x (`reserve_stagger` on, `reserve_headroom` 2), " \
+        "against the 1.2x goal." in page
+    for r in doc["flood"]:
+        if r["arm"] == "s":
+            r["ttft_p99_s"] = 0.23
+    assert "- It meets all three goals in the simulator: `reserve_stagger` on, " \
+        "`reserve_headroom` 2." in frontier(doc)

@@ -101,6 +101,43 @@ def on_frontier(summary: dict[str, dict[str, float | None]]) -> set[str]:
     return out
 
 
+STAGGER_KNOB = "reserve_stagger"
+
+
+def _stagger(summary: dict[str, dict[str, float | None]], points: list[dict[str, Any]],
+             labels: dict[str, str], goal_x: float, goal: float) -> list[str]:
+    """The stagger's settings against the goals and against the same reserve without
+    it: the path the engine bound leaves open, met or not."""
+    names = [p["name"] for p in points if p["knob"] == STAGGER_KNOB and p["name"] in summary]
+    if not names:
+        return []
+    at_goal = [n for n in names if (b := summary[n]["batch"]) is not None
+               and round(b, 3) >= round(goal, 3) and summary[n]["p99"] is not None]
+    best = min(at_goal, key=lambda n: summary[n]["p99"] or 0.0) if at_goal else None
+    met = [n for n in names if meets(summary[n], goal_x, goal)]
+    default = next((p["name"] for p in points if p["knob"] == "reserve_pace"
+                    and p["name"] in summary and "(the default)" in labels[p["name"]]), None)
+    said = [f"{labels[n]}: p99 {num(summary[n]['p99'], '.2f', suffix='x')}, batch "
+            f"{num(summary[n]['batch'], '.1%')} ({num(summary[n]['while'], '.1%')} while the "
+            "interactive tenant sends)" for n in names]
+    out = ["- The stagger (`reserve_stagger`), the path the engine bound below leaves "
+           "open. " + "; ".join(said) + "."]
+    if default is not None:
+        out[0] += (f" The default reserve without it: "
+                   f"{num(summary[default]['p99'], '.2f', suffix='x')} (batch "
+                   f"{num(summary[default]['batch'], '.1%')}).")
+    if met:
+        out.append(f"- It meets all three goals in the simulator: "
+                   f"{', '.join(labels[n] for n in met)}.")
+    else:
+        out.append("- It meets all three goals in no setting: at the simulator's batch goal "
+                   f"({goal:.1%}) its lowest p99 is "
+                   + (f"{num(summary[best]['p99'], '.2f', suffix='x')} ({labels[best]})"
+                      if best is not None else "none (no setting keeps the batch goal)")
+                   + f", against the {goal_x:.1f}x goal.")
+    return out
+
+
 def _verdict(summary: dict[str, dict[str, float | None]], labels: dict[str, str],
              goal_x: float, goal: float, which: str) -> str:
     ok = [n for n in labels if n in summary and meets(summary[n], goal_x, goal)]
@@ -316,6 +353,7 @@ def frontier(doc: dict[str, Any]) -> str:
         _verdict(summary, labels, goal_x, goal, "the simulator's goals"),
         *([_verdict(summary, labels, goal_x, float(live_goal),
                     "the live batch goal instead")] if live_goal is not None else []),
+        *_stagger(summary, doc.get("points", []), labels, goal_x, goal),
         "", *_bound(doc.get("bound", []), s),
         *_live(doc.get("live", []), s, labels, _sim_window(doc.get("flood", [])),
                doc.get("live_wall_seconds"), doc.get("live_wall_seconds_by_run"))])
