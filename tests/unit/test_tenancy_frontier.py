@@ -157,7 +157,8 @@ def test_the_live_check_is_read_per_run_against_its_own_baselines() -> None:
     assert "within a point (87.9%)" in live
     assert "sends for 25% of first come first served's batch run live" in live
     assert f"- {B}: all three goals in 0 of 1 runs (0 of 0 quiet); batch 73.9% of first " \
-        "come first served's." in live
+        "come first served's (in the simulator, against the live batch goal: all three)." \
+        in live
 
 
 def test_the_stagger_settings_are_lb_yaml_settings_with_the_stagger_on() -> None:

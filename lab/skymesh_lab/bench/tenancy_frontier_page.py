@@ -218,9 +218,18 @@ def _quiet(r: dict[str, Any], cpus: float) -> bool:
     return isinstance(load, int | float) and load <= QUIET_LOAD_PER_CPU * cpus
 
 
+def _in_sim(name: str, sim_met: set[str] | None) -> str:
+    """Whether a setting run live met the goals in the simulator (the live batch goal)."""
+    if sim_met is None:
+        return "."
+    return (" (in the simulator, against the live batch goal: "
+            + ("all three)." if name in sim_met else "not all three)."))
+
+
 def _live(rows: list[dict[str, Any]], setup: dict[str, Any], labels: dict[str, str],
           sim_window: float | None, live_s: float | None = None,
-          walls: dict[str, float] | None = None) -> list[str]:
+          walls: dict[str, float] | None = None,
+          sim_met: set[str] | None = None) -> list[str]:
     if not rows:
         return []
     cpus = float(setup.get("live_cpus") or 2)
@@ -272,8 +281,8 @@ def _live(rows: list[dict[str, Any]], setup: dict[str, Any], labels: dict[str, s
                         "yes" if quiet else "no", "yes" if ok else "no"])
     return [
         "### Live", "",
-        f"Settings that met the goals in the simulator against the live batch goal, on a "
-        f"real `skymesh-lb` before "
+        f"Settings run live (those that met the goals in the simulator against the live "
+        f"batch goal, and any the note names beside them), on a real `skymesh-lb` before "
         f"two emulated replicas (the tenancy page's live arm: `--max-num-seqs "
         f"{setup.get('max_num_seqs', '?')} --time-scale {setup.get('live_time_scale', '?')}`, "
         f"the flood cut to {setup.get('live_flood', '?')} requests, the interactive rate "
@@ -289,8 +298,8 @@ def _live(rows: list[dict[str, Any]], setup: dict[str, Any], labels: dict[str, s
         *(f"- {labels.get(name, name)}: all three goals in {sum(ok for ok, _, _ in rs)} of "
           f"{len(rs)} runs ({sum(ok for ok, q, _ in rs if q)} of "
           f"{sum(q for _, q, _ in rs)} quiet); batch "
-          f"{' / '.join(num(b, '.1%') for _, _, b in rs)} of first come first served's."
-          for name, rs in runs.items()),
+          f"{' / '.join(num(b, '.1%') for _, _, b in rs)} of first come first served's"
+          + _in_sim(name, sim_met) for name, rs in runs.items()),
         f"- The interactive tenant sends for {num(_med(window), '.0%')} of first come first "
         "served's batch run live (medians over the runs), "
         f"{num(sim_window, '.0%')} in the simulator: a setting that gives the batch tenant "
@@ -356,7 +365,9 @@ def frontier(doc: dict[str, Any]) -> str:
         *_stagger(summary, doc.get("points", []), labels, goal_x, goal),
         "", *_bound(doc.get("bound", []), s),
         *_live(doc.get("live", []), s, labels, _sim_window(doc.get("flood", [])),
-               doc.get("live_wall_seconds"), doc.get("live_wall_seconds_by_run"))])
+               doc.get("live_wall_seconds"), doc.get("live_wall_seconds_by_run"),
+               {n for n, x in summary.items() if live_goal is not None
+                and meets(x, goal_x, float(live_goal))})])
 
 
 def _sim_window(rows: list[dict[str, Any]]) -> float | None:
