@@ -40,7 +40,13 @@ from aiohttp import hdrs, web
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.helpers import EMPTY_BODY_STATUS_CODES, rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE
-from aiohttp.http_writer import HttpVersion10, HttpVersion11, _serialize_headers
+from aiohttp.http_writer import (
+    MIN_PAYLOAD_FOR_WRITELINES,
+    SKIP_WRITELINES,
+    HttpVersion10,
+    HttpVersion11,
+    _serialize_headers,
+)
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from skymesh.net.front import DirectRoutes, Handler
@@ -59,8 +65,6 @@ MAX_HEAD = 64 * 1024
 # Requests parsed ahead of the one being served (pipelining) before reading pauses.
 MAX_QUEUED = 8
 _VERSIONS = {"1.1": HttpVersion11, "1.0": HttpVersion10}
-# A direct answer's body up to this is joined to its head and written once.
-_JOINED_BODY = 64 * 1024
 _IDLE, _HEAD, _BODY = range(3)
 
 
@@ -468,9 +472,11 @@ class LeanProtocol(BaseProtocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("Cannot write to closing transport")
-        if len(body) <= _JOINED_BODY:
-            transport.write(head + body)  # one buffer, one write
-        else:  # not copied into one: as aiohttp's writer does
+        # One write, joined or not as aiohttp's writer decides (joined always before
+        # Python 3.12.9, whose asyncio writelines aiohttp avoids).
+        if SKIP_WRITELINES or len(head) + len(body) < MIN_PAYLOAD_FOR_WRITELINES:
+            transport.write(head + body)
+        else:
             transport.writelines((head, body))
         resp._eof_sent = True
         resp._req = None
