@@ -95,15 +95,16 @@ class ListenConfig(StrictModel):
     controller section (one mesh identity: sibling workers do not peer yet).
     ``pin_workers``: each worker on a core of its own (``auto``: when the process may use
     exactly one core per worker; skymesh.balancer.workers.worker_cpus).
-    ``http_server``: ``lean`` serves the plain routes (the generation routes among them)
-    on skymesh.net.lean, the rest on aiohttp's server; ``aiohttp``: all on aiohttp's."""
+    ``http_server``: ``lean`` (the default) serves the plain routes (the generation routes
+    among them) on skymesh.net.lean, the rest on aiohttp's server; ``aiohttp``: all on
+    aiohttp's."""
 
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     tls: ListenTlsConfig | None = None
     workers: int | Literal["auto"] = "auto"
     pin_workers: bool | Literal["auto"] = "auto"
-    http_server: Literal["aiohttp", "lean"] = "aiohttp"
+    http_server: Literal["aiohttp", "lean"] = "lean"
 
     @field_validator("workers", mode="before")
     @classmethod

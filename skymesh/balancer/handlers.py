@@ -308,7 +308,8 @@ class Handlers:
 
     async def read_body(self, request: web.Request) -> bytes:
         limit = self.cfg.limits.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
+        length = request.content_length  # read once: a lean request parses it per read
+        if length is not None and length > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
         content = request.content
         if content.is_eof():

@@ -8,9 +8,13 @@ requests the balancer's hot routes get (a plain route of the app, from
 :func:`skymesh.net.front.direct_routes`, with no query string, no ``Expect``, no
 ``Transfer-Encoding``, no upgrade) with httptools' parser, a light request object
 (:mod:`skymesh.net.lean_request`) and the handler run inline in one task per connection.
-Responses are aiohttp's own ``web.Response`` objects written through aiohttp's
-``StreamWriter``, so the handlers, the access log and the connection guard's marks (all in
-:func:`skymesh.net.front.request_handler`) are the same code as under aiohttp.
+Responses are aiohttp's own ``web.Response`` objects, so the handlers, the access log and
+the connection guard's marks (all in :func:`skymesh.net.front.request_handler`) are the
+same code as under aiohttp and do not know which server runs them. A plain answer (a
+``web.Response`` with a bytes body: the generation routes' non-streaming JSON and error
+answers, the probes) is written directly, the bytes ``prepare()`` and ``write_eof()``
+would write (:meth:`LeanProtocol._send_plain`); anything else (streams among them) goes
+through aiohttp's ``StreamWriter``.
 
 Anything else hands the connection, at that request's first byte, to aiohttp's own
 ``RequestHandler`` (the runner's ``web.Server``): it gets the bytes of that request
@@ -34,11 +38,20 @@ from typing import Any, cast
 import httptools
 from aiohttp import hdrs, web
 from aiohttp.base_protocol import BaseProtocol
-from aiohttp.http_writer import HttpVersion10, HttpVersion11, StreamWriter
+from aiohttp.helpers import EMPTY_BODY_STATUS_CODES, rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.http_writer import (
+    MIN_PAYLOAD_FOR_WRITELINES,
+    SKIP_WRITELINES,
+    HttpVersion10,
+    HttpVersion11,
+    _serialize_headers,
+)
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from skymesh.net.front import DirectRoutes, Handler
 from skymesh.net.lean_request import LeanBody, LeanRequest
+from skymesh.net.limits import connection_client
 
 server_log = logging.getLogger("aiohttp.server")  # where aiohttp logs a handler's error
 
@@ -63,19 +76,36 @@ def _header_end(buf: bytes, start: int) -> int:
     return buf.find(b"\r\n\r\n", start) + 4
 
 
+def _plain(resp: web.StreamResponse, method: str) -> bool:
+    """Whether ``resp`` is an answer :meth:`LeanProtocol._send_plain` writes exactly as
+    aiohttp would: a ``web.Response`` (not a subclass: it may write otherwise) not yet
+    sent, its body bytes, no chunking, compression or cookies, no framing header of the
+    handler's own, and a body the status and method let it send. Anything else goes
+    through ``prepare()`` and ``write_eof()``."""
+    return (type(resp) is web.Response and resp._payload_writer is None
+            and not resp._eof_sent and isinstance(resp._body, bytes | bytearray | None)
+            and not resp._chunked and not resp._compression and not resp._cookies
+            and method != hdrs.METH_HEAD and resp._status not in EMPTY_BODY_STATUS_CODES
+            and hdrs.CONTENT_LENGTH not in resp._headers
+            and hdrs.TRANSFER_ENCODING not in resp._headers)
+
+
 class _HandOff(Exception):
     """Raised in a parser callback: stop parsing here, aiohttp takes the rest."""
 
 
 def lean_factory(server: web.Server, app: web.Application, routes: DirectRoutes,
-                 keepalive_s: float) -> Callable[..., asyncio.Protocol]:
+                 keepalive_s: float, direct_writes: bool = True
+                 ) -> Callable[..., asyncio.Protocol]:
     """A protocol factory serving ``routes`` of ``app`` leanly, the rest through
     ``server`` (whose ``request_handler`` is :func:`skymesh.net.front.request_handler`);
-    ``keepalive_s``: aiohttp's keep-alive timeout, an idle connection's life."""
+    ``keepalive_s``: aiohttp's keep-alive timeout, an idle connection's life;
+    ``direct_writes``: plain answers written by :meth:`LeanProtocol._send_plain` (off:
+    every answer through aiohttp's ``prepare()``, the benches' comparison)."""
     keys = frozenset(routes)
 
     def factory(**_: Any) -> asyncio.Protocol:
-        return LeanProtocol(server, app, keys, keepalive_s)
+        return LeanProtocol(server, app, keys, keepalive_s, direct_writes)
 
     return factory
 
@@ -89,6 +119,7 @@ class LeanProtocol(BaseProtocol):
         "_chunk",
         "_context",
         "_cursor",
+        "_direct",
         "_eof",
         "_hand",
         "_handler",
@@ -118,9 +149,11 @@ class LeanProtocol(BaseProtocol):
     )
 
     def __init__(self, server: web.Server, app: web.Application,
-                 keys: frozenset[tuple[str, str]], keepalive_s: float) -> None:
+                 keys: frozenset[tuple[str, str]], keepalive_s: float,
+                 direct_writes: bool = True) -> None:
         super().__init__(asyncio.get_running_loop())
         self._server = server
+        self._direct = direct_writes
         self._app = app
         self._keys = keys
         self._handler: Handler = server.request_handler
@@ -156,9 +189,13 @@ class LeanProtocol(BaseProtocol):
     # -- asyncio.Protocol -----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        peer = transport.get_extra_info("peername")
-        self._remote = str(peer[0]) if isinstance(peer, list | tuple) else (
-            str(peer) if peer is not None else None)
+        # request.remote: the guard parsed the peer already (start_app always guards);
+        # parsed here, as aiohttp's request.remote does, only off a guard.
+        self._remote = connection_client()
+        if self._remote is None:
+            peer = transport.get_extra_info("peername")
+            self._remote = str(peer[0]) if isinstance(peer, list | tuple) else (
+                str(peer) if peer is not None else None)
         # The guard's connection is in this context: the task and a later hand-off see it.
         self._context = contextvars.copy_context()
         self._server.connection_made(cast(Any, self), cast(asyncio.Transport, transport))
@@ -305,7 +342,7 @@ class LeanProtocol(BaseProtocol):
         assert self.transport is not None
         request = LeanRequest(self._app, method, path, CIMultiDictProxy(headers), version,
                               parser.should_keep_alive(), body,
-                              StreamWriter(self, self._loop), self.transport,
+                              self, self.transport,
                               self._remote, self._task)
         self._request = request
         self._queue.append(request)
@@ -371,8 +408,11 @@ class LeanProtocol(BaseProtocol):
         try:
             if resp is not None:
                 try:
-                    await resp.prepare(cast(web.Request, request))
-                    await resp.write_eof()
+                    if self._direct and _plain(resp, request.method):
+                        await self._send_plain(request, cast(web.Response, resp))
+                    else:
+                        await resp.prepare(cast(web.Request, request))
+                        await resp.write_eof()
                 except ConnectionError:
                     raise
                 except Exception:  # not a response, or one that cannot be sent
@@ -380,7 +420,7 @@ class LeanProtocol(BaseProtocol):
                                          request.remote)
                     resp = None
             if resp is None:
-                if request._payload_writer.output_size > 0:
+                if request.output_size > 0:
                     return False  # half sent: only closing tells the client
                 resp = web.Response(status=500, content_type="text/plain",
                                     text="500 Internal Server Error\n\n"
@@ -392,6 +432,57 @@ class LeanProtocol(BaseProtocol):
             return False
         # A body the handler left unread: closing is simpler than reading it away.
         return bool(resp.keep_alive) and request.content.is_eof() and not self._eof
+
+    async def _send_plain(self, request: LeanRequest, resp: web.Response) -> None:
+        """Write ``resp`` (a :func:`_plain` answer) as ``resp.prepare(request)`` and
+        ``resp.write_eof()`` would, in one go: the same headers set in the same order
+        (Content-Length, the default Content-Type, Date, Server, Connection, then the
+        app's ``on_response_prepare`` hooks: the request-id stamp), the same status line,
+        serialized by aiohttp's own header writer (which refuses a control character in
+        a name or value); without the ``StreamWriter`` and the awaits of its path. A
+        client that stops reading holds the connection here as aiohttp's drain does (the
+        guard's write-stall timer runs meanwhile)."""
+        body = cast(bytes | bytearray, resp._body or b"")  # _plain checked its type
+        headers = resp._headers
+        headers[hdrs.CONTENT_LENGTH] = str(len(body))
+        keep_alive = resp._keep_alive
+        if keep_alive is None:
+            keep_alive = resp._keep_alive = request.keep_alive
+        version = request.version
+        if body:
+            headers.setdefault(hdrs.CONTENT_TYPE, "application/octet-stream")
+        if hdrs.DATE not in headers:
+            headers[hdrs.DATE] = rfc822_formatted_time()
+        headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
+        if hdrs.CONNECTION not in headers:
+            if keep_alive:
+                if version == HttpVersion10:
+                    headers[hdrs.CONNECTION] = "keep-alive"
+            elif version == HttpVersion11:
+                headers[hdrs.CONNECTION] = "close"
+        resp._req = cast(web.Request, request)  # what a hook may read (resp.task)
+        # What request._prepare_hook does (the on_response_prepare signals of the route's
+        # apps, frozen since start-up), without its and the signals' coroutine frames.
+        match_info = request._match_info
+        for app in match_info.apps if match_info is not None else ():
+            for hook in app.on_response_prepare:
+                await hook(cast(web.Request, request), resp)
+        head = _serialize_headers(
+            f"HTTP/{version[0]}.{version[1]} {resp._status} {resp._reason}", headers)
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("Cannot write to closing transport")
+        # One write, joined or not as aiohttp's writer decides (joined always before
+        # Python 3.12.9, whose asyncio writelines aiohttp avoids).
+        if SKIP_WRITELINES or len(head) + len(body) < MIN_PAYLOAD_FOR_WRITELINES:
+            transport.write(head + body)
+        else:
+            transport.writelines((head, body))
+        resp._eof_sent = True
+        resp._req = None
+        resp._body_length = len(head) + len(body)
+        if self._paused:
+            await self._drain_helper()
 
     def _hand_off(self) -> None:
         """aiohttp's protocol takes the connection from the request in ``_hand``."""

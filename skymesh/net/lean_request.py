@@ -16,13 +16,13 @@ from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import web
+from aiohttp.base_protocol import BaseProtocol
 from aiohttp.helpers import ChainMapProxy
-from aiohttp.http_writer import HttpVersion
+from aiohttp.http_writer import HttpVersion, StreamWriter
 from multidict import CIMultiDictProxy, MultiDict, MultiDictProxy
 from yarl import URL
 
 if TYPE_CHECKING:
-    from aiohttp.http_writer import StreamWriter
     from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 
 # A request body buffered past this pauses reading until the handler takes it: the server
@@ -119,13 +119,13 @@ class LeanBody:
 class LeanRequest:
     """One request on a plain route, as its handler and ``web.Response`` see it."""
 
-    __slots__ = ("_match_info", "_payload_writer", "_rel_url", "_state", "app", "content",
-                 "headers", "keep_alive", "method", "path", "raw_path", "remote", "task",
-                 "transport", "version")
+    __slots__ = ("_content_length", "_match_info", "_protocol", "_rel_url", "_state",
+                 "_writer", "app", "content", "headers", "keep_alive", "method", "path",
+                 "raw_path", "remote", "task", "transport", "version")
 
     def __init__(self, app: web.Application, method: str, raw_path: str,
                  headers: CIMultiDictProxy[str], version: HttpVersion, keep_alive: bool,
-                 content: LeanBody, writer: StreamWriter, transport: asyncio.Transport,
+                 content: LeanBody, protocol: BaseProtocol, transport: asyncio.Transport,
                  remote: str | None, task: asyncio.Task[None] | None) -> None:
         self.app = app
         self.method = method
@@ -134,13 +134,15 @@ class LeanRequest:
         self.version = version
         self.keep_alive = keep_alive
         self.content = content
-        self._payload_writer = writer
+        self._protocol = protocol
+        self._writer: StreamWriter | None = None  # made when a response is prepared
         self.transport = transport
         self.remote = remote
         self.task = task
         self._state: dict[Any, Any] = {}
         self._match_info: UrlMappingMatchInfo | None = None
         self._rel_url: URL | None = None
+        self._content_length: int | None = -1  # -1: not parsed yet
 
     # -- the request's storage (web.Request is a MutableMapping) ------------------------
     def __getitem__(self, key: Any) -> Any:
@@ -163,6 +165,20 @@ class LeanRequest:
 
     def get(self, key: Any, default: Any = None) -> Any:
         return self._state.get(key, default)
+
+    @property
+    def _payload_writer(self) -> StreamWriter:
+        """What ``web.StreamResponse.prepare()`` writes through; the lean server's plain
+        answers are written without one, so it is made only for the others."""
+        writer = self._writer
+        if writer is None:
+            writer = self._writer = StreamWriter(self._protocol, self._protocol._loop)
+        return writer
+
+    @property
+    def output_size(self) -> int:
+        """Bytes of a response written through ``_payload_writer`` (0: none started)."""
+        return self._writer.output_size if self._writer is not None else 0
 
     # -- what aiohttp's Request derives ----------------------------------------------------
     @property
@@ -208,8 +224,12 @@ class LeanRequest:
 
     @property
     def content_length(self) -> int | None:
-        value = self.headers.get("Content-Length")
-        return int(value) if value is not None else None  # the parser checked the digits
+        length = self._content_length
+        if length == -1:  # parsed once: the body limit and body_exists both ask
+            value = self.headers.get("Content-Length")
+            # The parser checked the digits.
+            length = self._content_length = int(value) if value is not None else None
+        return length
 
     @property
     def can_read_body(self) -> bool:

@@ -117,6 +117,14 @@ def mark_started(request: Any) -> _GuardedConnection | None:
     return conn
 
 
+def connection_client() -> str | None:
+    """The client address the guard admitted the connection being made under (its parse
+    of the peer, ``str(host)`` of a TCP peer), for the server protocol it wraps; None off a
+    guarded connection."""
+    conn = _CURRENT.get()
+    return conn._client if conn is not None else None
+
+
 class _Phase:
     HEADERS, ACTIVE, IDLE = range(3)
 

@@ -28,6 +28,12 @@ from skymesh.obs.access import outside_chain
 METRICS_REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)
 # The HTTP/1.1 server protocols start_app can serve with (listen.http_server).
 HTTP_SERVERS = ("aiohttp", "lean")
+# Every in-process server's default, not only skymesh-lb's: the tests that start
+# skymesh-lb's app through start_app then serve it as the daemon does. An app with a
+# middleware in its chain (skymesh-replica's error middleware, skymesh-lb with tracing)
+# has no route the lean server takes, and is served by aiohttp's server alone whatever
+# this says (docs/notes/lean-server.md).
+DEFAULT_HTTP_SERVER = "lean"
 
 
 def run(main: Coroutine[Any, Any, None]) -> None:
@@ -104,12 +110,13 @@ class GuardedSite(web.TCPSite):
 
 async def start_app(app: web.Application, host: str, port: int, name: str,
                     limits: ConnLimits, ssl_context: ssl.SSLContext | None = None,
-                    sock: socket.socket | None = None, http_server: str = "aiohttp"
+                    sock: socket.socket | None = None,
+                    http_server: str = DEFAULT_HTTP_SERVER
                     ) -> tuple[web.AppRunner, ConnectionGuard]:
     """Set ``app`` up and listen on ``host:port`` (or the listening ``sock``) behind the
     connection limits; the caller ends it with ``runner.cleanup()``. ``http_server``:
-    ``aiohttp``, or ``lean`` (the app's plain routes on :mod:`skymesh.net.lean`, the
-    rest on aiohttp's server)."""
+    ``lean`` (the default: the app's plain routes on :mod:`skymesh.net.lean`, the rest on
+    aiohttp's server), or ``aiohttp`` (everything on aiohttp's server)."""
     if http_server not in HTTP_SERVERS:
         raise ValueError(f"http_server must be one of {HTTP_SERVERS}, not {http_server!r}")
     guard = ConnectionGuard(limits, name)
@@ -154,7 +161,7 @@ async def serve_app(app: web.Application, host: str, port: int, name: str, detai
                     on_bound: Callable[[str], Awaitable[None]] | None = None,
                     tuned_gc: bool = False, ssl_context: ssl.SSLContext | None = None,
                     limits: ConnLimits | None = None, sock: socket.socket | None = None,
-                    announce: bool = True, http_server: str = "aiohttp") -> None:
+                    announce: bool = True, http_server: str = DEFAULT_HTTP_SERVER) -> None:
     """Serve ``app`` on ``host:port`` (0: any free port) until a stop signal.
 
     Prints ``NAME listening on http(s)://HOST:PORT`` to stderr once bound: scripts and

@@ -24,6 +24,9 @@ def test_traced_balancer_reports_every_stage(tmp_path: Path) -> None:
     assert set(res["stages"]) == {name for name, _, _ in STAGES} | {TOTAL}
     for name, v in res["stages"].items():
         assert 0 < v["p50_us"] <= v["p90_us"], name
+    # Stamped on the server that served (the lean one by default): an unstamped start
+    # would read as the whole perf_counter, far past a second.
+    assert res["stages"][STAGES[0][0]]["p90_us"] < 1e6
     # The balancer's total is its three stages, so it exceeds each of them.
     total = res["stages"][TOTAL]["p50_us"]
     assert total > res["stages"][STAGES[1][0]]["p50_us"]

@@ -17,6 +17,7 @@ from support import chat_replica, eventually, serving, until
 
 from skymesh.balancer.config import parse_config
 from skymesh.balancer.server import build_app
+from skymesh.net.lean_request import LeanRequest
 from skymesh.net.limits import ConnLimits
 from skymesh.net.serving import start_app
 from skymesh.obs.access import ACCESS_LOGGER
@@ -54,10 +55,16 @@ def handled(monkeypatch: pytest.MonkeyPatch) -> Handled:
 
 
 @pytest.fixture
-async def lb(handled: Handled, caplog: pytest.LogCaptureFixture) -> AsyncIterator[str]:
+async def lb(request: pytest.FixtureRequest, handled: Handled,
+             caplog: pytest.LogCaptureFixture) -> AsyncIterator[str]:
+    """skymesh-lb's app on a free port, on its default server (or the ``listen.http_server``
+    a test asks for by indirect parametrization)."""
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    listen: dict[str, Any] = {"host": "127.0.0.1", "port": 0}
+    if hasattr(request, "param"):
+        listen["http_server"] = request.param
     async with serving(replica()) as port:
-        cfg = parse_config({"listen": {"host": "127.0.0.1", "port": 0},
+        cfg = parse_config({"listen": listen,
                             "policy": {"name": "round-robin"},
                             "replicas": [{"url": f"http://127.0.0.1:{port}",
                                           "models": [MODEL]}],
@@ -65,7 +72,8 @@ async def lb(handled: Handled, caplog: pytest.LogCaptureFixture) -> AsyncIterato
                             "logging": {"access_log": True}})
         app = build_app(cfg)
         handled.watched.append(app)
-        runner, _ = await start_app(app, "127.0.0.1", 0, "lb", ConnLimits())
+        runner, _ = await start_app(app, "127.0.0.1", 0, "lb", ConnLimits(),
+                                    http_server=cfg.listen.http_server)
         try:
             url = f"http://127.0.0.1:{runner.addresses[0][1]}"
             async with aiohttp.ClientSession() as s:
@@ -165,18 +173,23 @@ async def test_an_app_with_a_middleware_of_its_own_keeps_it(handled: Handled) ->
     assert handled == [CHAT]
 
 
+@pytest.mark.parametrize("lb", ["aiohttp", "lean"], indirect=True)
 async def test_request_storage_uses_typed_keys_only(
-        lb: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        lb: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     # aiohttp warns (NotAppKeyWarning, once per key and process) for each plain-string
-    # key stored on a request: the daemon's stderr stays free of it with typed keys.
+    # key stored on a request: the daemon's stderr stays free of it with typed keys. The
+    # lean server's request (a plain dict inside) would not warn: its keys are recorded too.
     stored: list[object] = []
-    real = web.BaseRequest.__setitem__
+    kinds: set[str] = set()  # the request classes that stored them
+    for cls in (web.BaseRequest, LeanRequest):
+        real = cls.__setitem__
 
-    def recorded(self: web.BaseRequest, key: Any, value: Any) -> None:
-        stored.append(key)
-        real(self, key, value)
+        def recorded(self: Any, key: Any, value: Any, real: Any = real) -> None:
+            stored.append(key)
+            kinds.add(type(self).__name__)
+            real(self, key, value)
 
-    monkeypatch.setattr(web.BaseRequest, "__setitem__", recorded)
+        monkeypatch.setattr(cls, "__setitem__", recorded)
     async with aiohttp.ClientSession() as s:
         async with s.post(lb + CHAT, json=body(), headers={"X-Request-Id": "keys-1"}) as r:
             assert r.status == 200
@@ -185,3 +198,5 @@ async def test_request_storage_uses_typed_keys_only(
             await r.read()
     assert stored  # the ticket, the access record, the output tokens
     assert [k for k in stored if not isinstance(k, web.RequestKey)] == []
+    server = request.node.callspec.params["lb"]
+    assert kinds == {{"aiohttp": "Request", "lean": "LeanRequest"}[server]}

@@ -23,6 +23,7 @@ from support import chat_replica, eventually, serving, until
 
 from skymesh.balancer.config import parse_config
 from skymesh.balancer.server import build_app
+from skymesh.net.front import direct_routes
 from skymesh.net.lean_request import LeanRequest
 from skymesh.net.limits import ConnectionGuard, ConnLimits
 from skymesh.net.serving import start_app
@@ -441,7 +442,27 @@ async def test_an_app_with_a_middleware_is_served_by_aiohttp_alone() -> None:
         await runner.cleanup()
 
 
+async def test_skymesh_replica_keeps_aiohttps_server_under_the_lean_default() -> None:
+    # start_app's default is lean; the replica's app has an error middleware, so no route
+    # is taken leanly and every connection is aiohttp's (the emulated engine the
+    # benchmarks run against does not change server with skymesh-lb's default).
+    from skymesh_replica.server import ReplicaConfig, create_app
+    app = create_app(ReplicaConfig())
+    runner, _ = await start_app(app, "127.0.0.1", 0, "r", ConnLimits())
+    try:
+        assert await direct_routes(app) == {}
+        (status, _, body), = await exchange(
+            runner.addresses[0][1], b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status == 200 and json.loads(body)["data"]
+        server = runner.server
+        assert server is not None
+        assert all(type(c).__name__ == "RequestHandler" for c in server.connections)
+    finally:
+        await runner.cleanup()
+
+
 def test_the_config_key_is_checked() -> None:
-    assert parse_config({}).listen.http_server == "aiohttp"
+    assert parse_config({}).listen.http_server == "lean"  # the default since session 25
+    assert parse_config({"listen": {"http_server": "aiohttp"}}).listen.http_server == "aiohttp"
     with pytest.raises(Exception, match="http_server"):
         parse_config({"listen": {"http_server": "fast"}})

@@ -3,14 +3,16 @@
 ``skymesh_lab.bench.overhead`` gives the balancer's added latency end to end; this splits the
 balancer's part of it into stages, measured in place on the live daemon:
 
-1. ``aiohttp: request bytes -> handler``: from the event loop handing the request's
-   last bytes to aiohttp's protocol until the generate handler starts (parsing, request
-   object, routing, the handler's task);
+1. ``server: request bytes -> handler``: from the event loop handing the request's
+   last bytes to the HTTP server's protocol (skymesh.net.lean's, the default, or
+   aiohttp's ``RequestHandler`` for what it hands over or with ``listen.http_server:
+   aiohttp``) until the generate handler starts (parsing, request object, routing, the
+   handler's task or wake-up);
 2. ``skymesh: handler -> upstream write``: intake, the routing decision and writing the
    request to the replica;
 3. ``replica: upstream write -> reply bytes``: the replica's own time plus the loopback
    hop (not the balancer's);
-4. ``skymesh + aiohttp: reply bytes -> first chunk written``: from the replica's first
+4. ``skymesh + server: reply bytes -> first chunk written``: from the replica's first
    bytes reaching the balancer until the status, headers and first chunk have been
    written to the client.
 
@@ -53,10 +55,10 @@ from skymesh.util.stats import fmt, percentile, percentiles
 
 TRACE_ENV = "SKYMESH_CRITICAL_PATH_OUT"
 STAGES: tuple[tuple[str, str, str], ...] = (
-    ("aiohttp: request bytes -> handler", "in", "handler"),
+    ("server: request bytes -> handler", "in", "handler"),
     ("skymesh: handler -> upstream write", "handler", "upstream_write"),
     ("replica: upstream write -> reply bytes", "upstream_write", "reply_in"),
-    ("skymesh + aiohttp: reply bytes -> first chunk written", "reply_in", "first_written"),
+    ("skymesh + server: reply bytes -> first chunk written", "reply_in", "first_written"),
 )
 TOTAL = "balancer total (stages 1, 2 and 4)"
 STAMPS = ("in", "handler", "upstream_write", "reply_in", "first_written")
@@ -72,6 +74,7 @@ def install_hooks(records: list[dict[str, int]]) -> None:
     from aiohttp import web_protocol
 
     from skymesh.balancer import handlers, streaming, upstream
+    from skymesh.net import lean
 
     clock = time.perf_counter_ns
     last_in = [0]
@@ -79,10 +82,15 @@ def install_hooks(records: list[dict[str, int]]) -> None:
         "skymesh_critical_path", default=None)
 
     recv = web_protocol.RequestHandler.data_received
+    lean_recv = lean.LeanProtocol.data_received
 
     def data_received(self: Any, data: bytes) -> None:
         last_in[0] = clock()
         recv(self, data)
+
+    def lean_data_received(self: Any, data: bytes) -> None:
+        last_in[0] = clock()
+        lean_recv(self, data)
 
     handle = handlers.Handlers.handle_generate
 
@@ -123,6 +131,7 @@ def install_hooks(records: list[dict[str, int]]) -> None:
             rec["first_written"] = clock()
 
     for cls, name, wrapper in ((web_protocol.RequestHandler, "data_received", data_received),
+                               (lean.LeanProtocol, "data_received", lean_data_received),
                                (handlers.Handlers, "handle_generate", handle_generate),
                                (upstream.UpstreamReply, "__init__", reply_made),
                                (upstream._Conn, "data_received", conn_data_received),

@@ -30,9 +30,13 @@ run the balancer's ``/status`` gives the limit sp-p then applied per stub
 count is in the JSON (``setup.workers``) and on the page that shows it (1 worker: the
 dispatch-cost page; 2: the lb-workers page, ``dispatch-cost-live-workers2.json``).
 
-``--lean`` adds two arms with the lean HTTP server (``listen.http_server: lean``,
-skymesh.net.lean) in a ``--config`` file: ``default-lean`` and ``rr-lean``, each paired
-in every round with its aiohttp arm (``lean_ratios``: lean over aiohttp per round).
+The plain arms run skymesh-lb's default HTTP server, the lean one (``listen.http_server:
+lean``, skymesh.net.lean, the default since session 25). ``--lean`` adds two arms on
+aiohttp's server (``listen.http_server: aiohttp`` in a ``--config`` file):
+``default-aiohttp`` and ``rr-aiohttp``, each paired in every round with its arm on the
+lean server (``lean_ratios``: lean over aiohttp per round). With ``--base`` on a
+revision from before session 25, whose default was aiohttp's server, the base's plain
+arms are aiohttp too: its ``lean_ratios`` are then near 1 and say nothing.
 
 ``--base REV`` also runs the ``skymesh`` package of git revision ``REV`` (or a directory
 holding a checkout), put first on the balancer's PYTHONPATH, in the same rounds; segments
@@ -73,18 +77,20 @@ CONFIGS: dict[str, list[str]] = {
 }
 # The configurations measured against rr, each with its per-round ratio.
 RATIOS = ("default", "default-told")
-LEAN_YAML = "listen:\n  http_server: lean\n"
-LEAN_FILE = "{tmp}/lean.yaml"
-# --lean: each lean arm and the aiohttp arm it is paired with.
-LEAN_CONFIGS: dict[str, tuple[str, list[str]]] = {
-    "default-lean": ("default", ["--config", LEAN_FILE]),
-    "rr-lean": ("rr", ["--config", LEAN_FILE, "--policy", "round-robin", "--push-mode", "bp"]),
+AIOHTTP_YAML = "listen:\n  http_server: aiohttp\n"
+AIOHTTP_FILE = "{tmp}/aiohttp.yaml"
+# --lean: each arm on aiohttp's server, and the arm on the (default) lean server it is
+# paired with: the ratio is the lean arm over its aiohttp arm.
+AIOHTTP_CONFIGS: dict[str, tuple[str, list[str]]] = {
+    "default-aiohttp": ("default", ["--config", AIOHTTP_FILE]),
+    "rr-aiohttp": ("rr", ["--config", AIOHTTP_FILE, "--policy", "round-robin",
+                          "--push-mode", "bp"]),
 }
 
 
 def configs_of(lean: bool) -> dict[str, list[str]]:
-    """The configurations a run measures: ``CONFIGS``, and the lean arms with ``lean``."""
-    return {**CONFIGS, **({c: f for c, (_, f) in LEAN_CONFIGS.items()} if lean else {})}
+    """The configurations a run measures: ``CONFIGS``, and the aiohttp arms with ``lean``."""
+    return {**CONFIGS, **({c: f for c, (_, f) in AIOHTTP_CONFIGS.items()} if lean else {})}
 
 
 def _checkout(base: str, tmp: str) -> str:
@@ -152,14 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=1, help="skymesh-lb worker processes")
     ap.add_argument("--lean", action="store_true",
-                    help="also the lean HTTP server's arms (listen.http_server: lean)")
+                    help="also the arms on aiohttp's server (listen.http_server: aiohttp), "
+                         "each paired with its arm on the default lean server")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     configs = configs_of(args.lean)
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="dispatch-cost-live-") as tmp:
         Path(TOLD_FILE.format(tmp=tmp)).write_text(TOLD_YAML)
-        Path(LEAN_FILE.format(tmp=tmp)).write_text(LEAN_YAML)
+        Path(AIOHTTP_FILE.format(tmp=tmp)).write_text(AIOHTTP_YAML)
         trees: dict[str, str | None] = {"current": None}
         if args.base:
             trees["base"] = _checkout(args.base, tmp)
@@ -193,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
             ratios = [a / b for a, b in zip(res[(v, c)], res[(v, "rr")], strict=True)]
             print(f"{v} {c}/rr per round {[round(x, 2) for x in ratios]}, "
                   f"median {statistics.median(ratios):.2f}")
-        for c, (paired, _) in LEAN_CONFIGS.items() if args.lean else ():
-            ratios = [a / b for a, b in zip(res[(v, c)], res[(v, paired)], strict=True)]
-            print(f"{v} {c}/{paired} per round {[round(x, 2) for x in ratios]}, "
+        for c, (paired, _) in AIOHTTP_CONFIGS.items() if args.lean else ():
+            ratios = [a / b for a, b in zip(res[(v, paired)], res[(v, c)], strict=True)]
+            print(f"{v} {paired} (lean)/{c} per round {[round(x, 2) for x in ratios]}, "
                   f"median {statistics.median(ratios):.2f}")
     if args.json is not None:
         doc = summary(res, list(trees), args, load, limits)
@@ -229,12 +236,13 @@ def summary(res: dict[tuple[str, str], list[float]], versions: list[str],
                            "median": round(statistics.median(r), 2)}
                        for c, r in ratios.items()},
         }
-        if lean:
+        if lean:  # each lean arm over its aiohttp arm, per round
             out[v]["lean_ratios"] = {}
-            for c, (paired, _) in LEAN_CONFIGS.items():
-                r = [a / b for a, b in zip(res[(v, c)], res[(v, paired)], strict=True)]
-                out[v]["lean_ratios"][c] = {"over": paired, "rounds": [round(x, 2) for x in r],
-                                            "median": round(statistics.median(r), 2)}
+            for c, (paired, _) in AIOHTTP_CONFIGS.items():
+                r = [a / b for a, b in zip(res[(v, paired)], res[(v, c)], strict=True)]
+                out[v]["lean_ratios"][paired] = {"over": c,
+                                                 "rounds": [round(x, 2) for x in r],
+                                                 "median": round(statistics.median(r), 2)}
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                             text=True, check=False).stdout.strip()
     command = "python -m skymesh_lab.bench.dispatch_cost_live" + (
@@ -250,7 +258,7 @@ def summary(res: dict[tuple[str, str], list[float]], versions: list[str],
                       "seed": args.seed, "connections": 64, "workers": args.workers,
                       "configs": {c: " ".join(f) or "(no flags)" for c, f in configs.items()},
                       "told_yaml": TOLD_YAML,
-                      **({"lean_yaml": LEAN_YAML} if lean else {}),
+                      **({"aiohttp_yaml": AIOHTTP_YAML} if lean else {}),
                       "base": args.base, "commit": commit or None,
                       "load_average_1m_at_start": round(load_at_start, 2),
                       "cpus": os.cpu_count(),

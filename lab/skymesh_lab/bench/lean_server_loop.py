@@ -3,21 +3,25 @@
 What is measured
     The loop thread's CPU (``time.thread_time``) per keep-alive request through the
     server protocol that ``skymesh.net.serving.start_app`` gives a connection, behind the
-    connection guard: aiohttp's ``RequestHandler`` (``listen.http_server: aiohttp``) or
-    ``skymesh.net.lean`` (``lean``). The app is shaped like skymesh-lb's generation route
-    (the request-id stamp, the access log off as with ``--no-access-log``, a JSON body
-    read, the C stub's reply as the answer) and needs no network: the connection is a
+    connection guard: aiohttp's ``RequestHandler`` (``listen.http_server: aiohttp``),
+    ``skymesh.net.lean`` (``lean``, the default: plain answers written directly) or
+    ``lean-prepare`` (the lean server with every answer through aiohttp's ``prepare()``
+    and ``write_eof()``, as in session 24: what the direct writes save). The app is
+    shaped like skymesh-lb's generation route (the request-id stamp, the access log off
+    as with ``--no-access-log``, a JSON body read, the C stub's reply as the answer) and
+    needs no network: the connection is a
     stand-in transport that takes the bytes written to it, and each request is the bytes
     of one POST handed to ``data_received``, then awaited until its response is written.
     So the figure is the server's parser, request objects, task or wake-up, response
     writing and the loop's turn for it; not the sockets' system calls (the same for both).
 
 How
-    Both arms in one process, alternated: ``--rounds`` rounds, each the best of
-    ``--repeats`` runs of ``--requests`` requests per arm, on uvloop as the daemon. Prints
-    each round's figures and the median of lean over aiohttp per round.
+    The arms in one process, their order turned every round: ``--rounds`` rounds, each
+    the best of ``--repeats`` runs of ``--requests`` requests per arm, on uvloop as the
+    daemon. Prints each round's figures and the medians of lean over aiohttp and over
+    lean-prepare per round.
 
-    python -m skymesh_lab.bench.lean_server_loop [--rounds 5] [--requests 20000]
+    python -m skymesh_lab.bench.lean_server_loop [--rounds 6] [--requests 20000]
 """
 
 from __future__ import annotations
@@ -115,6 +119,8 @@ async def _arms() -> tuple[dict[str, Callable[..., asyncio.Protocol]], web.AppRu
     server.request_handler = request_handler(app, server.request_handler, routes, logged)
     guard = ConnectionGuard(ConnLimits(), "bench")
     return {"aiohttp": guard.protocol_factory(server),
+            "lean-prepare": guard.protocol_factory(
+                lean_factory(server, app, routes, 75.0, direct_writes=False)),
             "lean": guard.protocol_factory(lean_factory(server, app, routes, 75.0))}, runner
 
 
@@ -139,10 +145,11 @@ async def measure(rounds: int, requests: int, repeats: int) -> dict[str, list[fl
     arms, runner = await _arms()
     out: dict[str, list[float]] = {name: [] for name in arms}
     try:
-        await _one(arms["lean"], 1000)  # warm both paths
-        await _one(arms["aiohttp"], 1000)
+        for factory in arms.values():  # warm every path
+            await _one(factory, 1000)
         for r in range(rounds):
-            order = list(arms) if r % 2 == 0 else list(reversed(arms))
+            names = list(arms)
+            order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
                 out[name].append(min([await _one(arms[name], requests)
                                       for _ in range(repeats)]))
@@ -166,13 +173,16 @@ def main(argv: list[str] | None = None) -> int:
         res.update(await measure(args.rounds, args.requests, args.repeats))
 
     run(go())
-    ratios = [a / b for a, b in zip(res["lean"], res["aiohttp"], strict=True)]
     for name, xs in res.items():
         print(f"{name}: median {statistics.median(xs):.1f} us/request "
               f"[{min(xs):.1f}, {max(xs):.1f}]")
-    print(f"lean/aiohttp per round {[round(x, 2) for x in ratios]}, median "
-          f"{statistics.median(ratios):.2f}; load {load:.2f} at start, "
-          f"{os.getloadavg()[0]:.2f} at end")
+    for over in ("aiohttp", "lean-prepare"):
+        ratios = [a / b for a, b in zip(res["lean"], res[over], strict=True)]
+        saved = [b - a for a, b in zip(res["lean"], res[over], strict=True)]
+        print(f"lean/{over} per round {[round(x, 2) for x in ratios]}, median "
+              f"{statistics.median(ratios):.2f}; us saved per request per round "
+              f"{[round(x, 1) for x in saved]}, median {statistics.median(saved):.1f}")
+    print(f"load {load:.2f} at start, {os.getloadavg()[0]:.2f} at end")
     return 0
 
 

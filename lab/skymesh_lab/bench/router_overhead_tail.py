@@ -6,7 +6,10 @@ The product is not changed: each skymesh-lb runs in a wrapper process (``--serve
 imports it, installs the instruments and then calls its own ``main``:
 
 * a middleware in front of every other one times the handler (aiohttp has parsed the
-  request when it starts; the response is written when it returns);
+  request when it starts; the response is written when it returns). An app with a
+  middleware is served by aiohttp's server alone (skymesh.net.serving), so the wrapped
+  skymesh-lb runs on aiohttp's server, not on the lean one that is the default since
+  session 25: its figures are those of ``listen.http_server: aiohttp``;
 * an asyncio task measures the event loop's lag (a 2 ms sleep's overshoot);
 * ``gc.callbacks`` time every collection, per generation;
 * skymesh-lb's own ``skymesh_connections_closed_total`` tells keep-alive churn with
