@@ -14,7 +14,10 @@ skymesh-lb could reach with its logic taken away:
   worker (the textbook aiohttp proxy);
 * ``stack``: aiohttp's server and skymesh-lb's own request-path client
   (:class:`skymesh.balancer.upstream.Upstream`, httptools on a bare connection): the
-  HTTP stack skymesh-lb runs, without skymesh-lb;
+  HTTP stack skymesh-lb ran before its lean server became the default (session 25);
+* ``lean``: the HTTP stack skymesh-lb runs by default, without skymesh-lb: its serving
+  path (:func:`skymesh.net.serving.start_app`: the connection guard and the lean server,
+  ``listen.http_server: lean``) with one plain POST route, and the same client;
 * ``asyncio``: no aiohttp at all: asyncio protocols on uvloop, httptools only to find where
   each request and reply ends, the bytes passed through verbatim (no pipelined requests:
   wrk sends one at a time per connection). Where aiohttp's own cost lies.
@@ -38,7 +41,7 @@ import signal
 import socket
 import sys
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 
 import aiohttp
 import httptools
@@ -55,9 +58,13 @@ from skymesh.balancer.workers import (
     usable_cores,
     worker_cpus,
 )
+from skymesh.net.limits import ConnLimits
+from skymesh.net.serving import start_app
 
-KINDS = ("aiohttp", "stack", "asyncio")
+KINDS = ("aiohttp", "stack", "lean", "asyncio")
 # --pin-workers, as listen.pin_workers takes it
+# The one path the lean floor serves (the benchmark's wrk posts there).
+GENERATION_PATH = "/v1/chat/completions"
 PIN_SETTINGS: dict[str, bool | str] = {"auto": "auto", "true": True, "false": False}
 
 
@@ -86,34 +93,54 @@ def _die_with_parent() -> None:
 # -- aiohttp's server, with aiohttp's client or skymesh-lb's ----------------------------
 async def _serve_aiohttp(sock: socket.socket, upstreams: Sequence[str], kind: str) -> None:
     targets = itertools.cycle(upstreams)
+    handle: Callable[[web.BaseRequest], Awaitable[web.Response]]
     if kind == "aiohttp":
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar(),
             auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None))
 
-        async def handle(request: web.BaseRequest) -> web.Response:
+        async def pooled(request: web.BaseRequest) -> web.Response:
             body = await request.read()
             async with session.request(request.method, next(targets) + request.path_qs,
                                        data=body, headers=_content_type(request.headers)
                                        ) as r:
                 return web.Response(body=await r.read(), status=r.status,
                                     headers=_content_type(r.headers))
+        handle = pooled
     else:
-        up = Upstream(connect_timeout_s=5.0, read_timeout_s=60.0)
-
-        async def handle(request: web.BaseRequest) -> web.Response:
-            body = await request.read()
-            r = await up.post(next(targets), request.path_qs, body,
-                              _content_type(request.headers))
-            try:
-                data = await r.read()
-            finally:
-                r.release()
-            return web.Response(body=data, status=r.status, headers=_content_type(r.headers))
-
+        handle = _upstream_handler(targets)
     runner = web.ServerRunner(web.Server(handle, access_log=None))
     await runner.setup()
     await web.SockSite(runner, sock).start()
+    await asyncio.Event().wait()  # until SIGTERM ends the process
+
+
+def _upstream_handler(targets: Iterator[str]
+                      ) -> Callable[[web.BaseRequest], Awaitable[web.Response]]:
+    """The handler of the floors on skymesh-lb's client: the body to the next upstream,
+    its reply back."""
+    up = Upstream(connect_timeout_s=5.0, read_timeout_s=60.0)
+
+    async def handle(request: web.BaseRequest) -> web.Response:
+        body = await request.read()
+        r = await up.post(next(targets), request.path_qs, body,
+                          _content_type(request.headers))
+        try:
+            data = await r.read()
+        finally:
+            r.release()
+        return web.Response(body=data, status=r.status, headers=_content_type(r.headers))
+
+    return handle
+
+
+async def _serve_lean(sock: socket.socket, upstreams: Sequence[str]) -> None:
+    """skymesh-lb's serving path with no app behind it but the proxying: the one POST
+    route the benchmark sends to is a plain route, so the lean server serves it."""
+    app = web.Application()
+    app.router.add_post(GENERATION_PATH, _upstream_handler(itertools.cycle(upstreams)))
+    await start_app(app, "127.0.0.1", 0, "lean-floor", ConnLimits(), sock=sock,
+                    http_server="lean")
     await asyncio.Event().wait()  # until SIGTERM ends the process
 
 
@@ -236,6 +263,7 @@ async def _serve_asyncio(sock: socket.socket, upstreams: Sequence[str]) -> None:
 def serve(kind: str, sock: socket.socket, upstreams: Sequence[str]) -> None:
     """One worker: serve ``sock`` until killed."""
     main = (_serve_asyncio(sock, upstreams) if kind == "asyncio"
+            else _serve_lean(sock, upstreams) if kind == "lean"
             else _serve_aiohttp(sock, upstreams, kind))
     uvloop.run(main)
 

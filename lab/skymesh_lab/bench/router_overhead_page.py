@@ -12,11 +12,17 @@ ROUTER_ORDER = ("skymesh-lb", "sglang-router", "vllm-router")
 FLOOR_WHAT = {
     "aiohttp-floor": "aiohttp's server and a pooled `aiohttp.ClientSession`",
     "lb-stack-floor": "aiohttp's server and skymesh-lb's own httptools client "
-                      "(`skymesh.balancer.upstream`): skymesh-lb's HTTP stack",
+                      "(`skymesh.balancer.upstream`): skymesh-lb's HTTP stack with "
+                      "`listen.http_server: aiohttp`",
+    "lean-stack-floor": "skymesh-lb's serving path (its connection guard and lean server, "
+                        "`skymesh.net.serving`) and its own httptools client: "
+                        "skymesh-lb's default HTTP stack",
     "asyncio-floor": "asyncio protocols and httptools, no aiohttp",
 }
-# The floors that keep aiohttp's server: the stack the target question is about.
+# The floors that keep aiohttp's server, and the one on skymesh-lb's default stack (runs
+# from before session 25 have none): the stacks the target question is about.
 AIOHTTP_FLOORS = ("aiohttp-floor", "lb-stack-floor")
+LEAN_FLOOR = "lean-stack-floor"
 Row = tuple[str, str, str, Callable[[float], str]]  # label, case, metric, format
 
 
@@ -102,22 +108,25 @@ def floor_placement(setup: Mapping[str, Any]) -> str:
 def floor_lines(summary: Mapping[str, Any]) -> list[str]:
     """What the floors say about the target (skymesh-lb's default at or above
     sglang-router's cache-aware req/s, non-streaming c=64): sentences from the medians."""
-    floors = [f for f in AIOHTTP_FLOORS if _median(summary, f, "default-c64", "rps")]
+    floors = [f for f in (*AIOHTTP_FLOORS, LEAN_FLOOR)
+              if _median(summary, f, "default-c64", "rps")]
     target = _median(summary, "sglang-router", "default-c64", "rps")
     if not floors:
         return []
+    lean = LEAN_FLOOR in floors
+    stacks = "skymesh-lb's HTTP stacks" if lean else "aiohttp's server"
     best = max(floors, key=lambda f: _median(summary, f, "default-c64", "rps") or 0.0)
     best_rps = _median(summary, best, "default-c64", "rps") or 0.0
     ours = {c: _median(summary, "skymesh-lb", f"{c}-c64", "rps") for c in ("default", "rr")}
     parts = [f"{f} {_median(summary, f, 'default-c64', 'rps'):,.0f}" for f in floors]
     out = [("Non-streaming c=64 with the default case's bodies, medians: "
             + (f"sglang-router's cache-aware path {target:,.0f} req/s; " if target else "")
-            + "the floors on aiohttp's server " + ", ".join(parts) + " req/s"
+            + f"the floors on {stacks} " + ", ".join(parts) + " req/s"
             + (f"; skymesh-lb's default {ours['default']:,.0f}" if ours["default"] else "")
             + (f" (its round-robin {ours['rr']:,.0f} with the fixed bodies)"
                if ours["rr"] else "") + ".")]
-    stack = "lb-stack-floor" if _median(summary, "lb-stack-floor", "rr-c64",
-                                        "cpu_ms_per_1k") else "aiohttp-floor"
+    stack = next((f for f in (LEAN_FLOOR, "lb-stack-floor")
+                  if _median(summary, f, "rr-c64", "cpu_ms_per_1k")), "aiohttp-floor")
     for case, name in (("rr-c64", "round-robin"), ("default-c64", "default")):
         lb = _median(summary, "skymesh-lb", case, "cpu_ms_per_1k")
         fl = _median(summary, stack, case, "cpu_ms_per_1k")
@@ -129,7 +138,7 @@ def floor_lines(summary: Mapping[str, Any]) -> list[str]:
         goal = "the target (skymesh-lb's default at or above sglang-router's cache-aware req/s)"
         if best_rps < target:
             verdict = (f"By this measurement {goal} is out of reach on this stack: "
-                       f"a proxy with no logic at all on aiohttp's server and uvloop "
+                       f"a proxy with no logic at all on {stacks} and uvloop "
                        f"({best}) serves {best_rps:,.0f} req/s, {best_rps / target:.0%} of "
                        f"sglang-router's cache-aware {target:,.0f}, before SkyMesh adds "
                        "anything.")
@@ -160,6 +169,10 @@ def _aiohttp_cost(summary: Mapping[str, Any]) -> list[str]:
         parts.append(f"aiohttp's `ClientSession` against skymesh-lb's client "
                      f"{cpu['aiohttp-floor'] - cpu['lb-stack-floor']:,.0f} (aiohttp-floor "
                      "over lb-stack-floor)")
+    on_aiohttp, on_lean = cpu["lb-stack-floor"], cpu[LEAN_FLOOR]
+    if on_aiohttp and on_lean:
+        parts.append("skymesh-lb's lean server and connection guard against aiohttp's server "
+                     f"{on_aiohttp - on_lean:,.0f} (lb-stack-floor over {LEAN_FLOOR})")
     if not parts:
         return []
     return ["Where aiohttp's cost lies, in ms of CPU per 1,000 round-robin requests: "

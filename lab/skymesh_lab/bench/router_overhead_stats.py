@@ -17,7 +17,8 @@ WRKJSON = "WRKJSON "
 DIRECT = "direct"  # wrk straight at one stub: the generator's ceiling
 # The floor proxies (skymesh_lab.bench.proxy_floor), name -> its --kind: no logic at all
 # on skymesh-lb's stack, run beside the routers in the non-streaming c=64 cases.
-FLOORS = {"aiohttp-floor": "aiohttp", "lb-stack-floor": "stack", "asyncio-floor": "asyncio"}
+FLOORS = {"aiohttp-floor": "aiohttp", "lb-stack-floor": "stack", "lean-stack-floor": "lean",
+          "asyncio-floor": "asyncio"}
 
 
 # -- wrk -------------------------------------------------------------------------------
