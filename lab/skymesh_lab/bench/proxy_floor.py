@@ -123,7 +123,7 @@ def _upstream_handler(targets: Iterator[str]
 
     async def handle(request: web.BaseRequest) -> web.Response:
         body = await request.read()
-        r = await up.post(next(targets), request.path_qs, body,
+        r = await up.post(next(targets), request.raw_path, body,
                           _content_type(request.headers))
         try:
             data = await r.read()
