@@ -26,6 +26,9 @@ rounds: where the live cost goes.
 ``--base REV``: also run skymesh-lb of git revision ``REV`` (extracted with ``git
 archive``), on and off, in the same rounds: the before and after of a change.
 
+``--http-server lean``: every daemon serves with ``listen.http_server: lean`` (a config
+file the run writes), as against the daemon's default; ``aiohttp`` the same for aiohttp's.
+
 Each build is also measured in process (``skymesh_lab.bench.access_log_loop``: the same
 request through the access log without the network, the loop thread's CPU): a steadier
 figure for the loop's part, next to the live one's spread.
@@ -71,7 +74,7 @@ WRITER_COMM = "skymesh-access"  # skymesh.obs.access.AccessWriter's OS thread na
 REPO = Path(__file__).resolve().parents[3]
 IN_PROCESS_REQUESTS, IN_PROCESS_REPEATS = 20000, 7
 # The ablation's builds from the least of the log to the most (--ablate).
-ABLATION_ORDER = ("record", "lines", "current", "thread")
+ABLATION_ORDER = ("record", "lines", "current", "thread", "tlines")
 
 
 def thread_ticks(root: int) -> dict[str, int]:
@@ -301,15 +304,45 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 def run(rounds: int, duration_s: float, base: str | None, seed: int,
-        extra: list[str] | None = None, ablate: tuple[str, ...] = ()) -> dict[str, Any]:
+        extra: list[str] | None = None, ablate: tuple[str, ...] = (),
+        http_server: str | None = None) -> dict[str, Any]:
     extra = extra or []
     started = datetime.now(UTC).isoformat(timespec="seconds")
     current = _head()  # what the daemons start with: a commit made meanwhile is not it
     load_before = os.getloadavg()
     rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="access-log-cost-") as tmp:
+        daemon_args = list(extra)
+        if http_server is not None:  # flags given after --config override it
+            listen = Path(tmp) / "listen.yaml"
+            listen.write_text(f"listen:\n  http_server: {http_server}\n")
+            daemon_args = ["--config", str(listen), *daemon_args]
+        segments, loop_only = _measure(rounds, duration_s, base, Path(tmp), daemon_args,
+                                       ablate, rng)
+    cmd = (f"python -m skymesh_lab.bench.access_log_cost --rounds {rounds} "
+           f"--duration {duration_s:g}" + (f" --base {base}" if base else "")
+           + (f" --ablate {','.join(ablate)}" if ablate else "")
+           + (f" --http-server {http_server}" if http_server else "")
+           + (f" --lb-args {shlex.quote(shlex.join(extra))}" if extra else ""))
+    return {"setup": {"command": cmd, "lb_flags": [*LB_FLAGS, *extra],
+                      "http_server": http_server,
+                      "connections": CASE.connections,
+                      "rounds": rounds, "duration_s": duration_s, "base": base,
+                      "ablate": list(ablate),
+                      "cpu_source": "schedstat" if _has_schedstat() else "stat",
+                      "current": current, "cores": os.cpu_count(),
+                      "loadavg_before": list(load_before),
+                      "loadavg_after": list(os.getloadavg()), "started": started,
+                      "finished": datetime.now(UTC).isoformat(timespec="seconds")},
+            "summary": summarize(segments), "in_process": loop_only, "segments": segments}
+
+
+def _measure(rounds: int, duration_s: float, base: str | None, tmp: Path,
+             extra: list[str], ablate: tuple[str, ...], rng: random.Random
+             ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rounds' segments, then each build's in-process figure."""
     segments: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="access-log-cost-") as tmp, \
-            _stack(base, Path(tmp), extra, ablate) as lbs:
+    with _stack(base, tmp, extra, ablate) as lbs:
         for d in lbs.values():  # warm-up: connections, caches, lazy imports
             ro.run_wrk(d.url, CASE, 1.0)
         builds = sorted({name.split("/")[0] for name in lbs})
@@ -325,24 +358,11 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
                 time.sleep(ro.SETTLE_S)
         loop_only = {}  # the daemons idle meanwhile
         for build in builds:
-            path = (Path(tmp) / "base" if build == "base"
-                    else Path(tmp) / f"ablate-{build}" if build in ablate else None)
-            loop_only[build] = in_process(path, Path(tmp))
+            path = (tmp / "base" if build == "base"
+                    else tmp / f"ablate-{build}" if build in ablate else None)
+            loop_only[build] = in_process(path, tmp)
             print(f"in process {build}: {loop_only[build]['cost_us']}", flush=True)
-    cmd = (f"python -m skymesh_lab.bench.access_log_cost --rounds {rounds} "
-           f"--duration {duration_s:g}" + (f" --base {base}" if base else "")
-           + (f" --ablate {','.join(ablate)}" if ablate else "")
-           + (f" --lb-args {shlex.quote(shlex.join(extra))}" if extra else ""))
-    return {"setup": {"command": cmd, "lb_flags": [*LB_FLAGS, *extra],
-                      "connections": CASE.connections,
-                      "rounds": rounds, "duration_s": duration_s, "base": base,
-                      "ablate": list(ablate),
-                      "cpu_source": "schedstat" if _has_schedstat() else "stat",
-                      "current": current, "cores": os.cpu_count(),
-                      "loadavg_before": list(load_before),
-                      "loadavg_after": list(os.getloadavg()), "started": started,
-                      "finished": datetime.now(UTC).isoformat(timespec="seconds")},
-            "summary": summarize(segments), "in_process": loop_only, "segments": segments}
+    return segments, loop_only
 
 
 def _head() -> str:
@@ -362,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="PATH")
     ap.add_argument("--lb-args", default="", metavar="FLAGS",
                     help="more skymesh-lb flags for every set-up, e.g. '--log-format json'")
+    ap.add_argument("--http-server", choices=("aiohttp", "lean"), default=None,
+                    help="every daemon with listen.http_server set so (default: the "
+                         "daemon's own default)")
     ap.add_argument("--ablate", default="", metavar="VARIANTS",
                     help="also run this checkout with parts of the access log switched off, "
                          f"comma-separated: {', '.join(ablation.VARIANTS)} "
@@ -373,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--ablate: unknown variant {v!r} (one of {', '.join(ablation.VARIANTS)})")
     executable("skymesh-lb")  # fails early without it
     res = run(args.rounds, args.duration, args.base, args.seed, shlex.split(args.lb_args),
-              ablate)
+              ablate, args.http_server)
     for build in ("base", "current", *ablate):
         row = res["summary"].get(build)
         if row is None:

@@ -20,9 +20,12 @@ _PARTS = {
     "lines": "and the lines made on the loop in batches, then discarded",
     "current": "and written: the full log, its batches written by the loop itself",
     "thread": "the full log, its batches handed to the writer thread to write",
+    "tlines": "the full log, its batches' lines made and written by the writer thread",
 }
 _STEPS = {"lines-record": "making the lines", "current-lines": "writing them",
-          "thread-current": "handing them to the thread instead"}
+          "thread-current": "handing them to the thread instead",
+          "tlines-thread": "making the lines in the thread instead of on the loop",
+          "tlines-current": "making the lines in the thread instead of on the loop"}
 
 
 def _bounds(s: dict[str, float]) -> tuple[float, float]:
