@@ -12,6 +12,7 @@ from typing import Any
 
 TARGET = 0.05  # issue #35 item 3: at most 5% of a request's CPU
 ABLATION = "access-log-ablation"  # the attached --ablate run (results_pages.Source.attach)
+LEAN = "access-log-cost-lean"  # the attached run with --http-server lean
 # The ablation's builds, least of the log first (access_log_cost.ABLATION_ORDER), and
 # what each runs with the log on (skymesh_lab.bench.access_log_ablate).
 _PARTS = {
@@ -210,7 +211,46 @@ def access_log_cost(doc: dict[str, Any]) -> str:
         "at the end): single turns move by tens of microseconds, so read the medians and "
         "the spreads, not one round.",
     ]
+    lean = _lean(doc)
+    if lean:
+        notes.append(lean)
     ablation = _ablation(doc)
     if ablation:
         notes.append(ablation)
     return "\n\n".join(notes)
+
+
+def _lean(doc: dict[str, Any]) -> str:
+    """The same measurement with every daemon on the lean HTTP server (a run of its own,
+    ``--http-server lean``), with its ablation builds if it had any."""
+    run = doc.get(LEAN)
+    if not run:
+        return ""
+    setup, summary = run["setup"], run["summary"]
+    label = {"base": f"before (`{setup.get('base')}`)",
+             "current": f"now (`{setup.get('current') or 'current'}`)",
+             **{b: f"`{b}`: {_PARTS.get(b, b)}" for b in setup.get("ablate", [])}}
+    out = ["### With the lean HTTP server (`listen.http_server: lean`)", "",
+           "| build | access log off: CPU us per request | on | cost of the access log "
+           "(on - off) | its share of a request | of which the loop | the writer thread |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for build in ("base", "current", *setup.get("ablate", [])):
+        row = summary.get(build)
+        if not isinstance(row, dict) or "off_us" not in row:
+            continue
+        out.append(f"| {label[build]} | {_us(row['off_us'])} | {_us(row['on_us'])} | "
+                   f"{_us(row['cost_us'])} | {_share(row['share'])} | "
+                   f"{_us(row['loop_cost_us'])} | {_us(row['writer_us'])} |")
+    paired = summary.get("paired_vs_base_us")
+    steps = summary.get("ablation_steps_us") or {}
+    said = [f"{_STEPS.get(name, name)}: {_us(s)} us" for name, s in steps.items()]
+    text = (f"Every daemon with `listen.http_server: lean` (the default to be), "
+            f"{setup['rounds']} rounds of {setup['duration_s']:g} s in a run of its own "
+            f"(load average {setup['loadavg_before'][0]:.1f} at the start, "
+            f"{setup['loadavg_after'][0]:.1f} at the end). "
+            + _verdict(summary["current"]["share"]).replace("now costs", "costs here")
+            + (f" Now's cost minus before's, paired by round: {_us(paired)} us."
+               if paired else "")
+            + (" Paired by round, " + "; ".join(said) + "." if said else "")
+            + " Reproduce: `" + setup["command"] + f" --json docs/results/data/{LEAN}.json`.")
+    return "\n".join(out) + "\n\n" + text
