@@ -80,6 +80,17 @@ def _remainder(doc: dict[str, Any]) -> str:
             "are switched off live, where it goes).")
 
 
+def _fresh(setup: dict[str, Any]) -> str:
+    """How often the run started new balancer processes (``--fresh-every``)."""
+    every = setup.get("fresh_every") or 0
+    if every <= 0:
+        return ""
+    when = "each round" if every == 1 else f"every {every} rounds"
+    return (f", on new balancer processes {when} (a process carries an offset of its own, "
+            "several microseconds per request, that one set of processes for the whole "
+            "run would add to every round)")
+
+
 def _paired(doc: dict[str, Any]) -> str:
     """Now's cost minus before's, round by round (both ran in the same stretch)."""
     paired = doc["summary"].get("paired_vs_base_us")
@@ -196,7 +207,8 @@ def access_log_cost(doc: dict[str, Any]) -> str:
         f"Medians over {setup['rounds']} rounds [95% confidence interval of the median, "
         "from order statistics]; a round runs each build's "
         "\"on\" and \"off\" in four alternating turns (on, off, off, on) of "
-        f"{setup['duration_s'] / 4:g} s, and the cost is the difference within the round. "
+        f"{setup['duration_s'] / 4:g} s, and the cost is the difference within the round"
+        + _fresh(setup) + ". "
         + _verdict(summary["current"]["share"]) + _remainder(doc) +
         " \"The loop\" is the balancer's main thread (on minus off); "
         "\"the writer thread\" is the access log's own thread (named `skymesh-access`; "
@@ -245,7 +257,8 @@ def _lean(doc: dict[str, Any]) -> str:
     steps = summary.get("ablation_steps_us") or {}
     said = [f"{_STEPS.get(name, name)}: {_us(s)} us" for name, s in steps.items()]
     text = (f"Every daemon with `listen.http_server: lean` (the default to be), "
-            f"{setup['rounds']} rounds of {setup['duration_s']:g} s in a run of its own "
+            f"{setup['rounds']} rounds of {setup['duration_s']:g} s in a run of its own"
+            + _fresh(setup) + " "
             f"(load average {setup['loadavg_before'][0]:.1f} at the start, "
             f"{setup['loadavg_after'][0]:.1f} at the end). "
             + _verdict(summary["current"]["share"]).replace("now costs", "costs here")

@@ -383,8 +383,8 @@ SOURCES: tuple[Source, ...] = (
            "share and the writer thread's show apart. The revision before the last "
            "change to the access log runs in the same rounds. See [the access log's cost]"
            "(../operations-logs.md#cost).",
-           (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "30",
-            "--duration", "4", "--base", "a83baeb", "--json", "{json}"),
+           (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "24",
+            "--duration", "4", "--base", "a83baeb", "--fresh-every", "1", "--json", "{json}"),
            access_log_cost_page.access_log_cost,
            attach=(access_log_cost_page.LEAN, access_log_cost_page.ABLATION)),
     Source("request-path-cost", "The request path's CPU per request (issue #35)",
