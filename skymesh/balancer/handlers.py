@@ -110,8 +110,8 @@ class Handlers:
             # Only now a metric label: a name a client made up would be a new time
             # series per request (unbounded /metrics and memory).
             model = intake.model
-            note(request, model=model)  # the access log's
             rid = request_id(request)
+            note(request, model=model, request_id=rid)  # the access log's
             slo = self.cfg.slo
             deadline_s = request_deadline(intake, request.headers, slo.header, slo.classes,
                                           slo.default)

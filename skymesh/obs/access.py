@@ -26,9 +26,13 @@ body bytes, and this keeps the balancer's stream code untouched.
 
 The request's end hands its record to an :class:`AccessWriter`: no dict and no
 formatting per request. The loop makes a batch's lines at once (``BATCH`` lines or what
-gathered in ``_LINGER_S``) straight from the records, and the writer's thread writes each
-batch with one system call (:meth:`skymesh.obs.logs._Handler.write_lines`), so a slow log
-sink blocks the thread, not the loop. With handlers other than the daemons' own (a
+gathered in ``_LINGER_S``) straight from the records, and the writer's thread writes what
+gathered, at most every ``WRITE_EVERY_S``, with one system call
+(:meth:`skymesh.obs.logs._Handler.write_lines`), so a slow log sink blocks the thread,
+not the loop. On a request's path, as few Python calls as it takes: the notes read the
+record from the request's own dict, the balancer hands the request's id with its first
+note, the prepare hook is a plain function, and a whole reply's usage counts are read at
+its end (the body is not kept for the batch). With handlers other than the daemons' own (a
 test's, an operator's), each line goes through ``logging`` in the thread instead. Past
 ``max_backlog`` waiting lines (``logging.access_log_backlog``, default ``MAX_BACKLOG``)
 a request's line is dropped and counted
@@ -50,8 +54,8 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -60,6 +64,7 @@ from skymesh.net.jsonbody import NOT_DECODED, fast_usage
 from skymesh.obs.config import ACCESS_LOG_BACKLOG
 from skymesh.obs.logs import (
     ACCESS_LOGGER,
+    MILLIS,
     JsonFormatter,
     TextFormatter,
     _Handler,
@@ -89,6 +94,11 @@ MAX_BACKLOG = ACCESS_LOG_BACKLOG  # the default; why: skymesh.obs.config
 # write per batch rather than per line, and a thread wake-up per batch, not per request.
 _LINGER_S = 0.02
 BATCH = 64
+# The writer thread writes what has gathered at most this often: each of its wake-ups
+# costs a hand-over of the interpreter lock with the loop and a system call (in process,
+# the thread's CPU per line halved from a write every 20 ms to one every 100 ms). At
+# 15,000 lines/s (past one worker's rate) 750 lines wait: far from the backlog.
+WRITE_EVERY_S = 0.05
 SETTLE_S = 2.0  # at a stop, how long lines held back by a full pipe may wait to be written
 
 
@@ -100,7 +110,7 @@ class AccessRecord:
 
     __slots__ = ("client", "clock", "code", "disconnected", "end", "first_byte_at", "method",
                  "model", "path", "priority", "request_id", "served_by", "span", "start",
-                 "status", "tail", "tenant", "tracing", "usage", "via", "watched")
+                 "status", "tail", "tenant", "tokens", "tracing", "usage", "via", "watched")
 
     def __init__(self, start: float, clock: Clock, tracing: Tracing | None,
                  request_id: str | None = None) -> None:
@@ -123,6 +133,9 @@ class AccessRecord:
         # The reply's top-level usage as the balancer decoded it (note_usage), so the line
         # does not decode it again; NOT_DECODED: the line reads it from the body.
         self.usage: Any = NOT_DECODED
+        # Its counts, when read at the request's end from that usage (the body is then
+        # not kept for the line).
+        self.tokens: tuple[int | None, int | None] = _NO_TOKENS
         self.method = self.path = ""
         self.client: str | None = None
         self.end = start
@@ -152,17 +165,25 @@ def _record_of(request: web.Request) -> AccessRecord | None:
 
 def note(request: web.Request, *, model: str | None = None, served_by: str | None = None,
          peer: bool = False, left: bool = False, tenant: str | None = None,
-         priority: str | None = None) -> None:
+         priority: str | None = None, request_id: str | None = None) -> None:
     """Tell the access record the request's model, or who serves it (a replica URL, or a
     peer balancer's id with ``peer``); the last attempt's wins. ``left``: the client went
-    away and the handler ends normally (a write to it failed), logged as disconnected."""
-    rec = _record_of(request)
+    away and the handler ends normally (a write to it failed), logged as disconnected.
+    ``request_id``: the request's id as the balancer gave it (``install``'s
+    ``request_id`` function is then not called again at the request's end)."""
+    if not _installed:  # no request has a record: not even a lookup
+        return
+    # The request's own dict, not request.get(): two Python calls fewer per note (aiohttp's
+    # Request and the lean server's both keep their items in ``_state``).
+    rec = request._state.get(RECORD_KEY)
     if rec is None:
         return
     if left:
         rec.disconnected = True
     if model is not None:
         rec.model = model
+    if request_id is not None:
+        rec.request_id = request_id
     if served_by is not None:
         rec.served_by, rec.via = served_by, "peer" if peer else "replica"
     if tenant is not None:
@@ -174,8 +195,7 @@ def note_usage(request: web.Request, usage: Any) -> None:
     answers with (``fast_usage`` of that body): the line takes its counts from it rather
     than decoding the body a second time. A separate function from :func:`note`, whose
     every call would otherwise pay for one more keyword."""
-    rec = _record_of(request)
-    if rec is not None:
+    if _installed and (rec := request._state.get(RECORD_KEY)) is not None:
         rec.usage = usage
 
 
@@ -282,7 +302,7 @@ class _Access:
         """A request's record, started now (without tracing: the server's handler calls
         this, :mod:`skymesh.net.front`)."""
         rec = AccessRecord(self.clock(), self.clock, None)
-        request[RECORD_KEY] = rec
+        request._state[RECORD_KEY] = rec  # not request[...]: a Python call fewer (note())
         return rec
 
     def failed(self, request: web.Request, rec: AccessRecord, exc: BaseException
@@ -360,6 +380,18 @@ class _Access:
                     body = got
                 elif isinstance(got, bytes | bytearray):
                     body = bytes(got)
+                usage = rec.usage
+                if type(usage) is dict and body is not None and body[:1] == b"{":
+                    # The balancer's decoded usage (note_usage): its counts now, as
+                    # usage_tokens() reads them, and neither the body nor the usage kept
+                    # until the batch's lines are made.
+                    prompt = usage.get("prompt_tokens")
+                    completion = usage.get("completion_tokens")
+                    if ((prompt is None or type(prompt) is int)
+                            and (completion is None or type(completion) is int)):
+                        rec.tokens = (prompt, completion)
+                        rec.usage = NOT_DECODED
+                        body = None
             elif rec.tail:
                 body = b"".join(bytes(c) for c in rec.tail)
         rec.tail = None
@@ -416,7 +448,8 @@ def record_fields(rec: AccessRecord, body: bytes | None) -> dict[str, Any]:
         "model": rec.model, "served_by": rec.served_by, "via": rec.via, "status": rec.code,
         "ttft_ms": None if first is None else round((first - start) * 1e3, 3),
         "duration_ms": round((rec.end - start) * 1e3, 3),
-        "prompt_tokens": None, "completion_tokens": None, "client": rec.client,
+        "prompt_tokens": rec.tokens[0], "completion_tokens": rec.tokens[1],
+        "client": rec.client,
     }
     if rec.disconnected:
         fields["disconnected"] = True
@@ -443,9 +476,11 @@ class AccessWriter:
     _THREAD = "skymesh-access"  # also the OS thread's name: top -H shows its CPU apart
 
     def __init__(self, log: logging.Logger, linger_s: float = _LINGER_S,
-                 max_backlog: int = MAX_BACKLOG) -> None:
+                 max_backlog: int = MAX_BACKLOG, write_every_s: float = WRITE_EVERY_S
+                 ) -> None:
         self.log = log
         self.linger_s = linger_s
+        self.write_every_s = write_every_s
         self.max_backlog = max_backlog
         # Entries: a batch's text with its handler, or one line for logging; None stops.
         self._queue: queue.SimpleQueue[tuple[_Handler, str] | _Item | None] = (
@@ -578,7 +613,7 @@ class AccessWriter:
             self._report_dropped()
             if stop:
                 return
-            time.sleep(self.linger_s)
+            time.sleep(self.write_every_s)
 
     def _report_dropped(self) -> None:
         """One warning for the lines dropped since the last one (in this thread: a
@@ -630,21 +665,47 @@ class AccessWriter:
         name, end = self.log.name, handler.terminator
         lines: list[str] = []
         append = lines.append
-        text = isinstance(fmt, TextFormatter)
-        if text:  # what fmt.line gives, its parts bound once
-            stamp, head = cast(TextFormatter, fmt).asctime, f" INFO {name}: "
-        for what, body, created in items:
-            if type(what) is AccessRecord:  # the common case: no dict of fields
-                tokens = _NO_TOKENS if body is None else usage_tokens(body, what.usage)
-                if text:
-                    append(f"{stamp(created)}{head}{_record_text(what, tokens)}{end}")
+        if isinstance(fmt, JsonFormatter):
+            for what, body, created in items:
+                if type(what) is AccessRecord:
+                    tokens = what.tokens if body is None else usage_tokens(body, what.usage)
+                    append(fmt.plain_line(created, name, _record_text(what, tokens),
+                                          _record_json(what, tokens)) + end)
                 else:
-                    append(cast(JsonFormatter, fmt).plain_line(
-                        created, name, _record_text(what, tokens),
-                        _record_json(what, tokens)) + end)
+                    fields = _fields(what, body)
+                    append(fmt.line(created, name, _text(fields), fields) + end)
+            return lines
+        # Text: what fmt.line gives, its time's whole second made once per second
+        # (TextFormatter.second_text, its milliseconds looked up here as asctime does).
+        head = f" INFO {name}: "
+        second, stamp = -1, ""
+        for what, body, created in items:
+            if int(created) != second:
+                second = int(created)
+                stamp = fmt.second_text(created)
+            millis = MILLIS[int((created - second) * 1000)]
+            if type(what) is not AccessRecord:
+                fields = _fields(what, body)
+                append(f"{stamp}{millis}{head}{_text(fields)}{end}")
                 continue
-            fields = _fields(what, body)
-            append(fmt.line(created, name, _text(fields), fields) + end)
+            rec = what
+            prompt, completion = rec.tokens if body is None else usage_tokens(body, rec.usage)
+            first, start, done = rec.first_byte_at, rec.start, rec.end
+            if (first == done and prompt is not None and completion is not None
+                    and rec.model is not None and rec.served_by is not None
+                    and rec.via is not None and rec.request_id is not None
+                    and rec.client is not None and not rec.disconnected
+                    and rec.tenant is None):
+                # The common line, a whole body served with its usage, in one piece: its
+                # first byte left at its end (one decimal conversion for both times).
+                duration = ms_text(done - start)
+                append(f"{stamp}{millis}{head}{rec.method} {rec.path} {rec.code} "
+                       f"request_id={rec.request_id} model={rec.model} "
+                       f"served_by={rec.served_by} via={rec.via} ttft_ms={duration} "
+                       f"duration_ms={duration} prompt_tokens={prompt} "
+                       f"completion_tokens={completion} client={rec.client}{end}")
+            else:
+                append(f"{stamp}{millis}{head}{_record_text(rec, (prompt, completion))}{end}")
         return lines
 
 
@@ -774,15 +835,29 @@ def _record_json(rec: AccessRecord, tokens: tuple[int | None, int | None]
     return fields
 
 
-async def _watch_body(request: web.Request, response: web.StreamResponse) -> None:
+class _Done(Awaitable[None]):
+    """An awaitable that is done already: what :func:`_watch_body` returns (aiohttp's
+    signal awaits what each receiver returns), so no coroutine is made per response."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return iter(())  # type: ignore[return-value]  # an iterator is all await needs
+
+
+_DONE = _Done()
+
+
+def _watch_body(request: web.Request, response: web.StreamResponse) -> _Done:
     """``on_response_prepare``: for a streamed body, its status (logged if the client
     leaves mid-stream), the time of its first byte and its last chunks (the usage event).
-    A whole body is prepared after the middleware has finished its record: nothing to do."""
-    if isinstance(response, web.Response):  # a whole body: the middleware is done with it
-        return
+    A whole body is prepared after the middleware has finished its record: nothing to do.
+    A plain function, all of its work done when called (see :class:`_Done`)."""
+    if type(response) is web.Response or isinstance(response, web.Response):
+        return _DONE  # a whole body: the middleware is done with it
     rec = request.get(RECORD_KEY)
     if rec is None:
-        return
+        return _DONE
     rec.status = response.status
     write = response.write
     tail = rec.tail = deque(maxlen=_TAIL_CHUNKS)
@@ -802,6 +877,7 @@ async def _watch_body(request: web.Request, response: web.StreamResponse) -> Non
         return write(data)
 
     response.write = first_write  # type: ignore[method-assign]
+    return _DONE
 
 
 def install(app: web.Application, *, access_log: bool = True, tracing: Tracing | None = None,

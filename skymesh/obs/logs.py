@@ -28,7 +28,7 @@ _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
     "message", "asctime", "taskName"}
 # A time's milliseconds as ``%03d`` gives them, looked up rather than formatted per line
 # (1000: a fraction a hair under 1 s may round up to it when multiplied).
-_MILLIS = tuple(f"{ms:03d}" for ms in range(1001))
+MILLIS = tuple(f"{ms:03d}" for ms in range(1001))
 
 
 class TextFormatter(logging.Formatter):
@@ -45,11 +45,17 @@ class TextFormatter(logging.Formatter):
     def asctime(self, created: float) -> str:
         """``asctime`` of a record made at ``created``."""
         second = int(created)
+        return self.second_text(created) + MILLIS[int((created - second) * 1000)]
+
+    def second_text(self, created: float) -> str:
+        """``asctime`` of a record made at ``created`` up to its milliseconds (``MILLIS``
+        of ``int((created - int(created)) * 1000)`` completes it)."""
+        second = int(created)
         cached, text = self._second
         if second != cached:
             text = time.strftime("%Y-%m-%d %H:%M:%S,", self.converter(created))
             self._second = (second, text)
-        return text + _MILLIS[int((created - second) * 1000)]
+        return text
 
     def line(self, created: float, name: str, msg: str, fields: dict[str, Any]) -> str:
         """What :meth:`format` gives for an INFO record of logger ``name`` made at

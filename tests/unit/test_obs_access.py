@@ -44,7 +44,13 @@ from skymesh.obs.access import (
     upstream_span,
     usage_tokens,
 )
-from skymesh.obs.logs import ACCESS_LOGGER, JsonFormatter, batched_writes, setup_logging
+from skymesh.obs.logs import (
+    ACCESS_LOGGER,
+    JsonFormatter,
+    batched_writes,
+    direct_handler,
+    setup_logging,
+)
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
 
@@ -86,6 +92,14 @@ def restore_logging() -> Iterator[None]:
     access.setLevel(access_level)
 
 
+def daemon_logging(fmt: str, stream: io.StringIO) -> None:
+    """The daemons' logging set-up to ``stream``, with no other handler on the way (not
+    pytest's log capture either: with it, the access lines would go through ``logging``
+    and never be made straight from the records). Under ``restore_logging``."""
+    ours = setup_logging("warning", fmt, stream=stream)  # type: ignore[arg-type]
+    logging.getLogger().handlers[:] = [ours]
+
+
 @pytest.fixture
 def records() -> Iterator[Records]:
     logger = logging.getLogger(ACCESS_LOGGER)
@@ -100,7 +114,13 @@ def records() -> Iterator[Records]:
 def build(clock: FakeClock, hang: asyncio.Event) -> web.Application:
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        note(request, model=body["model"])
+        # As the balancer notes them: the model with the request's id, when it has one.
+        note(request, model=body["model"], request_id=body.get("id"))
+        if body.get("tenant"):
+            note(request, tenant="acme", priority="batch")
+        if body.get("bad"):
+            clock.t += 0.01
+            raise web.HTTPBadRequest(text="a bad request")
         note(request, served_by="http://10.0.0.1:8000")  # a first attempt failed over:
         note(request, served_by="http://10.0.0.2:8000")  # the last one is logged
         clock.t += 0.2  # queueing and the replica's prefill
@@ -108,8 +128,12 @@ def build(clock: FakeClock, hang: asyncio.Event) -> web.Application:
             await hang.wait()  # the client leaves before any response
         if not body.get("stream"):
             clock.t += 0.3
-            return web.json_response({"model": body["model"], "usage": USAGE,
-                                      "choices": [{"message": {"content": '"usage": 1'}}]})
+            reply = web.json_response({"model": body["model"], "usage": USAGE,
+                                       "choices": [{"message": {"content": '"usage": 1'}}]})
+            if body.get("noted"):  # the balancer hands the log the usage it decoded
+                assert isinstance(reply.body, bytes)
+                note_usage(request, fast_usage(reply.body))
+            return reply
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         clock.t += 0.1  # headers out, the first token comes later
@@ -137,11 +161,12 @@ def build(clock: FakeClock, hang: asyncio.Event) -> web.Application:
     return app
 
 
-@pytest.fixture(params=["middleware", "around_app"])
+@pytest.fixture(params=["middleware", "around_app", "lean"])
 async def served(request: pytest.FixtureRequest
                  ) -> AsyncIterator[tuple[str, FakeClock, asyncio.Event]]:
     """The app served by a plain runner (the log is a middleware), or as the daemons
-    serve theirs (skymesh.net.serving: the log wraps the server's handler instead)."""
+    serve theirs (skymesh.net.serving: the log wraps the server's handler instead), on
+    aiohttp's server or the lean one (``listen.http_server: lean``)."""
     clock, hang = FakeClock(), asyncio.Event()
     app = build(clock, hang)
     if request.param == "middleware":
@@ -151,7 +176,9 @@ async def served(request: pytest.FixtureRequest
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     else:
-        runner, _ = await start_app(app, "127.0.0.1", 0, "test", ConnLimits())
+        runner, _ = await start_app(app, "127.0.0.1", 0, "test", ConnLimits(),
+                                    http_server="lean" if request.param == "lean"
+                                    else "aiohttp")
         assert not app.middlewares  # no chain left to run
         port = runner.addresses[0][1]
     yield f"http://127.0.0.1:{port}", clock, hang
@@ -350,7 +377,7 @@ class CountingStream(io.StringIO):
 @pytest.mark.usefixtures("restore_logging")
 def test_the_writer_thread_writes_every_line_in_order_in_batches() -> None:
     out = CountingStream()
-    setup_logging("warning", "text", stream=out)
+    daemon_logging("text", out)
     writer = AccessWriter(logging.getLogger(ACCESS_LOGGER), linger_s=0.0)
     fields = [{"request_id": f"r{i}", "method": "GET", "path": "/health", "status": 200,
                "duration_ms": 1.5} for i in range(500)]
@@ -450,7 +477,7 @@ def test_lines_made_without_log_records_are_the_formatters_own(fmt: str) -> None
     outputs = []
     for extra_handler in (False, True):
         out = io.StringIO()
-        setup_logging("warning", fmt, stream=out)  # type: ignore[arg-type]
+        daemon_logging(fmt, out)
         other = Records()
         if extra_handler:
             access.addHandler(other)
@@ -498,7 +525,7 @@ def test_lines_made_from_records_are_the_formatters_own(fmt: str) -> None:
     outputs = []
     for extra_handler in (False, True):
         out = io.StringIO()
-        setup_logging("warning", fmt, stream=out)  # type: ignore[arg-type]
+        daemon_logging(fmt, out)
         other = Records()
         if extra_handler:
             access.addHandler(other)
@@ -544,7 +571,7 @@ async def test_on_the_loop_lines_are_made_in_batches_and_the_thread_writes_them(
     """The daemons' set-up: the loop makes a batch's lines at once (BATCH of them, or
     what gathered in ``linger_s``) and the thread writes each batch with one write."""
     out = CountingStream()
-    setup_logging("warning", "text", stream=out)
+    daemon_logging("text", out)
     writer = AccessWriter(logging.getLogger(ACCESS_LOGGER), linger_s=0.0)
     writer.start()
     total = BATCH + 5
@@ -564,7 +591,7 @@ async def test_on_the_loop_lines_are_made_in_batches_and_the_thread_writes_them(
 @pytest.mark.usefixtures("restore_logging")
 async def test_a_loop_batch_is_refused_when_the_thread_is_that_far_behind() -> None:
     out = io.StringIO()
-    setup_logging("warning", "text", stream=out)
+    daemon_logging("text", out)
     writer = AccessWriter(logging.getLogger(ACCESS_LOGGER), max_backlog=0)
     writer.start()
     try:
@@ -629,7 +656,7 @@ async def test_a_line_past_the_backlog_is_dropped_and_counted_not_made_on_the_lo
     """Regression: a line the thread was too far behind for was made on the loop, where
     a stuck sink (whose lock the thread holds in its blocked write) stopped the loop."""
     out = io.StringIO()
-    setup_logging("warning", "text", stream=out)
+    daemon_logging("text", out)
     access = _access_with(0)
     writer = access.writer
     assert writer is not None
@@ -707,3 +734,111 @@ async def test_the_dropped_lines_are_a_prometheus_counter_on_the_apps_registry()
         assert b"skymesh_access_log_dropped_total 3.0" in generate_latest(registry)
     finally:
         await runner.cleanup()
+
+
+class FakeWallClock:
+    """``time`` for skymesh.obs.access: each line's wall-clock time 0.4 s after the last
+    (lines cross whole seconds), the same in every run."""
+
+    def __init__(self) -> None:
+        self.t = 1795885289.0421
+
+    def time(self) -> float:
+        self.t += 0.4
+        return self.t
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        import time
+
+        time.sleep(seconds)
+
+
+async def _log_requests(url: str, out: io.StringIO) -> None:
+    """One of each kind of request, one at a time, each line awaited before the next:
+    whole replies with their usage noted or read from the body (one with tenant fields),
+    a 400, a 404, a 500, a stream with its usage event, a client gone mid-stream and one
+    gone before any response."""
+    whole = {"model": "m\u00e9", "messages": []}
+    requests: list[tuple[str, dict[str, Any] | None]] = [
+        ("/v1/chat/completions", {**whole, "noted": True, "id": "req-1"}),
+        ("/v1/chat/completions", whole),
+        ("/v1/chat/completions", {**whole, "noted": True, "tenant": True, "id": "req-3"}),
+        ("/v1/chat/completions", {**whole, "bad": True}),
+        ("/nowhere", None),
+        ("/boom", None),
+        ("/v1/chat/completions", {**whole, "stream": True,
+                                  "stream_options": {"include_usage": True}}),
+        ("/v1/chat/completions", {**whole, "stream": True, "hang": True}),
+        ("/v1/chat/completions", {**whole, "wait": True}),
+    ]
+    async with aiohttp.ClientSession() as s:
+        for i, (path, body) in enumerate(requests, 1):
+            if body is None:
+                async with s.get(url + path) as r:
+                    await r.read()
+            elif body.get("hang"):
+                r = await s.post(url + path, json=body)
+                await r.content.readuntil(b"\n\n")  # the first event is here: leave
+                r.close()
+            elif body.get("wait"):
+                with pytest.raises(asyncio.TimeoutError):
+                    await s.post(url + path, json=body,
+                                 timeout=aiohttp.ClientTimeout(total=0.2))
+            else:
+                async with s.post(url + path, json=body,
+                                  headers={"X-Request-Id": f"hdr-{i}"}) as r:
+                    await r.read()
+            await eventually(lambda n=i: len(_access_lines(out)) == n,  # type: ignore[misc]
+                             f"access line {i}")
+
+
+def _access_lines(out: io.StringIO) -> list[str]:
+    """The access lines in ``out`` (aiohttp logs the 500's traceback there too)."""
+    return [line for line in out.getvalue().splitlines() if ACCESS_LOGGER in line]
+
+
+@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.parametrize("fmt", ["text", "json"])
+async def test_the_lines_of_served_requests_are_the_formatters_own_byte_for_byte(
+        served: tuple[str, FakeClock, asyncio.Event], fmt: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemons' lines, made straight from the requests' records in batches, are byte
+    for byte what ``logging`` and the formatter make from the fields (the path taken
+    when any other handler sees the access log): the same requests, the same clocks,
+    each way."""
+    from skymesh.obs import access
+
+    url, clock, _ = served
+    access_log = logging.getLogger(ACCESS_LOGGER)
+    outputs = []
+    for through_logging in (False, True):
+        clock.t = 100.0
+        monkeypatch.setattr(access, "time", FakeWallClock())
+        out = io.StringIO()
+        daemon_logging(fmt, out)
+        other = Records()
+        if through_logging:
+            access_log.addHandler(other)
+        assert (direct_handler(access_log) is None) == through_logging  # the path taken
+        try:
+            await _log_requests(url, out)
+        finally:
+            access_log.removeHandler(other)
+        assert len(other.records) == (9 if through_logging else 0)
+        outputs.append(_access_lines(out))
+    direct, logged = outputs
+    assert direct == logged
+    lines = direct
+    if fmt == "text":
+        assert lines[0].endswith(
+            "INFO skymesh.access: POST /v1/chat/completions 200 request_id=req-1 "
+            "model=m\u00e9 served_by=http://10.0.0.2:8000 via=replica ttft_ms=500.0 "
+            "duration_ms=500.0 prompt_tokens=7 completion_tokens=3 client=127.0.0.1")
+        assert lines[1].split(" 200 ")[1].startswith("request_id=hdr-2 ")
+        assert lines[2].endswith("client=127.0.0.1 tenant=acme priority=batch")
+        assert " 400 " in lines[3] and " 404 " in lines[4] and " 500 " in lines[5]
+        assert "ttft_ms=300.0 duration_ms=1300.0 prompt_tokens=7" in lines[6]
+        assert lines[7].endswith("disconnected=True")
+        assert " 499 " in lines[8] and lines[8].endswith("disconnected=True")
+        assert lines[0][:19] != lines[3][:19]  # the lines cross whole seconds

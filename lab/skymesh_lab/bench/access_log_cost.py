@@ -19,12 +19,21 @@ How
     difference (on minus off, same round) over the CPU per request with it on; the
     figure is the median over ``--rounds`` rounds, with its spread.
 
+``--fresh-every K``: new balancer processes every ``K`` rounds. A process has an offset
+of its own in CPU per request (where its memory lies, its hash seed: the same build in
+two processes differed by several microseconds per request, round after round), which
+one set of processes for the whole run adds to every round's difference; fresh ones make
+it vary from round to round, inside the interval, instead.
+
 ``--ablate record,lines,loop``: also run this checkout with parts of the access log
 switched off (``skymesh_lab.bench.access_log_ablate``), each on and off in the same
 rounds: where the live cost goes.
 
 ``--base REV``: also run skymesh-lb of git revision ``REV`` (extracted with ``git
 archive``), on and off, in the same rounds: the before and after of a change.
+
+``--http-server lean``: every daemon serves with ``listen.http_server: lean`` (a config
+file the run writes), as against the daemon's default; ``aiohttp`` the same for aiohttp's.
 
 Each build is also measured in process (``skymesh_lab.bench.access_log_loop``: the same
 request through the access log without the network, the loop thread's CPU): a steadier
@@ -71,7 +80,7 @@ WRITER_COMM = "skymesh-access"  # skymesh.obs.access.AccessWriter's OS thread na
 REPO = Path(__file__).resolve().parents[3]
 IN_PROCESS_REQUESTS, IN_PROCESS_REPEATS = 20000, 7
 # The ablation's builds from the least of the log to the most (--ablate).
-ABLATION_ORDER = ("record", "lines", "current", "thread")
+ABLATION_ORDER = ("record", "lines", "current", "thread", "tlines")
 
 
 def thread_ticks(root: int) -> dict[str, int]:
@@ -169,8 +178,9 @@ def start_lb(stubs: list[str], access_log: bool, pythonpath: Path | None,
 
 
 @contextlib.contextmanager
-def _stack(base: str | None, workdir: Path, extra: list[str], ablate: tuple[str, ...] = ()
-           ) -> Iterator[dict[str, Daemon]]:
+def _builds(base: str | None, workdir: Path, ablate: tuple[str, ...] = ()
+            ) -> Iterator[tuple[list[str], dict[str, Path | None]]]:
+    """The stub replicas (running) and each build's PYTHONPATH (None: this checkout)."""
     with contextlib.ExitStack() as exits:
         binary = ro.build_stub(workdir)
         stubs = []
@@ -184,6 +194,14 @@ def _stack(base: str | None, workdir: Path, extra: list[str], ablate: tuple[str,
             builds["base"] = extract(base, workdir / "base")
         for variant in ablate:  # this checkout, parts of the log switched off
             builds[variant] = ablation.sitecustomize(workdir / f"ablate-{variant}", variant)
+        yield stubs, builds
+
+
+@contextlib.contextmanager
+def _balancers(stubs: list[str], builds: dict[str, Path | None], extra: list[str]
+               ) -> Iterator[dict[str, Daemon]]:
+    """Each build's skymesh-lb with the access log on and off, ready and warmed up."""
+    with contextlib.ExitStack() as exits:
         lbs: dict[str, Daemon] = {}
         for build, path in builds.items():
             for on in (False, True):
@@ -192,6 +210,8 @@ def _stack(base: str | None, workdir: Path, extra: list[str], ablate: tuple[str,
                 lbs[f"{build}/{'on' if on else 'off'}"] = d
         for d in lbs.values():
             ro.wait_ready(d)
+        for d in lbs.values():  # warm-up: connections, caches, lazy imports
+            ro.run_wrk(d.url, CASE, 1.0)
         yield lbs
 
 
@@ -301,39 +321,29 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 def run(rounds: int, duration_s: float, base: str | None, seed: int,
-        extra: list[str] | None = None, ablate: tuple[str, ...] = ()) -> dict[str, Any]:
+        extra: list[str] | None = None, ablate: tuple[str, ...] = (),
+        http_server: str | None = None, fresh_every: int = 0) -> dict[str, Any]:
     extra = extra or []
     started = datetime.now(UTC).isoformat(timespec="seconds")
     current = _head()  # what the daemons start with: a commit made meanwhile is not it
     load_before = os.getloadavg()
     rng = random.Random(seed)
-    segments: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="access-log-cost-") as tmp, \
-            _stack(base, Path(tmp), extra, ablate) as lbs:
-        for d in lbs.values():  # warm-up: connections, caches, lazy imports
-            ro.run_wrk(d.url, CASE, 1.0)
-        builds = sorted({name.split("/")[0] for name in lbs})
-        for rnd in range(rounds):
-            rng.shuffle(builds)
-            for build in builds:
-                got = pair(lbs[f"{build}/on"], lbs[f"{build}/off"], duration_s)
-                for name, seg in zip((f"{build}/on", f"{build}/off"), got, strict=True):
-                    s = {"setup": name, "round": rnd, **seg}
-                    segments.append(s)
-                    print(f"r{rnd} {name:<12} {s['rps']:>8.0f} req/s {s['cpu_us']:6.1f} "
-                          f"us/req {s['threads_us']}", flush=True)
-                time.sleep(ro.SETTLE_S)
-        loop_only = {}  # the daemons idle meanwhile
-        for build in builds:
-            path = (Path(tmp) / "base" if build == "base"
-                    else Path(tmp) / f"ablate-{build}" if build in ablate else None)
-            loop_only[build] = in_process(path, Path(tmp))
-            print(f"in process {build}: {loop_only[build]['cost_us']}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="access-log-cost-") as tmp:
+        daemon_args = list(extra)
+        if http_server is not None:  # flags given after --config override it
+            listen = Path(tmp) / "listen.yaml"
+            listen.write_text(f"listen:\n  http_server: {http_server}\n")
+            daemon_args = ["--config", str(listen), *daemon_args]
+        segments, loop_only = _measure(rounds, duration_s, base, Path(tmp), daemon_args,
+                                       ablate, rng, fresh_every)
     cmd = (f"python -m skymesh_lab.bench.access_log_cost --rounds {rounds} "
            f"--duration {duration_s:g}" + (f" --base {base}" if base else "")
            + (f" --ablate {','.join(ablate)}" if ablate else "")
+           + (f" --http-server {http_server}" if http_server else "")
+           + (f" --fresh-every {fresh_every}" if fresh_every else "")
            + (f" --lb-args {shlex.quote(shlex.join(extra))}" if extra else ""))
     return {"setup": {"command": cmd, "lb_flags": [*LB_FLAGS, *extra],
+                      "http_server": http_server, "fresh_every": fresh_every,
                       "connections": CASE.connections,
                       "rounds": rounds, "duration_s": duration_s, "base": base,
                       "ablate": list(ablate),
@@ -343,6 +353,37 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
                       "loadavg_after": list(os.getloadavg()), "started": started,
                       "finished": datetime.now(UTC).isoformat(timespec="seconds")},
             "summary": summarize(segments), "in_process": loop_only, "segments": segments}
+
+
+def _measure(rounds: int, duration_s: float, base: str | None, tmp: Path,
+             extra: list[str], ablate: tuple[str, ...], rng: random.Random,
+             fresh_every: int = 0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rounds' segments, then each build's in-process figure. ``fresh_every``: new
+    balancer processes every that many rounds (0: the same ones throughout)."""
+    segments: list[dict[str, Any]] = []
+    with _builds(base, tmp, ablate) as (stubs, paths):
+        builds = sorted(paths)
+        span = fresh_every if fresh_every > 0 else rounds
+        for first in range(0, rounds, span):
+            with _balancers(stubs, paths, extra) as lbs:
+                for rnd in range(first, min(first + span, rounds)):
+                    rng.shuffle(builds)
+                    for build in builds:
+                        got = pair(lbs[f"{build}/on"], lbs[f"{build}/off"], duration_s)
+                        for name, seg in zip((f"{build}/on", f"{build}/off"), got,
+                                             strict=True):
+                            s = {"setup": name, "round": rnd, **seg}
+                            segments.append(s)
+                            print(f"r{rnd} {name:<12} {s['rps']:>8.0f} req/s "
+                                  f"{s['cpu_us']:6.1f} us/req {s['threads_us']}", flush=True)
+                        time.sleep(ro.SETTLE_S)
+        loop_only = {}
+        for build in builds:
+            path = (tmp / "base" if build == "base"
+                    else tmp / f"ablate-{build}" if build in ablate else None)
+            loop_only[build] = in_process(path, tmp)
+            print(f"in process {build}: {loop_only[build]['cost_us']}", flush=True)
+    return segments, loop_only
 
 
 def _head() -> str:
@@ -362,6 +403,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="PATH")
     ap.add_argument("--lb-args", default="", metavar="FLAGS",
                     help="more skymesh-lb flags for every set-up, e.g. '--log-format json'")
+    ap.add_argument("--fresh-every", type=int, default=0, metavar="K",
+                    help="start new balancer processes every K rounds (0: one set for the "
+                         "whole run); a process's own offset (its memory layout, its hash "
+                         "seed) then varies across the rounds instead of biasing them all")
+    ap.add_argument("--http-server", choices=("aiohttp", "lean"), default=None,
+                    help="every daemon with listen.http_server set so (default: the "
+                         "daemon's own default)")
     ap.add_argument("--ablate", default="", metavar="VARIANTS",
                     help="also run this checkout with parts of the access log switched off, "
                          f"comma-separated: {', '.join(ablation.VARIANTS)} "
@@ -373,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--ablate: unknown variant {v!r} (one of {', '.join(ablation.VARIANTS)})")
     executable("skymesh-lb")  # fails early without it
     res = run(args.rounds, args.duration, args.base, args.seed, shlex.split(args.lb_args),
-              ablate)
+              ablate, args.http_server, args.fresh_every)
     for build in ("base", "current", *ablate):
         row = res["summary"].get(build)
         if row is None:

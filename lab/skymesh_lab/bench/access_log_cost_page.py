@@ -12,6 +12,7 @@ from typing import Any
 
 TARGET = 0.05  # issue #35 item 3: at most 5% of a request's CPU
 ABLATION = "access-log-ablation"  # the attached --ablate run (results_pages.Source.attach)
+LEAN = "access-log-cost-lean"  # the attached run with --http-server lean
 # The ablation's builds, least of the log first (access_log_cost.ABLATION_ORDER), and
 # what each runs with the log on (skymesh_lab.bench.access_log_ablate).
 _PARTS = {
@@ -20,9 +21,12 @@ _PARTS = {
     "lines": "and the lines made on the loop in batches, then discarded",
     "current": "and written: the full log, its batches written by the loop itself",
     "thread": "the full log, its batches handed to the writer thread to write",
+    "tlines": "the full log, its batches' lines made and written by the writer thread",
 }
 _STEPS = {"lines-record": "making the lines", "current-lines": "writing them",
-          "thread-current": "handing them to the thread instead"}
+          "thread-current": "handing them to the thread instead",
+          "tlines-thread": "making the lines in the thread instead of on the loop",
+          "tlines-current": "making the lines in the thread instead of on the loop"}
 
 
 def _bounds(s: dict[str, float]) -> tuple[float, float]:
@@ -74,6 +78,17 @@ def _remainder(doc: dict[str, Any]) -> str:
             "code costs in a tight loop ([the access log's cost](../operations-logs.md"
             "#cost) says what was ruled out; the last section, where the log's parts "
             "are switched off live, where it goes).")
+
+
+def _fresh(setup: dict[str, Any]) -> str:
+    """How often the run started new balancer processes (``--fresh-every``)."""
+    every = setup.get("fresh_every") or 0
+    if every <= 0:
+        return ""
+    when = "each round" if every == 1 else f"every {every} rounds"
+    return (f", on new balancer processes {when} (a process carries an offset of its own, "
+            "several microseconds per request, that one set of processes for the whole "
+            "run would add to every round)")
 
 
 def _paired(doc: dict[str, Any]) -> str:
@@ -192,7 +207,8 @@ def access_log_cost(doc: dict[str, Any]) -> str:
         f"Medians over {setup['rounds']} rounds [95% confidence interval of the median, "
         "from order statistics]; a round runs each build's "
         "\"on\" and \"off\" in four alternating turns (on, off, off, on) of "
-        f"{setup['duration_s'] / 4:g} s, and the cost is the difference within the round. "
+        f"{setup['duration_s'] / 4:g} s, and the cost is the difference within the round"
+        + _fresh(setup) + ". "
         + _verdict(summary["current"]["share"]) + _remainder(doc) +
         " \"The loop\" is the balancer's main thread (on minus off); "
         "\"the writer thread\" is the access log's own thread (named `skymesh-access`; "
@@ -207,7 +223,47 @@ def access_log_cost(doc: dict[str, Any]) -> str:
         "at the end): single turns move by tens of microseconds, so read the medians and "
         "the spreads, not one round.",
     ]
+    lean = _lean(doc)
+    if lean:
+        notes.append(lean)
     ablation = _ablation(doc)
     if ablation:
         notes.append(ablation)
     return "\n\n".join(notes)
+
+
+def _lean(doc: dict[str, Any]) -> str:
+    """The same measurement with every daemon on the lean HTTP server (a run of its own,
+    ``--http-server lean``), with its ablation builds if it had any."""
+    run = doc.get(LEAN)
+    if not run:
+        return ""
+    setup, summary = run["setup"], run["summary"]
+    label = {"base": f"before (`{setup.get('base')}`)",
+             "current": f"now (`{setup.get('current') or 'current'}`)",
+             **{b: f"`{b}`: {_PARTS.get(b, b)}" for b in setup.get("ablate", [])}}
+    out = ["### With the lean HTTP server (`listen.http_server: lean`)", "",
+           "| build | access log off: CPU us per request | on | cost of the access log "
+           "(on - off) | its share of a request | of which the loop | the writer thread |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for build in ("base", "current", *setup.get("ablate", [])):
+        row = summary.get(build)
+        if not isinstance(row, dict) or "off_us" not in row:
+            continue
+        out.append(f"| {label[build]} | {_us(row['off_us'])} | {_us(row['on_us'])} | "
+                   f"{_us(row['cost_us'])} | {_share(row['share'])} | "
+                   f"{_us(row['loop_cost_us'])} | {_us(row['writer_us'])} |")
+    paired = summary.get("paired_vs_base_us")
+    steps = summary.get("ablation_steps_us") or {}
+    said = [f"{_STEPS.get(name, name)}: {_us(s)} us" for name, s in steps.items()]
+    text = (f"Every daemon with `listen.http_server: lean` (the default to be), "
+            f"{setup['rounds']} rounds of {setup['duration_s']:g} s in a run of its own"
+            + _fresh(setup) + " "
+            f"(load average {setup['loadavg_before'][0]:.1f} at the start, "
+            f"{setup['loadavg_after'][0]:.1f} at the end). "
+            + _verdict(summary["current"]["share"]).replace("now costs", "costs here")
+            + (f" Now's cost minus before's, paired by round: {_us(paired)} us."
+               if paired else "")
+            + (" Paired by round, " + "; ".join(said) + "." if said else "")
+            + " Reproduce: `" + setup["command"] + f" --json docs/results/data/{LEAN}.json`.")
+    return "\n".join(out) + "\n\n" + text

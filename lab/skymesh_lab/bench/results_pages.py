@@ -384,9 +384,10 @@ SOURCES: tuple[Source, ...] = (
            "share and the writer thread's show apart. The revision before the last "
            "change to the access log runs in the same rounds. See [the access log's cost]"
            "(../operations-logs.md#cost).",
-           (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "60",
-            "--duration", "4", "--base", "9a2418d", "--json", "{json}"),
-           access_log_cost_page.access_log_cost, attach=(access_log_cost_page.ABLATION,)),
+           (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "24",
+            "--duration", "4", "--base", "a83baeb", "--fresh-every", "1", "--json", "{json}"),
+           access_log_cost_page.access_log_cost,
+           attach=(access_log_cost_page.LEAN, access_log_cost_page.ABLATION)),
     Source("request-path-cost", "The request path's CPU per request (issue #35)",
            "Process CPU per request of skymesh-lb (one worker, access log off) in front of "
            "two C stub replicas, driven by wrk at 64 connections: non-streamed and streamed "
