@@ -308,7 +308,7 @@ class Handlers:
 
     async def read_body(self, request: web.Request) -> bytes:
         limit = self.cfg.limits.max_body_bytes
-        length = request.content_length  # read once: a lean request parses it per read
+        length = request.content_length  # aiohttp's parses the header on each read
         if length is not None and length > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
         content = request.content
