@@ -83,12 +83,15 @@ def _remainder(doc: dict[str, Any]) -> str:
 def _fresh(setup: dict[str, Any]) -> str:
     """How often the run started new balancer processes (``--fresh-every``)."""
     every = setup.get("fresh_every") or 0
+    toggled = ("; each build's \"on\" and \"off\" in one balancer process, its access "
+               "log switched between turns (`--toggle`: that process's own offset is common "
+               "to both and cancels from their difference)" if setup.get("toggle") else "")
     if every <= 0:
-        return ""
+        return toggled
     when = "each round" if every == 1 else f"every {every} rounds"
     return (f", on new balancer processes {when} (a process carries an offset of its own, "
             "several microseconds per request, that one set of processes for the whole "
-            "run would add to every round)")
+            "run would add to every round)" + toggled)
 
 
 def _paired(doc: dict[str, Any]) -> str:
