@@ -54,7 +54,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -407,10 +407,7 @@ class _Access:
         if writer is not None:
             pending = writer.pending
             if pending:  # a batch is open: join it (put() opens one)
-                if writer.texts:  # its line now: nothing of the request kept for the batch
-                    pending.append(writer.text_line(rec, body, time.time()))
-                else:
-                    pending.append((rec, body, time.time()))
+                pending.append((rec, body, time.time()))
                 if len(pending) >= BATCH:
                     writer.flush()
                 return
@@ -490,16 +487,8 @@ class AccessWriter:
             queue.SimpleQueue())
         self._thread: threading.Thread | None = None
         # The loop's current batch; while it is not empty the middleware appends to it
-        # directly (put() opens a batch: where its lines go, its linger timer). With
-        # ``texts`` (the handler's formatter is the plain text one) it holds each
-        # request's finished line (:meth:`text_line`), else its record.
-        self.pending: list[_Item | str] = []
-        self.texts = False
-        # text_line's: the current second's stamp (the loop's own), the logger's part.
-        self._second, self._stamp = -1, ""
-        self._head = f" INFO {log.name}: "
-        self._fmt: TextFormatter | None = None
-        self._terminator = "\n"
+        # directly (put() opens a batch: where its lines go, its linger timer).
+        self.pending: list[_Item] = []
         self._timer: asyncio.TimerHandle | None = None
         self._handler: _Handler | None = None  # where the batch's lines go
         # The loop writes the batches of the handler it was started with itself, when
@@ -575,16 +564,8 @@ class AccessWriter:
                     self._sink is not None and self._sink.lines_waiting >= self.max_backlog):
                 return False
             self._handler = handler
-            fmt = handler.formatter
-            self.texts = type(fmt) is TextFormatter
-            if isinstance(fmt, TextFormatter):
-                self._fmt = fmt
-                self._terminator = handler.terminator
             self._timer = loop.call_later(self.linger_s, self.flush)  # type: ignore[union-attr]
-        if self.texts and isinstance(what, AccessRecord):
-            pending.append(self.text_line(what, body, item[2]))
-        else:
-            pending.append(item)
+        pending.append(item)
         if len(pending) >= BATCH:
             self.flush()
         return True
@@ -595,7 +576,6 @@ class AccessWriter:
             self._timer.cancel()
             self._timer = None
         items, self.pending = self.pending, []
-        self.texts = False
         handler = self._handler
         if not items or handler is None:
             return
@@ -605,18 +585,6 @@ class AccessWriter:
             self._queue.put((handler, text))
         elif not sink.write(text.encode(*self._encoding), len(items)):
             self.dropped += len(items)  # max_backlog lines wait already: a stuck sink
-
-    def text_line(self, rec: AccessRecord, body: bytes | None, created: float) -> str:
-        """On the loop, while a batch with ``texts`` is open: the finished line of
-        ``rec`` (its terminator included), which the batch then holds instead of the
-        record: the request's record, its body and its strings are freed at its end
-        rather than kept alive for up to ``BATCH`` requests."""
-        second = int(created)
-        if second != self._second:
-            assert self._fmt is not None
-            self._second, self._stamp = second, self._fmt.second_text(created)
-        return _text_line(rec, body, self._stamp, MILLIS[int((created - second) * 1000)],
-                          self._head, self._terminator)
 
     def emit(self, what: AccessRecord | dict[str, Any], body: bytes | None,
              created: float) -> None:
@@ -689,19 +657,16 @@ class AccessWriter:
             return
         handler.write_lines(self._lines(handler, items))
 
-    def _lines(self, handler: _Handler, items: Sequence[_Item | str]) -> list[str]:
+    def _lines(self, handler: _Handler, items: list[_Item]) -> list[str]:
         """The lines of ``items`` as ``handler``'s formatter gives them, made straight
         from the records or fields (no LogRecords)."""
         fmt = handler.formatter
         assert isinstance(fmt, TextFormatter | JsonFormatter)
         name, end = self.log.name, handler.terminator
-        lines: list[str] = [item for item in items if type(item) is str]  # text_line's
-        if len(lines) == len(items):
-            return lines
+        lines: list[str] = []
         append = lines.append
-        records = [item for item in items if not isinstance(item, str)]
         if isinstance(fmt, JsonFormatter):
-            for what, body, created in records:
+            for what, body, created in items:
                 if type(what) is AccessRecord:
                     tokens = what.tokens if body is None else usage_tokens(body, what.usage)
                     append(fmt.plain_line(created, name, _record_text(what, tokens),
@@ -714,7 +679,7 @@ class AccessWriter:
         # (TextFormatter.second_text, its milliseconds looked up here as asctime does).
         head = f" INFO {name}: "
         second, stamp = -1, ""
-        for what, body, created in records:
+        for what, body, created in items:
             if int(created) != second:
                 second = int(created)
                 stamp = fmt.second_text(created)
@@ -722,8 +687,25 @@ class AccessWriter:
             if type(what) is not AccessRecord:
                 fields = _fields(what, body)
                 append(f"{stamp}{millis}{head}{_text(fields)}{end}")
+                continue
+            rec = what
+            prompt, completion = rec.tokens if body is None else usage_tokens(body, rec.usage)
+            first, start, done = rec.first_byte_at, rec.start, rec.end
+            if (first == done and prompt is not None and completion is not None
+                    and rec.model is not None and rec.served_by is not None
+                    and rec.via is not None and rec.request_id is not None
+                    and rec.client is not None and not rec.disconnected
+                    and rec.tenant is None):
+                # The common line, a whole body served with its usage, in one piece: its
+                # first byte left at its end (one decimal conversion for both times).
+                duration = ms_text(done - start)
+                append(f"{stamp}{millis}{head}{rec.method} {rec.path} {rec.code} "
+                       f"request_id={rec.request_id} model={rec.model} "
+                       f"served_by={rec.served_by} via={rec.via} ttft_ms={duration} "
+                       f"duration_ms={duration} prompt_tokens={prompt} "
+                       f"completion_tokens={completion} client={rec.client}{end}")
             else:
-                append(_text_line(what, body, stamp, millis, head, end))
+                append(f"{stamp}{millis}{head}{_record_text(rec, (prompt, completion))}{end}")
         return lines
 
 
@@ -791,28 +773,6 @@ def ms_text(seconds: float) -> str:
         return repr(round(ms, 3))
     text = f"{ms:.3f}".rstrip("0")
     return text + "0" if text[-1] == "." else text
-
-
-def _text_line(rec: AccessRecord, body: bytes | None, stamp: str, millis: str, head: str,
-               end: str) -> str:
-    """The text line of a finished record: its time (``stamp``, its second, and
-    ``millis``), ``head`` (level and logger), its message, ``end``; in one piece."""
-    prompt, completion = rec.tokens if body is None else usage_tokens(body, rec.usage)
-    first, start, done = rec.first_byte_at, rec.start, rec.end
-    if (first == done and prompt is not None and completion is not None
-            and rec.model is not None and rec.served_by is not None
-            and rec.via is not None and rec.request_id is not None
-            and rec.client is not None and not rec.disconnected
-            and rec.tenant is None):
-        # The common line, a whole body served with its usage, in one piece: its first
-        # byte left at its end (one decimal conversion for both times).
-        duration = ms_text(done - start)
-        return (f"{stamp}{millis}{head}{rec.method} {rec.path} {rec.code} "
-                f"request_id={rec.request_id} model={rec.model} "
-                f"served_by={rec.served_by} via={rec.via} ttft_ms={duration} "
-                f"duration_ms={duration} prompt_tokens={prompt} "
-                f"completion_tokens={completion} client={rec.client}{end}")
-    return f"{stamp}{millis}{head}{_record_text(rec, (prompt, completion))}{end}"
 
 
 def _record_text(rec: AccessRecord, tokens: tuple[int | None, int | None]) -> str:

@@ -589,34 +589,6 @@ async def test_on_the_loop_lines_are_made_in_batches_and_the_thread_writes_them(
 
 
 @pytest.mark.usefixtures("restore_logging")
-@pytest.mark.parametrize("fmt", ["text", "json"])
-async def test_a_text_batch_holds_finished_lines_and_frees_the_records(fmt: str) -> None:
-    """With the plain text formatter a request's line is made when it joins the batch:
-    the batch keeps no record (nor its body, its strings) alive until the batch is
-    written. A JSON batch keeps the records and makes their lines at once."""
-    out = io.StringIO()
-    daemon_logging(fmt, out)
-    writer = AccessWriter(logging.getLogger(ACCESS_LOGGER), linger_s=60.0)
-    writer.start()
-    try:
-        body = json.dumps({"usage": USAGE}).encode()
-        assert writer.put(finished(request_id="r0"), body)
-        assert writer.put(finished(request_id="r1"), None)
-        held = [type(item) for item in writer.pending]
-        assert held == ([str, str] if fmt == "text" else [tuple, tuple])
-        writer.flush()
-        assert writer.pending == [] and not writer.texts
-    finally:
-        writer.stop()
-    lines = out.getvalue().splitlines()
-    assert len(lines) == 2
-    if fmt == "text":
-        assert lines[0].endswith("request_id=r0 ttft_ms=12.5 duration_ms=40.25 prompt_tokens=7 "
-                                 "completion_tokens=3 client=127.0.0.1")
-        assert lines[1].endswith("request_id=r1 ttft_ms=12.5 duration_ms=40.25 client=127.0.0.1")
-
-
-@pytest.mark.usefixtures("restore_logging")
 async def test_a_loop_batch_is_refused_when_the_thread_is_that_far_behind() -> None:
     out = io.StringIO()
     daemon_logging("text", out)
