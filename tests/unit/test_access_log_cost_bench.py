@@ -112,3 +112,11 @@ def test_a_toggled_ablation_applies_its_variant_then_the_toggle(tmp_path: Any) -
 
     site = (alc._toggle_dir(tmp_path / "t", "record") / "sitecustomize.py").read_text()
     assert site.index("access_log_ablate") < site.index("access_log_toggle")
+
+
+def test_the_page_says_when_on_and_off_ran_in_one_process() -> None:
+    from skymesh_lab.bench.access_log_cost_page import _fresh
+
+    assert "`--toggle`" in _fresh({"fresh_every": 1, "toggle": True})
+    assert "`--toggle`" in _fresh({"fresh_every": 0, "toggle": True})
+    assert "toggle" not in _fresh({"fresh_every": 1})

@@ -24,6 +24,7 @@ _PARTS = {
     "tlines": "the full log, its batches' lines made and written by the writer thread",
 }
 _STEPS = {"lines-record": "making the lines", "current-lines": "writing them",
+          "current-record": "making and writing the lines",
           "thread-current": "handing them to the thread instead",
           "tlines-thread": "making the lines in the thread instead of on the loop",
           "tlines-current": "making the lines in the thread instead of on the loop"}
