@@ -837,7 +837,9 @@ def _record_json(rec: AccessRecord, tokens: tuple[int | None, int | None]
 
 class _Done(Awaitable[None]):
     """An awaitable that is done already: what :func:`_watch_body` returns (aiohttp's
-    signal awaits what each receiver returns), so no coroutine is made per response."""
+    signal awaits what each receiver returns), so no coroutine is made per response.
+    Once a loop runs the log (:func:`_done_future`), a done future instead: awaiting it
+    runs no Python code (its ``__await__`` is asyncio's C one; 70 ns against 150)."""
 
     __slots__ = ()
 
@@ -845,10 +847,20 @@ class _Done(Awaitable[None]):
         return iter(())  # type: ignore[return-value]  # an iterator is all await needs
 
 
-_DONE = _Done()
+_DONE: Awaitable[None] = _Done()
 
 
-def _watch_body(request: web.Request, response: web.StreamResponse) -> _Done:
+def _done_future() -> None:
+    """Make :data:`_DONE` a done future (on the loop). Awaiting a done future reads its
+    result whatever loop awaits it, so one serves every loop and app of the process."""
+    global _DONE
+    if type(_DONE) is _Done:
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        _DONE = done
+
+
+def _watch_body(request: web.Request, response: web.StreamResponse) -> Awaitable[None]:
     """``on_response_prepare``: for a streamed body, its status (logged if the client
     leaves mid-stream), the time of its first byte and its last chunks (the usage event).
     A whole body is prepared after the middleware has finished its record: nothing to do.
@@ -900,6 +912,7 @@ def install(app: web.Application, *, access_log: bool = True, tracing: Tracing |
     writer = access.writer
     if writer is not None:
         async def start_writer(app: web.Application) -> None:
+            _done_future()
             writer.start()
 
         async def stop_writer(app: web.Application) -> None:

@@ -49,3 +49,74 @@ def test_request_path_cost_counts_the_loops_kernel_time_once(
     daemon: Any = SimpleNamespace(proc=SimpleNamespace(pid=1), url="http://lb")
     seg = rpc.segment(daemon, "rr", 1.0)
     assert seg["ticks"] == 108  # loop (its kernel time within) + writer + other threads
+
+
+def test_a_toggle_signals_the_daemon_and_waits_for_its_word(tmp_path: Any) -> None:
+    """--toggle: the benchmark switches the daemon's access log with a signal and reads
+    the CPU counters only once the daemon says it has switched."""
+    import os
+    import signal
+
+    from skymesh_lab.bench import access_log_toggle as toggle
+
+    ack = tmp_path / "ack"
+    ack.write_text("on")
+    got: list[str] = []
+
+    def daemon_side(signum: int, frame: Any) -> None:
+        got.append("on" if signum == toggle.ON else "off")
+        ack.write_text(got[-1])
+
+    old_on = signal.signal(toggle.ON, daemon_side)
+    old_off = signal.signal(toggle.OFF, daemon_side)
+    try:
+        toggle.switch(os.getpid(), ack, False)
+        toggle.switch(os.getpid(), ack, False)  # off already: no signal
+        toggle.switch(os.getpid(), ack, True)
+        signal.signal(toggle.OFF, lambda signum, frame: None)  # a daemon that never says
+        with pytest.raises(TimeoutError):
+            toggle.switch(os.getpid(), ack, False, timeout_s=0.05)
+    finally:
+        signal.signal(toggle.ON, old_on)
+        signal.signal(toggle.OFF, old_off)
+    assert got == ["off", "on"]
+
+
+def test_paired_turns_on_one_toggled_daemon_switch_it_before_each_turn(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """With one daemon for on and off, each turn runs in the state it is counted as
+    (on, off, off, on, ...), and the turns' counts go to their own side."""
+    from types import SimpleNamespace
+
+    from skymesh_lab.bench import access_log_cost as alc
+
+    daemon: Any = SimpleNamespace(proc=SimpleNamespace(pid=4242), url="http://lb")
+    state: list[bool] = []
+    monkeypatch.setitem(alc._ACKS, 4242, tmp_path / "ack")
+    monkeypatch.setattr(alc.toggle, "switch",
+                        lambda pid, ack, on: state.append(on))
+
+    def segment(d: Any, duration_s: float) -> dict[str, Any]:
+        on = state[-1]
+        return {"requests": 1000.0, "wall_s": 0.1, "errors": 0.0,
+                "ticks": {alc.LOOP: 0.012 if on else 0.010, alc.LOOP_SYS: 0.0}}
+
+    monkeypatch.setattr(alc, "segment", segment)
+    on, off = alc.pair(daemon, daemon, 4.0)
+    assert state == [True, False, False, True] * (alc.SLICES // 2)
+    assert on["cpu_us"] == pytest.approx(12.0) and off["cpu_us"] == pytest.approx(10.0)
+
+
+def test_a_toggled_ablation_applies_its_variant_then_the_toggle(tmp_path: Any) -> None:
+    from skymesh_lab.bench import access_log_cost as alc
+
+    site = (alc._toggle_dir(tmp_path / "t", "record") / "sitecustomize.py").read_text()
+    assert site.index("access_log_ablate") < site.index("access_log_toggle")
+
+
+def test_the_page_says_when_on_and_off_ran_in_one_process() -> None:
+    from skymesh_lab.bench.access_log_cost_page import _fresh
+
+    assert "`--toggle`" in _fresh({"fresh_every": 1, "toggle": True})
+    assert "`--toggle`" in _fresh({"fresh_every": 0, "toggle": True})
+    assert "toggle" not in _fresh({"fresh_every": 1})

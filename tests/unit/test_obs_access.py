@@ -842,3 +842,23 @@ async def test_the_lines_of_served_requests_are_the_formatters_own_byte_for_byte
         assert lines[7].endswith("disconnected=True")
         assert " 499 " in lines[8] and lines[8].endswith("disconnected=True")
         assert lines[0][:19] != lines[3][:19]  # the lines cross whole seconds
+
+
+async def test_a_whole_replys_prepare_hook_hands_back_a_done_future() -> None:
+    """Once the log's app has started, the prepare hook of a whole reply returns a done
+    asyncio future (no Python ``__await__`` per response); awaiting it gives None."""
+    from skymesh.obs import access
+
+    app = web.Application()
+    install(app)
+    for start in app.on_startup:
+        await start(app)
+    try:
+        request = make_mocked_request("POST", "/v1/chat/completions", app=app)
+        done = access._watch_body(request, web.Response(body=b"{}"))
+        assert isinstance(done, asyncio.Future) and done.done()
+        assert await done is None
+        assert await done is None  # the same one for every reply
+    finally:
+        for cleanup in app.on_cleanup:
+            await cleanup(app)

@@ -25,6 +25,11 @@ two processes differed by several microseconds per request, round after round), 
 one set of processes for the whole run adds to every round's difference; fresh ones make
 it vary from round to round, inside the interval, instead.
 
+``--toggle``: each build's "on" and "off" in one balancer process, the log switched
+between turns (``skymesh_lab.bench.access_log_toggle``): the process's own offset is then
+common to both turns and cancels from their difference rather than widening its spread.
+The process is still new every ``--fresh-every`` rounds, so the figure is over many.
+
 ``--ablate record,lines,loop``: also run this checkout with parts of the access log
 switched off (``skymesh_lab.bench.access_log_ablate``), each on and off in the same
 rounds: where the live cost goes.
@@ -66,6 +71,7 @@ from typing import Any
 from skymesh.util.jsonio import write_json
 from skymesh.util.procs import Daemon, executable, start_daemon
 from skymesh_lab.bench import access_log_ablate as ablation
+from skymesh_lab.bench import access_log_toggle as toggle
 from skymesh_lab.bench import router_overhead as ro
 from skymesh_lab.bench import router_overhead_stats as st
 
@@ -167,10 +173,15 @@ def in_process(pythonpath: Path | None, cwd: Path) -> dict[str, Any]:
 
 
 def start_lb(stubs: list[str], access_log: bool, pythonpath: Path | None,
-             extra: list[str] | None = None) -> Daemon:
+             extra: list[str] | None = None, toggled: Path | None = None) -> Daemon:
+    """``toggled``: the folder of a toggle's ``sitecustomize`` (put first on the path);
+    the daemon then writes its state to ``toggled / "ack"``."""
     env = dict(os.environ)
-    if pythonpath is not None:  # PYTHONSAFEPATH: see overhead_ab (the workers' python -m)
-        env.update(PYTHONPATH=str(pythonpath), PYTHONSAFEPATH="1")
+    paths = [str(p) for p in (toggled, pythonpath) if p is not None]
+    if paths:  # PYTHONSAFEPATH: see overhead_ab (the workers' python -m)
+        env.update(PYTHONPATH=os.pathsep.join(paths), PYTHONSAFEPATH="1")
+    if toggled is not None:
+        env[toggle.ACK_ENV] = str(toggled / "ack")
     args = ["--port", "0", "--replicas", ",".join(stubs), *LB_FLAGS, *(extra or [])]
     if not access_log:
         args.append("--no-access-log")
@@ -198,21 +209,42 @@ def _builds(base: str | None, workdir: Path, ablate: tuple[str, ...] = ()
 
 
 @contextlib.contextmanager
-def _balancers(stubs: list[str], builds: dict[str, Path | None], extra: list[str]
-               ) -> Iterator[dict[str, Daemon]]:
-    """Each build's skymesh-lb with the access log on and off, ready and warmed up."""
+def _balancers(stubs: list[str], builds: dict[str, Path | None], extra: list[str],
+               toggles: dict[str, Path] | None = None) -> Iterator[dict[str, Daemon]]:
+    """Each build's skymesh-lb with the access log on and off, ready and warmed up.
+    ``toggles``: each build's toggle folder (``--toggle``): one daemon per build, the
+    same for "on" and "off" (:func:`pair` switches it)."""
     with contextlib.ExitStack() as exits:
         lbs: dict[str, Daemon] = {}
         for build, path in builds.items():
+            if toggles is not None:
+                (toggles[build] / "ack").unlink(missing_ok=True)
+                d = start_lb(stubs, True, path, extra, toggled=toggles[build])
+                exits.callback(d.stop)
+                _ACKS[d.proc.pid] = toggles[build] / "ack"
+                lbs[f"{build}/on"] = lbs[f"{build}/off"] = d
+                continue
             for on in (False, True):
                 d = start_lb(stubs, on, path, extra)
                 exits.callback(d.stop)
                 lbs[f"{build}/{'on' if on else 'off'}"] = d
-        for d in lbs.values():
+        for d in {id(d): d for d in lbs.values()}.values():
             ro.wait_ready(d)
-        for d in lbs.values():  # warm-up: connections, caches, lazy imports
+        for name, d in lbs.items():  # warm-up: connections, caches, lazy imports
+            _switch(lbs[name.split("/")[0] + "/on"], lbs[name.split("/")[0] + "/off"],
+                    name.endswith("/on"))
             ro.run_wrk(d.url, CASE, 1.0)
         yield lbs
+
+
+# A toggled daemon's state file, by its pid (--toggle).
+_ACKS: dict[int, Path] = {}
+
+
+def _switch(on: Daemon, off: Daemon, is_on: bool) -> None:
+    """With one daemon for both (``--toggle``): put its access log on or off."""
+    if on is off:
+        toggle.switch(on.proc.pid, _ACKS[on.proc.pid], is_on)
 
 
 def segment(d: Daemon, duration_s: float) -> dict[str, Any]:
@@ -237,6 +269,7 @@ def pair(on: Daemon, off: Daemon, duration_s: float, slices: int = SLICES
     for i in range(slices):
         order = (True, False) if i % 2 == 0 else (False, True)
         for is_on in order:
+            _switch(on, off, is_on)
             seg = segment(on if is_on else off, duration_s / slices)
             acc = sums[is_on]
             for key in ("requests", "wall_s", "errors"):
@@ -322,7 +355,8 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def run(rounds: int, duration_s: float, base: str | None, seed: int,
         extra: list[str] | None = None, ablate: tuple[str, ...] = (),
-        http_server: str | None = None, fresh_every: int = 0) -> dict[str, Any]:
+        http_server: str | None = None, fresh_every: int = 0, toggled: bool = False
+        ) -> dict[str, Any]:
     extra = extra or []
     started = datetime.now(UTC).isoformat(timespec="seconds")
     current = _head()  # what the daemons start with: a commit made meanwhile is not it
@@ -335,15 +369,17 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
             listen.write_text(f"listen:\n  http_server: {http_server}\n")
             daemon_args = ["--config", str(listen), *daemon_args]
         segments, loop_only = _measure(rounds, duration_s, base, Path(tmp), daemon_args,
-                                       ablate, rng, fresh_every)
+                                       ablate, rng, fresh_every, toggled)
     cmd = (f"python -m skymesh_lab.bench.access_log_cost --rounds {rounds} "
            f"--duration {duration_s:g}" + (f" --base {base}" if base else "")
            + (f" --ablate {','.join(ablate)}" if ablate else "")
            + (f" --http-server {http_server}" if http_server else "")
            + (f" --fresh-every {fresh_every}" if fresh_every else "")
+           + (" --toggle" if toggled else "")
            + (f" --lb-args {shlex.quote(shlex.join(extra))}" if extra else ""))
     return {"setup": {"command": cmd, "lb_flags": [*LB_FLAGS, *extra],
                       "http_server": http_server, "fresh_every": fresh_every,
+                      "toggle": toggled,
                       "connections": CASE.connections,
                       "rounds": rounds, "duration_s": duration_s, "base": base,
                       "ablate": list(ablate),
@@ -357,15 +393,19 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
 
 def _measure(rounds: int, duration_s: float, base: str | None, tmp: Path,
              extra: list[str], ablate: tuple[str, ...], rng: random.Random,
-             fresh_every: int = 0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+             fresh_every: int = 0, toggled: bool = False
+             ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The rounds' segments, then each build's in-process figure. ``fresh_every``: new
-    balancer processes every that many rounds (0: the same ones throughout)."""
+    balancer processes every that many rounds (0: the same ones throughout);
+    ``toggled``: one process per build, its log switched (``--toggle``)."""
     segments: list[dict[str, Any]] = []
     with _builds(base, tmp, ablate) as (stubs, paths):
         builds = sorted(paths)
+        toggles = ({b: _toggle_dir(tmp / f"toggle-{b}", b if b in ablate else None)
+                    for b in builds} if toggled else None)
         span = fresh_every if fresh_every > 0 else rounds
         for first in range(0, rounds, span):
-            with _balancers(stubs, paths, extra) as lbs:
+            with _balancers(stubs, paths, extra, toggles) as lbs:
                 for rnd in range(first, min(first + span, rounds)):
                     rng.shuffle(builds)
                     for build in builds:
@@ -384,6 +424,17 @@ def _measure(rounds: int, duration_s: float, base: str | None, tmp: Path,
             loop_only[build] = in_process(path, tmp)
             print(f"in process {build}: {loop_only[build]['cost_us']}", flush=True)
     return segments, loop_only
+
+
+def _toggle_dir(into: Path, variant: str | None) -> Path:
+    """The toggle's ``sitecustomize`` folder, applying the ablation ``variant`` first
+    (an ablated build's own ``sitecustomize`` would be shadowed by this one)."""
+    toggle.sitecustomize(into)
+    if variant is not None:
+        site = into / "sitecustomize.py"
+        site.write_text("from skymesh_lab.bench.access_log_ablate import apply\n"
+                        f"apply({variant!r})\n" + site.read_text())
+    return into
 
 
 def _head() -> str:
@@ -407,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="start new balancer processes every K rounds (0: one set for the "
                          "whole run); a process's own offset (its memory layout, its hash "
                          "seed) then varies across the rounds instead of biasing them all")
+    ap.add_argument("--toggle", action="store_true",
+                    help="each build's on and off in one balancer process, its access log "
+                         "switched between turns (skymesh_lab.bench.access_log_toggle): "
+                         "the process's own offset cancels")
     ap.add_argument("--http-server", choices=("aiohttp", "lean"), default=None,
                     help="every daemon with listen.http_server set so (default: the "
                          "daemon's own default)")
@@ -421,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--ablate: unknown variant {v!r} (one of {', '.join(ablation.VARIANTS)})")
     executable("skymesh-lb")  # fails early without it
     res = run(args.rounds, args.duration, args.base, args.seed, shlex.split(args.lb_args),
-              ablate, args.http_server, args.fresh_every)
+              ablate, args.http_server, args.fresh_every, args.toggle)
     for build in ("base", "current", *ablate):
         row = res["summary"].get(build)
         if row is None:

@@ -24,6 +24,7 @@ _PARTS = {
     "tlines": "the full log, its batches' lines made and written by the writer thread",
 }
 _STEPS = {"lines-record": "making the lines", "current-lines": "writing them",
+          "current-record": "making and writing the lines",
           "thread-current": "handing them to the thread instead",
           "tlines-thread": "making the lines in the thread instead of on the loop",
           "tlines-current": "making the lines in the thread instead of on the loop"}
@@ -83,12 +84,15 @@ def _remainder(doc: dict[str, Any]) -> str:
 def _fresh(setup: dict[str, Any]) -> str:
     """How often the run started new balancer processes (``--fresh-every``)."""
     every = setup.get("fresh_every") or 0
+    toggled = ("; each build's \"on\" and \"off\" in one balancer process, its access "
+               "log switched between turns (`--toggle`: that process's own offset is common "
+               "to both and cancels from their difference)" if setup.get("toggle") else "")
     if every <= 0:
-        return ""
+        return toggled
     when = "each round" if every == 1 else f"every {every} rounds"
     return (f", on new balancer processes {when} (a process carries an offset of its own, "
             "several microseconds per request, that one set of processes for the whole "
-            "run would add to every round)")
+            "run would add to every round)" + toggled)
 
 
 def _paired(doc: dict[str, Any]) -> str:
