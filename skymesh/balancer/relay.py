@@ -148,13 +148,14 @@ class UpstreamHeaders:
     _lines: dict[tuple[str | bool | None, ...], tuple[bytes, bytes]] = field(
         default_factory=dict, compare=False, repr=False)
     # ``forwarded`` as multidict's case-folded keys (a lookup without folding the name),
-    # X-Request-Id's flagged: the shape's keys.
-    _shape_keys: tuple[tuple[istr, bool], ...] = field(init=False, compare=False,
-                                                       repr=False)
+    # and where X-Request-Id is among them: the shape's keys.
+    _shape_keys: tuple[istr, ...] = field(init=False, compare=False, repr=False)
+    _id_at: tuple[int, ...] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_shape_keys", tuple(
-            (istr(k), k == REQUEST_ID_HEADER) for k in self.forwarded))
+        object.__setattr__(self, "_shape_keys", tuple(map(istr, self.forwarded)))
+        object.__setattr__(self, "_id_at", tuple(
+            i for i, k in enumerate(self.forwarded) if k == REQUEST_ID_HEADER))
 
     def for_request(self, request: web.Request) -> dict[str, str]:
         headers = {k: v for k in self.forwarded if (v := request.headers.get(k))}
@@ -173,10 +174,12 @@ class UpstreamHeaders:
             headers = self.for_request(request)
             headers.setdefault("Content-Type", "application/json")
             return header_lines(headers)
-        get = request.headers.get
-        # The client's X-Request-Id is replaced by ours: only whether it came (where the
-        # line goes) shapes the lines, not its value.
-        shape = tuple(bool(get(k)) if is_id else get(k) for k, is_id in self._shape_keys)
+        values: list[str | bool | None] = [*map(request.headers.get, self._shape_keys)]
+        for i in self._id_at:
+            # The client's X-Request-Id is replaced by ours: only whether it came (where
+            # the line goes) shapes the lines, not its value.
+            values[i] = bool(values[i])
+        shape = tuple(values)
         parts = self._lines.get(shape)
         if parts is None:
             parts = self._make_lines(request)
