@@ -17,10 +17,12 @@ How a profile is read (:func:`split`)
     is sampled where the scheduler took it off, mostly in the socket writes (the
     upstream request in ``Upstream._request``, the reply in the lean server's
     ``_send_plain`` or aiohttp's ``_writelines``). Those leaves (a line that calls
-    ``transport.write`` or ``writelines``, read from the profiled source) are left out, as
-    are the samples with no Python frame or with the event loop's ``Runner.run`` as the
-    leaf (the loop's own C code: epoll, the socket reads), and every thread but the
-    loop's (the probe parsing pool, uvloop's threads). The loop thread is the main
+    ``transport.write`` or ``writelines``, read from the source first on ``sys.path``:
+    to read a profile of another revision, put its source first on ``PYTHONPATH``, as
+    for the run that made it) are left out, as are the samples with no Python frame or
+    with the event loop's ``Runner.run`` as the leaf (the loop's own C code: epoll, the
+    socket reads), and every thread but the loop's (the probe parsing pool, uvloop's
+    threads). The loop thread is the main
     thread: with ``--threads`` py-spy names it in each sample's first frame. A sample is
     NOT required to be rooted at ``Runner.run``: py-spy walks a resumed coroutine's
     frames only up to the outermost coroutine (the lean server's connection task, a
