@@ -19,6 +19,7 @@ import heapq
 import itertools
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -47,7 +48,14 @@ from skymesh.balancer.relay import (
     copy_headers,
 )
 from skymesh.balancer.streaming import Streams
-from skymesh.balancer.upstream import Reply, ReplyTooLarge, Upstream, read_capped, read_head
+from skymesh.balancer.upstream import (
+    Reply,
+    ReplyTooLarge,
+    Upstream,
+    read_capped,
+    read_head,
+    whole_capped,
+)
 from skymesh.net.jsonbody import NOT_DECODED, fast_usage
 from skymesh.obs.access import note, note_usage, upstream_span
 from skymesh.policies.base import RequestTiming
@@ -102,6 +110,12 @@ class Forwarder:
                  drain_retry_s: Callable[[str], float]) -> None:
         self.core = core
         self.cfg = cfg
+        # Tracing on (or a configuration without the setting): each attempt opens a span
+        # and its request carries the trace. Off, neither has anything to do, per request.
+        tracing = getattr(cfg, "tracing", None)
+        self.traced = tracing is None or tracing.enabled
+        if headers is not None and not self.traced:
+            headers = replace(headers, traced=False)
         self.headers = headers
         self.upstream = upstream  # the request path's client, once the balancer started
         self.mesh = mesh
@@ -230,9 +244,6 @@ class Forwarder:
         else:
             fut.set_result(None)
 
-    def _observe_wait(self, model: str, seconds: float) -> None:
-        self.core.metrics.model(model).queue_wait.observe(seconds)
-
     async def serve(self, request: web.Request, ticket: Ticket, raw: bytes, intake: Intake,
                     t0: float, timeout: float) -> tuple[web.StreamResponse, str]:
         max_attempts = self.cfg.retry.max_attempts
@@ -243,15 +254,19 @@ class Forwarder:
                 await self.wait_queued(ticket, fut, max(0.0, t0 + timeout - self.core.now()))
             target = self.dispatched(ticket, fut)
             sent = self.core.now()
-            if ticket.attempts == 1:  # recorded after the write to the replica, as above
-                self.loop.call_soon(self._observe_wait, model, sent - t0)
+            if ticket.attempts == 1:
+                # Observed here, before the write: a loop callback to observe it after
+                # (call_soon, a handle per request) cost more than the observation.
+                self.core.metrics.model(model).queue_wait.observe(sent - t0)
             note(request, served_by=target, peer=ticket.to_peer)
             try:
-                with upstream_span(request, target, attempt=ticket.attempts,
-                                   peer=ticket.to_peer):
-                    if ticket.to_peer:
+                if ticket.to_peer:
+                    with upstream_span(request, target, attempt=ticket.attempts, peer=True):
                         return await self.forward_peer(request, ticket, target, raw, intake,
                                                        t0)
+                if not self.traced:  # no span to open: one context manager fewer
+                    return await self.forward(request, ticket, target, raw, intake, t0, sent)
+                with upstream_span(request, target, attempt=ticket.attempts):
                     return await self.forward(request, ticket, target, raw, intake, t0, sent)
             except ReplicaFault as exc:
                 log.warning("attempt %d on %s failed before the first byte: %s",
@@ -272,10 +287,10 @@ class Forwarder:
                       intake: Intake, t0: float, sent: float
                       ) -> tuple[web.StreamResponse, str]:
         stream = intake.stream
-        headers = self.headers.for_request(request)
-        headers.setdefault("Content-Type", "application/json")
         try:
-            up: Reply = await self.upstream().post(target, request.path, raw, headers)
+            # In the try: a header with a line break is refused here (ValueError, below).
+            up: Reply = await self.upstream().post(target, request.path, raw,
+                                                   self.headers.lines_for(request))
         except ReplyTooLarge as exc:  # its headers: that replica's fault, try another
             self.core.refused(target, exc)
             raise ReplicaFault(str(exc)) from exc
@@ -292,8 +307,12 @@ class Forwarder:
                 raise ReplicaFault(f"HTTP {up.status}: {detail}")
             model = ticket.route.model
             if up.status >= 400 or not stream:
+                limit = self.cfg.upstream.max_response_body_bytes
                 try:
-                    body = await read_capped(up, self.cfg.upstream.max_response_body_bytes)
+                    # In hand already (a small reply comes with its headers): no coroutine.
+                    body = whole_capped(up, limit)
+                    if body is None:
+                        body = await read_capped(up, limit)
                 except ReplyTooLarge as exc:
                     # Not retried: the same request would be as large elsewhere.
                     self.core.refused(target, exc)

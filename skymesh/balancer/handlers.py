@@ -103,7 +103,9 @@ class Handlers:
         try:
             self.authorize(request, forwarded)
             holder = self._hold_key_slot(request, forwarded)
-            raw = await self.read_body(request)
+            raw = self.body_in_hand(request)
+            if raw is None:  # still arriving: not a coroutine for the usual small body
+                raw = await self.read_body(request)
             intake = parse_request(kind, raw, request.headers)
             check_servable(d, intake.model, self.rng.random(), forwarded=forwarded,
                            now=t0)
@@ -306,28 +308,38 @@ class Handlers:
         self.in_flight_by_key[digest] = n + 1
         return digest
 
-    async def read_body(self, request: web.Request) -> bytes:
+    def body_in_hand(self, request: web.Request) -> bytes | None:
+        """The body when the whole of it came with the headers (small JSON bodies do),
+        checked as :meth:`read_body` checks it; None when more is to come."""
         limit = self.cfg.limits.max_body_bytes
         length = request.content_length  # aiohttp's parses the header on each read
         if length is not None and length > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes")
         content = request.content
-        if content.is_eof():
-            # The whole body came with the headers (small JSON bodies do): take it without
-            # the async iteration, which is TTFT at low request rates.
-            raw = content.read_nowait()
-        else:
-            buf = bytearray()
-            async for chunk in content.iter_any():
-                buf += chunk
-                if len(buf) > limit:
-                    raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-            raw = bytes(buf)
-        if len(raw) > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        if not raw:
-            raise BadRequest("request body is empty")
-        return raw
+        if not content.is_eof():
+            return None
+        # Taken without the async iteration, which is TTFT at low request rates.
+        return _checked_body(content.read_nowait(), limit)
+
+    async def read_body(self, request: web.Request) -> bytes:
+        raw = self.body_in_hand(request)
+        if raw is not None:
+            return raw
+        limit = self.cfg.limits.max_body_bytes
+        buf = bytearray()
+        async for chunk in request.content.iter_any():
+            buf += chunk
+            if len(buf) > limit:
+                raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        return _checked_body(bytes(buf), limit)
+
+
+def _checked_body(raw: bytes, limit: int) -> bytes:
+    if len(raw) > limit:
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    if not raw:
+        raise BadRequest("request body is empty")
+    return raw
 
 
 def _is_retry(request: web.Request) -> bool:

@@ -17,18 +17,19 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
+from multidict import istr
 
 from skymesh.balancer.config import BalancerConfig
 from skymesh.balancer.dispatch import Dispatcher, Ticket
-from skymesh.balancer.edge import request_id
+from skymesh.balancer.edge import REQUEST_ID_HEADER, request_id
 from skymesh.balancer.intake import Intake
 from skymesh.balancer.metrics import BalancerMetrics
 from skymesh.balancer.output_text import single_choice
-from skymesh.balancer.upstream import Reply, ReplyTooLarge
+from skymesh.balancer.upstream import Reply, ReplyTooLarge, UpstreamReply, header_lines
 from skymesh.obs.access import inject_trace
 from skymesh.policies.base import Policy, RouteRequest
 from skymesh.prefix.keys import reply_keys
@@ -38,6 +39,10 @@ log = logging.getLogger("skymesh.lb")
 FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
                 "content-encoding", "date", "server"}
+# Shapes of client headers whose upstream header lines are kept (UpstreamHeaders.lines_for):
+# one per client key and content type in practice.
+MAX_HEADER_SHAPES = 256
+_REQUEST_ID_NAME = REQUEST_ID_HEADER.encode("ascii")
 # Typed keys (web.RequestKey): a plain string key makes aiohttp warn once per key.
 OUTPUT_TOKENS_KEY = web.RequestKey("skymesh.output_tokens", int)  # output count, for telemetry
 # the request's current ticket, once a migration replaced it
@@ -61,7 +66,12 @@ class CoalescedStream(web.StreamResponse):
 
 
 def copy_headers(up: Reply) -> dict[str, str]:
-    return {k: v for k, v in up.headers.items() if k.lower() not in _HOP_HEADERS}
+    """The replica's reply headers the client gets: all but the hop-by-hop ones (and
+    those the balancer's server sets itself), in order, the last of a repeated name."""
+    # Our client's reply keeps its header pairs as they came: the same pairs as its
+    # ``headers`` multidict gives, without making one.
+    pairs = up.raw_headers if type(up) is UpstreamReply else up.headers.items()
+    return {k: v for k, v in pairs if k.lower() not in _HOP_HEADERS}
 
 
 def broken(message: str, code: str = "upstream_failed") -> bytes:
@@ -130,13 +140,63 @@ class UpstreamHeaders:
 
     forwarded: tuple[str, ...]  # client headers passed on
     auth: dict[str, str]  # the replicas' key, when the balancer has one
+    # Whether a request may carry a trace (``tracing.enabled``): off, no request has a
+    # span to inject, and :meth:`lines_for` reuses the lines it made for the same shape.
+    traced: bool = True
+    # lines_for's lines by shape: the client's values of ``forwarded`` (X-Request-Id's:
+    # whether it was sent) -> the lines before and after the request id's line.
+    _lines: dict[tuple[str | bool | None, ...], tuple[bytes, bytes]] = field(
+        default_factory=dict, compare=False, repr=False)
+    # ``forwarded`` as multidict's case-folded keys (a lookup without folding the name),
+    # and where X-Request-Id is among them: the shape's keys.
+    _shape_keys: tuple[istr, ...] = field(init=False, compare=False, repr=False)
+    _id_at: tuple[int, ...] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_shape_keys", tuple(map(istr, self.forwarded)))
+        object.__setattr__(self, "_id_at", tuple(
+            i for i, k in enumerate(self.forwarded) if k == REQUEST_ID_HEADER))
 
     def for_request(self, request: web.Request) -> dict[str, str]:
         headers = {k: v for k in self.forwarded if (v := request.headers.get(k))}
-        headers["X-Request-Id"] = request_id(request)
+        headers[REQUEST_ID_HEADER] = request_id(request)
         headers.update(self.auth)
         inject_trace(request, headers)  # the attempt's traceparent, when tracing
         return headers
+
+    def lines_for(self, request: web.Request) -> bytes:
+        """:meth:`for_request`'s headers with ``Content-Type`` defaulted to JSON (a
+        generation request's), as the upstream request's header lines
+        (:func:`~skymesh.balancer.upstream.header_lines`: ValueError for a line break).
+        Without tracing the lines around the request id are made once per shape of the
+        client's headers: the same bytes, without a dict and a format per header."""
+        if self.traced:
+            headers = self.for_request(request)
+            headers.setdefault("Content-Type", "application/json")
+            return header_lines(headers)
+        values: list[str | bool | None] = [*map(request.headers.get, self._shape_keys)]
+        for i in self._id_at:
+            # The client's X-Request-Id is replaced by ours: only whether it came (where
+            # the line goes) shapes the lines, not its value.
+            values[i] = bool(values[i])
+        shape = tuple(values)
+        parts = self._lines.get(shape)
+        if parts is None:
+            parts = self._make_lines(request)
+            if len(self._lines) >= MAX_HEADER_SHAPES:  # client keys and types: bounded
+                self._lines.clear()
+            self._lines[shape] = parts
+        # request_id() is 32 hex digits or a client's printable ASCII: no line break.
+        return b"%s%s: %s\r\n%s" % (parts[0], _REQUEST_ID_NAME,
+                                     request_id(request).encode("ascii"), parts[1])
+
+    def _make_lines(self, request: web.Request) -> tuple[bytes, bytes]:
+        headers = self.for_request(request)
+        headers.setdefault("Content-Type", "application/json")
+        names = list(headers)
+        at = names.index(REQUEST_ID_HEADER)
+        return (header_lines({k: headers[k] for k in names[:at]}),
+                header_lines({k: headers[k] for k in names[at + 1:]}))
 
 
 class RequestCore:

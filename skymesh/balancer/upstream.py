@@ -377,14 +377,34 @@ class UpstreamReply:
         self._conn.abort()
 
 
-async def read_capped(reply: Reply, limit: int, what: str = "body") -> bytes:
-    """A reply's whole body, refused (:class:`ReplyTooLarge`) once it is over ``limit``
-    bytes: at once when its Content-Length says so, else as soon as that many arrived.
-    The caller then drops the connection (``release`` of an unfinished reply does)."""
+def whole_capped(reply: Reply, limit: int, what: str = "body") -> bytes | None:
+    """:func:`read_capped` without a coroutine for a reply whose whole body is here
+    already (a small reply usually comes with its headers), else None (nothing taken):
+    then await :func:`read_capped`. The same refusals as it, in the same words."""
+    if type(reply) is not UpstreamReply or not reply.complete or reply._error is not None:
+        return None
+    body = reply.whole()
+    assert body is not None  # complete, no error
+    if len(body) > limit:
+        # A complete reply with a Content-Length has exactly that many bytes: the cap's
+        # message names the declared size, as read_capped's check before reading does.
+        _check_declared(reply, limit, what)
+        raise _over(what, limit)
+    return body
+
+
+def _check_declared(reply: Reply, limit: int, what: str) -> None:
     declared = reply.headers.get("Content-Length", "")
     if declared.isdigit() and int(declared) > limit:
         raise ReplyTooLarge(what, f"the replica's response {what} is {declared} bytes, "
                             f"over the {limit}-byte cap")
+
+
+async def read_capped(reply: Reply, limit: int, what: str = "body") -> bytes:
+    """A reply's whole body, refused (:class:`ReplyTooLarge`) once it is over ``limit``
+    bytes: at once when its Content-Length says so, else as soon as that many arrived.
+    The caller then drops the connection (``release`` of an unfinished reply does)."""
+    _check_declared(reply, limit, what)
     if isinstance(reply, UpstreamReply) and (body := reply.whole()) is not None:
         if len(body) > limit:
             raise _over(what, limit)
@@ -412,6 +432,18 @@ async def read_head(reply: Reply, limit: int) -> bytes:
         if len(got) >= limit:
             break
     return got[:limit]
+
+
+def header_lines(headers: Mapping[str, str]) -> bytes:
+    """``headers`` as a request's header lines (``Name: value\\r\\n`` each, in order),
+    refused (ValueError) when a name or value has a line break: it would end the header
+    early and smuggle what follows into another header or request."""
+    lines: list[bytes] = []
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"header {name!r} has a line break")
+        lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+    return b"".join(lines)
 
 
 class Upstream:
@@ -450,7 +482,9 @@ class Upstream:
         return got
 
     def put(self, conn: _Conn) -> None:
-        idle = self._idle.setdefault(conn.key, collections.deque())
+        idle = self._idle.get(conn.key)
+        if idle is None:  # not setdefault: its default would be a new deque per call
+            idle = self._idle[conn.key] = collections.deque()
         if self.closed or len(idle) >= MAX_IDLE_PER_TARGET:
             conn.abort()
             return
@@ -507,11 +541,12 @@ class Upstream:
 
     # post and get hand back _request's coroutine rather than awaiting it: one frame
     # fewer for the loop to pass through each time the request resumes.
-    def post(self, target: str, path: str, body: bytes, headers: Mapping[str, str]
+    def post(self, target: str, path: str, body: bytes, headers: Mapping[str, str] | bytes
              ) -> Coroutine[Any, Any, UpstreamReply]:
         """POST ``body`` to ``target`` + ``path``; returns once the reply's status and
         headers are in. A kept-alive connection the replica closed before answering is
-        retried once on a fresh one (nothing reached the engine)."""
+        retried once on a fresh one (nothing reached the engine). ``headers``: a mapping,
+        or its lines already made and checked (:func:`header_lines`)."""
         return self._request("POST", target, path, body, headers)
 
     def get(self, target: str, path: str, headers: Mapping[str, str]
@@ -521,15 +556,12 @@ class Upstream:
         return self._request("GET", target, path, None, headers)
 
     async def _request(self, method: str, target: str, path: str, body: bytes | None,
-                       headers: Mapping[str, str]) -> UpstreamReply:
+                       headers: Mapping[str, str] | bytes) -> UpstreamReply:
         if self.closed:
             raise UpstreamConnectionError("the balancer is shutting down")
         key, host_line, prefix = self._target(target)
-        head = [f"{method} {prefix}{path} HTTP/1.1\r\n".encode("latin-1"), host_line]
-        for name, value in headers.items():
-            if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-                raise ValueError(f"header {name!r} has a line break")
-            head.append(f"{name}: {value}\r\n".encode("latin-1"))
+        head = [f"{method} {prefix}{path} HTTP/1.1\r\n".encode("latin-1"), host_line,
+                headers if isinstance(headers, bytes) else header_lines(headers)]
         if body is None:
             head.append(b"\r\n")
             message = b"".join(head)

@@ -11,9 +11,10 @@ to ``_handle`` unchanged: dynamic paths, unknown paths and methods (their 404 an
 requests carrying ``Expect``, and every request of an app with middlewares in its chain
 (tracing keeps the access log there). docs/notes/direct-route.md has the figures.
 
-A direct hit does what ``_handle`` does for it: a new match info per request for the
-route, with the app added and frozen, so ``request.match_info``, ``request.app``,
-``request.config_dict`` and the ``on_response_prepare`` signals work as before.
+A direct hit does what ``_handle`` does for it: the route's match info, with the app
+added and frozen (made once per route: a plain route's holds nothing of a request), so
+``request.match_info``, ``request.app``, ``request.config_dict`` and the
+``on_response_prepare`` signals work as before.
 """
 
 from __future__ import annotations
@@ -70,13 +71,24 @@ async def direct_routes(app: web.Application) -> DirectRoutes:
     return table
 
 
+def _frozen_match_info(app: web.Application, route: AbstractRoute) -> UrlMappingMatchInfo:
+    match_info = UrlMappingMatchInfo({}, route)
+    match_info.add_app(app)
+    match_info.freeze()
+    return match_info
+
+
 def request_handler(app: web.Application, handle: Handler, routes: DirectRoutes,
                     log: OutsideLog | None) -> Handler:
     """The server's request handler: the connection guard's marks (requests on a
     guarded connection), ``log``'s record (the access log taken out of the app's chain,
     :func:`skymesh.obs.access.outside_chain`) and the request through ``routes`` (from
     :func:`direct_routes`) or else ``handle`` (the app's ``_handle``), in one frame."""
-    lookup = routes.get
+    # A plain route's match info holds nothing of a request (no path parameters, the
+    # app fixed, frozen): made once per route, as _handle would make it, not per request.
+    infos = {key: (_frozen_match_info(app, route), route.handler)
+             for key, route in routes.items()}
+    lookup = infos.get
     begin = log.begin if log is not None else None
     finish = log.finish if log is not None else None
     failed = log.failed if log is not None else None
@@ -86,15 +98,12 @@ def request_handler(app: web.Application, handle: Handler, routes: DirectRoutes,
         conn = mark_started(request)
         rec = begin(request) if begin is not None else None
         try:
-            route = lookup((request.method, request.raw_path))
-            if route is None or expect in request.headers:
+            direct = lookup((request.method, request.raw_path))
+            if direct is None or expect in request.headers:
                 resp = await handle(request)
             else:  # what _handle does for the route, without the loop lookup
-                match_info = UrlMappingMatchInfo({}, route)
-                match_info.add_app(app)
-                match_info.freeze()
-                request._match_info = match_info
-                resp = await route.handler(request)
+                request._match_info, route_handler = direct
+                resp = await route_handler(request)
         except BaseException as exc:
             if rec is not None and failed is not None:
                 failed(request, rec, exc)

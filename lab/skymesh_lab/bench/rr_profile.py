@@ -1,29 +1,41 @@
-"""Where skymesh-lb's round-robin request path spends its CPU, beside the stack floor's
-(issue #35): a py-spy profile of each, split by stage, per request.
+"""Where skymesh-lb's request path spends its CPU, beside the stack floor's (issue #35): a
+py-spy profile of each, split by stage, per request.
 
 What is run (``--run``)
-    Two C stub replicas (``stub/stub.c``), ``skymesh-lb --workers 1 --no-access-log
-    --policy round-robin --push-mode bp`` and the ``lb-stack-floor`` (``proxy_floor``
-    ``--kind stack --workers 1``: aiohttp's server and skymesh-lb's own upstream client,
-    no logic) in front of them. Each in turn gets wrk (``-c64``, non-streaming, fixed
-    bodies) with ``py-spy record --format raw`` attached to its serving process; its CPU
-    (utime and stime of every thread, /proc) is read around the wrk run.
+    Two C stub replicas (``stub/stub.c``), ``skymesh-lb --workers 1 --no-access-log`` with
+    the configuration's flags (``--config rr``: ``--policy round-robin --push-mode bp``,
+    fixed bodies; ``default``: its default policy, shared-prefix bodies) and a floor
+    (``--floor lean``, the default: ``proxy_floor --kind lean --workers 1``, skymesh-lb's
+    own serving path, lean server and upstream client with one plain route and no logic;
+    ``--floor stack``: aiohttp's server and the same client) in front of them. Each in
+    turn gets wrk (``-c64``, non-streaming) with ``py-spy record --format raw --threads``
+    attached to its serving process; its CPU (utime and stime of every thread, /proc) is
+    read around the wrk run.
 
 How a profile is read (:func:`split`)
     py-spy samples wall time, not CPU: a thread that is runnable but waiting for a core
-    is sampled where the scheduler took it off, mostly in the two socket writes (the
-    upstream request in ``Upstream._request``, the reply in aiohttp's ``_writelines``).
-    On a shared machine those leaves hold half to two thirds of the samples, so they are
-    left out (with the few cheap lines of those two functions around the write), as are
-    the event loop's own C code (``Runner.run`` as the leaf: epoll, the socket reads) and
-    every thread but the loop's (the probe parsing pool: under 1% of the CPU by /proc,
-    though py-spy shows its GIL waits). What is left is Python on the loop thread;
-    ``samples x 1/rate / requests`` is its time per request, bucketed by
-    the innermost frame that matches a stage (:data:`STAGES`).
+    is sampled where the scheduler took it off, mostly in the socket writes (the
+    upstream request in ``Upstream._request``, the reply in the lean server's
+    ``_send_plain`` or aiohttp's ``_writelines``). Those leaves (a line that calls
+    ``transport.write`` or ``writelines``, read from the source first on ``sys.path``:
+    to read a profile of another revision, put its source first on ``PYTHONPATH``, as
+    for the run that made it) are left out, as are the samples with no Python frame or
+    with the event loop's ``Runner.run`` as the leaf (the loop's own C code: epoll, the
+    socket reads), and every thread but the loop's (the probe parsing pool, uvloop's
+    threads). The loop thread is the main
+    thread: with ``--threads`` py-spy names it in each sample's first frame. A sample is
+    NOT required to be rooted at ``Runner.run``: py-spy walks a resumed coroutine's
+    frames only up to the outermost coroutine (the lean server's connection task, a
+    protocol callback called from uvloop's C code), so on the lean server most of the
+    request path's samples have no ``Runner.run`` under them. What is left is Python on
+    the loop thread; ``samples x 1/rate / requests`` is its time per request, bucketed
+    by the innermost frame that matches a stage (:data:`STAGES`). The table shows what
+    was left out (writes, the loop's C code) below the total, per request too.
 
-    python -m skymesh_lab.bench.rr_profile --run --seconds 14 [--out DIR]
+    python -m skymesh_lab.bench.rr_profile --run --seconds 14 [--config rr|default]
+        [--floor lean|stack] [--out DIR] [--lines 25]
     python -m skymesh_lab.bench.rr_profile --profile lb.txt --requests 45622 \\
-        [--against floor.txt --against-requests 138052]
+        [--against floor.txt --against-requests 138052] [--lines 25]
 
 py-spy is a tool, not a dependency: ``.venv/bin/pip install py-spy``.
 """
@@ -33,6 +45,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import os
 import shutil
 import subprocess
@@ -48,10 +61,17 @@ from skymesh_lab.bench import router_overhead as ro
 from skymesh_lab.bench import router_overhead_stats as st
 
 RATE = 400  # py-spy samples per second
-# Leaves that are a socket write (wall time waiting for a core lands there); line
-# numbers as in the profiled build, so checked by name and the C call they make.
-WRITE_LEAVES = ("Upstream._request (", "StreamWriter._writelines (")
+# Functions whose socket write is a leaf where wall time waiting for a core lands, for a
+# profile whose source cannot be read (see :func:`is_write`): checked by name.
+WRITE_LEAVES = ("Upstream._request (", "StreamWriter._writelines (",
+                "LeanProtocol._send_plain (")
+WRITE_CALLS = ("transport.write(", "writelines(", "._write(")
 LOOP_LEAF = "Runner.run ("
+THREAD_FRAME = "thread ("  # py-spy --threads: "thread (TID): NAME" before the stack
+LOOP_THREAD = "MainThread"
+LEFT_WRITES = "left out: socket writes (leaf)"
+LEFT_LOOP = "left out: the loop's C code (no Python frame, or Runner.run)"
+LEFT = (LEFT_WRITES, LEFT_LOOP)
 
 Match = Callable[[str], bool]
 
@@ -78,6 +98,8 @@ STAGES: tuple[tuple[str, Match], ...] = (
     ("load probes (loop side)", _in("balancer/probing.py")),
     ("overload checks, tally", _in("balancer/overload.py", "controller_link.py")),
     ("connection guard (net/limits.py)", _in("net/limits.py")),
+    ("lean server (net/lean.py, net/lean_request.py)", _in("net/lean")),
+    ("server's request handler (net/front.py)", _in("net/front.py")),
     ("handlers.py's own lines", _in("balancer/handlers.py")),
     ("forwarding.py's own lines", _in("balancer/forwarding.py")),
     ("floor handler (proxy_floor.py)", _in("proxy_floor.py")),
@@ -95,12 +117,66 @@ def parse_raw(lines: Iterable[str]) -> Iterator[tuple[list[str], int]]:
             yield stack.split(";"), int(count)
 
 
+def _source_line(where: str) -> str | None:
+    """The text of ``path:line`` (a frame's location as py-spy prints it, relative to a
+    ``sys.path`` entry), or None when no such file is found."""
+    path, _, line = where.rpartition(":")
+    if not line.isdigit():
+        return None
+    for root in sys.path:
+        file = Path(root or ".") / path
+        if file.is_file():
+            lines = _file_lines(str(file))
+            n = int(line)
+            return lines[n - 1] if 0 < n <= len(lines) else None
+    return None
+
+
+@functools.cache
+def _file_lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
+@functools.cache
+def is_write(frame: str) -> bool:
+    """Whether ``frame`` (``func (path:line)``) is a socket write: its line calls
+    ``transport.write``, ``writelines`` or a writer's ``_write`` (read from the profiled
+    source, so an edit that moves the write keeps it recognised), else, without the
+    source, one of :data:`WRITE_LEAVES` by name."""
+    where = frame[frame.rfind("(") + 1:-1] if frame.endswith(")") else ""
+    text = _source_line(where)
+    if text is None:
+        return frame.startswith(WRITE_LEAVES)
+    return any(call in text for call in WRITE_CALLS)
+
+
+def on_loop_thread(frames: list[str]) -> bool:
+    """A sample of the loop's thread: named so by py-spy (``--threads``), or, in a profile
+    without thread names, any sample not of a ``threading`` thread."""
+    first = frames[0]
+    if first.startswith(THREAD_FRAME):
+        return first.endswith(LOOP_THREAD)
+    return not any(f.startswith("Thread._bootstrap (") or f.startswith("_bootstrap (")
+                   for f in frames)
+
+
+def python_frames(frames: list[str]) -> list[str]:
+    return frames[1:] if frames[0].startswith(THREAD_FRAME) else frames
+
+
+def left_out(frames: list[str]) -> str | None:
+    """Which of :data:`LEFT` a loop thread's sample is, or None: Python on the loop."""
+    if not frames or frames[-1].startswith(LOOP_LEAF):
+        return LEFT_LOOP
+    return LEFT_WRITES if is_write(frames[-1]) else None
+
+
 def kept(frames: list[str]) -> bool:
     """A sample of Python on the loop thread (see the module docstring)."""
-    if not any(f.startswith(LOOP_LEAF) for f in frames):
-        return False  # another thread
-    leaf = frames[-1]
-    return not (leaf.startswith(WRITE_LEAVES) or leaf.startswith(LOOP_LEAF))
+    return on_loop_thread(frames) and left_out(python_frames(frames)) is None
 
 
 def stage(frames: list[str]) -> str:
@@ -112,13 +188,42 @@ def stage(frames: list[str]) -> str:
 
 
 def split(lines: Iterable[str], requests: float, rate: int = RATE) -> dict[str, float]:
-    """Microseconds per request by stage, of the kept samples."""
+    """Microseconds per request by stage, of the loop thread's Python samples, and the
+    loop thread's samples left out (:data:`LEFT`) under their own names."""
     per = collections.Counter[str]()
     for frames, n in parse_raw(lines):
-        if kept(frames):
-            per[stage(frames)] += n
+        if not on_loop_thread(frames):
+            continue
+        py = python_frames(frames)
+        per[left_out(py) or stage(py)] += n
     scale = 1e6 / rate / max(requests, 1.0)
     return {name: n * scale for name, n in per.items()}
+
+
+def by_line(lines: Iterable[str], requests: float, rate: int = RATE,
+            top: int = 25) -> list[tuple[str, float, float]]:
+    """The ``top`` functions and lines of the kept samples by self time (the leaf's
+    frame), with each one's inclusive time by function (any frame of the stack), us per
+    request: ``(frame, self, inclusive of its function)``."""
+    self_n = collections.Counter[str]()
+    incl_n = collections.Counter[str]()
+    for frames, n in parse_raw(lines):
+        if not kept(frames):
+            continue
+        py = python_frames(frames)
+        self_n[py[-1]] += n
+        for func in {f[:f.rfind(" (")] for f in py}:
+            incl_n[func] += n
+    scale = 1e6 / rate / max(requests, 1.0)
+    return [(frame, n * scale, incl_n[frame[:frame.rfind(" (")]] * scale)
+            for frame, n in self_n.most_common(top)]
+
+
+def line_table(rows: list[tuple[str, float, float]]) -> str:
+    out = ["| frame (self time) | self, us per request | its function, inclusive |",
+           "| --- | ---: | ---: |"]
+    out += [f"| `{frame}` | {s:.2f} | {i:.1f} |" for frame, s, i in rows]
+    return "\n".join(out)
 
 
 def table(a: dict[str, float], b: dict[str, float] | None = None,
@@ -126,9 +231,16 @@ def table(a: dict[str, float], b: dict[str, float] | None = None,
     b = b or {}
     rows = [f"| stage | {names[0]}, us per request | {names[1]} |", "| --- | ---: | ---: |"]
     for k in sorted(set(a) | set(b), key=lambda k: (-a.get(k, 0.0), k)):
-        if max(a.get(k, 0.0), b.get(k, 0.0)) >= 0.1:
+        if k not in LEFT and max(a.get(k, 0.0), b.get(k, 0.0)) >= 0.1:
             rows.append(f"| {k} | {a.get(k, 0.0):.1f} | {b.get(k, 0.0):.1f} |")
-    rows.append(f"| total | {sum(a.values()):.1f} | {sum(b.values()):.1f} |")
+
+    def total(d: dict[str, float]) -> float:
+        return sum(v for k, v in d.items() if k not in LEFT)
+
+    rows.append(f"| total | {total(a):.1f} | {total(b):.1f} |")
+    for k in LEFT:
+        if k in a or k in b:
+            rows.append(f"| ({k}) | {a.get(k, 0.0):.1f} | {b.get(k, 0.0):.1f} |")
     return "\n".join(rows)
 
 
@@ -141,16 +253,18 @@ def _serving_pid(d: Daemon) -> int:
     return int(kids[0]) if kids else d.proc.pid
 
 
-def profile(d: Daemon, out: Path, seconds: int, spy: str) -> dict[str, float]:
+def profile(d: Daemon, out: Path, seconds: int, spy: str, config: str = "rr"
+            ) -> dict[str, float]:
     """wrk against ``d`` with py-spy attached: requests, req/s and CPU us per request
     (user and system apart)."""
     pid = _serving_pid(d)
     rec = subprocess.Popen([spy, "record", "-p", str(pid), "-r", str(RATE), "-d",
-                            str(seconds), "-f", "raw", "-o", str(out), "--nonblocking"],
+                            str(seconds), "-f", "raw", "--threads", "-o", str(out),
+                            "--nonblocking"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.7)  # py-spy attached before the load starts
     before = _user_sys(pid)
-    wrk = st.parse_wrk(ro.run_wrk(d.url, rpc.case("rr"), seconds - 2))
+    wrk = st.parse_wrk(ro.run_wrk(d.url, rpc.case(config), seconds - 2))
     after = _user_sys(pid)
     rec.wait(timeout=seconds + 60)
     n = max(wrk["requests"], 1.0)
@@ -169,11 +283,16 @@ def _user_sys(pid: int) -> tuple[int, int]:
     return user, system
 
 
-def run(seconds: int, out: Path) -> str:
+FLOOR_NAMES = {"lean": "lean-stack-floor", "stack": "lb-stack-floor"}
+
+
+def run(seconds: int, out: Path, config: str = "rr", floor_kind: str = "lean",
+        lines: int = 0) -> str:
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
         raise SystemExit("py-spy is needed: .venv/bin/pip install py-spy")
     out.mkdir(parents=True, exist_ok=True)
+    floor_name = FLOOR_NAMES[floor_kind]
     with tempfile.TemporaryDirectory(prefix="rr-profile-") as tmp, \
             contextlib.ExitStack() as exits:
         work = Path(tmp)
@@ -181,23 +300,31 @@ def run(seconds: int, out: Path) -> str:
         stubs = [exits.enter_context(rpc._stopping(ro.start_stub(binary, ro.STREAM_EVENTS,
                                                                   work, i))).url
                  for i in range(2)]
-        lb = exits.enter_context(rpc._stopping(rpc.start_lb(stubs, "rr", None)))
-        floor, _ = ro.start_floor("lb-stack-floor", 1, "rr", stubs, work)
+        lb = exits.enter_context(rpc._stopping(rpc.start_lb(stubs, config, None)))
+        floor, _ = ro.start_floor(floor_name, 1, config, stubs, work)
         exits.enter_context(rpc._stopping(floor))
         figures: dict[str, dict[str, float]] = {}
         splits: dict[str, dict[str, float]] = {}
-        for name, d in (("skymesh-lb", lb), ("floor", floor)):
+        top: dict[str, list[tuple[str, float, float]]] = {}
+        for name, d in (("skymesh-lb", lb), (floor_name, floor)):
             ro.wait_ready(d)
-            ro.run_wrk(d.url, rpc.case("rr"), 2.0)  # warm: connections, lazy imports
+            ro.run_wrk(d.url, rpc.case(config), 2.0)  # warm: connections, lazy imports
             path = out / f"{name}.txt"
-            figures[name] = profile(d, path, seconds, spy)
+            figures[name] = profile(d, path, seconds, spy, config)
             with path.open() as f:
                 splits[name] = split(f, figures[name]["requests"])
-    head = [f"{name}: {f['rps']:,.0f} req/s, CPU {f['user_us']:.1f} us user + "
-            f"{f['sys_us']:.1f} us system per request" for name, f in figures.items()]
+            if lines:
+                with path.open() as f:
+                    top[name] = by_line(f, figures[name]["requests"], top=lines)
+    head = [f"{name}: {f['rps']:,.0f} req/s, {f['requests']:,.0f} requests, CPU "
+            f"{f['user_us']:.1f} us user + {f['sys_us']:.1f} us system per request"
+            for name, f in figures.items()]
     load = os.getloadavg()[0]
-    return "\n".join([*head, f"load average {load:.1f}; profiles in {out}", "",
-                      table(splits["skymesh-lb"], splits["floor"])])
+    parts = [*head, f"config {config}; load average {load:.1f}; profiles in {out}", "",
+             table(splits["skymesh-lb"], splits[floor_name], ("skymesh-lb", floor_name))]
+    for name, rows in top.items():
+        parts += ["", f"{name}, by line:", "", line_table(rows)]
+    return "\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +333,13 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", action="store_true", help="start the stack and profile it")
     ap.add_argument("--seconds", type=int, default=14)
+    ap.add_argument("--config", choices=("rr", "default"), default="rr",
+                    help="rr: round-robin + bp, fixed bodies; default: the default policy, "
+                         "shared-prefix bodies")
+    ap.add_argument("--floor", choices=sorted(FLOOR_NAMES), default="lean",
+                    help="the floor profiled beside skymesh-lb (proxy_floor --kind)")
+    ap.add_argument("--lines", type=int, default=0, metavar="N",
+                    help="also the N frames with the most self time, per profile")
     ap.add_argument("--out", default="rr-profile", metavar="DIR")
     ap.add_argument("--profile", metavar="RAW", help="a py-spy raw profile to split")
     ap.add_argument("--requests", type=float, help="requests served during --profile")
@@ -213,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against-requests", type=float)
     args = ap.parse_args(argv)
     if args.run:
-        print(run(args.seconds, Path(args.out)))
+        print(run(args.seconds, Path(args.out), args.config, args.floor, args.lines))
         return 0
     if not args.profile or not args.requests:
         ap.error("--run, or --profile RAW --requests N")
@@ -226,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.against) as f:
             b = split(f, args.against_requests)
     print(table(a, b))
+    if args.lines:
+        for path, n in ((args.profile, args.requests), (args.against, args.against_requests)):
+            if path and n:
+                with open(path) as f:
+                    print(f"\n{path}, by line:\n\n{line_table(by_line(f, n, top=args.lines))}")
     return 0
 
 
