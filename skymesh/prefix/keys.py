@@ -27,6 +27,7 @@ import numpy as np
 
 _U64 = np.uint64
 _M64 = (1 << 64) - 1
+_LE_U64, _LE_U32 = np.dtype("<u8"), np.dtype("<u4")
 _P = 0x100000001B3  # the 64-bit FNV prime: odd, so invertible mod 2**64
 _SEED = 0x5EED_C0DE
 
@@ -213,11 +214,14 @@ def _chain(text: str, m: int, n: int, last: int, chunk_chars: int, max_keys: int
     # surrogatepass: JSON may carry a lone surrogate ("\ud800"), which strict UTF-32 refuses;
     # it is still one code point, so the rows stay fixed-width.
     data = text[m * chunk_chars: n * chunk_chars].encode("utf-32-le", "surrogatepass")
+    # The dtypes as objects, passed by position, and ``dot`` rather than ``@``: on the
+    # chunk or two of a reply or a new question numpy's argument handling is most of the
+    # cost (0.5 us less a call; the same wrapping uint64 products).
     if chunk_chars % 2 == 0:
-        words = np.frombuffer(data, dtype="<u8").reshape(k, chunk_chars // 2)
+        words = np.frombuffer(data, _LE_U64).reshape(k, chunk_chars // 2)
     else:
-        words = np.frombuffer(data, dtype="<u4").reshape(k, chunk_chars).astype(_U64)
-    chunks = words @ _weights(words.shape[1])
+        words = np.frombuffer(data, _LE_U32).reshape(k, chunk_chars).astype(_U64)
+    chunks = words.dot(_weights(words.shape[1]))
     if k <= _SMALL:  # the chain in plain integers
         out: list[int] = []
         sums: list[int] = []
