@@ -499,12 +499,18 @@ class PrefixTrie:
 
     # -- recency and eviction ----------------------------------------------------------------
     def _touch(self, seg: _Segment) -> None:
-        if self._leaf_at.get(seg.stamp) is seg:
-            del self._leaf_at[seg.stamp]
-        self._tick += 1
-        seg.stamp = self._tick
+        # Every match and insert touches a segment: ``_push`` inlined, one call not two.
+        leaf_at = self._leaf_at
+        if leaf_at.get(seg.stamp) is seg:
+            del leaf_at[seg.stamp]
+        stamp = self._tick = self._tick + 1
+        seg.stamp = stamp
         if not seg.children:
-            self._push(seg)
+            leaf_at[stamp] = seg
+            heap = self._heap
+            heapq.heappush(heap, stamp)
+            if len(heap) > 2 * len(leaf_at) + 1024:
+                self._sweep_heap()
 
     def _push(self, seg: _Segment) -> None:
         self._leaf_at[seg.stamp] = seg
@@ -516,7 +522,10 @@ class PrefixTrie:
         return not seg.children and seg.stamp == stamp and seg in self._segments
 
     def _sweep_heap(self) -> None:
-        self._leaf_at = {s: g for s, g in self._leaf_at.items() if self._live_leaf(s, g)}
+        # ``_live_leaf`` inlined: a method call per leaf was most of a sweep's cost.
+        segments = self._segments
+        self._leaf_at = {s: g for s, g in self._leaf_at.items()
+                         if not g.children and g.stamp == s and g in segments}
         self._heap = list(self._leaf_at)
         heapq.heapify(self._heap)
 
