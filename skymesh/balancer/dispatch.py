@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from skymesh.balancer.batch_routing import DEFAULT_ROOM_PER_REPLICA
-from skymesh.balancer.breaker import Breaker
+from skymesh.balancer.breaker import Breaker, BreakerState
 from skymesh.balancer.dispatch_lanes import BatchLanes
 from skymesh.balancer.dispatch_state import (
     _UNSEEN,
@@ -416,7 +416,8 @@ class Dispatcher(BatchLanes):
         return out
 
     def _pick(self, q: deque[Ticket], now: float) -> tuple[int, Ticket, str, bool] | None:
-        self._refresh()
+        if self._dirty:  # (pump refreshed already unless a dispatch since changed a load)
+            self._refresh()
         model = q[0].route.model
         view = self._view(model)
         any_avail = bool(view.ready or view.tokens)
@@ -502,7 +503,9 @@ class Dispatcher(BatchLanes):
                 if hold:
                     continue
                 return None
-            route = ticket.route_at(now)
+            route = ticket.route
+            if route.deadline_s is not None:  # (route_at's own test, without its call)
+                route = ticket.route_at(now)
             if holds and (ticket.held_since is None
                           or now - ticket.held_since < self.hold_s):
                 # The same question as candidates' (same targets, nothing changed, no
@@ -579,15 +582,19 @@ class Dispatcher(BatchLanes):
         if t is not None:
             t.load.on_complete(ticket.key, now)
             b = t.breaker
-            before = (b.state, b.trial_in_flight)
-            if replica_fault:
-                b.on_failure(now)
-            elif ok:
-                b.on_success()
+            if ok and not replica_fault and b.state is BreakerState.CLOSED \
+                    and not b.failures and not b.trial_in_flight:
+                pass  # on_success would change nothing (the usual completion)
             else:
-                b.on_neutral()
-            if (b.state, b.trial_in_flight) != before:
-                self._changed()
+                before = (b.state, b.trial_in_flight)
+                if replica_fault:
+                    b.on_failure(now)
+                elif ok:
+                    b.on_success()
+                else:
+                    b.on_neutral()
+                if (b.state, b.trial_in_flight) != before:
+                    self._changed()
         self._policy.on_complete(ticket.route, tid, ok)
 
     def cached(self, route: RouteRequest, target: str, keys: Sequence[int]) -> None:
