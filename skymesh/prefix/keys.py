@@ -227,8 +227,17 @@ def _chain(text: str, m: int, n: int, last: int, chunk_chars: int, max_keys: int
         sums: list[int] = []
         chained = last
         for chunk in chunks.tolist():
-            chained = (chained * _P + _splitmix_out(chunk)) & _M64
-            out.append(_splitmix_out(chained))
+            # _splitmix_out of the chunk, then of the chained sum, inline (a call each).
+            chunk ^= chunk >> 30
+            chunk = (chunk * 0xBF58476D1CE4E5B9) & _M64
+            chunk ^= chunk >> 27
+            chunk = (chunk * 0x94D049BB133111EB) & _M64
+            chained = (chained * _P + (chunk ^ (chunk >> 31))) & _M64
+            x = chained ^ (chained >> 30)
+            x = (x * 0xBF58476D1CE4E5B9) & _M64
+            x ^= x >> 27
+            x = (x * 0x94D049BB133111EB) & _M64
+            out.append(x ^ (x >> 31))
             sums.append(chained)
         return out, sums
     fwd, inv = _powers(max_keys + 1)
