@@ -277,7 +277,9 @@ class PrefixTrie:
         The targets come in first-recorded order, not as a set: a set of strings iterates
         in a per-process order, and routers break ties over this sequence with a seeded RNG.
         """
-        amask = self._mask(allowed)
+        # Once or twice per request: ``_mask``'s identity test, ``_lookup`` and
+        # ``_decode``'s cache inline (a call each fewer).
+        amask = self._last_mask if allowed is self._last_allowed else self._mask(allowed)
         if not amask or not keys:
             return 0, ()
         matches = self._matches
@@ -287,11 +289,15 @@ class PrefixTrie:
             if memo[3] is not None:
                 self._touch(memo[3])  # as the walk would: recency decides evictions
             return memo[4]
-        d, seg = self._lookup(keys, amask)
+        d, seg = self._deepest(keys, amask, len(keys))
+        if amask & self._live == self._live and type(keys) is tuple:
+            self._walk = (keys, d, seg, self._version)  # (``_lookup``)
         answer: tuple[int, tuple[str, ...]] = (0, ())
         if seg is not None:
             self._touch(seg)
-            answer = (d, self._decode(seg.mask & amask))
+            mask = seg.mask & amask
+            names = self._name_cache.get(mask)
+            answer = (d, names if names is not None else self._decode(mask))
         if len(matches) >= _MATCHES_LIMIT:
             matches.clear()
         matches[id(keys)] = (keys, amask, self._version, seg, answer)
@@ -360,7 +366,9 @@ class PrefixTrie:
         n = min(len(keys), self.max_nodes)
         if n == 0:
             return len(keys)
-        b = self._intern(target)
+        b = self._bits.get(target)
+        if b is None:  # (a known target, two inserts a request: no call)
+            b = self._intern(target)
         bit = 1 << b
         index = self._index
         walk = self._walk
