@@ -127,7 +127,9 @@ class PrefixTree(Policy, name="prefix-tree"):
             self.memo_keys = (keys[depth - 1],)
         if matched and depth >= self.match_threshold * len(keys):
             self.considered = matched
-            return self._least_loaded(matched, view, request)
+            # One holder (a prompt's usual case): no call to find the least loaded.
+            return matched[0] if len(matched) == 1 else self._least_loaded(
+                matched, view, request)
         return None
 
     def memo_epoch(self) -> int:
