@@ -12,9 +12,9 @@ from skymesh.balancer.breaker import Breaker
 from skymesh.policies.base import RouteRequest
 from skymesh.policies.load import ReplicaLoad
 
-# A ticket's key, "t0", "t1", ...: the default factory in C (map, str.format), where a
-# lambda building an f-string was a Python call per request.
-_next_key = map("t{}".format, itertools.count()).__next__
+# A ticket's key, "t0", "t1", ...: the default factory in C (str of a count, "t" + it:
+# 150 ns against 246 for a lambda's f-string; map with str.format read 276).
+_next_key = map("t".__add__, map(str, itertools.count())).__next__
 # Index entries of remembered evaluations before they are all dropped (stale entries, of
 # tickets evaluated again or gone, leave the indexes only when their event comes).
 _MAX_MEMO_ENTRIES = 1 << 16
