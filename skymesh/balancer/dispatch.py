@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from skymesh.balancer.batch_routing import DEFAULT_ROOM_PER_REPLICA
-from skymesh.balancer.breaker import Breaker
+from skymesh.balancer.breaker import Breaker, BreakerState
 from skymesh.balancer.dispatch_lanes import BatchLanes
 from skymesh.balancer.dispatch_state import (
     _UNSEEN,
@@ -80,6 +80,10 @@ class Staggering(Protocol):
                now: float) -> None: ...
 
     def started(self, key: str) -> None: ...
+
+# Enum members as module globals: on Python 3.11 ``ForwardingRule.BALANCED`` is a lookup
+# through the enum class (about 0.1 us), paid on every pick and completion.
+_BALANCED, _CLOSED = ForwardingRule.BALANCED, BreakerState.CLOSED
 
 # What other modules import from here (the parts live in dispatch_state, dispatch_view,
 # dispatch_peers and dispatch_lanes).
@@ -210,6 +214,8 @@ class Dispatcher(BatchLanes):
         # others on every pump (the request path).
         self._names_preferred = type(value).preferred is not Policy.preferred
         self._memo_ok = not self._names_preferred or type(value).memo_preferred
+        # Most policies keep nothing per completion: no call of the base's no-op then.
+        self._told_complete = type(value).on_complete is not Policy.on_complete
         self._prefers = getattr(self, "_hold_s", 0.0) > 0 and self._names_preferred
         self._changed()
 
@@ -323,8 +329,15 @@ class Dispatcher(BatchLanes):
         if route.tie is None:
             # The request's tie-break, fixed once (policies.base): a re-ask at a later
             # pump breaks a tie as the first did, so its answer may be remembered.
-            route.set_tie(self._policy.tie_for(route.request_id))
-        q = self._enqueue(ticket, front)
+            # (``set_tie``'s own test is the one above: set in place, without its call.)
+            route.tie = self._policy.tie_for(route.request_id)
+        if not front and not ticket.batch:  # (``_enqueue``'s usual case, without its call)
+            q = self.queues.get(route.model)
+            if q is None:
+                q = self.queues[route.model] = deque()
+            q.append(ticket)
+        else:
+            q = self._enqueue(ticket, front)
         ticket.queued = True
         self.queued += 1
         # A pick reads only the first ``window`` requests (and whether the queue is over
@@ -387,7 +400,8 @@ class Dispatcher(BatchLanes):
         out: list[Ticket] = []
         if not self.lanes:
             self._refresh()
-            if not self._open and not self._takers and not self.forwarding:
+            if not self._open and not self._takers and not (
+                    self.peers and self.peer_policy is not None):  # (``forwarding``)
                 # No replica may take any request (``_pick``'s first check, for every
                 # queue at once): the pump after most events under a standing queue.
                 return out
@@ -416,11 +430,13 @@ class Dispatcher(BatchLanes):
         return out
 
     def _pick(self, q: deque[Ticket], now: float) -> tuple[int, Ticket, str, bool] | None:
-        self._refresh()
+        if self._dirty:  # (pump refreshed already unless a dispatch since changed a load)
+            self._refresh()
         model = q[0].route.model
         view = self._view(model)
         any_avail = bool(view.ready or view.tokens)
-        forwarding = self.forwarding
+        # ``self.forwarding``, without the property's call (once per pick).
+        forwarding = self.peer_policy is not None and bool(self.peers)
         if not any_avail and not forwarding and (
                 not view.prefer_on or not self._names_preferred
                 or self._takers.isdisjoint(view.serving)):
@@ -431,7 +447,7 @@ class Dispatcher(BatchLanes):
             return None
         hold = self._hold_s > 0
         depth = min(len(q), self.window) if hold else 1
-        balanced = self.forwarding_rule is ForwardingRule.BALANCED and forwarding
+        balanced = forwarding and self.forwarding_rule is _BALANCED
         holds = self._prefers and (self.hold_queue_max is None
                                    or len(q) <= self.hold_queue_max)
         policy = self._policy
@@ -476,7 +492,7 @@ class Dispatcher(BatchLanes):
             if not cands:
                 watch, keys = [*seen_watch], [*seen_keys]
                 # SkyLB Algorithm 1: no local replica can take it now -> an available peer.
-                peers = self.peer_candidates(ticket)
+                peers = self.peer_candidates(ticket) if forwarding else []
                 if peers and self.outlook is not None:  # forecast-aware overflow
                     model = ticket.route.model
                     peers = self.outlook.rank(peers, model, {
@@ -502,7 +518,9 @@ class Dispatcher(BatchLanes):
                 if hold:
                     continue
                 return None
-            route = ticket.route_at(now)
+            route = ticket.route
+            if route.deadline_s is not None:  # (route_at's own test, without its call)
+                route = ticket.route_at(now)
             if holds and (ticket.held_since is None
                           or now - ticket.held_since < self.hold_s):
                 # The same question as candidates' (same targets, nothing changed, no
@@ -579,16 +597,21 @@ class Dispatcher(BatchLanes):
         if t is not None:
             t.load.on_complete(ticket.key, now)
             b = t.breaker
-            before = (b.state, b.trial_in_flight)
-            if replica_fault:
-                b.on_failure(now)
-            elif ok:
-                b.on_success()
+            if ok and not replica_fault and b.state is _CLOSED \
+                    and not b.failures and not b.trial_in_flight:
+                pass  # on_success would change nothing (the usual completion)
             else:
-                b.on_neutral()
-            if (b.state, b.trial_in_flight) != before:
-                self._changed()
-        self._policy.on_complete(ticket.route, tid, ok)
+                before = (b.state, b.trial_in_flight)
+                if replica_fault:
+                    b.on_failure(now)
+                elif ok:
+                    b.on_success()
+                else:
+                    b.on_neutral()
+                if (b.state, b.trial_in_flight) != before:
+                    self._changed()
+        if self._told_complete:
+            self._policy.on_complete(ticket.route, tid, ok)
 
     def cached(self, route: RouteRequest, target: str, keys: Sequence[int]) -> None:
         """``route`` ended well on ``target`` (a replica or a peer balancer), which now

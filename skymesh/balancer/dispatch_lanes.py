@@ -35,10 +35,12 @@ class BatchLanes(PeerLayer):
     def _enqueue(self, ticket: Ticket, front: bool) -> deque[Ticket]:
         """Put ``ticket`` in its model's queue, or its batch lane; returns that queue."""
         lane = ticket.batch and self.batch_lane and not ticket.stay
-        if lane:
-            q = self.lanes.setdefault(ticket.route.model, deque())
-        else:
-            q = self.queues.setdefault(ticket.route.model, deque())
+        # get before setdefault: a deque built on every offer to be thrown away.
+        queues = self.lanes if lane else self.queues
+        model = ticket.route.model
+        q = queues.get(model)
+        if q is None:
+            q = queues[model] = deque()
         if front:
             q.appendleft(ticket)
         elif lane:  # earliest deadline first (batch_routing.lane_order)

@@ -12,7 +12,9 @@ from skymesh.balancer.breaker import Breaker
 from skymesh.policies.base import RouteRequest
 from skymesh.policies.load import ReplicaLoad
 
-_ids = itertools.count()
+# A ticket's key, "t0", "t1", ...: the default factory in C (str of a count, "t" + it:
+# 150 ns against 246 for a lambda's f-string; map with str.format read 276).
+_next_key = map("t".__add__, map(str, itertools.count())).__next__
 # Index entries of remembered evaluations before they are all dropped (stale entries, of
 # tickets evaluated again or gone, leave the indexes only when their event comes).
 _MAX_MEMO_ENTRIES = 1 << 16
@@ -45,7 +47,7 @@ class Ticket:
     queued: bool = False
     held_since: float | None = None
     to_peer: bool = False  # the current target is a peer balancer
-    key: str = field(default_factory=lambda: f"t{next(_ids)}")
+    key: str = field(default_factory=_next_key)
     # When ``route.deadline_s`` started counting: None is ``enqueued_at``. Each dispatch
     # moves it there and shrinks the route's deadline to what was left, so a policy
     # always sees the budget from dispatch (GoodServe's D_r), net of the time spent queued

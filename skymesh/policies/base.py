@@ -256,9 +256,17 @@ class Policy(ABC):
                       request: RouteRequest | None = None) -> str | None:
         """The candidate with the fewest outstanding requests, ties broken as ``_argmin``
         breaks them."""
-        if len(candidates) < 2:
+        n = len(candidates)
+        if n < 2:
             return candidates[0] if candidates else None
-        return self._argmin(candidates, outstanding(view, candidates), request)
+        vals = outstanding(view, candidates)
+        if n == 2:
+            # Two replicas (the live benchmark's, the holders of a shared prompt): a
+            # unique minimum by one comparison; a tie as ``_argmin`` breaks it.
+            a, b = vals
+            if a != b:
+                return candidates[0] if a < b else candidates[1]
+        return self._argmin(candidates, vals, request)
 
     def _argmin(self, candidates: Sequence[str], vals: Sequence[float],
                 request: RouteRequest | None = None) -> str:

@@ -77,38 +77,45 @@ class PrefixTree(Policy, name="prefix-tree"):
             # Every branch below picks among a subset of the candidates: no match needed
             # (under sp-p's standing queue most dispatches have one replica to go to).
             return candidates[0]
-        exact = exact_match(request, candidates)
-        if exact is not None:
-            frac, holders = exact
-            if holders and frac >= self.match_threshold:
-                return self._least_loaded(holders, view, request)
-            return self._least_loaded(candidates, view, request)
+        # The engines' view and the targets they say dropped the prompt are there only
+        # with KV events configured: without, no call to find that out (the hot path).
+        if request.exact_prefix is not None:
+            exact = exact_match(request, candidates)
+            if exact is not None:
+                frac, holders = exact
+                if holders and frac >= self.match_threshold:
+                    return self._least_loaded(holders, view, request)
+                return self._least_loaded(candidates, view, request)
         keys = request.prefix_keys
         if keys and candidates:
-            depth, matched = self.trie.match(keys, trie_targets(request, candidates),
-                                             request.block_keys)
+            depth, matched = self.trie.match(
+                keys, trie_targets(request, candidates) if request.exact_lost else candidates,
+                request.block_keys)
             if matched and depth >= self.match_threshold * len(keys):
                 return self._least_loaded(matched, view, request)
         return self._least_loaded(candidates, view, request)
 
     def preferred(self, request: RouteRequest, targets: Sequence[str], view: LoadView
                   ) -> str | None:
-        exact = exact_match(request, targets)
-        if exact is not None:
-            frac, holders = exact
-            # The request carries its exact match (taken at arrival), so only the holders'
-            # loads can change this answer (memo_preferred): no trie key matters.
-            self.considered, self.memo_keys = (), ()
-            if holders and frac >= self.match_threshold:
-                self.considered = tuple(holders)
-                return self._least_loaded(holders, view, request)
-            return None
+        if request.exact_prefix is not None:  # KV events configured (as in select)
+            exact = exact_match(request, targets)
+            if exact is not None:
+                frac, holders = exact
+                # The request carries its exact match (taken at arrival), so only the
+                # holders' loads can change this answer (memo_preferred): no trie key
+                # matters.
+                self.considered, self.memo_keys = (), ()
+                if holders and frac >= self.match_threshold:
+                    self.considered = tuple(holders)
+                    return self._least_loaded(holders, view, request)
+                return None
         keys = request.prefix_keys
         self.considered, self.memo_keys = (), ()
         if not keys or not targets:
             return None
-        trie = self.trie
-        depth, matched = trie.match(keys, trie_targets(request, targets), request.block_keys)
+        depth, matched = self.trie.match(
+            keys, trie_targets(request, targets) if request.exact_lost else targets,
+            request.block_keys)
         # Keys are chained, so only an insert that changes the record of the deepest
         # matched key (another target there) or of the next one (a deeper match) can
         # change this answer; of the first key, if none matched.
@@ -120,7 +127,9 @@ class PrefixTree(Policy, name="prefix-tree"):
             self.memo_keys = (keys[depth - 1],)
         if matched and depth >= self.match_threshold * len(keys):
             self.considered = matched
-            return self._least_loaded(matched, view, request)
+            # One holder (a prompt's usual case): no call to find the least loaded.
+            return matched[0] if len(matched) == 1 else self._least_loaded(
+                matched, view, request)
         return None
 
     def memo_epoch(self) -> int:

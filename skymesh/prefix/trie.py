@@ -277,7 +277,9 @@ class PrefixTrie:
         The targets come in first-recorded order, not as a set: a set of strings iterates
         in a per-process order, and routers break ties over this sequence with a seeded RNG.
         """
-        amask = self._mask(allowed)
+        # Once or twice per request: ``_mask``'s identity test, ``_lookup`` and
+        # ``_decode``'s cache inline (a call each fewer).
+        amask = self._last_mask if allowed is self._last_allowed else self._mask(allowed)
         if not amask or not keys:
             return 0, ()
         matches = self._matches
@@ -287,11 +289,15 @@ class PrefixTrie:
             if memo[3] is not None:
                 self._touch(memo[3])  # as the walk would: recency decides evictions
             return memo[4]
-        d, seg = self._lookup(keys, amask)
+        d, seg = self._deepest(keys, amask, len(keys))
+        if amask & self._live == self._live and type(keys) is tuple:
+            self._walk = (keys, d, seg, self._version)  # (``_lookup``)
         answer: tuple[int, tuple[str, ...]] = (0, ())
         if seg is not None:
             self._touch(seg)
-            answer = (d, self._decode(seg.mask & amask))
+            mask = seg.mask & amask
+            names = self._name_cache.get(mask)
+            answer = (d, names if names is not None else self._decode(mask))
         if len(matches) >= _MATCHES_LIMIT:
             matches.clear()
         matches[id(keys)] = (keys, amask, self._version, seg, answer)
@@ -360,7 +366,9 @@ class PrefixTrie:
         n = min(len(keys), self.max_nodes)
         if n == 0:
             return len(keys)
-        b = self._intern(target)
+        b = self._bits.get(target)
+        if b is None:  # (a known target, two inserts a request: no call)
+            b = self._intern(target)
         bit = 1 << b
         index = self._index
         walk = self._walk
@@ -499,12 +507,18 @@ class PrefixTrie:
 
     # -- recency and eviction ----------------------------------------------------------------
     def _touch(self, seg: _Segment) -> None:
-        if self._leaf_at.get(seg.stamp) is seg:
-            del self._leaf_at[seg.stamp]
-        self._tick += 1
-        seg.stamp = self._tick
+        # Every match and insert touches a segment: ``_push`` inlined, one call not two.
+        leaf_at = self._leaf_at
+        if leaf_at.get(seg.stamp) is seg:
+            del leaf_at[seg.stamp]
+        stamp = self._tick = self._tick + 1
+        seg.stamp = stamp
         if not seg.children:
-            self._push(seg)
+            leaf_at[stamp] = seg
+            heap = self._heap
+            heapq.heappush(heap, stamp)
+            if len(heap) > 2 * len(leaf_at) + 1024:
+                self._sweep_heap()
 
     def _push(self, seg: _Segment) -> None:
         self._leaf_at[seg.stamp] = seg
@@ -516,7 +530,10 @@ class PrefixTrie:
         return not seg.children and seg.stamp == stamp and seg in self._segments
 
     def _sweep_heap(self) -> None:
-        self._leaf_at = {s: g for s, g in self._leaf_at.items() if self._live_leaf(s, g)}
+        # ``_live_leaf`` inlined: a method call per leaf was most of a sweep's cost.
+        segments = self._segments
+        self._leaf_at = {s: g for s, g in self._leaf_at.items()
+                         if not g.children and g.stamp == s and g in segments}
         self._heap = list(self._leaf_at)
         heapq.heapify(self._heap)
 

@@ -50,6 +50,22 @@ def test_without_a_tie_the_key_changes_nothing(loads: list[int], tie: int) -> No
     assert plain.draws == keyed.draws == 0
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 3), st.integers(0, 3), st.one_of(st.none(), st.integers(0, 2**32 - 1)),
+       st.booleans())
+def test_two_candidates_are_settled_as_argmin_settles_them(
+        a: int, b: int, tie: int | None, swap: bool) -> None:
+    """``_least_loaded``'s shortcut for two candidates (one comparison) gives ``_argmin``'s
+    answer over the same loads, and draws from the RNG exactly when it does (a tie without
+    a key): the same decisions and the same random stream after them."""
+    view, cands = _view([a, b]), ["b", "a"] if swap else ["a", "b"]
+    short, full = (build_policy("least-load", rng=random.Random(5)) for _ in range(2))
+    req = RouteRequest("r", tie=tie)
+    loads = [view.load(t).outstanding for t in cands]
+    assert short._least_loaded(cands, view, req) == full._argmin(cands, loads, req)
+    assert short.draws == full.draws and short.rng.getstate() == full.rng.getstate()
+
+
 def test_tie_keys_spread_requests_over_the_tied_targets() -> None:
     view = _view([1, 1, 1, 5])
     p = build_policy("least-load")
