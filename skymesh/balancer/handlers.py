@@ -122,8 +122,10 @@ class Handlers:
                 timeout = min(timeout, deadline_s)
             flags = core.switches.flags
             route = route_request(rid, intake, prefix_keys=flags.keys, deadline_s=deadline_s)
-            if flags.keys and self.exact is not None:
-                route = await self.exact.annotate(route, intake)
+            exact = self.exact
+            # No feed configured (the usual case): no coroutine made to find that out.
+            if flags.keys and exact is not None and exact.feeds.groups:
+                route = await exact.annotate(route, intake)
             if flags.predicts:
                 text, turn, history = prediction_input(intake, route.prompt_len)
                 route = replace(route, predicted_output_tokens=self.predictor.predict(
