@@ -78,19 +78,20 @@ def _response(status: int, ctype: bytes, body: bytes) -> bytes:
             % (status, ctype, len(body))) + body
 
 
-# A stream the client leaves after its first event: the stub holds the rest this long, so
-# the client is gone while the balancer still relays it (answered at once, the whole
-# stream would be in the client's socket before it read the first event).
-HOLD_S = 0.005
+# --leave-hold-ms: the stub holds the rest of a stream the client leaves after its first
+# event (leave_mid_stream), so the client is gone while the balancer still relays it;
+# answered at once (the default, the mix of the runs before), the whole stream is in the
+# client's socket before it has read the first event.
 _LEAVER = b"leave-mid-stream"
 
 
 class StubReplica(asyncio.Protocol):
     """Just enough HTTP/1.1 (keep-alive, Content-Length bodies) for the balancer."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_s: float = 0.0) -> None:
         self.buf = b""
         self.transport: asyncio.Transport | None = None
+        self.hold_s = hold_s
         self.holding = False  # the rest of a held stream is still to come
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -116,11 +117,12 @@ class StubReplica(asyncio.Protocol):
             self.buf = self.buf[end + 4 + length:]
             assert self.transport is not None
             reply = self.answer(head.split(b" ", 2)[1], body)
-            if _LEAVER in body and b'"stream": true' in body:
+            if self.hold_s > 0 and _LEAVER in body and b'"stream": true' in body:
                 cut = reply.index(b"\n\n", reply.index(b"\r\n\r\n") + 4) + 2
                 self.transport.write(reply[:cut])  # the headers and the first event
                 self.holding = True
-                asyncio.get_running_loop().call_later(HOLD_S, self.release, reply[cut:])
+                asyncio.get_running_loop().call_later(self.hold_s, self.release,
+                                                      reply[cut:])
                 return
             self.transport.write(reply)
 
@@ -147,8 +149,9 @@ class StubReplica(asyncio.Protocol):
         return _response(200, b"application/json", _REPLY)
 
 
-async def serve_stub() -> tuple[asyncio.base_events.Server, str]:
-    server = await asyncio.get_running_loop().create_server(StubReplica, "127.0.0.1", 0)
+async def serve_stub(hold_s: float = 0.0) -> tuple[asyncio.base_events.Server, str]:
+    server = await asyncio.get_running_loop().create_server(
+        lambda: StubReplica(hold_s), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     return server, f"http://127.0.0.1:{port}"
 
@@ -339,7 +342,7 @@ def _body(scenario: str, n: int, rng: random.Random) -> dict[str, Any]:
         body["model"] = f"no-such-model-{n}"
     if scenario == "replica_error":
         body["messages"][0]["content"] = "replica-error"
-    if scenario == "leave_mid_stream":  # the stub holds the rest of its stream (HOLD_S)
+    if scenario == "leave_mid_stream":  # the stub may hold its stream's rest
         body["messages"][0]["content"] = f"leave-mid-stream {rng.randrange(50)}"
     return body
 
@@ -427,7 +430,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         samples = await drive(args.lb_url, args.requests, args.concurrency, args.lb_pid,
                               args.sample_every, args.seed, _checkpoint(args))
         return _result(args, samples, lb_outcomes=await read_outcomes(args.lb_url))
-    servers = [await serve_stub() for _ in range(2)]
+    servers = [await serve_stub(args.leave_hold_ms / 1000) for _ in range(2)]
     urls = ",".join(u for _, u in servers)
     extra = [] if args.access_log else ["--no-access-log"]
     log = Path(args.log) if args.log else None
@@ -500,6 +503,7 @@ def _result(args: argparse.Namespace, samples: list[dict[str, Any]],
             "http_server": (args.http_server or DEFAULT_HTTP_SERVER) if not args.lb_url
             else "unknown",
             "processes": last.get("procs", 1), "access_log": args.access_log,
+            "leave_hold_ms": args.leave_hold_ms,
             "nice": os.nice(0), "loadavg_now": [round(x, 2) for x in os.getloadavg()],
             "scenarios": list(SCENARIOS), "samples": samples, "warmup": args.warmup,
             "rss_start_mb": first["rss_mb"], "rss_warm_mb": warm["rss_mb"],
@@ -521,6 +525,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests after which the RSS counts as warmed up")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-access-log", dest="access_log", action="store_false")
+    p.add_argument("--leave-hold-ms", type=float, default=0.0,
+                   help="the stubs hold the rest of a leave_mid_stream stream this long "
+                        "after its first event (0: answer at once)")
     p.add_argument("--http-server", choices=HTTP_SERVERS,
                    help="listen.http_server (default: the balancer's)")
     p.add_argument("--log", help="the balancer's log file (default: a temporary one)")
