@@ -239,3 +239,24 @@ def test_the_page_says_which_server_ran_and_what_the_log_said_of_clients_that_le
         "error_lines": 2, "tracebacks": 1, "first": ["x ERROR y"]}})
     assert "**2 ERROR line(s) and 1 traceback(s)** (the first: `x ERROR y`)" in dirty
     assert "5 ms after its first event" in dirty
+
+
+def test_the_held_run_is_a_section_of_the_page_with_its_command() -> None:
+    from skymesh_lab.bench.rss_soak_page import LEAVE_HOLD, rss_soak
+
+    def run(hold: float) -> dict[str, object]:
+        samples = [{"requests": n, "rss_mb": 200.0, "cpu_s": n / 1000, "procs": 3,
+                    "t_s": n / 500, "lb_left": {"cancelled": n // 100,
+                                                "client_disconnected": n // 10}}
+                   for n in range(0, 100_001, 10_000)]
+        return {"requests": 100_000, "requests_asked": 100_000, "samples": samples,
+                "concurrency": 32, "scenarios": ["plain"], "cpu_ms_per_1000": 500.0,
+                "http_server": "lean", "leave_hold_ms": hold, "processes": 3,
+                "log_errors": {"error_lines": 0, "tracebacks": 0, "first": []}}
+
+    page = rss_soak({**run(0.0), LEAVE_HOLD: run(5.0)})
+    section = page[page.index("## Clients that leave mid-stream"):]
+    assert "held the rest of each `leave_mid_stream` stream 5 ms" in section
+    assert "500 requests a second" in section
+    assert "--requests 100000 --leave-hold-ms 5 --json" in section
+    assert page.count("**no ERROR line and no traceback**") == 2  # the long run's too

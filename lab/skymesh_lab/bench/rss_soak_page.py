@@ -17,6 +17,8 @@ EVERY = 100_000  # the table's step, in requests
 FLAT_MB = 2.0
 FLAT_SPAN = 600_000
 STRUCTURES = "rss-soak-structures"  # the attached probe run (results_pages.Source.attach)
+LEAVE_HOLD = "rss-soak-leave-hold"  # the attached run with --leave-hold-ms
+ATTACHED = (STRUCTURES, LEAVE_HOLD)
 DATA = "docs/results/data"
 
 
@@ -239,6 +241,31 @@ def structures_section(doc: dict[str, Any], min_len: int = 100) -> str:
     ])
 
 
+def leave_hold_section(doc: dict[str, Any]) -> str:
+    """A shorter run whose stubs hold a ``leave_mid_stream`` stream after its first
+    event: clients that leave while the balancer relays, what its log says of them."""
+    samples = doc["samples"]
+    first, last = samples[0], samples[-1]
+    seconds = last.get("t_s", 0)
+    rate = f"{doc['requests'] / seconds:,.0f} requests a second, " if seconds else ""
+    return "\n\n".join([
+        "## Clients that leave mid-stream",
+        f"A separate run of {doc['requests']:,} requests of the same mix, "
+        f"{server_note(doc)}, {doc.get('processes', 1)} processes, whose stub replicas "
+        f"held the rest of each `leave_mid_stream` stream {doc['leave_hold_ms']:g} ms after "
+        "its first event (in the run above they answer at once, and a client that reads "
+        "the first event often has the whole stream already). RSS "
+        f"{first['rss_mb']:.1f} MB at the start, {last['rss_mb']:.1f} at the end; "
+        f"{rate}{seconds / 60:.0f} minutes (load average "
+        f"{doc.get('loadavg_now', [0.0])[0]:.1f} at the end).",
+        leaving_note(doc),
+        *([outcomes_note(doc["lb_outcomes"])] if "lb_outcomes" in doc else []),
+        "That run: `.venv/bin/python -m skymesh_lab.bench.rss_soak --requests "
+        f"{doc['requests_asked']} --leave-hold-ms {doc['leave_hold_ms']:g} --json "
+        f"{DATA}/{LEAVE_HOLD}.json`.",
+    ])
+
+
 def server_note(doc: dict[str, Any]) -> str:
     """Which HTTP server the balancer ran (``listen.http_server``), as the run recorded."""
     server = doc.get("http_server")
@@ -294,5 +321,6 @@ def rss_soak(doc: dict[str, Any]) -> str:
         f"{doc.get('loadavg_now', [0.0])[0]:.1f} at the end; {last.get('t_s', 0) / 60:.0f} "
         "minutes): RSS is exact, CPU per request is not (a starved balancer wakes for fewer "
         "requests at a time).",
+        *([leave_hold_section(doc[LEAVE_HOLD])] if LEAVE_HOLD in doc else []),
         *([structures_section(doc[STRUCTURES])] if STRUCTURES in doc else []),
     ])
