@@ -241,6 +241,10 @@ def structures_section(doc: dict[str, Any], min_len: int = 100) -> str:
     ])
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} minutes"
+
+
 def leave_hold_section(doc: dict[str, Any]) -> str:
     """A shorter run whose stubs hold a ``leave_mid_stream`` stream after its first
     event: clients that leave while the balancer relays, what its log says of them."""
@@ -256,8 +260,9 @@ def leave_hold_section(doc: dict[str, Any]) -> str:
         "its first event (in the run above they answer at once, and a client that reads "
         "the first event often has the whole stream already). RSS "
         f"{first['rss_mb']:.1f} MB at the start, {last['rss_mb']:.1f} at the end; "
-        f"{rate}{seconds / 60:.0f} minutes (load average "
-        f"{doc.get('loadavg_now', [0.0])[0]:.1f} at the end).",
+        f"{rate}{_duration(seconds)} (load average "
+        f"{doc.get('loadavg_now', [0.0])[0]:.1f} at the end); the balancer used "
+        f"{doc['cpu_ms_per_1000']:.0f} ms of CPU per 1,000 requests.",
         leaving_note(doc),
         *([outcomes_note(doc["lb_outcomes"])] if "lb_outcomes" in doc else []),
         "That run: `.venv/bin/python -m skymesh_lab.bench.rss_soak --requests "
