@@ -260,3 +260,53 @@ def test_the_held_run_is_a_section_of_the_page_with_its_command() -> None:
     assert "500 requests a second" in section
     assert "--requests 100000 --leave-hold-ms 5 --json" in section
     assert page.count("**no ERROR line and no traceback**") == 2  # the long run's too
+
+
+def test_the_probe_is_taken_at_the_sample_it_was_asked_for() -> None:
+    """The sample reads the balancer's metrics (an await): the other clients go on
+    meanwhile, so the count the probe is matched against is the sample's, not the one
+    after the read."""
+    import asyncio
+    import os
+
+    from aiohttp import web
+
+    from skymesh_lab.bench.rss_soak import drive
+
+    class FakeProber:
+        at = {20}
+
+        def __init__(self) -> None:
+            self.taken: list[int] = []
+
+        async def take(self, pid: int, requests: int) -> None:
+            self.taken.append(requests)
+
+    async def completions(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"ok": True})
+
+    async def metrics(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.05)  # long enough for the other clients to finish some
+        return web.Response(text='skymesh_requests_total{model="m",outcome="ok"} 1.0\n')
+
+    async def run() -> tuple[list[dict[str, object]], list[int]]:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", completions)
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        prober = FakeProber()
+        try:
+            samples = await drive(f"http://127.0.0.1:{port}", 60, 4, os.getpid(), 10, 0,
+                                  prober=prober)  # type: ignore[arg-type]
+        finally:
+            await runner.cleanup()
+        return samples, prober.taken
+
+    samples, taken = asyncio.run(run())
+    assert [s["requests"] for s in samples] == [0, 10, 20, 30, 40, 50, 60]
+    assert taken == [20]

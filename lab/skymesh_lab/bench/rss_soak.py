@@ -403,10 +403,11 @@ async def drive(url: str, requests: int, concurrency: int, pid: int,
                 seen[got] = seen.get(got, 0) + 1
                 done += 1
                 if done % sample_every == 0:
+                    at = done  # the other clients go on while this one awaits below
                     rss, cpu, procs = read_proc(pid)
                     # what the clients saw since the sample before: a stalled balancer
                     # shows as 503s and a long t_s, not in its RSS
-                    sample = {"requests": done, "rss_mb": round(rss, 2), "cpu_s": cpu,
+                    sample = {"requests": at, "rss_mb": round(rss, 2), "cpu_s": cpu,
                               "procs": procs, "t_s": round(time.monotonic() - t0, 1),
                               "outcomes": dict(sorted(seen.items()))}
                     seen.clear()
@@ -414,12 +415,12 @@ async def drive(url: str, requests: int, concurrency: int, pid: int,
                     with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                         sample["lb_left"] = clients_left(await read_metrics(url))
                     samples.append(sample)
-                    print(f"{done} requests: RSS {rss:.1f} MB in {procs} processes",
+                    print(f"{at} requests: RSS {rss:.1f} MB in {procs} processes",
                           file=sys.stderr, flush=True)
                     if on_sample is not None:
                         on_sample(samples)
-                    if prober is not None and done in prober.at:
-                        await prober.take(pid, done)  # the balancer answers no one meanwhile
+                    if prober is not None and at in prober.at:
+                        await prober.take(pid, at)  # the balancer answers no one meanwhile
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return samples
