@@ -166,6 +166,13 @@ BOUNDS: dict[str, str] = {
     "skymesh.balancer.server.Balancer.failfast":
         "queued requests that may fail fast: each leaves when it ends",
     "skymesh.balancer.forwarding.Forwarder.failfast": "the same map as the balancer's",
+    "skymesh.net.lean.LeanProtocol._keys":
+        "the plain routes' set, one shared by every lean connection, summed over the "
+        "connections alive: those open, and (before session 26's fix) closed ones waiting "
+        "for a full collection",
+    "skymesh.net.lean_request.LeanRequest._state":
+        "a request's own keys (a few), one dict per lean request alive: those in flight, "
+        "and (before session 26's fix) a closed connection's last",
     "prometheus_client.metrics.Counter._metrics":
         "a counter's label sets: models and replicas the balancer serves (a departed "
         "replica's are dropped)",
