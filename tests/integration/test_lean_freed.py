@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Iterator
 
 import pytest
 from support import eventually
@@ -22,16 +21,6 @@ def _alive() -> tuple[int, int]:
     objects = gc.get_objects()
     return (sum(type(o) is LeanProtocol for o in objects),
             sum(type(o) is LeanRequest for o in objects))
-
-
-@pytest.fixture
-def no_cyclic_gc() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 @pytest.mark.usefixtures("no_cyclic_gc")

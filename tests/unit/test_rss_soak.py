@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support import wait_for
+from support import serving, wait_for
 
 from skymesh_lab.bench.rss_soak import balancer_outcomes, process_tree, read_one, read_proc
 from skymesh_lab.bench.rss_soak_page import outcomes_note
@@ -294,17 +294,10 @@ def test_the_probe_is_taken_at_the_sample_it_was_asked_for() -> None:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", completions)
         app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
         prober = FakeProber()
-        try:
+        async with serving(app) as port:
             samples = await drive(f"http://127.0.0.1:{port}", 60, 4, os.getpid(), 10, 0,
                                   prober=prober)  # type: ignore[arg-type]
-        finally:
-            await runner.cleanup()
         return samples, prober.taken
 
     samples, taken = asyncio.run(run())
