@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import contextvars
 import logging
 from collections.abc import Callable
@@ -108,6 +109,16 @@ def lean_factory(server: web.Server, app: web.Application, routes: DirectRoutes,
         return LeanProtocol(server, app, keys, keepalive_s, direct_writes)
 
     return factory
+
+
+def _drop_cancellation(task: asyncio.Task[None]) -> None:
+    """Let a cancelled connection task's exception go: the task keeps it for
+    ``result()``, and its traceback's frames hold the connection's protocol and requests
+    (which hold the task: a cycle left to the cyclic GC, rare under
+    skymesh.net.serving.tune_gc). Nothing reads the result of this task."""
+    if task.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            task.result()
 
 
 class LeanProtocol(BaseProtocol):
@@ -235,6 +246,9 @@ class LeanProtocol(BaseProtocol):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+        # Nothing is parsed after this; the parser holds our callbacks, a cycle that would
+        # leave a closed connection to the cyclic GC (rare: skymesh.net.serving.tune_gc).
+        del self._http
         if self._aio is not None:
             self._aio.connection_lost(cast(Exception | None, exc))
             return
@@ -242,9 +256,11 @@ class LeanProtocol(BaseProtocol):
         self._server.connection_lost(cast(Any, self), exc)
         if self._request is not None:
             self._request.content.set_exception(ConnectionResetError("Connection lost"))
+        self._queue.clear()  # requests parsed ahead, never served now (each refers to us)
         # handler_cancellation: a client gone cancels its handler (its finally releases it).
         if self._task is not None and not self._task.done():
             self._task.cancel()
+            self._task.add_done_callback(_drop_cancellation)
 
     # -- web.Server's shutdown ------------------------------------------------------------
     def close(self) -> None:

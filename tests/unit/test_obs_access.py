@@ -7,7 +7,6 @@ answer like a replica would); a fake clock they advance gives exact TTFT and dur
 from __future__ import annotations
 
 import asyncio
-import gc
 import io
 import json
 import logging
@@ -415,16 +414,6 @@ def test_batched_json_lines_keep_their_format() -> None:
     (line,) = [json.loads(x) for x in out.getvalue().splitlines()]
     assert line["msg"] == "GET / 200" and line["status"] == 200
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["ts"])
-
-
-@pytest.fixture
-def no_cyclic_gc() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 @pytest.mark.usefixtures("no_cyclic_gc")

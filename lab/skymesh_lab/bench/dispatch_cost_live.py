@@ -55,6 +55,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import tempfile
@@ -63,6 +64,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from skymesh.net.serving import DEFAULT_HTTP_SERVER
 from skymesh.util.procs import start_daemon
 from skymesh_lab.bench import lb_workers
 from skymesh_lab.bench import router_overhead as ro
@@ -101,6 +103,23 @@ def _checkout(base: str, tmp: str) -> str:
                           check=True).stdout
     subprocess.run(["tar", "-x", "-C", tmp], input=tree, check=True)
     return tmp
+
+
+_DEFAULT_SERVER = re.compile(r'^DEFAULT_HTTP_SERVER = "(\w+)"', re.M)
+
+
+def default_http_server(tree: str | None) -> str:
+    """The HTTP server a version's balancer runs by default: this checkout's (``tree``
+    None), or the one ``tree/skymesh/net/serving.py`` names; aiohttp's for a revision
+    from before the choice existed (session 25)."""
+    if tree is None:
+        return DEFAULT_HTTP_SERVER
+    try:
+        text = (Path(tree) / "skymesh" / "net" / "serving.py").read_text()
+    except OSError:
+        return "aiohttp"
+    m = _DEFAULT_SERVER.search(text)
+    return m.group(1) if m else "aiohttp"
 
 
 def _cpu_s(pid: int) -> float:
@@ -170,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         trees: dict[str, str | None] = {"current": None}
         if args.base:
             trees["base"] = _checkout(args.base, tmp)
+        # the plain arms' server, per version (the --lean arms name theirs)
+        servers = {v: default_http_server(t) for v, t in trees.items()}
         binary = ro.build_stub(Path(tmp))
         stubs = [ro.start_stub(binary, ro.STREAM_EVENTS, Path(tmp), i) for i in range(2)]
         try:
@@ -206,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"median {statistics.median(ratios):.2f}")
     if args.json is not None:
         doc = summary(res, list(trees), args, load, limits)
+        doc["setup"]["http_server"] = servers
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 

@@ -25,6 +25,9 @@ rotated by one per repeat) so a slow spell of the shared machine falls on all of
   bounded by all of them; CPU per request is the comparable figure.
 
     python -m skymesh_lab.bench.lb_workers --json out.json [--workers 1,2] [--repeats 3]
+
+The balancer runs its default HTTP server (``listen.http_server``) unless
+``--http-server`` says; ``setup.http_server`` records which.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from typing import Any
 import aiohttp
 
 from skymesh.balancer.workers import usable_cores
+from skymesh.net.serving import DEFAULT_HTTP_SERVER, HTTP_SERVERS
 from skymesh.util.procs import Daemon, free_port, start_daemon
 from skymesh_lab.faults.cluster import parse_metrics
 
@@ -84,8 +88,15 @@ async def _counts(s: aiohttp.ClientSession, reps: Sequence[Daemon]) -> tuple[flo
     return hits, queries
 
 
+# --http-server: listen.http_server has no flag, so a config file of that one key
+SERVER_CONFIG = "http-server.yaml"
+
+
 @contextlib.contextmanager
 def _lb(workdir: Path, name: str, args: list[str]) -> Iterator[Daemon]:
+    config = workdir / SERVER_CONFIG
+    if config.exists():
+        args = ["--config", str(config), *args]
     lb = start_daemon("skymesh-lb", ["--port", "0", *args], log_path=workdir / f"{name}.log",
                       timeout=120)
     try:
@@ -258,7 +269,10 @@ def simulated(counts: Sequence[int]) -> dict[str, Any]:
 
 async def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     counts = [int(x) for x in opts.workers.split(",")]
+    if opts.http_server:
+        (workdir / SERVER_CONFIG).write_text(f"listen:\n  http_server: {opts.http_server}\n")
     doc: dict[str, Any] = {"setup": {"workers": counts, "repeats": opts.repeats,
+                                     "http_server": opts.http_server or DEFAULT_HTTP_SERVER,
                                      "usable_cores": usable_cores(),
                                      "replicas": opts.replicas, "clients": opts.clients,
                                      "requests": opts.requests, "groups": opts.groups,
@@ -315,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--connections", type=int, default=64)
+    ap.add_argument("--http-server", choices=HTTP_SERVERS,
+                    help="listen.http_server (default: the balancer's)")
     ap.add_argument("--duration", type=float, default=6.0,
                     help="seconds of wrk per throughput arm (0: skip throughput)")
     opts = ap.parse_args(argv)

@@ -13,6 +13,16 @@ from skymesh_lab.bench import dispatch_cost_page
 WORKERS_LIVE = "dispatch-cost-live-workers2"  # attached (results_pages.Source.attach)
 
 
+# What a run that recorded no server ran: those runs were made before session 25, when
+# aiohttp's server was the balancer's only one.
+_UNRECORDED = "not recorded in the run (aiohttp's, the default before session 25)"
+
+
+def server_name(server: str | None) -> str:
+    """An HTTP server (``listen.http_server``) as the page names it."""
+    return _UNRECORDED if server is None else f"`{server}`"
+
+
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
 
@@ -60,6 +70,10 @@ def cost_section(live: dict[str, Any]) -> str:
     at a base revision (``skymesh_lab.bench.dispatch_cost_live --workers N``)."""
     setup, versions = live["setup"], live["versions"]
     cur, base = versions.get("current"), versions.get("base")
+    servers = setup.get("http_server") or {}
+    served = ("HTTP server (`listen.http_server`, each version's default): "
+              + ", ".join(f"{'now' if v == 'current' else f'`{setup[v]}`'} "
+                          f"{server_name(servers.get(v))}" for v in versions) + ". ")
     summary = ""
     if cur is not None and base is not None:
         d_now = cur["configs"]["default"]["median"]
@@ -78,8 +92,8 @@ def cost_section(live: dict[str, Any]) -> str:
             "system, from /proc) per completed request, a fresh balancer per segment, "
             f"{setup['rounds']} rounds of {setup['duration_s']:g} s segments shuffled in "
             f"each round (seed {setup['seed']}). default: `{setup['configs']['default']}`; "
-            f"rr: `{setup['configs']['rr']}`. The same benchmark with 1 worker is on "
-            "[the dispatch-cost page](dispatch-cost.md#the-whole-daemon-live). "
+            f"rr: `{setup['configs']['rr']}`. {served}The same benchmark with 1 worker is "
+            "on [the dispatch-cost page](dispatch-cost.md#the-whole-daemon-live). "
             + dispatch_cost_page.measured(live),
             "", f"```sh\n{live['command']}\n```"]
     return "\n".join(text)
@@ -132,7 +146,8 @@ def lb_workers(doc: dict[str, Any]) -> str:
                 f" at the start, {s['load_average_1m_at_end']:g} at the end.")
     return "\n".join([
         f"Measured on {s['usable_cores']} usable cores, {s['repeats']} repeats, arms "
-        f"interleaved.{load}", "",
+        f"interleaved, skymesh-lb's HTTP server (`listen.http_server`) "
+        f"{server_name(s.get('http_server'))} in every live run.{load}", "",
         "## Prefix locality", "",
         f"{s['replicas']} emulated replicas, {s['clients']} closed-loop clients, "
         f"{s['requests']} requests per run over {s['groups']} shared prefixes, each on a "
@@ -160,5 +175,5 @@ def lb_workers(doc: dict[str, Any]) -> str:
         *(["", cost_section(doc[WORKERS_LIVE])] if WORKERS_LIVE in doc else [])])
 
 
-__all__ = ["WORKERS_LIVE", "cost_section", "lb_workers", "locality_table", "share_sentence",
-           "simulator_table", "throughput_table"]
+__all__ = ["WORKERS_LIVE", "cost_section", "lb_workers", "locality_table", "server_name",
+           "share_sentence", "simulator_table", "throughput_table"]

@@ -408,7 +408,7 @@ SOURCES: tuple[Source, ...] = (
            "(../notes/memory-1m.md).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.rss_soak", "--requests", "1000000",
             "--json", "{json}"),
-           rss_soak_page.rss_soak, attach=(rss_soak_page.STRUCTURES,)),
+           rss_soak_page.rss_soak, attach=rss_soak_page.ATTACHED),
     Source("tenancy", "Tenants: the fair queue and the limits (issue #37)",
            "The balancer's tenancy in the simulator, with the live balancer's `FairQueue` "
            "and release rule (`SimBalancer.tenancy`): an interactive tenant beside a batch "

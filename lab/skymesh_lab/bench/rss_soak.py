@@ -15,8 +15,12 @@ balancer runs with its default configuration unless ``--policy``/``--workers`` s
 
 The JSON: ``{"requests", "scenarios", "samples": [{"requests", "rss_mb", "cpu_s",
 "procs", "t_s", "outcomes"}], "rss_start_mb", "rss_warm_mb", "rss_end_mb", "cpu_ms_per_1000",
-"lb_outcomes", ...}``; ``lb_outcomes`` is the balancer's own count at the end
-(``skymesh_requests_total`` by outcome, all workers).
+"lb_outcomes", "http_server", "log_errors", ...}``; ``lb_outcomes`` is the balancer's own
+count at the end (``skymesh_requests_total`` by outcome, all workers), each sample's
+``lb_left`` its counts of clients that left so far (:func:`clients_left`),
+``http_server`` the HTTP server the balancer ran (``--http-server``, else the product's
+default) and ``log_errors`` what its log holds at
+ERROR level: clients that leave are the mix's, and must cost no ERROR line or traceback.
 
 With ``--probe``, every process of the balancer dumps what it holds
 (:mod:`skymesh_lab.bench.rss_soak_probe`: container lengths, object counts, tracemalloc
@@ -29,19 +33,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
 import re
 import signal
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from skymesh.net.serving import DEFAULT_HTTP_SERVER, HTTP_SERVERS
 from skymesh.util.procs import start_daemon
 from skymesh_lab.bench import rss_soak_probe as probe
 
@@ -71,12 +78,21 @@ def _response(status: int, ctype: bytes, body: bytes) -> bytes:
             % (status, ctype, len(body))) + body
 
 
+# --leave-hold-ms: the stub holds the rest of a stream the client leaves after its first
+# event (leave_mid_stream), so the client is gone while the balancer still relays it;
+# answered at once (the default, the mix of the runs before), the whole stream is in the
+# client's socket before it has read the first event.
+_LEAVER = b"leave-mid-stream"
+
+
 class StubReplica(asyncio.Protocol):
     """Just enough HTTP/1.1 (keep-alive, Content-Length bodies) for the balancer."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_s: float = 0.0) -> None:
         self.buf = b""
         self.transport: asyncio.Transport | None = None
+        self.hold_s = hold_s
+        self.holding = False  # the rest of a held stream is still to come
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -84,7 +100,10 @@ class StubReplica(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        while True:
+        self.answer_queued()
+
+    def answer_queued(self) -> None:
+        while not self.holding:
             end = self.buf.find(b"\r\n\r\n")
             if end < 0:
                 return
@@ -97,7 +116,24 @@ class StubReplica(asyncio.Protocol):
             body = self.buf[end + 4:end + 4 + length]
             self.buf = self.buf[end + 4 + length:]
             assert self.transport is not None
-            self.transport.write(self.answer(head.split(b" ", 2)[1], body))
+            reply = self.answer(head.split(b" ", 2)[1], body)
+            if self.hold_s > 0 and _LEAVER in body and b'"stream": true' in body:
+                cut = reply.index(b"\n\n", reply.index(b"\r\n\r\n") + 4) + 2
+                self.transport.write(reply[:cut])  # the headers and the first event
+                self.holding = True
+                asyncio.get_running_loop().call_later(self.hold_s, self.release,
+                                                      reply[cut:])
+                return
+            self.transport.write(reply)
+
+    def release(self, rest: bytes) -> None:
+        self.holding = False
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(rest)
+            self.answer_queued()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
 
     @staticmethod
     def answer(path: bytes, body: bytes) -> bytes:
@@ -113,8 +149,9 @@ class StubReplica(asyncio.Protocol):
         return _response(200, b"application/json", _REPLY)
 
 
-async def serve_stub() -> tuple[asyncio.base_events.Server, str]:
-    server = await asyncio.get_running_loop().create_server(StubReplica, "127.0.0.1", 0)
+async def serve_stub(hold_s: float = 0.0) -> tuple[asyncio.base_events.Server, str]:
+    server = await asyncio.get_running_loop().create_server(
+        lambda: StubReplica(hold_s), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     return server, f"http://127.0.0.1:{port}"
 
@@ -184,9 +221,60 @@ def balancer_outcomes(metrics_text: str) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-async def read_outcomes(url: str) -> dict[str, int]:
+_LEFT = re.compile(r'^skymesh_client_disconnects_total\{[^}]*phase="([^"]+)"[^}]*\} (\S+)$',
+                   re.M)
+
+
+def client_disconnects(metrics_text: str) -> dict[str, int]:
+    """``skymesh_client_disconnects_total`` by phase, summed over workers."""
+    out: dict[str, int] = {}
+    for phase, value in _LEFT.findall(metrics_text):
+        out[phase] = out.get(phase, 0) + int(float(value))
+    return dict(sorted(out.items()))
+
+
+def clients_left(metrics_text: str) -> dict[str, int]:
+    """The balancer's counts of clients that left, so far: requests that ended
+    ``cancelled`` (gone while queued) or ``client_disconnected`` (gone while a replica
+    held the request or mid-stream: the handler is cancelled) in
+    ``skymesh_requests_total``, and ``skymesh_client_disconnects_total`` by phase as
+    ``write_<phase>`` (a write to a client already gone failed)."""
+    outcomes = balancer_outcomes(metrics_text)
+    out = {k: outcomes.get(k, 0) for k in ("cancelled", "client_disconnected")}
+    out.update({f"write_{k}": v for k, v in client_disconnects(metrics_text).items()})
+    return out
+
+
+async def read_metrics(url: str) -> str:
     async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
-        return balancer_outcomes(await r.text())
+        return await r.text()
+
+
+async def read_outcomes(url: str) -> dict[str, int]:
+    return balancer_outcomes(await read_metrics(url))
+
+
+_TRACEBACK = "Traceback (most recent call last)"
+
+
+def log_errors(lines: Iterable[str], keep: int = 3) -> dict[str, Any]:
+    """What a balancer's text log holds at ERROR level or above (``TEXT_FORMAT``: time,
+    level, logger) and its tracebacks: the counts and the first ``keep`` such lines."""
+    errors = tracebacks = 0
+    first: list[str] = []
+    for line in lines:
+        head = line.split(" ", 4)  # date, time, level, logger: message
+        is_error = len(head) > 3 and head[2] in ("ERROR", "CRITICAL")
+        errors += is_error
+        tracebacks += line.startswith(_TRACEBACK)
+        if (is_error or line.startswith(_TRACEBACK)) and len(first) < keep:
+            first.append(line.rstrip("\n")[:300])
+    return {"error_lines": errors, "tracebacks": tracebacks, "first": first}
+
+
+def scan_log(path: Path) -> dict[str, Any]:
+    with path.open(errors="replace") as f:
+        return log_errors(f)
 
 
 class Prober:
@@ -254,6 +342,8 @@ def _body(scenario: str, n: int, rng: random.Random) -> dict[str, Any]:
         body["model"] = f"no-such-model-{n}"
     if scenario == "replica_error":
         body["messages"][0]["content"] = "replica-error"
+    if scenario == "leave_mid_stream":  # the stub may hold its stream's rest
+        body["messages"][0]["content"] = f"leave-mid-stream {rng.randrange(50)}"
     return body
 
 
@@ -313,19 +403,24 @@ async def drive(url: str, requests: int, concurrency: int, pid: int,
                 seen[got] = seen.get(got, 0) + 1
                 done += 1
                 if done % sample_every == 0:
+                    at = done  # the other clients go on while this one awaits below
                     rss, cpu, procs = read_proc(pid)
                     # what the clients saw since the sample before: a stalled balancer
                     # shows as 503s and a long t_s, not in its RSS
-                    samples.append({"requests": done, "rss_mb": round(rss, 2), "cpu_s": cpu,
-                                    "procs": procs, "t_s": round(time.monotonic() - t0, 1),
-                                    "outcomes": dict(sorted(seen.items()))})
+                    sample = {"requests": at, "rss_mb": round(rss, 2), "cpu_s": cpu,
+                              "procs": procs, "t_s": round(time.monotonic() - t0, 1),
+                              "outcomes": dict(sorted(seen.items()))}
                     seen.clear()
-                    print(f"{done} requests: RSS {rss:.1f} MB in {procs} processes",
+                    # read after the RSS: the metrics page's own memory is not in it
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                        sample["lb_left"] = clients_left(await read_metrics(url))
+                    samples.append(sample)
+                    print(f"{at} requests: RSS {rss:.1f} MB in {procs} processes",
                           file=sys.stderr, flush=True)
                     if on_sample is not None:
                         on_sample(samples)
-                    if prober is not None and done in prober.at:
-                        await prober.take(pid, done)  # the balancer answers no one meanwhile
+                    if prober is not None and at in prober.at:
+                        await prober.take(pid, at)  # the balancer answers no one meanwhile
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return samples
@@ -336,10 +431,14 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         samples = await drive(args.lb_url, args.requests, args.concurrency, args.lb_pid,
                               args.sample_every, args.seed, _checkpoint(args))
         return _result(args, samples, lb_outcomes=await read_outcomes(args.lb_url))
-    servers = [await serve_stub() for _ in range(2)]
+    servers = [await serve_stub(args.leave_hold_ms / 1000) for _ in range(2)]
     urls = ",".join(u for _, u in servers)
     extra = [] if args.access_log else ["--no-access-log"]
     log = Path(args.log) if args.log else None
+    if args.http_server:  # listen.http_server has no flag: a config file of one key
+        config = Path(tempfile.mkdtemp(prefix="rss-soak-")) / "lb.yaml"
+        config.write_text(f"listen:\n  http_server: {args.http_server}\n")
+        extra += ["--config", str(config)]
     # no --policy / --workers: the balancer's defaults (prefix-tree + sp-p, one worker
     # per core) unless asked
     if args.policy:
@@ -361,11 +460,13 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         outcomes = await read_outcomes(lb.url)
         if prober is not None and samples[-1]["requests"] not in prober.at:
             await prober.take(lb.proc.pid, samples[-1]["requests"])
+        errors = await asyncio.to_thread(scan_log, lb.log_path)  # before stop() deletes it
     finally:
         lb.stop()
         for server, _ in servers:
             server.close()
     out = _result(args, samples, lb_outcomes=outcomes)
+    out["log_errors"] = errors
     if prober is not None:
         out.update(prober.fields())
     return out
@@ -400,7 +501,10 @@ def _result(args: argparse.Namespace, samples: list[dict[str, Any]],
     return {"requests": int(last["requests"]), "requests_asked": args.requests,
             "complete": complete, "concurrency": args.concurrency,
             "policy": args.policy or "default", "workers": args.workers or "default",
+            "http_server": (args.http_server or DEFAULT_HTTP_SERVER) if not args.lb_url
+            else "unknown",
             "processes": last.get("procs", 1), "access_log": args.access_log,
+            "leave_hold_ms": args.leave_hold_ms,
             "nice": os.nice(0), "loadavg_now": [round(x, 2) for x in os.getloadavg()],
             "scenarios": list(SCENARIOS), "samples": samples, "warmup": args.warmup,
             "rss_start_mb": first["rss_mb"], "rss_warm_mb": warm["rss_mb"],
@@ -422,6 +526,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests after which the RSS counts as warmed up")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-access-log", dest="access_log", action="store_false")
+    p.add_argument("--leave-hold-ms", type=float, default=0.0,
+                   help="the stubs hold the rest of a leave_mid_stream stream this long "
+                        "after its first event (0: answer at once)")
+    p.add_argument("--http-server", choices=HTTP_SERVERS,
+                   help="listen.http_server (default: the balancer's)")
     p.add_argument("--log", help="the balancer's log file (default: a temporary one)")
     p.add_argument("--json", help="write the result here")
     p.add_argument("--lb-url", help="drive this balancer instead of starting one ...")

@@ -7,6 +7,7 @@ page from the JSON alone.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from typing import Any
 
@@ -16,6 +17,8 @@ EVERY = 100_000  # the table's step, in requests
 FLAT_MB = 2.0
 FLAT_SPAN = 600_000
 STRUCTURES = "rss-soak-structures"  # the attached probe run (results_pages.Source.attach)
+LEAVE_HOLD = "rss-soak-leave-hold"  # the attached run with --leave-hold-ms
+ATTACHED = (STRUCTURES, LEAVE_HOLD)
 DATA = "docs/results/data"
 
 
@@ -34,18 +37,69 @@ def _table(samples: list[dict[str, Any]]) -> str:
     picked = [s for s in samples if s["requests"] % step == 0]
     if picked[-1] is not samples[-1]:
         picked.append(samples[-1])  # a run that stopped between two steps
+    left = any("lb_left" in x for x in samples)  # older runs did not read the count
     out = ["| requests | RSS, MB | since the start | processes | CPU ms per 1,000 requests "
-           "since the row before | 503s since the row before |",
-           "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "since the row before | 503s since the row before |"
+           + (" clients that left since the row before, the balancer's count |" if left
+              else ""),
+           "| ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if left else "")]
     prev = None
     for s in picked:
         lo = prev["requests"] if prev is not None else -1
         # older runs recorded no outcomes: the column stays empty for them
         busy = [x["outcomes"].get("503", 0) for x in samples
                 if lo < x["requests"] <= s["requests"] and "outcomes" in x]
-        out.append(f"{_row(s, first, prev)} {sum(busy) if busy else ''} |")
+        row = f"{_row(s, first, prev)} {sum(busy) if busy else ''} |"
+        if left:
+            gone = (_left(s) - _left(prev)) if prev is not None and "lb_left" in s else None
+            row += f" {'' if gone is None else f'{gone:,}'} |"
+        out.append(row)
         prev = s
     return "\n".join(out)
+
+
+def _left(sample: dict[str, Any]) -> int:
+    """Clients that left so far by the balancer's count: requests that ended ``cancelled``
+    or ``client_disconnected`` (the writes that found a client gone are among the
+    latter)."""
+    counts = sample.get("lb_left", {})
+    return int(counts.get("cancelled", 0)) + int(counts.get("client_disconnected", 0))
+
+
+def leaving_note(doc: dict[str, Any]) -> str:
+    """Clients that leave: what the balancer's log says of them (no ERROR line, no
+    traceback, issue #35) and whether its count of them moved all along."""
+    errors = doc["log_errors"]
+    counted = [s for s in doc["samples"] if "lb_left" in s]
+    n_err, n_tb = errors["error_lines"], errors["tracebacks"]
+    verdict = ("**no ERROR line and no traceback**" if not n_err and not n_tb else
+               f"**{n_err:,} ERROR line(s) and {n_tb:,} traceback(s)** (the first: "
+               + "; ".join(f"`{line}`" for line in errors["first"]) + ")")
+    text = (f"Clients that leave (`leave_mid_stream`, `leave_at_once`): the balancer's log "
+            f"(stdout and stderr of the supervisor and its workers, at the default level) "
+            f"holds {verdict} over the run.")
+    if counted:
+        last = counted[-1]["lb_left"]
+        steps = list(itertools.pairwise(counted))
+        moved = sum(_left(b) > _left(a) for a, b in steps)
+        writes = {k.removeprefix("write_"): v for k, v in last.items()
+                  if k.startswith("write_")}
+        text += (f" Its count of them moved in {moved} of the {len(steps)} intervals between "
+                 f"samples and stood at the end at `cancelled` {last.get('cancelled', 0):,} "
+                 f"(gone while queued) and `client_disconnected` "
+                 f"{last.get('client_disconnected', 0):,} (gone while a replica held the "
+                 "request or mid-stream: the handler is cancelled) in "
+                 "`skymesh_requests_total`; of the latter, a write found the client gone "
+                 f"{sum(writes.values()):,} times (`skymesh_client_disconnects_total` by "
+                 "phase: " + ", ".join(f"{k} {v:,}" for k, v in writes.items()) + ").")
+    hold = doc.get("leave_hold_ms", 0)
+    text += (f" The stub replicas held the rest of a `leave_mid_stream` stream {hold:g} ms "
+             "after its first event, so those clients left while the balancer still relayed "
+             "it." if hold else
+             " The stub replicas answer a stream at once, so a `leave_mid_stream` client "
+             "often has all of it in its socket before it leaves: a write finds it gone "
+             "rarely.")
+    return text
 
 
 # Which scenarios end in which outcome of skymesh_requests_total.
@@ -112,6 +166,13 @@ BOUNDS: dict[str, str] = {
     "skymesh.balancer.server.Balancer.failfast":
         "queued requests that may fail fast: each leaves when it ends",
     "skymesh.balancer.forwarding.Forwarder.failfast": "the same map as the balancer's",
+    "skymesh.net.lean.LeanProtocol._keys":
+        "the plain routes' set, one shared by every lean connection, summed over the "
+        "connections alive: those open, and (before session 26's fix) closed ones waiting "
+        "for a full collection",
+    "skymesh.net.lean_request.LeanRequest._state":
+        "a request's own keys (a few), one dict per lean request alive: those in flight, "
+        "and (before session 26's fix) a closed connection's last",
     "prometheus_client.metrics.Counter._metrics":
         "a counter's label sets: models and replicas the balancer serves (a departed "
         "replica's are dropped)",
@@ -172,9 +233,9 @@ def structures_section(doc: dict[str, Any], min_len: int = 100) -> str:
     return "\n\n".join([
         "## What grows inside a worker",
         f"A separate run of {doc['requests']:,} requests of the same mix with `--probe` "
-        "(skymesh_lab.bench.rss_soak_probe): after the requests in each column every "
-        "balancer process walked what it can reach and counted the entries of each "
-        "container its objects and modules hold. The structures that grew to "
+        f"(skymesh_lab.bench.rss_soak_probe), {server_note(doc)}: after the requests in "
+        "each column every balancer process walked what it can reach and counted the "
+        "entries of each container its objects and modules hold. The structures that grew to "
         f"{min_len:,} entries or more (a structure held by many objects, such as the "
         "trie's segments' key lists, summed over them):",
         "\n".join(rows), verdict, *([tracing, "\n".join(mem)] if tracing else []),
@@ -185,6 +246,45 @@ def structures_section(doc: dict[str, Any], min_len: int = 100) -> str:
         f"{','.join(str(n) for n in doc.get('probe_at', []))} --probe-tracemalloc "
         f"{doc.get('probe_tracemalloc', 0)} --json {DATA}/{STRUCTURES}.json`.",
     ])
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} minutes"
+
+
+def leave_hold_section(doc: dict[str, Any]) -> str:
+    """A shorter run whose stubs hold a ``leave_mid_stream`` stream after its first
+    event: clients that leave while the balancer relays, what its log says of them."""
+    samples = doc["samples"]
+    first, last = samples[0], samples[-1]
+    seconds = last.get("t_s", 0)
+    rate = f"{doc['requests'] / seconds:,.0f} requests a second, " if seconds else ""
+    return "\n\n".join([
+        "## Clients that leave mid-stream",
+        f"A separate run of {doc['requests']:,} requests of the same mix, "
+        f"{server_note(doc)}, {doc.get('processes', 1)} processes, whose stub replicas "
+        f"held the rest of each `leave_mid_stream` stream {doc['leave_hold_ms']:g} ms after "
+        "its first event (in the run above they answer at once, and a client that reads "
+        "the first event often has the whole stream already). RSS "
+        f"{first['rss_mb']:.1f} MB at the start, {last['rss_mb']:.1f} at the end; "
+        f"{rate}{_duration(seconds)} (load average "
+        f"{doc.get('loadavg_now', [0.0])[0]:.1f} at the end); the balancer used "
+        f"{doc['cpu_ms_per_1000']:.0f} ms of CPU per 1,000 requests.",
+        leaving_note(doc),
+        *([outcomes_note(doc["lb_outcomes"])] if "lb_outcomes" in doc else []),
+        "That run: `.venv/bin/python -m skymesh_lab.bench.rss_soak --requests "
+        f"{doc['requests_asked']} --leave-hold-ms {doc['leave_hold_ms']:g} --json "
+        f"{DATA}/{LEAVE_HOLD}.json`.",
+    ])
+
+
+def server_note(doc: dict[str, Any]) -> str:
+    """Which HTTP server the balancer ran (``listen.http_server``), as the run recorded."""
+    server = doc.get("http_server")
+    if server is None:  # the runs before session 26 did not record it
+        return ("its HTTP server not recorded in the run (the runs that recorded none were "
+                "made before session 25, on aiohttp's server, the default then)")
+    return f"HTTP server `{server}` (`listen.http_server`)"
 
 
 def rss_soak(doc: dict[str, Any]) -> str:
@@ -211,6 +311,7 @@ def rss_soak(doc: dict[str, Any]) -> str:
     slope = f"{growth * EVERY / span:+.2f} MB per 100,000 requests" if span else "no span"
     workers = doc.get("workers", "default")
     policy = doc.get("policy", "default")
+    server = server_note(doc)
     return "\n\n".join([
         "\n".join(summary),
         f"From the warm-up to the end RSS moved by **{growth:+.1f} MB** over {span:,} "
@@ -219,8 +320,9 @@ def rss_soak(doc: dict[str, Any]) -> str:
         flat_verdict(samples),
         _table(samples),
         *([outcomes_note(doc["lb_outcomes"])] if "lb_outcomes" in doc else []),
+        *([leaving_note(doc)] if "log_errors" in doc else []),
         f"Setup: `skymesh-lb` with policy `{policy}` and workers `{workers}` (\"default\": "
-        f"the balancer's own, prefix-tree with sp-p and `listen.workers: auto`), "
+        f"the balancer's own, prefix-tree with sp-p and `listen.workers: auto`), {server}, "
         f"{doc.get('processes', 1)} processes at the end (the supervisor and its workers; "
         "RSS and CPU are their sums, read from /proc every "
         f"{samples[1]['requests'] - samples[0]['requests'] if len(samples) > 1 else 0:,} "
@@ -231,5 +333,6 @@ def rss_soak(doc: dict[str, Any]) -> str:
         f"{doc.get('loadavg_now', [0.0])[0]:.1f} at the end; {last.get('t_s', 0) / 60:.0f} "
         "minutes): RSS is exact, CPU per request is not (a starved balancer wakes for fewer "
         "requests at a time).",
+        *([leave_hold_section(doc[LEAVE_HOLD])] if LEAVE_HOLD in doc else []),
         *([structures_section(doc[STRUCTURES])] if STRUCTURES in doc else []),
     ])
