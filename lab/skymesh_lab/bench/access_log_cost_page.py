@@ -260,7 +260,7 @@ def _lean(doc: dict[str, Any]) -> str:
     paired = summary.get("paired_vs_base_us")
     steps = summary.get("ablation_steps_us") or {}
     said = [f"{_STEPS.get(name, name)}: {_us(s)} us" for name, s in steps.items()]
-    text = (f"Every daemon with `listen.http_server: lean` (the default to be), "
+    text = (f"Every daemon with `listen.http_server: lean` (the default since session 25), "
             f"{setup['rounds']} rounds of {setup['duration_s']:g} s in a run of its own"
             + _fresh(setup) + " "
             f"(load average {setup['loadavg_before'][0]:.1f} at the start, "

@@ -19,7 +19,7 @@ How
     they never run at the same time). The figure is current over base within each round;
     the page shows the median over ``--rounds`` rounds with its spread.
 
-    python -m skymesh_lab.bench.request_path_cost --rounds 8 --duration 4 --base 7ed796e \\
+    python -m skymesh_lab.bench.request_path_cost --rounds 8 --duration 4 --base 73b4d9b \\
         --json docs/results/data/request-path-cost.json
 """
 

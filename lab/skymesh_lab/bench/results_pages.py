@@ -390,13 +390,13 @@ SOURCES: tuple[Source, ...] = (
            attach=(access_log_cost_page.LEAN, access_log_cost_page.ABLATION)),
     Source("request-path-cost", "The request path's CPU per request (issue #35)",
            "Process CPU per request of skymesh-lb (one worker, access log off) in front of "
-           "two C stub replicas, driven by wrk at 64 connections: non-streamed and streamed "
-           "at round-robin with `bp`, and the default policy on shared-prefix bodies. The "
+           "two C stub replicas, driven by wrk at 64 connections: non-streamed at "
+           "round-robin with `bp`, and the default policy on shared-prefix bodies. The "
            "revision before the request path's last rework runs in the same rounds, in "
            "alternating turns, and the ratio is paired by round. See [the lab](../lab.md"
            "#benchmarks).",
-           (".venv/bin/python", "-m", "skymesh_lab.bench.request_path_cost", "--rounds", "10",
-            "--duration", "4", "--base", "7ed796e", "--configs", "rr,stream,default",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.request_path_cost", "--rounds", "8",
+            "--duration", "4", "--base", "73b4d9b", "--configs", "rr,default",
             "--json", "{json}"),
            request_path_cost_page.request_path_cost),
     Source("rss-soak-1m", "skymesh-lb's memory over a long run (issue #35 item 5)",
