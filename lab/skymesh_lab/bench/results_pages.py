@@ -328,7 +328,7 @@ SOURCES: tuple[Source, ...] = (
            "per 1,000 requests from /proc, RSS. `lab/skymesh_lab/bench/router_overhead.py` "
            "says how; issue 35 is what it measures.",
            (".venv/bin/skymesh", "bench", "router-overhead", "--rounds", "3", "--duration",
-            "5", "--requests", "1000000", "--json", "{json}"),
+            "5", "--requests", "300000", "--json", "{json}"),
            router_overhead_page.router_overhead),
     Source("kv-index-cost", "The exact prefix index: memory and CPU",
            "The balancer's side of KV-cache events (skymesh.prefix.kv_events, kv_index) on "
