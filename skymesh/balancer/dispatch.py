@@ -528,7 +528,8 @@ class Dispatcher(BatchLanes):
                 seen = self._seen_pref
                 pref = seen if memo_ok and (seen is None or isinstance(seen, str)) \
                     else policy.preferred(route, view.serving, self)
-                if pref is not None and pref not in cands:
+                if pref is not None and pref not in cands and self._may_take(
+                        ticket, pref, now):
                     # The hold counts from the first time another replica could have
                     # taken it: it bounds the delay locality adds, not the queueing.
                     if ticket.held_since is None:
@@ -560,6 +561,18 @@ class Dispatcher(BatchLanes):
                 self._quiet[model] = (self._stir, depth, holds, epoch,
                                       min(held) if held else None)
         return None
+
+    def _may_take(self, ticket: Ticket, pref: str, now: float) -> bool:
+        """Whether a hold for ``pref`` can end with ``ticket`` there: not a replica it
+        failed on, nor one whose breaker lets nothing through now (open, or half-open
+        with its trial out). A hold for those only ends at ``hold_s``, and nothing pumps
+        then: queued requests waited seconds while the other replica stood idle (the
+        stall of ``rss_soak --leave-hold-ms 5``, session 26). The policy is asked over
+        every serving replica (``view.serving``), those included."""
+        if pref in ticket.excluded:
+            return False
+        t = self.targets.get(pref)
+        return t is not None and (t.breaker.state is _CLOSED or t.breaker.allows(now))
 
     # -- outcomes ------------------------------------------------------------------------
     def first_byte(self, ticket: Ticket) -> None:

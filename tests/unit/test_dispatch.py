@@ -344,3 +344,51 @@ def test_pushing_limits_come_from_the_replica_then_the_engine_then_pushing() -> 
         parse_config({"pushing": {"metrics_lag_s": -1}})
     with pytest.raises(ConfigError, match=r"replicas\.0\.max_num_seqs"):
         parse_config({"replicas": [{"url": "http://127.0.0.1:1", "max_num_seqs": 0}]})
+
+
+def test_no_hold_for_a_replica_behind_an_open_breaker() -> None:
+    # The stall of rss_soak --leave-hold-ms 5 (session 26): requests whose prefix a
+    # replica holds waited hold_s for it while its breaker was open, the other replica
+    # idle. An open breaker lets nothing through before open_s (10 s by default), so a
+    # hold for it can only end in its expiry: the request goes where it can at once.
+    d = _prefer("a")
+    d.hold_s = 2.0
+    d.targets["a"].breaker = Breaker(failure_threshold=1, open_s=10.0)
+    d._changed()  # (a breaker swapped in place: as a membership change would)
+    fail = Ticket(RouteRequest("x", model="m"), 0.0)
+    d.offer(fail, 0.0)
+    assert [t.target for t in d.pump(0.0)] == ["a"]
+    d.complete(fail, 0.0, ok=False, replica_fault=True)
+    assert d.targets["a"].breaker.state is BreakerState.OPEN
+    held = Ticket(RouteRequest("cached-1", model="m"), 0.0)
+    d.offer(held, 0.1)
+    assert d.pump(0.1) == [held] and held.target == "b"
+
+
+def test_no_hold_for_a_replica_whose_trial_is_in_flight() -> None:
+    d = _prefer("a")
+    d.targets["a"].breaker = Breaker(failure_threshold=1, open_s=1.0)
+    d._changed()
+    fail = Ticket(RouteRequest("x", model="m"), 0.0)
+    d.offer(fail, 0.0)
+    d.pump(0.0)
+    d.complete(fail, 0.0, ok=False, replica_fault=True)
+    trial = Ticket(RouteRequest("y", model="m"), 0.0)
+    d.offer(trial, 1.0)
+    assert d.pump(1.0) == [trial] and trial.target == "a"  # half-open: the trial
+    assert d.targets["a"].breaker.trial_in_flight
+    held = Ticket(RouteRequest("cached-1", model="m"), 0.0)
+    d.offer(held, 1.1)
+    assert d.pump(1.1) == [held] and held.target == "b"
+
+
+def test_no_hold_for_a_replica_the_request_failed_on() -> None:
+    d = _prefer("a")
+    retry = Ticket(RouteRequest("cached-1", model="m"), 0.0)
+    d.offer(retry, 0.0)
+    [retry] = d.pump(0.0)
+    assert retry.target == "a"
+    d.complete(retry, 0.1, ok=False, replica_fault=True)
+    retry.excluded.add("a")
+    d.offer(retry, 0.1, front=True)
+    assert d.pump(0.1) == [retry] and retry.target == "b"

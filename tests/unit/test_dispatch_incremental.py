@@ -65,7 +65,10 @@ class Reference(Dispatcher):
                 serving = [tid for tid, t in self.targets.items()
                            if route.model in t.models and t.healthy]
                 pref = self.policy.preferred(route, serving, self)
-                if pref is not None and pref not in cands:
+                # Never for a replica it failed on or whose breaker lets nothing through.
+                if pref is not None and pref not in cands \
+                        and pref not in ticket.excluded \
+                        and self.targets[pref].breaker.allows(now):
                     if ticket.held_since is None:
                         ticket.held_since = now
                     continue
