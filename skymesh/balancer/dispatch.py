@@ -83,7 +83,8 @@ class Staggering(Protocol):
 
 # Enum members as module globals: on Python 3.11 ``ForwardingRule.BALANCED`` is a lookup
 # through the enum class (about 0.1 us), paid on every pick and completion.
-_BALANCED, _CLOSED = ForwardingRule.BALANCED, BreakerState.CLOSED
+_BALANCED, _CLOSED, _HALF_OPEN = (ForwardingRule.BALANCED, BreakerState.CLOSED,
+                                   BreakerState.HALF_OPEN)
 
 # What other modules import from here (the parts live in dispatch_state, dispatch_view,
 # dispatch_peers and dispatch_lanes).
@@ -572,7 +573,14 @@ class Dispatcher(BatchLanes):
         if pref in ticket.excluded:
             return False
         t = self.targets.get(pref)
-        return t is not None and (t.breaker.state is _CLOSED or t.breaker.allows(now))
+        if t is None:
+            return False
+        b = t.breaker
+        # Asked without moving the breaker (``allows`` would turn a due one half-open
+        # outside the dispatcher's notice of a change): closed, due for its trial, or
+        # half-open with the trial free.
+        return b.state is _CLOSED or (not b.shut(now) and not (
+            b.state is _HALF_OPEN and b.trial_in_flight))
 
     # -- outcomes ------------------------------------------------------------------------
     def first_byte(self, ticket: Ticket) -> None:

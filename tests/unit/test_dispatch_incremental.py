@@ -19,6 +19,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from skymesh.balancer.breaker import BreakerState
 from skymesh.balancer.dispatch import Dispatcher, Target, Ticket
 from skymesh.policies import RouteRequest, build_policy
 from skymesh.policies.load import PushMode, is_available, takes_preferred
@@ -66,9 +67,12 @@ class Reference(Dispatcher):
                            if route.model in t.models and t.healthy]
                 pref = self.policy.preferred(route, serving, self)
                 # Never for a replica it failed on or whose breaker lets nothing through.
+                b = self.targets[pref].breaker if pref is not None else None
                 if pref is not None and pref not in cands \
-                        and pref not in ticket.excluded \
-                        and self.targets[pref].breaker.allows(now):
+                        and pref not in ticket.excluded and b is not None \
+                        and (b.state is BreakerState.CLOSED or not (
+                            b.shut(now) or (b.state is BreakerState.HALF_OPEN
+                                            and b.trial_in_flight))):
                     if ticket.held_since is None:
                         ticket.held_since = now
                     continue
