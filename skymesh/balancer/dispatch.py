@@ -332,13 +332,7 @@ class Dispatcher(BatchLanes):
             # pump breaks a tie as the first did, so its answer may be remembered.
             # (``set_tie``'s own test is the one above: set in place, without its call.)
             route.tie = self._policy.tie_for(route.request_id)
-        if not front and not ticket.batch:  # (``_enqueue``'s usual case, without its call)
-            q = self.queues.get(route.model)
-            if q is None:
-                q = self.queues[route.model] = deque()
-            q.append(ticket)
-        else:
-            q = self._enqueue(ticket, front)
+        q = self._enqueue(ticket, front)
         ticket.queued = True
         self.queued += 1
         # A pick reads only the first ``window`` requests (and whether the queue is over
@@ -401,8 +395,7 @@ class Dispatcher(BatchLanes):
         out: list[Ticket] = []
         if not self.lanes:
             self._refresh()
-            if not self._open and not self._takers and not (
-                    self.peers and self.peer_policy is not None):  # (``forwarding``)
+            if not self._open and not self._takers and not self.forwarding:
                 # No replica may take any request (``_pick``'s first check, for every
                 # queue at once): the pump after most events under a standing queue.
                 return out
@@ -436,8 +429,7 @@ class Dispatcher(BatchLanes):
         model = q[0].route.model
         view = self._view(model)
         any_avail = bool(view.ready or view.tokens)
-        # ``self.forwarding``, without the property's call (once per pick).
-        forwarding = self.peer_policy is not None and bool(self.peers)
+        forwarding = self.forwarding
         if not any_avail and not forwarding and (
                 not view.prefer_on or not self._names_preferred
                 or self._takers.isdisjoint(view.serving)):

@@ -171,9 +171,7 @@ class UpstreamHeaders:
         Without tracing the lines around the request id are made once per shape of the
         client's headers: the same bytes, without a dict and a format per header."""
         if self.traced:
-            headers = self.for_request(request)
-            headers.setdefault("Content-Type", "application/json")
-            return header_lines(headers)
+            return header_lines(self._generation_headers(request))
         values: list[str | bool | None] = [*map(request.headers.get, self._shape_keys)]
         for i in self._id_at:
             # The client's X-Request-Id is replaced by ours: only whether it came (where
@@ -190,9 +188,13 @@ class UpstreamHeaders:
         return b"%s%s: %s\r\n%s" % (parts[0], _REQUEST_ID_NAME,
                                      request_id(request).encode("ascii"), parts[1])
 
-    def _make_lines(self, request: web.Request) -> tuple[bytes, bytes]:
+    def _generation_headers(self, request: web.Request) -> dict[str, str]:
         headers = self.for_request(request)
         headers.setdefault("Content-Type", "application/json")
+        return headers
+
+    def _make_lines(self, request: web.Request) -> tuple[bytes, bytes]:
+        headers = self._generation_headers(request)
         names = list(headers)
         at = names.index(REQUEST_ID_HEADER)
         return (header_lines({k: headers[k] for k in names[:at]}),

@@ -404,11 +404,10 @@ async def read_capped(reply: Reply, limit: int, what: str = "body") -> bytes:
     """A reply's whole body, refused (:class:`ReplyTooLarge`) once it is over ``limit``
     bytes: at once when its Content-Length says so, else as soon as that many arrived.
     The caller then drops the connection (``release`` of an unfinished reply does)."""
-    _check_declared(reply, limit, what)
-    if isinstance(reply, UpstreamReply) and (body := reply.whole()) is not None:
-        if len(body) > limit:
-            raise _over(what, limit)
+    body = whole_capped(reply, limit, what)
+    if body is not None:
         return body  # no async iteration for what is in hand
+    _check_declared(reply, limit, what)
     parts: list[bytes] = []
     size = 0
     async for chunk in reply.content.iter_any():
