@@ -414,3 +414,44 @@ def test_floors_run_only_the_non_streaming_c64_cases() -> None:
     from skymesh.balancer.workers import resolve_workers, usable_cores
     assert ro.floor_workers(ro.Options()) == resolve_workers(
         "auto", usable_cores(), mesh_or_controller=False)
+
+
+def _pair_segments() -> list[dict[str, object]]:
+    """Three rounds of the default case; sglang-router's round 2 is missing."""
+    return [
+        _seg("skymesh-lb", "default-c64", 0, 9000, 4.0, 9.0, cpu_ms_per_1k=160.0),
+        _seg("sglang-router", "default-c64", 0, 10000, 4.0, 9.0, cpu_ms_per_1k=130.0),
+        _seg("skymesh-lb", "default-c64", 1, 12000, 4.0, 9.0, cpu_ms_per_1k=150.0),
+        _seg("sglang-router", "default-c64", 1, 8000, 4.0, 9.0, cpu_ms_per_1k=150.0),
+        _seg("skymesh-lb", "default-c64", 2, 1000, 4.0, 9.0, cpu_ms_per_1k=900.0),
+        _seg("direct", "default-c64", 0, 80000, 0.5, 3.0),
+    ]
+
+
+def test_paired_ratios_divide_within_a_round_and_skip_unpaired_rounds() -> None:
+    segs = _pair_segments()
+    assert page.paired_ratios(segs, "default-c64", "rps") == pytest.approx([0.9, 1.5])
+    assert page.paired_ratios(segs, "default-c64", "cpu_ms_per_1k") == pytest.approx(
+        [160 / 130, 1.0])
+    assert page.paired_ratios(segs, "rr-c64", "rps") == []
+
+
+def test_paired_lines_count_the_rounds_at_or_above_sglang() -> None:
+    (line,) = page.paired_lines(_pair_segments())
+    assert line.startswith("default (cache-aware), c=64: skymesh-lb's req/s over "
+                           "sglang-router's in the same round 1.20 [0.90, 1.50], at or "
+                           "above 1 in 1 of 2 rounds")
+    assert page.paired_lines(SEGMENTS) == []  # no sglang-router in the fixture
+
+
+def test_page_shows_the_attached_focused_run() -> None:
+    focused = {"setup": {**FIXTURE["setup"], "rounds": 3,  # type: ignore[dict-item]
+                         "command": "skymesh bench router-overhead --cases default-c64"},
+               "segments": _pair_segments()}
+    text = page.router_overhead({**FIXTURE, page.FOCUSED: focused})
+    section = text.split("## The default case alone, more rounds")[1]
+    assert "| skymesh-lb | 9,000 [1,000, 12,000] | 160 [150, 900] |" in section
+    assert "| sglang-router | 9,000 [8,000, 10,000] | 140 [130, 150] |" in section
+    assert "`skymesh bench router-overhead --cases default-c64`" in section
+    assert "1.20 [0.90, 1.50]" in section
+    assert "## The default case alone" not in page.router_overhead(FIXTURE)

@@ -329,7 +329,7 @@ SOURCES: tuple[Source, ...] = (
            "says how; issue 35 is what it measures.",
            (".venv/bin/skymesh", "bench", "router-overhead", "--rounds", "3", "--duration",
             "5", "--requests", "300000", "--json", "{json}"),
-           router_overhead_page.router_overhead),
+           router_overhead_page.router_overhead, attach=(router_overhead_page.FOCUSED,)),
     Source("kv-index-cost", "The exact prefix index: memory and CPU",
            "The balancer's side of KV-cache events (skymesh.prefix.kv_events, kv_index) on "
            "a synthetic engine's msgpack batches: memory of one replica's index at 100,000 "

@@ -64,6 +64,65 @@ def cell(row: Mapping[str, Any], metric: str, fmt: Callable[[float], str]) -> st
     return f"{fmt(s['median'])} [{fmt(s['min'])}, {fmt(s['max'])}]"
 
 
+# The focused run of Show 1 (attached: results_pages.Source.attach): skymesh-lb and
+# sglang-router alone, the default case, more rounds than the whole benchmark's.
+FOCUSED = "router-overhead-default"
+PAIRED_CASES = (("default-c64", "default (cache-aware)"), ("rr-c64", "round-robin"))
+
+
+def paired_ratios(segments: list[Mapping[str, Any]], case: str, metric: str,
+                  ours: str = "skymesh-lb", theirs: str = "sglang-router") -> list[float]:
+    """``ours`` over ``theirs`` in each round that has both: two routers measured
+    minutes apart on a shared machine differ by the machine's drift as much as by
+    themselves, their two segments of one round by much less."""
+    by_round: dict[tuple[str, int], float] = {
+        (s["router"], s["round"]): float(s[metric]) for s in segments
+        if s["case"] == case and s["router"] in (ours, theirs) and s.get(metric)}
+    rounds = sorted({r for _, r in by_round})
+    return [by_round[(ours, r)] / by_round[(theirs, r)] for r in rounds
+            if (ours, r) in by_round and (theirs, r) in by_round]
+
+
+def paired_lines(segments: list[Mapping[str, Any]]) -> list[str]:
+    """skymesh-lb over sglang-router per round, req/s and CPU per request, per case."""
+    out = []
+    for case, name in PAIRED_CASES:
+        rps = paired_ratios(segments, case, "rps")
+        if not rps:
+            continue
+        cpu = st.spread(paired_ratios(segments, case, "cpu_ms_per_1k"))
+        r = st.spread(rps)
+        above = sum(x >= 1.0 for x in rps)
+        out.append(f"{name}, c=64: skymesh-lb's req/s over sglang-router's in the same "
+                   f"round {r['median']:.2f} [{r['min']:.2f}, {r['max']:.2f}], at or "
+                   f"above 1 in {above} of {len(rps)} rounds; its CPU per request over "
+                   f"sglang-router's {cpu['median']:.2f} [{cpu['min']:.2f}, "
+                   f"{cpu['max']:.2f}].")
+    return out
+
+
+def focused_section(data: Mapping[str, Any]) -> list[str]:
+    """The attached focused run: the default case alone, skymesh-lb beside
+    sglang-router, many rounds."""
+    segs = data["segments"]
+    summary = st.summarize(segs)
+    setup = data["setup"]
+    lb, la = setup.get("loadavg_before", [0]), setup.get("loadavg_after", [0])
+    rows = []
+    for router in ("skymesh-lb", "sglang-router"):
+        row = summary.get(router, {}).get("default-c64", {})
+        rows.append(f"| {router} | {cell(row, 'rps', _n0)} "
+                    f"| {cell(row, 'cpu_ms_per_1k', _n0)} |")
+    return ["## The default case alone, more rounds", "",
+            "Only skymesh-lb and sglang-router, only the default case (non-streaming, "
+            f"c=64, shared-prefix bodies), {setup['rounds']} interleaved rounds of "
+            f"{setup['duration_s']:g} s, run {setup.get('started', '?')} to "
+            f"{setup.get('finished', '?')}, 1-minute load average {lb[0]:.2f} at the "
+            f"start and {la[0]:.2f} at the end: `{setup.get('command', '')}`.", "",
+            "| router | req/s | CPU, ms per 1,000 requests |", "| --- | ---: | ---: |",
+            *rows, "", *paired_lines(segs), ""]
+
+
 def routers_of(summary: Mapping[str, Any]) -> list[str]:
     """The routers of the main table (not the generator's ceiling, not the floors)."""
     known = [r for r in ROUTER_ORDER if r in summary]
@@ -306,6 +365,7 @@ def router_overhead(data: dict[str, Any]) -> str:
            "Figures are medians over the rounds with [min, max]; added latency is the "
            "router's percentile minus wrk's straight at a stub in the same round.", "",
            main_table(summary), "", errors_line(data["segments"]), "",
+           *[line + "\n" for line in paired_lines(data["segments"])],
            "## The generator's ceiling", "",
            "wrk with the same script and connections straight at one stub, in every round "
            "beside the routers (the routers spread over two stubs).", "",
@@ -319,6 +379,8 @@ def router_overhead(data: dict[str, Any]) -> str:
                 f"`SO_REUSEPORT` as skymesh-lb's default, {floor_placement(setup)}, in the "
                 "same rounds as the routers.", "", floor_table(summary), "",
                 " ".join(floor_lines(summary)), ""]
+    if data.get(FOCUSED):
+        out += focused_section(data[FOCUSED])
     out += ["## Memory", "", rss_table(data.get("rss", {})), ""]
     if data.get("long_run"):
         out += ["Long run (non-streaming, prefix and streaming segments in turn):", "",
