@@ -483,7 +483,7 @@ def test_lines_made_without_log_records_are_the_formatters_own(fmt: str) -> None
 
 def finished(**kw: Any) -> AccessRecord:
     """A record as the middleware hands it to the writer at a request's end."""
-    rec = AccessRecord(100.0, FakeClock(), None, kw.pop("request_id", "r1"))
+    rec = AccessRecord(100.0, FakeClock(), kw.pop("request_id", "r1"))
     rec.method, rec.path, rec.code, rec.end = "POST", "/v1/chat/completions", 200, 100.04025
     rec.client, rec.first_byte_at = "127.0.0.1", 100.0125
     for key, value in kw.items():
