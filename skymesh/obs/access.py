@@ -329,8 +329,8 @@ class _Access:
         return resp
 
     def begin(self, request: web.Request) -> AccessRecord:
-        """A request's record, started now (without tracing: the server's handler calls
-        this, :mod:`skymesh.net.front`)."""
+        """A request's record, started now (without tracing; the server's handler,
+        :mod:`skymesh.net.front`, makes the same record itself, without this call)."""
         rec = AccessRecord(self.clock(), self.clock)
         request._state[RECORD_KEY] = rec  # not request[...]: a Python call fewer (note())
         return rec
@@ -426,7 +426,8 @@ class _Access:
                         body = None
             elif stream is not None and stream.tail:
                 body = b"".join(bytes(c) for c in stream.tail)
-        if rec.span is not None:  # the span ends with the middleware: fill it in now
+        if self.tracing is not None and rec.span is not None:  # it ends with the middleware:
+            # fill it in now (a request's record has a span only with tracing)
             from skymesh.obs.tracing import trace_id
 
             fields = record_fields(rec, body)
@@ -794,16 +795,32 @@ def _text(fields: dict[str, Any]) -> str:
 
 
 def ms_text(seconds: float) -> str:
-    """``repr(round(seconds * 1e3, 3))``, the text a line gives a time, at a third of its
-    cost (round() with digits and repr() each run the decimal conversion). Both round
-    the exact binary value correctly to 3 decimals; under 1e12 ms a double is finer than
-    0.001, so the shortest repr of the rounded value is those decimals, trailing zeros
-    dropped."""
+    """``repr(round(seconds * 1e3, 3))``, the text a line gives a time, at a sixth of its
+    cost (round() with digits and repr() each run the decimal conversion; a request's
+    times, under 1e7 ms, are rounded in whole microseconds with no decimal conversion).
+    Both round the exact binary value correctly to 3 decimals; under 1e12 ms a double is
+    finer than 0.001, so the shortest repr of the rounded value is those decimals,
+    trailing zeros dropped."""
     ms = seconds * 1e3
+    if 0.0 < ms < 1e7:  # a request's times: in whole microseconds, no decimal conversion
+        micros = ms * 1e3  # within 2e-6 of the exact value's: ulp(1e10) is 1.9e-6
+        whole = int(micros)
+        frac = micros - whole  # exact
+        # Unless it lies that near a half, the nearest whole microsecond of this double is
+        # that of the exact value (rounding to whole numbers jumps only at halves).
+        if not 0.499 < frac < 0.501:
+            if frac > 0.5:
+                whole += 1
+            ms_whole = whole // 1000
+            return f"{ms_whole}{_DECIMALS[whole - ms_whole * 1000]}"
     if not -1e12 < ms < 1e12:  # huge, inf or nan: the slow way
         return repr(round(ms, 3))
     text = f"{ms:.3f}".rstrip("0")
     return text + "0" if text[-1] == "." else text
+
+
+# ms_text's decimals of 0 ... 999 thousandths, trailing zeros dropped (".0" for none).
+_DECIMALS = tuple(f".{i:03d}".rstrip("0") if i else ".0" for i in range(1000))
 
 
 def _record_text(rec: AccessRecord, tokens: tuple[int | None, int | None]) -> str:
