@@ -128,7 +128,7 @@ def request_handler(app: web.Application, handle: Handler, routes: DirectRoutes,
             failed(request, rec, exc)
             raise
         else:
-            finish(request, rec, resp, resp.status)
+            finish(request, rec, resp, resp._status)  # its status property, uncalled
         finally:
             if conn is not None:
                 conn.request_finished()

@@ -114,9 +114,9 @@ class AccessRecord:
     (:class:`_TracedRecord`; None on the class for the others). Each member is a store
     per request and a word the batch keeps alive."""
 
-    __slots__ = ("client", "clock", "code", "disconnected", "end", "first_byte_at", "method",
-                 "model", "path", "priority", "request_id", "served_by", "start", "stream",
-                 "tenant", "tokens", "usage", "via")
+    __slots__ = ("client", "clock", "code", "completion_tokens", "disconnected", "end",
+                 "first_byte_at", "method", "model", "path", "priority", "prompt_tokens",
+                 "request_id", "served_by", "start", "stream", "tenant", "usage", "via")
 
     span: Any = None  # the request's SERVER span: with tracing only
     tracing: Tracing | None = None
@@ -144,8 +144,9 @@ class AccessRecord:
         # does not decode it again; NOT_DECODED: the line reads it from the body.
         self.usage: Any = NOT_DECODED
         # Its counts, when read at the request's end from that usage (the body is then
-        # not kept for the line).
-        self.tokens: tuple[int | None, int | None] = _NO_TOKENS
+        # not kept for the line): two members rather than a tuple made per request.
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
 
 
 class _TracedRecord(AccessRecord):
@@ -174,7 +175,6 @@ class _Stream:
 
 # A queued line: the record or its fields, the body holding the usage, the time it ended.
 _Item = tuple[AccessRecord | dict[str, Any], bytes | None, float]
-_NO_TOKENS: tuple[None, None] = (None, None)
 _NONE: dict[str, Any] = {}
 RECORD_KEY = web.RequestKey("skymesh.obs.access", AccessRecord)
 # Whether install() has put the access log or tracing on any app of this process: until
@@ -421,7 +421,7 @@ class _Access:
                     completion = usage.get("completion_tokens")
                     if ((prompt is None or type(prompt) is int)
                             and (completion is None or type(completion) is int)):
-                        rec.tokens = (prompt, completion)
+                        rec.prompt_tokens, rec.completion_tokens = prompt, completion
                         rec.usage = NOT_DECODED
                         body = None
             elif stream is not None and stream.tail:
@@ -480,7 +480,7 @@ def record_fields(rec: AccessRecord, body: bytes | None) -> dict[str, Any]:
         "model": rec.model, "served_by": rec.served_by, "via": rec.via, "status": rec.code,
         "ttft_ms": None if first is None else round((first - start) * 1e3, 3),
         "duration_ms": round((rec.end - start) * 1e3, 3),
-        "prompt_tokens": rec.tokens[0], "completion_tokens": rec.tokens[1],
+        "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
         "client": rec.client,
     }
     if rec.disconnected:
@@ -700,7 +700,8 @@ class AccessWriter:
         if isinstance(fmt, JsonFormatter):
             for what, body, created in items:
                 if type(what) is AccessRecord:
-                    tokens = what.tokens if body is None else usage_tokens(body, what.usage)
+                    tokens = ((what.prompt_tokens, what.completion_tokens) if body is None
+                              else usage_tokens(body, what.usage))
                     append(fmt.plain_line(created, name, _record_text(what, tokens),
                                           _record_json(what, tokens)) + end)
                 else:
@@ -721,7 +722,10 @@ class AccessWriter:
                 append(f"{stamp}{millis}{head}{_text(fields)}{end}")
                 continue
             rec = what
-            prompt, completion = rec.tokens if body is None else usage_tokens(body, rec.usage)
+            if body is None:
+                prompt, completion = rec.prompt_tokens, rec.completion_tokens
+            else:
+                prompt, completion = usage_tokens(body, rec.usage)
             first, start, done = rec.first_byte_at, rec.start, rec.end
             if (first == done and prompt is not None and completion is not None
                     and rec.model is not None and rec.served_by is not None
