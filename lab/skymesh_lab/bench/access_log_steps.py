@@ -14,9 +14,7 @@ every step. Run once per build (``PYTHONPATH`` picks it).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -28,7 +26,7 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from skymesh_lab.bench.access_log_loop import BODY
+from skymesh_lab.bench.access_log_loop import BODY, cli
 
 STEPS = ("begin", "note model+request_id", "note served_by", "note_usage",
          "prepare hook", "finish")
@@ -145,15 +143,7 @@ def measure(requests: int, repeats: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m skymesh_lab.bench.access_log_steps",
-                                 description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=20000)
-    ap.add_argument("--repeats", type=int, default=9)
-    args = ap.parse_args(argv)
-    json.dump(measure(args.requests, args.repeats), sys.stdout, indent=1)
-    print()
-    return 0
+    return cli("skymesh_lab.bench.access_log_steps", __doc__, measure, 9, argv)
 
 
 if __name__ == "__main__":
