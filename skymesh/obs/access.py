@@ -127,7 +127,7 @@ class AccessRecord:
     path: str
     client: str | None
     end: float
-    priority: str | None  # with tenants: set with ``tenant``, read only when that is
+    priority: str | None  # with tenants: set with ``tenant``, read only when it is set
 
     def __init__(self, start: float, clock: Clock, request_id: str | None = None) -> None:
         self.start = start
