@@ -89,31 +89,49 @@ def request_handler(app: web.Application, handle: Handler, routes: DirectRoutes,
     infos = {key: (_frozen_match_info(app, route), route.handler)
              for key, route in routes.items()}
     lookup = infos.get
-    begin = log.begin if log is not None else None
-    finish = log.finish if log is not None else None
-    failed = log.failed if log is not None else None
     expect = hdrs.EXPECT
 
     async def front(request: Any) -> web.StreamResponse:
         conn = mark_started(request)
-        rec = begin(request) if begin is not None else None
+        try:
+            direct = lookup((request.method, request.raw_path))
+            if direct is None or expect in request.headers:
+                return await handle(request)
+            # What _handle does for the route, without the loop lookup.
+            request._match_info, route_handler = direct
+            return await route_handler(request)
+        finally:
+            if conn is not None:
+                conn.request_finished()
+
+    if log is None:
+        return front
+    # With the log, its own frame: the record made here (what log.begin does, without
+    # its call), and no test per request of whether there is a log.
+    from skymesh.obs.access import RECORD_KEY, AccessRecord  # the log is there: loaded
+
+    clock, key = log.clock, RECORD_KEY
+    finish, failed = log.finish, log.failed
+
+    async def logged_front(request: Any) -> web.StreamResponse:
+        conn = mark_started(request)
+        rec = AccessRecord(clock(), clock)
+        request._state[key] = rec
         try:
             direct = lookup((request.method, request.raw_path))
             if direct is None or expect in request.headers:
                 resp = await handle(request)
-            else:  # what _handle does for the route, without the loop lookup
+            else:
                 request._match_info, route_handler = direct
                 resp = await route_handler(request)
         except BaseException as exc:
-            if rec is not None and failed is not None:
-                failed(request, rec, exc)
+            failed(request, rec, exc)
             raise
         else:
-            if rec is not None and finish is not None:
-                finish(request, rec, resp, resp.status)
+            finish(request, rec, resp, resp._status)  # its status property, uncalled
         finally:
             if conn is not None:
                 conn.request_finished()
         return resp
 
-    return front
+    return logged_front

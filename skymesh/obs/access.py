@@ -106,45 +106,75 @@ class AccessRecord:
     """What is known about one request so far; the middleware owns it. At the request's
     end the loop adds what the line needs (``method`` ... ``end``) and hands the record to
     the writer thread, which makes the fields (:func:`record_fields`): the loop makes no
-    dict and formats nothing."""
+    dict and formats nothing.
 
-    __slots__ = ("client", "clock", "code", "disconnected", "end", "first_byte_at", "method",
-                 "model", "path", "priority", "request_id", "served_by", "span", "start",
-                 "status", "tail", "tenant", "tokens", "tracing", "usage", "via", "watched")
+    Made once per request, so it holds only what a plain request sets or reads: the
+    request's end sets ``method`` ... ``end`` (unset until then), a streamed body's state
+    is one member (:class:`_Stream`), and the span and tracer are a traced request's
+    (:class:`_TracedRecord`; None on the class for the others). Each member is a store
+    per request and a word the batch keeps alive."""
 
-    def __init__(self, start: float, clock: Clock, tracing: Tracing | None,
-                 request_id: str | None = None) -> None:
+    __slots__ = ("client", "clock", "code", "completion_tokens", "disconnected", "end",
+                 "first_byte_at", "method", "model", "path", "priority", "prompt_tokens",
+                 "request_id", "served_by", "start", "stream", "tenant", "usage", "via")
+
+    span: Any = None  # the request's SERVER span: with tracing only
+    tracing: Tracing | None = None
+    # Set at the request's end (finish), read only after it: the status sent (or 499),
+    # the request's method, path and client, the end's time.
+    code: int
+    method: str
+    path: str
+    client: str | None
+    end: float
+    priority: str | None  # with tenants: set with ``tenant``, read only when it is set
+
+    def __init__(self, start: float, clock: Clock, request_id: str | None = None) -> None:
         self.start = start
         self.clock = clock
-        self.tracing = tracing
         self.request_id = request_id
         self.model: str | None = None
         self.served_by: str | None = None
         self.via: str | None = None
         self.tenant: str | None = None  # with tenants (note(tenant=...)), and its class
-        self.priority: str | None = None
-        self.status: int | None = None  # once headers are prepared; the sent one at the end
         self.first_byte_at: float | None = None
         self.disconnected = False  # the balancer saw the client leave (note(left=True))
-        self.watched: web.StreamResponse | None = None  # a stream whose write is wrapped
-        # A stream's last chunks (the usage event), made when its headers are prepared.
-        self.tail: deque[bytes | bytearray | memoryview] | None = None
-        self.span: Any = None
+        self.stream: _Stream | None = None  # a streamed body, once its headers are prepared
         # The reply's top-level usage as the balancer decoded it (note_usage), so the line
         # does not decode it again; NOT_DECODED: the line reads it from the body.
         self.usage: Any = NOT_DECODED
         # Its counts, when read at the request's end from that usage (the body is then
-        # not kept for the line).
-        self.tokens: tuple[int | None, int | None] = _NO_TOKENS
-        self.method = self.path = ""
-        self.client: str | None = None
-        self.end = start
-        self.code = 0  # the status sent (or 499), once the request ended
+        # not kept for the line): two members rather than a tuple made per request.
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+
+
+class _TracedRecord(AccessRecord):
+    """A traced request's record: its span and the tracer of its upstream spans."""
+
+    __slots__ = ("span", "tracing")
+
+    def __init__(self, start: float, clock: Clock, tracing: Tracing) -> None:
+        super().__init__(start, clock)
+        self.tracing = tracing
+        self.span = None
+
+
+class _Stream:
+    """A streamed body as the access log watches it (:func:`_watch_body`): the response
+    whose ``write`` is wrapped, the status its headers went with (logged if the client
+    leaves mid-stream) and its last chunks (the usage event)."""
+
+    __slots__ = ("response", "status", "tail")
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        self.response = response
+        self.status = response.status
+        self.tail: deque[bytes | bytearray | memoryview] = deque(maxlen=_TAIL_CHUNKS)
 
 
 # A queued line: the record or its fields, the body holding the usage, the time it ended.
 _Item = tuple[AccessRecord | dict[str, Any], bytes | None, float]
-_NO_TOKENS: tuple[None, None] = (None, None)
 _NONE: dict[str, Any] = {}
 RECORD_KEY = web.RequestKey("skymesh.obs.access", AccessRecord)
 # Whether install() has put the access log or tracing on any app of this process: until
@@ -299,9 +329,9 @@ class _Access:
         return resp
 
     def begin(self, request: web.Request) -> AccessRecord:
-        """A request's record, started now (without tracing: the server's handler calls
-        this, :mod:`skymesh.net.front`)."""
-        rec = AccessRecord(self.clock(), self.clock, None)
+        """A request's record, started now (without tracing; the server's handler,
+        :mod:`skymesh.net.front`, makes the same record itself, without this call)."""
+        rec = AccessRecord(self.clock(), self.clock)
         request._state[RECORD_KEY] = rec  # not request[...]: a Python call fewer (note())
         return rec
 
@@ -319,7 +349,8 @@ class _Access:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        rec = AccessRecord(self.clock(), self.clock, self.tracing)
+        rec: AccessRecord = (AccessRecord(self.clock(), self.clock) if self.tracing is None
+                             else _TracedRecord(self.clock(), self.clock, self.tracing))
         request[RECORD_KEY] = rec
         status: int | None = None
         resp: web.StreamResponse | None = None
@@ -351,16 +382,17 @@ class _Access:
                 resp: web.StreamResponse | None, status: int | None) -> None:
         """End ``rec`` with the response and the status sent (None: none was)."""
         end = self.clock()
-        if rec.watched is not None:
+        stream = rec.stream
+        if stream is not None:
+            rec.stream = None
             # The wrapped write refers to its response: a reference cycle, left to the
             # cyclic GC (rare in a tuned daemon) it kept every stream's response, request
             # and buffers alive for tens of thousands of requests (docs/notes/memory-1m.md).
             with contextlib.suppress(AttributeError):
-                del rec.watched.write
-            rec.watched = None
+                del stream.response.write
         if status is None or rec.disconnected:  # what the client got, if anything
             rec.disconnected = True
-            status = rec.status if rec.status is not None else CLIENT_CLOSED
+            status = stream.status if stream is not None else CLIENT_CLOSED
         elif rec.first_byte_at is None:
             rec.first_byte_at = end  # a whole body: it leaves now, with the headers
         # The record is the writer's from here (the prepare hook of a whole body, which
@@ -375,7 +407,7 @@ class _Access:
         body: bytes | None = None  # where the usage is, if anywhere
         if resp is not None and status < 400:
             if type(resp) is web.Response or isinstance(resp, web.Response):
-                got = resp.body
+                got = resp._body  # what its body property returns, without the call
                 if type(got) is bytes:
                     body = got
                 elif isinstance(got, bytes | bytearray):
@@ -389,13 +421,13 @@ class _Access:
                     completion = usage.get("completion_tokens")
                     if ((prompt is None or type(prompt) is int)
                             and (completion is None or type(completion) is int)):
-                        rec.tokens = (prompt, completion)
+                        rec.prompt_tokens, rec.completion_tokens = prompt, completion
                         rec.usage = NOT_DECODED
                         body = None
-            elif rec.tail:
-                body = b"".join(bytes(c) for c in rec.tail)
-        rec.tail = None
-        if rec.span is not None:  # the span ends with the middleware: fill it in now
+            elif stream is not None and stream.tail:
+                body = b"".join(bytes(c) for c in stream.tail)
+        if self.tracing is not None and rec.span is not None:  # it ends with the middleware:
+            # fill it in now (a request's record has a span only with tracing)
             from skymesh.obs.tracing import trace_id
 
             fields = record_fields(rec, body)
@@ -448,7 +480,7 @@ def record_fields(rec: AccessRecord, body: bytes | None) -> dict[str, Any]:
         "model": rec.model, "served_by": rec.served_by, "via": rec.via, "status": rec.code,
         "ttft_ms": None if first is None else round((first - start) * 1e3, 3),
         "duration_ms": round((rec.end - start) * 1e3, 3),
-        "prompt_tokens": rec.tokens[0], "completion_tokens": rec.tokens[1],
+        "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
         "client": rec.client,
     }
     if rec.disconnected:
@@ -668,7 +700,8 @@ class AccessWriter:
         if isinstance(fmt, JsonFormatter):
             for what, body, created in items:
                 if type(what) is AccessRecord:
-                    tokens = what.tokens if body is None else usage_tokens(body, what.usage)
+                    tokens = ((what.prompt_tokens, what.completion_tokens) if body is None
+                              else usage_tokens(body, what.usage))
                     append(fmt.plain_line(created, name, _record_text(what, tokens),
                                           _record_json(what, tokens)) + end)
                 else:
@@ -689,7 +722,10 @@ class AccessWriter:
                 append(f"{stamp}{millis}{head}{_text(fields)}{end}")
                 continue
             rec = what
-            prompt, completion = rec.tokens if body is None else usage_tokens(body, rec.usage)
+            if body is None:
+                prompt, completion = rec.prompt_tokens, rec.completion_tokens
+            else:
+                prompt, completion = usage_tokens(body, rec.usage)
             first, start, done = rec.first_byte_at, rec.start, rec.end
             if (first == done and prompt is not None and completion is not None
                     and rec.model is not None and rec.served_by is not None
@@ -763,16 +799,32 @@ def _text(fields: dict[str, Any]) -> str:
 
 
 def ms_text(seconds: float) -> str:
-    """``repr(round(seconds * 1e3, 3))``, the text a line gives a time, at a third of its
-    cost (round() with digits and repr() each run the decimal conversion). Both round
-    the exact binary value correctly to 3 decimals; under 1e12 ms a double is finer than
-    0.001, so the shortest repr of the rounded value is those decimals, trailing zeros
-    dropped."""
+    """``repr(round(seconds * 1e3, 3))``, the text a line gives a time, at a sixth of its
+    cost (round() with digits and repr() each run the decimal conversion; a request's
+    times, under 1e7 ms, are rounded in whole microseconds with no decimal conversion).
+    Both round the exact binary value correctly to 3 decimals; under 1e12 ms a double is
+    finer than 0.001, so the shortest repr of the rounded value is those decimals,
+    trailing zeros dropped."""
     ms = seconds * 1e3
+    if 0.0 < ms < 1e7:  # a request's times: in whole microseconds, no decimal conversion
+        micros = ms * 1e3  # within 2e-6 of the exact value's: ulp(1e10) is 1.9e-6
+        whole = int(micros)
+        frac = micros - whole  # exact
+        # Unless it lies that near a half, the nearest whole microsecond of this double is
+        # that of the exact value (rounding to whole numbers jumps only at halves).
+        if not 0.499 < frac < 0.501:
+            if frac > 0.5:
+                whole += 1
+            ms_whole = whole // 1000
+            return f"{ms_whole}{_DECIMALS[whole - ms_whole * 1000]}"
     if not -1e12 < ms < 1e12:  # huge, inf or nan: the slow way
         return repr(round(ms, 3))
     text = f"{ms:.3f}".rstrip("0")
     return text + "0" if text[-1] == "." else text
+
+
+# ms_text's decimals of 0 ... 999 thousandths, trailing zeros dropped (".0" for none).
+_DECIMALS = tuple(f".{i:03d}".rstrip("0") if i else ".0" for i in range(1000))
 
 
 def _record_text(rec: AccessRecord, tokens: tuple[int | None, int | None]) -> str:
@@ -870,10 +922,9 @@ def _watch_body(request: web.Request, response: web.StreamResponse) -> Awaitable
     rec = request.get(RECORD_KEY)
     if rec is None:
         return _DONE
-    rec.status = response.status
+    stream = rec.stream = _Stream(response)
     write = response.write
-    tail = rec.tail = deque(maxlen=_TAIL_CHUNKS)
-    rec.watched = response
+    tail = stream.tail
 
     # Plain functions that hand back the original write's coroutine: no extra coroutine
     # per chunk on the stream's hot path. The first one stamps the time and steps aside.

@@ -120,3 +120,23 @@ def test_the_page_says_when_on_and_off_ran_in_one_process() -> None:
     assert "`--toggle`" in _fresh({"fresh_every": 1, "toggle": True})
     assert "`--toggle`" in _fresh({"fresh_every": 0, "toggle": True})
     assert "toggle" not in _fresh({"fresh_every": 1})
+
+
+def test_the_step_split_times_every_step_and_ends_every_record_in_a_line() -> None:
+    """access_log_steps: each step timed, and the records its finish step batched are
+    the requests it began, each made into its line (the split measures the real path)."""
+    import re
+
+    from skymesh_lab.bench.access_log_steps import LINES, STEPS, measure
+
+    got = measure(requests=150, repeats=1)
+    assert set(got["best_us"]) == {*STEPS, LINES}
+    assert all(us > 0 for us in got["best_us"].values())
+    assert got["request_part_us"] == pytest.approx(sum(got["best_us"][s] for s in STEPS),
+                                                   abs=0.01)
+    assert got["lines"] == 150
+    assert re.fullmatch(
+        r"\S+ \S+ INFO skymesh\.access: POST /v1/chat/completions 200 request_id=req-149 "
+        r"model=stub served_by=http://127\.0\.0\.1:8001 via=replica ttft_ms=(\d+\.\d+) "
+        r"duration_ms=\1 prompt_tokens=8 completion_tokens=1 client=127\.0\.0\.1",
+        got["last_line"])

@@ -10,6 +10,7 @@ import asyncio
 import io
 import json
 import logging
+import math
 import re
 import threading
 import weakref
@@ -483,7 +484,7 @@ def test_lines_made_without_log_records_are_the_formatters_own(fmt: str) -> None
 
 def finished(**kw: Any) -> AccessRecord:
     """A record as the middleware hands it to the writer at a request's end."""
-    rec = AccessRecord(100.0, FakeClock(), None, kw.pop("request_id", "r1"))
+    rec = AccessRecord(100.0, FakeClock(), kw.pop("request_id", "r1"))
     rec.method, rec.path, rec.code, rec.end = "POST", "/v1/chat/completions", 200, 100.04025
     rec.client, rec.first_byte_at = "127.0.0.1", 100.0125
     for key, value in kw.items():
@@ -598,9 +599,25 @@ async def test_a_loop_batch_is_refused_when_the_thread_is_that_far_behind() -> N
 @example(5e-7)  # 0.0005 ms: half-way, rounded as the binary value lies
 @example(2.675e-3)
 @example(1e9 + 0.5)  # the slow path's edge
+@example(1e4 - 1e-9)  # just under the whole-microsecond path's edge, and at it
+@example(1e4)
+@example(0.0625e-3)  # 62.5 us: an exact half, rounded to even (0.062)
+@example(0.0635e-3)
+@example(2.0005e-3)  # near a half once scaled: the decimal conversion decides
+@example(0.9999999e-3)  # rounds up to the next whole millisecond (1.0)
 def test_a_time_in_a_line_is_the_repr_of_its_rounded_milliseconds(seconds: float) -> None:
     """Lines stay byte for byte what ``round(ms, 3)`` gave (ms_text is the fast form)."""
     assert ms_text(seconds) == repr(round(seconds * 1e3, 3))
+
+
+def test_times_near_a_half_microsecond_read_as_round_gives_them() -> None:
+    """Every exact half and its neighbours, where the whole-microsecond path must hand
+    over to the decimal conversion (the property test above rarely lands there)."""
+    for micros in range(0, 2_000_000, 31):
+        for seconds in ((micros + 0.5) / 1e6, micros / 1e6, math.nextafter(
+                (micros + 0.5) / 1e6, 0.0), math.nextafter((micros + 0.5) / 1e6, 1.0),
+                (micros + 0.5) / 2**20):
+            assert ms_text(seconds) == repr(round(seconds * 1e3, 3)), seconds
 
 
 def test_notes_on_an_app_without_the_access_log_do_nothing() -> None:

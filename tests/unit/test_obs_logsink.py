@@ -25,7 +25,7 @@ LINE = b"x" * 99 + b"\n"  # 100 bytes
 
 def finished(request_id: str = "r1") -> AccessRecord:
     """A record as the middleware hands it to the writer at a request's end."""
-    rec = AccessRecord(100.0, lambda: 100.0, None, request_id)
+    rec = AccessRecord(100.0, lambda: 100.0, request_id)
     rec.method, rec.path, rec.code, rec.end = "POST", "/v1/chat/completions", 200, 100.04
     rec.client, rec.first_byte_at = "127.0.0.1", 100.01
     return rec

@@ -269,5 +269,6 @@ def _lean(doc: dict[str, Any]) -> str:
             + (f" Now's cost minus before's, paired by round: {_us(paired)} us."
                if paired else "")
             + (" Paired by round, " + "; ".join(said) + "." if said else "")
+            + _in_process(run, label)
             + " Reproduce: `" + setup["command"] + f" --json docs/results/data/{LEAN}.json`.")
     return "\n".join(out) + "\n\n" + text

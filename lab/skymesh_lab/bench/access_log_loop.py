@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -122,16 +123,22 @@ def measure(requests: int, repeats: int) -> dict[str, Any]:
                         "min": round(min(cost), 3), "max": round(max(cost), 3)}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m skymesh_lab.bench.access_log_loop",
-                                 description=__doc__,
+def cli(module: str, doc: str | None, run: Callable[[int, int], dict[str, Any]],
+        repeats: int, argv: list[str] | None) -> int:
+    """The command line of an in-process access-log bench: ``--requests``, ``--repeats``,
+    the figures as JSON on stdout."""
+    ap = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=20000)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=repeats)
     args = ap.parse_args(argv)
-    json.dump(measure(args.requests, args.repeats), sys.stdout)
+    json.dump(run(args.requests, args.repeats), sys.stdout)
     print()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli("skymesh_lab.bench.access_log_loop", __doc__, measure, 7, argv)
 
 
 if __name__ == "__main__":
