@@ -45,7 +45,7 @@ from skymesh.balancer.relay import (
     RequestCore,
     UpstreamHeaders,
     broken,
-    copy_headers,
+    reply_response,
 )
 from skymesh.balancer.streaming import Streams
 from skymesh.balancer.upstream import (
@@ -346,7 +346,7 @@ class Forwarder:
                 d.complete(ticket, self.core.now(), ok=ok)
                 if records:
                     self.core.record_later(ticket.route, target, intake, text)
-                resp = web.Response(status=up.status, body=body, headers=copy_headers(up))
+                resp = reply_response(up.status, body, up)
                 return resp, "ok" if ok else f"upstream_{up.status}"
             if self.core.switches.flags.migrates and migratable(intake.body):
                 return await self.mover.stream_live(request, ticket, up, t0, sent, intake)

@@ -99,10 +99,13 @@ class Handlers:
         holder: bytes | None = None
         gate = self.gate
         admission: Admission | None = None
-        forwarded = self.forwarded_by_peer(request)
+        # Each step below that a configuration without it skips is tested here, not in
+        # a call that returns at once: a call per request each (mesh, keys, SLO, batch).
+        forwarded = self.peer_secret is not None and self.forwarded_by_peer(request)
         try:
-            self.authorize(request, forwarded)
-            holder = self._hold_key_slot(request, forwarded)
+            if self.edge.keys.required:  # client keys (they reload): checked, maybe capped
+                self.authorize(request, forwarded)
+                holder = self._hold_key_slot(request, forwarded)
             raw = self.body_in_hand(request)
             if raw is None:  # still arriving: not a coroutine for the usual small body
                 raw = await self.read_body(request)
@@ -115,8 +118,9 @@ class Handlers:
             rid = request_id(request)
             note(request, model=model, request_id=rid)  # the access log's
             slo = self.cfg.slo
-            deadline_s = request_deadline(intake, request.headers, slo.header, slo.classes,
-                                          slo.default)
+            deadline_s = None if intake.deadline_ms is None and not slo.classes else \
+                request_deadline(intake, request.headers, slo.header, slo.classes,
+                                 slo.default)
             timeout = self.cfg.queue.timeout_s
             if deadline_s is not None:
                 timeout = min(timeout, deadline_s)
@@ -142,7 +146,8 @@ class Handlers:
             request[TICKET_KEY] = ticket  # a migration replaces it (moves)
             if admission is not None:  # the stagger's (tenants.reserve_stagger)
                 ticket.tenant_class = admission.cls
-            self._mark_batch(request, ticket, admission, forwarded, t0)
+            if self.cfg.tenants is not None:
+                self._mark_batch(request, ticket, admission, forwarded, t0)
             if ticket.batch:  # it may wait for the trough, up to its deadline
                 timeout = self._lane_timeout(ticket, t0, deadline_s)
             try:
