@@ -45,6 +45,7 @@ _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive
 # one per client key and content type in practice.
 MAX_HEADER_SHAPES = 256
 _REQUEST_ID_NAME = REQUEST_ID_HEADER.encode("ascii")
+_REQUEST_ID_KEY = istr(REQUEST_ID_HEADER)
 # Typed keys (web.RequestKey): a plain string key makes aiohttp warn once per key.
 OUTPUT_TOKENS_KEY = web.RequestKey("skymesh.output_tokens", int)  # output count, for telemetry
 # the request's current ticket, once a migration replaced it
@@ -182,19 +183,18 @@ class UpstreamHeaders:
     # Whether a request may carry a trace (``tracing.enabled``): off, no request has a
     # span to inject, and :meth:`lines_for` reuses the lines it made for the same shape.
     traced: bool = True
-    # lines_for's lines by shape: the client's values of ``forwarded`` (X-Request-Id's:
-    # whether it was sent) -> the lines before and after the request id's line.
+    # lines_for's lines by shape: the client's values of ``forwarded`` but X-Request-Id,
+    # and whether it sent one -> the lines up to the request id's value (its name
+    # included) and from the end of its line.
     _lines: dict[tuple[str | bool | None, ...], tuple[bytes, bytes]] = field(
         default_factory=dict, compare=False, repr=False)
-    # ``forwarded`` as multidict's case-folded keys (a lookup without folding the name),
-    # and where X-Request-Id is among them: the shape's keys.
+    # ``forwarded`` but X-Request-Id as multidict's case-folded keys (a lookup without
+    # folding the name): the shape's values.
     _shape_keys: tuple[istr, ...] = field(init=False, compare=False, repr=False)
-    _id_at: tuple[int, ...] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_shape_keys", tuple(map(istr, self.forwarded)))
-        object.__setattr__(self, "_id_at", tuple(
-            i for i, k in enumerate(self.forwarded) if k == REQUEST_ID_HEADER))
+        object.__setattr__(self, "_shape_keys", tuple(
+            istr(k) for k in self.forwarded if k != REQUEST_ID_HEADER))
 
     def for_request(self, request: web.Request) -> dict[str, str]:
         headers = {k: v for k in self.forwarded if (v := request.headers.get(k))}
@@ -211,12 +211,10 @@ class UpstreamHeaders:
         client's headers: the same bytes, without a dict and a format per header."""
         if self.traced:
             return header_lines(self._generation_headers(request))
-        values: list[str | bool | None] = [*map(request.headers.get, self._shape_keys)]
-        for i in self._id_at:
-            # The client's X-Request-Id is replaced by ours: only whether it came (where
-            # the line goes) shapes the lines, not its value.
-            values[i] = bool(values[i])
-        shape = tuple(values)
+        get = request.headers.get
+        # The client's X-Request-Id is replaced by ours: only whether it came (where the
+        # line goes, when it is forwarded) shapes the lines, not its value.
+        shape = (*map(get, self._shape_keys), bool(get(_REQUEST_ID_KEY)))
         parts = self._lines.get(shape)
         if parts is None:
             parts = self._make_lines(request)
@@ -224,8 +222,7 @@ class UpstreamHeaders:
                 self._lines.clear()
             self._lines[shape] = parts
         # request_id() is 32 hex digits or a client's printable ASCII: no line break.
-        return b"%s%s: %s\r\n%s" % (parts[0], _REQUEST_ID_NAME,
-                                     request_id(request).encode("ascii"), parts[1])
+        return parts[0] + request_id(request).encode("ascii") + parts[1]
 
     def _generation_headers(self, request: web.Request) -> dict[str, str]:
         headers = self.for_request(request)
@@ -236,8 +233,8 @@ class UpstreamHeaders:
         headers = self._generation_headers(request)
         names = list(headers)
         at = names.index(REQUEST_ID_HEADER)
-        return (header_lines({k: headers[k] for k in names[:at]}),
-                header_lines({k: headers[k] for k in names[at + 1:]}))
+        return (header_lines({k: headers[k] for k in names[:at]}) + _REQUEST_ID_NAME + b": ",
+                b"\r\n" + header_lines({k: headers[k] for k in names[at + 1:]}))
 
 
 class RequestCore:
