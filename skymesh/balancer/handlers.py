@@ -102,6 +102,9 @@ class Handlers:
         # Each step below that a configuration without it skips is tested here, not in
         # a call that returns at once: a call per request each (mesh, keys, SLO, batch).
         forwarded = self.peer_secret is not None and self.forwarded_by_peer(request)
+        # The request's items, not request[...]: a Python call fewer each on the lean
+        # server's request (its and aiohttp's keep them in ``_state``).
+        items = request._state
         try:
             if self.edge.keys.required:  # client keys (they reload): checked, maybe capped
                 self.authorize(request, forwarded)
@@ -140,10 +143,8 @@ class Handlers:
                 admission = await self._wait_turn(gate, request, model, route.prompt_len, t0,
                                                   timeout)
             ticket = Ticket(route, t0)
-            # Set now, so that the ``finally`` reads a key that is there: aiohttp's
-            # Request.get is collections.abc's, which raises and catches a KeyError on a
-            # miss (0.25 us, against 0.12 us to set the key and read it).
-            request[TICKET_KEY] = ticket  # a migration replaces it (moves)
+            # Set now, so that the ``finally`` reads a key that is there.
+            items[TICKET_KEY] = ticket  # a migration replaces it (moves)
             if admission is not None:  # the stagger's (tenants.reserve_stagger)
                 ticket.tenant_class = admission.cls
             if self.cfg.tenants is not None:
@@ -176,7 +177,7 @@ class Handlers:
                 else:
                     del self.in_flight_by_key[holder]
             if ticket is not None:
-                cur: Ticket = request[TICKET_KEY]
+                cur: Ticket = items[TICKET_KEY]
                 if d.cancel(cur):
                     outcome = "cancelled"
                 if cur.target is not None:  # still attributed: client went away
@@ -185,7 +186,7 @@ class Handlers:
             series = core.metrics.model(model)
             series.outcome(outcome).inc()
             series.e2e.observe(core.now() - t0)
-            out_tokens = request.get(OUTPUT_TOKENS_KEY, 0) if ticket is not None else 0
+            out_tokens = items.get(OUTPUT_TOKENS_KEY, 0) if ticket is not None else 0
             if gate is not None and admission is not None:
                 gate.leave(admission, admission.prompt_tokens + out_tokens)
             if ticket is not None:
