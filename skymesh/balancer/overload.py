@@ -396,6 +396,12 @@ def check_servable(d: Dispatcher, model: str, u: float, *, forwarded: bool = Fal
         # The usual case, from the dispatcher's cached summary: a healthy replica serves
         # it (so it is reachable and servable), and no breaker is open to shut them all.
         return
+    servable_fully(d, model, u, forwarded=forwarded, now=now)
+
+
+def servable_fully(d: Dispatcher, model: str, u: float, *, forwarded: bool = False,
+                   now: float | None = None) -> None:
+    """:func:`check_servable` without its shortcut for the usual case: every check."""
     if not d.reachable(model):
         unlisted = unlisted_replicas(d)
         if unlisted:

@@ -14,7 +14,6 @@ from aiohttp.test_utils import make_mocked_request
 from skymesh.balancer.breaker import Breaker, BreakerState
 from skymesh.balancer.dispatch import Dispatcher, Ticket
 from skymesh.balancer.errors import (
-    ModelNotFound,
     NoCapacity,
     NoHealthyReplica,
     Overloaded,
@@ -39,6 +38,7 @@ from skymesh.balancer.overload import (
     cold_retry_s,
     dead_retries,
     next_slot,
+    servable_fully,
     stranded,
     unlisted_replicas,
 )
@@ -411,26 +411,6 @@ def test_a_peer_that_serves_the_model_takes_it_unless_forwarded() -> None:
     assert breakers_open(d, "m", 1.0) is not None
 
 
-def _servable_before(d: Dispatcher, model: str, u: float, now: float | None) -> None:
-    """check_servable as it was before its shortcut (session 27): the reference."""
-    from skymesh.balancer.overload import outage, outage_retry_s
-
-    if not d.reachable(model):
-        unlisted = unlisted_replicas(d)
-        if unlisted:
-            raise NoHealthyReplica(
-                f"model {model!r} is not known yet: {unlisted} replica(s) have not answered "
-                "since the balancer started; retry later", retry_after_s=outage_retry_s(u))
-        raise ModelNotFound(f"model {model!r} is not served here; see /v1/models",
-                            param="model")
-    if not can_serve(d, model):
-        raise outage(d, model, u)
-    if now is not None:
-        shut = breakers_open(d, model, now, u)
-        if shut is not None:
-            raise shut
-
-
 def _answer(check: Callable[..., None], *args: Any, **kw: Any
             ) -> tuple[str, str, float | None] | None:
     try:
@@ -448,7 +428,8 @@ def test_check_servable_s_shortcut_answers_as_the_full_checks(
         down: tuple[str, ...], open_: tuple[str, ...], now: float | None,
         unlisted: bool) -> None:
     """The usual case (a healthy replica serves the model and no breaker is open) is
-    read from the dispatcher's health summary; every state answers as the full checks."""
+    read from the dispatcher's health summary; every state answers as the full checks
+    (``servable_fully``, the function before the shortcut)."""
     d = _breakers()
     if unlisted:  # a replica that has not said which models it serves
         d.set_targets({**{t: d.targets[t].models for t in d.targets}, "d": []})
@@ -458,5 +439,5 @@ def test_check_servable_s_shortcut_answers_as_the_full_checks(
         d.set_healthy(target, False)
     for model in ("m", "other", "nope"):
         for u in (0.0, 0.5):
-            want = _answer(_servable_before, d, model, u, now)
+            want = _answer(servable_fully, d, model, u, now=now)
             assert _answer(check_servable, d, model, u, now=now) == want
