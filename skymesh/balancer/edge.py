@@ -31,12 +31,16 @@ _COUNTER = itertools.count(1)
 
 def request_id(request: web.Request) -> str:
     """The request's id (see the module docstring); the same on every call."""
-    rid: str | None = request.get(_ID_KEY)
+    # The request's own dict, not request.get() and request[...]: a Python call fewer
+    # each on the lean server's request, of the three a request makes here (aiohttp's
+    # Request and the lean server's both keep their items in ``_state``).
+    state = request._state
+    rid: str | None = state.get(_ID_KEY)
     if rid is None:
         given = request.headers.get(REQUEST_ID_HEADER)
         rid = given if given and len(given) <= MAX_ID_LEN and given.isprintable() \
             and given.isascii() else f"{_PREFIX}{next(_COUNTER):016x}"
-        request[_ID_KEY] = rid
+        state[_ID_KEY] = rid
     return rid
 
 

@@ -45,7 +45,7 @@ from skymesh.balancer.relay import (
     RequestCore,
     UpstreamHeaders,
     broken,
-    copy_headers,
+    reply_response,
 )
 from skymesh.balancer.streaming import Streams
 from skymesh.balancer.upstream import (
@@ -141,13 +141,18 @@ class Forwarder:
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         loop = self.core.loop
-        if loop is not self._loop:  # a new loop: what was kept on the old one goes
-            self._loop = loop
-            self._deadlines, self._waiting, self._sweep = [], 0, None  # the old loop's
-            self._sweep_at = float("inf")
-            self._at_once = loop.create_future()
-            self._at_once.set_result(None)
+        if loop is not self._loop:
+            self._renew(loop)
         return loop
+
+    def _renew(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        """A new loop: what was kept on the old one goes; the new resolved future."""
+        self._loop = loop
+        self._deadlines, self._waiting, self._sweep = [], 0, None  # the old loop's
+        self._sweep_at = float("inf")
+        at_once = self._at_once = loop.create_future()
+        at_once.set_result(None)
+        return at_once
 
     async def wait_dispatch(self, ticket: Ticket, timeout: float) -> str:
         """The replica (or peer) the queued ``ticket`` went to, within ``timeout``.
@@ -161,14 +166,19 @@ class Forwarder:
     def offer_wait(self, ticket: Ticket) -> asyncio.Future[None]:
         """The ticket's dispatch as a future, after a pump: done already when a replica
         took it at once (then the shared, resolved one)."""
-        loop = self.loop
-        ticket.payload = self._at_once
+        # Not ``self.loop`` (the running loop asked through two properties) for a request
+        # dispatched at once: a resolved future serves on any loop; a waiter below asks
+        # it, which renews what was kept on an old loop.
+        at_once = self._at_once
+        if at_once is None:
+            at_once = self._renew(self.core.loop)
+        ticket.payload = at_once
         # Nothing fails the ticket in this pump: the pump fails only the waiters in
         # ``failfast``, which it joins in ``wait_queued``.
         self.core.pump()
         if ticket.target is not None and not ticket.queued:
-            return self._at_once  # type: ignore[return-value]
-        fut: asyncio.Future[None] = loop.create_future()
+            return at_once
+        fut: asyncio.Future[None] = self.loop.create_future()
         ticket.payload = fut
         return fut
 
@@ -336,7 +346,7 @@ class Forwarder:
                         decoded = fast_usage(body)
                         note_usage(request, decoded)
                         prompt, out, hits = reply_usage(body, decoded)
-                    request[OUTPUT_TOKENS_KEY] = out
+                    request._state[OUTPUT_TOKENS_KEY] = out  # not request[...]: a call fewer
                     if self.core.switches.flags.timed:
                         # No first-token time is observable without streaming: the end
                         # only (policies learn TTFT and TPOT from streams).
@@ -346,7 +356,7 @@ class Forwarder:
                 d.complete(ticket, self.core.now(), ok=ok)
                 if records:
                     self.core.record_later(ticket.route, target, intake, text)
-                resp = web.Response(status=up.status, body=body, headers=copy_headers(up))
+                resp = reply_response(up.status, body, up)
                 return resp, "ok" if ok else f"upstream_{up.status}"
             if self.core.switches.flags.migrates and migratable(intake.body):
                 return await self.mover.stream_live(request, ticket, up, t0, sent, intake)

@@ -391,6 +391,17 @@ def check_servable(d: Dispatcher, model: str, u: float, *, forwarded: bool = Fal
     nothing that serves it is up, or when replicas that may serve it (their models not
     known yet) have not answered since the start; with ``now``, also when every replica
     that serves it is behind an open breaker (:func:`breakers_open`)."""
+    healthy, some_open = d.health_summary()
+    if model in healthy and (now is None or not some_open):
+        # The usual case, from the dispatcher's cached summary: a healthy replica serves
+        # it (so it is reachable and servable), and no breaker is open to shut them all.
+        return
+    servable_fully(d, model, u, forwarded=forwarded, now=now)
+
+
+def servable_fully(d: Dispatcher, model: str, u: float, *, forwarded: bool = False,
+                   now: float | None = None) -> None:
+    """:func:`check_servable` without its shortcut for the usual case: every check."""
     if not d.reachable(model):
         unlisted = unlisted_replicas(d)
         if unlisted:

@@ -563,10 +563,9 @@ class Upstream:
                 headers if isinstance(headers, bytes) else header_lines(headers)]
         if body is None:
             head.append(b"\r\n")
-            message = b"".join(head)
-        else:
-            head.append(b"Content-Length: %d\r\n\r\n" % len(body))
-            message = b"".join(head) + body
+        else:  # joined with the head: one copy of the body, not two
+            head += (b"Content-Length: %d\r\n\r\n" % len(body), body)
+        message = b"".join(head)
         conn = self._get(key)
         reused = conn is not None
         while True:

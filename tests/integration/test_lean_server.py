@@ -382,14 +382,16 @@ async def test_the_balancer_through_skymesh_lb_config(caplog: pytest.LogCaptureF
                                                        monkeypatch: pytest.MonkeyPatch
                                                        ) -> None:
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
-    stored: list[object] = []  # the request's storage keys: typed, as on web.Request
-    real = LeanRequest.__setitem__
+    # The requests' storage keys, set through request[...] or (on the request path) its
+    # ``_state`` directly: typed, as on web.Request.
+    served: list[LeanRequest] = []
+    real = LeanRequest.__init__
 
-    def recorded(self: LeanRequest, key: Any, value: Any) -> None:
-        stored.append(key)
-        real(self, key, value)
+    def recorded(self: LeanRequest, *args: Any) -> None:
+        served.append(self)
+        real(self, *args)
 
-    monkeypatch.setattr(LeanRequest, "__setitem__", recorded)
+    monkeypatch.setattr(LeanRequest, "__init__", recorded)
     async with serving(chat_replica(MODEL)) as rport:
         cfg = parse_config({"listen": {"host": "127.0.0.1", "port": 0, "http_server": "lean"},
                             "policy": {"name": "round-robin"},
@@ -417,6 +419,7 @@ async def test_the_balancer_through_skymesh_lb_config(caplog: pytest.LogCaptureF
                     assert "error" in await r.json()  # the OpenAI shape
             await eventually(lambda: any(getattr(r, "request_id", "") == "lean-1"
                                          for r in caplog.records), "its access line")
+            stored = [k for r in served for k in r._state]
             assert stored and all(isinstance(k, web.RequestKey) for k in stored)
         finally:
             await runner.cleanup()

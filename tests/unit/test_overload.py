@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from skymesh.balancer.breaker import Breaker, BreakerState
 from skymesh.balancer.dispatch import Dispatcher, Ticket
-from skymesh.balancer.errors import NoCapacity, NoHealthyReplica, Overloaded, retry_headers
+from skymesh.balancer.errors import (
+    NoCapacity,
+    NoHealthyReplica,
+    Overloaded,
+    SkyMeshError,
+    retry_headers,
+)
 from skymesh.balancer.handlers import RETRY_COUNT_HEADER, _is_retry
 from skymesh.balancer.overload import (
     BREAKER_SPREAD_S,
@@ -30,6 +38,7 @@ from skymesh.balancer.overload import (
     cold_retry_s,
     dead_retries,
     next_slot,
+    servable_fully,
     stranded,
     unlisted_replicas,
 )
@@ -400,3 +409,35 @@ def test_a_peer_that_serves_the_model_takes_it_unless_forwarded() -> None:
     assert breakers_open(d, "m", 1.0, forwarded=True) is not None
     d.set_peer_alive("eu", False)
     assert breakers_open(d, "m", 1.0) is not None
+
+
+def _answer(check: Callable[..., None], *args: Any, **kw: Any
+            ) -> tuple[str, str, float | None] | None:
+    try:
+        check(*args, **kw)
+    except SkyMeshError as exc:
+        return type(exc).__name__, exc.message, getattr(exc, "retry_after_s", None)
+    return None
+
+
+@pytest.mark.parametrize("down", [(), ("a",), ("a", "b"), ("c",), ("a", "b", "c")])
+@pytest.mark.parametrize("open_", [(), ("a",), ("a", "b")])
+@pytest.mark.parametrize("now", [None, 6.0, OPEN_S])
+@pytest.mark.parametrize("unlisted", [False, True])
+def test_check_servable_s_shortcut_answers_as_the_full_checks(
+        down: tuple[str, ...], open_: tuple[str, ...], now: float | None,
+        unlisted: bool) -> None:
+    """The usual case (a healthy replica serves the model and no breaker is open) is
+    read from the dispatcher's health summary; every state answers as the full checks
+    (``servable_fully``, the function before the shortcut)."""
+    d = _breakers()
+    if unlisted:  # a replica that has not said which models it serves
+        d.set_targets({**{t: d.targets[t].models for t in d.targets}, "d": []})
+    for i, target in enumerate(open_):
+        _failing(d, target, float(i * 5), 1)
+    for target in down:
+        d.set_healthy(target, False)
+    for model in ("m", "other", "nope"):
+        for u in (0.0, 0.5):
+            want = _answer(servable_fully, d, model, u, now=now)
+            assert _answer(check_servable, d, model, u, now=now) == want

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 
@@ -21,6 +22,7 @@ from skymesh.balancer.relay import (
     MAX_HEADER_SHAPES,
     UpstreamHeaders,
     copy_headers,
+    reply_response,
 )
 from skymesh.balancer.upstream import (
     ReplyTooLarge,
@@ -146,6 +148,37 @@ def test_the_reply_headers_copied_from_our_clients_pairs_are_the_multidicts(
     general = SimpleNamespace(headers=CIMultiDict(pairs))  # aiohttp's reply: its multidict
     assert copy_headers(ours) == copy_headers(cast(Any, general))
     assert list(copy_headers(ours).items()) == list(copy_headers(cast(Any, general)).items())
+
+
+def _as_built(resp: web.Response) -> dict[str, Any]:
+    """A response's attributes, its headers as their pairs in order."""
+    attrs = dict(vars(resp))
+    attrs["_headers"] = list(attrs["_headers"].items())
+    return attrs
+
+
+@pytest.mark.parametrize("status", [200, 201, 400, 404, 429])
+@pytest.mark.parametrize("pairs", [
+    [("Content-Type", "application/json"), ("Content-Length", "8"), ("X-Request-Id", "r")],
+    [("content-type", "a"), ("Content-Type", "b"), ("X-A", "1"), ("x-a", "2"),
+     ("Date", "d"), ("Server", "s")],
+    [],
+])
+@pytest.mark.parametrize("body", [b'{"a": 1}', b"", bytearray(b"xy")])
+def test_the_reply_response_is_the_one_web_response_would_build(
+        status: int, pairs: list[tuple[str, str]], body: bytes) -> None:
+    up = whole(b"", dict.fromkeys(()))
+    up.raw_headers = pairs
+    ours = reply_response(status, body, up)
+    theirs = web.Response(status=status, body=body, headers=copy_headers(up))
+    assert type(ours) is web.Response
+    assert _as_built(ours) == _as_built(theirs)
+    assert ours._body is body
+    # Each its own: the item dict and the headers are not shared with another response.
+    again = reply_response(status, body, up)
+    again["k"] = 1
+    again.headers["X-New"] = "1"
+    assert "k" not in ours and "X-New" not in ours.headers
 
 
 @pytest.mark.parametrize("enabled", [False, True])
