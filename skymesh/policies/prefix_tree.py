@@ -57,8 +57,10 @@ class PrefixTree(Policy, name="prefix-tree"):
     # (Policy.memo_preferred).
     memo_preferred = True
     # select() over the targets preferred() was just asked about: the same match (the
-    # trie's remembered lookup, whose recency touch re-stamps the segment that call made
-    # newest: no change of order) and the same least-loaded choice among its holders.
+    # trie's remembered lookup of the same allowed set, whose recency touch re-stamps
+    # the segment that call made newest: no change of order) and the same least-loaded
+    # choice among its holders, listed in the trie's order whatever the candidates'. The
+    # engines' holders (exact_match) come in the candidates' order: the same order then.
     select_follows_preferred = True
 
     def __init__(
