@@ -545,12 +545,14 @@ class Dispatcher(BatchLanes):
                 # request among replicas that may take it now, so nothing remembered
                 # (a request with no candidate, or held) depends on it.
                 cands = self.stagger.narrow(route.model, ticket.tenant_class, cands, now)
-            elif self._select_follows and len(cands) == len(view.serving) and (
-                    cands is view.ready or route.exact_prefix is None):
+            elif len(cands) > 1 and self._select_follows \
+                    and len(cands) == len(view.serving) and (
+                        cands is view.ready or route.exact_prefix is None):
                 # Every replica serving the model is a candidate (the candidates are
                 # distinct, and among them), and _candidates asked preferred() over them
                 # all just now: where it named one, select() would too
-                # (``Policy.select_follows_preferred``).
+                # (``Policy.select_follows_preferred``). One candidate, select() answers
+                # at once: the length is asked first.
                 seen = self._seen_pref
                 if isinstance(seen, str):
                     return i, ticket, seen, False
