@@ -69,13 +69,19 @@ def _live(told: bool) -> dict[str, Any]:
                                      "ratio_median": 1.64, "ratios": ratios}}}
 
 
-def test_the_page_shows_the_default_where_sp_p_does_not_bind() -> None:
+def _told_doc() -> dict[str, Any]:
+    """A run with the @told row and a live run with its default-told arm."""
     doc = _doc(stubs=True, same=True)
     doc["current"]["modes"]["prefix-tree+sp-p@told"] = {
         "us_per_request": 22.0, "min": 21.0, "max": 23.0, "digest": "y"}
     doc["current"]["told_default_over_round_robin"] = 2.2
     doc["setup"]["told"] = {"max_num_seqs": 256, "prefer_queue": 256, "warmup": 1000}
     doc["dispatch-cost-live"] = _live(told=True)
+    return doc
+
+
+def test_the_page_shows_the_default_where_sp_p_does_not_bind() -> None:
+    doc = _told_doc()
     page = dispatch_cost(doc)
     # 70 us between default and rr, 50 of it the queue, 20 over rr without it.
     for part in ("| prefix-tree+sp-p@told | 22 [21, 23] |",
@@ -87,12 +93,7 @@ def test_the_page_shows_the_default_where_sp_p_does_not_bind() -> None:
 
 
 def test_a_default_below_its_told_arm_reads_as_the_rounds_spread() -> None:
-    doc = _doc(stubs=True, same=True)
-    doc["current"]["modes"]["prefix-tree+sp-p@told"] = {
-        "us_per_request": 22.0, "min": 21.0, "max": 23.0, "digest": "y"}
-    doc["current"]["told_default_over_round_robin"] = 2.2
-    doc["setup"]["told"] = {"max_num_seqs": 256, "prefer_queue": 256, "warmup": 1000}
-    doc["dispatch-cost-live"] = _live(told=True)
+    doc = _told_doc()
     told = doc["dispatch-cost-live"]["versions"]["current"]["configs"]["default-told"]
     told.update(rounds=[185.0], median=185.0, min=185.0, max=185.0)
     page = dispatch_cost(doc)
