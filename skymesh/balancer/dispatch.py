@@ -217,6 +217,7 @@ class Dispatcher(BatchLanes):
         self._memo_ok = not self._names_preferred or type(value).memo_preferred
         # Most policies keep nothing per completion: no call of the base's no-op then.
         self._told_complete = type(value).on_complete is not Policy.on_complete
+        self._select_follows = self._names_preferred and type(value).select_follows_preferred
         self._prefers = getattr(self, "_hold_s", 0.0) > 0 and self._names_preferred
         self._changed()
 
@@ -544,6 +545,17 @@ class Dispatcher(BatchLanes):
                 # request among replicas that may take it now, so nothing remembered
                 # (a request with no candidate, or held) depends on it.
                 cands = self.stagger.narrow(route.model, ticket.tenant_class, cands, now)
+            elif len(cands) > 1 and self._select_follows \
+                    and len(cands) == len(view.serving) and (
+                        cands is view.ready or route.exact_prefix is None):
+                # Every replica serving the model is a candidate (the candidates are
+                # distinct, and among them), and _candidates asked preferred() over them
+                # all just now: where it named one, select() would too
+                # (``Policy.select_follows_preferred``). One candidate, select() answers
+                # at once: the length is asked first.
+                seen = self._seen_pref
+                if isinstance(seen, str):
+                    return i, ticket, seen, False
             target = policy.select(route, cands, self)
             if target is not None:
                 return i, ticket, target, False

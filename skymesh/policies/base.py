@@ -165,6 +165,15 @@ class Policy(ABC):
     # allowed: the dispatcher's docstring says why). The dispatcher then skips calls
     # whose inputs did not change, with the same answers and the same RNG stream.
     memo_preferred: ClassVar[bool] = False
+    # Whether ``select`` over the targets of a ``preferred`` call just made for the same
+    # request (in the same order; in any order for a request without ``exact_prefix``),
+    # with nothing changed in between, answers what that call answered when it named a
+    # target (the request's deadline aside), and changes nothing a decision reads that
+    # the call did not: then the dispatcher takes that answer without the second call
+    # (the default's arrival where every replica may take the request: a trie match and
+    # a least-loaded choice fewer). A subclass that overrides ``select`` or ``preferred``
+    # without declaring it again does not inherit it (``__init_subclass__``).
+    select_follows_preferred: ClassVar[bool] = False
     draws: int = 0
     _tie_salt: int | None = None  # tie_for's hash key, drawn from the RNG at first use
     considered: tuple[str, ...] = ()
@@ -172,6 +181,9 @@ class Policy(ABC):
 
     def __init_subclass__(cls, name: str = "", **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "select_follows_preferred" not in cls.__dict__ and (
+                "select" in cls.__dict__ or "preferred" in cls.__dict__):
+            cls.select_follows_preferred = False
         if name:
             if name in POLICY_CLASSES:
                 raise RuntimeError(f"policy name {name!r} registered twice")

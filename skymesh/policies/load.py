@@ -180,13 +180,17 @@ class ReplicaLoad:
         self._recount()
 
     def _recount(self) -> None:
-        probed = self.running + self.waiting + self.unadmitted
-        self.outstanding = self.in_flight if self.in_flight > probed else probed
-        shown = self.running + self.waiting - len(self._freed_at)
-        slots = (shown if shown > 0 else 0) + self.unadmitted
-        self.slots_taken = self.in_flight if self.in_flight > slots else slots
-        if self.on_change is not None:
-            self.on_change()
+        # Three times a request (dispatch, first byte, completion): each count read once.
+        in_flight, unadmitted = self.in_flight, self.unadmitted
+        probed = self.running + self.waiting
+        shown = probed - len(self._freed_at)
+        probed += unadmitted
+        self.outstanding = in_flight if in_flight > probed else probed
+        slots = (shown if shown > 0 else 0) + unadmitted
+        self.slots_taken = in_flight if in_flight > slots else slots
+        on_change = self.on_change
+        if on_change is not None:
+            on_change()
 
     def on_probe(self, now: float, waiting: int, running: int, kv_usage: float,
                  kv_capacity_tokens: int | None = None, max_num_seqs: int | None = None,

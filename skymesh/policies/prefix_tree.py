@@ -56,6 +56,12 @@ class PrefixTree(Policy, name="prefix-tree"):
     # by evictions and membership: the trie's epoch) and the matched targets' loads
     # (Policy.memo_preferred).
     memo_preferred = True
+    # select() over the targets preferred() was just asked about: the same match (the
+    # trie's remembered lookup of the same allowed set, whose recency touch re-stamps
+    # the segment that call made newest: no change of order) and the same least-loaded
+    # choice among its holders, listed in the trie's order whatever the candidates'. The
+    # engines' holders (exact_match) come in the candidates' order: the same order then.
+    select_follows_preferred = True
 
     def __init__(
         self,

@@ -286,8 +286,12 @@ class PrefixTrie:
         memo = matches.get(id(keys))
         if memo is not None and memo[0] is keys and memo[1] == amask \
                 and memo[2] == self._version:
-            if memo[3] is not None:
-                self._touch(memo[3])  # as the walk would: recency decides evictions
+            seg = memo[3]
+            # As the walk would: recency decides evictions. A segment that is the newest
+            # already (the last touch was this lookup's, as when the dispatcher asks
+            # select after preferred) keeps its place: a new stamp changes no order.
+            if seg is not None and seg.stamp != self._tick:
+                self._touch(seg)
             return memo[4]
         d, seg = self._deepest(keys, amask, len(keys))
         if amask & self._live == self._live and type(keys) is tuple:

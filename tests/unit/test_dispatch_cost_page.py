@@ -69,13 +69,19 @@ def _live(told: bool) -> dict[str, Any]:
                                      "ratio_median": 1.64, "ratios": ratios}}}
 
 
-def test_the_page_shows_the_default_where_sp_p_does_not_bind() -> None:
+def _told_doc() -> dict[str, Any]:
+    """A run with the @told row and a live run with its default-told arm."""
     doc = _doc(stubs=True, same=True)
     doc["current"]["modes"]["prefix-tree+sp-p@told"] = {
         "us_per_request": 22.0, "min": 21.0, "max": 23.0, "digest": "y"}
     doc["current"]["told_default_over_round_robin"] = 2.2
     doc["setup"]["told"] = {"max_num_seqs": 256, "prefer_queue": 256, "warmup": 1000}
     doc["dispatch-cost-live"] = _live(told=True)
+    return doc
+
+
+def test_the_page_shows_the_default_where_sp_p_does_not_bind() -> None:
+    doc = _told_doc()
     page = dispatch_cost(doc)
     # 70 us between default and rr, 50 of it the queue, 20 over rr without it.
     for part in ("| prefix-tree+sp-p@told | 22 [21, 23] |",
@@ -84,6 +90,16 @@ def test_the_page_shows_the_default_where_sp_p_does_not_bind() -> None:
                  "| 130 [130, 130] | 1.18 | **1.18x** |", "(70 us per request",
                  "(default-told) costs 20 us over rr", "the default costs 50 us more than that"):
         assert part in page, part
+
+
+def test_a_default_below_its_told_arm_reads_as_the_rounds_spread() -> None:
+    doc = _told_doc()
+    told = doc["dispatch-cost-live"]["versions"]["current"]["configs"]["default-told"]
+    told.update(rounds=[185.0], median=185.0, min=185.0, max=185.0)
+    page = dispatch_cost(doc)
+    assert ("the default costs 5 us less than that, within the spread between rounds: "
+            "here nothing shows of what sp-p's limit may still cost once learnt") in page
+    assert "more than that" not in page
 
 
 def test_a_live_run_without_the_told_arm_keeps_its_table() -> None:

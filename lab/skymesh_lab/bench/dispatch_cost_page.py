@@ -163,8 +163,10 @@ def _remaining(configs: dict[str, Any], stubs_core: str, told_core: str | None) 
         f"; the default where sp-p's limit never binds ({TOLD_LIVE}) costs "
         f"{not_binding:.0f} us over rr (the decision core's {TOLD} row: about "
         f"{told_core}); the default costs {abs(queue):.0f} us "
-        f"{'more' if queue >= 0 else 'less'} than that: what sp-p's limit still costs once "
-        "learnt (a request that waits at the balancer costs its dispatch "
+        + ("more than that: what sp-p's limit still costs once " if queue >= 0 else
+           "less than that, within the spread between rounds: here nothing shows of what "
+           "sp-p's limit may still cost once ")
+        + "learnt (a request that waits at the balancer costs its dispatch "
         "awaited, a pump at each first byte and completion that re-checks the window, more "
         "event-loop passes while few requests are in flight to each replica; within the "
         "spread between rounds when small). Without a queue, what the default does "
