@@ -395,8 +395,8 @@ SOURCES: tuple[Source, ...] = (
            "revision before the request path's last rework runs in the same rounds, in "
            "alternating turns, and the ratio is paired by round. See [the lab](../lab.md"
            "#benchmarks).",
-           (".venv/bin/python", "-m", "skymesh_lab.bench.request_path_cost", "--rounds", "8",
-            "--duration", "4", "--base", "73b4d9b", "--configs", "rr,default",
+           (".venv/bin/python", "-m", "skymesh_lab.bench.request_path_cost", "--rounds", "12",
+            "--duration", "4", "--base", "eae7770", "--configs", "rr,default",
             "--json", "{json}"),
            request_path_cost_page.request_path_cost),
     Source("rss-soak-1m", "skymesh-lb's memory over a long run (issue #35 item 5)",
