@@ -91,15 +91,20 @@ def request_handler(app: web.Application, handle: Handler, routes: DirectRoutes,
     lookup = infos.get
     expect = hdrs.EXPECT
 
+    def route(request: Any) -> Awaitable[web.StreamResponse]:
+        """The request's handling, not yet awaited: a plain route's handler directly
+        (what _handle does for it, without the loop lookup), else the app's ``_handle``.
+        A plain function, so that it adds no coroutine frame to the request."""
+        direct = lookup((request.method, request.raw_path))
+        if direct is None or expect in request.headers:
+            return handle(request)
+        request._match_info, route_handler = direct
+        return route_handler(request)
+
     async def front(request: Any) -> web.StreamResponse:
         conn = mark_started(request)
         try:
-            direct = lookup((request.method, request.raw_path))
-            if direct is None or expect in request.headers:
-                return await handle(request)
-            # What _handle does for the route, without the loop lookup.
-            request._match_info, route_handler = direct
-            return await route_handler(request)
+            return await route(request)
         finally:
             if conn is not None:
                 conn.request_finished()
@@ -118,12 +123,7 @@ def request_handler(app: web.Application, handle: Handler, routes: DirectRoutes,
         rec = AccessRecord(clock(), clock)
         request._state[key] = rec
         try:
-            direct = lookup((request.method, request.raw_path))
-            if direct is None or expect in request.headers:
-                resp = await handle(request)
-            else:
-                request._match_info, route_handler = direct
-                resp = await route_handler(request)
+            resp = await route(request)
         except BaseException as exc:
             failed(request, rec, exc)
             raise
