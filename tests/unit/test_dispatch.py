@@ -392,3 +392,12 @@ def test_no_hold_for_a_replica_the_request_failed_on() -> None:
     retry.excluded = {"a"}
     d.offer(retry, 0.1, front=True)
     assert d.pump(0.1) == [retry] and retry.target == "b"
+
+
+def test_tickets_share_an_empty_exclusion_that_a_failure_never_changes() -> None:
+    # No set per request: every ticket starts with the same empty frozenset, and a failed
+    # attempt gives its ticket a new set (Forwarder.serve), leaving the others' alone.
+    a, b = ticket(1), ticket(2)
+    assert a.excluded is b.excluded and not a.excluded
+    a.excluded = a.excluded | {"x"}
+    assert a.excluded == {"x"} and not b.excluded and not ticket(3).excluded
