@@ -5,6 +5,7 @@ incremental state ``skymesh.balancer.dispatch`` keeps; see its ``__init__``)."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,7 +43,10 @@ class Ticket:
     deadline: float | None = None
     payload: Any = None
     target: str | None = None
-    excluded: set[str] = field(default_factory=set)
+    # Targets an attempt failed on. Every ticket starts with the same empty frozenset (a
+    # new set per request cost an allocation and a factory call); a failure assigns a
+    # new set (``excluded | {target}``), never changes this one.
+    excluded: AbstractSet[str] = frozenset()
     attempts: int = 0
     queued: bool = False
     held_since: float | None = None

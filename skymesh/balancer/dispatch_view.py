@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import TypeVar
 
 from skymesh.balancer.breaker import BreakerState
@@ -140,7 +141,7 @@ class DispatchView:
     def serves(self, model: str) -> bool:
         return any(model in t.models for t in self.targets.values())
 
-    def serves_beyond(self, model: str, excluded: set[str]) -> bool:
+    def serves_beyond(self, model: str, excluded: AbstractSet[str]) -> bool:
         """Whether some target outside ``excluded`` serves ``model`` (a retry has
         somewhere to go)."""
         return any(model in t.models and tid not in excluded

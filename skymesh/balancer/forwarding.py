@@ -15,6 +15,7 @@ policy may move it). The upstream request's headers are
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import logging
@@ -64,6 +65,8 @@ if TYPE_CHECKING:
     from skymesh.balancer.mesh_link import MeshLink
 
 log = logging.getLogger("skymesh.lb")
+# The span of an untraced attempt: a shared one that does nothing.
+_NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 # How early the sweep may take a queue timeout: the event loop's timers have millisecond
 # resolution, so a sweep can run a hair before the deadline it was armed for (asyncio's
@@ -256,6 +259,14 @@ class Forwarder:
 
     async def serve(self, request: web.Request, ticket: Ticket, raw: bytes, intake: Intake,
                     t0: float, timeout: float) -> tuple[web.StreamResponse, str]:
+        """Wait for the ticket's dispatch, send the request to its target (a replica: the
+        upstream client's POST, awaited in this frame; a peer: :meth:`forward_peer`) and
+        answer from the reply; a replica's fault before the first byte sends it to the
+        head of the queue for another, up to ``retry.max_attempts`` attempts in all.
+
+        The replica's attempt is not a coroutine of its own: every resume of the request
+        (the reply's headers arriving) passes through each frame of the chain from the
+        connection's task down, and each frame left is torn down on the way back."""
         max_attempts = self.cfg.retry.max_attempts
         model = ticket.route.model
         while True:
@@ -274,16 +285,35 @@ class Forwarder:
                     with upstream_span(request, target, attempt=ticket.attempts, peer=True):
                         return await self.forward_peer(request, ticket, target, raw, intake,
                                                        t0)
-                if not self.traced:  # no span to open: one context manager fewer
-                    return await self.forward(request, ticket, target, raw, intake, t0, sent)
-                with upstream_span(request, target, attempt=ticket.attempts):
-                    return await self.forward(request, ticket, target, raw, intake, t0, sent)
+                # No span to open without tracing: a shared one that does nothing.
+                with upstream_span(request, target, attempt=ticket.attempts) \
+                        if self.traced else _NO_SPAN:
+                    try:
+                        # In the try: a header with a line break is refused here
+                        # (ValueError: a 400, never sent upstream).
+                        up: Reply = await self.upstream().post(
+                            target, request.path, raw, self.headers.lines_for(request))
+                    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                        failure = self.post_failed(target, exc)
+                        raise failure from (exc if isinstance(failure, ReplicaFault) else None)
+                    try:
+                        if up.status < 400 and intake.stream:
+                            return await self.relay(request, ticket, target, up, intake,
+                                                    t0, sent)
+                        body = self.whole_body(target, up)
+                        if body is None:  # still arriving: read it as it comes
+                            body = await self.read_body(target, up)
+                        return self.answer(request, ticket, target, up, body, intake, t0,
+                                           sent)
+                    finally:
+                        up.release()
             except ReplicaFault as exc:
                 log.warning("attempt %d on %s failed before the first byte: %s",
                             ticket.attempts, target, exc)
                 self.core.dispatcher.complete(ticket, self.core.now(), ok=False, replica_fault=True)
                 self.core.metrics.retries.labels(target).inc()
-                ticket.excluded.add(target)
+                # A new set: tickets share the empty one they start with (Ticket.excluded).
+                ticket.excluded = ticket.excluded | {target}
                 if (ticket.attempts >= max_attempts
                         or not can_retry(self.core.dispatcher, model, ticket.excluded,
                                          self.core.now(), forwarded=ticket.route.forwarded)):
@@ -293,76 +323,89 @@ class Forwarder:
                     ) from None
                 self.core.dispatcher.offer(ticket, self.core.now(), front=True)
 
-    async def forward(self, request: web.Request, ticket: Ticket, target: str, raw: bytes,
-                      intake: Intake, t0: float, sent: float
-                      ) -> tuple[web.StreamResponse, str]:
-        stream = intake.stream
-        try:
-            # In the try: a header with a line break is refused here (ValueError, below).
-            up: Reply = await self.upstream().post(target, request.path, raw,
-                                                   self.headers.lines_for(request))
-        except ReplyTooLarge as exc:  # its headers: that replica's fault, try another
+    def post_failed(self, target: str, exc: Exception) -> Exception:
+        """What the upstream POST's ``exc`` is to the client: a reply over the header cap
+        or a connection's failure, the replica's fault (another replica is tried); a
+        header with a line break (ValueError), the client's 400."""
+        if isinstance(exc, ReplyTooLarge):  # its headers: that replica's fault
             self.core.refused(target, exc)
-            raise ReplicaFault(str(exc)) from exc
+            return ReplicaFault(str(exc))
+        if isinstance(exc, aiohttp.ClientError | TimeoutError):
+            return ReplicaFault(str(exc) or type(exc).__name__)
+        return BadRequest(str(exc))
+
+    def whole_body(self, target: str, up: Reply) -> bytes | None:
+        """A whole reply's body when all of it is in hand (a small reply comes with its
+        headers: no coroutine), else None; an error status over 500 is the replica's
+        fault (its start is the detail: :meth:`read_body` reads it)."""
+        if up.status >= 500:
+            return None
+        try:
+            return whole_capped(up, self.cfg.upstream.max_response_body_bytes)
+        except ReplyTooLarge as exc:
+            raise self._too_large(target, exc) from None
+
+    def _too_large(self, target: str, exc: ReplyTooLarge) -> UpstreamFailed:
+        # Not retried: the same request would be as large elsewhere.
+        self.core.refused(target, exc)
+        return UpstreamFailed(f"{exc} (upstream.max_response_body_bytes)")
+
+    async def read_body(self, target: str, up: Reply) -> bytes:
+        """A whole reply's body as it arrives, capped; a 5xx's start as the replica's fault."""
+        if up.status >= 500:
+            try:  # the start is the detail; the rest is dropped with the connection
+                detail = (await read_head(up, 200)).decode(errors="replace")
+            except (aiohttp.ClientError, TimeoutError):
+                detail = ""
+            raise ReplicaFault(f"HTTP {up.status}: {detail}")
+        try:
+            return await read_capped(up, self.cfg.upstream.max_response_body_bytes)
+        except ReplyTooLarge as exc:
+            raise self._too_large(target, exc) from None
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ReplicaFault(str(exc) or type(exc).__name__) from exc
-        except ValueError as exc:  # a header with a line break: never sent upstream
-            raise BadRequest(str(exc)) from None
-        try:
-            if up.status >= 500:
-                try:  # the start is the detail; the rest is dropped with the connection
-                    detail = (await read_head(up, 200)).decode(errors="replace")
-                except (aiohttp.ClientError, TimeoutError):
-                    detail = ""
-                raise ReplicaFault(f"HTTP {up.status}: {detail}")
-            model = ticket.route.model
-            if up.status >= 400 or not stream:
-                limit = self.cfg.upstream.max_response_body_bytes
-                try:
-                    # In hand already (a small reply comes with its headers): no coroutine.
-                    body = whole_capped(up, limit)
-                    if body is None:
-                        body = await read_capped(up, limit)
-                except ReplyTooLarge as exc:
-                    # Not retried: the same request would be as large elsewhere.
-                    self.core.refused(target, exc)
-                    raise UpstreamFailed(f"{exc} (upstream.max_response_body_bytes)"
-                                         ) from None
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    raise ReplicaFault(str(exc) or type(exc).__name__) from exc
-                d = self.core.dispatcher
-                d.first_byte(ticket)
-                self.core.metrics.model(model).ttft.observe(self.core.now() - t0)
-                ok = up.status < 400
-                records = ok and self.core.switches.flags.records
-                got_usage, text = reply_record(body, intake.kind) if records else (None, "")
-                if ok:
-                    if records:
-                        prompt, out, hits = usage_of(
-                            None if got_usage is NOT_DECODED else got_usage)
-                        # The access log's counts too, or it decodes the body again.
-                        note_usage(request, got_usage)
-                    else:  # decoded once: the access log's line takes its counts too
-                        decoded = fast_usage(body)
-                        note_usage(request, decoded)
-                        prompt, out, hits = reply_usage(body, decoded)
-                    request._state[OUTPUT_TOKENS_KEY] = out  # not request[...]: a call fewer
-                    if self.core.switches.flags.timed:
-                        # No first-token time is observable without streaming: the end
-                        # only (policies learn TTFT and TPOT from streams).
-                        d.policy.on_timing(ticket.route, target, RequestTiming(
-                            self.core.now(), sent, None, out, True,
-                            prompt or ticket.route.prompt_len, hits))
-                d.complete(ticket, self.core.now(), ok=ok)
-                if records:
-                    self.core.record_later(ticket.route, target, intake, text)
-                resp = reply_response(up.status, body, up)
-                return resp, "ok" if ok else f"upstream_{up.status}"
-            if self.core.switches.flags.migrates and migratable(intake.body):
-                return await self.mover.stream_live(request, ticket, up, t0, sent, intake)
-            return await self.streams.stream(request, ticket, up, t0, sent, intake)
-        finally:
-            up.release()
+
+    def answer(self, request: web.Request, ticket: Ticket, target: str, up: Reply,
+               body: bytes, intake: Intake, t0: float, sent: float
+               ) -> tuple[web.Response, str]:
+        """The client's response to a whole reply (an error status, or not streamed), and
+        the request's outcome; the dispatcher, the metrics, the policy told."""
+        model = ticket.route.model
+        d = self.core.dispatcher
+        d.first_byte(ticket)
+        self.core.metrics.model(model).ttft.observe(self.core.now() - t0)
+        ok = up.status < 400
+        records = ok and self.core.switches.flags.records
+        got_usage, text = reply_record(body, intake.kind) if records else (None, "")
+        if ok:
+            if records:
+                prompt, out, hits = usage_of(None if got_usage is NOT_DECODED else got_usage)
+                # The access log's counts too, or it decodes the body again.
+                note_usage(request, got_usage)
+            else:  # decoded once: the access log's line takes its counts too
+                decoded = fast_usage(body)
+                note_usage(request, decoded)
+                prompt, out, hits = reply_usage(body, decoded)
+            request._state[OUTPUT_TOKENS_KEY] = out  # not request[...]: a call fewer
+            if self.core.switches.flags.timed:
+                # No first-token time is observable without streaming: the end only
+                # (policies learn TTFT and TPOT from streams).
+                d.policy.on_timing(ticket.route, target, RequestTiming(
+                    self.core.now(), sent, None, out, True,
+                    prompt or ticket.route.prompt_len, hits))
+        d.complete(ticket, self.core.now(), ok=ok)
+        if records:
+            self.core.record_later(ticket.route, target, intake, text)
+        resp = reply_response(up.status, body, up)
+        return resp, "ok" if ok else f"upstream_{up.status}"
+
+    async def relay(self, request: web.Request, ticket: Ticket, target: str, up: Reply,
+                    intake: Intake, t0: float, sent: float
+                    ) -> tuple[web.StreamResponse, str]:
+        """A streamed reply, relayed (moved elsewhere mid-stream when the policy may)."""
+        if self.core.switches.flags.migrates and migratable(intake.body):
+            return await self.mover.stream_live(request, ticket, up, t0, sent, intake)
+        return await self.streams.stream(request, ticket, up, t0, sent, intake)
 
     async def forward_peer(self, request: web.Request, ticket: Ticket, peer: str, raw: bytes,
                            intake: Intake, t0: float) -> tuple[web.StreamResponse, str]:

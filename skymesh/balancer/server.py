@@ -143,6 +143,8 @@ class Balancer:
             if self.edge.keys.required or key else FORWARD_HEADERS)
         self.metrics = BalancerMetrics()
         self._decision_counters: dict[str, Any] = {}
+        # Targets of the decisions made since the last count (_count_decisions).
+        self._uncounted: list[str] = []
         self.predictor = LivePredictor(cfg.prediction)
         self.switches = Switches(PolicyFlags.of(policy, peer_policy, cfg))
         self._policy_params: dict[str, Any] | None = None  # as set_policy last installed
@@ -389,13 +391,18 @@ class Balancer:
             # the meter (its weights compose: aging to now and later equals aging to
             # later), so most pumps under a standing queue skip it.
             self.drain.observe(now, len(sent), d.queued)
-        for ticket in sent:
-            fut: asyncio.Future[None] = ticket.payload
-            if not fut.done():
-                fut.set_result(None)
+        if sent:
             # Counted once the loop comes round, after the request is on its way to the
-            # replica: at low rates every step before that write is TTFT.
-            loop.call_soon(self._count_decision, ticket.target or "")
+            # replica: at low rates every step before that write is TTFT. One callback
+            # counts every decision made until it runs (a handle per request cost more).
+            uncounted = self._uncounted
+            if not uncounted:
+                loop.call_soon(self._count_decisions)
+            for ticket in sent:
+                fut: asyncio.Future[None] = ticket.payload
+                if not fut.done():
+                    fut.set_result(None)
+                uncounted.append(ticket.target or "")
         if d.queued and self.failfast and may_strand(d):
             self._fail_stranded()
 
@@ -434,12 +441,16 @@ class Balancer:
         return self.retry_book.promise(self.now(), d.queued, d.max_queue, self.drain,
                                        self.rng.random())
 
-    def _count_decision(self, target: str) -> None:
-        c = self._decision_counters.get(target)
-        if c is None:
-            c = self._decision_counters[target] = self.metrics.decisions.labels(
-                self.dispatcher.policy.name, target)
-        c.inc()
+    def _count_decisions(self) -> None:
+        # Taken first: a count that raised leaves no targets behind without a callback.
+        targets, self._uncounted = self._uncounted, []
+        counters = self._decision_counters
+        for target in targets:
+            c = counters.get(target)
+            if c is None:
+                c = counters[target] = self.metrics.decisions.labels(
+                    self.dispatcher.policy.name, target)
+            c.inc()
 
 
 BALANCER = web.AppKey("balancer", Balancer)

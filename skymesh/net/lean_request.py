@@ -10,7 +10,6 @@ need (a query, a multipart body, a match on a dynamic path) is never asked for h
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any, cast
@@ -38,7 +37,9 @@ class LeanBody:
     __slots__ = ("_buf", "_eof", "_exc", "_pause", "_size", "_waiter")
 
     def __init__(self, pause: Any) -> None:
-        self._buf: collections.deque[bytes] = collections.deque()
+        # A list, not a deque: it is mostly one chunk, taken whole; a deque is 760 bytes
+        # (and a block of 64 slots) per request, an empty list 56.
+        self._buf: list[bytes] = []
         self._size = 0
         self._eof = False
         self._exc: BaseException | None = None
@@ -99,7 +100,7 @@ class LeanBody:
             await self._waiter
         if not self._buf:
             return b""
-        data = self._buf.popleft()
+        data = self._buf.pop(0)  # a few chunks at most: the body is bounded above
         self._size -= len(data)
         if self._size <= BODY_HIGH_WATER:
             self._pause(False)

@@ -84,7 +84,7 @@ def test_completion_returns_in_flight_to_zero_and_retry_excludes_failed_replica(
     assert d.load(first).in_flight == 1
     d.complete(t, 0.0, ok=False, replica_fault=True)
     assert d.load(first).in_flight == 0 and t.target is None
-    t.excluded.add(first)
+    t.excluded = {first}
     d.offer(t, 0.0, front=True)
     [again] = d.pump(0.0)
     assert again.target not in (None, first) and again.attempts == 2
@@ -389,6 +389,15 @@ def test_no_hold_for_a_replica_the_request_failed_on() -> None:
     [retry] = d.pump(0.0)
     assert retry.target == "a"
     d.complete(retry, 0.1, ok=False, replica_fault=True)
-    retry.excluded.add("a")
+    retry.excluded = {"a"}
     d.offer(retry, 0.1, front=True)
     assert d.pump(0.1) == [retry] and retry.target == "b"
+
+
+def test_tickets_share_an_empty_exclusion_that_a_failure_never_changes() -> None:
+    # No set per request: every ticket starts with the same empty frozenset, and a failed
+    # attempt gives its ticket a new set (Forwarder.serve), leaving the others' alone.
+    a, b = ticket(1), ticket(2)
+    assert a.excluded is b.excluded and not a.excluded
+    a.excluded = a.excluded | {"x"}
+    assert a.excluded == {"x"} and not b.excluded and not ticket(3).excluded

@@ -145,7 +145,7 @@ def _apply(d: Dispatcher, ev: tuple[Any, ...], tickets: list[Ticket], now: float
         t = sent[ev[1] % len(sent)]
         failed = t.target or ""
         d.complete(t, now, ok=False, replica_fault=True)
-        t.excluded.add(failed)
+        t.excluded = t.excluded | {failed}
         d.offer(t, now, front=True)
     elif kind == "probe":
         _, ti, waiting, running, cap, seqs, pq = ev

@@ -487,6 +487,6 @@ class SimBalancer:
         rec.migrations += 1
         self.migrations += 1
         new_ticket = Ticket(new_route, now, payload=rec)
-        new_ticket.excluded.add(ticket.target or rep.id)
+        new_ticket.excluded = {ticket.target or rep.id}
         rec.path[-1] = (self, new_ticket)
         self.dispatcher.offer(new_ticket, now, front=True)
