@@ -220,6 +220,22 @@ def note(request: web.Request, *, model: str | None = None, served_by: str | Non
         rec.tenant, rec.priority = tenant, priority
 
 
+def note_model(request: web.Request, model: str, request_id: str | None) -> None:
+    """:func:`note` of ``model`` and ``request_id``, what the balancer knows once it has
+    read the request: positional, so the call parses no keywords (it runs on every
+    request; about 60 ns fewer than ``note``'s)."""
+    if _installed and (rec := request._state.get(RECORD_KEY)) is not None:
+        rec.model = model
+        rec.request_id = request_id
+
+
+def note_target(request: web.Request, served_by: str, peer: bool) -> None:
+    """:func:`note` of who serves the request (the last attempt's wins), positional."""
+    if _installed and (rec := request._state.get(RECORD_KEY)) is not None:
+        rec.served_by = served_by
+        rec.via = "peer" if peer else "replica"
+
+
 def note_usage(request: web.Request, usage: Any) -> None:
     """Hand the record the ``usage`` member the balancer decoded from the whole reply it
     answers with (``fast_usage`` of that body): the line takes its counts from it rather

@@ -40,6 +40,8 @@ from skymesh.obs.access import (
     install,
     ms_text,
     note,
+    note_model,
+    note_target,
     note_usage,
     upstream_span,
     usage_tokens,
@@ -115,14 +117,14 @@ def build(clock: FakeClock, hang: asyncio.Event) -> web.Application:
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         # As the balancer notes them: the model with the request's id, when it has one.
-        note(request, model=body["model"], request_id=body.get("id"))
+        note_model(request, body["model"], body.get("id"))
         if body.get("tenant"):
             note(request, tenant="acme", priority="batch")
         if body.get("bad"):
             clock.t += 0.01
             raise web.HTTPBadRequest(text="a bad request")
-        note(request, served_by="http://10.0.0.1:8000")  # a first attempt failed over:
-        note(request, served_by="http://10.0.0.2:8000")  # the last one is logged
+        note_target(request, "http://10.0.0.1:8000", False)  # a first attempt failed
+        note(request, served_by="http://10.0.0.2:8000")  # over: the last one is logged
         clock.t += 0.2  # queueing and the replica's prefill
         if body.get("wait"):
             await hang.wait()  # the client leaves before any response
@@ -626,12 +628,34 @@ def test_notes_on_an_app_without_the_access_log_do_nothing() -> None:
     install(web.Application())  # another app of the process has it
     request = make_mocked_request("POST", "/v1/chat/completions", app=web.Application())
     note(request, model="m1", served_by="http://10.0.0.1:8000", left=True)
+    note_model(request, "m1", "r1")
+    note_target(request, "http://10.0.0.1:8000", False)
     assert RECORD_KEY not in request
     headers: dict[str, str] = {}
     inject_trace(request, headers)
     with upstream_span(request, "http://10.0.0.1:8000"):
         pass
     assert headers == {}
+
+
+def test_the_positional_notes_set_what_note_sets() -> None:
+    """``note_model`` and ``note_target`` (the balancer's calls on every request) leave a
+    record as ``note`` with the same values does: a replica's or a peer's."""
+    from aiohttp.test_utils import make_mocked_request
+
+    app = web.Application()
+    install(app)
+    access = app[_ACCESS_KEY]
+    for peer in (False, True):
+        by_keywords = make_mocked_request("POST", "/v1/chat/completions", app=app)
+        positional = make_mocked_request("POST", "/v1/chat/completions", app=app)
+        recs = [access.begin(by_keywords), access.begin(positional)]
+        note(by_keywords, model="m1", request_id="r1")
+        note(by_keywords, served_by="http://10.0.0.1:8000", peer=peer)
+        note_model(positional, "m1", "r1")
+        note_target(positional, "http://10.0.0.1:8000", peer)
+        assert [(r.model, r.request_id, r.served_by, r.via) for r in recs] == [
+            ("m1", "r1", "http://10.0.0.1:8000", "peer" if peer else "replica")] * 2
 
 
 class StuckSink(io.StringIO):
