@@ -24,20 +24,15 @@ Times come from an injected clock (``time.perf_counter``). A streamed body is ob
 wrapping its ``write`` when its headers are prepared: aiohttp has no server-side hook for
 body bytes, and this keeps the balancer's stream code untouched.
 
-The request's end makes its line into the :class:`AccessWriter`'s open batch: with the
-text format, the line itself, straight from the record and the request (no dict, no
-LogRecord; the record is freed with the request, the batch holds one string), stamped
-with the request's end by the wall clock's offset from the log's clock, taken once per
-batch; with JSON, the finished record, whose line is made as the batch is flushed. A
-batch (``BATCH`` lines or what gathered in ``_LINGER_S``) is joined into one text, and
-the writer's thread writes what gathered, at most every ``WRITE_EVERY_S``, with one
-system call (:meth:`skymesh.obs.logs._Handler.write_lines`), so a slow log sink blocks
-the thread, not the loop (a pipe's batches the loop writes itself without blocking:
-:mod:`skymesh.obs.logsink`). On a request's path, as few Python calls as it takes: the
-notes read the record from the request's own dict and take positional arguments
-(:func:`note_model`, :func:`note_target`), the balancer hands the request's id with its
-first note, the prepare hook is a plain function, and a whole reply's usage counts are
-read at its end (the body is not kept). With handlers other than the daemons' own (a
+The request's end hands its record to an :class:`AccessWriter`: no dict and no
+formatting per request. The loop makes a batch's lines at once (``BATCH`` lines or what
+gathered in ``_LINGER_S``) straight from the records, and the writer's thread writes what
+gathered, at most every ``WRITE_EVERY_S``, with one system call
+(:meth:`skymesh.obs.logs._Handler.write_lines`), so a slow log sink blocks the thread,
+not the loop. On a request's path, as few Python calls as it takes: the notes read the
+record from the request's own dict, the balancer hands the request's id with its first
+note, the prepare hook is a plain function, and a whole reply's usage counts are read at
+its end (the body is not kept for the batch). With handlers other than the daemons' own (a
 test's, an operator's), each line goes through ``logging`` in the thread instead. Past
 ``max_backlog`` waiting lines (``logging.access_log_backlog``, default ``MAX_BACKLOG``)
 a request's line is dropped and counted
@@ -59,8 +54,8 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -109,9 +104,9 @@ SETTLE_S = 2.0  # at a stop, how long lines held back by a full pipe may wait to
 
 class AccessRecord:
     """What is known about one request so far; the middleware owns it. At the request's
-    end a text log's line is made from it and the request (:meth:`_Access.finish`); for a
-    line made later (JSON, a test's or an operator's handlers, tracing) the record gets
-    what the line needs (``method`` ... ``end``: :func:`_ended`) and is kept for it.
+    end the loop adds what the line needs (``method`` ... ``end``) and hands the record to
+    the writer thread, which makes the fields (:func:`record_fields`): the loop makes no
+    dict and formats nothing.
 
     Made once per request, so it holds only what a plain request sets or reads: the
     request's end sets ``method`` ... ``end`` (unset until then), a streamed body's state
@@ -332,8 +327,8 @@ class _Access:
         self.tracing = tracing
         self.request_id = request_id
         self.clock = clock
-        self.writer = (AccessWriter(log, max_backlog=max_backlog, clock=clock)
-                       if log is not None else None)
+        self.writer = (AccessWriter(log, max_backlog=max_backlog) if log is not None
+                       else None)
 
     @web.middleware
     async def log_only(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -411,18 +406,21 @@ class _Access:
             # and buffers alive for tens of thousands of requests (docs/notes/memory-1m.md).
             with contextlib.suppress(AttributeError):
                 del stream.response.write
-        first = rec.first_byte_at
         if status is None or rec.disconnected:  # what the client got, if anything
             rec.disconnected = True
             status = stream.status if stream is not None else CLIENT_CLOSED
-        elif first is None:
-            first = end  # a whole body: it leaves now, with the headers
-        request_id = rec.request_id
-        if request_id is None:
-            request_id = self.request_id(request)
+        elif rec.first_byte_at is None:
+            rec.first_byte_at = end  # a whole body: it leaves now, with the headers
+        # The record is the writer's from here (the prepare hook of a whole body, which
+        # runs after this, leaves it alone).
+        rec.code = status
+        rec.end = end
+        rec.method = request.method
+        rec.path = request.path
+        rec.client = request.remote
+        if rec.request_id is None:
+            rec.request_id = self.request_id(request)
         body: bytes | None = None  # where the usage is, if anywhere
-        prompt: int | None = None
-        completion: int | None = None
         if resp is not None and status < 400:
             if type(resp) is web.Response or isinstance(resp, web.Response):
                 got = resp._body  # what its body property returns, without the call
@@ -431,66 +429,19 @@ class _Access:
                 elif isinstance(got, bytes | bytearray):
                     body = bytes(got)
                 usage = rec.usage
-                if type(usage) is dict and body and body[0] == 0x7B:  # b"{"
+                if type(usage) is dict and body is not None and body[:1] == b"{":
                     # The balancer's decoded usage (note_usage): its counts now, as
-                    # usage_tokens() reads them, and the body not kept for the line.
+                    # usage_tokens() reads them, and neither the body nor the usage kept
+                    # until the batch's lines are made.
                     prompt = usage.get("prompt_tokens")
                     completion = usage.get("completion_tokens")
                     if ((prompt is None or type(prompt) is int)
                             and (completion is None or type(completion) is int)):
+                        rec.prompt_tokens, rec.completion_tokens = prompt, completion
+                        rec.usage = NOT_DECODED
                         body = None
-                    else:
-                        prompt = completion = None
             elif stream is not None and stream.tail:
                 body = b"".join(bytes(c) for c in stream.tail)
-        writer = self.writer
-        opened: bool | None = None
-        if writer is not None and (self.tracing is None or rec.span is None):
-            pending = writer.pending
-            if pending or (opened := writer.open_batch()):
-                text = writer.text
-                if text is not None:
-                    # A text log: the line now, from what is at hand; the batch keeps
-                    # one string and the record is freed with the request.
-                    if body is not None:
-                        prompt, completion = usage_tokens(body, rec.usage)
-                    # The line's head up to the message, made once per millisecond
-                    # (a busy loop ends several requests in one).
-                    milli = int((end + writer.wall) * 1000)
-                    if milli != writer.milli:
-                        writer.milli = milli
-                        writer.prefix = writer.line_head(milli)
-                    head = writer.prefix
-                    client = request.remote
-                    if (first == end and prompt is not None and completion is not None
-                            and rec.model is not None and rec.served_by is not None
-                            and rec.via is not None and request_id is not None
-                            and client is not None and not rec.disconnected
-                            and rec.tenant is None):
-                        # The common line, a whole body served with its usage, in one
-                        # piece: its first byte left at its end (one decimal conversion
-                        # for both times).
-                        duration = ms_text(end - rec.start)
-                        pending.append(
-                            f"{head}{request.method} {request.path} {status} "
-                            f"request_id={request_id} model={rec.model} "
-                            f"served_by={rec.served_by} via={rec.via} ttft_ms={duration} "
-                            f"duration_ms={duration} prompt_tokens={prompt} "
-                            f"completion_tokens={completion} client={client}{writer.end}")
-                    else:
-                        _ended(rec, request, status, end, first, request_id, prompt,
-                               completion)
-                        pending.append(
-                            f"{head}{_record_text(rec, (prompt, completion))}{writer.end}")
-                else:  # the record, its line made at the batch's flush (JSON)
-                    _ended(rec, request, status, end, first, request_id, prompt, completion)
-                    if body is None:  # its counts read: the usage is not kept for it
-                        rec.usage = NOT_DECODED
-                    pending.append((rec, body, end + writer.wall))
-                if len(pending) >= BATCH:
-                    writer.flush()
-                return
-        _ended(rec, request, status, end, first, request_id, prompt, completion)
         if self.tracing is not None and rec.span is not None:  # it ends with the middleware:
             # fill it in now (a request's record has a span only with tracing)
             from skymesh.obs.tracing import trace_id
@@ -499,38 +450,27 @@ class _Access:
             fields["trace_id"] = trace_id(rec.span)
             _end_span(rec.span, fields)
             self._write(fields, None)
-        elif opened is None:  # no writer, or the thread makes the line through logging
-            self._write(rec, body)
-        else:  # refused (see open_batch)
-            self._refused(rec, body)
+            return
+        writer = self.writer
+        if writer is not None:
+            pending = writer.pending
+            if pending:  # a batch is open: join it (put() opens one)
+                pending.append((rec, body, time.time()))
+                if len(pending) >= BATCH:
+                    writer.flush()
+                return
+        self._write(rec, body)
 
     def _write(self, what: AccessRecord | dict[str, Any], body: bytes | None) -> None:
         writer = self.writer
         if writer is None or writer.put(what, body):
             return
-        self._refused(what, body)
-
-    def _refused(self, what: AccessRecord | dict[str, Any], body: bytes | None) -> None:
-        """A line the writer did not take: dropped, or made on the loop when no thread
-        runs (before the app starts, after it stops)."""
-        writer = self.writer
-        assert writer is not None
         if writer.running:  # max_backlog behind: a stuck or slow sink
             writer.dropped += 1  # the thread reports it when it writes again
             return
         # A whole body is written after the middleware returns: the line (and the usage
         # parse) waits for the next loop turn rather than delay the answer.
         asyncio.get_running_loop().call_soon(writer.emit, what, body, time.time())
-
-
-def _ended(rec: AccessRecord, request: web.Request, status: int, end: float,
-           first: float | None, request_id: str | None, prompt: int | None,
-           completion: int | None) -> None:
-    """Give ``rec`` what its line needs from the request's end (a line made later: in
-    the batch's flush, in the thread, through ``logging``, or from its fields)."""
-    rec.code, rec.end, rec.first_byte_at, rec.request_id = status, end, first, request_id
-    rec.method, rec.path, rec.client = request.method, request.path, request.remote
-    rec.prompt_tokens, rec.completion_tokens = prompt, completion
 
 
 # install()'s middleware object, for outside_chain().
@@ -569,13 +509,12 @@ def record_fields(rec: AccessRecord, body: bytes | None) -> dict[str, Any]:
 
 
 class AccessWriter:
-    """Gathers access lines in batches and writes them in a thread of its own.
+    """Makes access lines in batches and writes them in a thread of its own.
 
     With the daemons' set-up (:func:`skymesh.obs.logs.direct_handler`) the loop keeps the
-    lines (a text log's, made at each request's end) or finished records (JSON's, made
-    into lines at the flush) of the last ``linger_s``, at most ``BATCH`` of them, and
-    hands the thread one string to write: nothing of a request crosses to the other
-    thread (objects shared by two threads, each touching their
+    finished records of the last ``linger_s`` (at most ``BATCH`` of them), makes their
+    lines in one go and hands the thread one string to write: nothing of a request
+    crosses to the other thread (objects shared by two threads, each touching their
     reference counts on its own core, cost more than the formatting itself), and a slow
     log sink blocks the thread, not the loop. With any other handler on the way (a
     test's, an operator's logging config) the thread makes each line through ``logging``
@@ -585,10 +524,9 @@ class AccessWriter:
     _THREAD = "skymesh-access"  # also the OS thread's name: top -H shows its CPU apart
 
     def __init__(self, log: logging.Logger, linger_s: float = _LINGER_S,
-                 max_backlog: int = MAX_BACKLOG, write_every_s: float = WRITE_EVERY_S,
-                 clock: Clock = time.perf_counter) -> None:
+                 max_backlog: int = MAX_BACKLOG, write_every_s: float = WRITE_EVERY_S
+                 ) -> None:
         self.log = log
-        self.clock = clock  # the log's: the clock of the requests' end times
         self.linger_s = linger_s
         self.write_every_s = write_every_s
         self.max_backlog = max_backlog
@@ -598,22 +536,9 @@ class AccessWriter:
         self._thread: threading.Thread | None = None
         # The loop's current batch; while it is not empty the middleware appends to it
         # directly (put() opens a batch: where its lines go, its linger timer).
-        self.pending: list[_Item | str] = []
+        self.pending: list[_Item] = []
         self._timer: asyncio.TimerHandle | None = None
         self._handler: _Handler | None = None  # where the batch's lines go
-        # With a text formatter, the request's end makes its line at once (the batch
-        # then holds strings, no record): that formatter, the line's head after its time
-        # and its end, the wall clock's offset from the log's clock (taken as the batch
-        # opens: no time.time() per line; lines are stamped with the request's end) and
-        # the last second's text (asctime's).
-        self.text: TextFormatter | None = None
-        self.head = f" INFO {log.name}: "
-        self.end = "\n"
-        self.wall = 0.0
-        self.milli = -1  # the wall clock's millisecond of ``prefix``: a line's head
-        self.prefix = ""
-        self._second = -1  # the whole second of ``_stamp``: asctime's up to its millis
-        self._stamp = ""
         # The loop writes the batches of the handler it was started with itself, when
         # that handler's stream allows a descriptor that never blocks (a pipe, a tty);
         # the thread then idles (a handler set up later, or a stream without one).
@@ -667,58 +592,31 @@ class AccessWriter:
         """Take a request's line (its finished record, or its fields when already made);
         False when the caller should make it itself (the thread is not running, or is
         that far behind)."""
-        now = time.time()
+        if self._thread is None:
+            return False
+        item = (what, body, time.time())
         pending = self.pending
-        if not pending:
-            opened = self.open_batch()
-            if opened is None:  # the thread makes the line (through logging)
+        if not pending:  # a new batch: where its lines go is decided once for it
+            # Only here: on Python 3.11 get_running_loop() is a getpid() system call.
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # not on a loop: the thread makes the line
+                loop = None
+            handler = None if loop is None else direct_handler(self.log)
+            if handler is None:
                 if self._queue.qsize() >= self.max_backlog:
                     return False
-                self._queue.put((what, body, now))
+                self._queue.put(item)
                 return True
-            if not opened:
+            if self._queue.qsize() * BATCH >= self.max_backlog or (
+                    self._sink is not None and self._sink.lines_waiting >= self.max_backlog):
                 return False
-        pending.append((what, body, now))
+            self._handler = handler
+            self._timer = loop.call_later(self.linger_s, self.flush)  # type: ignore[union-attr]
+        pending.append(item)
         if len(pending) >= BATCH:
             self.flush()
         return True
-
-    def open_batch(self) -> bool | None:
-        """Open the loop's batch; the caller appends its line or item to ``pending`` at
-        once (an open batch is a non-empty ``pending``). False when the caller should
-        make the line itself (the thread is not running, or is ``max_backlog`` behind);
-        None when the line goes to the thread to be made through ``logging`` (not on a
-        loop, or handlers other than the daemons' own)."""
-        if self._thread is None:
-            return False
-        # Only here: on Python 3.11 get_running_loop() is a getpid() system call.
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # not on a loop: the thread makes the line
-            return None
-        handler = direct_handler(self.log)
-        if handler is None:
-            return None
-        if self._queue.qsize() * BATCH >= self.max_backlog or (
-                self._sink is not None and self._sink.lines_waiting >= self.max_backlog):
-            return False
-        self._handler = handler
-        fmt = handler.formatter
-        self.text = fmt if isinstance(fmt, TextFormatter) else None
-        self.end = handler.terminator
-        self.wall = time.time() - self.clock()
-        self._timer = loop.call_later(self.linger_s, self.flush)
-        return True
-
-    def line_head(self, milli: int) -> str:
-        """A text line's head up to its message (asctime, level, logger), for a wall
-        clock time in whole milliseconds ``milli`` (the time's floor, as asctime's)."""
-        assert self.text is not None
-        second = milli // 1000
-        if second != self._second:
-            self._stamp = self.text.second_text(second)
-            self._second = second
-        return f"{self._stamp}{MILLIS[milli - second * 1000]}{self.head}"
 
     def flush(self) -> None:
         """Make the lines of the loop's batch and queue them for the thread."""
@@ -729,10 +627,7 @@ class AccessWriter:
         handler = self._handler
         if not items or handler is None:
             return
-        try:
-            text = "".join(cast(list[str], items))  # made at the requests' ends (text)
-        except TypeError:  # records or fields among them: their lines now
-            text = "".join(self._lines(handler, items))
+        text = "".join(self._lines(handler, items))
         sink = self._sink
         if sink is None or handler is not self._sink_handler:
             self._queue.put((handler, text))
@@ -810,7 +705,7 @@ class AccessWriter:
             return
         handler.write_lines(self._lines(handler, items))
 
-    def _lines(self, handler: _Handler, items: Sequence[_Item | str]) -> list[str]:
+    def _lines(self, handler: _Handler, items: list[_Item]) -> list[str]:
         """The lines of ``items`` as ``handler``'s formatter gives them, made straight
         from the records or fields (no LogRecords)."""
         fmt = handler.formatter
@@ -819,11 +714,7 @@ class AccessWriter:
         lines: list[str] = []
         append = lines.append
         if isinstance(fmt, JsonFormatter):
-            for item in items:
-                if isinstance(item, str):  # made at the request's end already
-                    append(item)
-                    continue
-                what, body, created = item
+            for what, body, created in items:
                 if type(what) is AccessRecord:
                     tokens = ((what.prompt_tokens, what.completion_tokens) if body is None
                               else usage_tokens(body, what.usage))
@@ -837,11 +728,7 @@ class AccessWriter:
         # (TextFormatter.second_text, its milliseconds looked up here as asctime does).
         head = f" INFO {name}: "
         second, stamp = -1, ""
-        for item in items:
-            if isinstance(item, str):  # made at the request's end already
-                append(item)
-                continue
-            what, body, created = item
+        for what, body, created in items:
             if int(created) != second:
                 second = int(created)
                 stamp = fmt.second_text(created)
@@ -850,9 +737,27 @@ class AccessWriter:
                 fields = _fields(what, body)
                 append(f"{stamp}{millis}{head}{_text(fields)}{end}")
                 continue
-            tokens = ((what.prompt_tokens, what.completion_tokens) if body is None
-                      else usage_tokens(body, what.usage))
-            append(f"{stamp}{millis}{head}{_record_text(what, tokens)}{end}")
+            rec = what
+            if body is None:
+                prompt, completion = rec.prompt_tokens, rec.completion_tokens
+            else:
+                prompt, completion = usage_tokens(body, rec.usage)
+            first, start, done = rec.first_byte_at, rec.start, rec.end
+            if (first == done and prompt is not None and completion is not None
+                    and rec.model is not None and rec.served_by is not None
+                    and rec.via is not None and rec.request_id is not None
+                    and rec.client is not None and not rec.disconnected
+                    and rec.tenant is None):
+                # The common line, a whole body served with its usage, in one piece: its
+                # first byte left at its end (one decimal conversion for both times).
+                duration = ms_text(done - start)
+                append(f"{stamp}{millis}{head}{rec.method} {rec.path} {rec.code} "
+                       f"request_id={rec.request_id} model={rec.model} "
+                       f"served_by={rec.served_by} via={rec.via} ttft_ms={duration} "
+                       f"duration_ms={duration} prompt_tokens={prompt} "
+                       f"completion_tokens={completion} client={rec.client}{end}")
+            else:
+                append(f"{stamp}{millis}{head}{_record_text(rec, (prompt, completion))}{end}")
         return lines
 
 

@@ -94,14 +94,7 @@ async def _steps_ns(requests: int) -> tuple[dict[str, float], list[str]]:
     flush = writer.flush
     writer.flush = lambda: None  # type: ignore[method-assign]
     ended: list[Any] = []
-    # An open batch's first entry (put() starts one); builds that make a text line at
-    # the request's end open the batch as the daemon does (its formatter, clock offset).
-    opened: Any = (None, None, 0.0)
-    if hasattr(writer, "open_batch"):
-        assert writer.open_batch()
-        timer, writer._timer = writer._timer, None
-        assert timer is not None
-        timer.cancel()  # the batch is emptied by hand below, not flushed
+    opened: Any = (None, None, 0.0)  # an open batch's first entry (put() starts one)
     try:
         writer.pending[:] = [opened]
 
