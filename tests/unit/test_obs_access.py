@@ -874,6 +874,66 @@ async def test_the_lines_of_served_requests_are_the_formatters_own_byte_for_byte
         assert lines[0][:19] != lines[3][:19]  # the lines cross whole seconds
 
 
+class StoppedWallClock(FakeWallClock):
+    """``time`` for skymesh.obs.access whose wall clock stands still: a line's time can
+    then come only from the log's own clock."""
+
+    def time(self) -> float:
+        return self.t
+
+
+@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.parametrize("fmt", ["text", "json"])
+async def test_each_line_of_a_batch_is_stamped_with_its_requests_end(
+        fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's lines carry their requests' ends on the wall clock: the log's clock at
+    each end plus the wall clock's offset from it, taken as the batch opened (the wall
+    clock is not read per request)."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from skymesh.obs import access as module
+    from skymesh.obs.logs import TextFormatter
+
+    wall = StoppedWallClock()
+    monkeypatch.setattr(module, "time", wall)
+    monkeypatch.setattr(module, "_installed", True)
+    out = io.StringIO()
+    daemon_logging(fmt, out)
+    clock = FakeClock()
+    access = _Access(logging.getLogger(ACCESS_LOGGER), None, lambda r: None, clock)
+    writer = access.writer
+    assert writer is not None
+    body = json.dumps({"usage": USAGE}).encode()
+    ends = (100.0, 101.5)  # the log's clock; the batch opens at the first
+    writer.start()
+    try:
+        for i, end in enumerate(ends):
+            request = make_mocked_request("POST", "/v1/chat/completions")
+            request._transport_peername = ("127.0.0.1", 40000)
+            clock.t = end - 0.25
+            rec = access.begin(request)
+            note_model(request, "m", f"r{i}")
+            note_target(request, "http://10.0.0.1:8000", False)
+            note_usage(request, fast_usage(body))
+            clock.t = end
+            access.finish(request, rec, web.Response(body=body), 200)
+        assert len(writer.pending) == len(ends)  # one batch
+        writer.flush()
+    finally:
+        writer.stop()
+    lines = _access_lines(out)
+    times = [wall.t + end - ends[0] for end in ends]
+    if fmt == "json":
+        assert [json.loads(line)["ts"] for line in lines] == [
+            JsonFormatter()._ts(t) for t in times]
+        return
+    assert lines == [
+        f"{TextFormatter().asctime(t)} INFO skymesh.access: POST /v1/chat/completions "
+        f"200 request_id=r{i} model=m served_by=http://10.0.0.1:8000 via=replica "
+        "ttft_ms=250.0 duration_ms=250.0 prompt_tokens=7 completion_tokens=3 "
+        "client=127.0.0.1" for i, t in enumerate(times)]
+
+
 async def test_a_whole_replys_prepare_hook_hands_back_a_done_future() -> None:
     """Once the log's app has started, the prepare hook of a whole reply returns a done
     asyncio future (no Python ``__await__`` per response); awaiting it gives None."""

@@ -95,6 +95,8 @@ async def _steps_ns(requests: int) -> tuple[dict[str, float], list[str]]:
     writer.flush = lambda: None  # type: ignore[method-assign]
     ended: list[Any] = []
     opened: Any = (None, None, 0.0)  # an open batch's first entry (put() starts one)
+    if hasattr(writer, "wall"):  # as put() sets it when it opens a batch
+        writer.wall = time.time() - writer.clock()
     try:
         writer.pending[:] = [opened]
 
