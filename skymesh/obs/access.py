@@ -30,10 +30,13 @@ gathered in ``_LINGER_S``) straight from the records, and the writer's thread wr
 gathered, at most every ``WRITE_EVERY_S``, with one system call
 (:meth:`skymesh.obs.logs._Handler.write_lines`), so a slow log sink blocks the thread,
 not the loop. On a request's path, as few Python calls as it takes: the notes read the
-record from the request's own dict, the balancer hands the request's id with its first
-note, the prepare hook is a plain function, and a whole reply's usage counts are read at
-its end (the body is not kept for the batch). With handlers other than the daemons' own (a
-test's, an operator's), each line goes through ``logging`` in the thread instead. Past
+record from the request's own dict, the balancer's two on every request take positional
+arguments (:func:`note_model` with the request's id, :func:`note_target`), the prepare
+hook is a plain function, a whole reply's usage counts are read at its end (the body is
+not kept for the batch), and a line's time is its request's end from the log's clock and
+the wall clock's offset the batch took as it opened (no ``time.time()`` per request).
+With handlers other than the daemons' own (a test's, an operator's), each line goes
+through ``logging`` in the thread instead. Past
 ``max_backlog`` waiting lines (``logging.access_log_backlog``, default ``MAX_BACKLOG``)
 a request's line is dropped and counted
 (``skymesh_access_log_dropped_total``; the thread logs a warning with the count when it
