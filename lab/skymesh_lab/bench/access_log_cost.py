@@ -64,7 +64,6 @@ import json
 import math
 import os
 import random
-import re
 import shlex
 import statistics
 import subprocess
@@ -77,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from skymesh.util.jsonio import write_json
-from skymesh.util.procs import Daemon, executable, start_daemon
+from skymesh.util.procs import Daemon, executable, start_daemon, wait_listening
 from skymesh_lab.bench import access_log_ablate as ablation
 from skymesh_lab.bench import access_log_toggle as toggle
 from skymesh_lab.bench import router_overhead as ro
@@ -94,7 +93,6 @@ WRITER_COMM = "skymesh-access"  # skymesh.obs.access.AccessWriter's OS thread na
 REPO = Path(__file__).resolve().parents[3]
 IN_PROCESS_REQUESTS, IN_PROCESS_REPEATS = 20000, 7
 SINKS = ("file", "pipe")  # where the daemons' stderr goes (--sink)
-_LISTENING = re.compile(r"listening on (https?://\S+)")  # as skymesh.util.procs reads it
 # A pipe's drain (--sink pipe): its first bytes to the file named by its argument,
 # unbuffered (the daemon's "listening on" line is read there), then cat into /dev/null.
 _DRAIN = ("import os, sys\n"
@@ -242,18 +240,11 @@ def _start_piped(name: str, args: list[str], timeout: float, env: dict[str, str]
     finally:
         drain.stdin.close()  # the daemon holds the pipe's only writing end now
     _DRAINS[proc.pid] = drain
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = _LISTENING.search(log_path.read_text(errors="replace"))
-        if m:
-            return Daemon(name, proc, m.group(1), log_path, True)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.02)
-    text = log_path.read_text(errors="replace")
-    daemon = Daemon(name, proc, "", log_path, True)
-    stop_lb(daemon)
-    raise RuntimeError(f"{name} did not start (exit {proc.returncode}):\n{text[-4000:]}")
+    try:
+        return wait_listening(name, proc, log_path, timeout)
+    except RuntimeError:  # the daemon killed: its drain ends with the pipe
+        stop_lb(Daemon(name, proc, "", log_path, True))
+        raise
 
 
 def stop_lb(d: Daemon) -> None:

@@ -238,13 +238,18 @@ def access_log_cost(doc: dict[str, Any]) -> str:
     return "\n\n".join(notes)
 
 
+# Where a run's daemons wrote the access log (``--sink``; runs from before it: a file).
+_SINKS = {
+    "file": "the access log goes to the daemon's stderr, a file, which the writer thread "
+            "writes",
+    "pipe": "the access log goes to the daemon's stderr, a pipe that a child of the "
+            "benchmark drains (its CPU not counted), so the loop writes the batches itself "
+            "(`skymesh.obs.logsink`) and the writer thread idles",
+}
+
+
 def _sink(setup: dict[str, Any]) -> str:
-    """Where the run's daemons wrote the access log (``--sink``)."""
-    if setup.get("sink") == "pipe":
-        return ("the access log goes to the daemon's stderr, a pipe that a child of the "
-                "benchmark drains (its CPU not counted), so the loop writes the batches "
-                "itself (`skymesh.obs.logsink`) and the writer thread idles")
-    return "the access log goes to the daemon's stderr, a file, which the writer thread writes"
+    return _SINKS[setup.get("sink") or "file"]
 
 
 def _lean(doc: dict[str, Any], key: str = LEAN) -> str:
