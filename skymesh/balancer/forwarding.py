@@ -58,7 +58,7 @@ from skymesh.balancer.upstream import (
     whole_capped,
 )
 from skymesh.net.jsonbody import NOT_DECODED, fast_usage
-from skymesh.obs.access import note, note_usage, upstream_span
+from skymesh.obs.access import note_target, note_usage, upstream_span
 from skymesh.policies.base import RequestTiming
 
 if TYPE_CHECKING:
@@ -279,7 +279,7 @@ class Forwarder:
                 # Observed here, before the write: a loop callback to observe it after
                 # (call_soon, a handle per request) cost more than the observation.
                 self.core.metrics.model(model).queue_wait.observe(sent - t0)
-            note(request, served_by=target, peer=ticket.to_peer)
+            note_target(request, target, ticket.to_peer)
             try:
                 if ticket.to_peer:
                     with upstream_span(request, target, attempt=ticket.attempts, peer=True):

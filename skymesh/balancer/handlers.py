@@ -59,7 +59,7 @@ from skymesh.balancer.overload import RetryBook, check_servable
 from skymesh.balancer.prediction import LivePredictor
 from skymesh.balancer.relay import OUTPUT_TOKENS_KEY, TICKET_KEY, RequestCore
 from skymesh.balancer.tenant_gate import Admission, TenantGate
-from skymesh.obs.access import note
+from skymesh.obs.access import note, note_model
 
 # The OpenAI SDKs' (Python, Node) count of the retries a request is on: 0 on the first try.
 RETRY_COUNT_HEADER = "x-stainless-retry-count"
@@ -119,7 +119,7 @@ class Handlers:
             # series per request (unbounded /metrics and memory).
             model = intake.model
             rid = request_id(request)
-            note(request, model=model, request_id=rid)  # the access log's
+            note_model(request, model, rid)  # the access log's
             slo = self.cfg.slo
             deadline_s = None if intake.deadline_ms is None and not slo.classes else \
                 request_deadline(intake, request.headers, slo.header, slo.classes,

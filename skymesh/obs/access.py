@@ -30,10 +30,13 @@ gathered in ``_LINGER_S``) straight from the records, and the writer's thread wr
 gathered, at most every ``WRITE_EVERY_S``, with one system call
 (:meth:`skymesh.obs.logs._Handler.write_lines`), so a slow log sink blocks the thread,
 not the loop. On a request's path, as few Python calls as it takes: the notes read the
-record from the request's own dict, the balancer hands the request's id with its first
-note, the prepare hook is a plain function, and a whole reply's usage counts are read at
-its end (the body is not kept for the batch). With handlers other than the daemons' own (a
-test's, an operator's), each line goes through ``logging`` in the thread instead. Past
+record from the request's own dict, the balancer's two on every request take positional
+arguments (:func:`note_model` with the request's id, :func:`note_target`), the prepare
+hook is a plain function, a whole reply's usage counts are read at its end (the body is
+not kept for the batch), and a line's time is its request's end from the log's clock and
+the wall clock's offset the batch took as it opened (no ``time.time()`` per request).
+With handlers other than the daemons' own (a test's, an operator's), each line goes
+through ``logging`` in the thread instead. Past
 ``max_backlog`` waiting lines (``logging.access_log_backlog``, default ``MAX_BACKLOG``)
 a request's line is dropped and counted
 (``skymesh_access_log_dropped_total``; the thread logs a warning with the count when it
@@ -220,6 +223,22 @@ def note(request: web.Request, *, model: str | None = None, served_by: str | Non
         rec.tenant, rec.priority = tenant, priority
 
 
+def note_model(request: web.Request, model: str, request_id: str | None) -> None:
+    """:func:`note` of ``model`` and ``request_id``, what the balancer knows once it has
+    read the request: positional, so the call parses no keywords (it runs on every
+    request; about 60 ns fewer than ``note``'s)."""
+    if _installed and (rec := request._state.get(RECORD_KEY)) is not None:
+        rec.model = model
+        rec.request_id = request_id
+
+
+def note_target(request: web.Request, served_by: str, peer: bool) -> None:
+    """:func:`note` of who serves the request (the last attempt's wins), positional."""
+    if _installed and (rec := request._state.get(RECORD_KEY)) is not None:
+        rec.served_by = served_by
+        rec.via = "peer" if peer else "replica"
+
+
 def note_usage(request: web.Request, usage: Any) -> None:
     """Hand the record the ``usage`` member the balancer decoded from the whole reply it
     answers with (``fast_usage`` of that body): the line takes its counts from it rather
@@ -311,8 +330,8 @@ class _Access:
         self.tracing = tracing
         self.request_id = request_id
         self.clock = clock
-        self.writer = (AccessWriter(log, max_backlog=max_backlog) if log is not None
-                       else None)
+        self.writer = (AccessWriter(log, max_backlog=max_backlog, clock=clock)
+                       if log is not None else None)
 
     @web.middleware
     async def log_only(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -413,7 +432,7 @@ class _Access:
                 elif isinstance(got, bytes | bytearray):
                     body = bytes(got)
                 usage = rec.usage
-                if type(usage) is dict and body is not None and body[:1] == b"{":
+                if type(usage) is dict and body and body[0] == 0x7B:  # b"{"
                     # The balancer's decoded usage (note_usage): its counts now, as
                     # usage_tokens() reads them, and neither the body nor the usage kept
                     # until the batch's lines are made.
@@ -439,7 +458,9 @@ class _Access:
         if writer is not None:
             pending = writer.pending
             if pending:  # a batch is open: join it (put() opens one)
-                pending.append((rec, body, time.time()))
+                # Its time: the request's end on the wall clock, from the offset the
+                # batch took as it opened (no time.time() per request).
+                pending.append((rec, body, end + writer.wall))
                 if len(pending) >= BATCH:
                     writer.flush()
                 return
@@ -508,9 +529,14 @@ class AccessWriter:
     _THREAD = "skymesh-access"  # also the OS thread's name: top -H shows its CPU apart
 
     def __init__(self, log: logging.Logger, linger_s: float = _LINGER_S,
-                 max_backlog: int = MAX_BACKLOG, write_every_s: float = WRITE_EVERY_S
-                 ) -> None:
+                 max_backlog: int = MAX_BACKLOG, write_every_s: float = WRITE_EVERY_S,
+                 clock: Clock = time.perf_counter) -> None:
         self.log = log
+        # The log's clock (of the requests' ends) and the wall clock's offset from it,
+        # taken as the loop's batch opens: the batch's later lines are stamped with
+        # their requests' ends from it, without a time.time() each.
+        self.clock = clock
+        self.wall = 0.0
         self.linger_s = linger_s
         self.write_every_s = write_every_s
         self.max_backlog = max_backlog
@@ -596,6 +622,7 @@ class AccessWriter:
                     self._sink is not None and self._sink.lines_waiting >= self.max_backlog):
                 return False
             self._handler = handler
+            self.wall = item[2] - self.clock()
             self._timer = loop.call_later(self.linger_s, self.flush)  # type: ignore[union-attr]
         pending.append(item)
         if len(pending) >= BATCH:

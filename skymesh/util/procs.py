@@ -115,6 +115,14 @@ def start_daemon(name: str, args: list[str], *, log_path: Path | None = None,
     with log_path.open("wb") as log:
         proc = subprocess.Popen([*executable(name), *args], stdout=log,
                                 stderr=subprocess.STDOUT, env=env)
+    return wait_listening(name, proc, log_path, timeout, owned)
+
+
+def wait_listening(name: str, proc: subprocess.Popen[bytes], log_path: Path,
+                   timeout: float = 30.0, owned: bool = True) -> Daemon:
+    """The started daemon ``proc`` once its "listening on" line is in ``log_path``
+    (where its output goes, or a copy of it); killed, and RuntimeError, if it exits or
+    ``timeout`` passes first. ``owned``: the Daemon deletes the log when stopped."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         m = _LISTENING.search(log_path.read_text(errors="replace"))

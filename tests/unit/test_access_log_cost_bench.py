@@ -140,3 +140,49 @@ def test_the_step_split_times_every_step_and_ends_every_record_in_a_line() -> No
         r"model=stub served_by=http://127\.0\.0\.1:8001 via=replica ttft_ms=(\d+\.\d+) "
         r"duration_ms=\1 prompt_tokens=8 completion_tokens=1 client=127\.0\.0\.1",
         got["last_line"])
+
+
+def test_a_pipes_drain_keeps_its_first_bytes_and_reads_the_rest_to_its_end(
+        tmp_path: Any) -> None:
+    """``--sink pipe``: the drain child keeps the start of what the daemon writes (its
+    "listening on" line, read from the file) and reads everything after it, so the
+    daemon's writes never fill the pipe; it ends when the writing end closes."""
+    import subprocess
+    import sys
+
+    from skymesh_lab.bench.access_log_cost import _DRAIN
+
+    log = tmp_path / "lb.log"
+    drain = subprocess.Popen([sys.executable, "-c", _DRAIN, str(log)],
+                             stdin=subprocess.PIPE)
+    assert drain.stdin is not None
+    head = b"skymesh-lb listening on http://127.0.0.1:42001 (1 worker)\n"
+    drain.stdin.write(head + b"x" * 300_000)  # past the kept part and a pipe's buffer
+    drain.stdin.close()
+    assert drain.wait(30) == 0
+    kept = log.read_bytes()
+    assert kept.startswith(head) and 65_536 <= len(kept) < 300_000
+
+
+def test_the_page_shows_the_pipe_run_apart_and_says_where_the_log_went() -> None:
+    from skymesh_lab.bench.access_log_cost_page import LEAN, LEAN_PIPE, _lean
+
+    spread = {"median": 5.0, "min": 4.0, "max": 6.0, "ci_low": 4.5, "ci_high": 5.5}
+    share = {"median": 0.045, "min": 0.04, "max": 0.05, "ci_low": 0.042, "ci_high": 0.048}
+    row = {key: spread for key in ("off_us", "on_us", "cost_us", "loop_cost_us",
+                                   "writer_us")} | {"share": share}
+
+    def run(sink: str | None) -> dict[str, Any]:
+        setup = {"rounds": 30, "duration_s": 4, "fresh_every": 1, "toggle": True,
+                 "loadavg_before": [1.0], "loadavg_after": [1.0], "command": "python -m x"}
+        if sink is not None:
+            setup["sink"] = sink
+        return {"setup": setup, "summary": {"current": row}}
+
+    file_page = _lean({LEAN: run(None)}, LEAN)
+    pipe_page = _lean({LEAN_PIPE: run("pipe")}, LEAN_PIPE)
+    assert "a file" in file_page and "pipe" not in file_page
+    assert "(`--sink pipe`)" in pipe_page and "a pipe" in pipe_page
+    assert f"--json docs/results/data/{LEAN_PIPE}.json" in pipe_page
+    assert "**holds**" in pipe_page
+    assert _lean({LEAN: run(None)}, LEAN_PIPE) == ""

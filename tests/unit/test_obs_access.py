@@ -40,6 +40,8 @@ from skymesh.obs.access import (
     install,
     ms_text,
     note,
+    note_model,
+    note_target,
     note_usage,
     upstream_span,
     usage_tokens,
@@ -115,14 +117,14 @@ def build(clock: FakeClock, hang: asyncio.Event) -> web.Application:
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         # As the balancer notes them: the model with the request's id, when it has one.
-        note(request, model=body["model"], request_id=body.get("id"))
+        note_model(request, body["model"], body.get("id"))
         if body.get("tenant"):
             note(request, tenant="acme", priority="batch")
         if body.get("bad"):
             clock.t += 0.01
             raise web.HTTPBadRequest(text="a bad request")
-        note(request, served_by="http://10.0.0.1:8000")  # a first attempt failed over:
-        note(request, served_by="http://10.0.0.2:8000")  # the last one is logged
+        note_target(request, "http://10.0.0.1:8000", False)  # a first attempt failed
+        note(request, served_by="http://10.0.0.2:8000")  # over: the last one is logged
         clock.t += 0.2  # queueing and the replica's prefill
         if body.get("wait"):
             await hang.wait()  # the client leaves before any response
@@ -626,12 +628,34 @@ def test_notes_on_an_app_without_the_access_log_do_nothing() -> None:
     install(web.Application())  # another app of the process has it
     request = make_mocked_request("POST", "/v1/chat/completions", app=web.Application())
     note(request, model="m1", served_by="http://10.0.0.1:8000", left=True)
+    note_model(request, "m1", "r1")
+    note_target(request, "http://10.0.0.1:8000", False)
     assert RECORD_KEY not in request
     headers: dict[str, str] = {}
     inject_trace(request, headers)
     with upstream_span(request, "http://10.0.0.1:8000"):
         pass
     assert headers == {}
+
+
+def test_the_positional_notes_set_what_note_sets() -> None:
+    """``note_model`` and ``note_target`` (the balancer's calls on every request) leave a
+    record as ``note`` with the same values does: a replica's or a peer's."""
+    from aiohttp.test_utils import make_mocked_request
+
+    app = web.Application()
+    install(app)
+    access = app[_ACCESS_KEY]
+    for peer in (False, True):
+        by_keywords = make_mocked_request("POST", "/v1/chat/completions", app=app)
+        positional = make_mocked_request("POST", "/v1/chat/completions", app=app)
+        recs = [access.begin(by_keywords), access.begin(positional)]
+        note(by_keywords, model="m1", request_id="r1")
+        note(by_keywords, served_by="http://10.0.0.1:8000", peer=peer)
+        note_model(positional, "m1", "r1")
+        note_target(positional, "http://10.0.0.1:8000", peer)
+        assert [(r.model, r.request_id, r.served_by, r.via) for r in recs] == [
+            ("m1", "r1", "http://10.0.0.1:8000", "peer" if peer else "replica")] * 2
 
 
 class StuckSink(io.StringIO):
@@ -848,6 +872,66 @@ async def test_the_lines_of_served_requests_are_the_formatters_own_byte_for_byte
         assert lines[7].endswith("disconnected=True")
         assert " 499 " in lines[8] and lines[8].endswith("disconnected=True")
         assert lines[0][:19] != lines[3][:19]  # the lines cross whole seconds
+
+
+class StoppedWallClock(FakeWallClock):
+    """``time`` for skymesh.obs.access whose wall clock stands still: a line's time can
+    then come only from the log's own clock."""
+
+    def time(self) -> float:
+        return self.t
+
+
+@pytest.mark.usefixtures("restore_logging")
+@pytest.mark.parametrize("fmt", ["text", "json"])
+async def test_each_line_of_a_batch_is_stamped_with_its_requests_end(
+        fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's lines carry their requests' ends on the wall clock: the log's clock at
+    each end plus the wall clock's offset from it, taken as the batch opened (the wall
+    clock is not read per request)."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from skymesh.obs import access as module
+    from skymesh.obs.logs import TextFormatter
+
+    wall = StoppedWallClock()
+    monkeypatch.setattr(module, "time", wall)
+    monkeypatch.setattr(module, "_installed", True)
+    out = io.StringIO()
+    daemon_logging(fmt, out)
+    clock = FakeClock()
+    access = _Access(logging.getLogger(ACCESS_LOGGER), None, lambda r: None, clock)
+    writer = access.writer
+    assert writer is not None
+    body = json.dumps({"usage": USAGE}).encode()
+    ends = (100.0, 101.5)  # the log's clock; the batch opens at the first
+    writer.start()
+    try:
+        for i, end in enumerate(ends):
+            request = make_mocked_request("POST", "/v1/chat/completions")
+            request._transport_peername = ("127.0.0.1", 40000)
+            clock.t = end - 0.25
+            rec = access.begin(request)
+            note_model(request, "m", f"r{i}")
+            note_target(request, "http://10.0.0.1:8000", False)
+            note_usage(request, fast_usage(body))
+            clock.t = end
+            access.finish(request, rec, web.Response(body=body), 200)
+        assert len(writer.pending) == len(ends)  # one batch
+        writer.flush()
+    finally:
+        writer.stop()
+    lines = _access_lines(out)
+    times = [wall.t + end - ends[0] for end in ends]
+    if fmt == "json":
+        assert [json.loads(line)["ts"] for line in lines] == [
+            JsonFormatter()._ts(t) for t in times]
+        return
+    assert lines == [
+        f"{TextFormatter().asctime(t)} INFO skymesh.access: POST /v1/chat/completions "
+        f"200 request_id=r{i} model=m served_by=http://10.0.0.1:8000 via=replica "
+        "ttft_ms=250.0 duration_ms=250.0 prompt_tokens=7 completion_tokens=3 "
+        "client=127.0.0.1" for i, t in enumerate(times)]
 
 
 async def test_a_whole_replys_prepare_hook_hands_back_a_done_future() -> None:

@@ -40,6 +40,13 @@ archive``), on and off, in the same rounds: the before and after of a change.
 ``--http-server lean``: every daemon serves with ``listen.http_server: lean`` (a config
 file the run writes), as against the daemon's default; ``aiohttp`` the same for aiohttp's.
 
+``--sink pipe``: the daemons' stderr (where the access log goes) is a pipe, as in a
+container whose runtime collects the logs, rather than a file: the balancer's loop then
+writes its batches itself (``skymesh.obs.logsink``), not the writer thread. The bench
+drains each pipe with a child of its own (its first 64 KB kept in a file for the
+daemon's "listening on" line, the rest read by ``cat`` into /dev/null); that child is
+not in the balancer's process tree, so its CPU is not counted.
+
 Each build is also measured in process (``skymesh_lab.bench.access_log_loop``: the same
 request through the access log without the network, the loop thread's CPU): a steadier
 figure for the loop's part, next to the live one's spread.
@@ -69,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from skymesh.util.jsonio import write_json
-from skymesh.util.procs import Daemon, executable, start_daemon
+from skymesh.util.procs import Daemon, executable, start_daemon, wait_listening
 from skymesh_lab.bench import access_log_ablate as ablation
 from skymesh_lab.bench import access_log_toggle as toggle
 from skymesh_lab.bench import router_overhead as ro
@@ -85,6 +92,21 @@ CONFIDENCE = 0.95
 WRITER_COMM = "skymesh-access"  # skymesh.obs.access.AccessWriter's OS thread name
 REPO = Path(__file__).resolve().parents[3]
 IN_PROCESS_REQUESTS, IN_PROCESS_REPEATS = 20000, 7
+SINKS = ("file", "pipe")  # where the daemons' stderr goes (--sink)
+# A pipe's drain (--sink pipe): its first bytes to the file named by its argument,
+# unbuffered (the daemon's "listening on" line is read there), then cat into /dev/null.
+_DRAIN = ("import os, sys\n"
+          "keep = 65536\n"
+          "with open(sys.argv[1], 'wb', buffering=0) as log:\n"
+          "    while keep > 0:\n"
+          "        data = os.read(0, 65536)\n"
+          "        if not data:\n"
+          "            sys.exit(0)\n"
+          "        log.write(data)\n"
+          "        keep -= len(data)\n"
+          "null = os.open(os.devnull, os.O_WRONLY)\n"
+          "os.dup2(null, 1)\n"
+          "os.execvp('cat', ['cat'])\n")
 # The ablation's builds from the least of the log to the most (--ablate).
 ABLATION_ORDER = ("record", "lines", "current", "thread", "tlines")
 
@@ -173,9 +195,12 @@ def in_process(pythonpath: Path | None, cwd: Path) -> dict[str, Any]:
 
 
 def start_lb(stubs: list[str], access_log: bool, pythonpath: Path | None,
-             extra: list[str] | None = None, toggled: Path | None = None) -> Daemon:
+             extra: list[str] | None = None, toggled: Path | None = None,
+             sink: str = "file") -> Daemon:
     """``toggled``: the folder of a toggle's ``sitecustomize`` (put first on the path);
-    the daemon then writes its state to ``toggled / "ack"``."""
+    the daemon then writes its state to ``toggled / "ack"``. ``sink``: ``file`` (the
+    daemon's stderr a file) or ``pipe`` (a pipe drained by a child: :func:`stop_lb`
+    ends both)."""
     env = dict(os.environ)
     paths = [str(p) for p in (toggled, pythonpath) if p is not None]
     if paths:  # PYTHONSAFEPATH: see overhead_ab (the workers' python -m)
@@ -185,7 +210,53 @@ def start_lb(stubs: list[str], access_log: bool, pythonpath: Path | None,
     args = ["--port", "0", "--replicas", ",".join(stubs), *LB_FLAGS, *(extra or [])]
     if not access_log:
         args.append("--no-access-log")
+    if sink == "pipe":
+        return _start_piped("skymesh-lb", args, ro.READY_TIMEOUT_S, env)
     return start_daemon("skymesh-lb", args, timeout=ro.READY_TIMEOUT_S, env=env)
+
+
+# Each piped daemon's drain (--sink pipe), by the daemon's pid.
+_DRAINS: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def _start_piped(name: str, args: list[str], timeout: float, env: dict[str, str]
+                 ) -> Daemon:
+    """``start_daemon`` with the daemon's stdout and stderr a pipe that a child of this
+    process drains (its first bytes kept in the daemon's log file, for its "listening
+    on" line): a lab set-up, the product's ``start_daemon`` takes a file only."""
+    fd, tmp = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
+    os.close(fd)
+    log_path = Path(tmp)
+    drain = subprocess.Popen([sys.executable, "-c", _DRAIN, str(log_path)],
+                             stdin=subprocess.PIPE)
+    assert drain.stdin is not None
+    try:
+        proc = subprocess.Popen([*executable(name), *args], stdout=drain.stdin,
+                                stderr=subprocess.STDOUT, env=env)
+    except BaseException:
+        drain.kill()
+        drain.wait()
+        raise
+    finally:
+        drain.stdin.close()  # the daemon holds the pipe's only writing end now
+    _DRAINS[proc.pid] = drain
+    try:
+        return wait_listening(name, proc, log_path, timeout)
+    except RuntimeError:  # the daemon killed: its drain ends with the pipe
+        stop_lb(Daemon(name, proc, "", log_path, True))
+        raise
+
+
+def stop_lb(d: Daemon) -> None:
+    """Stop ``d`` and, for a piped one, its drain (which ends when the pipe closes)."""
+    d.stop()
+    drain = _DRAINS.pop(d.proc.pid, None)
+    if drain is not None:
+        try:
+            drain.wait(10)
+        except subprocess.TimeoutExpired:  # a worker of the daemon holds the pipe still
+            drain.kill()
+            drain.wait()
 
 
 @contextlib.contextmanager
@@ -210,7 +281,8 @@ def _builds(base: str | None, workdir: Path, ablate: tuple[str, ...] = ()
 
 @contextlib.contextmanager
 def _balancers(stubs: list[str], builds: dict[str, Path | None], extra: list[str],
-               toggles: dict[str, Path] | None = None) -> Iterator[dict[str, Daemon]]:
+               toggles: dict[str, Path] | None = None, sink: str = "file"
+               ) -> Iterator[dict[str, Daemon]]:
     """Each build's skymesh-lb with the access log on and off, ready and warmed up.
     ``toggles``: each build's toggle folder (``--toggle``): one daemon per build, the
     same for "on" and "off" (:func:`pair` switches it)."""
@@ -219,14 +291,14 @@ def _balancers(stubs: list[str], builds: dict[str, Path | None], extra: list[str
         for build, path in builds.items():
             if toggles is not None:
                 (toggles[build] / "ack").unlink(missing_ok=True)
-                d = start_lb(stubs, True, path, extra, toggled=toggles[build])
-                exits.callback(d.stop)
+                d = start_lb(stubs, True, path, extra, toggled=toggles[build], sink=sink)
+                exits.callback(stop_lb, d)
                 _ACKS[d.proc.pid] = toggles[build] / "ack"
                 lbs[f"{build}/on"] = lbs[f"{build}/off"] = d
                 continue
             for on in (False, True):
-                d = start_lb(stubs, on, path, extra)
-                exits.callback(d.stop)
+                d = start_lb(stubs, on, path, extra, sink=sink)
+                exits.callback(stop_lb, d)
                 lbs[f"{build}/{'on' if on else 'off'}"] = d
         for d in {id(d): d for d in lbs.values()}.values():
             ro.wait_ready(d)
@@ -355,8 +427,8 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def run(rounds: int, duration_s: float, base: str | None, seed: int,
         extra: list[str] | None = None, ablate: tuple[str, ...] = (),
-        http_server: str | None = None, fresh_every: int = 0, toggled: bool = False
-        ) -> dict[str, Any]:
+        http_server: str | None = None, fresh_every: int = 0, toggled: bool = False,
+        sink: str = "file") -> dict[str, Any]:
     extra = extra or []
     started = datetime.now(UTC).isoformat(timespec="seconds")
     current = _head()  # what the daemons start with: a commit made meanwhile is not it
@@ -369,17 +441,18 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
             listen.write_text(f"listen:\n  http_server: {http_server}\n")
             daemon_args = ["--config", str(listen), *daemon_args]
         segments, loop_only = _measure(rounds, duration_s, base, Path(tmp), daemon_args,
-                                       ablate, rng, fresh_every, toggled)
+                                       ablate, rng, fresh_every, toggled, sink)
     cmd = (f"python -m skymesh_lab.bench.access_log_cost --rounds {rounds} "
            f"--duration {duration_s:g}" + (f" --base {base}" if base else "")
            + (f" --ablate {','.join(ablate)}" if ablate else "")
            + (f" --http-server {http_server}" if http_server else "")
            + (f" --fresh-every {fresh_every}" if fresh_every else "")
            + (" --toggle" if toggled else "")
+           + (f" --sink {sink}" if sink != "file" else "")
            + (f" --lb-args {shlex.quote(shlex.join(extra))}" if extra else ""))
     return {"setup": {"command": cmd, "lb_flags": [*LB_FLAGS, *extra],
                       "http_server": http_server, "fresh_every": fresh_every,
-                      "toggle": toggled,
+                      "toggle": toggled, "sink": sink,
                       "connections": CASE.connections,
                       "rounds": rounds, "duration_s": duration_s, "base": base,
                       "ablate": list(ablate),
@@ -393,7 +466,7 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
 
 def _measure(rounds: int, duration_s: float, base: str | None, tmp: Path,
              extra: list[str], ablate: tuple[str, ...], rng: random.Random,
-             fresh_every: int = 0, toggled: bool = False
+             fresh_every: int = 0, toggled: bool = False, sink: str = "file"
              ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The rounds' segments, then each build's in-process figure. ``fresh_every``: new
     balancer processes every that many rounds (0: the same ones throughout);
@@ -405,7 +478,7 @@ def _measure(rounds: int, duration_s: float, base: str | None, tmp: Path,
                     for b in builds} if toggled else None)
         span = fresh_every if fresh_every > 0 else rounds
         for first in range(0, rounds, span):
-            with _balancers(stubs, paths, extra, toggles) as lbs:
+            with _balancers(stubs, paths, extra, toggles, sink) as lbs:
                 for rnd in range(first, min(first + span, rounds)):
                     rng.shuffle(builds)
                     for build in builds:
@@ -465,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http-server", choices=("aiohttp", "lean"), default=None,
                     help="every daemon with listen.http_server set so (default: the "
                          "daemon's own default)")
+    ap.add_argument("--sink", choices=SINKS, default="file",
+                    help="where the daemons' stderr (the access log) goes: a file, or a "
+                         "pipe the bench drains (the loop then writes the batches itself)")
     ap.add_argument("--ablate", default="", metavar="VARIANTS",
                     help="also run this checkout with parts of the access log switched off, "
                          f"comma-separated: {', '.join(ablation.VARIANTS)} "
@@ -476,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--ablate: unknown variant {v!r} (one of {', '.join(ablation.VARIANTS)})")
     executable("skymesh-lb")  # fails early without it
     res = run(args.rounds, args.duration, args.base, args.seed, shlex.split(args.lb_args),
-              ablate, args.http_server, args.fresh_every, args.toggle)
+              ablate, args.http_server, args.fresh_every, args.toggle, args.sink)
     for build in ("base", "current", *ablate):
         row = res["summary"].get(build)
         if row is None:

@@ -13,6 +13,7 @@ from typing import Any
 TARGET = 0.05  # issue #35 item 3: at most 5% of a request's CPU
 ABLATION = "access-log-ablation"  # the attached --ablate run (results_pages.Source.attach)
 LEAN = "access-log-cost-lean"  # the attached run with --http-server lean
+LEAN_PIPE = "access-log-cost-lean-pipe"  # the same with --sink pipe
 # The ablation's builds, least of the log first (access_log_cost.ABLATION_ORDER), and
 # what each runs with the log on (skymesh_lab.bench.access_log_ablate).
 _PARTS = {
@@ -227,26 +228,45 @@ def access_log_cost(doc: dict[str, Any]) -> str:
         "at the end): single turns move by tens of microseconds, so read the medians and "
         "the spreads, not one round.",
     ]
-    lean = _lean(doc)
-    if lean:
-        notes.append(lean)
+    for key in (LEAN, LEAN_PIPE):
+        lean = _lean(doc, key)
+        if lean:
+            notes.append(lean)
     ablation = _ablation(doc)
     if ablation:
         notes.append(ablation)
     return "\n\n".join(notes)
 
 
-def _lean(doc: dict[str, Any]) -> str:
+# Where a run's daemons wrote the access log (``--sink``; runs from before it: a file).
+_SINKS = {
+    "file": "the access log goes to the daemon's stderr, a file, which the writer thread "
+            "writes",
+    "pipe": "the access log goes to the daemon's stderr, a pipe that a child of the "
+            "benchmark drains (its CPU not counted), so the loop writes the batches itself "
+            "(`skymesh.obs.logsink`) and the writer thread idles",
+}
+
+
+def _sink(setup: dict[str, Any]) -> str:
+    return _SINKS[setup.get("sink") or "file"]
+
+
+def _lean(doc: dict[str, Any], key: str = LEAN) -> str:
     """The same measurement with every daemon on the lean HTTP server (a run of its own,
-    ``--http-server lean``), with its ablation builds if it had any."""
-    run = doc.get(LEAN)
+    ``--http-server lean``), with its ablation builds if it had any; ``key``: the run
+    with the log to a file (``LEAN``) or to a pipe (``LEAN_PIPE``)."""
+    run = doc.get(key)
     if not run:
         return ""
     setup, summary = run["setup"], run["summary"]
+    pipe = setup.get("sink") == "pipe"
     label = {"base": f"before (`{setup.get('base')}`)",
              "current": f"now (`{setup.get('current') or 'current'}`)",
              **{b: f"`{b}`: {_PARTS.get(b, b)}" for b in setup.get("ablate", [])}}
-    out = ["### With the lean HTTP server (`listen.http_server: lean`)", "",
+    title = ("### With the lean HTTP server, the log to a pipe (`--sink pipe`)" if pipe
+             else "### With the lean HTTP server (`listen.http_server: lean`)")
+    out = [title, "",
            "| build | access log off: CPU us per request | on | cost of the access log "
            "(on - off) | its share of a request | of which the loop | the writer thread |",
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -262,7 +282,7 @@ def _lean(doc: dict[str, Any]) -> str:
     said = [f"{_STEPS.get(name, name)}: {_us(s)} us" for name, s in steps.items()]
     text = (f"Every daemon with `listen.http_server: lean` (the default since session 25), "
             f"{setup['rounds']} rounds of {setup['duration_s']:g} s in a run of its own"
-            + _fresh(setup) + " "
+            + _fresh(setup) + "; " + _sink(setup) + " "
             f"(load average {setup['loadavg_before'][0]:.1f} at the start, "
             f"{setup['loadavg_after'][0]:.1f} at the end). "
             + _verdict(summary["current"]["share"]).replace("now costs", "costs here")
@@ -270,5 +290,5 @@ def _lean(doc: dict[str, Any]) -> str:
                if paired else "")
             + (" Paired by round, " + "; ".join(said) + "." if said else "")
             + _in_process(run, label)
-            + " Reproduce: `" + setup["command"] + f" --json docs/results/data/{LEAN}.json`.")
+            + " Reproduce: `" + setup["command"] + f" --json docs/results/data/{key}.json`.")
     return "\n".join(out) + "\n\n" + text

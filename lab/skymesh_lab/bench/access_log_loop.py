@@ -54,14 +54,21 @@ async def loop_us(requests: int, on: bool) -> float:
     # As the balancer notes its model: with the request's id where the build takes it
     # (the line then does not look the id up again), the id made either way (routing).
     takes_id = "request_id" in inspect.signature(access.note).parameters
+    # Builds with positional notes: the balancer calls those.
+    note_model = getattr(access, "note_model", None)
+    note_target = getattr(access, "note_target", None)
 
     async def handler(request: web.Request) -> web.StreamResponse:
         rid = request_id(request)
-        if takes_id:
-            access.note(request, model="stub", request_id=rid)
+        if note_model is not None and note_target is not None:
+            note_model(request, "stub", rid)
+            note_target(request, "http://127.0.0.1:8001", False)
         else:
-            access.note(request, model="stub")
-        access.note(request, served_by="http://127.0.0.1:8001")
+            if takes_id:
+                access.note(request, model="stub", request_id=rid)
+            else:
+                access.note(request, model="stub")
+            access.note(request, served_by="http://127.0.0.1:8001")
         decoded = fast_usage(BODY)
         if note_usage is not None:
             note_usage(request, decoded)
