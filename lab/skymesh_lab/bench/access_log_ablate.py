@@ -28,6 +28,11 @@ Variants:
     a pipe's, which the loop writes itself, stay on the loop). What issue #35 asked to
     measure: the formatting off the loop, against the thread's own CPU for it.
 
+``floor``
+    The least a log made in Python on the loop does for the benchmark's requests
+    (:mod:`skymesh_lab.bench.access_log_floor`): the same line for a whole reply, a
+    list per request and one tuple per line, written as the full log writes.
+
 The full log is the build itself (no patch).
 """
 
@@ -37,7 +42,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("record", "lines", "thread", "tlines")
+VARIANTS = ("record", "lines", "thread", "tlines", "floor")
 
 
 def apply(variant: str) -> None:
@@ -62,6 +67,10 @@ def apply(variant: str) -> None:
         writer_cls.flush = flush
     elif variant == "thread":
         access.open_sink = lambda *args, **kwargs: None
+    elif variant == "floor":
+        from skymesh_lab.bench import access_log_floor
+
+        access_log_floor.apply()
     elif variant == "tlines":
         plain_flush, plain_write = writer_cls.flush, writer_cls._write
 

@@ -108,7 +108,7 @@ _DRAIN = ("import os, sys\n"
           "os.dup2(null, 1)\n"
           "os.execvp('cat', ['cat'])\n")
 # The ablation's builds from the least of the log to the most (--ablate).
-ABLATION_ORDER = ("record", "lines", "current", "thread", "tlines")
+ABLATION_ORDER = ("record", "lines", "floor", "current", "thread", "tlines")
 
 
 def thread_ticks(root: int) -> dict[str, int]:

@@ -17,6 +17,8 @@ LEAN_PIPE = "access-log-cost-lean-pipe"  # the same with --sink pipe
 # The ablation's builds, least of the log first (access_log_cost.ABLATION_ORDER), and
 # what each runs with the log on (skymesh_lab.bench.access_log_ablate).
 _PARTS = {
+    "floor": "the least a log made in Python does (access_log_floor): a list per request, "
+             "the same line for a whole reply; no prepare hook, no other cases",
     "record": "the request's record, the wrapper around the app, the balancer's notes, "
               "the prepare hook; no line made",
     "lines": "and the lines made on the loop in batches, then discarded",
