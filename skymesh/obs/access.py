@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from skymesh.net.front import streams_only
 from skymesh.net.jsonbody import NOT_DECODED, fast_usage
 from skymesh.obs.config import ACCESS_LOG_BACKLOG
 from skymesh.obs.logs import (
@@ -107,49 +108,57 @@ SETTLE_S = 2.0  # at a stop, how long lines held back by a full pipe may wait to
 
 class AccessRecord:
     """What is known about one request so far; the middleware owns it. At the request's
-    end the loop adds what the line needs (``method`` ... ``end``) and hands the record to
-    the writer thread, which makes the fields (:func:`record_fields`): the loop makes no
-    dict and formats nothing.
+    end the loop adds what the line needs (``code`` ... ``completion_tokens``) and hands
+    the record to the writer thread, which makes the fields (:func:`record_fields`): the
+    loop makes no dict and formats nothing.
 
-    Made once per request, so it holds only what a plain request sets or reads: the
-    request's end sets ``method`` ... ``end`` (unset until then), a streamed body's state
-    is one member (:class:`_Stream`), and the span and tracer are a traced request's
+    Made once per request, so it holds only what a plain request sets or reads, and its
+    making stores only what may be read before the request's end (:data:`BEGUN`): the
+    request's end sets the rest (unset until then), a streamed body's state is one
+    member (:class:`_Stream`), and the span and tracer are a traced request's
     (:class:`_TracedRecord`; None on the class for the others). Each member is a store
-    per request and a word the batch keeps alive."""
+    per request and a word the batch keeps alive. The server's handler
+    (:mod:`skymesh.net.front`) makes it without this ``__init__`` (a Python call): the
+    same stores, in its own frame."""
 
-    __slots__ = ("client", "clock", "code", "completion_tokens", "disconnected", "end",
+    __slots__ = ("client", "code", "completion_tokens", "disconnected", "end",
                  "first_byte_at", "method", "model", "path", "priority", "prompt_tokens",
                  "request_id", "served_by", "start", "stream", "tenant", "usage", "via")
 
     span: Any = None  # the request's SERVER span: with tracing only
     tracing: Tracing | None = None
     # Set at the request's end (finish), read only after it: the status sent (or 499),
-    # the request's method, path and client, the end's time.
+    # the request's method, path and client, the end's time, when its first byte left
+    # (None: none did), its usage counts (when read from the decoded usage; else the
+    # line reads them from the body it is handed).
     code: int
     method: str
     path: str
     client: str | None
     end: float
+    first_byte_at: float | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
     priority: str | None  # with tenants: set with ``tenant``, read only when it is set
 
-    def __init__(self, start: float, clock: Clock, request_id: str | None = None) -> None:
+    def __init__(self, start: float, request_id: str | None = None) -> None:
         self.start = start
-        self.clock = clock
         self.request_id = request_id
         self.model: str | None = None
         self.served_by: str | None = None
         self.via: str | None = None
         self.tenant: str | None = None  # with tenants (note(tenant=...)), and its class
-        self.first_byte_at: float | None = None
         self.disconnected = False  # the balancer saw the client leave (note(left=True))
         self.stream: _Stream | None = None  # a streamed body, once its headers are prepared
         # The reply's top-level usage as the balancer decoded it (note_usage), so the line
         # does not decode it again; NOT_DECODED: the line reads it from the body.
         self.usage: Any = NOT_DECODED
-        # Its counts, when read at the request's end from that usage (the body is then
-        # not kept for the line): two members rather than a tuple made per request.
-        self.prompt_tokens: int | None = None
-        self.completion_tokens: int | None = None
+
+
+# What AccessRecord.__init__ stores besides ``start`` (the server's handler makes the
+# record with these stores inline; tests/unit/test_obs_access.py checks they agree).
+BEGUN = ("request_id", "model", "served_by", "via", "tenant", "disconnected", "stream",
+         "usage")
 
 
 class _TracedRecord(AccessRecord):
@@ -157,22 +166,24 @@ class _TracedRecord(AccessRecord):
 
     __slots__ = ("span", "tracing")
 
-    def __init__(self, start: float, clock: Clock, tracing: Tracing) -> None:
-        super().__init__(start, clock)
+    def __init__(self, start: float, tracing: Tracing) -> None:
+        super().__init__(start)
         self.tracing = tracing
         self.span = None
 
 
 class _Stream:
-    """A streamed body as the access log watches it (:func:`_watch_body`): the response
-    whose ``write`` is wrapped, the status its headers went with (logged if the client
-    leaves mid-stream) and its last chunks (the usage event)."""
+    """A streamed body as the access log watches it (:meth:`_Access.watch_body`): the
+    response whose ``write`` is wrapped, the status its headers went with (logged if the
+    client leaves mid-stream), when its first byte left and its last chunks (the usage
+    event)."""
 
-    __slots__ = ("response", "status", "tail")
+    __slots__ = ("first_byte_at", "response", "status", "tail")
 
     def __init__(self, response: web.StreamResponse) -> None:
         self.response = response
         self.status = response.status
+        self.first_byte_at: float | None = None
         self.tail: deque[bytes | bytearray | memoryview] = deque(maxlen=_TAIL_CHUNKS)
 
 
@@ -350,7 +361,7 @@ class _Access:
     def begin(self, request: web.Request) -> AccessRecord:
         """A request's record, started now (without tracing; the server's handler,
         :mod:`skymesh.net.front`, makes the same record itself, without this call)."""
-        rec = AccessRecord(self.clock(), self.clock)
+        rec = AccessRecord(self.clock())
         request._state[RECORD_KEY] = rec  # not request[...]: a Python call fewer (note())
         return rec
 
@@ -368,8 +379,8 @@ class _Access:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        rec: AccessRecord = (AccessRecord(self.clock(), self.clock) if self.tracing is None
-                             else _TracedRecord(self.clock(), self.clock, self.tracing))
+        rec: AccessRecord = (AccessRecord(self.clock()) if self.tracing is None
+                             else _TracedRecord(self.clock(), self.tracing))
         request[RECORD_KEY] = rec
         status: int | None = None
         resp: web.StreamResponse | None = None
@@ -398,25 +409,11 @@ class _Access:
         return _server_span(self.tracing, request, rec)
 
     def finish(self, request: web.Request, rec: AccessRecord,
-                resp: web.StreamResponse | None, status: int | None) -> None:
+               resp: web.StreamResponse | None, status: int | None) -> None:
         """End ``rec`` with the response and the status sent (None: none was)."""
         end = self.clock()
-        stream = rec.stream
-        if stream is not None:
-            rec.stream = None
-            # The wrapped write refers to its response: a reference cycle, left to the
-            # cyclic GC (rare in a tuned daemon) it kept every stream's response, request
-            # and buffers alive for tens of thousands of requests (docs/notes/memory-1m.md).
-            with contextlib.suppress(AttributeError):
-                del stream.response.write
-        if status is None or rec.disconnected:  # what the client got, if anything
-            rec.disconnected = True
-            status = stream.status if stream is not None else CLIENT_CLOSED
-        elif rec.first_byte_at is None:
-            rec.first_byte_at = end  # a whole body: it leaves now, with the headers
         # The record is the writer's from here (the prepare hook of a whole body, which
         # runs after this, leaves it alone).
-        rec.code = status
         rec.end = end
         rec.method = request.method
         rec.path = request.path
@@ -424,8 +421,13 @@ class _Access:
         if rec.request_id is None:
             rec.request_id = self.request_id(request)
         body: bytes | None = None  # where the usage is, if anywhere
-        if resp is not None and status < 400:
-            if type(resp) is web.Response or isinstance(resp, web.Response):
+        if rec.stream is None and status is not None and not rec.disconnected:
+            # A whole body (the common case, first): it leaves now, with the headers.
+            rec.code = status
+            rec.first_byte_at = end
+            rec.prompt_tokens = rec.completion_tokens = None
+            if resp is not None and status < 400 and (
+                    type(resp) is web.Response or isinstance(resp, web.Response)):
                 got = resp._body  # what its body property returns, without the call
                 if type(got) is bytes:
                     body = got
@@ -443,8 +445,8 @@ class _Access:
                         rec.prompt_tokens, rec.completion_tokens = prompt, completion
                         rec.usage = NOT_DECODED
                         body = None
-            elif stream is not None and stream.tail:
-                body = b"".join(bytes(c) for c in stream.tail)
+        else:
+            body = self._finish_other(rec, resp, status, end)
         if self.tracing is not None and rec.span is not None:  # it ends with the middleware:
             # fill it in now (a request's record has a span only with tracing)
             from skymesh.obs.tracing import trace_id
@@ -465,6 +467,73 @@ class _Access:
                     writer.flush()
                 return
         self._write(rec, body)
+
+    @staticmethod
+    def _finish_other(rec: AccessRecord, resp: web.StreamResponse | None,
+                      status: int | None, end: float) -> bytes | None:
+        """:meth:`finish` of a streamed body, or of a request whose client left: its
+        status and first byte, and where its usage is (the stream's last chunks)."""
+        stream = rec.stream
+        first = None
+        if stream is not None:
+            rec.stream = None
+            first = stream.first_byte_at
+            # The wrapped write refers to its response: a reference cycle, left to the
+            # cyclic GC (rare in a tuned daemon) it kept every stream's response, request
+            # and buffers alive for tens of thousands of requests (docs/notes/memory-1m.md).
+            with contextlib.suppress(AttributeError):
+                del stream.response.write
+        if status is None or rec.disconnected:  # what the client got, if anything
+            rec.disconnected = True
+            status = stream.status if stream is not None else CLIENT_CLOSED
+        elif first is None:
+            first = end  # nothing of the stream written: its headers leave now
+        rec.code = status
+        rec.first_byte_at = first
+        rec.prompt_tokens = rec.completion_tokens = None
+        if resp is None or status >= 400:
+            return None
+        if stream is not None and stream.tail:
+            return b"".join(bytes(c) for c in stream.tail)
+        if type(resp) is web.Response or isinstance(resp, web.Response):
+            got = resp._body  # a whole body whose client left: its usage, if any
+            return (bytes(got) if isinstance(got, bytes | bytearray) and got else None)
+        return None
+
+    @streams_only
+    def watch_body(self, request: web.Request, response: web.StreamResponse
+                   ) -> Awaitable[None]:
+        """``on_response_prepare``: for a streamed body, its status (logged if the client
+        leaves mid-stream), the time of its first byte and its last chunks (the usage
+        event). A whole body is prepared after the middleware has finished its record:
+        nothing to do (the lean server does not call this for one: :func:`streams_only`).
+        All of its work done when called (see :class:`_Done`)."""
+        if type(response) is web.Response or isinstance(response, web.Response):
+            return _DONE  # a whole body: the middleware is done with it
+        rec = request.get(RECORD_KEY)
+        if rec is None:
+            return _DONE
+        stream = rec.stream = _Stream(response)
+        write = response.write
+        tail = stream.tail
+        clock = self.clock
+
+        # Plain functions that hand back the original write's coroutine: no extra
+        # coroutine per chunk on the stream's hot path. The first one stamps the time
+        # and steps aside.
+        def first_write(data: bytes | bytearray | memoryview) -> Coroutine[Any, Any, None]:
+            if data:
+                stream.first_byte_at = clock()
+                tail.append(data)
+                response.write = later_write  # type: ignore[method-assign]
+            return write(data)
+
+        def later_write(data: bytes | bytearray | memoryview) -> Coroutine[Any, Any, None]:
+            tail.append(data)
+            return write(data)
+
+        response.write = first_write  # type: ignore[method-assign]
+        return _DONE
 
     def _write(self, what: AccessRecord | dict[str, Any], body: bytes | None) -> None:
         writer = self.writer
@@ -915,7 +984,7 @@ def _record_json(rec: AccessRecord, tokens: tuple[int | None, int | None]
 
 
 class _Done(Awaitable[None]):
-    """An awaitable that is done already: what :func:`_watch_body` returns (aiohttp's
+    """An awaitable that is done already: what :meth:`_Access.watch_body` returns (aiohttp's
     signal awaits what each receiver returns), so no coroutine is made per response.
     Once a loop runs the log (:func:`_done_future`), a done future instead: awaiting it
     runs no Python code (its ``__await__`` is asyncio's C one; 70 ns against 150)."""
@@ -939,37 +1008,6 @@ def _done_future() -> None:
         _DONE = done
 
 
-def _watch_body(request: web.Request, response: web.StreamResponse) -> Awaitable[None]:
-    """``on_response_prepare``: for a streamed body, its status (logged if the client
-    leaves mid-stream), the time of its first byte and its last chunks (the usage event).
-    A whole body is prepared after the middleware has finished its record: nothing to do.
-    A plain function, all of its work done when called (see :class:`_Done`)."""
-    if type(response) is web.Response or isinstance(response, web.Response):
-        return _DONE  # a whole body: the middleware is done with it
-    rec = request.get(RECORD_KEY)
-    if rec is None:
-        return _DONE
-    stream = rec.stream = _Stream(response)
-    write = response.write
-    tail = stream.tail
-
-    # Plain functions that hand back the original write's coroutine: no extra coroutine
-    # per chunk on the stream's hot path. The first one stamps the time and steps aside.
-    def first_write(data: bytes | bytearray | memoryview) -> Coroutine[Any, Any, None]:
-        if data:
-            rec.first_byte_at = rec.clock()
-            tail.append(data)
-            response.write = later_write  # type: ignore[method-assign]
-        return write(data)
-
-    def later_write(data: bytes | bytearray | memoryview) -> Coroutine[Any, Any, None]:
-        tail.append(data)
-        return write(data)
-
-    response.write = first_write  # type: ignore[method-assign]
-    return _DONE
-
-
 def install(app: web.Application, *, access_log: bool = True, tracing: Tracing | None = None,
             request_id: Callable[[web.Request], str | None] | None = None,
             clock: Clock = time.perf_counter, max_backlog: int = MAX_BACKLOG) -> None:
@@ -986,7 +1024,7 @@ def install(app: web.Application, *, access_log: bool = True, tracing: Tracing |
                      request_id or _default_request_id, clock, max_backlog)
     app.middlewares.append(access.middleware if tracing is not None else access.log_only)
     app[_ACCESS_KEY] = access
-    app.on_response_prepare.append(_watch_body)
+    app.on_response_prepare.append(access.watch_body)
     writer = access.writer
     if writer is not None:
         async def start_writer(app: web.Application) -> None:

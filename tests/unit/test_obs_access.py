@@ -486,9 +486,10 @@ def test_lines_made_without_log_records_are_the_formatters_own(fmt: str) -> None
 
 def finished(**kw: Any) -> AccessRecord:
     """A record as the middleware hands it to the writer at a request's end."""
-    rec = AccessRecord(100.0, FakeClock(), kw.pop("request_id", "r1"))
+    rec = AccessRecord(100.0, kw.pop("request_id", "r1"))
     rec.method, rec.path, rec.code, rec.end = "POST", "/v1/chat/completions", 200, 100.04025
     rec.client, rec.first_byte_at = "127.0.0.1", 100.0125
+    rec.prompt_tokens = rec.completion_tokens = None
     for key, value in kw.items():
         setattr(rec, key, value)
     return rec
@@ -945,7 +946,7 @@ async def test_a_whole_replys_prepare_hook_hands_back_a_done_future() -> None:
         await start(app)
     try:
         request = make_mocked_request("POST", "/v1/chat/completions", app=app)
-        done = access._watch_body(request, web.Response(body=b"{}"))
+        done = app[access._ACCESS_KEY].watch_body(request, web.Response(body=b"{}"))
         assert isinstance(done, asyncio.Future) and done.done()
         assert await done is None
         assert await done is None  # the same one for every reply
