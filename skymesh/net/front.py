@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 Handler = Callable[[Any], Awaitable[web.StreamResponse]]  # the server's: a web.Request
 DirectRoutes = dict[tuple[str, str], AbstractRoute]
-PrepareHook = Callable[[Any, web.StreamResponse], Awaitable[None]]
+PrepareHook = Callable[[Any, web.StreamResponse], Awaitable[object]]
 _STREAMS_ONLY = "skymesh_streams_only"  # the mark streams_only() sets on a hook
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])
 

@@ -953,3 +953,44 @@ async def test_a_whole_replys_prepare_hook_hands_back_a_done_future() -> None:
     finally:
         for cleanup in app.on_cleanup:
             await cleanup(app)
+
+
+async def test_the_servers_handler_makes_the_record_its_init_would() -> None:
+    """skymesh.net.front makes the request's record without AccessRecord.__init__ (its
+    stores inline): the same members set, to the same values, as the constructor's."""
+    from skymesh.net.front import request_handler
+    from skymesh.obs import access
+
+    app = web.Application()
+    install(app)
+    log = access.outside_chain(app)
+    assert log is not None
+    seen: dict[str, Any] = {}
+
+    def members(rec: AccessRecord) -> dict[str, Any]:
+        return {k: getattr(rec, k) for k in AccessRecord.__slots__ if hasattr(rec, k)}
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        seen.update(members(request[access.RECORD_KEY]))
+        return web.Response(body=b"{}")
+
+    front = request_handler(app, handle, {}, log)
+    await front(make_mocked_request("POST", "/v1/chat/completions", app=app))
+    assert set(seen) == {"start", *access.BEGUN}
+    assert seen == members(AccessRecord(seen["start"]))
+
+
+def test_the_logs_prepare_hook_is_left_out_of_a_whole_replys_hooks() -> None:
+    """The log's prepare hook watches streams only: the hooks the lean server runs for a
+    whole reply are the app's others, in their order."""
+    from skymesh.net.front import plain_prepare_hooks
+
+    async def stamp(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["X-Stamp"] = "1"
+
+    app = web.Application()
+    app.on_response_prepare.append(stamp)
+    install(app)
+    app.on_response_prepare.append(stamp)
+    assert len(app.on_response_prepare) == 3
+    assert plain_prepare_hooks(app) == (stamp, stamp)
