@@ -994,3 +994,28 @@ def test_the_logs_prepare_hook_is_left_out_of_a_whole_replys_hooks() -> None:
     app.on_response_prepare.append(stamp)
     assert len(app.on_response_prepare) == 3
     assert plain_prepare_hooks(app) == (stamp, stamp)
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_the_common_lines_times_are_ms_texts() -> None:
+    """The writer's common text line prints its time inline (ms_text's whole-microsecond
+    case): the same text as ms_text, near halves, at the edges and past them too."""
+    durations = [0.0, -1e-3, 5e-7, 0.0625e-3, 2.0005e-3, 0.9999999e-3, 1e4 - 1e-9, 1e4,
+                 1e9 + 0.5, 12.5]
+    for micros in range(0, 400_000, 997):
+        durations += [micros / 1e6, (micros + 0.5) / 1e6,
+                      math.nextafter((micros + 0.5) / 1e6, 1.0)]
+    items = []
+    for duration in durations:
+        rec = finished(model="m", served_by="http://10.0.0.1:8000", via="replica",
+                       prompt_tokens=7, completion_tokens=3)
+        rec.end = rec.first_byte_at = 100.0 + duration
+        items.append((rec, None, 1795885290.0421))
+    out = io.StringIO()
+    daemon_logging("text", out)
+    AccessWriter(logging.getLogger(ACCESS_LOGGER)).write_batch(items)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == len(items)
+    for (rec, _, _), line in zip(items, lines, strict=True):
+        took = ms_text(rec.end - 100.0)
+        assert f" ttft_ms={took} duration_ms={took} " in line, (rec.end, line)
