@@ -224,5 +224,6 @@ def test_the_page_shows_the_default_lane_as_a_section_of_its_own() -> None:
     assert f"--json docs/results/data/{LEAN_DEFAULT}.json" in page
     assert "| `floor`: " in page and "the full log above the floor" in page
     assert "**not shown** either way" in page  # the interval straddles 5%
+    assert "The floor (`floor`, the least a log made in Python does) costs **5.0%**" in page
     rr = _lean({LEAN: {"setup": {**setup, "config": "rr"}, "summary": {"current": row}}})
     assert "default configuration" not in rr

@@ -257,6 +257,16 @@ def _sink(setup: dict[str, Any]) -> str:
     return _SINKS[setup.get("sink") or "file"]
 
 
+def _floor(summary: dict[str, Any]) -> str:
+    """Where the floor's share stands against the target (``--ablate floor``)."""
+    row = summary.get("floor")
+    if not isinstance(row, dict) or "share" not in row:
+        return ""
+    return " " + _verdict(row["share"]).replace(
+        "The access log now costs", "The floor (`floor`, the least a log made in Python "
+        "does) costs", 1)
+
+
 def _config(setup: dict[str, Any]) -> str:
     """What the daemons ran and wrk sent (``--config``; runs from before it: rr)."""
     if setup.get("config", "rr") == "rr":
@@ -309,6 +319,7 @@ def _lean(doc: dict[str, Any], key: str = LEAN) -> str:
             + _verdict(summary["current"]["share"]).replace("now costs", "costs here")
             + (f" Now's cost minus before's, paired by round: {_us(paired)} us."
                if paired else "")
+            + _floor(summary)
             + (" Paired by round, " + "; ".join(said) + "." if said else "")
             + _in_process(run, label)
             + " Reproduce: `" + setup["command"] + f" --json docs/results/data/{key}.json`.")
