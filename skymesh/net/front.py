@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from aiohttp import hdrs, web
 from aiohttp.web_urldispatcher import (
@@ -39,6 +39,26 @@ if TYPE_CHECKING:
 
 Handler = Callable[[Any], Awaitable[web.StreamResponse]]  # the server's: a web.Request
 DirectRoutes = dict[tuple[str, str], AbstractRoute]
+PrepareHook = Callable[[Any, web.StreamResponse], Awaitable[object]]
+_STREAMS_ONLY = "skymesh_streams_only"  # the mark streams_only() sets on a hook
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def streams_only(hook: _Hook) -> _Hook:
+    """Mark an ``on_response_prepare`` hook that does nothing for a whole reply (a
+    ``web.Response``): the lean server's direct writes
+    (:meth:`skymesh.net.lean.LeanProtocol._send_plain`) leave it out, decided once
+    (:func:`plain_prepare_hooks`), rather than call and await it per reply. aiohttp's
+    own server still calls it: it must stay harmless for one."""
+    setattr(hook, _STREAMS_ONLY, True)  # a method's: set on its function, read through
+    return hook
+
+
+def plain_prepare_hooks(app: web.Application) -> tuple[PrepareHook, ...]:
+    """``app``'s ``on_response_prepare`` hooks a whole reply needs: all but those marked
+    :func:`streams_only`, in their order (the app frozen: its hooks are final)."""
+    return tuple(hook for hook in app.on_response_prepare
+                 if not getattr(hook, _STREAMS_ONLY, False))
 
 
 async def direct_routes(app: web.Application) -> DirectRoutes:
@@ -112,15 +132,23 @@ def request_handler(app: web.Application, handle: Handler, routes: DirectRoutes,
     if log is None:
         return front
     # With the log, its own frame: the record made here (what log.begin does, without
-    # its call), and no test per request of whether there is a log.
+    # its call, nor AccessRecord.__init__'s: the same stores, access.BEGUN, inline), and
+    # no test per request of whether there is a log.
+    from skymesh.obs.access import NOT_DECODED as not_decoded
     from skymesh.obs.access import RECORD_KEY, AccessRecord  # the log is there: loaded
 
     clock, key = log.clock, RECORD_KEY
     finish, failed = log.finish, log.failed
+    new = object.__new__
 
     async def logged_front(request: Any) -> web.StreamResponse:
         conn = mark_started(request)
-        rec = AccessRecord(clock(), clock)
+        rec = new(AccessRecord)
+        rec.start = clock()
+        rec.request_id = rec.model = rec.served_by = rec.via = rec.tenant = None
+        rec.disconnected = False
+        rec.stream = None
+        rec.usage = not_decoded
         request._state[key] = rec
         try:
             resp = await route(request)

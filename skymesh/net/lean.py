@@ -50,7 +50,7 @@ from aiohttp.http_writer import (
 )
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from skymesh.net.front import DirectRoutes, Handler
+from skymesh.net.front import DirectRoutes, Handler, PrepareHook, plain_prepare_hooks
 from skymesh.net.lean_request import LeanBody, LeanRequest
 from skymesh.net.limits import connection_client
 
@@ -104,9 +104,10 @@ def lean_factory(server: web.Server, app: web.Application, routes: DirectRoutes,
     ``direct_writes``: plain answers written by :meth:`LeanProtocol._send_plain` (off:
     every answer through aiohttp's ``prepare()``, the benches' comparison)."""
     keys = frozenset(routes)
+    hooks = plain_prepare_hooks(app)  # the app is frozen: decided once, not per reply
 
     def factory(**_: Any) -> asyncio.Protocol:
-        return LeanProtocol(server, app, keys, keepalive_s, direct_writes)
+        return LeanProtocol(server, app, keys, keepalive_s, direct_writes, hooks)
 
     return factory
 
@@ -142,6 +143,7 @@ class LeanProtocol(BaseProtocol):
         "_keys",
         "_mark",
         "_oversized",
+        "_plain_hooks",
         "_prefix",
         "_queue",
         "_reading_held",
@@ -161,11 +163,15 @@ class LeanProtocol(BaseProtocol):
 
     def __init__(self, server: web.Server, app: web.Application,
                  keys: frozenset[tuple[str, str]], keepalive_s: float,
-                 direct_writes: bool = True) -> None:
+                 direct_writes: bool = True,
+                 plain_hooks: tuple[PrepareHook, ...] | None = None) -> None:
         super().__init__(asyncio.get_running_loop())
         self._server = server
         self._direct = direct_writes
         self._app = app
+        # The app's prepare hooks a whole reply needs (skymesh.net.front.streams_only).
+        self._plain_hooks = (plain_prepare_hooks(app) if plain_hooks is None
+                             else plain_hooks)
         self._keys = keys
         self._handler: Handler = server.request_handler
         self._keepalive = keepalive_s
@@ -478,10 +484,12 @@ class LeanProtocol(BaseProtocol):
                 headers[hdrs.CONNECTION] = "close"
         resp._req = cast(web.Request, request)  # what a hook may read (resp.task)
         # What request._prepare_hook does (the on_response_prepare signals of the route's
-        # apps, frozen since start-up), without its and the signals' coroutine frames.
+        # apps, frozen since start-up), without its and the signals' coroutine frames;
+        # for this protocol's app, without the hooks that only watch streams.
         match_info = request._match_info
-        for app in match_info.apps if match_info is not None else ():
-            for hook in app.on_response_prepare:
+        for app in match_info._apps if match_info is not None else ():
+            hooks = self._plain_hooks if app is self._app else app.on_response_prepare
+            for hook in hooks:
                 await hook(cast(web.Request, request), resp)
         head = _serialize_headers(
             f"HTTP/{version[0]}.{version[1]} {resp._status} {resp._reason}", headers)

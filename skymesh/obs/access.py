@@ -29,12 +29,15 @@ formatting per request. The loop makes a batch's lines at once (``BATCH`` lines 
 gathered in ``_LINGER_S``) straight from the records, and the writer's thread writes what
 gathered, at most every ``WRITE_EVERY_S``, with one system call
 (:meth:`skymesh.obs.logs._Handler.write_lines`), so a slow log sink blocks the thread,
-not the loop. On a request's path, as few Python calls as it takes: the notes read the
-record from the request's own dict, the balancer's two on every request take positional
-arguments (:func:`note_model` with the request's id, :func:`note_target`), the prepare
-hook is a plain function, a whole reply's usage counts are read at its end (the body is
-not kept for the batch), and a line's time is its request's end from the log's clock and
-the wall clock's offset the batch took as it opened (no ``time.time()`` per request).
+not the loop. On a request's path, as few Python calls as it takes: the server's handler
+makes the record without an ``__init__`` call (:mod:`skymesh.net.front`), the notes read
+the record from the request's own dict, the balancer's two on every request take
+positional arguments (:func:`note_model` with the request's id, :func:`note_target`), the
+prepare hook is a plain function that watches streams only, which the lean server does
+not call for a whole reply (:func:`skymesh.net.front.streams_only`), a whole reply's
+usage counts are read at its end in one test (the body is not kept for the batch), and a
+line's time is its request's end from the log's clock and the wall clock's offset the
+batch took as it opened (no ``time.time()`` per request).
 With handlers other than the daemons' own (a test's, an operator's), each line goes
 through ``logging`` in the thread instead. Past
 ``max_backlog`` waiting lines (``logging.access_log_backlog``, default ``MAX_BACKLOG``)
@@ -63,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from skymesh.net.front import streams_only
 from skymesh.net.jsonbody import NOT_DECODED, fast_usage
 from skymesh.obs.config import ACCESS_LOG_BACKLOG
 from skymesh.obs.logs import (
@@ -107,49 +111,57 @@ SETTLE_S = 2.0  # at a stop, how long lines held back by a full pipe may wait to
 
 class AccessRecord:
     """What is known about one request so far; the middleware owns it. At the request's
-    end the loop adds what the line needs (``method`` ... ``end``) and hands the record to
-    the writer thread, which makes the fields (:func:`record_fields`): the loop makes no
-    dict and formats nothing.
+    end the loop adds what the line needs (``code`` ... ``completion_tokens``) and hands
+    the record to the writer thread, which makes the fields (:func:`record_fields`): the
+    loop makes no dict and formats nothing.
 
-    Made once per request, so it holds only what a plain request sets or reads: the
-    request's end sets ``method`` ... ``end`` (unset until then), a streamed body's state
-    is one member (:class:`_Stream`), and the span and tracer are a traced request's
+    Made once per request, so it holds only what a plain request sets or reads, and its
+    making stores only what may be read before the request's end (:data:`BEGUN`): the
+    request's end sets the rest (unset until then), a streamed body's state is one
+    member (:class:`_Stream`), and the span and tracer are a traced request's
     (:class:`_TracedRecord`; None on the class for the others). Each member is a store
-    per request and a word the batch keeps alive."""
+    per request and a word the batch keeps alive. The server's handler
+    (:mod:`skymesh.net.front`) makes it without this ``__init__`` (a Python call): the
+    same stores, in its own frame."""
 
-    __slots__ = ("client", "clock", "code", "completion_tokens", "disconnected", "end",
+    __slots__ = ("client", "code", "completion_tokens", "disconnected", "end",
                  "first_byte_at", "method", "model", "path", "priority", "prompt_tokens",
                  "request_id", "served_by", "start", "stream", "tenant", "usage", "via")
 
     span: Any = None  # the request's SERVER span: with tracing only
     tracing: Tracing | None = None
     # Set at the request's end (finish), read only after it: the status sent (or 499),
-    # the request's method, path and client, the end's time.
+    # the request's method, path and client, the end's time, when its first byte left
+    # (None: none did), its usage counts (when read from the decoded usage; else the
+    # line reads them from the body it is handed).
     code: int
     method: str
     path: str
     client: str | None
     end: float
+    first_byte_at: float | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
     priority: str | None  # with tenants: set with ``tenant``, read only when it is set
 
-    def __init__(self, start: float, clock: Clock, request_id: str | None = None) -> None:
+    def __init__(self, start: float, request_id: str | None = None) -> None:
         self.start = start
-        self.clock = clock
         self.request_id = request_id
         self.model: str | None = None
         self.served_by: str | None = None
         self.via: str | None = None
         self.tenant: str | None = None  # with tenants (note(tenant=...)), and its class
-        self.first_byte_at: float | None = None
         self.disconnected = False  # the balancer saw the client leave (note(left=True))
         self.stream: _Stream | None = None  # a streamed body, once its headers are prepared
         # The reply's top-level usage as the balancer decoded it (note_usage), so the line
         # does not decode it again; NOT_DECODED: the line reads it from the body.
         self.usage: Any = NOT_DECODED
-        # Its counts, when read at the request's end from that usage (the body is then
-        # not kept for the line): two members rather than a tuple made per request.
-        self.prompt_tokens: int | None = None
-        self.completion_tokens: int | None = None
+
+
+# What AccessRecord.__init__ stores besides ``start`` (the server's handler makes the
+# record with these stores inline; tests/unit/test_obs_access.py checks they agree).
+BEGUN = ("request_id", "model", "served_by", "via", "tenant", "disconnected", "stream",
+         "usage")
 
 
 class _TracedRecord(AccessRecord):
@@ -157,22 +169,24 @@ class _TracedRecord(AccessRecord):
 
     __slots__ = ("span", "tracing")
 
-    def __init__(self, start: float, clock: Clock, tracing: Tracing) -> None:
-        super().__init__(start, clock)
+    def __init__(self, start: float, tracing: Tracing) -> None:
+        super().__init__(start)
         self.tracing = tracing
         self.span = None
 
 
 class _Stream:
-    """A streamed body as the access log watches it (:func:`_watch_body`): the response
-    whose ``write`` is wrapped, the status its headers went with (logged if the client
-    leaves mid-stream) and its last chunks (the usage event)."""
+    """A streamed body as the access log watches it (:meth:`_Access.watch_body`): the
+    response whose ``write`` is wrapped, the status its headers went with (logged if the
+    client leaves mid-stream), when its first byte left and its last chunks (the usage
+    event)."""
 
-    __slots__ = ("response", "status", "tail")
+    __slots__ = ("first_byte_at", "response", "status", "tail")
 
     def __init__(self, response: web.StreamResponse) -> None:
         self.response = response
         self.status = response.status
+        self.first_byte_at: float | None = None
         self.tail: deque[bytes | bytearray | memoryview] = deque(maxlen=_TAIL_CHUNKS)
 
 
@@ -350,7 +364,7 @@ class _Access:
     def begin(self, request: web.Request) -> AccessRecord:
         """A request's record, started now (without tracing; the server's handler,
         :mod:`skymesh.net.front`, makes the same record itself, without this call)."""
-        rec = AccessRecord(self.clock(), self.clock)
+        rec = AccessRecord(self.clock())
         request._state[RECORD_KEY] = rec  # not request[...]: a Python call fewer (note())
         return rec
 
@@ -368,8 +382,8 @@ class _Access:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        rec: AccessRecord = (AccessRecord(self.clock(), self.clock) if self.tracing is None
-                             else _TracedRecord(self.clock(), self.clock, self.tracing))
+        rec: AccessRecord = (AccessRecord(self.clock()) if self.tracing is None
+                             else _TracedRecord(self.clock(), self.tracing))
         request[RECORD_KEY] = rec
         status: int | None = None
         resp: web.StreamResponse | None = None
@@ -398,25 +412,11 @@ class _Access:
         return _server_span(self.tracing, request, rec)
 
     def finish(self, request: web.Request, rec: AccessRecord,
-                resp: web.StreamResponse | None, status: int | None) -> None:
+               resp: web.StreamResponse | None, status: int | None) -> None:
         """End ``rec`` with the response and the status sent (None: none was)."""
         end = self.clock()
-        stream = rec.stream
-        if stream is not None:
-            rec.stream = None
-            # The wrapped write refers to its response: a reference cycle, left to the
-            # cyclic GC (rare in a tuned daemon) it kept every stream's response, request
-            # and buffers alive for tens of thousands of requests (docs/notes/memory-1m.md).
-            with contextlib.suppress(AttributeError):
-                del stream.response.write
-        if status is None or rec.disconnected:  # what the client got, if anything
-            rec.disconnected = True
-            status = stream.status if stream is not None else CLIENT_CLOSED
-        elif rec.first_byte_at is None:
-            rec.first_byte_at = end  # a whole body: it leaves now, with the headers
         # The record is the writer's from here (the prepare hook of a whole body, which
         # runs after this, leaves it alone).
-        rec.code = status
         rec.end = end
         rec.method = request.method
         rec.path = request.path
@@ -424,27 +424,26 @@ class _Access:
         if rec.request_id is None:
             rec.request_id = self.request_id(request)
         body: bytes | None = None  # where the usage is, if anywhere
-        if resp is not None and status < 400:
-            if type(resp) is web.Response or isinstance(resp, web.Response):
-                got = resp._body  # what its body property returns, without the call
-                if type(got) is bytes:
-                    body = got
-                elif isinstance(got, bytes | bytearray):
-                    body = bytes(got)
-                usage = rec.usage
-                if type(usage) is dict and body and body[0] == 0x7B:  # b"{"
-                    # The balancer's decoded usage (note_usage): its counts now, as
-                    # usage_tokens() reads them, and neither the body nor the usage kept
-                    # until the batch's lines are made.
-                    prompt = usage.get("prompt_tokens")
-                    completion = usage.get("completion_tokens")
-                    if ((prompt is None or type(prompt) is int)
-                            and (completion is None or type(completion) is int)):
-                        rec.prompt_tokens, rec.completion_tokens = prompt, completion
-                        rec.usage = NOT_DECODED
-                        body = None
-            elif stream is not None and stream.tail:
-                body = b"".join(bytes(c) for c in stream.tail)
+        if rec.stream is None and status is not None and not rec.disconnected:
+            # A whole body: it leaves now, with the headers.
+            rec.code = status
+            rec.first_byte_at = end
+            usage = rec.usage
+            got = resp._body if type(resp) is web.Response else None
+            if (type(usage) is dict and type(got) is bytes and status < 400 and got
+                    and got[0] == 0x7B  # b"{"
+                    and type(prompt := usage.get("prompt_tokens")) is int
+                    and type(completion := usage.get("completion_tokens")) is int):
+                # The common case, in one test: a JSON reply whose usage the balancer
+                # decoded (note_usage). Its counts now, as usage_tokens() reads them, and
+                # neither the body nor the usage kept until the batch's lines are made.
+                rec.prompt_tokens = prompt
+                rec.completion_tokens = completion
+                rec.usage = NOT_DECODED
+            else:
+                body = self._finish_whole(rec, resp, status)
+        else:
+            body = self._finish_other(rec, resp, status, end)
         if self.tracing is not None and rec.span is not None:  # it ends with the middleware:
             # fill it in now (a request's record has a span only with tracing)
             from skymesh.obs.tracing import trace_id
@@ -465,6 +464,97 @@ class _Access:
                     writer.flush()
                 return
         self._write(rec, body)
+
+    @staticmethod
+    def _finish_whole(rec: AccessRecord, resp: web.StreamResponse | None, status: int
+                      ) -> bytes | None:
+        """:meth:`finish` of a whole body but the common case: its usage counts, or the
+        body to read them from."""
+        rec.prompt_tokens = rec.completion_tokens = None
+        if resp is None or status >= 400 or not (
+                type(resp) is web.Response or isinstance(resp, web.Response)):
+            return None
+        got = resp._body  # what its body property returns, without the call
+        body = got if type(got) is bytes else (
+            bytes(got) if isinstance(got, bytes | bytearray) else None)
+        usage = rec.usage
+        if type(usage) is dict and body and body[0] == 0x7B:  # b"{"
+            # The balancer's decoded usage (note_usage), as usage_tokens() reads it.
+            prompt = usage.get("prompt_tokens")
+            completion = usage.get("completion_tokens")
+            if ((prompt is None or type(prompt) is int)
+                    and (completion is None or type(completion) is int)):
+                rec.prompt_tokens, rec.completion_tokens = prompt, completion
+                rec.usage = NOT_DECODED
+                return None
+        return body
+
+    @staticmethod
+    def _finish_other(rec: AccessRecord, resp: web.StreamResponse | None,
+                      status: int | None, end: float) -> bytes | None:
+        """:meth:`finish` of a streamed body, or of a request whose client left: its
+        status and first byte, and where its usage is (the stream's last chunks)."""
+        stream = rec.stream
+        first = None
+        if stream is not None:
+            rec.stream = None
+            first = stream.first_byte_at
+            # The wrapped write refers to its response: a reference cycle, left to the
+            # cyclic GC (rare in a tuned daemon) it kept every stream's response, request
+            # and buffers alive for tens of thousands of requests (docs/notes/memory-1m.md).
+            with contextlib.suppress(AttributeError):
+                del stream.response.write
+        if status is None or rec.disconnected:  # what the client got, if anything
+            rec.disconnected = True
+            status = stream.status if stream is not None else CLIENT_CLOSED
+        elif first is None:
+            first = end  # nothing of the stream written: its headers leave now
+        rec.code = status
+        rec.first_byte_at = first
+        rec.prompt_tokens = rec.completion_tokens = None
+        if resp is None or status >= 400:
+            return None
+        if stream is not None and stream.tail:
+            return b"".join(bytes(c) for c in stream.tail)
+        if type(resp) is web.Response or isinstance(resp, web.Response):
+            got = resp._body  # a whole body whose client left: its usage, if any
+            return (bytes(got) if isinstance(got, bytes | bytearray) and got else None)
+        return None
+
+    @streams_only
+    def watch_body(self, request: web.Request, response: web.StreamResponse
+                   ) -> Awaitable[None]:
+        """``on_response_prepare``: for a streamed body, its status (logged if the client
+        leaves mid-stream), the time of its first byte and its last chunks (the usage
+        event). A whole body is prepared after the middleware has finished its record:
+        nothing to do (the lean server does not call this for one: :func:`streams_only`).
+        All of its work done when called (see :class:`_Done`)."""
+        if type(response) is web.Response or isinstance(response, web.Response):
+            return _DONE  # a whole body: the middleware is done with it
+        rec = request.get(RECORD_KEY)
+        if rec is None:
+            return _DONE
+        stream = rec.stream = _Stream(response)
+        write = response.write
+        tail = stream.tail
+        clock = self.clock
+
+        # Plain functions that hand back the original write's coroutine: no extra
+        # coroutine per chunk on the stream's hot path. The first one stamps the time
+        # and steps aside.
+        def first_write(data: bytes | bytearray | memoryview) -> Coroutine[Any, Any, None]:
+            if data:
+                stream.first_byte_at = clock()
+                tail.append(data)
+                response.write = later_write  # type: ignore[method-assign]
+            return write(data)
+
+        def later_write(data: bytes | bytearray | memoryview) -> Coroutine[Any, Any, None]:
+            tail.append(data)
+            return write(data)
+
+        response.write = first_write  # type: ignore[method-assign]
+        return _DONE
 
     def _write(self, what: AccessRecord | dict[str, Any], body: bytes | None) -> None:
         writer = self.writer
@@ -739,6 +829,7 @@ class AccessWriter:
         # (TextFormatter.second_text, its milliseconds looked up here as asctime does).
         head = f" INFO {name}: "
         second, stamp = -1, ""
+        decimals = _DECIMALS
         for what, body, created in items:
             if int(created) != second:
                 second = int(created)
@@ -753,15 +844,28 @@ class AccessWriter:
                 prompt, completion = rec.prompt_tokens, rec.completion_tokens
             else:
                 prompt, completion = usage_tokens(body, rec.usage)
-            first, start, done = rec.first_byte_at, rec.start, rec.end
-            if (first == done and prompt is not None and completion is not None
+            done = rec.end
+            if (rec.first_byte_at == done and prompt is not None and completion is not None
                     and rec.model is not None and rec.served_by is not None
                     and rec.via is not None and rec.request_id is not None
                     and rec.client is not None and not rec.disconnected
                     and rec.tenant is None):
                 # The common line, a whole body served with its usage, in one piece: its
                 # first byte left at its end (one decimal conversion for both times).
-                duration = ms_text(done - start)
+                # ms_text's common case inline (a call fewer per line); the same text.
+                ms = (done - rec.start) * 1e3
+                duration = ""
+                if 0.0 < ms < 1e7:
+                    micros = ms * 1e3
+                    whole = int(micros)
+                    frac = micros - whole
+                    if not 0.499 < frac < 0.501:
+                        if frac > 0.5:
+                            whole += 1
+                        ms_whole = whole // 1000
+                        duration = f"{ms_whole}{decimals[whole - ms_whole * 1000]}"
+                if not duration:  # ms_text's other cases
+                    duration = ms_text(done - rec.start)
                 append(f"{stamp}{millis}{head}{rec.method} {rec.path} {rec.code} "
                        f"request_id={rec.request_id} model={rec.model} "
                        f"served_by={rec.served_by} via={rec.via} ttft_ms={duration} "
@@ -915,7 +1019,7 @@ def _record_json(rec: AccessRecord, tokens: tuple[int | None, int | None]
 
 
 class _Done(Awaitable[None]):
-    """An awaitable that is done already: what :func:`_watch_body` returns (aiohttp's
+    """An awaitable that is done already: what :meth:`_Access.watch_body` returns (aiohttp's
     signal awaits what each receiver returns), so no coroutine is made per response.
     Once a loop runs the log (:func:`_done_future`), a done future instead: awaiting it
     runs no Python code (its ``__await__`` is asyncio's C one; 70 ns against 150)."""
@@ -939,37 +1043,6 @@ def _done_future() -> None:
         _DONE = done
 
 
-def _watch_body(request: web.Request, response: web.StreamResponse) -> Awaitable[None]:
-    """``on_response_prepare``: for a streamed body, its status (logged if the client
-    leaves mid-stream), the time of its first byte and its last chunks (the usage event).
-    A whole body is prepared after the middleware has finished its record: nothing to do.
-    A plain function, all of its work done when called (see :class:`_Done`)."""
-    if type(response) is web.Response or isinstance(response, web.Response):
-        return _DONE  # a whole body: the middleware is done with it
-    rec = request.get(RECORD_KEY)
-    if rec is None:
-        return _DONE
-    stream = rec.stream = _Stream(response)
-    write = response.write
-    tail = stream.tail
-
-    # Plain functions that hand back the original write's coroutine: no extra coroutine
-    # per chunk on the stream's hot path. The first one stamps the time and steps aside.
-    def first_write(data: bytes | bytearray | memoryview) -> Coroutine[Any, Any, None]:
-        if data:
-            rec.first_byte_at = rec.clock()
-            tail.append(data)
-            response.write = later_write  # type: ignore[method-assign]
-        return write(data)
-
-    def later_write(data: bytes | bytearray | memoryview) -> Coroutine[Any, Any, None]:
-        tail.append(data)
-        return write(data)
-
-    response.write = first_write  # type: ignore[method-assign]
-    return _DONE
-
-
 def install(app: web.Application, *, access_log: bool = True, tracing: Tracing | None = None,
             request_id: Callable[[web.Request], str | None] | None = None,
             clock: Clock = time.perf_counter, max_backlog: int = MAX_BACKLOG) -> None:
@@ -986,7 +1059,7 @@ def install(app: web.Application, *, access_log: bool = True, tracing: Tracing |
                      request_id or _default_request_id, clock, max_backlog)
     app.middlewares.append(access.middleware if tracing is not None else access.log_only)
     app[_ACCESS_KEY] = access
-    app.on_response_prepare.append(_watch_body)
+    app.on_response_prepare.append(access.watch_body)
     writer = access.writer
     if writer is not None:
         async def start_writer(app: web.Application) -> None:

@@ -125,3 +125,24 @@ async def test_anything_else_goes_through_handle(method: str, path: str,
     resp = await front(make_mocked_request(method, path, headers=headers, app=app))
     assert handled == [method]
     assert isinstance(resp, web.Response) and resp.text == "handled"
+
+
+def test_hooks_marked_streams_only_are_left_out_of_a_plain_replys() -> None:
+    from skymesh.net.front import plain_prepare_hooks, streams_only
+
+    async def stamp(request: Any, response: web.StreamResponse) -> None:
+        pass
+
+    @streams_only
+    async def watch(request: Any, response: web.StreamResponse) -> None:
+        pass
+
+    class Watcher:
+        @streams_only
+        async def hook(self, request: Any, response: web.StreamResponse) -> None:
+            pass
+
+    app = web.Application()
+    for hook in (watch, stamp, Watcher().hook, stamp):
+        app.on_response_prepare.append(hook)
+    assert plain_prepare_hooks(app) == (stamp, stamp)

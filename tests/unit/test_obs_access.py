@@ -486,9 +486,10 @@ def test_lines_made_without_log_records_are_the_formatters_own(fmt: str) -> None
 
 def finished(**kw: Any) -> AccessRecord:
     """A record as the middleware hands it to the writer at a request's end."""
-    rec = AccessRecord(100.0, FakeClock(), kw.pop("request_id", "r1"))
+    rec = AccessRecord(100.0, kw.pop("request_id", "r1"))
     rec.method, rec.path, rec.code, rec.end = "POST", "/v1/chat/completions", 200, 100.04025
     rec.client, rec.first_byte_at = "127.0.0.1", 100.0125
+    rec.prompt_tokens = rec.completion_tokens = None
     for key, value in kw.items():
         setattr(rec, key, value)
     return rec
@@ -945,10 +946,76 @@ async def test_a_whole_replys_prepare_hook_hands_back_a_done_future() -> None:
         await start(app)
     try:
         request = make_mocked_request("POST", "/v1/chat/completions", app=app)
-        done = access._watch_body(request, web.Response(body=b"{}"))
+        done = app[access._ACCESS_KEY].watch_body(request, web.Response(body=b"{}"))
         assert isinstance(done, asyncio.Future) and done.done()
         assert await done is None
         assert await done is None  # the same one for every reply
     finally:
         for cleanup in app.on_cleanup:
             await cleanup(app)
+
+
+async def test_the_servers_handler_makes_the_record_its_init_would() -> None:
+    """skymesh.net.front makes the request's record without AccessRecord.__init__ (its
+    stores inline): the same members set, to the same values, as the constructor's."""
+    from skymesh.net.front import request_handler
+    from skymesh.obs import access
+
+    app = web.Application()
+    install(app)
+    log = access.outside_chain(app)
+    assert log is not None
+    seen: dict[str, Any] = {}
+
+    def members(rec: AccessRecord) -> dict[str, Any]:
+        return {k: getattr(rec, k) for k in AccessRecord.__slots__ if hasattr(rec, k)}
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        seen.update(members(request[access.RECORD_KEY]))
+        return web.Response(body=b"{}")
+
+    front = request_handler(app, handle, {}, log)
+    await front(make_mocked_request("POST", "/v1/chat/completions", app=app))
+    assert set(seen) == {"start", *access.BEGUN}
+    assert seen == members(AccessRecord(seen["start"]))
+
+
+def test_the_logs_prepare_hook_is_left_out_of_a_whole_replys_hooks() -> None:
+    """The log's prepare hook watches streams only: the hooks the lean server runs for a
+    whole reply are the app's others, in their order."""
+    from skymesh.net.front import plain_prepare_hooks
+
+    async def stamp(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["X-Stamp"] = "1"
+
+    app = web.Application()
+    app.on_response_prepare.append(stamp)
+    install(app)
+    app.on_response_prepare.append(stamp)
+    assert len(app.on_response_prepare) == 3
+    assert plain_prepare_hooks(app) == (stamp, stamp)
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_the_common_lines_times_are_ms_texts() -> None:
+    """The writer's common text line prints its time inline (ms_text's whole-microsecond
+    case): the same text as ms_text, near halves, at the edges and past them too."""
+    durations = [0.0, -1e-3, 5e-7, 0.0625e-3, 2.0005e-3, 0.9999999e-3, 1e4 - 1e-9, 1e4,
+                 1e9 + 0.5, 12.5]
+    for micros in range(0, 400_000, 997):
+        durations += [micros / 1e6, (micros + 0.5) / 1e6,
+                      math.nextafter((micros + 0.5) / 1e6, 1.0)]
+    items = []
+    for duration in durations:
+        rec = finished(model="m", served_by="http://10.0.0.1:8000", via="replica",
+                       prompt_tokens=7, completion_tokens=3)
+        rec.end = rec.first_byte_at = 100.0 + duration
+        items.append((rec, None, 1795885290.0421))
+    out = io.StringIO()
+    daemon_logging("text", out)
+    AccessWriter(logging.getLogger(ACCESS_LOGGER)).write_batch(items)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == len(items)
+    for (rec, _, _), line in zip(items, lines, strict=True):
+        took = ms_text(rec.end - 100.0)
+        assert f" ttft_ms={took} duration_ms={took} " in line, (rec.end, line)

@@ -25,9 +25,10 @@ LINE = b"x" * 99 + b"\n"  # 100 bytes
 
 def finished(request_id: str = "r1") -> AccessRecord:
     """A record as the middleware hands it to the writer at a request's end."""
-    rec = AccessRecord(100.0, lambda: 100.0, request_id)
+    rec = AccessRecord(100.0, request_id)
     rec.method, rec.path, rec.code, rec.end = "POST", "/v1/chat/completions", 200, 100.04
     rec.client, rec.first_byte_at = "127.0.0.1", 100.01
+    rec.prompt_tokens = rec.completion_tokens = None
     return rec
 
 

@@ -2,8 +2,10 @@
 
 What is measured
     Process CPU per request of ``skymesh-lb --workers 1 --policy round-robin --push-mode
-    bp`` in front of two C stub replicas (``stub/stub.c``, an answer in microseconds),
-    driven by wrk (``-c32``, non-streaming, ``stub/post.lua``), with the access log on
+    bp`` (``--config default``: ``skymesh-lb --workers 1``, its own policy and push mode,
+    and shared-prefix bodies) in front of two C stub replicas (``stub/stub.c``, an answer
+    in microseconds), driven by wrk (``-c32``, non-streaming, ``stub/post.lua``), with the
+    access log on
     (the default: its lines go to the daemon's stderr, a file here) and off
     (``--no-access-log``). CPU is read from /proc/PID/task/*/stat around each segment,
     per thread (``schedstat``'s nanoseconds; ``stat`` for the loop's kernel share), so
@@ -71,6 +73,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -82,8 +85,24 @@ from skymesh_lab.bench import access_log_toggle as toggle
 from skymesh_lab.bench import router_overhead as ro
 from skymesh_lab.bench import router_overhead_stats as st
 
-LB_FLAGS = ["--policy", "round-robin", "--push-mode", "bp", "--workers", "1"]
-CASE = ro.Case("access-c32", "rr", 32, False, "fixed")
+
+@dataclass(frozen=True)
+class Lane:
+    """A configuration the log is measured on (``--config``): the daemons' flags and
+    the requests wrk sends."""
+
+    flags: tuple[str, ...]
+    case: ro.Case
+
+
+# rr: round-robin with bp, the cheapest request (fixed bodies); default: the daemon's own
+# policy and push mode with router_overhead's default-c64 bodies (shared prefixes), the
+# path users run. One worker and 32 connections in both.
+LANES = {config: Lane((*ro.CONFIG_FLAGS[ro.SKYMESH][config], "--workers", "1"),
+                      ro.Case(f"access-{config}-c32", config, 32, False, body))
+         for config, body in (("rr", "fixed"), ("default", "prefix"))}
+LB_FLAGS = list(LANES["rr"].flags)
+CASE = LANES["rr"].case
 SLICES = 4  # turns of on and off per round
 _TICK = os.sysconf("SC_CLK_TCK")
 LOOP, WRITER, THREADS = "loop", "writer", "threads"
@@ -196,7 +215,7 @@ def in_process(pythonpath: Path | None, cwd: Path) -> dict[str, Any]:
 
 def start_lb(stubs: list[str], access_log: bool, pythonpath: Path | None,
              extra: list[str] | None = None, toggled: Path | None = None,
-             sink: str = "file") -> Daemon:
+             sink: str = "file", lane: Lane = LANES["rr"]) -> Daemon:
     """``toggled``: the folder of a toggle's ``sitecustomize`` (put first on the path);
     the daemon then writes its state to ``toggled / "ack"``. ``sink``: ``file`` (the
     daemon's stderr a file) or ``pipe`` (a pipe drained by a child: :func:`stop_lb`
@@ -207,7 +226,7 @@ def start_lb(stubs: list[str], access_log: bool, pythonpath: Path | None,
         env.update(PYTHONPATH=os.pathsep.join(paths), PYTHONSAFEPATH="1")
     if toggled is not None:
         env[toggle.ACK_ENV] = str(toggled / "ack")
-    args = ["--port", "0", "--replicas", ",".join(stubs), *LB_FLAGS, *(extra or [])]
+    args = ["--port", "0", "--replicas", ",".join(stubs), *lane.flags, *(extra or [])]
     if not access_log:
         args.append("--no-access-log")
     if sink == "pipe":
@@ -281,8 +300,8 @@ def _builds(base: str | None, workdir: Path, ablate: tuple[str, ...] = ()
 
 @contextlib.contextmanager
 def _balancers(stubs: list[str], builds: dict[str, Path | None], extra: list[str],
-               toggles: dict[str, Path] | None = None, sink: str = "file"
-               ) -> Iterator[dict[str, Daemon]]:
+               toggles: dict[str, Path] | None = None, sink: str = "file",
+               lane: Lane = LANES["rr"]) -> Iterator[dict[str, Daemon]]:
     """Each build's skymesh-lb with the access log on and off, ready and warmed up.
     ``toggles``: each build's toggle folder (``--toggle``): one daemon per build, the
     same for "on" and "off" (:func:`pair` switches it)."""
@@ -291,13 +310,14 @@ def _balancers(stubs: list[str], builds: dict[str, Path | None], extra: list[str
         for build, path in builds.items():
             if toggles is not None:
                 (toggles[build] / "ack").unlink(missing_ok=True)
-                d = start_lb(stubs, True, path, extra, toggled=toggles[build], sink=sink)
+                d = start_lb(stubs, True, path, extra, toggled=toggles[build], sink=sink,
+                             lane=lane)
                 exits.callback(stop_lb, d)
                 _ACKS[d.proc.pid] = toggles[build] / "ack"
                 lbs[f"{build}/on"] = lbs[f"{build}/off"] = d
                 continue
             for on in (False, True):
-                d = start_lb(stubs, on, path, extra, sink=sink)
+                d = start_lb(stubs, on, path, extra, sink=sink, lane=lane)
                 exits.callback(stop_lb, d)
                 lbs[f"{build}/{'on' if on else 'off'}"] = d
         for d in {id(d): d for d in lbs.values()}.values():
@@ -305,7 +325,7 @@ def _balancers(stubs: list[str], builds: dict[str, Path | None], extra: list[str
         for name, d in lbs.items():  # warm-up: connections, caches, lazy imports
             _switch(lbs[name.split("/")[0] + "/on"], lbs[name.split("/")[0] + "/off"],
                     name.endswith("/on"))
-            ro.run_wrk(d.url, CASE, 1.0)
+            ro.run_wrk(d.url, lane.case, 1.0)
         yield lbs
 
 
@@ -319,10 +339,10 @@ def _switch(on: Daemon, off: Daemon, is_on: bool) -> None:
         toggle.switch(on.proc.pid, _ACKS[on.proc.pid], is_on)
 
 
-def segment(d: Daemon, duration_s: float) -> dict[str, Any]:
-    """One wrk run at ``d`` with its CPU ticks around it, per thread kind."""
+def segment(d: Daemon, duration_s: float, case: ro.Case = CASE) -> dict[str, Any]:
+    """One wrk run of ``case`` at ``d`` with its CPU ticks around it, per thread kind."""
     before = thread_cpu(d.proc.pid)
-    out = ro.run_wrk(d.url, CASE, duration_s)
+    out = ro.run_wrk(d.url, case, duration_s)
     after = thread_cpu(d.proc.pid)
     wrk = st.parse_wrk(out)
     return {"requests": wrk["requests"], "wall_s": wrk["requests"] / max(wrk["rps"], 1e-9),
@@ -330,8 +350,8 @@ def segment(d: Daemon, duration_s: float) -> dict[str, Any]:
             "ticks": {k: after[k] - before[k] for k in after}}
 
 
-def pair(on: Daemon, off: Daemon, duration_s: float, slices: int = SLICES
-         ) -> tuple[dict[str, Any], dict[str, Any]]:
+def pair(on: Daemon, off: Daemon, duration_s: float, slices: int = SLICES,
+         case: ro.Case = CASE) -> tuple[dict[str, Any], dict[str, Any]]:
     """A build's "on" and "off" in short turns (on, off, off, on, ...), each
     ``duration_s / slices`` long, summed: both see the same stretch of a machine whose
     other tenants come and go. Not at the same time: two balancers racing each other
@@ -342,7 +362,7 @@ def pair(on: Daemon, off: Daemon, duration_s: float, slices: int = SLICES
         order = (True, False) if i % 2 == 0 else (False, True)
         for is_on in order:
             _switch(on, off, is_on)
-            seg = segment(on if is_on else off, duration_s / slices)
+            seg = segment(on if is_on else off, duration_s / slices, case)
             acc = sums[is_on]
             for key in ("requests", "wall_s", "errors"):
                 acc[key] += seg[key]
@@ -428,8 +448,9 @@ def _spread(values: list[float]) -> dict[str, float]:
 def run(rounds: int, duration_s: float, base: str | None, seed: int,
         extra: list[str] | None = None, ablate: tuple[str, ...] = (),
         http_server: str | None = None, fresh_every: int = 0, toggled: bool = False,
-        sink: str = "file") -> dict[str, Any]:
+        sink: str = "file", config: str = "rr") -> dict[str, Any]:
     extra = extra or []
+    lane = LANES[config]
     started = datetime.now(UTC).isoformat(timespec="seconds")
     current = _head()  # what the daemons start with: a commit made meanwhile is not it
     load_before = os.getloadavg()
@@ -441,7 +462,7 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
             listen.write_text(f"listen:\n  http_server: {http_server}\n")
             daemon_args = ["--config", str(listen), *daemon_args]
         segments, loop_only = _measure(rounds, duration_s, base, Path(tmp), daemon_args,
-                                       ablate, rng, fresh_every, toggled, sink)
+                                       ablate, rng, fresh_every, toggled, sink, lane)
     cmd = (f"python -m skymesh_lab.bench.access_log_cost --rounds {rounds} "
            f"--duration {duration_s:g}" + (f" --base {base}" if base else "")
            + (f" --ablate {','.join(ablate)}" if ablate else "")
@@ -449,11 +470,13 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
            + (f" --fresh-every {fresh_every}" if fresh_every else "")
            + (" --toggle" if toggled else "")
            + (f" --sink {sink}" if sink != "file" else "")
+           + (f" --config {config}" if config != "rr" else "")
            + (f" --lb-args {shlex.quote(shlex.join(extra))}" if extra else ""))
-    return {"setup": {"command": cmd, "lb_flags": [*LB_FLAGS, *extra],
+    return {"setup": {"command": cmd, "lb_flags": [*lane.flags, *extra],
+                      "config": config, "body": lane.case.body,
                       "http_server": http_server, "fresh_every": fresh_every,
                       "toggle": toggled, "sink": sink,
-                      "connections": CASE.connections,
+                      "connections": lane.case.connections,
                       "rounds": rounds, "duration_s": duration_s, "base": base,
                       "ablate": list(ablate),
                       "cpu_source": "schedstat" if _has_schedstat() else "stat",
@@ -466,8 +489,8 @@ def run(rounds: int, duration_s: float, base: str | None, seed: int,
 
 def _measure(rounds: int, duration_s: float, base: str | None, tmp: Path,
              extra: list[str], ablate: tuple[str, ...], rng: random.Random,
-             fresh_every: int = 0, toggled: bool = False, sink: str = "file"
-             ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+             fresh_every: int = 0, toggled: bool = False, sink: str = "file",
+             lane: Lane = LANES["rr"]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The rounds' segments, then each build's in-process figure. ``fresh_every``: new
     balancer processes every that many rounds (0: the same ones throughout);
     ``toggled``: one process per build, its log switched (``--toggle``)."""
@@ -478,11 +501,12 @@ def _measure(rounds: int, duration_s: float, base: str | None, tmp: Path,
                     for b in builds} if toggled else None)
         span = fresh_every if fresh_every > 0 else rounds
         for first in range(0, rounds, span):
-            with _balancers(stubs, paths, extra, toggles, sink) as lbs:
+            with _balancers(stubs, paths, extra, toggles, sink, lane) as lbs:
                 for rnd in range(first, min(first + span, rounds)):
                     rng.shuffle(builds)
                     for build in builds:
-                        got = pair(lbs[f"{build}/on"], lbs[f"{build}/off"], duration_s)
+                        got = pair(lbs[f"{build}/on"], lbs[f"{build}/off"], duration_s,
+                                   case=lane.case)
                         for name, seg in zip((f"{build}/on", f"{build}/off"), got,
                                              strict=True):
                             s = {"setup": name, "round": rnd, **seg}
@@ -538,6 +562,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http-server", choices=("aiohttp", "lean"), default=None,
                     help="every daemon with listen.http_server set so (default: the "
                          "daemon's own default)")
+    ap.add_argument("--config", choices=tuple(LANES), default="rr",
+                    help="rr: round-robin with bp, fixed bodies (the cheapest request); "
+                         "default: the daemon's own policy and push mode, shared-prefix "
+                         "bodies (router_overhead's default-c64 requests)")
     ap.add_argument("--sink", choices=SINKS, default="file",
                     help="where the daemons' stderr (the access log) goes: a file, or a "
                          "pipe the bench drains (the loop then writes the batches itself)")
@@ -552,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--ablate: unknown variant {v!r} (one of {', '.join(ablation.VARIANTS)})")
     executable("skymesh-lb")  # fails early without it
     res = run(args.rounds, args.duration, args.base, args.seed, shlex.split(args.lb_args),
-              ablate, args.http_server, args.fresh_every, args.toggle, args.sink)
+              ablate, args.http_server, args.fresh_every, args.toggle, args.sink,
+              args.config)
     for build in ("base", "current", *ablate):
         row = res["summary"].get(build)
         if row is None:

@@ -14,6 +14,8 @@ TARGET = 0.05  # issue #35 item 3: at most 5% of a request's CPU
 ABLATION = "access-log-ablation"  # the attached --ablate run (results_pages.Source.attach)
 LEAN = "access-log-cost-lean"  # the attached run with --http-server lean
 LEAN_PIPE = "access-log-cost-lean-pipe"  # the same with --sink pipe
+# The same as LEAN with --config default: the daemon's own policy, shared-prefix bodies.
+LEAN_DEFAULT = "access-log-cost-lean-default"
 # The ablation's builds, least of the log first (access_log_cost.ABLATION_ORDER), and
 # what each runs with the log on (skymesh_lab.bench.access_log_ablate).
 _PARTS = {
@@ -30,7 +32,8 @@ _STEPS = {"lines-record": "making the lines", "current-lines": "writing them",
           "current-record": "making and writing the lines",
           "thread-current": "handing them to the thread instead",
           "tlines-thread": "making the lines in the thread instead of on the loop",
-          "tlines-current": "making the lines in the thread instead of on the loop"}
+          "tlines-current": "making the lines in the thread instead of on the loop",
+          "current-floor": "the full log above the floor"}
 
 
 def _bounds(s: dict[str, float]) -> tuple[float, float]:
@@ -230,7 +233,7 @@ def access_log_cost(doc: dict[str, Any]) -> str:
         "at the end): single turns move by tens of microseconds, so read the medians and "
         "the spreads, not one round.",
     ]
-    for key in (LEAN, LEAN_PIPE):
+    for key in (LEAN, LEAN_DEFAULT, LEAN_PIPE):
         lean = _lean(doc, key)
         if lean:
             notes.append(lean)
@@ -254,19 +257,44 @@ def _sink(setup: dict[str, Any]) -> str:
     return _SINKS[setup.get("sink") or "file"]
 
 
+def _floor(summary: dict[str, Any]) -> str:
+    """Where the floor's share stands against the target (``--ablate floor``)."""
+    row = summary.get("floor")
+    if not isinstance(row, dict) or "share" not in row:
+        return ""
+    return " " + _verdict(row["share"]).replace(
+        "The access log now costs", "The floor (`floor`, the least a log made in Python "
+        "does) costs", 1)
+
+
+def _config(setup: dict[str, Any]) -> str:
+    """What the daemons ran and wrk sent (``--config``; runs from before it: rr)."""
+    if setup.get("config", "rr") == "rr":
+        return ""
+    return (f"The daemon's default configuration: `skymesh-lb {' '.join(setup['lb_flags'])}` "
+            "(its own policy and push mode: no `--policy`, no `--push-mode`), wrk sending "
+            "shared-prefix bodies as router-overhead's `default-c64` case does, at "
+            f"{setup['connections']} connections: what the log costs on the path users "
+            "run, beside the cheapest request above. ")
+
+
 def _lean(doc: dict[str, Any], key: str = LEAN) -> str:
     """The same measurement with every daemon on the lean HTTP server (a run of its own,
     ``--http-server lean``), with its ablation builds if it had any; ``key``: the run
-    with the log to a file (``LEAN``) or to a pipe (``LEAN_PIPE``)."""
+    with the log to a file (``LEAN``), on the default configuration (``LEAN_DEFAULT``)
+    or to a pipe (``LEAN_PIPE``)."""
     run = doc.get(key)
     if not run:
         return ""
     setup, summary = run["setup"], run["summary"]
     pipe = setup.get("sink") == "pipe"
+    default = setup.get("config", "rr") == "default"
     label = {"base": f"before (`{setup.get('base')}`)",
              "current": f"now (`{setup.get('current') or 'current'}`)",
              **{b: f"`{b}`: {_PARTS.get(b, b)}" for b in setup.get("ablate", [])}}
     title = ("### With the lean HTTP server, the log to a pipe (`--sink pipe`)" if pipe
+             else "### The default configuration, with the lean HTTP server "
+                  "(`--config default`)" if default
              else "### With the lean HTTP server (`listen.http_server: lean`)")
     out = [title, "",
            "| build | access log off: CPU us per request | on | cost of the access log "
@@ -282,7 +310,8 @@ def _lean(doc: dict[str, Any], key: str = LEAN) -> str:
     paired = summary.get("paired_vs_base_us")
     steps = summary.get("ablation_steps_us") or {}
     said = [f"{_STEPS.get(name, name)}: {_us(s)} us" for name, s in steps.items()]
-    text = (f"Every daemon with `listen.http_server: lean` (the default since session 25), "
+    text = (_config(setup)
+            + "Every daemon with `listen.http_server: lean` (the default since session 25), "
             f"{setup['rounds']} rounds of {setup['duration_s']:g} s in a run of its own"
             + _fresh(setup) + "; " + _sink(setup) + " "
             f"(load average {setup['loadavg_before'][0]:.1f} at the start, "
@@ -290,6 +319,7 @@ def _lean(doc: dict[str, Any], key: str = LEAN) -> str:
             + _verdict(summary["current"]["share"]).replace("now costs", "costs here")
             + (f" Now's cost minus before's, paired by round: {_us(paired)} us."
                if paired else "")
+            + _floor(summary)
             + (" Paired by round, " + "; ".join(said) + "." if said else "")
             + _in_process(run, label)
             + " Reproduce: `" + setup["command"] + f" --json docs/results/data/{key}.json`.")

@@ -41,8 +41,9 @@ def apply() -> None:
 
     def install(app: Any, **kwargs: Any) -> None:
         plain_install(app, **kwargs)
-        if access._watch_body in app.on_response_prepare:  # no streams here: no hook
-            app.on_response_prepare.remove(access._watch_body)
+        log = app.get(access._ACCESS_KEY)  # no streams here: no hook
+        if log is not None and log.watch_body in app.on_response_prepare:
+            app.on_response_prepare.remove(log.watch_body)
 
     def note_model(request: Any, model: str, request_id: str | None) -> None:
         if access._installed and (rec := request._state.get(key)) is not None:

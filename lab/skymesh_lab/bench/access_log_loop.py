@@ -73,7 +73,7 @@ async def loop_us(requests: int, on: bool) -> float:
         if note_usage is not None:
             note_usage(request, decoded)
         resp = web.Response(body=BODY)
-        for hook in hooks:  # what aiohttp runs when it prepares the reply
+        for hook in hooks:  # what the server runs when it prepares the reply
             await hook(request, resp)
         return resp
 
@@ -84,7 +84,12 @@ async def loop_us(requests: int, on: bool) -> float:
     if hasattr(access, "_installed"):
         access._installed = False
     access.install(app, access_log=on, request_id=request_id)
-    hooks = list(app.on_response_prepare)
+    try:  # the hooks the lean server (the daemons' default) calls for a whole reply
+        from skymesh.net.front import plain_prepare_hooks
+    except ImportError:  # builds before it: every hook
+        hooks = list(app.on_response_prepare)
+    else:
+        hooks = list(plain_prepare_hooks(app))
     # What skymesh.net.serving.start_app does with the log, in builds that have it.
     outside = getattr(access, "outside_chain", None)
     wrap = outside(app) if outside is not None else None

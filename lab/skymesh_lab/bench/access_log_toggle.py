@@ -57,7 +57,10 @@ def apply() -> None:
         server = sys._getframe(1).f_locals["server"]
         hooks_on = app.on_response_prepare
         hooks_off = Signal(app)
-        hooks_off.extend(h for h in hooks_on if h is not access._watch_body)
+        # The log's prepare hook (a module function before session 29, then its
+        # middleware object's method): the off turn runs without it.
+        watch = getattr(access, "_watch_body", None) or log.watch_body
+        hooks_off.extend(h for h in hooks_on if h != watch)
         hooks_off.freeze()
         writer = log.writer
 

@@ -382,13 +382,14 @@ SOURCES: tuple[Source, ...] = (
            "of two C stub replicas, driven by wrk, with the access log on and off "
            "(`--no-access-log`), in alternating turns; per thread, so the event loop's "
            "share and the writer thread's show apart. The revision before the last "
-           "change to the access log runs in the same rounds. See [the access log's cost]"
-           "(../operations-logs.md#cost).",
+           "change to the access log runs in the same rounds; a section of its own runs the "
+           "daemon's default configuration (its own policy, shared-prefix bodies). See "
+           "[the access log's cost](../operations-logs.md#cost).",
            (".venv/bin/python", "-m", "skymesh_lab.bench.access_log_cost", "--rounds", "24",
             "--duration", "4", "--base", "a83baeb", "--fresh-every", "1", "--json", "{json}"),
            access_log_cost_page.access_log_cost,
-           attach=(access_log_cost_page.LEAN, access_log_cost_page.LEAN_PIPE,
-                   access_log_cost_page.ABLATION)),
+           attach=(access_log_cost_page.LEAN, access_log_cost_page.LEAN_DEFAULT,
+                   access_log_cost_page.LEAN_PIPE, access_log_cost_page.ABLATION)),
     Source("request-path-cost", "The request path's CPU per request (issue #35)",
            "Process CPU per request of skymesh-lb (one worker, access log off) in front of "
            "two C stub replicas, driven by wrk at 64 connections: non-streamed at "
