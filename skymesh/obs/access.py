@@ -829,7 +829,6 @@ class AccessWriter:
         # (TextFormatter.second_text, its milliseconds looked up here as asctime does).
         head = f" INFO {name}: "
         second, stamp = -1, ""
-        decimals = _DECIMALS
         for what, body, created in items:
             if int(created) != second:
                 second = int(created)
@@ -852,20 +851,7 @@ class AccessWriter:
                     and rec.tenant is None):
                 # The common line, a whole body served with its usage, in one piece: its
                 # first byte left at its end (one decimal conversion for both times).
-                # ms_text's common case inline (a call fewer per line); the same text.
-                ms = (done - rec.start) * 1e3
-                duration = ""
-                if 0.0 < ms < 1e7:
-                    micros = ms * 1e3
-                    whole = int(micros)
-                    frac = micros - whole
-                    if not 0.499 < frac < 0.501:
-                        if frac > 0.5:
-                            whole += 1
-                        ms_whole = whole // 1000
-                        duration = f"{ms_whole}{decimals[whole - ms_whole * 1000]}"
-                if not duration:  # ms_text's other cases
-                    duration = ms_text(done - rec.start)
+                duration = ms_text(done - rec.start)
                 append(f"{stamp}{millis}{head}{rec.method} {rec.path} {rec.code} "
                        f"request_id={rec.request_id} model={rec.model} "
                        f"served_by={rec.served_by} via={rec.via} ttft_ms={duration} "
