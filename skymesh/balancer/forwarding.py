@@ -30,6 +30,7 @@ from skymesh.balancer.config import BalancerConfig
 from skymesh.balancer.dispatch import Ticket
 from skymesh.balancer.errors import BadRequest, NoCapacity, UpstreamFailed
 from skymesh.balancer.intake import Intake
+from skymesh.balancer.metrics import ModelSeries
 from skymesh.balancer.migration import migratable
 from skymesh.balancer.moves import Mover
 from skymesh.balancer.output_text import (
@@ -187,23 +188,32 @@ class Forwarder:
 
     async def wait_queued(self, ticket: Ticket, fut: asyncio.Future[None],
                           timeout: float) -> None:
-        # Awaited bare, its timeout in the shared sweep: wait_for(shield(fut)) cost two
-        # more futures, a task and its timer each (and the getpid()s of asking for the
-        # loop). A client that leaves cancels ``fut`` with it; nothing resolves a
-        # cancelled future (the pump and the sweep check done()), and the handler's
-        # ``finally`` takes the ticket out of the queue.
+        """``fut`` awaited bare, its timeout in the shared sweep: wait_for(shield(fut))
+        cost two more futures, a task and its timer each (and the getpid()s of asking for
+        the loop). A client that leaves cancels ``fut`` with it; nothing resolves a
+        cancelled future (the pump and the sweep check done()), and the handler's
+        ``finally`` takes the ticket out of the queue. ``serve`` takes the same steps
+        inline (a coroutine fewer on a waiting request's chain)."""
+        self._expect(ticket, fut, timeout)
+        try:
+            await fut
+        finally:
+            self._left(ticket)
+
+    def _expect(self, ticket: Ticket, fut: asyncio.Future[None], timeout: float) -> None:
+        """The queued ``ticket`` waits on ``fut`` from now, for at most ``timeout``: it
+        may fail fast (the pump's), and its deadline joins the sweep's heap."""
         self.failfast[ticket.key] = ticket
-        loop = self.loop
-        when = loop.time() + timeout
+        when = self.loop.time() + timeout
         heapq.heappush(self._deadlines, (when, next(self._seq), ticket, fut, timeout))
         self._waiting += 1
         if when < self._sweep_at:
             self._arm(when)
-        try:
-            await fut
-        finally:
-            self.failfast.pop(ticket.key, None)
-            self._forget()
+
+    def _left(self, ticket: Ticket) -> None:
+        """The waiter of :meth:`_expect` is done waiting (dispatched, timed out or gone)."""
+        self.failfast.pop(ticket.key, None)
+        self._forget()
 
     def _arm(self, when: float) -> None:
         if self._sweep is not None:
@@ -258,7 +268,8 @@ class Forwarder:
             fut.set_result(None)
 
     async def serve(self, request: web.Request, ticket: Ticket, raw: bytes, intake: Intake,
-                    t0: float, timeout: float) -> tuple[web.StreamResponse, str]:
+                    t0: float, timeout: float, series: ModelSeries
+                    ) -> tuple[web.StreamResponse, str]:
         """Wait for the ticket's dispatch, send the request to its target (a replica: the
         upstream client's POST, awaited in this frame; a peer: :meth:`forward_peer`) and
         answer from the reply; a replica's fault before the first byte sends it to the
@@ -266,19 +277,24 @@ class Forwarder:
 
         The replica's attempt is not a coroutine of its own: every resume of the request
         (the reply's headers arriving) passes through each frame of the chain from the
-        connection's task down, and each frame left is torn down on the way back."""
+        connection's task down, and each frame left is torn down on the way back.
+        ``series``: the request's model's metrics, looked up once by the handler."""
         max_attempts = self.cfg.retry.max_attempts
         model = ticket.route.model
         while True:
             fut = self.offer_wait(ticket)  # wait_dispatch, inline
-            if not fut.done():
-                await self.wait_queued(ticket, fut, max(0.0, t0 + timeout - self.core.now()))
+            if not fut.done():  # wait_queued, inline: no coroutine of its own
+                self._expect(ticket, fut, max(0.0, t0 + timeout - self.core.now()))
+                try:
+                    await fut
+                finally:
+                    self._left(ticket)
             target = self.dispatched(ticket, fut)
             sent = self.core.now()
             if ticket.attempts == 1:
                 # Observed here, before the write: a loop callback to observe it after
                 # (call_soon, a handle per request) cost more than the observation.
-                self.core.metrics.model(model).queue_wait.observe(sent - t0)
+                series.queue_wait.observe(sent - t0)
             note_target(request, target, ticket.to_peer)
             try:
                 if ticket.to_peer:
@@ -304,7 +320,7 @@ class Forwarder:
                         if body is None:  # still arriving: read it as it comes
                             body = await self.read_body(target, up)
                         return self.answer(request, ticket, target, up, body, intake, t0,
-                                           sent)
+                                           sent, series)
                     finally:
                         up.release()
             except ReplicaFault as exc:
@@ -366,16 +382,17 @@ class Forwarder:
             raise ReplicaFault(str(exc) or type(exc).__name__) from exc
 
     def answer(self, request: web.Request, ticket: Ticket, target: str, up: Reply,
-               body: bytes, intake: Intake, t0: float, sent: float
+               body: bytes, intake: Intake, t0: float, sent: float, series: ModelSeries
                ) -> tuple[web.Response, str]:
         """The client's response to a whole reply (an error status, or not streamed), and
         the request's outcome; the dispatcher, the metrics, the policy told."""
-        model = ticket.route.model
-        d = self.core.dispatcher
+        core = self.core
+        d = core.dispatcher
         d.first_byte(ticket)
-        self.core.metrics.model(model).ttft.observe(self.core.now() - t0)
+        series.ttft.observe(core.now() - t0)
         ok = up.status < 400
-        records = ok and self.core.switches.flags.records
+        flags = core.switches.flags  # the running policy's, read once
+        records = ok and flags.records
         got_usage, text = reply_record(body, intake.kind) if records else (None, "")
         if ok:
             if records:
@@ -387,15 +404,15 @@ class Forwarder:
                 note_usage(request, decoded)
                 prompt, out, hits = reply_usage(body, decoded)
             request._state[OUTPUT_TOKENS_KEY] = out  # not request[...]: a call fewer
-            if self.core.switches.flags.timed:
+            if flags.timed:
                 # No first-token time is observable without streaming: the end only
                 # (policies learn TTFT and TPOT from streams).
                 d.policy.on_timing(ticket.route, target, RequestTiming(
-                    self.core.now(), sent, None, out, True,
+                    core.now(), sent, None, out, True,
                     prompt or ticket.route.prompt_len, hits))
-        d.complete(ticket, self.core.now(), ok=ok)
+        d.complete(ticket, core.now(), ok=ok)
         if records:
-            self.core.record_later(ticket.route, target, intake, text)
+            core.record_later(ticket.route, target, intake, text)
         resp = reply_response(up.status, body, up)
         return resp, "ok" if ok else f"upstream_{up.status}"
 
