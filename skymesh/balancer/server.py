@@ -368,7 +368,12 @@ class Balancer:
 
     # -- the dispatcher's driver ---------------------------------------------------------
     def pump(self) -> None:
-        self._pump()
+        d = self.dispatcher
+        # Tested here: most pumps at a request's end find the queue empty (no call).
+        if d.queued:
+            self._pump()
+        elif self.drain.backlog_since is not None:  # emptied by cancels: the clock stops
+            self.drain.observe(self.now(), 0, 0)
         gate = self.handlers.gate
         if gate is not None and gate.queue.waiting:  # the tenants' fair queue, behind it
             gate.release(self.now())
@@ -379,11 +384,8 @@ class Balancer:
                     lambda m: stranded_error(d, m, now, self.rng.random()))
 
     def _pump(self) -> None:
+        """:meth:`pump`'s pass over a queue that holds requests."""
         d = self.dispatcher
-        if not d.queued:
-            if self.drain.backlog_since is not None:  # emptied by cancels: the clock stops
-                self.drain.observe(self.now(), 0, 0)
-            return
         loop = self.core.loop
         now = self.now()
         sent = d.pump(now)
