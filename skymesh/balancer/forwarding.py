@@ -106,7 +106,7 @@ def reply_usage(body: bytes, decoded: Any = NOT_DECODED) -> tuple[int, int, int 
 
 class Forwarder:
     def __init__(self, core: RequestCore, cfg: BalancerConfig, headers: UpstreamHeaders,
-                 upstream: Callable[[], Upstream], mesh: MeshLink | None, streams: Streams,
+                 upstream: Upstream | None, mesh: MeshLink | None, streams: Streams,
                  mover: Mover, failfast: dict[str, Ticket],
                  drain_retry_s: Callable[[str], float]) -> None:
         self.core = core
@@ -118,7 +118,10 @@ class Forwarder:
         if headers is not None and not self.traced:
             headers = replace(headers, traced=False)
         self.headers = headers
-        self.upstream = upstream  # the request path's client, once the balancer started
+        # The request path's client: the balancer sets its own when it starts (None
+        # before). An attribute, not a function that returns it: two Python calls fewer
+        # per request (a lambda and a property, 75 ns).
+        self.upstream = upstream
         self.mesh = mesh
         self.streams = streams
         self.mover = mover
@@ -309,7 +312,9 @@ class Forwarder:
                     try:
                         # In the try: a header with a line break is refused here
                         # (ValueError: a 400, never sent upstream).
-                        up: Reply = await self.upstream().post(
+                        client = self.upstream
+                        assert client is not None, "the balancer is not started"
+                        up: Reply = await client.post(
                             target, request.path, raw, self.headers.lines_for(request))
                     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                         failure = self.post_failed(target, exc)

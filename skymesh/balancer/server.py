@@ -176,7 +176,7 @@ class Balancer:
         headers = UpstreamHeaders(self.forward_headers, self.upstream_auth)
         self.moves = Mover(core, cfg.retry, cfg.queue.timeout_s, headers, lambda: self.session)
         self.streams = Streams(core, self.moves)
-        self.forwarder = Forwarder(core, cfg, headers, lambda: self.upstream, self.mesh,
+        self.forwarder = Forwarder(core, cfg, headers, None, self.mesh,
                                    self.streams, self.moves, self.failfast, self.drain_retry_s)
         self.handlers = Handlers(core, cfg, self.edge, self.forwarder, self.health,
                                  self.mesh.secret if self.mesh is not None else None,
@@ -246,6 +246,7 @@ class Balancer:
         self._upstream = Upstream(connect_timeout_s=up.connect_timeout_s,
                                   read_timeout_s=up.read_timeout_s, resolver=resolver,
                                   max_header_bytes=up.max_response_header_bytes)
+        self.forwarder.upstream = self._upstream  # the request path's, from now on
         await self.prober.probe_all()
         self._prober_task = asyncio.create_task(self.prober.loop(), name="skymesh-prober")
         self.kv_feeds.set_replicas(self.cfg.replicas)
