@@ -54,6 +54,7 @@ from skymesh.balancer.health import HealthTracker
 from skymesh.balancer.intake import parse_request, prediction_input, request_deadline, route_request
 from skymesh.balancer.kv_feed import ExactScorer
 from skymesh.balancer.mesh_link import FORWARDED_HEADER
+from skymesh.balancer.metrics import ModelSeries
 from skymesh.balancer.migration import max_output
 from skymesh.balancer.overload import RetryBook, check_servable
 from skymesh.balancer.prediction import LivePredictor
@@ -94,6 +95,7 @@ class Handlers:
         kind = "chat" if request.path.endswith("/chat/completions") else "completion"
         t0 = core.now()
         model = "?"
+        series: ModelSeries | None = None  # the model's metrics, once it is known
         outcome = "error"
         ticket: Ticket | None = None
         holder: bytes | None = None
@@ -118,6 +120,8 @@ class Handlers:
             # Only now a metric label: a name a client made up would be a new time
             # series per request (unbounded /metrics and memory).
             model = intake.model
+            # Looked up once, carried to the forwarder and the ``finally``.
+            series = core.metrics.model(model)
             rid = request_id(request)
             note_model(request, model, rid)  # the access log's
             slo = self.cfg.slo
@@ -160,7 +164,8 @@ class Handlers:
             finally:
                 if gate is not None and admission is not None:
                     gate.settle(admission)
-            resp, outcome = await self.forwarder.serve(request, ticket, raw, intake, t0, timeout)
+            resp, outcome = await self.forwarder.serve(request, ticket, raw, intake, t0,
+                                                       timeout, series)
             return resp
         except SkyMeshError as exc:
             outcome = type(exc).__name__
@@ -178,12 +183,14 @@ class Handlers:
                     del self.in_flight_by_key[holder]
             if ticket is not None:
                 cur: Ticket = items[TICKET_KEY]
-                if d.cancel(cur):
+                # Tested here: a request that completed is out of the queue (no call).
+                if cur.queued and d.cancel(cur):
                     outcome = "cancelled"
                 if cur.target is not None:  # still attributed: client went away
                     d.complete(cur, core.now(), ok=False)
                 core.pump()
-            series = core.metrics.model(model)
+            if series is None:  # refused before its model was known (or checked)
+                series = core.metrics.model(model)
             series.outcome(outcome).inc()
             series.e2e.observe(core.now() - t0)
             out_tokens = items.get(OUTPUT_TOKENS_KEY, 0) if ticket is not None else 0

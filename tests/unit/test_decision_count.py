@@ -44,3 +44,23 @@ async def test_each_decision_is_counted_once_after_its_turn() -> None:
         sent_to[t.target or ""] += 1
     await asyncio.sleep(0)
     assert {x: decisions(lb, x) for x in sent_to} == sent_to
+
+
+async def test_a_pump_of_an_empty_queue_stops_the_drain_clock_and_dispatches_nothing(
+) -> None:
+    # Balancer.pump tests for a queue itself, before its pass (``_pump``): a queue that
+    # cancels emptied still stops the drain meter's backlog clock, as the pass did.
+    lb = balancer_of(build_app(parse_config({"policy": {"name": "round-robin"},
+                                             "pushing": {"mode": "bp"}})))
+    d = lb.dispatcher
+    d.set_targets({"http://a": ["m"]})
+    t = Ticket(RouteRequest("r", model="other"), 0.0)  # a model no replica serves
+    t.payload = asyncio.get_running_loop().create_future()
+    d.offer(t, 0.0)
+    lb.pump()
+    assert d.queued == 1 and lb.drain.backlog_since is not None
+    assert d.cancel(t) and not d.queued  # the client left
+    lb.pump()
+    assert lb.drain.backlog_since is None and not t.payload.done()
+    await asyncio.sleep(0)
+    assert decisions(lb, "http://a") == 0

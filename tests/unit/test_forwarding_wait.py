@@ -4,6 +4,7 @@ Dispatcher driven as the balancer's pump drives it (one timer per wait, no wait_
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -201,3 +202,61 @@ async def test_a_timeout_that_raises_leaves_the_other_waiters_timed() -> None:
     bad_wait.cancel()
     with pytest.raises(asyncio.CancelledError):
         await bad_wait
+
+
+# -- serve's own wait: the same steps inline, with no wait_queued coroutine -----------------
+class ServeCore(Core):
+    """``Core`` with the clock ``serve`` reads (the loop's)."""
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+
+class Series:
+    """A model's metrics as ``serve`` uses them; a queue timeout observes none."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"series.{name} used before a dispatch")
+
+
+def serving_forwarder(core: ServeCore, failfast: dict[str, Ticket]) -> Forwarder:
+    none = cast(Any, None)
+    cfg = cast(Any, SimpleNamespace(retry=SimpleNamespace(max_attempts=1)))
+    return Forwarder(cast(Any, core), cfg, none, none, None, none, none, failfast,
+                     lambda model: RETRY_AFTER_S)
+
+
+def serve(fwd: Forwarder, core: ServeCore, t: Ticket, timeout: float) -> Any:
+    none = cast(Any, None)
+    return fwd.serve(none, t, b"{}", none, core.now(), timeout, cast(Any, Series()))
+
+
+async def test_serve_times_a_queued_request_out_in_its_own_frame() -> None:
+    core, failfast = ServeCore(), cast(dict[str, Ticket], {})
+    fwd = serving_forwarder(core, failfast)
+    t = queued(core)
+    waits_before = Forwarder.wait_queued
+    try:
+        # Not a coroutine of its own any more: a call to it would fail the request.
+        Forwarder.wait_queued = None  # type: ignore[assignment,method-assign]
+        with pytest.raises(NoCapacity) as exc:
+            await serve(fwd, core, t, 0.01)
+    finally:
+        Forwarder.wait_queued = waits_before  # type: ignore[method-assign]
+    assert exc.value.status == 503 and exc.value.retry_after_s == RETRY_AFTER_S
+    assert not t.queued and core.dispatcher.queue_length() == 0
+    assert failfast == {} and fwd._deadlines == [] and fwd._sweep is None
+
+
+async def test_a_client_that_leaves_serves_queue_leaves_no_timeout_behind() -> None:
+    core, failfast = ServeCore(), cast(dict[str, Ticket], {})
+    fwd = serving_forwarder(core, failfast)
+    t = queued(core)
+    task = asyncio.create_task(serve(fwd, core, t, LONG_S))
+    await asyncio.sleep(0)  # parked on its future, its timeout in the sweep
+    assert failfast == {t.key: t} and fwd._waiting == 1 and fwd._sweep is not None
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert failfast == {} and fwd._waiting == 0
+    assert fwd._deadlines == [] and fwd._sweep is None
