@@ -227,3 +227,21 @@ def test_the_page_shows_the_default_lane_as_a_section_of_its_own() -> None:
     assert "The floor (`floor`, the least a log made in Python does) costs **5.0%**" in page
     rr = _lean({LEAN: {"setup": {**setup, "config": "rr"}, "summary": {"current": row}}})
     assert "default configuration" not in rr
+
+
+def test_the_floors_parts_are_each_set_against_the_whole_floor() -> None:
+    """``--ablate floor,floor-nonotes,floor-nolines``: each part's step is the floor's
+    cost minus that variant's in the same round, not a difference of two parts."""
+    from skymesh_lab.bench.access_log_cost import summarize
+
+    costs = {"current": 9.0, "floor": 5.0, "floor-nonotes": 4.0, "floor-nolines": 2.0}
+    segments = [{"setup": f"{build}/{state}", "round": rnd,
+                 "cpu_us": 100.0 + (cost + rnd if state == "on" else 0.0),
+                 "threads_us": {"loop": 90.0, "writer": 0.5, "threads": 0.4, "loop_sys": 20.0}}
+                for rnd in range(6) for build, cost in costs.items()
+                for state in ("on", "off")]
+    steps = summarize(segments)["ablation_steps_us"]
+    assert steps["floor-floor-nonotes"]["median"] == 1.0
+    assert steps["floor-floor-nolines"]["median"] == 3.0
+    assert steps["current-floor"]["median"] == 4.0
+    assert "floor-nonotes-floor-nolines" not in steps

@@ -32,6 +32,8 @@ Variants:
     The least a log made in Python on the loop does for the benchmark's requests
     (:mod:`skymesh_lab.bench.access_log_floor`): the same line for a whole reply, a
     list per request and one tuple per line, written as the full log writes.
+    ``floor-nonotes``: the same with the balancer's three notes returning at once;
+    ``floor-nolines``: with each batch dropped rather than made and written.
 
 The full log is the build itself (no patch).
 """
@@ -42,7 +44,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("record", "lines", "thread", "tlines", "floor")
+VARIANTS = ("record", "lines", "thread", "tlines", "floor", "floor-nonotes", "floor-nolines")
 
 
 def apply(variant: str) -> None:
@@ -67,10 +69,11 @@ def apply(variant: str) -> None:
         writer_cls.flush = flush
     elif variant == "thread":
         access.open_sink = lambda *args, **kwargs: None
-    elif variant == "floor":
+    elif variant.startswith("floor"):
         from skymesh_lab.bench import access_log_floor
 
-        access_log_floor.apply()
+        access_log_floor.apply(notes=variant != "floor-nonotes",
+                               lines=variant != "floor-nolines")
     elif variant == "tlines":
         plain_flush, plain_write = writer_cls.flush, writer_cls._write
 

@@ -128,6 +128,8 @@ _DRAIN = ("import os, sys\n"
           "os.execvp('cat', ['cat'])\n")
 # The ablation's builds from the least of the log to the most (--ablate).
 ABLATION_ORDER = ("record", "lines", "floor", "current", "thread", "tlines")
+# The floor's parts switched off (--ablate floor-nolines,...): each against the whole floor.
+FLOOR_PARTS = ("floor-nolines", "floor-nonotes")
 
 
 def thread_ticks(root: int) -> dict[str, int]:
@@ -415,10 +417,12 @@ def summarize(segments: list[dict[str, Any]]) -> dict[str, Any]:
     # With --ablate: what each part adds, each variant's cost minus the one before it
     # in ABLATION_ORDER, paired by round.
     present = [b for b in ABLATION_ORDER if b in out]
+    pairs = [*itertools.pairwise(present),
+             *((part, "floor") for part in FLOOR_PARTS if part in out and "floor" in out)]
     if any(b in out for b in ablation.VARIANTS):
         out["ablation_steps_us"] = {
             f"{b}-{a}": _spread([y - x for x, y in zip(costs[a], costs[b], strict=True)])
-            for a, b in itertools.pairwise(present)}
+            for a, b in pairs}
     return out
 
 

@@ -21,6 +21,8 @@ LEAN_DEFAULT = "access-log-cost-lean-default"
 _PARTS = {
     "floor": "the least a log made in Python does (access_log_floor): a list per request, "
              "the same line for a whole reply; no prepare hook, no other cases",
+    "floor-nonotes": "the floor with the balancer's notes returning at once",
+    "floor-nolines": "the floor with its batches dropped, no line made or written",
     "record": "the request's record, the wrapper around the app, the balancer's notes, "
               "the prepare hook; no line made",
     "lines": "and the lines made on the loop in batches, then discarded",
@@ -33,7 +35,9 @@ _STEPS = {"lines-record": "making the lines", "current-lines": "writing them",
           "thread-current": "handing them to the thread instead",
           "tlines-thread": "making the lines in the thread instead of on the loop",
           "tlines-current": "making the lines in the thread instead of on the loop",
-          "current-floor": "the full log above the floor"}
+          "current-floor": "the full log above the floor",
+          "floor-floor-nolines": "the floor's lines, made and written",
+          "floor-floor-nonotes": "the floor's three notes"}
 
 
 def _bounds(s: dict[str, float]) -> tuple[float, float]:

@@ -28,8 +28,11 @@ BATCH = 64
 START, MODEL, REQUEST_ID, SERVED_BY, PEER, USAGE = range(6)
 
 
-def apply() -> None:
-    """Replace this process's access log with the floor's (see the module)."""
+def apply(notes: bool = True, lines: bool = True) -> None:
+    """Replace this process's access log with the floor's (see the module). Its parts,
+    to tell what each costs live: ``notes`` off, the balancer's notes return at once
+    (the line prints what the record then holds); ``lines`` off, each batch is dropped
+    when it would be made and written."""
     from skymesh.net import front
     from skymesh.obs import access
     from skymesh.obs.logs import MILLIS, direct_handler
@@ -46,23 +49,23 @@ def apply() -> None:
             app.on_response_prepare.remove(log.watch_body)
 
     def note_model(request: Any, model: str, request_id: str | None) -> None:
-        if access._installed and (rec := request._state.get(key)) is not None:
+        if notes and access._installed and (rec := request._state.get(key)) is not None:
             rec[MODEL] = model
             rec[REQUEST_ID] = request_id
 
     def note_target(request: Any, served_by: str, peer: bool) -> None:
-        if access._installed and (rec := request._state.get(key)) is not None:
+        if notes and access._installed and (rec := request._state.get(key)) is not None:
             rec[SERVED_BY] = served_by
             rec[PEER] = peer
 
     def note_usage(request: Any, usage: Any) -> None:
-        if access._installed and (rec := request._state.get(key)) is not None:
+        if notes and access._installed and (rec := request._state.get(key)) is not None:
             rec[USAGE] = usage
 
     def request_handler(app: Any, handle: Any, routes: Any, log: Any) -> Any:
         if log is None or log.writer is None:
             return made(app, handle, routes, log)
-        batch = _Batch(log.writer, direct_handler, MILLIS)
+        batch = _Batch(log.writer, direct_handler, MILLIS, lines)
         clock = log.clock
         # What front's handler without the log calls (its closure's ``route``), in one
         # frame with the record around it: the floor adds no coroutine frame.
@@ -96,8 +99,10 @@ def apply() -> None:
 class _Batch:
     """The loop's open batch of finished requests, and its lines made and written."""
 
-    def __init__(self, writer: Any, direct_handler: Any, millis: Any) -> None:
+    def __init__(self, writer: Any, direct_handler: Any, millis: Any,
+                 lines: bool = True) -> None:
         self.writer = writer
+        self.lines = lines
         self.direct_handler = direct_handler
         self.millis = millis
         self.items: list[tuple[Any, ...]] = []
@@ -121,7 +126,7 @@ class _Batch:
             self.timer = None
         items, self.items = self.items, []
         handler = self.handler
-        if not items or handler is None:
+        if not items or handler is None or not self.lines:
             return
         fmt, millis, wall = handler.formatter, self.millis, self.wall
         second, stamp = -1, ""
@@ -138,8 +143,8 @@ class _Batch:
                 f"{method} {path} {code} request_id={rid} model={model} "
                 f"served_by={served_by} via={'peer' if peer else 'replica'} "
                 f"ttft_ms={ms:.3f} duration_ms={ms:.3f} "
-                f"prompt_tokens={usage['prompt_tokens']} "
-                f"completion_tokens={usage['completion_tokens']} client={client}\n")
+                f"prompt_tokens={usage and usage['prompt_tokens']} "
+                f"completion_tokens={usage and usage['completion_tokens']} client={client}\n")
         text = "".join(lines)
         writer = self.writer
         sink = writer._sink
