@@ -245,3 +245,26 @@ def test_the_floors_parts_are_each_set_against_the_whole_floor() -> None:
     assert steps["floor-floor-nolines"]["median"] == 3.0
     assert steps["current-floor"]["median"] == 4.0
     assert "floor-nonotes-floor-nolines" not in steps
+
+
+def test_the_floors_run_is_a_section_of_its_own_with_its_parts() -> None:
+    from skymesh_lab.bench.access_log_cost_page import ABLATION, FLOOR, _ablation
+
+    spread = {"median": 1.0, "min": 0.5, "max": 2.0, "ci_low": 0.8, "ci_high": 1.2}
+    share = {"median": 0.05, "min": 0.04, "max": 0.07, "ci_low": 0.045, "ci_high": 0.06}
+    row = {key: spread for key in ("off_us", "on_us", "cost_us", "loop_cost_us",
+                                   "writer_us")} | {"share": share}
+    setup = {"rounds": 16, "duration_s": 4, "loadavg_before": [1.0],
+             "loadavg_after": [1.0], "current": "abc1234",
+             "command": "python -m skymesh_lab.bench.access_log_cost --ablate floor"}
+    doc = {FLOOR: {"setup": setup, "summary": {
+        "current": row, "floor": row, "floor-nonotes": row, "floor-nolines": row,
+        "ablation_steps_us": {"floor-floor-nonotes": spread,
+                              "floor-floor-nolines": spread}}}}
+    page = _ablation(doc, FLOOR, "The floor and its parts")
+    assert page.startswith("### The floor and its parts")
+    assert "| `floor-nonotes`: the floor with the balancer's notes" in page
+    assert "the floor's three notes 1.0 [0.8, 1.2] us" in page
+    assert f"--json docs/results/data/{FLOOR}.json" in page
+    assert _ablation(doc) == ""  # the older ablation's section stays its own
+    assert ABLATION != FLOOR

@@ -12,6 +12,7 @@ from typing import Any
 
 TARGET = 0.05  # issue #35 item 3: at most 5% of a request's CPU
 ABLATION = "access-log-ablation"  # the attached --ablate run (results_pages.Source.attach)
+FLOOR = "access-log-floor"  # the attached --ablate run of the floor and its parts
 LEAN = "access-log-cost-lean"  # the attached run with --http-server lean
 LEAN_PIPE = "access-log-cost-lean-pipe"  # the same with --sink pipe
 # The same as LEAN with --config default: the daemon's own policy, shared-prefix bodies.
@@ -137,15 +138,17 @@ def _in_process(doc: dict[str, Any], label: dict[str, str]) -> str:
             f"{some['requests']:,} requests [min, max]): " + ", ".join(parts) + ".")
 
 
-def _ablation(doc: dict[str, Any]) -> str:
+def _ablation(doc: dict[str, Any], key: str = ABLATION,
+              title: str = "Where it goes: parts of the log switched off") -> str:
     """Where the cost goes: the same checkout with parts of the log switched off, each
-    against ``--no-access-log`` in the same rounds (``--ablate``)."""
-    abl = doc.get(ABLATION)
+    against ``--no-access-log`` in the same rounds (``--ablate``): the run attached as
+    ``key``, in a section named ``title``."""
+    abl = doc.get(key)
     if not abl:
         return ""
     setup, summary = abl["setup"], abl["summary"]
     runs = abl.get("in_process") or {}
-    out = ["### Where it goes: parts of the log switched off", "",
+    out = [f"### {title}", "",
            "| what runs with the access log on | its cost (on - off): CPU us per request "
            "| its share of a request | of which the loop | the writer thread "
            "| in process: the loop [min, max] |",
@@ -169,7 +172,7 @@ def _ablation(doc: dict[str, Any]) -> str:
             f"{setup['loadavg_before'][0]:.1f} at the start, "
             f"{setup['loadavg_after'][0]:.1f} at the end). What each part adds, paired by "
             "round: " + ("; ".join(said) if said else "-") + ". Reproduce: `"
-            + setup["command"] + f" --json docs/results/data/{ABLATION}.json`.")
+            + setup["command"] + f" --json docs/results/data/{key}.json`.")
     return "\n".join(out) + "\n\n" + text + _live_vs_in_process(summary, runs)
 
 
@@ -241,9 +244,10 @@ def access_log_cost(doc: dict[str, Any]) -> str:
         lean = _lean(doc, key)
         if lean:
             notes.append(lean)
-    ablation = _ablation(doc)
-    if ablation:
-        notes.append(ablation)
+    for ablation in (_ablation(doc), _ablation(
+            doc, FLOOR, "The floor and its parts: the least a log made in Python does")):
+        if ablation:
+            notes.append(ablation)
     return "\n\n".join(notes)
 
 

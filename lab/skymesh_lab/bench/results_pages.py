@@ -389,7 +389,8 @@ SOURCES: tuple[Source, ...] = (
             "--duration", "4", "--base", "a83baeb", "--fresh-every", "1", "--json", "{json}"),
            access_log_cost_page.access_log_cost,
            attach=(access_log_cost_page.LEAN, access_log_cost_page.LEAN_DEFAULT,
-                   access_log_cost_page.LEAN_PIPE, access_log_cost_page.ABLATION)),
+                   access_log_cost_page.LEAN_PIPE, access_log_cost_page.ABLATION,
+                   access_log_cost_page.FLOOR)),
     Source("request-path-cost", "The request path's CPU per request (issue #35)",
            "Process CPU per request of skymesh-lb (one worker, access log off) in front of "
            "two C stub replicas, driven by wrk at 64 connections: non-streamed at "
