@@ -139,10 +139,12 @@ def _in_process(doc: dict[str, Any], label: dict[str, str]) -> str:
 
 
 def _ablation(doc: dict[str, Any], key: str = ABLATION,
-              title: str = "Where it goes: parts of the log switched off") -> str:
+              title: str = "Where it goes: parts of the log switched off",
+              labels: dict[str, str] | None = None) -> str:
     """Where the cost goes: the same checkout with parts of the log switched off, each
     against ``--no-access-log`` in the same rounds (``--ablate``): the run attached as
-    ``key``, in a section named ``title``."""
+    ``key``, in a section named ``title``; ``labels``: rows described otherwise than in
+    ``_PARTS``."""
     abl = doc.get(key)
     if not abl:
         return ""
@@ -153,7 +155,7 @@ def _ablation(doc: dict[str, Any], key: str = ABLATION,
            "| its share of a request | of which the loop | the writer thread "
            "| in process: the loop [min, max] |",
            "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for build, what in _PARTS.items():
+    for build, what in (_PARTS | (labels or {})).items():
         row = summary.get(build)
         if row is None:
             continue
@@ -245,7 +247,8 @@ def access_log_cost(doc: dict[str, Any]) -> str:
         if lean:
             notes.append(lean)
     for ablation in (_ablation(doc), _ablation(
-            doc, FLOOR, "The floor and its parts: the least a log made in Python does")):
+            doc, FLOOR, "The floor and its parts: the least a log made in Python does",
+            {"current": "the full log of the same checkout, as the daemon runs it"})):
         if ablation:
             notes.append(ablation)
     return "\n\n".join(notes)
