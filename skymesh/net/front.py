@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from aiohttp import hdrs, web
 from aiohttp.web_urldispatcher import (
@@ -39,26 +39,6 @@ if TYPE_CHECKING:
 
 Handler = Callable[[Any], Awaitable[web.StreamResponse]]  # the server's: a web.Request
 DirectRoutes = dict[tuple[str, str], AbstractRoute]
-PrepareHook = Callable[[Any, web.StreamResponse], Awaitable[object]]
-_STREAMS_ONLY = "skymesh_streams_only"  # the mark streams_only() sets on a hook
-_Hook = TypeVar("_Hook", bound=Callable[..., Any])
-
-
-def streams_only(hook: _Hook) -> _Hook:
-    """Mark an ``on_response_prepare`` hook that does nothing for a whole reply (a
-    ``web.Response``): the lean server's direct writes
-    (:meth:`skymesh.net.lean.LeanProtocol._send_plain`) leave it out, decided once
-    (:func:`plain_prepare_hooks`), rather than call and await it per reply. aiohttp's
-    own server still calls it: it must stay harmless for one."""
-    setattr(hook, _STREAMS_ONLY, True)  # a method's: set on its function, read through
-    return hook
-
-
-def plain_prepare_hooks(app: web.Application) -> tuple[PrepareHook, ...]:
-    """``app``'s ``on_response_prepare`` hooks a whole reply needs: all but those marked
-    :func:`streams_only`, in their order (the app frozen: its hooks are final)."""
-    return tuple(hook for hook in app.on_response_prepare
-                 if not getattr(hook, _STREAMS_ONLY, False))
 
 
 async def direct_routes(app: web.Application) -> DirectRoutes:

@@ -50,9 +50,10 @@ from aiohttp.http_writer import (
 )
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from skymesh.net.front import DirectRoutes, Handler, PrepareHook, plain_prepare_hooks
+from skymesh.net.front import DirectRoutes, Handler
 from skymesh.net.lean_request import LeanBody, LeanRequest
 from skymesh.net.limits import connection_client
+from skymesh.net.prepare_hooks import PrepareHook, plain_prepare_hooks
 
 server_log = logging.getLogger("aiohttp.server")  # where aiohttp logs a handler's error
 
@@ -169,7 +170,7 @@ class LeanProtocol(BaseProtocol):
         self._server = server
         self._direct = direct_writes
         self._app = app
-        # The app's prepare hooks a whole reply needs (skymesh.net.front.streams_only).
+        # The app's prepare hooks a whole reply needs (skymesh.net.prepare_hooks).
         self._plain_hooks = (plain_prepare_hooks(app) if plain_hooks is None
                              else plain_hooks)
         self._keys = keys

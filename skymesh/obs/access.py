@@ -34,7 +34,7 @@ makes the record without an ``__init__`` call (:mod:`skymesh.net.front`), the no
 the record from the request's own dict, the balancer's two on every request take
 positional arguments (:func:`note_model` with the request's id, :func:`note_target`), the
 prepare hook is a plain function that watches streams only, which the lean server does
-not call for a whole reply (:func:`skymesh.net.front.streams_only`), a whole reply's
+not call for a whole reply (:func:`skymesh.net.prepare_hooks.streams_only`), a whole reply's
 usage counts are read at its end in one test (the body is not kept for the batch), and a
 line's time is its request's end from the log's clock and the wall clock's offset the
 batch took as it opened (no ``time.time()`` per request).
@@ -66,8 +66,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from skymesh.net.front import streams_only
 from skymesh.net.jsonbody import NOT_DECODED, fast_usage
+from skymesh.net.prepare_hooks import streams_only
 from skymesh.obs.config import ACCESS_LOG_BACKLOG
 from skymesh.obs.logs import (
     ACCESS_LOGGER,

@@ -128,7 +128,7 @@ async def test_anything_else_goes_through_handle(method: str, path: str,
 
 
 def test_hooks_marked_streams_only_are_left_out_of_a_plain_replys() -> None:
-    from skymesh.net.front import plain_prepare_hooks, streams_only
+    from skymesh.net.prepare_hooks import plain_prepare_hooks, streams_only
 
     async def stamp(request: Any, response: web.StreamResponse) -> None:
         pass

@@ -983,7 +983,7 @@ async def test_the_servers_handler_makes_the_record_its_init_would() -> None:
 def test_the_logs_prepare_hook_is_left_out_of_a_whole_replys_hooks() -> None:
     """The log's prepare hook watches streams only: the hooks the lean server runs for a
     whole reply are the app's others, in their order."""
-    from skymesh.net.front import plain_prepare_hooks
+    from skymesh.net.prepare_hooks import plain_prepare_hooks
 
     async def stamp(request: web.Request, response: web.StreamResponse) -> None:
         response.headers["X-Stamp"] = "1"

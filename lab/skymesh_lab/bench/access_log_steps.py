@@ -89,7 +89,7 @@ async def _steps_ns(requests: int) -> tuple[dict[str, float], list[str]]:
         timed("note served_by", lambda i: note(reqs[i], served_by=SERVED_BY, peer=False))
     timed("note_usage", lambda i: note_usage(reqs[i], decoded))
     start = clock()
-    if getattr(hook, "skymesh_streams_only", False):  # skymesh.net.front.streams_only
+    if getattr(hook, "skymesh_streams_only", False):  # skymesh.net.prepare_hooks.streams_only
         took["prepare hook"] = 0.0  # the lean server does not call it for a whole reply
     else:
         for i in range(requests):  # awaited as the lean server awaits it
