@@ -15,6 +15,7 @@ policy may move it). The upstream request's headers are
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import logging
@@ -65,6 +66,8 @@ if TYPE_CHECKING:
     from skymesh.balancer.mesh_link import MeshLink
 
 log = logging.getLogger("skymesh.lb")
+# The span of an untraced attempt: a shared one that does nothing.
+_NO_SPAN: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 # How early the sweep may take a queue timeout: the event loop's timers have millisecond
 # resolution, so a sweep can run a hair before the deadline it was armed for (asyncio's
@@ -301,14 +304,9 @@ class Forwarder:
                     with upstream_span(request, target, attempt=ticket.attempts, peer=True):
                         return await self.forward_peer(request, ticket, target, raw, intake,
                                                        t0)
-                # The span's ``with`` written out, so that an untraced attempt opens none
-                # and calls nothing (a shared nullcontext's __enter__ and __exit__ were
-                # two Python calls per request).
-                span = upstream_span(request, target, attempt=ticket.attempts) \
-                    if self.traced else None
-                if span is not None:
-                    span.__enter__()
-                try:
+                # No span to open without tracing: a shared one that does nothing.
+                with upstream_span(request, target, attempt=ticket.attempts) \
+                        if self.traced else _NO_SPAN:
                     try:
                         # In the try: a header with a line break is refused here
                         # (ValueError: a 400, never sent upstream).
@@ -330,13 +328,6 @@ class Forwarder:
                                            sent, series)
                     finally:
                         up.release()
-                except BaseException as exc:  # the span records it (or, as ``with``, ends it)
-                    ended, span = span, None
-                    if ended is None or not ended.__exit__(type(exc), exc, exc.__traceback__):
-                        raise
-                finally:
-                    if span is not None:
-                        span.__exit__(None, None, None)
             except ReplicaFault as exc:
                 log.warning("attempt %d on %s failed before the first byte: %s",
                             ticket.attempts, target, exc)

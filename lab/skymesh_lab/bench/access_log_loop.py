@@ -84,17 +84,12 @@ async def loop_us(requests: int, on: bool) -> float:
     if hasattr(access, "_installed"):
         access._installed = False
     access.install(app, access_log=on, request_id=request_id)
-    # The hooks the lean server (the daemons' default) calls for a whole reply: builds
-    # before the choice call every hook (those of session 29's first commits had it in
-    # skymesh.net.front).
-    from skymesh.net import front
-
-    chooser: Any
-    try:
-        from skymesh.net.prepare_hooks import plain_prepare_hooks as chooser
-    except ImportError:
-        chooser = getattr(front, "plain_prepare_hooks", None)
-    hooks = list(app.on_response_prepare) if chooser is None else list(chooser(app))
+    try:  # the hooks the lean server (the daemons' default) calls for a whole reply
+        from skymesh.net.prepare_hooks import plain_prepare_hooks
+    except ImportError:  # builds before it: every hook
+        hooks = list(app.on_response_prepare)
+    else:
+        hooks = list(plain_prepare_hooks(app))
     # What skymesh.net.serving.start_app does with the log, in builds that have it.
     outside = getattr(access, "outside_chain", None)
     wrap = outside(app) if outside is not None else None
